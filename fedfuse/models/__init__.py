@@ -1,0 +1,51 @@
+"""Model registry (timm-style factory functions) and fusion-level decomposition.
+
+    model = build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=64, depth=2, seed=0)
+    lv = levels(model)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fedfuse.models.cnn import cnn
+from fedfuse.models.levels import Level, level_outputs, levels, neuron_axis_sum, neurons_last, neurons_restore
+from fedfuse.models.mlp import mlp
+from fedfuse.models.resnet import ResNet, resnet
+
+
+def _vit(**kw) -> nn.Module:
+    from fedfuse.models.vit import vit  # timm import only when asked for
+
+    return vit(**kw)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "vit": _vit}
+
+
+def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] = (1, 8, 8), width: int | None = None,
+                depth: int | None = None, seed: int = 0, **options) -> nn.Module:
+    """Build a registered model with deterministic initialisation for ``seed``.
+
+    ``input_shape`` is ``(features,)`` for flat inputs, ``(C, L)`` for 1-D signals, ``(C, H, W)`` for
+    images. ``width``/``depth`` default to each family's CPU-size setting. Extra ``options`` go to the
+    factory (e.g. ``batchnorm=True`` for cnn, ``norm="group"`` for resnet, ``num_heads`` for vit).
+    The global torch RNG is left untouched.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    kw = dict(options)
+    if width is not None:
+        kw["width"] = width
+    if depth is not None:
+        kw["depth"] = depth
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kw)
+
+
+__all__ = ["MODELS", "build_model", "levels", "Level", "level_outputs", "neurons_last", "neurons_restore",
+           "neuron_axis_sum", "mlp", "cnn", "resnet", "ResNet"]

@@ -1,0 +1,107 @@
+"""Training and evaluation loops shared by clients, the server and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` → CUDA when present (respecting ``CUDA_VISIBLE_DEVICES``), else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def limit_threads(n: int | None = None) -> None:
+    """Cap torch CPU threads (several torch processes share few cores under Ray; see FINDINGS.md)."""
+    n = n or int(os.environ.get("FEDFUSE_TORCH_THREADS", "1"))
+    torch.set_num_threads(max(1, n))
+
+
+def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    raise ValueError(f"optimizer: unknown optimizer {name!r}; choose adam, adamw or sgd")
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 32,
+          optimizer: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0, device: str | torch.device = "cpu",
+          seed: int = 0) -> dict[str, float]:
+    """Supervised cross-entropy training in place. ``x`` ``[N, *input_shape]``, ``y`` ``[N]``.
+
+    Returns ``{"train-loss": mean loss of the last epoch, "train-seconds": wall time}``.
+    """
+    device = resolve_device(device)
+    model.to(device).train()
+    opt = make_optimizer(model.parameters(), optimizer, lr, weight_decay)
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    last = float("nan")
+    n = len(x)
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen)
+        total, count = 0.0, 0
+        for start in range(0, n, batch_size):
+            idx = perm[start:start + batch_size]
+            if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
+                continue
+            xb, yb = x[idx].to(device), y[idx].to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+            count += len(idx)
+        last = total / max(count, 1)
+    model.eval()
+    return {"train-loss": last, "train-seconds": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, x: torch.Tensor, *, batch_size: int = 512,
+                   device: str | torch.device = "cpu") -> torch.Tensor:
+    """Logits ``[N, num_classes]`` on CPU (model put in eval mode)."""
+    device = resolve_device(device)
+    model.to(device).eval()
+    outs = [model(x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
+    return torch.cat(outs) if outs else torch.empty(0)
+
+
+def metrics_from_logits(logits: torch.Tensor, y: torch.Tensor, num_classes: int | None = None,
+                        probabilities: bool = False) -> dict[str, float | list[float]]:
+    """Accuracy, cross-entropy loss and per-class accuracy (NaN for absent classes → reported as -1).
+
+    ``probabilities=True`` when ``logits`` are already class probabilities (e.g. an ensemble's).
+    """
+    num_classes = num_classes or logits.shape[1]
+    if len(y) == 0:
+        return {"accuracy": float("nan"), "loss": float("nan"), "per-class-accuracy": [-1.0] * num_classes}
+    if probabilities:
+        loss = F.nll_loss(torch.log(logits.clamp_min(1e-12)), y).item()
+    else:
+        loss = F.cross_entropy(logits, y).item()
+    pred = logits.argmax(1)
+    per_class = []
+    for c in range(num_classes):
+        mask = y == c
+        per_class.append(float((pred[mask] == c).float().mean()) if mask.any() else -1.0)
+    return {"accuracy": float((pred == y).float().mean()), "loss": loss, "per-class-accuracy": per_class}
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, num_classes: int | None = None,
+             batch_size: int = 512, device: str | torch.device = "cpu") -> dict[str, float | list[float]]:
+    """Accuracy, loss and per-class accuracy of ``model`` on ``(x [N, ...], y [N])``."""
+    return metrics_from_logits(predict_logits(model, x, batch_size=batch_size, device=device), y, num_classes)
