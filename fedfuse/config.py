@@ -48,6 +48,7 @@ class RunConfig:
     fusion_set_size: int = 300
     fusion_set_source: str = "public"
     fusion_set_path: str = ""
+    public_fraction: float = 0.2
     fraction_train: float = 1.0
     min_train_nodes: int = 2
     fusion_fallback: str = "previous"
@@ -129,7 +130,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
     for name in _POSITIVE:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"run-config key {name.replace('_', '-')!r} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("val_fraction", "test_fraction"):
+    for name in ("val_fraction", "test_fraction", "public_fraction"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"run-config key {name.replace('_', '-')!r} must be in [0, 1), got {getattr(cfg, name)}")
     if not 0.0 < cfg.fraction_train <= 1.0:

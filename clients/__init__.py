@@ -1,0 +1,1 @@
+"""Flower ClientApp of fedfuse."""

@@ -1,0 +1,78 @@
+"""fedfuse ClientApp: train locally on this node's partition, score neurons, reply.
+
+Reply of a ``train`` message (``RecordDict``):
+- ``"arrays"``: the trained weights (``ArrayRecord`` of the model's state dict);
+- ``"importance"``: one score vector per fusion level (``ArrayRecord``; only when the strategy's
+  config asks for it with ``need-importance``);
+- ``"metrics"``: num-examples, partition-id, class-counts, train/val accuracy and loss,
+  train-seconds and score-seconds.
+
+In ``one-shot`` mode the client ignores the received weights and trains its own independently
+initialised model (the papers' setting: fuse once, models from different initialisations).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from fedfuse.config import parse_run_config  # noqa: E402
+from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
+from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
+
+app = ClientApp()
+
+
+def _node(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as exc:
+        raise ValueError("node-config needs 'partition-id' and 'num-partitions' "
+                         "(flower-supernode --node-config \"partition-id=0 num-partitions=2\")") from exc
+
+
+def _setup(context: Context):
+    limit_threads()
+    cfg = parse_run_config(context.run_config)
+    pid, n = _node(context)
+    data = federated_data(cfg, num_clients=n)
+    train_set, val_set = data.client_data(pid, cfg.val_fraction, cfg.seed)
+    return cfg, pid, data, train_set, val_set
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg, pid, data, train_set, val_set = _setup(context)
+    config = msg.content["config"]
+    server_round = int(config.get("server-round", 1))
+    one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
+    model = global_model(cfg, data.num_classes, data.input_shape,
+                         seed=client_init_seed(cfg, pid) if one_shot else None)
+    if not one_shot:
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    device = resolve_device(cfg.device)
+    out = client_round(cfg, model, train_set, val_set, need_importance=bool(config.get("need-importance", False)),
+                       device=device, seed=cfg.seed * 7919 + pid * 131 + server_round,
+                       epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
+                       lr=float(config["lr"]) if "lr" in config else None)
+    content = RecordDict({"arrays": ArrayRecord(out["state"])})
+    if out["scores"] is not None:
+        content["importance"] = ArrayRecord({k: v.detach().cpu().float().contiguous() for k, v in out["scores"].items()})
+    content["metrics"] = MetricRecord({**out["metrics"], "partition-id": pid})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_handler(msg: Message, context: Context) -> Message:
+    cfg, pid, data, train_set, val_set = _setup(context)
+    model = global_model(cfg, data.num_classes, data.input_shape)
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    eval_set = val_set if len(val_set) > 0 else train_set
+    m = evaluate(model, eval_set.x, eval_set.y, num_classes=data.num_classes, device=resolve_device(cfg.device))
+    metrics = MetricRecord({"num-examples": len(eval_set), "eval-accuracy": float(m["accuracy"]),
+                            "eval-loss": float(m["loss"]), "partition-id": pid})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)

@@ -1,0 +1,250 @@
+"""The server's fusion set and the complete federated data setup (``FederatedData``).
+
+The fusion set is a small sample of inputs the server uses to fuse client models. Two sources:
+
+- ``"public"``: drawn from ``reserved``, a held-out slice of the training set that no client
+  gets (a server with its own unlabelled public data).
+- ``"client0"``: drawn from client 0's pool only, the skewed setting of the Neuron
+  Interpolation paper (App. D): the server sees a single party's distribution.
+
+Both draw class-balanced as far as the pool allows (the paper's ``sample_balanced_subset``):
+round-robin over the classes present in the pool.
+
+``FederatedData.build`` must give identical results in every process (the ServerApp and each
+ClientApp build it independently), so everything derives from the arguments and the seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
+from fedfuse.data.sources import ArrayDataset, load_source
+
+FUSION_SOURCES: tuple[str, ...] = ("public", "client0")
+
+
+def _balanced_sample(pool: np.ndarray, labels: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """Up to ``size`` indices from ``pool``, as class-balanced as possible, in random order.
+
+    Each sample gets its rank within its class (after a seeded shuffle); taking samples by
+    increasing rank fills every class equally until the small classes run out.
+    """
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, 5])
+    pool = rng.permutation(np.asarray(pool, dtype=np.int64))
+    y = labels[pool]
+    rank = np.empty(len(pool), dtype=np.int64)
+    for c in np.unique(y):
+        members = np.flatnonzero(y == c)
+        rank[members] = np.arange(len(members))
+    # Within one rank level, the order of classes is random, so the remainder (size mod
+    # #classes) goes to random classes rather than always the lowest labels.
+    class_tiebreak = rng.permutation(int(y.max()) + 1 if len(y) else 1)
+    order = np.lexsort((class_tiebreak[y], rank)) if len(y) else np.empty(0, dtype=np.int64)
+    chosen = pool[order[:size]]
+    return rng.permutation(chosen)
+
+
+def fusion_set(
+    train: ArrayDataset,
+    *,
+    size: int,
+    source: str,
+    partitions: list[np.ndarray] | None,
+    reserved: np.ndarray | None,
+    seed: int,
+    return_labels: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Draw the server's fusion set from ``train``.
+
+    Args:
+        train: the full training set.
+        size: number of samples wanted.
+        source: ``"public"`` (from ``reserved``) or ``"client0"`` (from ``partitions[0]``).
+        partitions: client index arrays into ``train`` (needed for ``client0``).
+        reserved: held-out index array into ``train`` (needed for ``public``).
+        seed: sampling seed.
+        return_labels: also return the labels (for server-side importance scores).
+
+    Returns:
+        x [M, *input_shape] float32 with M = min(size, pool size), or (x, y [M] int64).
+        Warns (never raises) when the pool holds fewer than ``size`` samples.
+    """
+    if source not in FUSION_SOURCES:
+        raise ValueError(
+            f"fusion-set-source: unknown source {source!r}; valid: {', '.join(FUSION_SOURCES)}"
+        )
+    if source == "public":
+        pool = np.asarray(reserved if reserved is not None else [], dtype=np.int64)
+    else:
+        pool = np.asarray(partitions[0] if partitions else [], dtype=np.int64)
+    size = max(int(size), 0)
+    if len(pool) < size:
+        warnings.warn(
+            f"fusion set: {source!r} pool holds {len(pool)} samples, fewer than the "
+            f"{size} requested; using all of them",
+            stacklevel=2,
+        )
+    idx = _balanced_sample(pool, train.y.numpy(), size, seed) if size and len(pool) else np.empty(0, np.int64)
+    t = torch.as_tensor(idx, dtype=torch.long)
+    x = train.x[t]
+    return (x, train.y[t]) if return_labels else x
+
+
+def _freeze(v: Any) -> Any:
+    """Hashable version of an option value (lists -> tuples, dicts -> sorted item tuples)."""
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(w)) for k, w in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(w) for w in v)
+    return v
+
+
+@dataclass(frozen=True, eq=False)
+class FederatedData:
+    """Complete, deterministic federated data setup. Treat it as read-only: ``build`` caches it.
+
+    Attributes:
+        train / test: the source's splits (x [N, *input_shape] float32, y [N] int64).
+        partitions: one sorted index array into ``train`` per client (its train + val pool).
+        reserved: indices of ``train`` held out for the server ("public" fusion pool); empty
+            when the fusion source is ``client0``. Disjoint from every partition.
+        fusion_x: [F, *input_shape] server fusion inputs; fusion_y: [F] their labels.
+        num_classes, input_shape: of the task.
+        config: the arguments ``build`` was called with (for logs / summary).
+    """
+
+    train: ArrayDataset
+    test: ArrayDataset
+    partitions: list[np.ndarray]
+    reserved: np.ndarray
+    fusion_x: torch.Tensor
+    fusion_y: torch.Tensor
+    num_classes: int
+    input_shape: tuple
+    config: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partitions)
+
+    def client_data(self, pid: int, val_fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+        """(train, val) ArrayDatasets of client ``pid``: a stratified split of its pool.
+
+        The split seed mixes ``seed`` with ``pid`` so that clients sharing a pool (``full``
+        partitioning) still get different validation samples.
+        """
+        if not 0 <= pid < len(self.partitions):
+            raise ValueError(f"partition id {pid} out of range [0, {len(self.partitions)})")
+        split_seed = int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, pid]).generate_state(1)[0])
+        tr, va = split_train_val(self.partitions[pid], self.train.y.numpy(), val_fraction, split_seed)
+        return self.train.subset(tr), self.train.subset(va)
+
+    def summary(self) -> dict:
+        """Sizes and per-client class counts (JSON-serialisable)."""
+        y = self.train.y.numpy()
+
+        def counts(idx: np.ndarray) -> list[int]:
+            return np.bincount(y[idx], minlength=self.num_classes)[: self.num_classes].tolist()
+
+        return {
+            **{k: v for k, v in self.config.items() if isinstance(v, (str, int, float, bool))},
+            "num_clients": self.num_clients,
+            "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+            "train_size": len(self.train),
+            "test_size": len(self.test),
+            "reserved_size": int(len(self.reserved)),
+            "client_sizes": [int(len(p)) for p in self.partitions],
+            "client_class_counts": [counts(p) for p in self.partitions],
+            "fusion_size": int(len(self.fusion_y)),
+            "fusion_class_counts": torch.bincount(self.fusion_y, minlength=self.num_classes)[
+                : self.num_classes
+            ].tolist(),
+        }
+
+    @classmethod
+    def build(
+        cls,
+        dataset: str,
+        num_clients: int,
+        partitioning: str,
+        *,
+        alpha: float = 0.5,
+        classes_per_client: int = 0,
+        fusion_size: int = 300,
+        fusion_source: str = "public",
+        public_fraction: float = 0.1,
+        root: str = "",
+        seed: int = 0,
+        test_fraction: float = 0.2,
+        **source_options,
+    ) -> "FederatedData":
+        """Load ``dataset``, partition it over ``num_clients`` and draw the fusion set.
+
+        With ``fusion_source == "public"`` a stratified ``public_fraction`` of train is first
+        held out as ``reserved`` and only the rest is partitioned. Same arguments -> identical
+        result in any process; repeated calls in one process return the cached object.
+        """
+        if partitioning not in PARTITIONERS:
+            raise ValueError(
+                f"partitioning: unknown method {partitioning!r}; valid: {', '.join(PARTITIONERS)}"
+            )
+        if fusion_source not in FUSION_SOURCES:
+            raise ValueError(
+                f"fusion-set-source: unknown source {fusion_source!r}; valid: {', '.join(FUSION_SOURCES)}"
+            )
+        args = dict(
+            dataset=dataset, num_clients=int(num_clients), partitioning=partitioning,
+            alpha=float(alpha), classes_per_client=int(classes_per_client),
+            fusion_size=int(fusion_size), fusion_source=fusion_source,
+            public_fraction=float(public_fraction), root=str(root), seed=int(seed),
+            test_fraction=float(test_fraction),
+        )
+        try:
+            key = (tuple(sorted(args.items())), _freeze(source_options))
+            hash(key)
+        except TypeError:  # unhashable option value: build without caching
+            return cls._build(args, source_options)
+        return _cached_build(key)
+
+    @classmethod
+    def _build(cls, args: dict, source_options: dict) -> "FederatedData":
+        seed = args["seed"]
+        train, test = load_source(
+            args["dataset"], root=args["root"], seed=seed, test_fraction=args["test_fraction"],
+            **source_options,
+        )
+        labels = train.y.numpy()
+        all_idx = np.arange(len(train), dtype=np.int64)
+        if args["fusion_source"] == "public" and args["public_fraction"] > 0:
+            # split_train_val returns (rest, held-out) with the held-out share stratified.
+            pool, reserved = split_train_val(all_idx, labels, args["public_fraction"], seed + 1)
+        else:
+            pool, reserved = all_idx, np.empty(0, dtype=np.int64)
+        local = partition_indices(
+            labels[pool], args["num_clients"], args["partitioning"],
+            alpha=args["alpha"], classes_per_client=args["classes_per_client"], seed=seed,
+        )
+        partitions = [pool[p] for p in local]  # back to indices into train (pool is sorted)
+        fx, fy = fusion_set(
+            train, size=args["fusion_size"], source=args["fusion_source"],
+            partitions=partitions, reserved=reserved, seed=seed, return_labels=True,
+        )
+        return cls(
+            train=train, test=test, partitions=partitions, reserved=reserved,
+            fusion_x=fx, fusion_y=fy, num_classes=train.num_classes,
+            input_shape=train.input_shape, config={**args, **source_options},
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_build(key) -> FederatedData:
+    args, options = dict(key[0]), dict(key[1])
+    return FederatedData._build(args, options)

@@ -1,0 +1,577 @@
+"""Neuron Interpolation fusion: ``hf-linear``, ``kf-linear``, ``hf-gradient``, ``kf-gradient``.
+
+Paper: seed ``001_b0313575a2d1df80.txt``, "Model Fusion via Neuron Interpolation" (arXiv 2507.00037).
+Implements spec ``neuron-interpolation.md``:
+
+- §2.1 Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;
+  targets come from the parents' own forward passes, inputs from ``F``'s already fused levels.
+- §1.3 / §2.2 grouping (``fedfuse.fusion.grouping``): HF = Hungarian matching of two equal-width
+  models; KF = importance-weighted k-means over the neurons of any number of models and widths; the
+  classifier level is grouped by identity (class ``c`` ↔ class ``c``).
+- §1.4 importance scores enter the grouping (k-means weights / HF cost) and the targets (weighted mean).
+- §2.3a linear variants: closed-form least squares per affine level on the fused model's own inputs,
+  with the parents' outputs projected onto the span of the fused inputs before grouping; eval-mode
+  BatchNorm is folded into the fit and written back as an identity BatchNorm, so the result is exact.
+- §2.3b gradient variants: each level (any differentiable block) fitted by Adam/AdamW/SGD on plain MSE
+  to the targets, with validation early stopping; the classifier regresses the averaged raw logits.
+- §3.1 hyperparameters (``setting=1|2``, Table 9), every one overridable.
+
+Memory: only one level's outputs per model are held at a time; the Gram / normal-equation statistics
+that the grouping and the least-squares fit need are accumulated in chunks of ``chunk_size`` samples,
+so neither the full neuron matrix ``Z`` nor the full design matrix is ever materialised.
+
+Failure mode #1 of ``FINDINGS.md`` (a gradient fit on a skewed fusion set collapses to client 0) is
+defended by ``init="auto"``: affine levels start from their closed-form (linear-variant) solution, whose
+weights are importance-weighted averages of the parents' refitted weights and so carry every client's
+classes, and a level's training only keeps an epoch that improves the validation MSE over that start.
+``init="model0"`` gives the paper's/reference code's behaviour (copy of model 0 perturbed by ε).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.fusion import register
+from fedfuse.fusion.grouping import (assignment_matrix, gram_coordinates, hungarian_match, matching_labels,
+                                     projected_coordinates, weighted_kmeans)
+from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
+from fedfuse.training import make_optimizer
+
+# spec §3.1, Table 9 (Setting 1: far from the initialisation; Setting 2: small steps from model 0)
+SETTINGS: dict[int, dict[str, Any]] = {
+    1: dict(optimizer="adamw", lr=1e-3, epochs=100, weight_decay=1e-4, eps=1.0,
+            head_optimizer="adamw", head_lr=1e-3, head_epochs=100),
+    2: dict(optimizer="sgd", lr=1e-4, epochs=50, weight_decay=1e-4, eps=0.1,
+            head_optimizer="adam", head_lr=1e-3, head_epochs=100),
+}
+COMMON = dict(batch_size=32, val_fraction=0.1, patience=15)
+
+
+# ----------------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _chunked(fn, h: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Apply ``fn`` to ``h [B, ...]`` in chunks of ``chunk`` samples; concatenated output ``[B, ...]``."""
+    return torch.cat([fn(h[i:i + chunk]) for i in range(0, h.shape[0], chunk)])
+
+
+def _conv_geometry(layer: nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
+    if layer.groups != 1:
+        raise ValueError(f"linear neuron interpolation: grouped convolution ({type(layer).__name__}, groups="
+                         f"{layer.groups}) is not supported")
+    if isinstance(layer.padding, str) or layer.padding_mode != "zeros":
+        raise ValueError("linear neuron interpolation: conv padding must be explicit integers with zero padding")
+    if isinstance(layer, nn.Conv1d):
+        return ((1, layer.kernel_size[0]), (1, layer.dilation[0]), (0, layer.padding[0]), (1, layer.stride[0]))
+    return layer.kernel_size, layer.dilation, layer.padding, layer.stride
+
+
+def design_matrix(layer: nn.Module, u: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Rows of the affine map ``layer`` applied to its input ``u``.
+
+    Args:
+        layer: ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d``.
+        u: the layer's input ``[N, in]`` (Linear) or ``[N, C, L]`` / ``[N, C, H, W]`` (conv).
+        bias: append a column of ones.
+    Returns:
+        ``[N*P, cols]`` with ``cols = in_features`` or ``C*k`` (+1); rows ordered like ``neurons_last``
+        of the layer's output, so ``design @ W.T`` reproduces the output.
+    """
+    if isinstance(layer, nn.Linear):
+        d = u.reshape(-1, layer.in_features)
+    elif isinstance(layer, (nn.Conv1d, nn.Conv2d)):
+        k, dil, pad, stride = _conv_geometry(layer)
+        x = u.unsqueeze(2) if isinstance(layer, nn.Conv1d) else u
+        cols = F.unfold(x, kernel_size=k, dilation=dil, padding=pad, stride=stride)  # [N, C*k, P]
+        d = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    else:
+        raise ValueError(f"linear neuron interpolation: unsupported layer {type(layer).__name__}")
+    if bias:
+        d = torch.cat([d, torch.ones(d.shape[0], 1, dtype=d.dtype, device=d.device)], 1)
+    return d
+
+
+def _folded_has_bias(lv: Level) -> bool:
+    return lv.layer.bias is not None or lv.norm is not None
+
+
+def write_affine(lv: Level, w: torch.Tensor) -> None:
+    """Write fitted weights ``w [cols, K]`` (last row = bias when present) into ``lv.layer``; an
+    eval-mode BatchNorm after it becomes the identity (γ=1, β=0, μ=0, σ²=1−eps) so
+    ``lv.run`` computes exactly ``design @ w``. A bias-free layer followed by BN gets its bias in β."""
+    layer, norm = lv.layer, lv.norm
+    k = w.shape[1]
+    has_bias = _folded_has_bias(lv)
+    weight = w[:-1] if has_bias else w
+    with torch.no_grad():
+        layer.weight.copy_(weight.T.reshape(layer.weight.shape).to(layer.weight))
+        b = w[-1] if has_bias else None
+        if layer.bias is not None:
+            layer.bias.copy_(b.to(layer.bias))
+        if norm is not None:
+            if norm.weight is not None:
+                norm.weight.fill_(1.0)
+            if norm.bias is not None:
+                norm.bias.copy_(b.to(norm.bias) if layer.bias is None else torch.zeros(k))
+            elif layer.bias is None:
+                raise ValueError(f"linear neuron interpolation: level {lv.name!r} has no place for a bias")
+            norm.running_mean.zero_()
+            norm.running_var.fill_(1.0 - norm.eps)
+
+
+def _resize_sequential(model: nn.Sequential, new_widths: dict[int, int]) -> nn.Sequential:
+    """Copy of a Linear/Conv ``nn.Sequential`` where affine level ``i`` has ``new_widths[i]`` outputs
+    (the next layer's inputs and any BatchNorm follow). Weights of resized layers are freshly
+    initialised (they are refit anyway). ``new_widths`` maps level index → width."""
+    children = list(model.children())
+    out: list[nn.Module] = []
+    level = -1
+    in_scale: tuple[int, int] | None = None  # (old, new) channel count feeding the next affine layer
+    for m in children:
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            level += 1
+            old_out = m.out_features if isinstance(m, nn.Linear) else m.out_channels
+            new_out = new_widths.get(level, old_out)
+            if isinstance(m, nn.Linear):
+                in_f = m.in_features
+                if in_scale is not None:
+                    if in_f % in_scale[0]:
+                        raise ValueError("fused_width: cannot resize a Linear fed by a flattened conv map "
+                                         f"({in_f} inputs from {in_scale[0]} channels)")
+                    in_f = in_f // in_scale[0] * in_scale[1]
+                new = nn.Linear(in_f, new_out, bias=m.bias is not None)
+            else:
+                in_c = in_scale[1] if in_scale is not None else m.in_channels
+                new = type(m)(in_c, new_out, m.kernel_size, stride=m.stride, padding=m.padding,
+                              dilation=m.dilation, groups=m.groups, bias=m.bias is not None,
+                              padding_mode=m.padding_mode)
+            if new.weight.shape == m.weight.shape:
+                new.load_state_dict(m.state_dict())
+            out.append(new)
+            in_scale = (old_out, new_out)
+        elif isinstance(m, BATCHNORMS):
+            bn = type(m)(in_scale[1], eps=m.eps, momentum=m.momentum, affine=m.affine,
+                         track_running_stats=m.track_running_stats)
+            if in_scale[0] == in_scale[1]:
+                bn.load_state_dict(m.state_dict())
+            out.append(bn)
+        else:
+            out.append(copy.deepcopy(m))
+    return nn.Sequential(*out)
+
+
+def _fresh_values(model: nn.Module, names: list[str], gen_seed: int) -> dict[str, torch.Tensor]:
+    """Freshly initialised values for parameters ``names`` of ``model`` (its modules'
+    ``reset_parameters``; bare parameters such as a ViT's ``pos_embed`` get N(0, 0.02²))."""
+    fresh = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(gen_seed)
+        for mod in fresh.modules():
+            if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
+                mod.reset_parameters()
+        named = dict(fresh.named_parameters())
+        owned = {f"{mn}.{pn}" if mn else pn for mn, mod in fresh.named_modules()
+                 if hasattr(mod, "reset_parameters") for pn, _ in mod.named_parameters(recurse=False)}
+        out = {}
+        for n in names:
+            p = named[n].detach().clone()
+            if n not in owned:
+                p = torch.randn_like(p) * 0.02
+            out[n] = p
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# options and scores
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Opts:
+    fused_width: Any
+    setting: int
+    optimizer: str
+    lr: float
+    epochs: int
+    weight_decay: float
+    eps: float
+    head_optimizer: str
+    head_lr: float
+    head_epochs: int
+    head_weight_decay: float
+    batch_size: int
+    val_fraction: float
+    patience: int
+    importance: str
+    fusion_labels: torch.Tensor | None
+    normalize_scores: bool
+    align_residual: bool
+    ridge: float
+    rcond: float
+    init: str
+    prox: float
+    kmeans_init: str
+    kmeans_restarts: int
+    hf_cost: str
+    chunk_size: int
+    importance_batch_size: int
+    verbose: bool
+
+
+def _options(fit: str, n_models: int, options: dict) -> _Opts:
+    opts = dict(options)
+    setting = int(opts.pop("setting", 1))
+    if setting not in SETTINGS:
+        raise ValueError(f"neuron interpolation: setting must be 1 or 2, got {setting}")
+    base = {**SETTINGS[setting], **COMMON}
+    base["head_weight_decay"] = base["weight_decay"]
+    vals = dict(fused_width=None, importance="client", fusion_labels=None, normalize_scores=False,
+                align_residual=False, ridge=0.0, rcond=1e-7, init="auto", prox=0.0,
+                kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=10,
+                hf_cost="exact", chunk_size=1024, importance_batch_size=64, verbose=False)
+    for key in list(opts):
+        if key in base or key in vals:
+            (base if key in base else vals)[key] = opts.pop(key)
+    if opts:
+        raise ValueError(f"neuron interpolation: unknown option(s) {sorted(opts)}")
+    if vals["init"] not in ("auto", "closed-form", "model0"):
+        raise ValueError(f"neuron interpolation: init must be 'auto', 'closed-form' or 'model0', got {vals['init']!r}")
+    return _Opts(setting=setting, **base, **vals)
+
+
+def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], scores, weights: list[float],
+                    opts: _Opts, fusion_inputs: torch.Tensor, device: torch.device) -> list[list[torch.Tensor]]:
+    """Per model, per level: a ``[width]`` float64 score vector on ``device`` (uniform = ones).
+
+    Scores from the clients (``importance="client"``) or computed here on the fusion set
+    (``importance`` = a method name; needs ``fusion_labels`` except for "uniform"). Each model's
+    scores are multiplied by ``n · weights[m]`` (no-op for equal weights) and optionally sum-normalised.
+    """
+    n = len(models)
+    if opts.importance == "client":
+        dicts = scores
+    elif opts.importance == "uniform":
+        dicts = None
+    elif opts.importance in ("conductance", "deeplift"):
+        if opts.fusion_labels is None:
+            raise ValueError(f"neuron interpolation: importance={opts.importance!r} computed on the server "
+                             "needs fusion_labels")
+        from fedfuse.importance import neuron_importance
+        y = torch.as_tensor(opts.fusion_labels).long()
+        dicts = [neuron_importance(copy.deepcopy(m), fusion_inputs, y, method=opts.importance,
+                                   batch_size=opts.importance_batch_size, device=device) for m in models]
+    else:
+        raise ValueError(f"neuron interpolation: importance must be 'client', 'uniform', 'conductance' or "
+                         f"'deeplift', got {opts.importance!r}")
+    out = []
+    for m in range(n):
+        per_level = []
+        for lv in parents_levels[m]:
+            s = None if dicts is None or dicts[m] is None else dicts[m].get(lv.name)
+            s = torch.ones(lv.width) if s is None else torch.as_tensor(s).detach().flatten()
+            if s.numel() != lv.width:
+                raise ValueError(f"neuron interpolation: model {m} level {lv.name!r} has {lv.width} neurons but "
+                                 f"{s.numel()} scores")
+            s = s.double().clamp_min(0) + 1e-12  # no exactly-zero weight: every neuron keeps a say
+            if opts.normalize_scores:
+                s = s / s.sum()
+            per_level.append((s * (n * weights[m])).to(device))
+        out.append(per_level)
+    return out
+
+
+def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
+    """Level index → fused width for the hidden levels (the classifier keeps ``num_classes``)."""
+    fw = opts.fused_width
+    hidden = range(len(ref_levels) - 1)
+    if fw is None:
+        return {i: ref_levels[i].width for i in hidden}
+    if isinstance(fw, int):
+        return {i: int(fw) for i in hidden}
+    if isinstance(fw, dict):
+        return {i: int(fw.get(ref_levels[i].name, fw.get(i, ref_levels[i].width))) for i in hidden}
+    fw = list(fw)
+    if len(fw) != len(ref_levels) - 1:
+        raise ValueError(f"fused_width: need one width per hidden level ({len(ref_levels) - 1}), got {len(fw)}")
+    return {i: int(w) for i, w in zip(hidden, fw)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# grouping of one level
+# ----------------------------------------------------------------------------------------------------
+
+def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int], k: int, opts: _Opts,
+           seed: int, level_name: str) -> torch.Tensor:
+    """Cluster labels ``[d^M]`` for the concatenated neurons (coordinates ``coords [d^M, r]``)."""
+    if method == "hf":
+        w0 = widths[0]
+        perm = hungarian_match(coords[:w0], coords[w0:], s[:w0], s[w0:], cost=opts.hf_cost)
+        return matching_labels(perm).to(coords.device)
+    init: str | torch.Tensor = opts.kmeans_init
+    if init == "model0":
+        # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
+        init = torch.arange(k) if widths[0] == k else "farthest"
+    res = weighted_kmeans(coords, s, k, init=init, restarts=opts.kmeans_restarts, seed=seed)
+    if opts.verbose:
+        print(f"  kmeans {level_name}: cost {res.cost:.4g} in {res.iterations} it")
+    return res.labels
+
+
+# ----------------------------------------------------------------------------------------------------
+# gradient fit of one level
+# ----------------------------------------------------------------------------------------------------
+
+def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Tensor, *, optimizer: str, lr: float,
+               epochs: int, weight_decay: float, opts: _Opts, seed: int, device: torch.device) -> dict[str, float]:
+    """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE, spec §2.3b).
+
+    ``x_in [B, ...]`` level input, ``target [B, ...]`` level-shaped targets. Eval mode (no dropout;
+    BatchNorm keeps its running statistics, its affine parameters train). Early stopping on the
+    validation MSE with ``patience``; the best state, *including the starting one*, is kept.
+    """
+    named = dict(fused.named_parameters())
+    params = [named[n] for n in lv.param_names]
+    if not params or epochs <= 0:
+        return {"epochs": 0}
+    b = x_in.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(b, generator=gen)
+    n_val = int(round(opts.val_fraction * b)) if b >= 10 else 0
+    val_idx, tr_idx = perm[:n_val], perm[n_val:]
+    start = [p.detach().clone() for p in params]
+    opt = make_optimizer(params, optimizer, lr, weight_decay)
+    fused.eval()
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+
+    def val_loss() -> float:
+        idx = val_idx if n_val else tr_idx
+        with torch.no_grad():
+            tot = 0.0
+            for i in range(0, len(idx), 512):
+                j = idx[i:i + 512]
+                tot += F.mse_loss(lv.run(x_in[j].to(device)), target[j].to(device), reduction="sum").item()
+            return tot / max(1, len(idx)) / max(1, target[0].numel())
+
+    best, best_state, bad, ep = val_loss(), [p.detach().clone() for p in params], 0, 0
+    first = best
+    try:
+        for ep in range(1, epochs + 1):
+            order = tr_idx[torch.randperm(len(tr_idx), generator=gen)]
+            for i in range(0, len(order), opts.batch_size):
+                j = order[i:i + opts.batch_size]
+                out = lv.run(x_in[j].to(device))
+                loss = F.mse_loss(out, target[j].to(device))
+                if opts.prox > 0:  # pull toward the starting point (closed-form or model 0)
+                    loss = loss + opts.prox * sum(((p - p0) ** 2).sum() for p, p0 in zip(params, start))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            v = val_loss()
+            if v < best - 1e-12:
+                best, best_state, bad = v, [p.detach().clone() for p in params], 0
+            else:
+                bad += 1
+                if bad >= opts.patience:
+                    break
+    finally:
+        with torch.no_grad():
+            for p, q in zip(params, best_state):
+                p.copy_(q)
+        for p in fused.parameters():
+            p.requires_grad_(True)
+    return {"epochs": ep, "val_mse_start": first, "val_mse": best}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the algorithm
+# ----------------------------------------------------------------------------------------------------
+
+def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
+                         scores=None, weights: list[float], device: torch.device, seed: int = 0,
+                         **options) -> nn.Module:
+    """Algorithm 1 of the paper (spec §2.1) with HF/KF grouping and linear/gradient fitting.
+
+    Args:
+        models: parents (model 0 = reference architecture and initialisation); not modified.
+        grouping: ``"hf"`` | ``"kf"``.
+        fit: ``"linear"`` | ``"gradient"``.
+        fusion_inputs: ``[B, *input_shape]`` unlabeled fusion set.
+        scores: ``None`` or one ``{level name: [width]}`` dict per model (client-side importance).
+        weights: per-model weights summing to 1 (scale each model's importance by ``n·w``).
+        device: where everything runs (k-means, least squares and the level fits included).
+        options: see the module docstring and ``_options`` (``fused_width``, ``setting``, ``lr``, ``epochs``,
+            ``head_epochs``, ``eps``, ``batch_size``, ``val_fraction``, ``patience``, ``importance``,
+            ``fusion_labels``, ``normalize_scores``, ``align_residual``, ``ridge``, ``init``, ``prox``,
+            ``kmeans_init``, ``kmeans_restarts``, ``hf_cost``, ``chunk_size``).
+    Returns:
+        The fused model (model 0's architecture, possibly with other hidden widths), eval mode.
+    """
+    name = f"{grouping}-{fit}"
+    if fusion_inputs is None or len(fusion_inputs) == 0:
+        raise ValueError(f"{name} needs fusion_inputs (a non-empty unlabeled fusion set)")
+    opts = _options(fit, len(models), options)
+    n = len(models)
+    x = torch.as_tensor(fusion_inputs).float().to(device)
+    parents = [copy.deepcopy(m).to(device).eval() for m in models]
+    plv = [model_levels(p) for p in parents]
+    n_levels = len(plv[0])
+    for m, lv in enumerate(plv):
+        if len(lv) != n_levels:
+            raise ValueError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
+        if lv[-1].width != plv[0][-1].width:
+            raise ValueError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has {plv[0][-1].width}")
+    if grouping == "hf":
+        if n != 2:
+            raise ValueError(f"{name} fuses exactly two models (Hungarian matching), got {n}; use kf-{fit}")
+        for a, b in zip(plv[0][:-1], plv[1][:-1]):
+            if a.width != b.width:
+                raise ValueError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs {b.width}")
+    widths_f = _fused_widths(opts, plv[0])
+    if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
+        raise ValueError(f"{name}: fused_width must equal the parents' width for Hungarian matching")
+
+    # the fused model: a copy of model 0, resized when another fused width is asked for
+    if any(widths_f[i] != plv[0][i].width for i in widths_f):
+        if not isinstance(models[0], nn.Sequential):
+            raise ValueError(f"{name}: fused_width different from model 0's width is supported for nn.Sequential "
+                             f"models only, not {type(models[0]).__name__}")
+        fused = _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
+    else:
+        fused = copy.deepcopy(models[0]).to(device).eval()
+    flv = model_levels(fused)
+
+    if fit == "linear":
+        for lv in flv:
+            if not lv.affine:
+                raise ValueError(f"{name} needs affine levels; level {lv.name!r} is a {lv.kind} "
+                                 f"({type(lv.module).__name__}); use the gradient variant")
+
+    s_all = _resolve_scores(models, plv, scores, weights, opts, x, device)
+    chunk = max(1, opts.chunk_size)
+    h_par = [x for _ in range(n)]   # each parent's current level input (one level per model)
+    h_fus = x                       # the fused model's current level input
+    for l in range(n_levels):
+        last = l == n_levels - 1
+        widths = [plv[m][l].width for m in range(n)]
+        k = plv[0][l].width if last else widths_f[l]
+        lvf = flv[l]
+        s = torch.cat([s_all[m][l] for m in range(n)])
+        # parents' level-l outputs on the raw fusion set (their own forward passes)
+        h_par = [_chunked(plv[m][l].run, h_par[m], chunk) for m in range(n)]
+        layout = plv[0][l].layout
+
+        def zcat(i: int, j: int) -> torch.Tensor:  # [rows, d^M] concatenated neurons of samples i:j
+            return torch.cat([neurons_last(h_par[m][i:j], layout) for m in range(n)], 1).double()
+
+        if fit == "linear" or (opts.init != "model0" and lvf.affine):
+            bias = _folded_has_bias(lvf)
+            d = lvf.layer.weight[0].numel() + int(bias)
+            xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
+            xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
+            with torch.no_grad():
+                for i in range(0, x.shape[0], chunk):
+                    dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
+                    xtx += dm.T @ dm
+                    xtz += dm.T @ zcat(i, i + chunk)
+            ridge = opts.ridge * float(torch.diagonal(xtx).mean()) if opts.ridge > 0 else 0.0
+            ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
+        else:
+            ls = None
+
+        # ---- grouping -------------------------------------------------------------------------
+        if last:  # classifier: class c ↔ class c in every model (identity grouping)
+            labels = torch.cat([torch.arange(w, device=device) for w in widths])
+        else:
+            if fit == "linear":
+                coords = ls.coords  # projected outputs P z_j (spec §2.3a)
+            else:
+                gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
+                for i in range(0, x.shape[0], chunk):
+                    z = zcat(i, i + chunk)
+                    gram += z.T @ z
+                coords = gram_coordinates(gram)
+            labels = _group(grouping, coords, s, widths, k, opts, seed + l, plv[0][l].name)
+
+        # ---- fit ----------------------------------------------------------------------------------
+        if fit == "linear":
+            a = assignment_matrix(labels, s, k)                # importance-weighted targets (Theorem 1)
+            write_affine(lvf, ls.coef @ a)                     # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+        else:
+            if last:  # the head regresses the averaged raw logits (spec §2.3b), weighted by `weights`
+                a = torch.cat([torch.eye(k, dtype=torch.float64, device=device) * weights[m] for m in range(n)])
+            else:     # plain importance-weighted centroids; importance acts through grouping and targets
+                a = assignment_matrix(labels, s, k)
+            target = torch.cat([neurons_restore((zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
+                                for i in range(0, x.shape[0], chunk)])
+            if opts.align_residual and not last and layout == "tokens" and lvf.kind == "block":
+                target = _align_residual(h_fus, target, a, s, layout)
+            if opts.init != "model0" and lvf.affine:
+                write_affine(lvf, ls.coef @ a)                 # closed-form start: defence against collapse
+            elif opts.eps > 0:
+                fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + l)
+                named = dict(fused.named_parameters())
+                with torch.no_grad():
+                    for pn, v in fresh.items():
+                        named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
+            hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if last else \
+                 (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
+            info = _fit_level(fused, lvf, h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
+                              weight_decay=hp[3], opts=opts, seed=seed * 7919 + l, device=device)
+            if opts.verbose:
+                print(f"  fit {lvf.name}: {info}")
+            del target
+        if not last:
+            h_fus = _chunked(lvf.run, h_fus, chunk)
+    for p in fused.parameters():
+        p.requires_grad_(True)
+    return fused.eval()
+
+
+def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
+                    layout: str) -> torch.Tensor:
+    """Reorder the target columns so column ``i`` is the cluster closest to input dimension ``i``
+    (ViT residual stream, spec §2.4), Hungarian on ``importance(cluster) · ‖x_i − T_k‖²``.
+    ``h_in [B, T, D]``, ``target [B, T, D]``; returns the permuted target."""
+    xi = neurons_last(h_in, layout).double()
+    tk = neurons_last(target, layout).double()
+    if xi.shape[1] != tk.shape[1]:
+        return target
+    g_xx = (xi * xi).sum(0)[:, None]
+    g_tt = (tk * tk).sum(0)[None, :]
+    dist = (g_xx - 2 * xi.T @ tk + g_tt).clamp_min(0)
+    mass = (a > 0).double().T @ s.double()  # total importance per cluster [K]
+    from scipy.optimize import linear_sum_assignment
+    rows, cols = linear_sum_assignment((dist * mass[None, :]).cpu().numpy())
+    order = torch.as_tensor(cols[rows.argsort()], device=target.device)
+    return neurons_restore(tk[:, order].float(), layout, target)
+
+
+def _make(grouping: str, fit: str):
+    def fn(models, *, fusion_inputs=None, scores=None, weights=None, device=torch.device("cpu"), seed=0, **options):
+        return neuron_interpolation(models, grouping=grouping, fit=fit, fusion_inputs=fusion_inputs, scores=scores,
+                                    weights=weights or [1.0 / len(models)] * len(models), device=device, seed=seed,
+                                    **options)
+    fn.__name__ = f"fuse_{grouping}_{fit}"
+    fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting (spec §2). "
+                  "See ``neuron_interpolation`` for the options.")
+    return fn
+
+
+fuse_hf_linear = register("hf-linear", uses_scores=True)(_make("hf", "linear"))
+fuse_kf_linear = register("kf-linear", uses_scores=True)(_make("kf", "linear"))
+fuse_hf_gradient = register("hf-gradient", uses_scores=True)(_make("hf", "gradient"))
+fuse_kf_gradient = register("kf-gradient", uses_scores=True)(_make("kf", "gradient"))
+
+__all__ = ["neuron_interpolation", "design_matrix", "write_affine", "SETTINGS", "fuse_hf_linear", "fuse_kf_linear",
+           "fuse_hf_gradient", "fuse_kf_gradient"]

@@ -1,0 +1,233 @@
+"""Git Re-Basin fusion: permutation matching of every client to the reference, then averaging.
+
+Paper: Ainsworth, Hayase & Srinivasa, "Git Re-Basin: Merging Models modulo Permutation Symmetries",
+ICLR 2023 (external; spec ``flower.md`` §5 "Git Re-Basin" anchor, and ``ot-transfusion-tofu.md`` §2.2
+for the weight-matching core that TransFusion reuses). Written fresh from those descriptions.
+
+- *Weight matching*: maximise ``Σ_ℓ ⟨W_ℓ^B, P_ℓ W_ℓ^A P_{ℓ-1}ᵀ⟩`` by coordinate descent over the
+  permutation groups (each step a linear assignment, ``scipy.optimize.linear_sum_assignment``, summing
+  every tensor the group touches: its rows, the next layer's columns, biases, norm parameters), until a
+  sweep improves nothing (≤ ``max_iter`` sweeps). Groups are visited in random order (seeded).
+  Initialisation: the paper's identity, or (default, [derived]) one sequential forward pass that
+  matches each group on its rows given the inputs already matched.
+- *Activation matching*: per group, maximise the cross-correlation of the units' activations on the
+  fusion set (one assignment per group, no iteration).
+- Attention heads (timm ViT) are matched head-preservingly: the head pairing minimises the best
+  within-head assignment cost ("brute-force" head matching, TransFusion's ablation baseline, §2.3),
+  so permutations never mix heads and the permuted model computes the same function.
+- Then (importance-)weighted averaging: model weights ``weights`` (e.g. client sample counts), and
+  per-unit importance weights when ``scores`` are given.
+- BatchNorm running statistics are re-estimated on the fusion set after fusion (the known failure of
+  averaged BN statistics, ``flower.md`` §5 / themrzmaster/git-re-basin-pytorch#3).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from fedfuse.fusion import register
+from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
+                                    collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
+                                    standardize, weight_features)
+
+
+def _objective(score: torch.Tensor, m: Map) -> float:
+    """``⟨score, plan⟩`` for a permutation map (score ``[m_A, m_B]``)."""
+    return float((score.double().cpu() * m.plan).sum())
+
+
+def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, *, max_iter: int = 100,
+                    init: str = "sequential", order: str = "random", seed: int = 0, head_preserving: bool = True,
+                    head_costs: dict[str, torch.Tensor] | None = None, intra: bool = True,
+                    groups: list[str] | None = None) -> tuple[dict[str, Map], dict]:
+    """Permutations moving model A onto model B by weight matching (coordinate descent).
+
+    Args:
+        state_a, state_b: state dicts of equal-width models with specs ``spec_a``/``spec_b``.
+        init: ``"identity"`` (Ainsworth et al.) or ``"sequential"`` (one forward pass on rows).
+        order: ``"random"`` (seeded), ``"forward"`` or ``"backward"`` group order per sweep.
+        head_costs: optional fixed ``{group: [H, H]}`` head-pairing costs (TransFusion's spectral step);
+            other block-structured groups use the brute-force head pairing.
+        intra: with ``head_costs``, refine within-head orders (False keeps each head's natural order).
+        groups: restrict matching to these groups (others stay identity).
+    Returns:
+        ``(maps {group: Map}, info {"sweeps": int, "objective": float})``.
+    """
+    names = list(spec_a.groups) if groups is None else list(groups)
+    for g in spec_a.groups:
+        if spec_a.groups[g].size != spec_b.groups[g].size:
+            raise ValueError(f"weight matching needs equal widths; group {g} has {spec_a.groups[g].size} vs "
+                             f"{spec_b.groups[g].size} units (use method 'ot' for different widths)")
+    head_costs = head_costs or {}
+    maps: dict[str, Map] = {}
+
+    def solve(g: str, roles, require_mapped) -> tuple[Map, torch.Tensor]:
+        fa, fb = weight_features(state_a, state_b, spec_a, spec_b, g, maps, roles, require_mapped)
+        score = fa @ fb.t()
+        ga, gb = spec_a.groups[g], spec_b.groups[g]
+        if g in head_costs and not intra:
+            d = ga.size // ga.blocks
+            from fedfuse.fusion.permute import assignment
+            hp = assignment(head_costs[g], maximize=False)
+            perm = torch.cat([hp[j] * d + torch.arange(d) for j in range(ga.blocks)])
+            return Map.from_perm(perm), score
+        m = solve_group(score_cost(score), ga, gb, solver="lap", head_preserving=head_preserving,
+                        head_cost=head_costs.get(g))
+        return m, score
+
+    if init == "sequential":
+        for g in names:
+            maps[g], _ = solve(g, ("out",), True)
+    elif init == "identity":
+        pass
+    else:
+        raise ValueError(f"weight matching: init must be 'sequential' or 'identity', got {init!r}")
+    for g, grp in spec_a.groups.items():
+        maps.setdefault(g, Map.identity(grp.size))
+    gen = torch.Generator().manual_seed(seed)
+    sweeps, obj = 0, float("nan")
+    for sweep in range(max_iter):
+        if order == "random":
+            seq = [names[i] for i in torch.randperm(len(names), generator=gen)]
+        elif order == "forward":
+            seq = names
+        elif order == "backward":
+            seq = names[::-1]
+        else:
+            raise ValueError(f"weight matching: order must be random, forward or backward, got {order!r}")
+        improved = False
+        sweeps = sweep + 1
+        for g in seq:
+            new, score = solve(g, ("out", "in"), False)
+            old_v, new_v = _objective(score, maps[g]), _objective(score, new)
+            if new_v > old_v + 1e-12 * max(1.0, abs(old_v)):
+                maps[g] = new
+                improved = True
+            obj = max(old_v, new_v)
+        if not improved:
+            break
+    return maps, {"sweeps": sweeps, "objective": obj}
+
+
+def activation_matching(acts_a: dict[str, torch.Tensor], acts_b: dict[str, torch.Tensor], spec_a: PermSpec,
+                        spec_b: PermSpec, *, head_preserving: bool = True) -> dict[str, Map]:
+    """Permutation per group maximising the correlation of activations ``[S, m]`` (standardised)."""
+    maps = {}
+    for g in spec_a.groups:
+        za, zb = standardize(acts_a[g].double()), standardize(acts_b[g].double())
+        corr = za.t() @ zb / max(1, len(za))
+        maps[g] = solve_group(score_cost(corr), spec_a.groups[g], spec_b.groups[g], solver="lap",
+                              head_preserving=head_preserving)
+    return maps
+
+
+def unit_weights_for(scores: dict[str, torch.Tensor] | None, spec: PermSpec, maps: dict[str, Map]) -> dict[str, torch.Tensor]:
+    """Per-unit importance ``{group: [m_B]}`` of a model in the reference's units (ones where no score).
+
+    Scores of a group's levels are averaged and normalised to mean 1, then moved with the group's map.
+    """
+    out = {}
+    for g, grp in spec.groups.items():
+        vecs = [scores[lv].detach().double().cpu().flatten() for lv in grp.levels
+                if scores is not None and lv in scores and scores[lv].numel() == grp.size]
+        if vecs:
+            s = torch.stack(vecs).mean(0).clamp_min(0)
+            s = s / s.mean().clamp_min(1e-300) + 1e-6
+        else:
+            s = torch.ones(grp.size, dtype=torch.float64)
+        m = maps[g]
+        out[g] = s.index_select(0, m.perm) if m.perm is not None else s @ m.out_map()
+    return out
+
+
+def finish(fused: nn.Module, models: list[nn.Module], fusion_inputs, *, reset_bn, finetune, weights, device, seed,
+           info: dict) -> nn.Module:
+    """Shared tail of ot/rebasin/transfusion: BN re-estimation, optional fine-tuning, diagnostics."""
+    if reset_bn is None:
+        reset_bn = fusion_inputs is not None
+    if reset_bn and has_batchnorm(fused):
+        if fusion_inputs is None:
+            raise ValueError("reset_bn=True needs fusion_inputs to re-estimate BatchNorm statistics")
+        t0 = time.perf_counter()
+        reset_bn_stats(fused, fusion_inputs, device=device)
+        info["bn_reset_seconds"] = time.perf_counter() - t0
+    if finetune:
+        from fedfuse.fusion.finetune import finetune_fused
+
+        if fusion_inputs is None:
+            raise ValueError("finetune needs fusion_inputs (the fusion set)")
+        ft = dict(finetune) if isinstance(finetune, dict) else {}
+        info["finetune"] = finetune_fused(fused, models, fusion_inputs, weights=weights, device=device, seed=seed, **ft)
+    fused.fusion_info = info  # type: ignore[attr-defined]
+    return fused.cpu().eval()
+
+
+def _check_models(models: list[nn.Module]) -> None:
+    if len(models) < 1:
+        raise ValueError("no models given")
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"model {i} is a {type(m).__name__}, not an nn.Module")
+
+
+@register("rebasin", needs_data=True, uses_scores=True)
+def fuse_rebasin(models, *, fusion_inputs=None, scores=None, weights, device, seed=0, matching: str | None = None,
+                 max_iter: int = 100, init: str = "sequential", order: str = "random", head_preserving: bool = True,
+                 importance_weighted: bool = True, reset_bn: bool | None = None, finetune: dict | None = None,
+                 max_rows: int = 4096, **_) -> nn.Module:
+    """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required).
+
+    Options:
+        matching: ``"weights"`` | ``"activations"`` (default: activations when ``fusion_inputs`` is given).
+        max_iter, init, order: weight-matching coordinate descent (see :func:`weight_matching`).
+        head_preserving: keep attention heads intact (required for function preservation).
+        importance_weighted: with ``scores``, average each unit with per-unit importance weights.
+        reset_bn: re-estimate BN statistics on ``fusion_inputs`` (default: when data is given).
+        finetune: optional ``dict(epochs=..., lr=...)`` post-fusion distillation (``finetune.py``).
+        max_rows: activation rows per hook point.
+    Returns model 0's architecture with fused weights; ``fused.fusion_info`` holds diagnostics.
+    """
+    _check_models(models)
+    matching = matching or ("activations" if fusion_inputs is not None else "weights")
+    if matching not in ("weights", "activations"):
+        raise ValueError(f"rebasin: matching must be 'weights' or 'activations', got {matching!r}")
+    if matching == "activations" and fusion_inputs is None:
+        raise ValueError("rebasin: activation matching needs fusion_inputs")
+    t0 = time.perf_counter()
+    ref = models[0]
+    spec_b = build_spec(ref)
+    state_b = ref.state_dict()
+    acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+              if matching == "activations" else None)
+    states, unit_w, info = [state_b], [], {"method": "rebasin", "matching": matching, "trace_ratio": []}
+    maps0 = {g: Map.identity(grp.size) for g, grp in spec_b.groups.items()}
+    use_scores = scores is not None and importance_weighted
+    if use_scores:
+        unit_w.append(unit_weights_for(scores[0], spec_b, maps0))
+    for k, model in enumerate(models[1:], 1):
+        spec_a = build_spec(model)
+        state_a = model.state_dict()
+        try:
+            check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
+        except ValueError as err:
+            raise ValueError(f"rebasin: model {k} cannot be matched to model 0: {err}") from None
+        if matching == "weights":
+            maps, wm = weight_matching(state_a, state_b, spec_a, spec_b, max_iter=max_iter, init=init, order=order,
+                                       seed=seed, head_preserving=head_preserving)
+            info.setdefault("sweeps", []).append(wm["sweeps"])
+        else:
+            acts_a = collect_activations(model, spec_a, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+            maps = activation_matching(acts_a, acts_b, spec_a, spec_b, head_preserving=head_preserving)
+        info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
+        states.append(apply_maps(state_a, spec_a, spec_b, maps, state_b))
+        if use_scores:
+            unit_w.append(unit_weights_for(scores[k], spec_a, maps))
+    fused = copy.deepcopy(ref).cpu()
+    fused.load_state_dict(average_aligned(states, weights, unit_w if use_scores else None, spec_b))
+    info["align_seconds"] = time.perf_counter() - t0
+    return finish(fused, models, fusion_inputs, reset_bn=reset_bn, finetune=finetune, weights=weights, device=device,
+                  seed=seed, info=info)

@@ -1,0 +1,93 @@
+"""Run results: config, one row per round (JSON + CSV), a PNG accuracy plot, the final model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and v != v:
+        return None
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        return v.item()
+    return v
+
+
+class RunRecorder:
+    """Collects per-round rows and writes ``results.json``, ``rounds.csv``, ``accuracy.png``."""
+
+    def __init__(self, out_dir: str | Path, config: dict[str, Any]):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.rows: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+        _atomic_write(self.dir / "config.json", json.dumps(_jsonable(config), indent=2))
+
+    def add_round(self, row: dict[str, Any]) -> None:
+        self.rows = [r for r in self.rows if r.get("round") != row.get("round")] + [row]
+        self.rows.sort(key=lambda r: r["round"])
+        self.write()
+
+    def write(self) -> None:
+        payload = {"config": self.config, "rounds": self.rows, **self.extra}
+        _atomic_write(self.dir / "results.json", json.dumps(_jsonable(payload), indent=2))
+        scalar_keys: list[str] = []
+        for r in self.rows:
+            for k, v in r.items():
+                if k not in scalar_keys and not isinstance(v, (list, dict)):
+                    scalar_keys.append(k)
+        tmp = self.dir / "rounds.csv.tmp"
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=scalar_keys, extrasaction="ignore")
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({k: r.get(k) for k in scalar_keys})
+        os.replace(tmp, self.dir / "rounds.csv")
+
+    def plot(self, title: str = "") -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rounds = [r["round"] for r in self.rows]
+        ax.plot(rounds, [r.get("test-accuracy") for r in self.rows], "o-", label="global model")
+        ens = [(r["round"], r["ensemble-accuracy"]) for r in self.rows if r.get("ensemble-accuracy") is not None]
+        if ens:
+            ax.plot(*zip(*ens), "s--", label="ensemble of clients (reference)")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(title)
+        path = self.dir / "accuracy.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def save_model(self, state: dict[str, torch.Tensor]) -> Path:
+        path = self.dir / "global_model.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path

@@ -1,0 +1,92 @@
+"""Glue between a validated ``RunConfig`` and the library: data, models, client work.
+
+Used by the Flower ClientApp/ServerApp (which only add messaging) and by plain-Python runners, so
+that a simulation and a benchmark build exactly the same data and models from the same config.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfuse.config import RunConfig
+from fedfuse.importance import neuron_importance, uniform_importance
+from fedfuse.models import build_model
+from fedfuse.training import evaluate, train
+
+
+def federated_data(cfg: RunConfig, num_clients: int | None = None):
+    """The run's ``FederatedData`` (deterministic: every process builds the identical one)."""
+    from fedfuse.data import FederatedData
+
+    return FederatedData.build(cfg.dataset, num_clients or cfg.num_clients, cfg.partitioning,
+                               alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
+                               fusion_size=cfg.fusion_set_size, fusion_source=cfg.fusion_set_source,
+                               public_fraction=cfg.public_fraction, root=cfg.data_root, seed=cfg.seed,
+                               test_fraction=cfg.test_fraction)
+
+
+def global_model(cfg: RunConfig, num_classes: int, input_shape: tuple[int, ...], seed: int | None = None) -> nn.Module:
+    """The run's architecture, initialised with ``seed`` (default: the run seed)."""
+    return build_model(cfg.model, num_classes=num_classes, input_shape=tuple(input_shape), width=cfg.model_width,
+                       depth=cfg.model_depth, seed=cfg.seed if seed is None else seed)
+
+
+def client_init_seed(cfg: RunConfig, partition_id: int) -> int:
+    """Independent initialisation per client for one-shot fusion (the papers' setting)."""
+    return cfg.seed * 1000 + partition_id + 1
+
+
+def load_fusion_inputs(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fusion set from a file: ``.pt`` (tensor or ``{"x": ..., "y": ...}``) or ``.npz`` (``x``, optional ``y``)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"run-config key 'fusion-set-path': file {str(p)!r} does not exist")
+    if p.suffix == ".npz":
+        z = np.load(p)
+        x = torch.from_numpy(z["x"]).float()
+        y = torch.from_numpy(z["y"]).long() if "y" in z else None
+        return x, y
+    obj = torch.load(p, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict):
+        return obj["x"].float(), (obj["y"].long() if obj.get("y") is not None else None)
+    return obj.float(), None
+
+
+def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_importance: bool,
+                 device: torch.device, seed: int, epochs: int | None = None, lr: float | None = None) -> dict[str, Any]:
+    """One client's local work: train, evaluate, score neurons.
+
+    Returns ``{"state": state dict, "scores": {level: [W]} | None, "metrics": {...}}``.
+    """
+    stats = train(model, train_set.x, train_set.y, epochs=epochs or cfg.local_epochs, batch_size=cfg.batch_size,
+                  optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed)
+    train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
+    eval_set = val_set if len(val_set) > 0 else train_set
+    val_metrics = evaluate(model, eval_set.x, eval_set.y, num_classes=eval_set.num_classes, device=device)
+    t0 = time.perf_counter()
+    scores = None
+    if need_importance:
+        n = min(cfg.importance_samples, len(eval_set))
+        if cfg.importance == "uniform":
+            scores = uniform_importance(model)
+        else:
+            scores = neuron_importance(model, eval_set.x[:n], eval_set.y[:n], method=cfg.importance, device=device)
+    score_seconds = time.perf_counter() - t0
+    model.cpu()
+    metrics = {
+        "num-examples": len(train_set),
+        "train-loss": float(stats["train-loss"]),
+        "train-accuracy": float(train_metrics["accuracy"]),
+        "val-accuracy": float(val_metrics["accuracy"]),
+        "val-loss": float(val_metrics["loss"]),
+        "train-seconds": float(stats["train-seconds"]),
+        "score-seconds": float(score_seconds),
+        "class-counts": [int(c) for c in train_set.class_counts()],
+    }
+    return {"state": model.state_dict(), "scores": scores, "metrics": metrics}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create or reuse .venv with fedfuse and its pinned dependencies (idempotent: a .venv whose stamp
+# matches pyproject.toml and the Python version is reused at once).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+stamp_of() { { cat pyproject.toml; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1; }
+want=$(stamp_of)
+if [ -x .venv/bin/python ] && [ -f .venv/.fedfuse-stamp ] && [ "$(cat .venv/.fedfuse-stamp)" = "$want" ] \
+   && .venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot" >/dev/null 2>&1; then
+  echo "setup: reusing up-to-date .venv"
+  exit 0
+fi
+echo "setup: installing fedfuse into .venv (first time: torch + CUDA wheels, a few minutes)"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[dev]"
+.venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot; print('setup: torch', torch.__version__, '| flwr', flwr.__version__)"
+echo "$want" > .venv/.fedfuse-stamp

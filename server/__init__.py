@@ -1,0 +1,1 @@
+"""Flower server side of fedfuse: the ServerApp and the fusion strategies."""

@@ -1,0 +1,1 @@
+"""Experiment runners, sweeps and benchmarks (they call ``flwr run`` or the library directly)."""

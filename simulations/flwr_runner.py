@@ -1,0 +1,178 @@
+"""Run the fedfuse Flower app with ``flwr run`` (local simulation engine, Ray) safely and check it.
+
+What this takes care of (``specs/flower.md``, ``FINDINGS.md``):
+- a private ``FLWR_HOME`` per run, runtime dependency installation off, no update check/telemetry;
+- the managed local SuperLink on free ports (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` /
+  ``FLWR_LOCAL_CONTROL_API_PORT``), so it never reuses someone else's SuperLink, and stopped by PID;
+- ``flwr run --stream`` exits 0 even when the run failed: the status is read with ``flwr list``;
+- one torch thread per process and ``OMP_WAIT_POLICY=PASSIVE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flwr_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for ``flwr`` commands: private home, free local-SuperLink ports, quiet and offline."""
+    env = os.environ.copy()
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env.update({
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"),
+        "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        "FEDFUSE_TORCH_THREADS": env.get("FEDFUSE_TORCH_THREADS", "1"),
+        "RAY_DEDUP_LOGS": "0",
+        "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    })
+    return env
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a TOML basic string
+
+
+def run_config_arg(cfg: dict[str, Any]) -> str:
+    return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())
+
+
+def _superlink_pids(flwr_home: Path) -> list[int]:
+    """PIDs of SuperLinks whose ``--log-file`` lives under ``flwr_home`` (ours, and only ours)."""
+    pids = []
+    needle = str(flwr_home)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [c.decode(errors="replace") for c in cmd]
+        if any("flower-superlink" in a for a in args[:2]) and any(needle in a for a in args):
+            pids.append(int(d.name))
+    return pids
+
+
+def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
+    """Stop our managed SuperLink (and with it its simulation children) by PID."""
+    pids = _superlink_pids(flwr_home)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class RunOutcome:
+    run_id: int | None
+    status: str
+    details: str
+    out_dir: Path
+    log: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished:completed"
+
+
+def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cpus_per_client: float = 1.0,
+            gpus_per_client: float = 0.0, timeout: float = 900.0, echo: bool = True,
+            app_dir: Path = ROOT, keep_home: bool = False) -> RunOutcome:
+    """``flwr run <app_dir>`` with ``run_config`` overrides; returns the run status and results dir.
+
+    ``run_config`` should hold ``output-dir`` (absolute) and ``run-name``; both are filled in when
+    missing (``results/`` under the app, a timestamped name).
+    """
+    cfg = dict(run_config)
+    cfg.setdefault("output-dir", str((app_dir / "results").resolve()))
+    cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = num_supernodes or int(cfg.get("num-clients", 4))
+    cfg.setdefault("num-clients", n)
+    out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
+    home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
+    env = flwr_env(home)
+    cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
+    fed = f"num-supernodes={n} client-resources-num-cpus={cpus} client-resources-num-gpus={gpus_per_client}"
+    cmd = ["flwr", "run", str(app_dir), "--run-config", run_config_arg(cfg), "--federation-config", fed, "--stream"]
+    t0 = time.perf_counter()
+    lines: list[str] = []
+    run_id = None
+    try:
+        proc = subprocess.Popen(cmd, env=env, cwd=str(app_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if run_id is None:
+                m = re.search(r"run (\d+)", line)
+                if m and "start" in line.lower():
+                    run_id = int(m.group(1))
+            if time.monotonic() > deadline:
+                proc.kill()
+                lines.append(f"fedfuse: timed out after {timeout:.0f}s\n")
+                break
+        proc.wait(timeout=30)
+        status, details = "unknown", ""
+        if run_id is not None:
+            res = subprocess.run(["flwr", "list", "--run-id", str(run_id), "--format", "json"], env=env,
+                                 cwd=str(app_dir), capture_output=True, text=True, timeout=60)
+            try:
+                info = json.loads(res.stdout)
+                runs = info.get("runs") or []
+                if runs:
+                    status = str(runs[0].get("status", "unknown"))
+                    details = str(runs[0].get("status-details", runs[0].get("sub-status", "")))
+            except json.JSONDecodeError:
+                details = res.stdout[-2000:] + res.stderr[-2000:]
+    finally:
+        stop_superlink(home)
+        if not keep_home:
+            shutil.rmtree(home, ignore_errors=True)
+    return RunOutcome(run_id=run_id, status=status, details=details, out_dir=out_dir, log="".join(lines),
+                      seconds=time.perf_counter() - t0)

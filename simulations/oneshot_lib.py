@@ -1,0 +1,417 @@
+"""Reusable pieces of the one-shot fusion benchmark (``python -m simulations.one_shot``).
+
+One *setting* = (dataset, partition, model); one *cell* = a setting and a seed. Per cell the base
+clients are trained once and cached on disk (``<cache>/<key>/``, the key hashes every setting that
+changes them), each client computes its importance scores on its own validation split (as the
+fedfuse ClientApp does), and every requested fusion method runs through ``fedfuse.fusion.fuse``,
+timed, and is evaluated on the test split. Methods raising ``ValueError`` are recorded as n/a with
+the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+import tomllib
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.data import FederatedData
+from fedfuse.fusion import METHODS, fuse
+from fedfuse.importance import neuron_importance
+from fedfuse.models import build_model
+from fedfuse.training import evaluate, train
+
+CACHE_VERSION = 1
+
+# Cheap but converged client training per (dataset, model): epochs, lr (Adam, batch 32).
+TRAIN_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("digits", "mlp"): dict(epochs=40, lr=1e-3),
+    ("mnist1d", "mlp"): dict(epochs=40, lr=1e-3),
+    ("digits", "cnn"): dict(epochs=30, lr=3e-3),
+    ("mnist1d", "cnn"): dict(epochs=30, lr=3e-3),
+    ("digits", "vit"): dict(epochs=40, lr=1e-3),
+    ("mnist1d", "vit"): dict(epochs=40, lr=1e-3),
+}
+WIDTH_DEFAULTS = {"mlp": 128, "cnn": 16, "resnet": 16, "vit": 32}
+DEPTH_DEFAULTS = {"mlp": 2, "cnn": 2, "resnet": 2, "vit": 2}
+
+
+def parse_partition(text: str) -> tuple[str, int]:
+    """``"shards2"`` → ("shards", 2); ``"dirichlet4"`` → ("dirichlet", 4); also iid/full."""
+    m = re.fullmatch(r"(shards|dirichlet|iid|full)(\d+)", text)
+    if not m:
+        raise ValueError(f"--partitions: expected e.g. shards2, dirichlet4, iid4, full2; got {text!r}")
+    return m.group(1), int(m.group(2))
+
+
+def parse_method(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``"kf-gradient[setting=2,eps=0.5]"`` → (label, method name, options). Values are TOML."""
+    m = re.fullmatch(r"([\w\-]+)(?:\[(.*)\])?", text.strip())
+    if not m:
+        raise ValueError(f"--methods: cannot parse {text!r}")
+    name, opt_text = m.group(1), m.group(2)
+    opts: dict[str, Any] = {}
+    if opt_text:
+        for item in opt_text.split(","):
+            k, _, v = item.partition("=")
+            opts[k.strip().replace("-", "_")] = tomllib.loads(f"v = {v.strip()}")["v"]
+    return text.strip(), name, opts
+
+
+def split_methods(text: str) -> list[str]:
+    """Comma-separated list where commas inside ``[...]`` do not split."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if cur.strip():
+                out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+@dataclass
+class CellConfig:
+    """Everything that determines the trained clients of one cell (hashed into the cache key)."""
+
+    dataset: str
+    partition: str
+    model: str
+    seed: int
+    width: int
+    depth: int
+    epochs: int
+    lr: float
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    alpha: float = 0.5
+    fusion_source: str = "client0"
+    importance_samples: int = 256
+    model_options: dict = field(default_factory=dict)
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "v": CACHE_VERSION}, sort_keys=True)
+        return f"{self.dataset}-{self.partition}-{self.model}-s{self.seed}-" + hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_data(cfg: CellConfig, fusion_size: int) -> FederatedData:
+    method, n = parse_partition(cfg.partition)
+    return FederatedData.build(cfg.dataset, n, method, alpha=cfg.alpha, fusion_size=fusion_size,
+                               fusion_source=cfg.fusion_source, seed=cfg.seed)
+
+
+def get_clients(cfg: CellConfig, data: FederatedData, importance: list[str], cache_dir: Path,
+                device: str = "cpu", log=print) -> list[dict[str, Any]]:
+    """Train (or load from cache) every client of a cell; compute missing client-side scores.
+
+    Returns one dict per client: ``model`` (eval mode, CPU), ``train_seconds``, ``scores``
+    ``{method: {level: [width]}}`` (computed on the client's own validation split), ``val_size``.
+    """
+    d = cache_dir / cfg.key()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(asdict(cfg), indent=1, sort_keys=True))
+    out = []
+    for pid in range(data.num_clients):
+        path = d / f"client{pid}.pt"
+        model = build_model(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape, width=cfg.width,
+                            depth=cfg.depth, seed=cfg.seed * 1000 + pid, **cfg.model_options)
+        tr, va = data.client_data(pid, cfg.val_fraction, cfg.seed)
+        rec = torch.load(path, weights_only=False) if path.exists() else None
+        if rec is None:
+            info = train(model, tr.x, tr.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr, device=device,
+                         seed=cfg.seed * 1000 + pid)
+            rec = {"state": {k: v.cpu() for k, v in model.state_dict().items()},
+                   "train_seconds": info["train-seconds"], "train_loss": info["train-loss"], "scores": {}}
+            log(f"    client {pid}: trained {len(tr)} samples in {info['train-seconds']:.1f}s "
+                f"(loss {info['train-loss']:.3f})")
+            _atomic_save(rec, path)
+        model.load_state_dict(rec["state"])
+        model.eval()
+        changed = False
+        for imp in importance:
+            if imp not in rec["scores"]:
+                k = min(cfg.importance_samples, len(va))
+                rec["scores"][imp] = neuron_importance(model, va.x[:k], va.y[:k], method=imp, device=device)
+                changed = True
+        if changed:
+            _atomic_save(rec, path)
+        out.append({"model": model, "train_seconds": rec["train_seconds"], "scores": rec["scores"],
+                    "val_size": len(va), "train_size": len(tr)})
+    return out
+
+
+def run_cell(cfg: CellConfig, methods: list[str], importance: list[str], score_sources: list[str],
+             fusion_size: int, cache_dir: Path, device: str = "cpu", method_options: dict | None = None,
+             log=print) -> list[dict[str, Any]]:
+    """Rows (one per base model, reference and method × importance × score source) for one cell."""
+    data = load_data(cfg, fusion_size)
+    clients = get_clients(cfg, data, [i for i in importance if i != "uniform"] + ["uniform"], cache_dir, device,
+                          log)
+    models = [c["model"] for c in clients]
+    tx, ty = data.test.x, data.test.y
+    base = dict(dataset=cfg.dataset, partition=cfg.partition, model=cfg.model, seed=cfg.seed,
+                num_clients=len(models), fusion_size=int(len(data.fusion_x)), fusion_source=cfg.fusion_source,
+                client_train_seconds=float(np.mean([c["train_seconds"] for c in clients])))
+    rows: list[dict[str, Any]] = []
+    for i, m in enumerate(models):
+        ev = evaluate(m, tx, ty, num_classes=data.num_classes)
+        rows.append({**base, "method": f"base-{i}", "importance": "", "score_source": "",
+                     "accuracy": ev["accuracy"], "loss": ev["loss"], "fuse_seconds": 0.0, "status": "ok"})
+    best = max(r["accuracy"] for r in rows)
+    rows.append({**base, "method": "best-base", "importance": "", "score_source": "", "accuracy": best,
+                 "loss": float("nan"), "fuse_seconds": 0.0, "status": "ok"})
+    jobs: list[tuple[str, str, dict, str, str]] = []
+    labels = [parse_method(m)[0] for m in methods]
+    for ref in ("average", "ensemble"):  # always measured: the time and accuracy references
+        if ref not in labels:
+            methods = [ref] + list(methods)
+    for text in methods:
+        label, name, opts = parse_method(text)
+        opts = {**(method_options or {}).get(name, {}), **opts}
+        uses_scores = getattr(METHODS.get(name), "uses_scores", False)
+        if uses_scores:
+            for imp in importance:
+                for src in (score_sources if imp != "uniform" else ["client"]):
+                    jobs.append((label, name, opts, imp, src))
+        else:
+            jobs.append((label, name, opts, "", ""))
+    for label, name, opts, imp, src in jobs:
+        kw = dict(opts)
+        scores = None
+        if imp and imp != "uniform":
+            if src == "client":
+                scores = [c["scores"][imp] for c in clients]
+            else:  # the server scores on its own (skewed) fusion set with its labels (FINDINGS #2)
+                kw.update(importance=imp, fusion_labels=data.fusion_y)
+        row = {**base, "method": label, "importance": imp, "score_source": src}
+        if name not in METHODS:
+            rows.append({**row, "accuracy": float("nan"), "loss": float("nan"), "fuse_seconds": float("nan"),
+                         "status": f"n/a: unknown method {name!r}"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            fused = fuse(name, models, fusion_inputs=data.fusion_x, scores=scores, device=device, seed=cfg.seed, **kw)
+            secs = time.perf_counter() - t0
+            ev = evaluate(fused, tx, ty, num_classes=data.num_classes)
+            row.update(accuracy=ev["accuracy"], loss=ev["loss"], fuse_seconds=secs, status="ok")
+        except ValueError as e:
+            row.update(accuracy=float("nan"), loss=float("nan"), fuse_seconds=float("nan"), status=f"n/a: {e}")
+        except Exception as e:  # keep the sweep going, but record loudly
+            traceback.print_exc()
+            row.update(accuracy=float("nan"), loss=float("nan"), fuse_seconds=float("nan"),
+                       status=f"error: {type(e).__name__}: {e}")
+        tag = f"{label}" + (f" ({imp}/{src})" if imp else "")
+        log(f"    {tag:<44} acc {row['accuracy']:.4f}  {row['fuse_seconds']:.2f}s  {row['status'][:80]}")
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------------------
+
+def _setting(r: dict) -> str:
+    return f"{r['dataset']}/{r['partition']}/{r['model']}"
+
+
+def _row_label(r: dict) -> str:
+    if not r["importance"]:
+        return r["method"]
+    src = "" if r["score_source"] in ("client", "") else ", server"
+    return f"{r['method']} ({r['importance'][:4]}{src})"
+
+
+def _ms(vals: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    v = [x for x in vals if x == x]
+    if not v:
+        return "n/a"
+    mean = float(np.mean(v)) * scale
+    std = float(np.std(v)) * scale
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" + ("" if len(v) == len(vals) else f" ({len(v)}/{len(vals)})")
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate rows: per (row label, setting) the accuracy list, gap recoveries and time ratios."""
+    settings = sorted({_setting(r) for r in rows})
+    order: list[str] = []
+    for r in rows:
+        lab = _row_label(r)
+        if lab not in order and not r["method"].startswith("base-"):
+            order.append(lab)
+    acc: dict[tuple[str, str], list[float]] = {}
+    gap: dict[tuple[str, str], list[float]] = {}
+    t_avg: dict[tuple[str, str], list[float]] = {}
+    t_cli: dict[tuple[str, str], list[float]] = {}
+    status: dict[tuple[str, str], str] = {}
+    by_cell: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_cell.setdefault((_setting(r), r["seed"]), {})[_row_label(r)] = r
+    for (st, _seed), cell in by_cell.items():
+        best = cell.get("best-base", {}).get("accuracy", float("nan"))
+        ens = cell.get("ensemble", {}).get("accuracy", float("nan"))
+        avg_t = cell.get("average", {}).get("fuse_seconds", float("nan"))
+        for lab, r in cell.items():
+            if lab.startswith("base-"):
+                continue
+            a = r["accuracy"]
+            acc.setdefault((lab, st), []).append(a)
+            g = (a - best) / (ens - best) if ens - best > 1e-9 else float("nan")
+            gap.setdefault((lab, st), []).append(g)
+            t_avg.setdefault((lab, st), []).append(r["fuse_seconds"] / avg_t if avg_t and avg_t > 0 else float("nan"))
+            t_cli.setdefault((lab, st), []).append(r["fuse_seconds"] / r["client_train_seconds"]
+                                                   if r["client_train_seconds"] > 0 else float("nan"))
+            if r["status"] != "ok":
+                status[(lab, st)] = r["status"]
+    return dict(settings=settings, order=order, acc=acc, gap=gap, t_avg=t_avg, t_cli=t_cli, status=status)
+
+
+def markdown_table(rows: list[dict[str, Any]], title: str = "One-shot fusion") -> str:
+    s = summarise(rows)
+    settings, order = s["settings"], s["order"]
+    seeds = sorted({r["seed"] for r in rows})
+    head = "| method | " + " | ".join(settings) + " |\n|---|" + "---|" * len(settings) + "\n"
+    out = [f"# {title}\n", f"Test accuracy (%), mean ± std over seeds {seeds}. Scores: client-side "
+           "(each client on its own validation split) unless marked `server` (the server on its fusion set). "
+           "n/a = the method raised ValueError (reason below).\n", "## Accuracy\n", head]
+
+    def cell(d, lab, st, scale=100.0, digits=1):
+        if (lab, st) not in d:
+            return ""
+        if all(v != v for v in d[(lab, st)]):
+            return "n/a"
+        return _ms(d[(lab, st)], scale, digits)
+
+    for lab in order:
+        out.append(f"| {lab} | " + " | ".join(cell(s["acc"], lab, st) for st in settings) + " |\n")
+    out += ["\n## Gap recovery = (fused − best base) / (ensemble − best base), %\n", head]
+    for lab in order:
+        if lab in ("best-base", "ensemble"):
+            continue
+        out.append(f"| {lab} | " + " | ".join(cell(s["gap"], lab, st, 100.0, 0) for st in settings) + " |\n")
+    out += ["\n## Fusion wall time: × `average` / × one client's local training\n", head]
+    for lab in order:
+        if lab == "best-base":
+            continue
+        vals = []
+        for st in settings:
+            a, c = s["t_avg"].get((lab, st)), s["t_cli"].get((lab, st))
+            if a is None:
+                vals.append("")
+                continue
+            ma = [v for v in a if v == v]
+            mc = [v for v in c if v == v]
+            vals.append("n/a" if not ma else f"{np.mean(ma):.3g}× / {np.mean(mc):.3g}×")
+        out.append(f"| {lab} | " + " | ".join(vals) + " |\n")
+    tr = {}
+    for r in rows:
+        if r["method"] == "best-base":
+            tr.setdefault(_setting(r), []).append(r["client_train_seconds"])
+    avg_secs = {}
+    for r in rows:
+        if r["method"] == "average":
+            avg_secs.setdefault(_setting(r), []).append(r["fuse_seconds"])
+    out.append("\nOne client's local training (s, mean over clients and seeds): "
+               + ", ".join(f"{st} {np.mean(v):.2f}" for st, v in sorted(tr.items())) + "\n")
+    out.append("\n`average` wall time (s): " + ", ".join(f"{st} {np.mean(v):.4f}" for st, v in sorted(avg_secs.items()))
+               + "\n")
+    if s["status"]:
+        out.append("\n## n/a and errors\n")
+        seen = set()
+        for (lab, st), msg in sorted(s["status"].items()):
+            if (lab, msg) in seen:
+                continue
+            seen.add((lab, msg))
+            out.append(f"- {lab} @ {st}: {msg}\n")
+    return "".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per setting: horizontal bars (mean ± std accuracy) per method; ensemble / best base lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = summarise(rows)
+    settings, order = s["settings"], [o for o in s["order"] if o not in ("best-base",)]
+    ncol = min(3, len(settings))
+    nrow = math.ceil(len(settings) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 0.28 * len(order) * nrow + 1.5 * nrow), squeeze=False)
+    for ax, st in zip(axes.flat, settings):
+        means, stds = [], []
+        for lab in order:
+            v = [x for x in s["acc"].get((lab, st), []) if x == x]
+            means.append(np.mean(v) * 100 if v else 0.0)
+            stds.append(np.std(v) * 100 if v else 0.0)
+        y = np.arange(len(order))
+        colors = ["tab:gray" if lab in ("ensemble", "average") else
+                  "tab:orange" if lab.startswith(("kd", "lp")) else "tab:blue" for lab in order]
+        ax.barh(y, means, xerr=stds, color=colors, alpha=0.85)
+        ax.set_yticks(y, order, fontsize=7)
+        ax.invert_yaxis()
+        best = [x for x in s["acc"].get(("best-base", st), []) if x == x]
+        if best:
+            ax.axvline(np.mean(best) * 100, color="k", ls="--", lw=1, label="best base")
+        ens = [x for x in s["acc"].get(("ensemble", st), []) if x == x]
+        if ens:
+            ax.axvline(np.mean(ens) * 100, color="tab:red", ls=":", lw=1, label="ensemble")
+        ax.set_title(st, fontsize=9)
+        ax.set_xlabel("test accuracy (%)")
+        ax.legend(fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(settings):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def write_results(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> None:
+    """``results.json`` (every raw row + the invocation), ``table.md``, ``accuracy.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_jsonable({"meta": meta, "rows": rows}), indent=1))
+    (out / "table.md").write_text(markdown_table(rows, title=meta.get("title", "One-shot fusion")))
+    try:
+        plot(rows, out / "accuracy.png")
+    except Exception:  # a plotting problem must not lose the numbers
+        traceback.print_exc()
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    rows = json.loads(Path(path).read_text())["rows"]
+    for r in rows:
+        for k in ("accuracy", "loss", "fuse_seconds"):
+            if r.get(k) is None:
+                r[k] = float("nan")
+    return rows
