@@ -13,6 +13,7 @@ initialised model (the papers' setting: fuse once, models from different initial
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
@@ -21,6 +22,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict  # 
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedfuse.config import parse_run_config  # noqa: E402
+from fedfuse.faults import before_training, client_fault, corrupt_reply  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 
@@ -38,6 +40,10 @@ def _node(context: Context) -> tuple[int, int]:
 def _setup(context: Context):
     limit_threads()
     cfg = parse_run_config(context.run_config)
+    if context.node_config.get("data-root"):  # deployment: this SuperNode's own data folder
+        cfg = dataclasses.replace(cfg, data_root=str(context.node_config["data-root"]))
+    if context.node_config.get("device"):  # deployment: this SuperNode's device (auto | cpu | cuda | cuda:N)
+        cfg = dataclasses.replace(cfg, device=str(context.node_config["device"]))
     pid, n = _node(context)
     data = federated_data(cfg, num_clients=n)
     train_set, val_set = data.client_data(pid, cfg.val_fraction, cfg.seed)
@@ -49,6 +55,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg, pid, data, train_set, val_set = _setup(context)
     config = msg.content["config"]
     server_round = int(config.get("server-round", 1))
+    fault = client_fault(cfg.test_faults, context.node_config, pid, server_round)  # TEST ONLY, None by default
+    before_training(fault)
     one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
     model = global_model(cfg, data.num_classes, data.input_shape,
                          seed=client_init_seed(cfg, pid) if one_shot else None)
@@ -59,10 +67,11 @@ def train(msg: Message, context: Context) -> Message:
                        device=device, seed=cfg.seed * 7919 + pid * 131 + server_round,
                        epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
                        lr=float(config["lr"]) if "lr" in config else None)
-    content = RecordDict({"arrays": ArrayRecord(out["state"])})
-    if out["scores"] is not None:
-        content["importance"] = ArrayRecord({k: v.detach().cpu().float().contiguous() for k, v in out["scores"].items()})
-    content["metrics"] = MetricRecord({**out["metrics"], "partition-id": pid})
+    state, scores, metrics = corrupt_reply(fault, out["state"], out["scores"], out["metrics"])
+    content = RecordDict({"arrays": ArrayRecord(state)})
+    if scores is not None:
+        content["importance"] = ArrayRecord({k: v.detach().cpu().float().contiguous() for k, v in scores.items()})
+    content["metrics"] = MetricRecord({**metrics, "partition-id": pid})
     return Message(content=content, reply_to=msg)
 
 

@@ -56,6 +56,9 @@ class RunConfig:
     device: str = "auto"
     output_dir: str = "results"
     run_name: str = ""
+    round_timeout: float = 3600.0
+    resume: bool = False
+    test_faults: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -135,6 +138,18 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             raise ConfigError(f"run-config key {name.replace('_', '-')!r} must be in [0, 1), got {getattr(cfg, name)}")
     if not 0.0 < cfg.fraction_train <= 1.0:
         raise ConfigError(f"run-config key 'fraction-train' must be in (0, 1], got {cfg.fraction_train}")
+    if cfg.resume and not cfg.run_name:
+        raise ConfigError("run-config key 'resume' needs a fixed 'run-name' (the run to continue lives in "
+                          "<output-dir>/<run-name>)")
+    if cfg.round_timeout <= 0:
+        raise ConfigError(f"run-config key 'round-timeout' must be > 0 seconds, got {cfg.round_timeout}")
+    if cfg.test_faults:
+        from fedfuse.faults import parse_faults
+
+        try:
+            parse_faults(cfg.test_faults)
+        except ValueError as exc:
+            raise ConfigError(f"run-config key 'test-faults': {exc}") from exc
     if cfg.lr <= 0:
         raise ConfigError(f"run-config key 'lr' must be > 0, got {cfg.lr}")
     if cfg.dirichlet_alpha <= 0:

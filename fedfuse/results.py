@@ -91,3 +91,43 @@ class RunRecorder:
         torch.save(state, tmp)
         os.replace(tmp, path)
         return path
+
+
+# ------------------------------------------------------------------ checkpoint and resume
+CHECKPOINT_DIR = "checkpoint"
+
+
+def save_checkpoint(out_dir: str | Path, server_round: int, state: dict[str, torch.Tensor],
+                    run_state: dict[str, Any]) -> Path:
+    """Write ``<out_dir>/checkpoint/{global_model.pt,state.json}`` for a completed round, atomically.
+
+    Each file is written to a temporary name and renamed. The model is written first and the previous
+    one kept as ``global_model.prev.pt``; ``state.json`` (written last) is the commit record, and
+    ``load_checkpoint`` picks whichever model file carries its round, so a crash between the renames
+    never leaves a state that points at the wrong model.
+    """
+    ckpt = Path(out_dir) / CHECKPOINT_DIR
+    ckpt.mkdir(parents=True, exist_ok=True)
+    model, prev = ckpt / "global_model.pt", ckpt / "global_model.prev.pt"
+    tmp = ckpt / "global_model.pt.tmp"
+    torch.save({"round": int(server_round), "state_dict": {k: v.detach().cpu() for k, v in state.items()}}, tmp)
+    if model.exists():
+        os.replace(model, prev)
+    os.replace(tmp, model)
+    _atomic_write(ckpt / "state.json", json.dumps(_jsonable({**run_state, "round": int(server_round)}), indent=1))
+    return ckpt
+
+
+def load_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """``(run_state, global state dict)`` of the last completed round, or ``None`` without a checkpoint."""
+    ckpt = Path(out_dir) / CHECKPOINT_DIR
+    if not (ckpt / "state.json").exists():
+        return None
+    run_state = json.loads((ckpt / "state.json").read_text())
+    for name in ("global_model.pt", "global_model.prev.pt"):
+        path = ckpt / name
+        if path.exists():
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            if int(obj["round"]) == int(run_state["round"]):
+                return run_state, obj["state_dict"]
+    raise RuntimeError(f"checkpoint {ckpt}: no global model file for round {run_state['round']}")

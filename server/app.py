@@ -6,6 +6,12 @@ test split (accuracy, loss, per-class accuracy), together with the reference ens
 round's client models and each client model alone. Results go to ``<output-dir>/<run-name>/``:
 ``config.json``, ``results.json`` and ``rounds.csv`` (one row per round), ``accuracy.png``,
 ``global_model.pt``.
+
+Checkpoint and resume: after every round the global model and the run state (last completed round,
+rows so far, strategy history) are written atomically to ``<out>/checkpoint/``. A run started again
+with ``resume=true`` and the same ``run-name``/``output-dir`` continues from the last completed round:
+only the remaining rounds run, with the true round numbers (client seeds, fusion seeds and result rows
+match an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenM
 
 import time  # noqa: E402
 from datetime import datetime  # noqa: E402
-from logging import INFO  # noqa: E402
+from logging import INFO, WARNING  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -24,9 +30,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E
 from flwr.common.logger import log  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
+from fedfuse.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
+from fedfuse.faults import parse_faults, server_fusion_fault  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
-from fedfuse.results import RunRecorder  # noqa: E402
+from fedfuse.results import RunRecorder, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
 from server.strategies import STRATEGIES, build_strategy  # noqa: E402
@@ -61,7 +68,43 @@ def setup(cfg: RunConfig):
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed)
+    if any(f.target == "fusion" for f in parse_faults(cfg.test_faults)):  # TEST ONLY, off by default
+        _inject_fusion_fault(strategy, cfg.test_faults)
     return data, model_fn, strategy
+
+
+def _inject_fusion_fault(strategy, faults: str) -> None:
+    """TEST ONLY (run-config ``test-faults`` with ``fusion:error[@R]``): make fusion raise in those rounds."""
+    fuse_updates = strategy.fuse_updates
+
+    def faulty(server_round, updates):
+        if server_fusion_fault(faults, server_round) is not None:
+            raise RuntimeError(f"fedfuse test fault: injected fusion failure in round {server_round}")
+        return fuse_updates(server_round, updates)
+
+    strategy.fuse_updates = faulty
+
+
+# run-config keys that may differ between an interrupted run and its resumption
+RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "test-faults", "device")
+
+
+def _resume_state(cfg: RunConfig, out: Path):
+    """``(done rounds, run state, global state dict)`` from ``<out>/checkpoint``, or ``None``."""
+    if not cfg.resume:
+        return None
+    loaded = load_checkpoint(out)
+    if loaded is None:
+        log(WARNING, "fedfuse: resume=true but %s has no checkpoint; starting from round 0", out / "checkpoint")
+        return None
+    run_state, state = loaded
+    saved = run_state.get("config", {})
+    now = cfg.to_dict()
+    differ = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_DIFFER and saved.get(k) != now.get(k))
+    if differ:
+        raise ConfigError(f"run-config keys {differ} differ from the checkpointed run in {out}; resume needs the "
+                          "same configuration")
+    return int(run_state["round"]), run_state, state
 
 
 @app.main()
@@ -70,16 +113,31 @@ def main(grid: Grid, context: Context) -> None:
     cfg = parse_run_config(context.run_config, known_strategies=tuple(STRATEGIES))
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
+    resumed = _resume_state(cfg, out)
+    done = resumed[0] if resumed else 0
+    strategy.round_offset = done
     recorder = RunRecorder(out, {**cfg.to_dict(), "num-classes": data.num_classes,
                                  "input-shape": list(data.input_shape), "fusion-set-samples": len(strategy.fusion_inputs)
                                  if strategy.fusion_inputs is not None else 0})
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
+    initial = model_fn().state_dict()
+    if resumed:
+        _, run_state, initial = resumed
+        recorder.rows = list(run_state.get("rows", []))
+        strategy.history = list(run_state.get("strategy-history", []))
+        recorder.extra["resumed-from-rounds"] = list(run_state.get("resumed-from-rounds", [])) + [done]
+        log(INFO, "fedfuse: resuming %s after round %d of %d", out, done, cfg.num_server_rounds)
+    last = {"arrays": ArrayRecord(initial)}
     device = resolve_device(cfg.device)
     test_x, test_y = data.test.x, data.test.y
     clock = {"t": time.perf_counter()}
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        server_round += done  # true round number when resuming
+        last["arrays"] = arrays
+        if done and server_round == done:  # the resumed-from model: its row is in the checkpoint already
+            return None
         model = model_fn()
         model.load_state_dict(arrays.to_torch_state_dict())
         m = evaluate(model, test_x, test_y, num_classes=data.num_classes, device=device)
@@ -108,17 +166,27 @@ def main(grid: Grid, context: Context) -> None:
                     if vals:
                         row[f"client-{key}-mean"] = sum(vals) / len(vals)
         recorder.add_round(row)
+        if server_round > 0:
+            save_checkpoint(out, server_round, arrays.to_torch_state_dict(),
+                            {"num-server-rounds": cfg.num_server_rounds, "config": cfg.to_dict(), "rows": recorder.rows,
+                             "strategy-history": strategy.history,
+                             "resumed-from-rounds": recorder.extra.get("resumed-from-rounds", [])})
         log(INFO, "fedfuse round %d: test-accuracy %.4f%s%s", server_round, row["test-accuracy"],
             f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
             f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
         return MetricRecord({"test-accuracy": float(m["accuracy"]), "test-loss": float(m["loss"])})
 
     train_config = ConfigRecord({"mode": cfg.mode, "local-epochs": cfg.local_epochs, "lr": cfg.lr})
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model_fn().state_dict()),
-                            num_rounds=cfg.num_server_rounds, train_config=train_config, evaluate_fn=evaluate_fn)
+    if cfg.num_server_rounds > done:
+        strategy.start(grid=grid, initial_arrays=last["arrays"], num_rounds=cfg.num_server_rounds - done,
+                       timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluate_fn)
     recorder.extra["strategy-history"] = strategy.history
+    recorder.extra["failures"] = [{"round": h["round"], **f} for h in strategy.history for f in h.get("failures", [])]
+    recorder.extra["rejected"] = [{"round": h["round"], **r} for h in strategy.history for r in h.get("rejected", [])]
+    recorder.extra["skipped-rounds"] = [h["round"] for h in strategy.history if h.get("skipped")]
     recorder.write()
-    recorder.save_model(result.arrays.to_torch_state_dict())
+    # the last global model (Result.arrays stays empty when every round was skipped)
+    recorder.save_model(last["arrays"].to_torch_state_dict())
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
     (out / "DONE").write_text("ok\n")
     log(INFO, "fedfuse: results written to %s", out)

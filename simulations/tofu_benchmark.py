@@ -259,7 +259,7 @@ def part_accuracy(device: torch.device, setups: dict[str, list[int]], modes: lis
 
 # ----------------------------------------------------------------------------------------- federated
 
-def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: int = 3, local_epochs: int = 2,
+def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: int = 3, local_epochs: int = 1,
                   tofu_r: int = 4, partitioning: str = "iid", device: str | torch.device = "auto", seed: int = 0,
                   lr: float = 1e-3, batch_size: int = 32) -> dict:
     """FedAvg in plain PyTorch, once with ToFu off and once with ``tofu_r`` during local training.
@@ -280,17 +280,19 @@ def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: in
     out: dict = dict(kind=kind, source=source, clients=num_clients, rounds=rounds, local_epochs=local_epochs,
                      partitioning=partitioning, tofu_r=tofu_r, device=str(device), threads=torch.get_num_threads(),
                      client_sizes=[len(p) for p in parts], arms={})
-    for arm, r in (("off", 0), ("tofu", tofu_r)):
-        global_model = copy.deepcopy(init).to(device)
-        per_round = []
-        for rnd in range(rounds):
-            states, secs = [], []
-            for k, idx in enumerate(parts):
-                local = copy.deepcopy(global_model)
+    arms = {"off": 0, "tofu": tofu_r}
+    globals_ = {arm: copy.deepcopy(init).to(device) for arm in arms}
+    per_round: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for rnd in range(rounds):
+        states: dict[str, list] = {arm: [] for arm in arms}
+        secs: dict[str, list[float]] = {arm: [] for arm in arms}
+        for k, idx in enumerate(parts):
+            for arm, r in arms.items():  # arms interleaved per client: CPU contention hits both alike
+                local = copy.deepcopy(globals_[arm])
                 if r > 0:
                     tofu.apply(local, r=r, proportional_attention=False)
                 opt = torch.optim.Adam(local.parameters(), lr=lr)
-                gen = torch.Generator().manual_seed(seed * 1000 + rnd * 100 + k)
+                gen = torch.Generator().manual_seed(seed * 1000 + rnd * 100 + k)  # same batches in both arms
                 idx_t = torch.as_tensor(idx)
                 local.train()
                 _sync(device)
@@ -303,18 +305,23 @@ def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: in
                         F.cross_entropy(local(xtr[b].to(device)), ytr[b].to(device)).backward()
                         opt.step()
                 _sync(device)
-                secs.append(time.perf_counter() - t0)
+                secs[arm].append(time.perf_counter() - t0)
                 tofu.remove(local)  # weights are untouched by ToFu: aggregation is plain FedAvg
-                states.append(local.state_dict())
-            global_model.load_state_dict(average_state_dicts(states, weights))
-            per_round.append(dict(round=rnd + 1, client_train_seconds=secs, total_train_seconds=sum(secs),
-                                  accuracy_off=accuracy(global_model, xte, yte, device)))
-        acc_off = per_round[-1]["accuracy_off"]
-        with tofu.tofu(global_model, r=max(tofu_r, 1)):
-            acc_on = accuracy(global_model, xte, yte, device)
-        out["arms"][arm] = dict(r=r, rounds=per_round, final_accuracy_eval_off=acc_off,
+                states[arm].append(local.state_dict())
+        for arm in arms:
+            globals_[arm].load_state_dict(average_state_dicts(states[arm], weights))
+            per_round[arm].append(dict(round=rnd + 1, client_train_seconds=secs[arm],
+                                       total_train_seconds=sum(secs[arm]),
+                                       accuracy_off=accuracy(globals_[arm], xte, yte, device)))
+    for arm, r in arms.items():
+        g = globals_[arm]
+        acc_off = per_round[arm][-1]["accuracy_off"]
+        with tofu.tofu(g, r=max(tofu_r, 1)):
+            acc_on = accuracy(g, xte, yte, device)
+        out["arms"][arm] = dict(r=r, rounds=per_round[arm], final_accuracy_eval_off=acc_off,
                                 final_accuracy_eval_tofu=acc_on,
-                                mean_round_train_seconds=statistics.mean(p["total_train_seconds"] for p in per_round))
+                                mean_round_train_seconds=statistics.mean(
+                                    p["total_train_seconds"] for p in per_round[arm]))
     out["train_time_speedup"] = (out["arms"]["off"]["mean_round_train_seconds"]
                                  / out["arms"]["tofu"]["mean_round_train_seconds"])
     return out
@@ -328,7 +335,9 @@ def _fmt(v: float, nd: int = 3) -> str:
 
 def markdown(results: dict[str, dict]) -> str:
     """One markdown report from whichever part results exist."""
+    quick = [p for p, v in results.items() if v.get("quick")]
     lines = ["# ToFu benchmark (issue #7)", "",
+             *([f"**Smoke-run (--quick) numbers, not results: {', '.join(quick)}**", ""] if quick else []),
              "All ratios are relative to ToFu *off* measured in the same run (interleaved, median). "
              "Modes: `tofu` = prune in blocks < depth/2, then MLERP; `tofu_avg` = prune, then average; "
              "`tome` = average in every block; `prune` = prune in every block.", ""]
@@ -397,13 +406,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny smoke configuration")
     ap.add_argument("--modes", default="tofu,tofu_avg,tome,prune")
     ap.add_argument("--rs", default="4,8,13,16", help="r sweep for the ViT-Ti throughput")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--train-rs", default="8,13")
     ap.add_argument("--fed-clients", type=int, default=3)
     ap.add_argument("--fed-rounds", type=int, default=3)
-    ap.add_argument("--fed-epochs", type=int, default=2)
+    ap.add_argument("--fed-epochs", type=int, default=1)
     ap.add_argument("--fed-r", type=int, default=4)
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
                                      {"project_mnist1d": 1, "proxy_digits32": 1}, 1, 4, args.seed)
             else:
                 data = part_accuracy(device, {"project_mnist1d": [1, 2, 3, 4], "proxy_digits32": [2, 4, 6, 8]},
-                                     modes, {"project_mnist1d": 30, "proxy_digits32": 30}, args.reps, 4, args.seed)
+                                     modes, {"project_mnist1d": 10, "proxy_digits32": 10}, args.reps, 4, args.seed)
         else:
             data = (federated_run(rounds=1, local_epochs=1, tofu_r=args.fed_r, device=device, seed=args.seed,
                                   num_clients=2) if args.quick

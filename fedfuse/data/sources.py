@@ -417,6 +417,9 @@ def _check_options(name: str, loader: Callable, options: dict) -> None:
     fn = getattr(loader, "__wrapped__", loader)
     fixed = getattr(loader, "_fixed", {})
     params = inspect.signature(fn).parameters
+    clash = sorted(set(options) & (set(fixed) | {"root", "seed", "test_fraction"}))
+    if clash:
+        raise ValueError(f"dataset {name!r}: option(s) {clash} are set by the source name / arguments")
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return  # the loader validates its own extra options (mnist1d)
     allowed = {k for k in params if k not in ("root", "seed", "test_fraction") and k not in fixed}

@@ -70,7 +70,7 @@ def finetune_fused(fused: nn.Module, teachers: list[nn.Module], inputs: torch.Te
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                tot += float(loss) * len(idx)
+                tot += float(loss.detach()) * len(idx)
                 cnt += len(idx)
             last = tot / max(cnt, 1)
     fused.eval()

@@ -659,17 +659,17 @@ def synthesize_inputs(model: nn.Module, pool: torch.Tensor, count: int, gen: tor
 class FSMergeConfig:
     """Options shared by ``fs-merge`` and ``fs-merge-seq`` (see ``fuse_fs_merge``)."""
 
-    rank: int | str = 16
+    rank: int | str | None = None      # None → "full" for MLPs (paper E.1), 8 for ViTs
     init: str = "first"
     steps: int = 600
     epochs: int | None = None
-    lr: float = 3e-3
+    lr: float | None = None            # None → 1e-2 (MLPs and ViTs)
     weight_decay: float = 1e-3
     batch_size: int = 128
     augment: int = 4
     heads: str = "shared"
     route: str = "folded"
-    synth: int | None = None
+    synth: int = 0
     synth_steps: int = 40
     task_ids: torch.Tensor | None = None
     warmup: float = 0.05
@@ -691,19 +691,28 @@ def _parse_options(options: dict, n_models: int) -> FSMergeConfig:
         raise ValueError(f"fs-merge: heads must be one of {HEADS}, got {cfg.heads!r}")
     if cfg.route not in ROUTES:
         raise ValueError(f"fs-merge: route must be one of {ROUTES}, got {cfg.route!r}")
-    if cfg.rank != "full" and (isinstance(cfg.rank, bool) or not isinstance(cfg.rank, int) or cfg.rank < 0):
+    if cfg.rank is not None and cfg.rank != "full" and (isinstance(cfg.rank, bool) or not isinstance(cfg.rank, int) or cfg.rank < 0):
         raise ValueError(f"fs-merge: rank must be an int >= 0 or 'full', got {cfg.rank!r}")
     for nm in ("steps", "batch_size"):
         if not isinstance(getattr(cfg, nm), int) or getattr(cfg, nm) < 1:
             raise ValueError(f"fs-merge: {nm} must be a positive int, got {getattr(cfg, nm)!r}")
     if cfg.epochs is not None and (not isinstance(cfg.epochs, int) or cfg.epochs < 1):
         raise ValueError(f"fs-merge: epochs must be a positive int, got {cfg.epochs!r}")
-    if not (isinstance(cfg.lr, (int, float)) and cfg.lr > 0):
+    if cfg.lr is not None and not (isinstance(cfg.lr, (int, float)) and cfg.lr > 0):
         raise ValueError(f"fs-merge: lr must be > 0, got {cfg.lr!r}")
     if not isinstance(cfg.augment, int) or cfg.augment < 0:
         raise ValueError(f"fs-merge: augment (augmented copies per input) must be an int >= 0, got {cfg.augment!r}")
-    if cfg.synth is not None and (not isinstance(cfg.synth, int) or cfg.synth < 0):
+    if not isinstance(cfg.synth, int) or cfg.synth < 0:
         raise ValueError(f"fs-merge: synth (synthesised inputs per client) must be an int >= 0, got {cfg.synth!r}")
+    return cfg
+
+
+def _arch_defaults(cfg: FSMergeConfig, kind: str) -> FSMergeConfig:
+    """Fill ``rank`` / ``lr`` left at None with the CPU-size defaults of the model family."""
+    if cfg.rank is None:
+        cfg.rank = "full" if kind == "mlp" else 8
+    if cfg.lr is None:
+        cfg.lr = 1e-2
     return cfg
 
 
@@ -784,7 +793,7 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
         loss.backward()
         opt.step()
         sched.step()
-        running += float(loss)
+        running += float(loss.detach())
         count += 1
         if count == per_epoch or step == steps - 1:
             losses.append(running / count)
@@ -826,7 +835,7 @@ def prepare_data(models: list[nn.Module], x: torch.Tensor, cfg: FSMergeConfig, d
     aug = augment_inputs(x, cfg.augment, gen)
     pool = torch.cat([x, aug])
     tids = None if tid is None else torch.cat([tid, tid.repeat(cfg.augment)])
-    synth = cfg.synth if cfg.synth is not None else min(max(len(x), 64), 512)
+    synth = cfg.synth
     if synth > 0:
         extra, extra_t = [], []
         for k, m in enumerate(models):
@@ -877,6 +886,7 @@ def fuse_fs_merge(models, *, fusion_inputs, weights, device, seed=0, scores=None
     """
     cfg = _parse_options(options, len(models))
     _check_inputs(models, fusion_inputs)
+    cfg = _arch_defaults(cfg, _arch_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
@@ -908,6 +918,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, weights, device, seed=0, scores=
     if cfg.init != "first":
         raise ValueError("fs-merge-seq: stages are initialised from the previous merge; only init='first' applies")
     _check_inputs(models, fusion_inputs)
+    cfg = _arch_defaults(cfg, _arch_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)

@@ -100,6 +100,52 @@ def design_matrix(layer: nn.Module, u: torch.Tensor, bias: bool) -> torch.Tensor
     return d
 
 
+def folded_affine(lv: Level) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``[out, in, *k]`` and bias ``[out]`` of ``norm(layer(·))`` with eval-mode BN folded in."""
+    w = lv.layer.weight.detach().double()
+    b = lv.layer.bias.detach().double() if lv.layer.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype,
+                                                                                     device=w.device)
+    if lv.norm is not None:
+        bn = lv.norm
+        scale = (bn.weight.detach().double() if bn.weight is not None else torch.ones_like(b)) / \
+            (bn.running_var.double() + bn.eps).sqrt()
+        shift = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(b)
+        w = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
+        b = scale * (b - bn.running_mean.double()) + shift
+    return w, b
+
+
+def aligned_parent_weights(lv: Level, prev_labels: torch.Tensor | None, k_prev: int, fused: Level,
+                           bias: bool) -> torch.Tensor | None:
+    """A parent's level weights re-expressed on the fused model's inputs: ``[cols, out]`` or ``None``.
+
+    Input neuron ``i`` of the parent was grouped into fused neuron ``prev_labels[i]``, which
+    approximates it, so the parent's weights on a group are summed (``prev_labels is None`` at the
+    first level, where every model reads the same raw input). Used as the prior of the least-squares
+    fit: directions the fusion set does not excite (dead pixels, neurons silent on client 0's data)
+    keep the parents' interpolated weights instead of the min-norm zero.
+    """
+    if not lv.affine or type(lv.layer) is not type(fused.layer):
+        return None
+    w, b = folded_affine(lv)
+    if prev_labels is not None:
+        c_in = prev_labels.shape[0]
+        memb = torch.zeros(c_in, k_prev, dtype=w.dtype, device=w.device)
+        memb[torch.arange(c_in, device=w.device), prev_labels.to(w.device)] = 1.0
+        if isinstance(lv.layer, nn.Linear):
+            if w.shape[1] % c_in:
+                return None
+            w = torch.einsum("ocs,ck->oks", w.reshape(w.shape[0], c_in, -1), memb).reshape(w.shape[0], -1)
+        else:
+            w = torch.einsum("oc...,ck->ok...", w, memb)
+    w = w.reshape(w.shape[0], -1)
+    if w.shape[1] != fused.layer.weight[0].numel():
+        return None
+    if bias:
+        w = torch.cat([w, b[:, None]], 1)
+    return w.T
+
+
 def _folded_has_bias(lv: Level) -> bool:
     return lv.layer.bias is not None or lv.norm is not None
 
@@ -216,6 +262,7 @@ class _Opts:
     align_residual: bool
     ridge: float
     rcond: float
+    prior: str
     init: str
     prox: float
     kmeans_init: str
@@ -234,7 +281,7 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
     base = {**SETTINGS[setting], **COMMON}
     base["head_weight_decay"] = base["weight_decay"]
     vals = dict(fused_width=None, importance="client", fusion_labels=None, normalize_scores=False,
-                align_residual=False, ridge=0.0, rcond=1e-7, init="auto", prox=0.0,
+                align_residual=False, ridge=0.0, rcond=1e-7, prior="parents", init="auto", prox=0.0,
                 kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=10,
                 hf_cost="exact", chunk_size=1024, importance_batch_size=64, verbose=False)
     for key in list(opts):
@@ -461,6 +508,8 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     chunk = max(1, opts.chunk_size)
     h_par = [x for _ in range(n)]   # each parent's current level input (one level per model)
     h_fus = x                       # the fused model's current level input
+    prev_labels: list[torch.Tensor | None] = [None] * n   # each parent's previous-level grouping
+    k_prev = 0
     for l in range(n_levels):
         last = l == n_levels - 1
         widths = [plv[m][l].width for m in range(n)]
@@ -486,6 +535,16 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                     xtz += dm.T @ zcat(i, i + chunk)
             ridge = opts.ridge * float(torch.diagonal(xtx).mean()) if opts.ridge > 0 else 0.0
             ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
+            if opts.prior == "parents":
+                pri = [aligned_parent_weights(plv[m][l], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
+                pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
+                       for m, p in enumerate(pri)]
+                prior = torch.cat(pri, 1).to(device)
+                # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
+                dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
+                ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
+            elif opts.prior != "zero":
+                raise ValueError(f"neuron interpolation: prior must be 'parents' or 'zero', got {opts.prior!r}")
         else:
             ls = None
 
@@ -533,6 +592,9 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
             del target
         if not last:
             h_fus = _chunked(lvf.run, h_fus, chunk)
+            offs = [sum(widths[:m]) for m in range(n)]
+            prev_labels = [labels[offs[m]:offs[m] + widths[m]] for m in range(n)]
+            k_prev = k
     for p in fused.parameters():
         p.requires_grad_(True)
     return fused.eval()

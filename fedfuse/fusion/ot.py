@@ -51,7 +51,9 @@ def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> tor
         raise ValueError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens must match")
     if std:
         xa, xb = standardize(xa), standardize(xb)
-    return torch.cdist(xa.t().float().contiguous(), xb.t().float().contiguous()).double()
+    xa, xb = xa.double(), xb.double()
+    sq = (xa * xa).sum(0)[:, None] + (xb * xb).sum(0)[None, :] - 2.0 * (xa.t() @ xb)  # Gram form: one matmul
+    return sq.clamp_min(0).sqrt().cpu()
 
 
 def weight_cost(fa: torch.Tensor, fb: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -76,14 +78,18 @@ def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost
     check_compatible(spec_a, spec_b, state_a, state_b)
     if cost == "activations":
         acts_a = collect_activations(model_a, spec_a, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+        if std:
+            acts_a = {g: standardize(v) for g, v in acts_a.items()}
         if acts_b is None:
             acts_b = collect_activations(model_b, spec_b, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+            if std:
+                acts_b = {g: standardize(v) for g, v in acts_b.items()}
     maps: dict[str, Map] = {}
     prev_stream: Map | None = None
     for g, ga in spec_a.groups.items():
         gb = spec_b.groups[g]
         if cost == "activations":
-            c = activation_cost(acts_a[g], acts_b[g], std)
+            c = activation_cost(acts_a[g], acts_b[g], std=False)  # standardised once above
         else:
             fa, fb = weight_features(state_a, state_b, spec_a, spec_b, g, maps, ("out",), require_mapped=True)
             c = weight_cost(fa, fb)
@@ -105,14 +111,14 @@ def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost
 
 @register("ot", needs_data=True, uses_scores=True)
 def fuse_ot(models, *, fusion_inputs=None, scores=None, weights, device, seed=0, cost: str | None = None,
-            solver: str = "sinkhorn", reg: float = 0.05, marginals: str = "uniform", residual: str = "tied",
+            solver: str = "emd", reg: float = 0.05, marginals: str = "uniform", residual: str = "tied",
             head_preserving: bool = True, std: bool = True, max_rows: int = 4096, reset_bn: bool | None = None,
             finetune: dict | None = None, **_) -> nn.Module:
     """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture.
 
     Options:
         cost: ``"activations"`` | ``"weights"`` (default: activations when ``fusion_inputs`` is given).
-        solver: ``"emd"`` (exact; permutations for equal widths) | ``"sinkhorn"`` (default, soft).
+        solver: ``"emd"`` (default; exact, permutations for equal widths) | ``"sinkhorn"`` (soft).
         reg: Sinkhorn ε on the max-normalised cost (spec: 0.05–0.1).
         marginals: ``"uniform"`` | ``"importance"`` (needs ``scores``; per-unit scores as OT marginals).
         residual: ViT residual policy ``"tied"`` | ``"mean"`` | ``"no_resid"`` | ``"only_resid"``.
@@ -144,6 +150,8 @@ def fuse_ot(models, *, fusion_inputs=None, scores=None, weights, device, seed=0,
     spec_b = build_spec(ref, layout)
     acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
               if cost == "activations" else None)
+    if acts_b is not None and std:
+        acts_b = {g: standardize(v) for g, v in acts_b.items()}
     states = [ref.state_dict()]
     info = {"method": "ot", "cost": cost, "solver": solver, "trace_ratio": []}
     for k, model in enumerate(models[1:], 1):

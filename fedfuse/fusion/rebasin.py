@@ -128,15 +128,15 @@ def activation_matching(acts_a: dict[str, torch.Tensor], acts_b: dict[str, torch
 def unit_weights_for(scores: dict[str, torch.Tensor] | None, spec: PermSpec, maps: dict[str, Map]) -> dict[str, torch.Tensor]:
     """Per-unit importance ``{group: [m_B]}`` of a model in the reference's units (ones where no score).
 
-    Scores of a group's levels are averaged and normalised to mean 1, then moved with the group's map.
+    Scores of a group's levels are averaged (raw scale, so that models compare unit by unit), then moved
+    with the group's map.
     """
     out = {}
     for g, grp in spec.groups.items():
         vecs = [scores[lv].detach().double().cpu().flatten() for lv in grp.levels
                 if scores is not None and lv in scores and scores[lv].numel() == grp.size]
         if vecs:
-            s = torch.stack(vecs).mean(0).clamp_min(0)
-            s = s / s.mean().clamp_min(1e-300) + 1e-6
+            s = torch.stack(vecs).mean(0).clamp_min(0) + 1e-12  # raw scale: compared across models
         else:
             s = torch.ones(grp.size, dtype=torch.float64)
         m = maps[g]
@@ -160,7 +160,14 @@ def finish(fused: nn.Module, models: list[nn.Module], fusion_inputs, *, reset_bn
 
         if fusion_inputs is None:
             raise ValueError("finetune needs fusion_inputs (the fusion set)")
-        ft = dict(finetune) if isinstance(finetune, dict) else {}
+        if isinstance(finetune, dict):
+            ft = dict(finetune)
+        elif finetune is True:
+            ft = {}
+        elif isinstance(finetune, int) and finetune > 0:
+            ft = {"epochs": int(finetune)}  # ``finetune=N``: N epochs with the other defaults
+        else:
+            raise ValueError(f"finetune must be a dict of options, True or a positive epoch count, got {finetune!r}")
         info["finetune"] = finetune_fused(fused, models, fusion_inputs, weights=weights, device=device, seed=seed, **ft)
     fused.fusion_info = info  # type: ignore[attr-defined]
     return fused.cpu().eval()

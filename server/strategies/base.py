@@ -13,6 +13,7 @@ so the ServerApp can write them to the run's results.
 
 from __future__ import annotations
 
+import random
 import time
 from logging import INFO, WARNING
 from typing import Any, Callable, Iterable
@@ -94,8 +95,21 @@ class FusionStrategy(FedAvg):
         self._global: ArrayRecord | None = None
         self.last_updates: list[ClientUpdate] = []
         self.history: list[dict[str, Any]] = []
+        # rounds already done before this ``start`` (resume from a checkpoint): ``start`` counts 1..k,
+        # clients, fusion seeds and ``history`` see the true round ``round_offset + 1 ..``
+        self.round_offset = 0
+        self._sent: set[int] = set()                   # node ids sent a train message this round
+        self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
 
     # ---------------------------------------------------------------- helpers
+    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"node-id": node_id, "reason": reason}
+        if code is not None:
+            out["code"] = code
+        if node_id in self._node_partitions:
+            out["partition-id"] = self._node_partitions[node_id]
+        return out
+
     def _needs_modules(self) -> bool:
         return True
 
@@ -110,10 +124,18 @@ class FusionStrategy(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        server_round += self.round_offset
         self._global = arrays
         config["fusion-method"] = self.method
         config["need-importance"] = self.wants_client_scores
-        return super().configure_train(server_round, arrays, config, grid)
+        rng_state = random.getstate()  # FedAvg samples nodes with `random`: make it reproducible per round
+        random.seed(self.seed * 1_000_003 + server_round)
+        try:
+            messages = list(super().configure_train(server_round, arrays, config, grid))
+        finally:
+            random.setstate(rng_state)
+        self._sent = {int(m.metadata.dst_node_id) for m in messages if isinstance(m, Message)}
+        return messages
 
     def _reference(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         if self.model_fn is not None:
@@ -130,12 +152,24 @@ class FusionStrategy(FedAvg):
     # ---------------------------------------------------------------- aggregation
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.round_offset
         replies = list(replies)
         ok, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
         record: dict[str, Any] = {"round": server_round, "method": self.method, "replies": len(replies),
-                                  "failures": [{"node-id": int(m.metadata.src_node_id), "reason": str(m.error.reason)[:500]}
-                                               for m in errors],
+                                  "failures": [self._failure(int(m.metadata.src_node_id), str(m.error.reason)[:500],
+                                                             int(m.error.code)) for m in errors],
                                   "rejected": [], "fallback": None, "skipped": None}
+        for node_id in sorted(self._sent - {int(m.metadata.src_node_id) for m in replies}):
+            # no reply at all: the node timed out (round-timeout), disconnected or its process died
+            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
+                server_round, node_id)
+            record["failures"].append(self._failure(node_id, "no reply within the round timeout "
+                                                             "(timed out, disconnected or died)"))
+        for failure in record["failures"]:
+            if failure.get("code") is not None:
+                log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
+                    failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
+        self._sent = set()
         reference = self._reference()
         updates: list[ClientUpdate] = []
         for msg in ok:
@@ -145,6 +179,7 @@ class FusionStrategy(FedAvg):
                 log(WARNING, "aggregate_train: rejected reply from node %d: %s", msg.metadata.src_node_id, exc)
                 record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
+        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
         record["valid"] = len(updates)
         self.last_updates = updates
         if len(updates) < self.min_valid_replies:

@@ -1,0 +1,216 @@
+"""Neuron Interpolation fusion (hf/kf × linear/gradient): exactness, options, failure mode #1."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+from torch import nn
+
+from fedfuse.fusion import METHODS, fuse
+from fedfuse.models import build_model, levels
+from fedfuse.training import train
+
+torch.set_num_threads(1)
+NI = ["hf-linear", "kf-linear", "hf-gradient", "kf-gradient"]
+FAST = dict(epochs=3, head_epochs=3)  # gradient variants: tiny budgets for speed
+
+
+def _randomise_bn(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g))
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.randn(m.num_features, generator=g))
+            m.bias.data.copy_(torch.randn(m.num_features, generator=g))
+
+
+def _permuted_mlp(model: nn.Sequential, seed: int = 0) -> nn.Sequential:
+    """Same function, hidden neurons permuted (levels: Linear → ReLU → Linear → ReLU → Linear)."""
+    out = copy.deepcopy(model)
+    lins = [m for m in out if isinstance(m, nn.Linear)]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a, b in zip(lins[:-1], lins[1:]):
+            p = torch.randperm(a.out_features, generator=g)
+            a.weight.copy_(a.weight[p])
+            a.bias.copy_(a.bias[p])
+            b.weight.copy_(b.weight[:, p])
+    return out
+
+
+def test_registered_with_scores():
+    for m in NI:
+        assert m in METHODS and METHODS[m].uses_scores
+
+
+@pytest.mark.parametrize("method", NI)
+def test_identical_mlps_fuse_to_the_same_function(method):
+    torch.manual_seed(0)
+    m = build_model("mlp", input_shape=(1, 8, 8), width=24, seed=1).eval()
+    x = torch.randn(200, 1, 8, 8)       # 200 > 65 columns: full-rank design, the fit is unique
+    fused = fuse(method, [m, copy.deepcopy(m)], fusion_inputs=x, **(FAST if "gradient" in method else {}))
+    xt = torch.randn(64, 1, 8, 8)       # unseen inputs: the weights themselves must be recovered
+    assert torch.allclose(fused(xt), m(xt), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["hf-linear", "kf-linear"])
+def test_model_and_permuted_copy(method):
+    m = build_model("mlp", input_shape=(20,), width=16, seed=3).eval()
+    pm = _permuted_mlp(m)
+    x, xt = torch.randn(150, 20), torch.randn(50, 20)
+    assert torch.allclose(pm(xt), m(xt), atol=1e-5)
+    fused = fuse(method, [m, pm], fusion_inputs=x)
+    assert torch.allclose(fused(xt), m(xt), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["hf-linear", "kf-linear"])
+def test_batchnorm_cnn_exact(method):
+    m = build_model("cnn", input_shape=(2, 8, 8), width=4, batchnorm=True, seed=5).eval()
+    _randomise_bn(m)
+    x, xt = torch.randn(120, 2, 8, 8), torch.randn(20, 2, 8, 8)
+    fused = fuse(method, [m, copy.deepcopy(m)], fusion_inputs=x)
+    assert torch.allclose(fused(xt), m(xt), atol=1e-4)
+    bn = [b for b in fused.modules() if isinstance(b, nn.BatchNorm2d)]
+    assert bn and all(torch.allclose(b.running_mean, torch.zeros_like(b.running_mean)) for b in bn)
+
+
+def test_conv1d_and_bias_free_outside_sequential():
+    seq = nn.Sequential(nn.Conv1d(1, 6, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(6 * 12, 5, bias=False))
+    x, xt = torch.randn(100, 1, 12), torch.randn(10, 1, 12)
+    fused = fuse("kf-linear", [seq, copy.deepcopy(seq), copy.deepcopy(seq)], fusion_inputs=x)
+    assert torch.allclose(fused(xt), seq(xt), atol=1e-4)
+
+
+def test_importance_weights_the_targets():
+    """Models sharing hidden layers, different heads: the fused head is the score-weighted mean (Theorem 1)."""
+    a = build_model("mlp", input_shape=(10,), width=12, seed=0).eval()
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[-1].weight.normal_()
+        b[-1].bias.normal_()
+    x, xt = torch.randn(80, 10), torch.randn(30, 10)
+    names = [lv.name for lv in levels(a)]
+    sa = {n: torch.ones(lv.width) for n, lv in zip(names, levels(a))}
+    sb = {n: torch.ones(lv.width) for n, lv in zip(names, levels(b))}
+    sa[names[-1]] = torch.full((levels(a)[-1].width,), 3.0)
+    for method in ("hf-linear", "kf-linear"):
+        fused = fuse(method, [a, b], fusion_inputs=x, scores=[sa, sb])
+        assert torch.allclose(fused(xt), 0.75 * a(xt) + 0.25 * b(xt), atol=1e-4)
+        uni = fuse(method, [a, b], fusion_inputs=x)
+        assert torch.allclose(uni(xt), 0.5 * a(xt) + 0.5 * b(xt), atol=1e-4)
+
+
+def test_fused_width_and_mixed_widths():
+    a = build_model("mlp", input_shape=(10,), width=16, seed=0).eval()
+    b = build_model("mlp", input_shape=(10,), width=24, seed=1).eval()
+    x = torch.randn(120, 10)
+    for method in ("kf-linear", "kf-gradient"):
+        fused = fuse(method, [a, b], fusion_inputs=x, fused_width=20, **FAST)
+        assert [lv.width for lv in levels(fused)] == [20, 20, 10]
+        assert fused(x).shape == (120, 10)
+    # fused width = sum of parents' widths: nothing is merged, the hidden levels are reproduced exactly
+    wide = fuse("kf-linear", [a, b], fusion_inputs=x, fused_width=[40, 40])
+    assert torch.allclose(wide(x), 0.5 * (a(x) + b(x)), atol=1e-3)
+    with pytest.raises(ValueError, match="Hungarian|equal width"):
+        fuse("hf-linear", [a, b], fusion_inputs=x)
+    with pytest.raises(ValueError, match="two models"):
+        fuse("hf-linear", [a, a, a], fusion_inputs=x)
+
+
+def test_linear_variants_reject_blocks_and_gradient_handles_vit():
+    v1 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=0).eval()
+    v2 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=1).eval()
+    x = torch.randn(40, 1, 8, 8)
+    with pytest.raises(ValueError, match="needs affine levels; level 'blocks.0' is a block"):
+        fuse("kf-linear", [v1, v2], fusion_inputs=x)
+    for method in ("kf-gradient", "hf-gradient"):
+        fused = fuse(method, [v1, v2], fusion_inputs=x, align_residual=True, **FAST)
+        assert fused(x).shape == (40, 10)
+
+
+def test_plain_timm_vit_and_resnet_gradient():
+    from timm.models.vision_transformer import VisionTransformer
+
+    kw = dict(img_size=8, patch_size=4, in_chans=1, num_classes=3, embed_dim=8, depth=1, num_heads=2)
+    vs = [VisionTransformer(**kw).eval() for _ in range(3)]
+    x = torch.randn(30, 1, 8, 8)
+    assert fuse("kf-gradient", vs, fusion_inputs=x, setting=2, **FAST)(x).shape == (30, 3)
+    rs = [build_model("resnet", input_shape=(1, 8, 8), width=4, depth=2, seed=i).eval() for i in range(2)]
+    assert fuse("kf-gradient", rs, fusion_inputs=x, **FAST)(x).shape == (30, 10)
+
+
+def test_server_side_importance_option():
+    a = build_model("mlp", input_shape=(10,), width=8, seed=0).eval()
+    b = build_model("mlp", input_shape=(10,), width=8, seed=1).eval()
+    x, y = torch.randn(50, 10), torch.randint(0, 10, (50,))
+    with pytest.raises(ValueError, match="fusion_labels"):
+        fuse("kf-linear", [a, b], fusion_inputs=x, importance="deeplift")
+    f1 = fuse("kf-linear", [a, b], fusion_inputs=x, importance="deeplift", fusion_labels=y)
+    f2 = fuse("kf-linear", [a, b], fusion_inputs=x)
+    assert not torch.allclose(f1(x), f2(x))
+    with pytest.raises(ValueError, match="unknown option"):
+        fuse("kf-linear", [a, b], fusion_inputs=x, no_such_option=1)
+
+
+def test_gradient_fit_reduces_level_error_from_model0_init():
+    """init='model0' (paper) trains each level from model 0; the fit must move toward the targets."""
+    a = build_model("mlp", input_shape=(10,), width=16, seed=0).eval()
+    b = build_model("mlp", input_shape=(10,), width=16, seed=1).eval()
+    x = torch.randn(200, 10)
+    target = 0.5 * (a(x) + b(x))
+    f0 = fuse("kf-gradient", [a, b], fusion_inputs=x, init="model0", setting=1, epochs=0, head_epochs=0, eps=0.0)
+    f1 = fuse("kf-gradient", [a, b], fusion_inputs=x, init="model0", setting=1, epochs=30, head_epochs=60)
+    assert torch.allclose(f0(x), a(x))  # no training, no perturbation: model 0
+    assert ((f1(x) - target) ** 2).mean() < 0.5 * ((f0(x) - target) ** 2).mean()
+
+
+@pytest.fixture(scope="module")
+def sharded_digits():
+    """Two MLPs on disjoint halves of the digit classes; fusion set from client 0's classes only."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(y), generator=g)
+    tr, te = perm[:1400], perm[1400:]
+    models = []
+    for i, classes in enumerate(([0, 1, 2, 3, 4], [5, 6, 7, 8, 9])):
+        idx = tr[torch.isin(y[tr], torch.tensor(classes))]
+        m = build_model("mlp", input_shape=(64,), width=48, seed=10 + i)
+        train(m, x[idx], y[idx], epochs=10, lr=3e-3, seed=i)
+        models.append(m.eval())
+    pool = tr[torch.isin(y[tr], torch.tensor([0, 1, 2, 3, 4]))]
+    return models, x[pool[:200]], x[te], y[te]
+
+
+@pytest.mark.parametrize("method", ["kf-gradient", "hf-gradient"])
+def test_no_collapse_on_skewed_fusion_set(sharded_digits, method):
+    """FINDINGS failure mode #1: a fusion set holding only client 0's classes must not make the fused
+    model forget client 1's classes (setting 1: ε = 1, AdamW, the paper's sharded setting)."""
+    models, xf, xt, yt = sharded_digits
+    fused = fuse(method, models, fusion_inputs=xf, setting=1, epochs=20, head_epochs=30)
+    pred = fused(xt).argmax(1)
+    other = yt >= 5
+    acc_other = (pred[other] == yt[other]).float().mean().item()
+    acc_own = (pred[~other] == yt[~other]).float().mean().item()
+    base0_other = (models[0](xt).argmax(1)[other] == yt[other]).float().mean().item()
+    assert base0_other < 0.05          # client 0 alone knows nothing of client 1's classes
+    assert acc_other > 0.5, f"collapsed to client 0: accuracy on client 1's classes {acc_other:.2f}"
+    assert acc_own > 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_matches_cpu():
+    m = build_model("mlp", input_shape=(10,), width=8, seed=0).eval()
+    x = torch.randn(60, 10)
+    f = fuse("kf-linear", [m, copy.deepcopy(m)], fusion_inputs=x, device="cuda")
+    assert torch.allclose(f(x), m(x), atol=1e-4)

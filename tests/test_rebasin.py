@@ -1,0 +1,145 @@
+"""Git Re-Basin fusion (fedfuse.fusion.rebasin) and the shared permutation machinery (permute.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+from fedfuse.fusion import fuse
+from fedfuse.fusion.permute import Map, build_spec, permute_model, random_perms, reset_bn_stats
+from fedfuse.models import build_model
+
+CASES = [
+    ("mlp", (1, 8, 8), dict(width=24)),                      # Linear with bias
+    ("mlp", (1, 8, 8), dict(width=24, batchnorm=True)),      # Linear + BatchNorm1d
+    ("cnn", (1, 8, 8), dict(width=8, batchnorm=True)),       # Conv2d + BN
+    ("cnn", (1, 40), dict(width=8)),                         # Conv1d
+    ("resnet", (1, 8, 8), dict(width=8)),                    # residual blocks, BN, shortcut conv
+    ("resnet", (1, 8, 8), dict(width=16, norm="group")),     # GroupNorm: group-preserving permutations
+    ("vit", (1, 8, 8), dict(width=16, num_heads=4)),         # timm ViT: stream, heads, MLP, LayerNorm
+]
+
+
+def _model(name, shape, kw, seed=0):
+    m = build_model(name, input_shape=shape, seed=seed, **kw)
+    if any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules()):
+        m.train()
+        with torch.no_grad():  # non-trivial running statistics
+            for i in range(3):
+                m(torch.randn(32, *shape, generator=torch.Generator().manual_seed(i)) * 2 + 0.5)
+    return m.eval()
+
+
+@pytest.mark.parametrize("name,shape,kw", CASES)
+@pytest.mark.parametrize("matching", ["weights", "activations"])
+def test_permuted_copy_recovers_original(name, shape, kw, matching):
+    m = _model(name, shape, kw)
+    x = torch.randn(96, *shape, generator=torch.Generator().manual_seed(5))
+    p = permute_model(m, random_perms(build_spec(m), seed=3))
+    with torch.no_grad():
+        y, yp = m(x), p(x)
+        assert (y - yp).abs().max() < 1e-4                           # permutation preserves the function
+        assert any((a - b).abs().max() > 1e-3 for a, b in zip(m.parameters(), p.parameters()))  # but moved weights
+        fused = fuse("rebasin", [m, p], fusion_inputs=x, matching=matching, reset_bn=False)
+        assert (fused(x) - y).abs().max() < 1e-5
+        # more than two models, in any order of copies
+        p2 = permute_model(m, random_perms(build_spec(m), seed=4))
+        fused3 = fuse("rebasin", [p, m, p2], fusion_inputs=x, matching=matching, reset_bn=False, weights=[1, 2, 3])
+        assert (fused3(x) - yp).abs().max() < 1e-5
+
+
+def test_naive_average_of_permuted_copy_is_not_the_original():
+    """The test above can fail: without alignment, averaging a permuted copy changes the function."""
+    m = _model("mlp", (1, 8, 8), dict(width=24))
+    x = torch.randn(64, 1, 8, 8)
+    p = permute_model(m, random_perms(build_spec(m), seed=3))
+    with torch.no_grad():
+        assert (fuse("average", [m, p])(x) - m(x)).abs().max() > 1e-2
+
+
+def test_identity_init_weight_matching_also_recovers():
+    m = _model("mlp", (1, 8, 8), dict(width=16, depth=3))
+    x = torch.randn(32, 1, 8, 8)
+    p = permute_model(m, random_perms(build_spec(m), seed=7))
+    with torch.no_grad():
+        fused = fuse("rebasin", [m, p], matching="weights", init="identity", order="forward")
+        assert (fused(x) - m(x)).abs().max() < 1e-5
+
+
+def test_class_layer_never_permuted():
+    for name, shape, kw in CASES:
+        m = _model(name, shape, kw)
+        spec = build_spec(m)
+        assert spec.classifier, name
+        for key in spec.classifier:
+            e = spec.entries.get(key)
+            assert e is None or all(ax.role == "in" for ax in e.axes), (name, key)
+    # behaviour: class rows keep their identity, so the fused class bias is the plain average
+    a, b = _model("mlp", (1, 8, 8), dict(width=16)), _model("mlp", (1, 8, 8), dict(width=16), seed=1)
+    fused = fuse("rebasin", [a, b], matching="weights")
+    assert torch.allclose(fused[-1].bias, (a[-1].bias + b[-1].bias) / 2, atol=1e-6)
+
+
+def test_bn_reestimation_changes_running_stats():
+    shape = (1, 8, 8)
+    m = _model("resnet", shape, dict(width=8))
+    other = _model("resnet", shape, dict(width=8), seed=1)
+    x = torch.randn(128, *shape) * 3 + 1
+    no_reset = fuse("rebasin", [m, other], fusion_inputs=x, reset_bn=False)
+    reset = fuse("rebasin", [m, other], fusion_inputs=x, reset_bn=True)
+    a, b = no_reset.state_dict(), reset.state_dict()
+    assert not torch.allclose(a["blocks.0.norm1.running_var"], b["blocks.0.norm1.running_var"])
+    for k in a:  # weights are the same; only the statistics were re-estimated
+        if "running" not in k and "num_batches" not in k:
+            assert torch.equal(a[k], b[k]), k
+    # the re-estimated statistics are those of the fused model on the fusion set
+    with torch.no_grad():
+        conv_out = reset.stem[0](x)
+        assert torch.allclose(reset.stem[1].running_mean, conv_out.mean((0, 2, 3)), atol=1e-4)
+
+
+def test_reset_bn_stats_requires_data():
+    m = _model("cnn", (1, 8, 8), dict(width=8, batchnorm=True))
+    with pytest.raises(ValueError, match="at least 2"):
+        reset_bn_stats(m, torch.randn(1, 1, 8, 8))
+
+
+def test_bad_inputs_raise_value_error():
+    a = _model("mlp", (1, 8, 8), dict(width=16))
+    wide = _model("mlp", (1, 8, 8), dict(width=24))
+    deep = _model("mlp", (1, 8, 8), dict(width=16, depth=3))
+    x = torch.randn(16, 1, 8, 8)
+    with pytest.raises(ValueError, match="equal widths"):
+        fuse("rebasin", [a, wide], fusion_inputs=x)
+    with pytest.raises(ValueError, match="parameter names"):
+        fuse("rebasin", [a, deep], fusion_inputs=x)
+    with pytest.raises(ValueError, match="matching"):
+        fuse("rebasin", [a, a], fusion_inputs=x, matching="magic")
+    with pytest.raises(ValueError, match="needs fusion_inputs"):
+        fuse("rebasin", [a, a], matching="activations")
+    with pytest.raises(ValueError, match="unsupported model type"):
+        fuse("rebasin", [nn.Linear(4, 2), nn.Linear(4, 2)], matching="weights")
+    with pytest.raises(ValueError, match="families"):
+        fuse("rebasin", [_model("resnet", (1, 8, 8), dict(width=8)), _model("cnn", (1, 8, 8), dict(width=8))],
+             matching="weights")
+
+
+def test_importance_weighted_average_follows_scores():
+    """With all importance on model 1 for a group, the fused rows of that group are model 1's (aligned)."""
+    a, b = _model("mlp", (1, 8, 8), dict(width=8, depth=1)), _model("mlp", (1, 8, 8), dict(width=8, depth=1), seed=1)
+    spec = build_spec(a)
+    g = next(iter(spec.groups))
+    lv = spec.groups[g].levels[0]
+    scores = [{lv: torch.full((8,), 1e-9)}, {lv: torch.ones(8)}]
+    fused = fuse("rebasin", [a, b], scores=scores, matching="weights")
+    rows = {tuple(r.tolist()) for r in torch.round(b[1].weight.detach() * 1e4)}
+    got = {tuple(r.tolist()) for r in torch.round(fused[1].weight.detach() * 1e4)}
+    assert len(rows & got) >= 7  # (almost) exactly model 1's rows, permuted into model 0's order
+
+
+def test_map_in_out_rules_for_widths():
+    """Column-normalised out map, row-normalised in map (different widths, §1.6)."""
+    plan = torch.tensor([[0.25, 0.0], [0.25, 0.0], [0.0, 0.5]])  # A has 3 units, B 2: A0,A1 → B0
+    m = Map.from_plan(plan)
+    assert m.perm is None
+    assert torch.allclose(m.out_map().sum(0), torch.ones(2, dtype=torch.float64))
+    assert torch.allclose(m.in_map().sum(1), torch.ones(3, dtype=torch.float64))
