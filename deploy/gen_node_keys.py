@@ -3,7 +3,7 @@
 
     python deploy/gen_node_keys.py --out deploy/keys --count 3
 
-Writes ``supernode-<i>`` (private key, PEM, stays on that SuperNode's machine; passed with
+Writes ``supernode-<i>`` (private key, OpenSSH PEM, stays on that SuperNode's machine; passed with
 ``--auth-supernode-private-key``) and ``supernode-<i>.pub`` (OpenSSH public key, registered on the
 SuperLink with ``flwr supernode register deploy/keys/supernode-<i>.pub <connection>``).
 """
@@ -25,7 +25,7 @@ def generate(out: str | Path, count: int, prefix: str = "supernode") -> list[tup
     for i in range(count):
         key = ec.generate_private_key(ec.SECP384R1())
         priv, pub = out / f"{prefix}-{i}", out / f"{prefix}-{i}.pub"
-        priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                            serialization.NoEncryption()))
         os.chmod(priv, 0o600)
         pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,

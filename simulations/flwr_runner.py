@@ -103,6 +103,36 @@ def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
             pass
 
 
+def start_local_superlink(flwr_home: Path, env: dict[str, str], timeout: float = 180.0) -> subprocess.Popen:
+    """Start the simulation SuperLink that ``flwr run`` would start, with a longer start-up wait.
+
+    ``flwr`` gives its managed SuperLink 15 s to come up, too little on a loaded 2-core machine; a
+    SuperLink already healthy on the configured port is reused by ``flwr run``.
+    """
+    import urllib.request
+
+    runtime = flwr_home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+    cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+           "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}", "--host", "127.0.0.1",
+           "--port", port, "--log-file", str(runtime / "superlink.log"), "--database", str(runtime / "state.db")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {runtime / 'superlink.log'}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"flower-superlink not healthy after {timeout:.0f}s")
+
+
 @dataclass
 class RunOutcome:
     run_id: int | None
@@ -140,6 +170,7 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
     lines: list[str] = []
     run_id = None
     try:
+        start_local_superlink(home, env)
         proc = subprocess.Popen(cmd, env=env, cwd=str(app_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
         deadline = time.monotonic() + timeout
@@ -170,6 +201,8 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
                     details = str(runs[0].get("status-details", runs[0].get("sub-status", "")))
             except json.JSONDecodeError:
                 details = res.stdout[-2000:] + res.stderr[-2000:]
+        else:
+            details = "no run id in the output of flwr run: " + "".join(lines)[-1500:]
     finally:
         stop_superlink(home)
         if not keep_home:
