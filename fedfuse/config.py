@@ -44,6 +44,7 @@ class RunConfig:
     weight_decay: float = 0.0
     importance: str = "deeplift"
     importance_samples: int = 256
+    tofu_r: int = 0
     strategy: str = "kf-linear"
     fusion_set_size: int = 300
     fusion_set_source: str = "public"
@@ -150,6 +151,10 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             parse_faults(cfg.test_faults)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'test-faults': {exc}") from exc
+    if cfg.tofu_r < 0:
+        raise ConfigError(f"run-config key 'tofu-r' must be >= 0, got {cfg.tofu_r}")
+    if cfg.tofu_r > 0 and cfg.model != "vit":
+        raise ConfigError(f"run-config key 'tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
     if cfg.lr <= 0:
         raise ConfigError(f"run-config key 'lr' must be > 0, got {cfg.lr}")
     if cfg.dirichlet_alpha <= 0:

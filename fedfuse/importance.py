@@ -49,6 +49,15 @@ def neuron_importance(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
         raise ValueError("importance: method %r needs targets (labels) for the attribution" % method)
     if len(inputs) == 0:
         raise ValueError("importance: no scoring samples")
+    from fedfuse.tofu import suspended
+
+    # Token Fusion (if a client applied it) must be off: every model's level outputs need the same tokens
+    with suspended(model):
+        return _attribute(model, inputs, targets, method, batch_size, n_steps, device, levels)
+
+
+def _attribute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, method: str, batch_size: int,
+               n_steps: int, device, levels: list[Level] | None) -> dict[str, torch.Tensor]:
     from captum.attr import LayerConductance, LayerDeepLift  # heavy import, only when scoring
 
     was_training = model.training

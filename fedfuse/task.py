@@ -64,6 +64,10 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
 
     Returns ``{"state": state dict, "scores": {level: [W]} | None, "metrics": {...}}``.
     """
+    if cfg.tofu_r > 0:  # Token Fusion for local training/evaluation only (importance suspends it)
+        from fedfuse import tofu
+
+        tofu.apply(model, r=cfg.tofu_r)
     stats = train(model, train_set.x, train_set.y, epochs=epochs or cfg.local_epochs, batch_size=cfg.batch_size,
                   optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed)
     train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
@@ -78,6 +82,10 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
         else:
             scores = neuron_importance(model, eval_set.x[:n], eval_set.y[:n], method=cfg.importance, device=device)
     score_seconds = time.perf_counter() - t0
+    if cfg.tofu_r > 0:
+        from fedfuse import tofu
+
+        tofu.remove(model)  # weights are untouched by ToFu; the reply is a plain model
     model.cpu()
     metrics = {
         "num-examples": len(train_set),

@@ -20,6 +20,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
 
+import resource  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime  # noqa: E402
 from logging import INFO, WARNING  # noqa: E402
@@ -146,6 +147,7 @@ def main(grid: Grid, context: Context) -> None:
         now = time.perf_counter()
         row["round-seconds"] = now - clock["t"]
         clock["t"] = now
+        t_eval = now
         if server_round > 0:
             hist = next((h for h in reversed(strategy.history) if h["round"] == server_round), None)
             if hist is not None:
@@ -165,6 +167,8 @@ def main(grid: Grid, context: Context) -> None:
                     vals = [u.metrics.get(key) for u in updates if isinstance(u.metrics.get(key), (int, float))]
                     if vals:
                         row[f"client-{key}-mean"] = sum(vals) / len(vals)
+        row["eval-seconds"] = time.perf_counter() - t_eval  # central evaluation incl. ensemble reference
+        row["server-peak-rss-mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         recorder.add_round(row)
         if server_round > 0:
             save_checkpoint(out, server_round, arrays.to_torch_state_dict(),

@@ -44,6 +44,45 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children first level first), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
+    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
+    victims = [q for p in pids for q in [p, *descendants(p)]]
+    for q in victims:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(f"/proc/{q}").exists() and
+                                              "Z" not in _state(q) for q in victims):
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
 class Deployment:
     """SuperLink + SuperNodes on loopback; ``run`` submits the app with ``flwr run . <connection>``."""
 
@@ -204,12 +243,15 @@ class Deployment:
         return path.read_text(errors="replace")[-chars:] if path and path.exists() else ""
 
     # ----------------------------------------------------------------------------- runs
-    def wait_for_nodes(self, timeout: float = 60.0) -> None:
+    def wait_for_nodes(self, timeout: float = 180.0) -> None:
         """Wait until every SuperNode is registered and online (``flwr supernode list``)."""
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
-            res = self.flwr("supernode", "list", CONNECTION, "--format", "json", timeout=30)
+            try:
+                res = self.flwr("supernode", "list", CONNECTION, "--format", "json", timeout=90)
+            except subprocess.TimeoutExpired:  # a slow CLI on a loaded machine: try again until the deadline
+                continue
             last = res.stdout
             try:
                 nodes = json.loads(res.stdout).get("nodes", [])
@@ -235,7 +277,10 @@ class Deployment:
             raise RuntimeError(f"flwr run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
     def status(self, run_id: int) -> tuple[str, str]:
-        res = self.flwr("list", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=30)
+        try:
+            res = self.flwr("list", CONNECTION, "--run-id", str(run_id), "--format", "json", timeout=90)
+        except subprocess.TimeoutExpired:
+            return "unknown", "flwr list timed out"
         try:
             runs = json.loads(res.stdout).get("runs") or []
         except json.JSONDecodeError:
@@ -253,11 +298,17 @@ class Deployment:
             if status.startswith("finished"):
                 return status, details
             time.sleep(poll)
-        self.flwr("stop", str(run_id), CONNECTION, timeout=30)
+        try:
+            self.flwr("stop", str(run_id), CONNECTION, timeout=90)
+        except subprocess.TimeoutExpired:
+            pass
         return status, f"timed out after {timeout:.0f}s ({details})"
 
     def logs_of(self, run_id: int) -> str:
-        res = self.flwr("log", str(run_id), CONNECTION, "--show", timeout=60)
+        try:
+            res = self.flwr("log", str(run_id), CONNECTION, "--show", timeout=120)
+        except subprocess.TimeoutExpired as exc:
+            return f"flwr log timed out: {exc}"
         return res.stdout + res.stderr
 
     def run(self, run_config: dict[str, Any], timeout: float = 300.0) -> RunOutcome:

@@ -131,7 +131,7 @@ def summarise(rows: list[dict], out: Path) -> str:
     sizes = sorted({r["size"] for r in rows})
     lines.append("| dataset | partition | model | fusion size (actual) | best client | ensemble | "
                  + " | ".join(m for m in methods if m != "ensemble") + " |")
-    lines.append("|" + "---|" * (5 + len([m for m in methods if m != "ensemble"])) + "")
+    lines.append("|" + "---|" * (6 + len([m for m in methods if m != "ensemble"])))
     for ds, part, mod in settings:
         for s in sizes:
             sel = [r for r in rows if (r["dataset"], r["partition"], r["model"], r["size"]) == (ds, part, mod, s)]
@@ -157,8 +157,9 @@ def summarise(rows: list[dict], out: Path) -> str:
             if not sel:
                 continue
             tr = [r["seconds"] / kd[key(r)]["seconds"] for r in sel if key(r) in kd and kd[key(r)]["seconds"] > 0]
+            # CPU RSS deltas below 1 MiB are allocator noise: no ratio from those
             mr = [r["peak_bytes"] / kd[key(r)]["peak_bytes"] for r in sel
-                  if key(r) in kd and kd[key(r)]["peak_bytes"] > 0]
+                  if key(r) in kd and kd[key(r)]["peak_bytes"] >= 2**20]
             lines.append(f"| {m} | {mod} | {_ms(tr)} | {_ms(mr)} | {statistics.median(r['seconds'] for r in sel):.2f} | "
                          f"{statistics.median(r['peak_bytes'] for r in sel) / 2**20:.1f} |")
     text = "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from simulations.oneshot_lib import (DEPTH_DEFAULTS, TRAIN_DEFAULTS, WIDTH_DEFAULTS, CellConfig, load_rows,
+from simulations.oneshot_lib import (DEPTH_DEFAULTS, RECIPE_DEFAULTS, TRAIN_DEFAULTS, WIDTH_DEFAULTS, CellConfig, load_rows,
                                      parse_partition, run_cell, split_methods, write_results)
 
 
@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=0, help="client epochs (0 = per dataset/model default)")
     ap.add_argument("--lr", type=float, default=0.0, help="client Adam lr (0 = default)")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--optimizer", default=RECIPE_DEFAULTS["optimizer"], help="client optimizer (adam, adamw, sgd)")
+    ap.add_argument("--weight-decay", type=float, default=RECIPE_DEFAULTS["weight_decay"])
+    ap.add_argument("--label-smoothing", type=float, default=RECIPE_DEFAULTS["label_smoothing"])
+    ap.add_argument("--patience", type=int, default=RECIPE_DEFAULTS["patience"],
+                    help="client early stopping on its validation loss (0 = off, train all --epochs)")
+    ap.add_argument("--schedule", default=RECIPE_DEFAULTS["schedule"], choices=["cosine", "constant"])
     ap.add_argument("--val-fraction", type=float, default=0.1)
     ap.add_argument("--importance-samples", type=int, default=256)
     ap.add_argument("--model-options", default="{}", help='JSON per model, e.g. {"vit": {"num_heads": 2}}')
@@ -98,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                                      epochs=args.epochs or defaults["epochs"], lr=args.lr or defaults["lr"],
                                      batch_size=args.batch_size, val_fraction=args.val_fraction, alpha=args.alpha,
                                      fusion_source=args.fusion_source, importance_samples=args.importance_samples,
-                                     model_options=model_options.get(model, {}))
+                                     model_options=model_options.get(model, {}), optimizer=args.optimizer,
+                                     weight_decay=args.weight_decay, label_smoothing=args.label_smoothing,
+                                     patience=args.patience, schedule=args.schedule)
                     print(f"== {dataset}/{partition}/{model} seed {seed}", flush=True)
                     rows += run_cell(cfg, methods, importance, sources, args.fusion_size, Path(args.cache),
                                      device=args.device, method_options=method_options,

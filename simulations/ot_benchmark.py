@@ -3,6 +3,7 @@
     python -m simulations.ot_benchmark hetero    --seeds 0,1,2 --out results/ot
     python -m simulations.ot_benchmark transport --seeds 0,1,2 --out results/ot
     python -m simulations.ot_benchmark timing    --out results/ot
+    bash simulations/ot_one_shot.sh   # every issue-#4 benchmark (one-shot rows, hetero, transport, timing)
 
 - ``hetero``: width-heterogeneous one-shot fusion. Even clients (incl. the reference, client 0) have
   width ``w``, odd clients ``2w``; ``ot`` fuses all of them into client 0's width (vanilla averaging
@@ -65,7 +66,7 @@ HETERO_METHODS = {
 }
 
 
-def run_hetero(seeds, datasets, partitions, models, width_of, epochs, out: Path):
+def run_hetero(seeds, datasets, partitions, models, width_of, epochs, out: Path, stem: str = "hetero"):
     rows = []
     for ds in datasets:
         for part in partitions:
@@ -117,12 +118,14 @@ def run_hetero(seeds, datasets, partitions, models, width_of, epochs, out: Path)
                             acc, st = _acc(fused, tx, ty), "ok"
                         except ValueError as e:
                             acc, st = float("nan"), f"n/a: {e}"
+                        except Exception as e:  # keep the sweep going; recorded in the table
+                            acc, st = float("nan"), f"error: {type(e).__name__}: {e}"
                         rows.append({**base, "method": label, "accuracy": acc, "seconds": time.perf_counter() - t0,
                                      "status": st})
                     print(f"{ds}/{part}/{model} seed {seed}: " + ", ".join(
                         f"{r['method']}={r['accuracy']:.3f}" for r in rows if r["seed"] == seed and r["dataset"] == ds
                         and r["partition"] == part and r["model"] == model), flush=True)
-    (out / "hetero.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     lines = ["# Width-heterogeneous one-shot fusion (clients of widths w and 2w fused into client 0's width w)", "",
              f"Seeds {seeds}; fusion set: 300 samples from client 0; accuracy % (mean ± std); time in seconds.", ""]
     settings = sorted({(r["dataset"], r["partition"], r["model"]) for r in rows})
@@ -139,7 +142,7 @@ def run_hetero(seeds, datasets, partitions, models, width_of, epochs, out: Path)
                 cells.append(_ms([r["accuracy"] for r in rs]))
         secs = [r["seconds"] for r in rows if r["method"] == meth and r["accuracy"] == r["accuracy"]]
         lines.append(f"| {meth} | " + " | ".join(cells) + f" | {_ms(secs, 1.0, 2)} |")
-    (out / "hetero.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -156,7 +159,7 @@ def _shift(ds: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_transport(seeds, datasets, out: Path, width=32, depth=2, heads=4, pre_epochs=30, ft_epochs=10,
-                  alphas=(0.5, 1.0, 1.5)):
+                  alphas=(0.5, 1.0, 1.5), stem: str = "transport"):
     rows = []
     for ds in datasets:
         for seed in seeds:
@@ -204,7 +207,7 @@ def run_transport(seeds, datasets, out: Path, width=32, depth=2, heads=4, pre_ep
             print(f"{ds} seed {seed}: " + ", ".join(f"{r['method']}: {r['task']:.3f}/{r['support']:.3f}"
                                                     for r in rows if r["seed"] == seed and r["dataset"] == ds),
                   flush=True)
-    (out / "transport.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     lines = ["# Task-vector transport between two base releases of a small ViT (TransFusion use (b))", "",
              f"ViT width {width}, depth {depth}, {heads} heads; bases pretrained {pre_epochs} epochs from different "
              f"seeds on the original task; τ = {ft_epochs} epochs of fine-tuning θ_A on the shifted task (digits "
@@ -222,7 +225,7 @@ def run_transport(seeds, datasets, out: Path, width=32, depth=2, heads=4, pre_ep
             lines.append(f"| {meth} | {_ms([r['task'] for r in rs])} | {_ms([r['support'] for r in rs])} | "
                          f"{_ms(dt)} | {_ms(dsu)} | {_ms([r['seconds'] for r in rs], 1.0, 2)} |")
         lines.append("")
-    (out / "transport.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -282,17 +285,19 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="mlp,vit")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/ot")
+    ap.add_argument("--tag", default="", help="output stem suffix: <out>/<case>_<tag>.{json,md} (keeps earlier runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     datasets = [d for d in args.datasets.split(",") if d]
+    stem = f"{args.case}_{args.tag}" if args.tag else args.case
     if args.case == "hetero":
         run_hetero(seeds, datasets, [p for p in args.partitions.split(",") if p], [m for m in args.models.split(",") if m],
-                   {"mlp": 64, "cnn": 16, "resnet": 16, "vit": 32}, {"mlp": 40, "cnn": 30, "resnet": 20, "vit": 30}, out)
+                   {"mlp": 64, "cnn": 16, "resnet": 16, "vit": 32}, {"mlp": 40, "cnn": 30, "resnet": 20, "vit": 30}, out, stem)
     elif args.case == "transport":
-        run_transport(seeds, datasets, out)
+        run_transport(seeds, datasets, out, stem=stem)
     else:
         run_timing(out)
     return 0

@@ -210,13 +210,19 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.d
     return correct / len(x)
 
 
+TRAIN_HP = {  # per set-up (batch size, peak lr): the digits proxy has few samples, so small batches
+    "project_mnist1d": dict(batch_size=64, lr=1e-3),
+    "proxy_digits32": dict(batch_size=32, lr=2e-3),
+}
+
+
 def part_accuracy(device: torch.device, setups: dict[str, list[int]], modes: list[str], epochs: dict[str, int],
                   reps: int, train_tofu_r: int, seed: int = 0) -> dict:
     out: dict = dict(device=str(device), threads=torch.get_num_threads(), setups={})
     for kind, rs in setups.items():
         model, source, up = _build(kind, seed)
         xtr, ytr, xte, yte = _data(source, up)
-        sec = train_model(model, xtr, ytr, epochs[kind], device, seed)
+        sec = train_model(model, xtr, ytr, epochs[kind], device, seed, **TRAIN_HP[kind])
         n_tokens = tofu.token_counts(model, xte[:1].to(device))[0]
         rows = []
         for mode, r in _configs(rs, modes):
@@ -246,13 +252,14 @@ def part_accuracy(device: torch.device, setups: dict[str, list[int]], modes: lis
             # (c) train the same architecture from the same init *with* ToFu (prop-attn off)
             m2, _, _ = _build(kind, seed)
             tofu.apply(m2, r=train_tofu_r, proportional_attention=False)
-            sec2 = train_model(m2, xtr, ytr, epochs[kind], device, seed)
+            sec2 = train_model(m2, xtr, ytr, epochs[kind], device, seed, **TRAIN_HP[kind])
             acc_on = accuracy(m2, xte, yte, device)
             with tofu.suspended(m2):
                 acc_off = accuracy(m2, xte, yte, device)
             setup["train_with_tofu"] = dict(r=train_tofu_r, mode="tofu", train_seconds=sec2,
                                             train_speedup=sec / sec2, accuracy_eval_tofu=acc_on,
                                             accuracy_eval_off=acc_off, baseline_accuracy_off=off)
+        setup["train_hp"] = TRAIN_HP[kind]
         out["setups"][kind] = setup
     return out
 
@@ -261,7 +268,7 @@ def part_accuracy(device: torch.device, setups: dict[str, list[int]], modes: lis
 
 def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: int = 3, local_epochs: int = 1,
                   tofu_r: int = 4, partitioning: str = "iid", device: str | torch.device = "auto", seed: int = 0,
-                  lr: float = 1e-3, batch_size: int = 32) -> dict:
+                  lr: float = 2e-3, batch_size: int = 32) -> dict:
     """FedAvg in plain PyTorch, once with ToFu off and once with ``tofu_r`` during local training.
 
     Both arms use the same data partitions (``fedfuse.data.partition_indices``), the same initial
@@ -410,10 +417,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--train-batch", type=int, default=16)
     ap.add_argument("--train-rs", default="8,13")
+    ap.add_argument("--acc-setups", default="project_mnist1d,proxy_digits32",
+                    help="accuracy set-ups to (re)run; others already in accuracy.json are kept")
     ap.add_argument("--fed-clients", type=int, default=3)
     ap.add_argument("--fed-rounds", type=int, default=3)
     ap.add_argument("--fed-epochs", type=int, default=1)
     ap.add_argument("--fed-r", type=int, default=4)
+    ap.add_argument("--fed-kind", default="proxy_digits32", choices=["proxy_digits32", "project_mnist1d"])
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     torch.set_num_threads(args.threads)
@@ -433,12 +443,18 @@ def main(argv: list[str] | None = None) -> None:
                 data = part_accuracy(device, {"project_mnist1d": [2], "proxy_digits32": [4]}, modes[:2],
                                      {"project_mnist1d": 1, "proxy_digits32": 1}, 1, 4, args.seed)
             else:
-                data = part_accuracy(device, {"project_mnist1d": [1, 2, 3, 4], "proxy_digits32": [2, 4, 6, 8]},
-                                     modes, {"project_mnist1d": 10, "proxy_digits32": 10}, args.reps, 4, args.seed)
+                sweep = {"project_mnist1d": [1, 2, 3, 4], "proxy_digits32": [2, 4, 6, 8]}
+                chosen = {k: sweep[k] for k in args.acc_setups.split(",")}
+                data = part_accuracy(device, chosen, modes, {"project_mnist1d": 10, "proxy_digits32": 12},
+                                     args.reps, 4, args.seed)
+                old = RESULTS / "accuracy.json"
+                if old.exists() and not json.loads(old.read_text()).get("quick"):
+                    prev = json.loads(old.read_text())["setups"]
+                    data["setups"] = {**{k: v for k, v in prev.items() if k not in chosen}, **data["setups"]}
         else:
             data = (federated_run(rounds=1, local_epochs=1, tofu_r=args.fed_r, device=device, seed=args.seed,
                                   num_clients=2) if args.quick
-                    else federated_run(num_clients=args.fed_clients, rounds=args.fed_rounds,
+                    else federated_run(kind=args.fed_kind, num_clients=args.fed_clients, rounds=args.fed_rounds,
                                        local_epochs=args.fed_epochs, tofu_r=args.fed_r, device=device,
                                        seed=args.seed))
         data["wall_seconds"] = time.perf_counter() - t0

@@ -87,5 +87,6 @@ def test_simulation_with_faulty_clients(tmp_path):
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     assert r2["test-accuracy"] > 0.3 and not math.isnan(r2["test-accuracy"])
     # logged with node ids and reasons
+    assert "injected ClientApp crash" in r1["failures"][0]["reason"]
     assert "rejected reply from node" in outcome.log and "contains NaN or Inf" in outcome.log
     assert "fell back to weighted averaging" in outcome.log and "round 3 skipped" in outcome.log

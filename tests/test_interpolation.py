@@ -214,3 +214,24 @@ def test_cuda_matches_cpu():
     x = torch.randn(60, 10)
     f = fuse("kf-linear", [m, copy.deepcopy(m)], fusion_inputs=x, device="cuda")
     assert torch.allclose(f(x), m(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["hf-linear", "kf-gradient"])
+def test_head_weights_take_each_class_from_its_owner(method):
+    """Class-count head weighting (spec §2.3b "Head Weights"): a class's target logit comes from the
+    clients that trained on it, so with class-disjoint counts the fused head copies the owners' rows."""
+    m0 = build_model("mlp", input_shape=(12,), num_classes=4, width=16, seed=2).eval()
+    m1 = copy.deepcopy(m0)
+    with torch.no_grad():
+        head = [m for m in m1 if isinstance(m, nn.Linear)][-1]
+        head.weight.mul_(-2.0).add_(0.3)
+        head.bias.add_(1.0)
+    x, xt = torch.randn(200, 12), torch.randn(40, 12)
+    counts = [[30, 20, 0, 0], [0, 0, 25, 35]]
+    kw = dict(epochs=0, head_epochs=0) if "gradient" in method else {}
+    fused = fuse(method, [m0, m1], fusion_inputs=x, head_weights=True, class_counts=counts, **kw)
+    out = fused(xt)
+    assert torch.allclose(out[:, :2], m0(xt)[:, :2], atol=1e-4)
+    assert torch.allclose(out[:, 2:], m1(xt)[:, 2:], atol=1e-4)
+    with pytest.raises(ValueError, match="class_counts"):
+        fuse(method, [m0, m1], fusion_inputs=x, head_weights=True, **kw)

@@ -1,7 +1,7 @@
 """Checkpoint and resume: kill the server mid-run, resume with ``resume=true``, get the same results.
 
 Three real ``flwr run`` simulations (slow): an uninterrupted reference run, a run stopped with
-``flwr stop`` (its ServerApp is killed) right after the round-1 checkpoint is written, and that run
+killing its SuperLink by PID (the ServerApp dies with it) right after the round-1 checkpoint is written, and that run
 resumed. The resumed run must run only the remaining rounds and end with the same per-round test
 accuracy and the same global weights as the reference (same seeds; clients seed by the true round).
 """
@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from fedfuse.results import load_checkpoint, save_checkpoint
-from simulations.flwr_runner import ROOT, flwr_env, run_app, run_config_arg, stop_superlink
+from simulations.deployment import kill_tree
+from simulations.flwr_runner import (ROOT, _superlink_pids, flwr_env, run_app, run_config_arg,
+                                    start_local_superlink, stop_superlink)
 
 BASE = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
         "partitioning": "shards", "num-server-rounds": 3, "local-epochs": 1, "fusion-set-size": 80,
@@ -41,11 +43,12 @@ def test_checkpoint_is_atomic_and_picks_the_committed_model(tmp_path):
 
 
 def _interrupted_run(cfg: dict, timeout: float = 420.0) -> int:
-    """Submit a run, wait for its round-1 checkpoint, kill its ServerApp (``flwr stop``) and the SuperLink."""
+    """Submit a run, wait for its round-1 checkpoint, then kill the SuperLink (and its ServerApp) by PID."""
     home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
     env = flwr_env(home)
     ckpt = Path(cfg["output-dir"]) / cfg["run-name"] / "checkpoint" / "state.json"
     try:
+        start_local_superlink(home, env)  # flwr's own start-up wait (15 s) is too short on a loaded machine
         res = subprocess.run(["flwr", "run", str(ROOT), "--run-config", run_config_arg(cfg), "--federation-config",
                               "num-supernodes=3 client-resources-num-cpus=1", "--format", "json"],
                              env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
@@ -54,8 +57,11 @@ def _interrupted_run(cfg: dict, timeout: float = 420.0) -> int:
         while not ckpt.exists():
             assert time.monotonic() < deadline, "no round-1 checkpoint in time"
             time.sleep(0.3)
-        subprocess.run(["flwr", "stop", str(run_id)], env=env, cwd=str(ROOT), capture_output=True, text=True,
-                       timeout=60)
+        # the server machine dies: SIGKILL our SuperLink (found by PID: its --log-file is under our
+        # FLWR_HOME) and every descendant (SuperExec, ServerApp/simulation, Ray). A SIGTERM or `flwr stop`
+        # lets the ServerApp run on for a while, long enough to finish the run on a fast machine.
+        kill_tree(_superlink_pids(home))
+        assert run_id > 0
         return json.loads(ckpt.read_text())["round"]
     finally:
         stop_superlink(home)

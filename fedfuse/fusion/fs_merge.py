@@ -540,15 +540,18 @@ def _rank_for(rank, d: int):
 # ----------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def fold_heads(body: nn.Module, kind: str, heads: list[tuple[torch.Tensor, torch.Tensor | None]],
-               final: torch.Tensor, scales: list[float], weights: list[float], mode: str) -> nn.Module:
+               final: torch.Tensor, scales: list[float], weights: list[float], mode: str,
+               means: torch.Tensor | None = None) -> nn.Module:
     """Attach the folded classifier to ``body``.
 
     ``heads[k] = (W_k [C, d], b_k [C])`` of the model whose features are reconstructed by block k of
-    ``final`` ``[d, T·d]``; ``scales[k]`` is the target scale used in training (the reconstruction of model k
-    is ``s_k f_k``). ``mode="shared"``: ``W = Σ_k w_k W_k F_kᵀ / s_k`` (one head, Option A);
+    ``final`` ``[d, T·d]``; ``scales[k]`` and ``means[k]`` (``[T, d]`` or None) are the target scale and centre
+    used in training (the reconstruction of model k is ``s_k (f_k − μ_k)``, so head k gets bias ``b_k + W_k μ_k``). ``mode="shared"``: ``W = Σ_k w_k W_k F_kᵀ / s_k`` (one head, Option A);
     ``mode="multi"``: ``[n·C, d]`` stacked heads (joint accuracy = argmax over all).
     """
     blocks = split_blocks(final, "U", len(heads))
+    if means is not None:
+        heads = [(w, (0 if b is None else b) + w @ mu.to(w)) for (w, b), mu in zip(heads, means.cpu())]
     folded = [(w @ (fk / s).t(), b) for (w, b), fk, s in zip(heads, blocks, scales)]
     has_bias = folded[0][1] is not None
     lin = _head_linear(body, kind)
@@ -663,7 +666,7 @@ class FSMergeConfig:
     init: str = "first"
     steps: int = 600
     epochs: int | None = None
-    lr: float | None = None            # None → 1e-2 (MLPs and ViTs)
+    lr: float | None = None            # None → 1e-3 for MLPs (1e-2 killed ReLUs with 4 clients), 1e-2 for ViTs
     weight_decay: float = 1e-3
     batch_size: int = 128
     augment: int = 4
@@ -712,7 +715,7 @@ def _arch_defaults(cfg: FSMergeConfig, kind: str) -> FSMergeConfig:
     if cfg.rank is None:
         cfg.rank = "full" if kind == "mlp" else 8
     if cfg.lr is None:
-        cfg.lr = 1e-2
+        cfg.lr = 1e-3 if kind == "mlp" else 1e-2
     return cfg
 
 
@@ -819,12 +822,15 @@ class _Prepared:
     mask: torch.Tensor | None     # [N, n] per-task mask or None
     scales: list[float]           # per-model target scale s_k
     kind: str
+    means: torch.Tensor | None = None   # [n, d] per-model feature means μ_k (targets are centred)
 
 
 def prepare_data(models: list[nn.Module], x: torch.Tensor, cfg: FSMergeConfig, device: torch.device,
                  gen: torch.Generator) -> _Prepared:
     """Fusion pool = originals + ``augment`` fixed copies (+ ``synth`` inverted inputs per client), targets and
-    per-model scales ``s_k = 1 / RMS(f_k)`` so every model's features count equally (spec §1.5, MLP setting)."""
+    centred, per-model scaled targets ``s_k (f_k − μ_k)`` with ``s_k = 1 / std(f_k)``, so every model's features count
+    equally (spec §1.5, MLP setting) and the loss measures the feature *variation* (uncentred post-ReLU features
+    let a constant output score a low loss; the centre is folded back into the head bias)."""
     kind = _arch_for(models).kind
     x = x.detach().float().cpu()
     tid = None
@@ -848,11 +854,12 @@ def prepare_data(models: list[nn.Module], x: torch.Tensor, cfg: FSMergeConfig, d
         if tids is not None:
             tids = torch.cat([tids, *extra_t])
     targets = target_features(models, kind, pool, device)
-    rms = targets.pow(2).mean(dim=(0, 2)).sqrt().clamp_min(1e-8)          # [n]
+    mu = targets.mean(0)                                                   # [n, d]
+    rms = (targets - mu).pow(2).mean(dim=(0, 2)).sqrt().clamp_min(1e-8)    # [n]
     scales = (1.0 / rms).tolist()
-    targets = targets / rms[None, :, None]
+    targets = (targets - mu) / rms[None, :, None]
     mask = None if tids is None else F.one_hot(tids, len(models)).float()
-    return _Prepared(pool, targets, mask, scales, kind)
+    return _Prepared(pool, targets, mask, scales, kind, mu)
 
 
 def _steps(cfg: FSMergeConfig, n_pool: int) -> int:
@@ -877,8 +884,8 @@ def fuse_fs_merge(models, *, fusion_inputs, weights, device, seed=0, scores=None
     """Global FS-Merge of all ``models`` at once; returns one model of model 0's size.
 
     Options (defaults for CPU-size models; paper ViT-B defaults in the module docstring):
-    ``rank`` (16; int or "full"), ``init`` ("first" | "average" | "random"), ``steps`` (600) or ``epochs``
-    (over the augmented pool; overrides steps), ``lr`` (3e-3), ``weight_decay`` (1e-3), ``batch_size`` (128),
+    ``rank`` ("full" for MLPs, 8 for ViTs; int or "full"), ``init`` ("first" | "average" | "random"), ``steps`` (600) or ``epochs``
+    (over the augmented pool; overrides steps), ``lr`` (1e-3 MLP, 1e-2 ViT), ``weight_decay`` (1e-3), ``batch_size`` (128),
     ``augment`` (4 fixed augmented copies per input), ``heads`` ("shared" | "multi"), ``route``
     ("folded" | "wide"), ``synth`` (collapse defence: synthesised inputs per client; default
     min(max(B, 64), 512); 0 = off), ``synth_steps`` (40), ``task_ids`` ([B] client id per fusion input → per-task
@@ -898,7 +905,7 @@ def fuse_fs_merge(models, *, fusion_inputs, weights, device, seed=0, scores=None
     after = reconstruction_loss(net, data.pool, data.targets, cfg.route)
     body = net.fold_body().cpu()
     fused = fold_heads(body, data.kind, _heads_of(models, data.kind), net.final.dense().detach().cpu(),
-                       data.scales, weights, cfg.heads)
+                       data.scales, weights, cfg.heads, data.means)
     fuse_fs_merge.last_info = {"loss_before": before, "loss_after": after, "epoch_losses": hist, "steps": steps,
                                "pool": len(data.pool), "seconds": time.perf_counter() - t0,
                                "trainable": sum(p.numel() for p in net.parameters() if p.requires_grad)}
@@ -947,7 +954,8 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, weights, device, seed=0, scores=
         hist.append(train_supernet(net, pool, targets, mask, tw_all[:t], cfg, steps, gen, device))
         merged = net.fold_body().cpu()
         final = net.final.dense().detach().cpu()
-    fused = fold_heads(merged, data.kind, _heads_of(models, data.kind), final, data.scales, weights, cfg.heads)
+    fused = fold_heads(merged, data.kind, _heads_of(models, data.kind), final, data.scales, weights, cfg.heads,
+                       data.means)
     fuse_fs_merge_seq.last_info = {"stage_losses": hist, "seconds": time.perf_counter() - t0,
                                    "pool": len(data.pool)}
     return fused

@@ -185,13 +185,16 @@ def _lloyd(points: torch.Tensor, weights: torch.Tensor, centres: torch.Tensor, m
     history: list[float] = []
     labels = None
     it = 0
+    p_sq = (points * points).sum(1, keepdim=True)  # ‖x_j‖², shared by every iteration
     for it in range(1, max_iter + 1):
-        d = _sq_dists(points, centres)
+        d = (p_sq - 2 * points @ centres.T + (centres * centres).sum(1)[None]).clamp_min(0)
         new_labels = d.argmin(1)
         point_cost = weights * d.gather(1, new_labels[:, None])[:, 0]
-        new_labels = repair_empty(new_labels, point_cost, k)
+        if int(torch.bincount(new_labels, minlength=k).min()) == 0:
+            new_labels = repair_empty(new_labels, point_cost, k)
         centres = weighted_centroids(points, weights, new_labels, k)
-        cost = float((weights * _sq_dists(points, centres).gather(1, new_labels[:, None])[:, 0]).sum())
+        # cost of the new centres: O(M·D) on the assigned centre only (no second M×k distance matrix)
+        cost = float((weights * ((points - centres[new_labels]) ** 2).sum(1)).sum())
         history.append(cost)
         converged = labels is not None and torch.equal(new_labels, labels)
         labels = new_labels

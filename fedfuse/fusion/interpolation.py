@@ -268,6 +268,8 @@ class _Opts:
     kmeans_init: str
     kmeans_restarts: int
     hf_cost: str
+    head_weights: bool
+    class_counts: Any
     chunk_size: int
     importance_batch_size: int
     verbose: bool
@@ -280,10 +282,13 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
         raise ValueError(f"neuron interpolation: setting must be 1 or 2, got {setting}")
     base = {**SETTINGS[setting], **COMMON}
     base["head_weight_decay"] = base["weight_decay"]
+    # ridge is relative (× mean diagonal of XᵀX). 1e-3 keeps multi-round fusion stable: with the min-norm
+    # pseudo-inverse, near-singular fused inputs grew a hidden layer's weights ~10⁴× in 10 rounds of
+    # digits/Dirichlet FL; one-shot accuracy moved by < 0.3 points (simulations/README.md).
     vals = dict(fused_width=None, importance="client", fusion_labels=None, normalize_scores=False,
-                align_residual=False, ridge=0.0, rcond=1e-7, prior="parents", init="auto", prox=0.0,
-                kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=10,
-                hf_cost="exact", chunk_size=1024, importance_batch_size=64, verbose=False)
+                align_residual=False, ridge=1e-3, rcond=1e-7, prior="parents", init="auto", prox=0.0,
+                kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=3,
+                hf_cost="exact", head_weights=False, class_counts=None, chunk_size=1024, importance_batch_size=64, verbose=False)
     for key in list(opts):
         if key in base or key in vals:
             (base if key in base else vals)[key] = opts.pop(key)
@@ -291,6 +296,9 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
         raise ValueError(f"neuron interpolation: unknown option(s) {sorted(opts)}")
     if vals["init"] not in ("auto", "closed-form", "model0"):
         raise ValueError(f"neuron interpolation: init must be 'auto', 'closed-form' or 'model0', got {vals['init']!r}")
+    if vals["head_weights"] and vals["class_counts"] is None:
+        raise ValueError("neuron interpolation: head_weights=True needs class_counts (per model, its training "
+                         "sample count per class)")
     return _Opts(setting=setting, **base, **vals)
 
 
@@ -333,6 +341,34 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
             per_level.append((s * (n * weights[m])).to(device))
         out.append(per_level)
     return out
+
+
+def _head_assignment(opts: _Opts, widths: list[int], s: torch.Tensor, weights: list[float], fit: str,
+                     device: torch.device) -> torch.Tensor:
+    """``A [n·C, C]`` of the classifier level: class ``c`` ↔ class ``c`` in every model (identity grouping).
+
+    Default: linear = importance-weighted mean of the parents' class-``c`` outputs (Theorem 1 with the
+    head's scores); gradient = the ``weights``-weighted average of the raw logits (spec §2.3b).
+    ``head_weights=True`` (spec §2.3b "Head Weights"): model ``m``'s class-``c`` output is weighted by
+    the fraction of all training samples of class ``c`` that model ``m`` held (``class_counts``), so a
+    class's target logit comes from the clients that trained on it (a class nobody held falls back to
+    the default weights).
+    """
+    n, k = len(widths), widths[0]
+    if fit == "linear":
+        base = assignment_matrix(torch.cat([torch.arange(w, device=device) for w in widths]), s, k)
+    else:
+        base = torch.cat([torch.eye(k, dtype=torch.float64, device=device) * weights[m] for m in range(n)])
+    if not opts.head_weights:
+        return base
+    cc = torch.as_tensor(opts.class_counts, dtype=torch.float64, device=device)
+    if cc.shape != (n, k):
+        raise ValueError(f"neuron interpolation: class_counts must be [{n} models, {k} classes], got {tuple(cc.shape)}")
+    frac = cc / cc.sum(0, keepdim=True).clamp_min(1e-300)              # [n, C], columns sum to 1
+    default = base.reshape(n, k, k).diagonal(dim1=1, dim2=2)             # [n, C] default per-class weights
+    default = default / default.sum(0, keepdim=True).clamp_min(1e-300)
+    w = torch.where(cc.sum(0, keepdim=True) > 0, frac, default)
+    return torch.cat([torch.diag(w[m]) for m in range(n)])
 
 
 def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
@@ -564,11 +600,12 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
 
         # ---- fit ----------------------------------------------------------------------------------
         if fit == "linear":
-            a = assignment_matrix(labels, s, k)                # importance-weighted targets (Theorem 1)
+            # importance-weighted targets (Theorem 1); the head optionally by class counts
+            a = _head_assignment(opts, widths, s, weights, fit, device) if last else assignment_matrix(labels, s, k)
             write_affine(lvf, ls.coef @ a)                     # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
         else:
             if last:  # the head regresses the averaged raw logits (spec §2.3b), weighted by `weights`
-                a = torch.cat([torch.eye(k, dtype=torch.float64, device=device) * weights[m] for m in range(n)])
+                a = _head_assignment(opts, widths, s, weights, fit, device)
             else:     # plain importance-weighted centroids; importance acts through grouping and targets
                 a = assignment_matrix(labels, s, k)
             target = torch.cat([neurons_restore((zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])

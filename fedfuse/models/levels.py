@@ -192,7 +192,20 @@ def levels(model: nn.Module) -> list[Level]:
 
 
 def level_outputs(model: nn.Module, x: torch.Tensor, upto: int | None = None) -> list[torch.Tensor]:
-    """Outputs of levels ``0..upto`` (all when ``None``) for input ``x`` ``[N, *input_shape]``."""
+    """Outputs of levels ``0..upto`` (all when ``None``) for input ``x`` ``[N, *input_shape]``.
+
+    Token Fusion, if applied to a ViT, is suspended: level outputs of different models must have the
+    same token count to be matched.
+    """
+    if getattr(model, "_tofu_state", None) is not None:
+        from fedfuse.tofu import suspended
+
+        with suspended(model):
+            return _level_outputs(model, x, upto)
+    return _level_outputs(model, x, upto)
+
+
+def _level_outputs(model: nn.Module, x: torch.Tensor, upto: int | None) -> list[torch.Tensor]:
     outs = []
     h = x
     for i, lv in enumerate(levels(model)):

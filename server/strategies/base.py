@@ -99,6 +99,7 @@ class FusionStrategy(FedAvg):
         # clients, fusion seeds and ``history`` see the true round ``round_offset + 1 ..``
         self.round_offset = 0
         self._sent: set[int] = set()                   # node ids sent a train message this round
+        self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
 
     # ---------------------------------------------------------------- helpers
@@ -134,8 +135,15 @@ class FusionStrategy(FedAvg):
             messages = list(super().configure_train(server_round, arrays, config, grid))
         finally:
             random.setstate(rng_state)
-        self._sent = {int(m.metadata.dst_node_id) for m in messages if isinstance(m, Message)}
+        self._sent_msgs = [m for m in messages if isinstance(m, Message)]  # the grid sets their message ids
+        self._sent = {int(m.metadata.dst_node_id) for m in self._sent_msgs}
         return messages
+
+    def _reply_node(self, msg: Message) -> int:
+        """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the
+        SuperLink's id as source, so map them back through the message they reply to."""
+        by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self._sent_msgs if m.metadata.message_id}
+        return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
 
     def _reference(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         if self.model_fn is not None:
@@ -156,10 +164,10 @@ class FusionStrategy(FedAvg):
         replies = list(replies)
         ok, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
         record: dict[str, Any] = {"round": server_round, "method": self.method, "replies": len(replies),
-                                  "failures": [self._failure(int(m.metadata.src_node_id), str(m.error.reason)[:500],
+                                  "failures": [self._failure(self._reply_node(m), _short(str(m.error.reason)),
                                                              int(m.error.code)) for m in errors],
                                   "rejected": [], "fallback": None, "skipped": None}
-        for node_id in sorted(self._sent - {int(m.metadata.src_node_id) for m in replies}):
+        for node_id in sorted(self._sent - {self._reply_node(m) for m in replies}):
             # no reply at all: the node timed out (round-timeout), disconnected or its process died
             log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
                 server_round, node_id)
@@ -169,7 +177,7 @@ class FusionStrategy(FedAvg):
             if failure.get("code") is not None:
                 log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
                     failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
-        self._sent = set()
+        self._sent, self._sent_msgs = set(), []
         reference = self._reference()
         updates: list[ClientUpdate] = []
         for msg in ok:
@@ -255,6 +263,11 @@ class FusionStrategy(FedAvg):
                 if len(lens) == 1:
                     out[k] = [int(sum(col)) for col in zip(*(v for v, _ in vals))]
         return MetricRecord(out)
+
+
+def _short(reason: str, head: int = 150, tail: int = 350) -> str:
+    """A long error reason (e.g. a Ray traceback) cut to its start and its end (where the exception is)."""
+    return reason if len(reason) <= head + tail else f"{reason[:head]} ... {reason[-tail:]}"
 
 
 def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
