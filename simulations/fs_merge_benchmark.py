@@ -5,16 +5,21 @@ fusion wall time and peak memory as ratios to KD on the same fusion set.
         --models mlp,vit --methods fs-merge,fs-merge-seq,kd,ensemble,average --sizes 50,200,800 \
         --seeds 0,1,2 --out results/fs_merge/sweep
 
-Per (dataset, partition, model, seed) the clients are trained once from different seeds (cached under
-``<out>/../cache``), then every method fuses them with a fusion set of each size drawn from
-``--fusion-source`` (default ``client0``: FINDINGS.md's skewed setting; sizes above the pool are capped and
-the actual size is recorded). Rows go to ``<out>/rows.jsonl``; ``<out>/summary.md`` holds mean ± std over
-seeds and the time / memory ratios to ``kd``.
+Per (dataset, partition, model, seed) the clients are those of the shared one-shot runner
+(``--clients oneshot``, default: ``simulations.oneshot_lib`` recipe and cache ``results/cache``, so the numbers
+are comparable with ``results/one_shot``; ``--clients own`` = this script's older recipe, cached under
+``<out>/../cache``). Every method fuses them with a fusion set of each size drawn from ``--fusion-source``
+(default ``client0``: FINDINGS.md's skewed setting; sizes above the pool are capped and the actual size is
+recorded). Rows go to ``<out>/rows.jsonl``; ``<out>/summary.md`` holds mean ± std over seeds and the time /
+memory ratios to ``kd``.
 
-Memory: on CUDA, ``torch.cuda.max_memory_allocated`` during the call (reset before); on CPU, the peak of the
-process resident set size (``/proc/self/statm``, sampled every 2 ms by a thread) minus the RSS at the call's
-start — an approximation (allocator caching can hide re-used memory), reported as such. ``tracemalloc`` is not
-used: it does not see PyTorch's tensor allocations.
+Memory (``--memory``): ``profile`` (CPU default) = peak of the live bytes allocated by PyTorch's CPU allocator
+during the call, from a ``torch.profiler`` memory profile (every tensor allocation/free, cumulative sum, max; the
+baseline is what was live when the call started). It runs as a *separate, shortened* pass (fs-merge: 4 steps,
+kd: 1 epoch; same data, pool, batch size and models) so that profiling does not distort the timing; the peak of
+these methods does not depend on the number of steps (nothing is kept per step except scalar losses). On CUDA,
+``torch.cuda.max_memory_allocated`` during the timed call. ``rss`` = the old sampled process-RSS delta (blind
+to small allocations; kd showed < 1 MiB). ``tracemalloc`` is not used: it does not see tensor allocations.
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ class PeakRSS:
         self.peak = max(self.peak, self._rss() - self.start)
 
 
-def timed_fuse(method: str, models, x, device: torch.device, seed: int, options: dict):
-    """``fuse`` with wall time (s) and peak memory (bytes; CUDA allocated or CPU RSS delta)."""
+def timed_fuse(method: str, models, x, device: torch.device, seed: int, options: dict, memory: str = "profile"):
+    """``fuse`` with wall time (s) and peak memory (bytes; CUDA allocated, CPU profiled allocations or RSS delta)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -81,11 +86,40 @@ def timed_fuse(method: str, models, x, device: torch.device, seed: int, options:
         fused = fuse(method, models, fusion_inputs=x, device=device, seed=seed, **options)
         torch.cuda.synchronize()
         return fused, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
-    with PeakRSS() as mem:
-        t0 = time.perf_counter()
-        fused = fuse(method, models, fusion_inputs=x, device=device, seed=seed, **options)
-        sec = time.perf_counter() - t0
-    return fused, sec, mem.peak
+    if memory == "rss":
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            fused = fuse(method, models, fusion_inputs=x, device=device, seed=seed, **options)
+            sec = time.perf_counter() - t0
+        return fused, sec, mem.peak
+    t0 = time.perf_counter()
+    fused = fuse(method, models, fusion_inputs=x, device=device, seed=seed, **options)
+    sec = time.perf_counter() - t0
+    peak = -1
+    if memory == "profile":
+        short = {**options, **SHORT_PASS.get(method, {})}
+        peak = profiled_peak_bytes(lambda: fuse(method, models, fusion_inputs=x, device=device, seed=seed, **short))
+    return fused, sec, peak
+
+
+# options of the shortened memory pass (peak is step-count invariant for these methods)
+SHORT_PASS = {"fs-merge": {"steps": 4, "epochs": None}, "fs-merge-seq": {"steps": 4, "stage_steps": 4, "epochs": None},
+              "kd": {"epochs": 1}}
+
+
+def profiled_peak_bytes(fn) -> int:
+    """Peak live bytes of PyTorch CPU tensor allocations while ``fn()`` runs (torch.profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    del out
+    ev = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nb in ev:
+        live += nb
+        peak = max(peak, live)
+    return peak
 
 
 # ------------------------------------------------------------------------------------------- clients
@@ -108,6 +142,20 @@ def get_clients(dataset: str, partition: str, model: str, seed: int, cache: Path
             torch.save(net.state_dict(), path)
         models.append(net.cpu().eval())
     return models, fd
+
+
+def get_oneshot_clients(dataset: str, partition: str, model: str, seed: int, alpha: float,
+                        cache: Path = Path("results/cache")):
+    """The shared one-shot runner's clients (its default recipe; trained and cached there if missing)."""
+    from simulations.oneshot_lib import (DEPTH_DEFAULTS, TRAIN_DEFAULTS, WIDTH_DEFAULTS, CellConfig, get_clients,
+                                         load_data)
+
+    d = TRAIN_DEFAULTS.get((dataset, model), dict(epochs=30, lr=1e-3))
+    cfg = CellConfig(dataset=dataset, partition=partition, model=model, seed=seed, width=WIDTH_DEFAULTS[model],
+                     depth=DEPTH_DEFAULTS[model], epochs=d["epochs"], lr=d["lr"], alpha=alpha)
+    data = load_data(cfg, 1)
+    clients = get_clients(cfg, data, ["uniform"], cache, log=lambda s: print(s, flush=True))
+    return [c["model"] for c in clients], data
 
 
 def fusion_inputs(dataset: str, partition: str, seed: int, size: int, source: str, alpha: float) -> torch.Tensor:
@@ -157,11 +205,20 @@ def summarise(rows: list[dict], out: Path) -> str:
             if not sel:
                 continue
             tr = [r["seconds"] / kd[key(r)]["seconds"] for r in sel if key(r) in kd and kd[key(r)]["seconds"] > 0]
-            # CPU RSS deltas below 1 MiB are allocator noise: no ratio from those
+            # CPU RSS deltas below 1 MiB are allocator noise: no ratio from those (profiled/CUDA bytes are exact)
             mr = [r["peak_bytes"] / kd[key(r)]["peak_bytes"] for r in sel
-                  if key(r) in kd and kd[key(r)]["peak_bytes"] >= 2**20]
+                  if key(r) in kd and kd[key(r)]["peak_bytes"] >= (2**20 if r.get("memory_measure", "rss") == "rss" else 1)]
             lines.append(f"| {m} | {mod} | {_ms(tr)} | {_ms(mr)} | {statistics.median(r['seconds'] for r in sel):.2f} | "
                          f"{statistics.median(r['peak_bytes'] for r in sel) / 2**20:.1f} |")
+    lines += ["", "Accuracy minus kd on the same fusion set and seed (mean ± std over seeds; wins = seeds with "
+              "method ≥ kd).", "", "| dataset | partition | model | size | method | Δ vs kd | wins |", "|---|---|---|---|---|---|---|"]
+    for ds, part, mod in settings:
+        for s in sizes:
+            for m in ("fs-merge", "fs-merge-seq"):
+                d = [r["accuracy"] - kd[key(r)]["accuracy"] for r in rows if r["method"] == m and key(r) in kd
+                     and (r["dataset"], r["partition"], r["model"], r["size"]) == (ds, part, mod, s)]
+                if d:
+                    lines.append(f"| {ds} | {part} | {mod} | {s} | {m} | {_ms(d)} | {sum(v >= 0 for v in d)}/{len(d)} |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
@@ -181,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--options", default="{}", help='JSON: {"fs-merge": {"steps": 300}, ...}')
     ap.add_argument("--out", default="results/fs_merge/sweep")
+    ap.add_argument("--clients", default="oneshot", choices=["oneshot", "own"])
+    ap.add_argument("--memory", default="profile", choices=["profile", "rss", "none"])
     ap.add_argument("--wait-kd", type=float, default=0, help="seconds to wait for 'kd' to be registered")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("FEDFUSE_TORCH_THREADS", "1")))
@@ -216,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         for part in args.partitions.split(","):
             for mod in args.models.split(","):
                 for seed in map(int, args.seeds.split(",")):
-                    models, fd = get_clients(ds, part, mod, seed, cache, device, args.alpha)
+                    if args.clients == "oneshot":
+                        models, fd = get_oneshot_clients(ds, part, mod, seed, args.alpha)
+                    else:
+                        models, fd = get_clients(ds, part, mod, seed, cache, device, args.alpha)
                     xt, yt = fd.test.x, fd.test.y
                     client_acc = [evaluate(m, xt, yt)["accuracy"] for m in models]
                     for size in map(int, args.sizes.split(",")):
@@ -224,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                         for m in methods:
                             if (ds, part, mod, seed, size, m) in done:
                                 continue
-                            fused, sec, peak = timed_fuse(m, models, x, device, seed, options.get(m, {}))
+                            fused, sec, peak = timed_fuse(m, models, x, device, seed, options.get(m, {}), args.memory)
                             acc = evaluate(fused, xt, yt)["accuracy"]
                             row = dict(dataset=ds, partition=part, model=mod, seed=seed, size=size,
                                        actual_size=len(x), method=m, accuracy=acc, seconds=sec, peak_bytes=peak,
                                        best_client=max(client_acc), clients=client_acc, device=str(device),
-                                       options=options.get(m, {}))
+                                       options=options.get(m, {}), clients_recipe=args.clients,
+                                       memory_measure=args.memory if device.type != "cuda" else "cuda")
                             rows.append(row)
                             with rows_path.open("a") as f:
                                 f.write(json.dumps(row) + "\n")

@@ -43,6 +43,7 @@ def _check_two_rounds(outcome, n):
     return res
 
 
+@pytest.mark.slow  # real SuperLink + 2 SuperNodes: minutes on 2 cores (3 s reply polling, torch imports)
 def test_deployment_insecure_two_rounds(tmp_path):
     t0 = time.perf_counter()
     with Deployment(2, tls=False, auth=False) as dep:

@@ -143,11 +143,12 @@ def test_fs_merge_seq_three_clients():
     xf = x[torch.cat([p[torch.randperm(len(p), generator=g)[:60]] for p in parts])]
     xt, yt = x[te], y[te]
     best = max(_acc(m, xt, yt) for m in models)
-    fused = fuse("fs-merge-seq", models, fusion_inputs=xf, steps=1000, stage_steps=400)
+    fused = fuse("fs-merge-seq", models, fusion_inputs=xf)        # default schedule, out of the box
     info = fm.fuse_fs_merge_seq.last_info
     assert len(info["stage_losses"]) == 2                         # (m0 + m1) then (+ m2)
     assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in models[0].state_dict().items()}
-    assert _acc(fused, xt, yt) > best + 0.12                      # measured 0.565 vs best client 0.380
+    assert info["stage_losses"][-1][-1] < 0.5 * info["stage_losses"][-1][0]
+    assert _acc(fused, xt, yt) > best + 0.12                      # measured 0.594 vs best client 0.380
     multi = fuse("fs-merge", models, fusion_inputs=xf, steps=50, heads="multi")
     with torch.no_grad():
         assert multi(xt[:4]).shape == (4, 30)

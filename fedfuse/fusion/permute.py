@@ -661,24 +661,24 @@ def sinkhorn_batch(cost: np.ndarray, a: np.ndarray, b: np.ndarray, reg: float, *
 def sinkhorn_log_batch(cost: np.ndarray, a: np.ndarray, b: np.ndarray, reg: float, *, num_iter: int = 1000,
                        stop_thr: float = 1e-6) -> np.ndarray:
     """Log-domain Sinkhorn (POT's ``method="sinkhorn_log"`` iteration), batched like :func:`sinkhorn_batch`."""
-    from scipy.special import logsumexp
-
-    mr = cost / -reg
-    loga, logb = np.log(a), np.log(b)
-    u = np.zeros(a.shape)
-    v = np.zeros(b.shape)
-    active = np.ones(len(cost), dtype=bool)
+    mr = torch.from_numpy(np.ascontiguousarray(cost / -reg))
+    loga, logb = torch.from_numpy(np.log(a)), torch.from_numpy(np.log(b))
+    u = torch.zeros(loga.shape, dtype=torch.float64)
+    v = torch.zeros(logb.shape, dtype=torch.float64)
+    uo, vo = u.clone(), v.clone()
+    active = torch.ones(len(mr), dtype=torch.bool)
     for it in range(num_iter):
-        idx = np.flatnonzero(active)
-        if idx.size == 0:
-            break
-        v[idx] = logb[idx] - logsumexp(mr[idx] + u[idx, :, None], axis=1)
-        u[idx] = loga[idx] - logsumexp(mr[idx] + v[idx, None, :], axis=2)
+        v = logb - torch.logsumexp(mr + u[:, :, None], dim=1)
+        u = loga - torch.logsumexp(mr + v[:, None, :], dim=2)
         if it % 10 == 0:
-            marg = np.exp(mr[idx] + u[idx, :, None] + v[idx, None, :]).sum(1)
-            err = np.linalg.norm(marg - b[idx], axis=1)
-            active[idx[err < stop_thr]] = False
-    return np.exp(mr + u[:, :, None] + v[:, None, :])
+            marg = torch.exp(mr + u[:, :, None] + v[:, None, :]).sum(1)
+            done = active & (torch.linalg.vector_norm(marg - torch.exp(logb), dim=1) < stop_thr)
+            uo[done], vo[done] = u[done], v[done]
+            active &= ~done
+            if not bool(active.any()):
+                break
+    uo[active], vo[active] = u[active], v[active]
+    return torch.exp(mr + uo[:, :, None] + vo[:, None, :]).numpy()
 
 
 def _marginals(m_a: int, m_b: int, a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
