@@ -34,6 +34,7 @@ equivalent with explicit permuted skips, used for task-vector transport and OT r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -523,6 +524,14 @@ def random_perms(spec: PermSpec, seed: int = 0, heads: bool = True) -> dict[str,
 # --------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
+def _subsample(n: int, k: int, seed: int) -> torch.Tensor:
+    """Sorted random ``k`` of ``range(n)`` (seeded by ``seed + n``); cached, since every model of a
+    fusion draws the same rows."""
+    gen = torch.Generator().manual_seed(seed + n)
+    return torch.randperm(n, generator=gen)[:k].sort().values
+
+
 def _rows(h: torch.Tensor, layout: str) -> torch.Tensor:
     """Module output → ``[samples, units]``."""
     if layout == "flat":
@@ -577,9 +586,7 @@ def collect_activations(model: nn.Module, spec: PermSpec, inputs: torch.Tensor, 
         for pt in g.acts:
             rows = torch.cat(store[pt])
             if len(rows) > max_rows:
-                gen = torch.Generator().manual_seed(seed + len(rows))
-                idx = torch.randperm(len(rows), generator=gen)[:max_rows].sort().values
-                rows = rows[idx.to(rows.device)]
+                rows = rows[_subsample(len(rows), max_rows, seed).to(rows.device)]
             parts.append(rows)
         out[name] = torch.cat(parts) if parts else torch.empty(0, g.size, device=device)
     return out
@@ -992,4 +999,5 @@ def score_cost(score: torch.Tensor) -> torch.Tensor:
 
 def standardize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """z-score each column (unit) of ``x`` ``[S, m]`` (spec §1.2 ``std: True``)."""
-    return (x - x.mean(0, keepdim=True)) / (x.std(0, keepdim=True) + eps)
+    std, mean = torch.std_mean(x, dim=0, keepdim=True)  # one pass over x
+    return (x - mean) / (std + eps)
