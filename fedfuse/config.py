@@ -49,6 +49,7 @@ class RunConfig:
     fusion_set_size: int = 300
     fusion_set_source: str = "public"
     fusion_set_path: str = ""
+    fusion_options: str = ""
     public_fraction: float = 0.2
     fraction_train: float = 1.0
     min_train_nodes: int = 2
@@ -155,6 +156,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         raise ConfigError(f"run-config key 'tofu-r' must be >= 0, got {cfg.tofu_r}")
     if cfg.tofu_r > 0 and cfg.model != "vit":
         raise ConfigError(f"run-config key 'tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
+    fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
     if cfg.lr <= 0:
         raise ConfigError(f"run-config key 'lr' must be > 0, got {cfg.lr}")
     if cfg.dirichlet_alpha <= 0:
@@ -171,3 +173,19 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
     return cfg
+
+
+def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
+    """``fusion-options`` (a TOML inline table, e.g. ``"{ridge=1e-3, head_weights=true}"``) as a dict."""
+    import tomllib
+
+    text = cfg.fusion_options.strip()
+    if not text:
+        return {}
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"run-config key 'fusion-options': not a TOML inline table ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"run-config key 'fusion-options': expected an inline table like '{{ridge=1e-3}}', got {text!r}")
+    return value

@@ -31,7 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E
 from flwr.common.logger import log  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from fedfuse.config import ConfigError, RunConfig, parse_run_config  # noqa: E402
+from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, parse_run_config  # noqa: E402
 from fedfuse.faults import parse_faults, server_fusion_fault  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
 from fedfuse.results import RunRecorder, load_checkpoint, save_checkpoint  # noqa: E402
@@ -65,7 +65,8 @@ def setup(cfg: RunConfig):
     def model_fn() -> torch.nn.Module:
         return global_model(cfg, data.num_classes, data.input_shape)
 
-    strategy = build_strategy(cfg.strategy, model_fn=model_fn, fusion_inputs=fusion_x, fusion_labels=fusion_y,
+    strategy = build_strategy(cfg.strategy, model_fn=model_fn, fusion_options=fusion_options_dict(cfg),
+                              fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed)

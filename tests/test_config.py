@@ -32,6 +32,8 @@ def test_empty_config_gives_defaults():  # run_simulation hands the app an empty
     ({"val-fraction": 1.5}, "val-fraction"),
     ({"fusion-set-source": "server"}, "fusion-set-source"),
     ({"device": "tpu"}, "device"),
+    ({"fusion-options": "ridge=1e-3"}, "fusion-options"),
+    ({"fusion-options": "[1, 2]"}, "fusion-options"),
     ({"mode": "one-shot", "num-server-rounds": 3}, "num-server-rounds"),
     ({"min-train-nodes": 9, "num-clients": 4}, "min-train-nodes"),
 ])
@@ -43,6 +45,14 @@ def test_bad_values_name_the_key(override, key):
 def test_unknown_strategy_names_key():
     with pytest.raises(ConfigError, match="strategy"):
         parse_run_config({"strategy": "fedmagic"}, known_strategies=("fedavg", "average"))
+
+
+def test_fusion_options_inline_table():
+    from fedfuse.config import fusion_options_dict
+
+    cfg = parse_run_config({"fusion-options": "{head_weights=true, ridge=1e-3, setting=2}"})
+    assert fusion_options_dict(cfg) == {"head_weights": True, "ridge": 1e-3, "setting": 2}
+    assert fusion_options_dict(parse_run_config({})) == {}
 
 
 def test_coercion():

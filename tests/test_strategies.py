@@ -191,3 +191,22 @@ def test_configure_train_asks_for_scores_only_when_used():
     assert sorted(n for _, n in msgs) == [11, 12]
     cfg = msgs[0][0]["config"]
     assert cfg["need-importance"] is False and cfg["fusion-method"] == "average" and cfg["server-round"] == 1
+
+
+def test_head_weights_option_receives_client_class_counts():
+    seen = {}
+    name = "test-records-options"
+    if name not in METHODS:
+        @register(name, needs_data=False)
+        def _rec(models, *, weights, **options):
+            from fedfuse.fusion.average import fuse_average
+
+            seen.update(options)
+            return fuse_average(models, weights=weights)
+    s = build_strategy("average", model_fn=model_fn, fusion_options={"head_weights": True})
+    s.method = name
+    counts = lambda c: (lambda a, i, m: m.__setitem__("class-counts", c))  # noqa: E731
+    arrays, _ = s.aggregate_train(1, [reply(2, 1, mutate=counts([0, 5] + [0] * 8)),
+                                      reply(1, 2, mutate=counts([7, 0] + [0] * 8))])
+    assert arrays is not None
+    assert seen["class_counts"] == [[7, 0] + [0] * 8, [0, 5] + [0] * 8]  # sorted by partition id

@@ -217,6 +217,11 @@ class FusionStrategy(FedAvg):
         models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores else None
         options = dict(self.fusion_options)
+        if options.get("head_weights") and "class_counts" not in options:
+            # class-count head weighting (NI spec §2.3b) uses the class counts the clients report
+            if any(u.class_counts is None for u in updates):
+                raise ValueError("head_weights needs 'class-counts' in every client's metrics")
+            options["class_counts"] = [u.class_counts for u in updates]
         if self.uses_scores and self.importance == "server":
             options.setdefault("fusion_labels", self.fusion_labels)
         fused = fuse(self.method, models, fusion_inputs=self.fusion_inputs, scores=scores,
