@@ -30,7 +30,7 @@ for job in ${JOBS:-cnn resnet vit_mnist1d mlp_hetero transport timing}; do
         --seeds $SEEDS --out $OUT --tag mnist1d ;;
     transport)
       $PY -m simulations.ot_benchmark transport --datasets mnist1d --seeds ${TRANSPORT_SEEDS:-1,2} --out $OUT \
-        --tag mnist1d_s${TRANSPORT_SEEDS:-1,2} ;;
+        --tag mnist1d_s$(echo ${TRANSPORT_SEEDS:-1,2} | tr -d ,) ;;
     timing)
       $PY -m simulations.ot_benchmark timing --out $OUT ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
