@@ -35,52 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.flwr_runner import ROOT, RunOutcome, flwr_env, free_port, run_config_arg, toml_value
+from simulations.flwr_runner import (ROOT, RunOutcome, descendants, flwr_env, free_port, kill_tree,  # noqa: F401
+                                     run_config_arg, toml_value)
 
 CONNECTION = "fedfuse-deploy"
 
 
 def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (children first level first), read from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
-    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
-    victims = [q for p in pids for q in [p, *descendants(p)]]
-    for q in victims:
-        try:
-            os.kill(q, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{q}").exists() and
-                                              "Z" not in _state(q) for q in victims):
-        time.sleep(0.2)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
 
 
 class Deployment:

@@ -85,22 +85,62 @@ def _superlink_pids(flwr_home: Path) -> list[int]:
     return pids
 
 
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children first level first), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
+    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
+    victims = [q for p in pids for q in [p, *descendants(p)]]
+    for q in victims:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(f"/proc/{q}").exists() and
+                                              "Z" not in _state(q) for q in victims):
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
 def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
-    """Stop our managed SuperLink (and with it its simulation children) by PID."""
+    """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind."""
     pids = _superlink_pids(flwr_home)
+    tree = [q for p in pids for q in [p, *descendants(p)]]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.2)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree([q for q in tree if _alive(q)], timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and _state(pid) != "Z"
 
 
 def start_local_superlink(flwr_home: Path, env: dict[str, str], timeout: float = 180.0) -> subprocess.Popen:
