@@ -103,18 +103,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
-    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
-    victims = [q for p in pids for q in [p, *descendants(p)]]
-    for q in victims:
+def _signal_and_wait(pids: list[int], sig: int, timeout: float) -> None:
+    """Send ``sig`` to every pid, then wait (bounded) until none is alive."""
+    for q in pids:
         try:
-            os.kill(q, signal.SIGKILL)
+            os.kill(q, sig)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(f"/proc/{q}").exists() and
-                                              "Z" not in _state(q) for q in victims):
+    while time.monotonic() < deadline and any(_alive(q) for q in pids):
         time.sleep(0.2)
+
+
+def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
+    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
+    _signal_and_wait([q for p in pids for q in [p, *descendants(p)]], signal.SIGKILL, timeout)
 
 
 def _state(pid: int) -> str:
@@ -128,14 +131,7 @@ def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
     """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind."""
     pids = _superlink_pids(flwr_home)
     tree = [q for p in pids for q in [p, *descendants(p)]]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
+    _signal_and_wait(pids, signal.SIGTERM, timeout)
     kill_tree([q for q in tree if _alive(q)], timeout=timeout)
 
 

@@ -321,20 +321,17 @@ def build_spec(model: nn.Module, residual: str = "tied") -> PermSpec:
     ``residual`` applies to ViTs: ``"tied"`` (one stream group) or ``"untied"`` (one per position).
     Raises ``ValueError`` naming the unsupported part otherwise.
     """
-    from fedfuse.models.resnet import ResNet
+    from fedfuse.models.levels import model_family
 
-    if isinstance(model, nn.Sequential):
-        return _sequential_spec(model)
-    if isinstance(model, ResNet):
-        return _resnet_spec(model)
     try:
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:  # pragma: no cover
-        VisionTransformer = ()  # type: ignore[assignment]
-    if isinstance(model, VisionTransformer):
-        return _vit_spec(model, residual)
-    raise ValueError(f"permute: unsupported model type {type(model).__name__}; expected nn.Sequential, fedfuse "
-                     "ResNet or timm VisionTransformer")
+        family = model_family(model)
+    except ValueError as exc:
+        raise ValueError(f"permute: {exc}") from None
+    if family == "sequential":
+        return _sequential_spec(model)
+    if family == "resnet":
+        return _resnet_spec(model)
+    return _vit_spec(model, residual)
 
 
 def check_compatible(spec_a: PermSpec, spec_b: PermSpec, state_a: dict, state_b: dict,

@@ -170,25 +170,37 @@ def _vit_levels(model: nn.Module) -> list[Level]:
     return out
 
 
-def levels(model: nn.Module) -> list[Level]:
-    """The ordered fusion levels of ``model``; the last one is the classifier.
+def model_family(model: nn.Module) -> str:
+    """``"sequential"`` | ``"resnet"`` | ``"vit"``: the architecture families fusion code decomposes.
 
-    Raises ``ValueError`` for architectures it cannot decompose.
+    Raises ``ValueError`` for any other model type.
     """
     from fedfuse.models.resnet import ResNet
 
     if isinstance(model, nn.Sequential):
-        return _sequential_levels(model)
+        return "sequential"
     if isinstance(model, ResNet):
-        return _resnet_levels(model)
+        return "resnet"
     try:
         from timm.models.vision_transformer import VisionTransformer
     except ImportError:  # pragma: no cover - timm is a hard dependency
         VisionTransformer = ()  # type: ignore[assignment]
     if isinstance(model, VisionTransformer):
-        return _vit_levels(model)
-    raise ValueError(f"levels: unsupported model type {type(model).__name__}; expected nn.Sequential, "
+        return "vit"
+    raise ValueError(f"unsupported model type {type(model).__name__}; expected nn.Sequential, "
                      "fedfuse ResNet or timm VisionTransformer")
+
+
+def levels(model: nn.Module) -> list[Level]:
+    """The ordered fusion levels of ``model``; the last one is the classifier.
+
+    Raises ``ValueError`` for architectures it cannot decompose.
+    """
+    try:
+        family = model_family(model)
+    except ValueError as exc:
+        raise ValueError(f"levels: {exc}") from None
+    return {"sequential": _sequential_levels, "resnet": _resnet_levels, "vit": _vit_levels}[family](model)
 
 
 def level_outputs(model: nn.Module, x: torch.Tensor, upto: int | None = None) -> list[torch.Tensor]:
