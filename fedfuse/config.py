@@ -54,6 +54,7 @@ class RunConfig:
     fraction_train: float = 1.0
     min_train_nodes: int = 2
     fusion_fallback: str = "previous"
+    fusion_rounds: int = 0
     seed: int = 0
     device: str = "auto"
     output_dir: str = "results"
@@ -152,6 +153,8 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             parse_faults(cfg.test_faults)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'test-faults': {exc}") from exc
+    if cfg.fusion_rounds < 0:
+        raise ConfigError(f"run-config key 'fusion-rounds' must be >= 0 (0 = fuse every round), got {cfg.fusion_rounds}")
     if cfg.tofu_r < 0:
         raise ConfigError(f"run-config key 'tofu-r' must be >= 0, got {cfg.tofu_r}")
     if cfg.tofu_r > 0 and cfg.model != "vit":

@@ -69,7 +69,8 @@ def setup(cfg: RunConfig):
                               fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
-                              fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed)
+                              fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed,
+                              fusion_rounds=cfg.fusion_rounds)
     if any(f.target == "fusion" for f in parse_faults(cfg.test_faults)):  # TEST ONLY, off by default
         _inject_fusion_fault(strategy, cfg.test_faults)
     return data, model_fn, strategy

@@ -3,15 +3,23 @@
     python -m simulations.sweep --strategies fedavg,kf-linear --partitions shards,dirichlet \
         --seeds 0,1,2 --run-config "num-server-rounds=5 dataset='mnist1d'" --out results/sweep
 
+A strategy may carry its own run-config overrides: ``--strategies "fedavg,kf-linear[fusion-rounds=3]"``
+(space-separated ``key=value`` inside the brackets; the label with brackets names the table row).
+
 Each cell is the final-round central test accuracy, mean ± std over seeds; a second table gives
-the first round reaching 90% of that strategy's final accuracy (rounds-to-target). Every run's own
-results folder is kept under ``--out``; ``sweep.json`` holds all rows.
+the first round reaching 90% of that strategy's final accuracy; a third the first round reaching the
+``--reference`` strategy's final accuracy *of the same seed* (rounds-to-reference: "reaches FedAvg's
+final accuracy in fewer rounds"; never = the run did not reach it, counted as the last round + 1 and
+marked). ``accuracy.png`` plots the test accuracy per round, mean ± std over seeds, per partitioning.
+Every run's own results folder is kept under ``--out``; ``sweep.json`` holds all rows;
+``--tables-only`` re-renders table and plot from an existing ``sweep.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tomllib
@@ -37,9 +45,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-config", default="")
     ap.add_argument("--out", default=str(ROOT / "results" / "sweep"))
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--reference", default="fedavg", help="strategy whose final accuracy the others must reach")
+    ap.add_argument("--tables-only", action="store_true", help="re-render from --out/sweep.json, run nothing")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.tables_only:
+        rows = json.loads((out / "sweep.json").read_text())
+        return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out,
+                      args.run_config)
+    base = parse_overrides(args.run_config)
+    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    # rows of earlier sweeps into the same --out are kept (a rerun of a cell replaces its row)
+    rows = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else []
+    for label in args.strategies.split(","):
+        strategy, extra = parse_strategy(label)
+        for part in args.partitions.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{label}-{part}-s{seed}").strip("_")
+                cfg = {**base, **extra, "strategy": strategy, "partitioning": part, "seed": seed,
+                       "output-dir": str(out), "run-name": name}
+                n = int(cfg.get("num-clients", defaults["num-clients"]))
+                outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, echo=False)
+                row = {"strategy": label, "partitioning": part, "seed": seed, "status": outcome.status,
+                       "seconds": outcome.seconds, "run-config": {k: v for k, v in cfg.items() if k != "output-dir"}}
+                res = outcome.out_dir / "results.json"
+                if outcome.ok and res.exists():
+                    rounds = json.loads(res.read_text())["rounds"]
+                    row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
+                    row["final-accuracy"] = rounds[-1]["test-accuracy"]
+                    row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
+                print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}", flush=True)
+                rows = [r for r in rows if (r["strategy"], r["partitioning"], r["seed"]) != (label, part, seed)]
+                rows.append(row)
+                (out / "sweep.json").write_text(json.dumps(rows, indent=2))
+    return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out,
+                      args.run_config)
     base = parse_overrides(args.run_config)
     defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     rows = []
@@ -62,26 +103,89 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}", flush=True)
                 rows.append(row)
                 (out / "sweep.json").write_text(json.dumps(rows, indent=2))
-    parts = args.partitions.split(",")
-    lines = ["| strategy | " + " | ".join(parts) + " |", "|---|" + "---|" * len(parts)]
-    lines_r = list(lines)
-    for strategy in args.strategies.split(","):
-        cells, cells_r = [], []
+    return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out, args.run_config)
+
+
+def parse_strategy(label: str) -> tuple[str, dict]:
+    """``"kf-linear[fusion-rounds=3 local-epochs=2]"`` → ``("kf-linear", {run-config overrides})``."""
+    m = re.fullmatch(r"([^\[\]]+)(?:\[(.*)\])?", label.strip())
+    if not m:
+        raise ValueError(f"--strategies: cannot parse {label!r}; use name or name[key=value ...]")
+    return m.group(1), parse_overrides(m.group(2) or "")
+
+
+def rounds_to(acc_per_round: list[float], target: float) -> int | None:
+    """First round (index into ``acc_per_round``, round 0 = the initial model) with accuracy ≥ ``target``."""
+    return next((i for i, a in enumerate(acc_per_round) if a >= target - 1e-9), None)
+
+
+def render(rows: list[dict], strategies: list[str], parts: list[str], reference: str, out: Path,
+           run_config: str = "") -> int:
+    """Write ``table.md`` and ``accuracy.png`` for ``rows`` (the ``sweep.json`` rows)."""
+    head = ["| strategy | " + " | ".join(parts) + " |", "|---|" + "---|" * len(parts)]
+    lines, lines_r, lines_ref = list(head), list(head), list(head)
+    for strategy in strategies:
+        cells, cells_r, cells_ref = [], [], []
         for part in parts:
             sel = [r for r in rows if r["strategy"] == strategy and r["partitioning"] == part and "final-accuracy" in r]
             cells.append(mean_std([r["final-accuracy"] for r in sel]))
-            reach = []
+            cells_r.append(mean_std([float(rounds_to(r["accuracy-per-round"], 0.9 * r["final-accuracy"]))
+                                     for r in sel]))
+            reach, never = [], 0
             for r in sel:
-                target = 0.9 * r["final-accuracy"]
-                reach.append(next(i for i, a in enumerate(r["accuracy-per-round"]) if a >= target))
-            cells_r.append(mean_std([float(v) for v in reach]))
+                ref = [q for q in rows if q["strategy"] == reference and q["partitioning"] == part
+                       and q["seed"] == r["seed"] and "final-accuracy" in q]
+                if not ref:
+                    continue
+                k = rounds_to(r["accuracy-per-round"], ref[0]["final-accuracy"])
+                if k is None:
+                    never += 1
+                    k = len(r["accuracy-per-round"])
+                reach.append(float(k))
+            cells_ref.append(mean_std(reach) + (f" ({never} never)" if never else ""))
         lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
         lines_r.append(f"| {strategy} | " + " | ".join(cells_r) + " |")
-    table = ("Final test accuracy (mean ± std over seeds)\n\n" + "\n".join(lines) +
-             "\n\nFirst round reaching 90% of the final accuracy\n\n" + "\n".join(lines_r) + "\n")
+        lines_ref.append(f"| {strategy} | " + " | ".join(cells_ref) + " |")
+    seeds = sorted({r["seed"] for r in rows})
+    table = ((f"Run config: `{run_config}`; seeds {seeds}\n\n" if run_config else "") +
+             "Final test accuracy (mean ± std over seeds)\n\n" + "\n".join(lines) +
+             "\n\nFirst round reaching 90% of the strategy's own final accuracy\n\n" + "\n".join(lines_r) +
+             f"\n\nFirst round reaching {reference}'s final accuracy (same seed)\n\n" + "\n".join(lines_ref) + "\n")
     (out / "table.md").write_text(table)
     print(table)
+    plot(rows, strategies, parts, out / "accuracy.png")
     return 0
+
+
+def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path) -> None:
+    """Test accuracy per round, mean ± std over seeds; one panel per partitioning."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        for strategy in strategies:
+            curves = [r["accuracy-per-round"] for r in rows
+                      if r["strategy"] == strategy and r["partitioning"] == part and "accuracy-per-round" in r]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            a = np.array([c[:n] for c in curves])
+            mu, sd = a.mean(0), a.std(0)
+            xs = np.arange(n)
+            ax.plot(xs, mu, label=f"{strategy} (n={len(curves)})")
+            ax.fill_between(xs, mu - sd, mu + sd, alpha=0.2)
+        ax.set_title(part)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ SETTINGS: dict[int, dict[str, Any]] = {
             head_optimizer="adam", head_lr=1e-3, head_epochs=100),
 }
 COMMON = dict(batch_size=32, val_fraction=0.1, patience=15)
+# classifier-level target: "logits" = weighted mean of the parents' raw logits (spec §2.3b, paper);
+# "probs" = τ·log of the weighted mean of the parents' softmax(z/τ) (floored, centred): the ensemble's
+# own prediction, whose confidence is bounded by the floor (see ``head_targets``)
+HEAD_TARGETS = ("logits", "probs")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,6 +274,11 @@ class _Opts:
     hf_cost: str
     head_weights: bool
     class_counts: Any
+    head_target: str
+    match: str
+    head_ridge: float | None
+    head_temperature: float
+    head_floor: float
     chunk_size: int
     importance_batch_size: int
     verbose: bool
@@ -288,7 +297,8 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
     vals = dict(fused_width=None, importance="client", fusion_labels=None, normalize_scores=False,
                 align_residual=False, ridge=1e-3, rcond=1e-7, prior="parents", init="auto", prox=0.0,
                 kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=3,
-                hf_cost="exact", head_weights=False, class_counts=None, chunk_size=1024, importance_batch_size=64, verbose=False)
+                hf_cost="exact", head_weights=False, class_counts=None, head_target="logits", match="auto", head_ridge=None, head_temperature=1.0,
+                head_floor=1e-4, chunk_size=1024, importance_batch_size=64, verbose=False)
     for key in list(opts):
         if key in base or key in vals:
             (base if key in base else vals)[key] = opts.pop(key)
@@ -296,6 +306,14 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
         raise ValueError(f"neuron interpolation: unknown option(s) {sorted(opts)}")
     if vals["init"] not in ("auto", "closed-form", "model0"):
         raise ValueError(f"neuron interpolation: init must be 'auto', 'closed-form' or 'model0', got {vals['init']!r}")
+    if vals["match"] not in ("auto", "identity"):
+        raise ValueError(f"neuron interpolation: match must be 'auto' or 'identity', got {vals['match']!r}")
+    if vals["head_target"] not in HEAD_TARGETS:
+        raise ValueError(f"neuron interpolation: head_target must be one of {HEAD_TARGETS}, got {vals['head_target']!r}")
+    if not float(vals["head_temperature"]) > 0:
+        raise ValueError(f"neuron interpolation: head_temperature must be > 0, got {vals['head_temperature']!r}")
+    if not 0 < float(vals["head_floor"]) < 1:
+        raise ValueError(f"neuron interpolation: head_floor must be in (0, 1), got {vals['head_floor']!r}")
     if vals["head_weights"] and vals["class_counts"] is None:
         raise ValueError("neuron interpolation: head_weights=True needs class_counts (per model, its training "
                          "sample count per class)")
@@ -371,6 +389,27 @@ def _head_assignment(opts: _Opts, widths: list[int], s: torch.Tensor, weights: l
     return torch.cat([torch.diag(w[m]) for m in range(n)])
 
 
+def head_targets(z: torch.Tensor, a: torch.Tensor, n: int, mode: str = "logits", temperature: float = 1.0,
+                 floor: float = 1e-4) -> torch.Tensor:
+    """Classifier-level targets ``[rows, C]`` from the parents' concatenated logits ``z [rows, n·C]``.
+
+    ``a [n·C, C]`` is the head assignment (``_head_assignment``: class ``c`` of model ``m`` has weight
+    ``a[m·C + c, c]``, each column summing to 1). ``"logits"``: ``z @ a``, the weighted mean of raw logits.
+    ``"probs"``: ``τ · log(max(Σ_m a_mc · softmax(z_m / τ)_c, floor))``, centred per row — the weighted
+    probability ensemble. Unlike averaged logits it does not inherit the clients' ever-growing logit
+    scale (multi-round FL: clients trained from a confident global model become more confident each
+    round), and a class one client never saw is not pushed down by that client's logit.
+    """
+    if mode == "logits":
+        return z @ a
+    c = a.shape[1]
+    w = a.reshape(n, c, c).diagonal(dim1=1, dim2=2)                    # [n, C] per-model class weights
+    p = torch.softmax(z.reshape(z.shape[0], n, c) / temperature, dim=-1)  # [rows, n, C]
+    mix = (p * w.to(p)[None]).sum(1)                                   # [rows, C]
+    t = temperature * torch.log(mix.clamp_min(floor))
+    return t - t.mean(1, keepdim=True)
+
+
 def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
     """Level index → fused width for the hidden levels (the classifier keeps ``num_classes``)."""
     fw = opts.fused_width
@@ -398,6 +437,11 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
         w0 = widths[0]
         perm = hungarian_match(coords[:w0], coords[w0:], s[:w0], s[w0:], cost=opts.hf_cost)
         return matching_labels(perm).to(coords.device)
+    if opts.match == "identity":
+        if any(w != k for w in widths):
+            raise ValueError(f"neuron interpolation: match='identity' needs every model's level {level_name!r} "
+                             f"to have the fused width {k}, got {widths}")
+        return torch.cat([torch.arange(w, device=coords.device) for w in widths])
     init: str | torch.Tensor = opts.kmeans_init
     if init == "model0":
         # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
@@ -569,7 +613,8 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                     dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
                     xtx += dm.T @ dm
                     xtz += dm.T @ zcat(i, i + chunk)
-            ridge = opts.ridge * float(torch.diagonal(xtx).mean()) if opts.ridge > 0 else 0.0
+            rel = opts.head_ridge if (last and opts.head_ridge is not None) else opts.ridge
+            ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
             ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
             if opts.prior == "parents":
                 pri = [aligned_parent_weights(plv[m][l], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
@@ -581,8 +626,10 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                 ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
             elif opts.prior != "zero":
                 raise ValueError(f"neuron interpolation: prior must be 'parents' or 'zero', got {opts.prior!r}")
+            else:
+                prior = None
         else:
-            ls = None
+            ls, xtx, prior, ridge, bias = None, None, None, 0.0, False
 
         # ---- grouping -------------------------------------------------------------------------
         if last:  # classifier: class c ↔ class c in every model (identity grouping)
@@ -602,18 +649,27 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         if fit == "linear":
             # importance-weighted targets (Theorem 1); the head optionally by class counts
             a = _head_assignment(opts, widths, s, weights, fit, device) if last else assignment_matrix(labels, s, k)
-            write_affine(lvf, ls.coef @ a)                     # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+            if last and opts.head_target != "logits":
+                write_affine(lvf, _fit_head(lvf, h_fus, zcat, a, n, opts, xtx, prior, ridge, chunk, bias))
+            else:
+                write_affine(lvf, ls.coef @ a)                 # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
         else:
             if last:  # the head regresses the averaged raw logits (spec §2.3b), weighted by `weights`
                 a = _head_assignment(opts, widths, s, weights, fit, device)
             else:     # plain importance-weighted centroids; importance acts through grouping and targets
                 a = assignment_matrix(labels, s, k)
-            target = torch.cat([neurons_restore((zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
-                                for i in range(0, x.shape[0], chunk)])
+            target = torch.cat([neurons_restore(
+                (head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
+                 if last else zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
+                for i in range(0, x.shape[0], chunk)])
             if opts.align_residual and not last and layout == "tokens" and lvf.kind == "block":
                 target = _align_residual(h_fus, target, a, s, layout)
             if opts.init != "model0" and lvf.affine:
-                write_affine(lvf, ls.coef @ a)                 # closed-form start: defence against collapse
+                # closed-form start: defence against collapse
+                if last and opts.head_target != "logits":
+                    write_affine(lvf, _fit_head(lvf, h_fus, zcat, a, n, opts, xtx, prior, ridge, chunk, bias))
+                else:
+                    write_affine(lvf, ls.coef @ a)
             elif opts.eps > 0:
                 fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + l)
                 named = dict(fused.named_parameters())
@@ -635,6 +691,25 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     for p in fused.parameters():
         p.requires_grad_(True)
     return fused.eval()
+
+
+def _fit_head(lvf: Level, h_fus: torch.Tensor, zcat, a: torch.Tensor, n: int, opts: _Opts, xtx: torch.Tensor,
+              prior: torch.Tensor | None, ridge: float, chunk: int, bias: bool) -> torch.Tensor:
+    """Closed-form classifier weights ``[d, C]`` for a non-linear ``head_target`` (``head_targets``).
+
+    Least squares of the target on the fused model's own penultimate outputs; with ``prior="parents"``
+    the min-norm *deviation* from the parents' ``a``-averaged head (as for the other levels).
+    """
+    rows = h_fus.shape[0]
+    xtt = None
+    with torch.no_grad():
+        for i in range(0, rows, chunk):
+            dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
+            t = head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
+            xtt = dm.T @ t if xtt is None else xtt + dm.T @ t
+    base = prior @ a if prior is not None else torch.zeros_like(xtt)
+    dev = projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond)
+    return base + dev.coef
 
 
 def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s: torch.Tensor,

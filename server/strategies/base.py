@@ -48,6 +48,10 @@ class FusionStrategy(FedAvg):
         fallback: when fusion raises or yields non-finite weights: ``"previous"`` keeps the last
             global model, ``"average"`` uses the weighted average of the valid replies, ``"raise"``.
         min_valid_replies: rounds with fewer valid replies are skipped (global model unchanged).
+        fusion_rounds: fuse with ``method`` in rounds ``1..fusion_rounds`` only and average the replies'
+            weights (FedAvg) afterwards; 0 = fuse every round. Fusion gives multi-round FL its fast
+            start; once the clients share one initialisation, plain averaging keeps improving where a
+            refit on the small fusion set plateaus (``simulations/README.md``, multi-round results).
         device: where fusion runs (``"auto"``: CUDA when present).
         seed: base seed; round ``r`` fuses with ``seed + r``.
         **fedavg_kwargs: FedAvg's own options (``fraction_train``, ``min_train_nodes``, …).
@@ -59,7 +63,7 @@ class FusionStrategy(FedAvg):
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
                  fusion_options: dict[str, Any] | None = None, importance: str = "client",
                  fallback: str = "previous", min_valid_replies: int = 1, device: str = "cpu", seed: int = 0,
-                 **fedavg_kwargs):
+                 fusion_rounds: int = 0, **fedavg_kwargs):
         fedavg_kwargs.setdefault("fraction_evaluate", 0.0)  # central evaluation by default
         super().__init__(**fedavg_kwargs)
         method = method or self.default_method
@@ -81,6 +85,9 @@ class FusionStrategy(FedAvg):
         self.importance = importance
         self.fallback = fallback
         self.min_valid_replies = max(1, int(min_valid_replies))
+        if int(fusion_rounds) < 0:
+            raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
+        self.fusion_rounds = int(fusion_rounds)
         self.device = device
         self.seed = seed
         self.needs_data = bool(getattr(fn, "needs_data", True))
@@ -127,8 +134,8 @@ class FusionStrategy(FedAvg):
                         grid: Grid) -> Iterable[Message]:
         server_round += self.round_offset
         self._global = arrays
-        config["fusion-method"] = self.method
-        config["need-importance"] = self.wants_client_scores
+        config["fusion-method"] = self.round_method(server_round)
+        config["need-importance"] = self.wants_client_scores and self.round_method(server_round) == self.method
         rng_state = random.getstate()  # FedAvg samples nodes with `random`: make it reproducible per round
         random.seed(self.seed * 1_000_003 + server_round)
         try:
@@ -163,7 +170,8 @@ class FusionStrategy(FedAvg):
         server_round += self.round_offset
         replies = list(replies)
         ok, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
-        record: dict[str, Any] = {"round": server_round, "method": self.method, "replies": len(replies),
+        record: dict[str, Any] = {"round": server_round, "method": self.round_method(server_round),
+                                  "replies": len(replies),
                                   "failures": [self._failure(self._reply_node(m), _short(str(m.error.reason)),
                                                              int(m.error.code)) for m in errors],
                                   "rejected": [], "fallback": None, "skipped": None}
@@ -182,7 +190,8 @@ class FusionStrategy(FedAvg):
         updates: list[ClientUpdate] = []
         for msg in ok:
             try:
-                updates.append(validate_reply(msg, reference, self._level_widths if self.wants_client_scores else None))
+                need_scores = self.wants_client_scores and self.round_method(server_round) == self.method
+                updates.append(validate_reply(msg, reference, self._level_widths if need_scores else None))
             except ReplyRejected as exc:
                 log(WARNING, "aggregate_train: rejected reply from node %d: %s", msg.metadata.src_node_id, exc)
                 record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
@@ -212,8 +221,19 @@ class FusionStrategy(FedAvg):
             return None, metrics
         return state_to_record(state), metrics
 
+    def round_method(self, server_round: int) -> str:
+        """The aggregation of round ``server_round``: ``method``, or ``"average"`` after ``fusion_rounds``."""
+        if self.fusion_rounds and server_round > self.fusion_rounds:
+            return "average"
+        return self.method
+
     def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """Run the fusion method on validated updates; returns the new global state dict."""
+        if self.round_method(server_round) != self.method:
+            from fedfuse.fusion.average import average_state_dicts
+
+            w = np.array([u.num_examples for u in updates], dtype=float)
+            return average_state_dicts([u.state for u in updates], list(w / w.sum()))
         models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores else None
         options = dict(self.fusion_options)
