@@ -58,3 +58,11 @@ def test_fusion_options_inline_table():
 def test_coercion():
     cfg = parse_run_config({"num-clients": "3", "lr": 1, "dirichlet-alpha": "0.3"})
     assert cfg.num_clients == 3 and cfg.lr == 1.0 and cfg.dirichlet_alpha == 0.3
+
+
+def test_fusion_rounds_must_be_non_negative():
+    from fedfuse.config import ConfigError, parse_run_config
+
+    assert parse_run_config({"fusion-rounds": 3}).fusion_rounds == 3
+    with pytest.raises(ConfigError, match="fusion-rounds"):
+        parse_run_config({"fusion-rounds": -1})

@@ -235,3 +235,71 @@ def test_head_weights_take_each_class_from_its_owner(method):
     assert torch.allclose(out[:, 2:], m1(xt)[:, 2:], atol=1e-4)
     with pytest.raises(ValueError, match="class_counts"):
         fuse(method, [m0, m1], fusion_inputs=x, head_weights=True, **kw)
+
+
+def _drifted_copies(base: nn.Module, n: int, scale: float = 0.05) -> list[nn.Module]:
+    """Copies of one initialisation with small independent weight changes (multi-round FL clients)."""
+    out = []
+    for i in range(n):
+        m = copy.deepcopy(base)
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g))
+        out.append(m.eval())
+    return out
+
+
+def test_identity_match_with_infinite_ridge_is_weighted_averaging():
+    """match='identity' + uniform scores: the prior is the sample-weighted average of the parents
+    (= FedAvg), and an overwhelming ridge leaves the least-squares deviation at zero."""
+    base = build_model("mlp", input_shape=(1, 8, 8), width=16, seed=3)
+    models = _drifted_copies(base, 3)
+    x = torch.randn(120, 1, 8, 8)
+    w = [10, 30, 60]
+    avg = fuse("average", models, weights=w)
+    fused = fuse("kf-linear", models, fusion_inputs=x, weights=w, match="identity", ridge=1e9)
+    for k, v in avg.state_dict().items():
+        torch.testing.assert_close(fused.state_dict()[k], v, atol=1e-5, rtol=1e-4)
+    # a small ridge fits the averaged neuron outputs instead: the first level is linear in the input, so
+    # that is still the weight average; after a ReLU the averaged outputs need other weights
+    fitted = fuse("kf-linear", models, fusion_inputs=x, weights=w, match="identity", ridge=1e-6)
+    torch.testing.assert_close(fitted.state_dict()["1.weight"], avg.state_dict()["1.weight"], atol=1e-5, rtol=1e-4)
+    assert (fitted.state_dict()["3.weight"] - avg.state_dict()["3.weight"]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="match='identity'"):
+        fuse("kf-linear", models, fusion_inputs=x, match="identity", fused_width=8)
+    with pytest.raises(ValueError, match="match must be"):
+        fuse("kf-linear", models, fusion_inputs=x, match="hungarian")
+
+
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_probability_head_target_of_identical_models_is_centred_logits(method):
+    """head_target='probs' regresses τ·log(mean softmax) (centred); for identical parents and no floor
+    that is z − mean_c(z), which an affine head represents exactly, so the argmax is unchanged."""
+    m = build_model("mlp", input_shape=(1, 8, 8), width=24, seed=1).eval()
+    x = torch.randn(200, 1, 8, 8)
+    fused = fuse(method, [m, copy.deepcopy(m)], fusion_inputs=x, head_target="probs", head_floor=1e-30,
+                 ridge=0.0)  # no shrinkage of the (mean-logit) deviation from the averaged head
+    xt = torch.randn(64, 1, 8, 8)
+    z = m(xt)
+    torch.testing.assert_close(fused(xt), z - z.mean(1, keepdim=True), atol=1e-4, rtol=1e-4)
+
+
+def test_head_targets_probability_ensemble_and_floor():
+    from fedfuse.fusion.interpolation import head_targets
+
+    z = torch.tensor([[4.0, 0.0, -4.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    z2 = torch.tensor([[-4.0, 0.0, 4.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    a = torch.cat([torch.eye(3) * 0.5, torch.eye(3) * 0.5]).double()          # two models, equal weights
+    zz = torch.cat([z, z2], 1)
+    torch.testing.assert_close(head_targets(zz, a, 2, "logits"), (z + z2) / 2)
+    t = head_targets(zz, a, 2, "probs", floor=1e-30)
+    p = (torch.softmax(z, 1) + torch.softmax(z2, 1)) / 2
+    torch.testing.assert_close(torch.softmax(t, 1), p)                        # softmax(target) = the ensemble
+    assert torch.allclose(t.mean(1), torch.zeros(2, dtype=torch.float64))
+    t_floor = head_targets(zz, a, 2, "probs", floor=0.2)                       # confidence bounded by the floor
+    assert (t_floor.max(1).values - t_floor.min(1).values).max() <= -torch.log(torch.tensor(0.2)) + 1e-9
+    for bad in (dict(head_target="softmax"), dict(head_temperature=0.0), dict(head_floor=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fuse("kf-linear", [build_model("mlp", input_shape=(1, 8, 8), width=8, seed=0)] * 2,
+                 fusion_inputs=torch.randn(20, 1, 8, 8), **bad)

@@ -210,3 +210,43 @@ def test_head_weights_option_receives_client_class_counts():
                                       reply(1, 2, mutate=counts([7, 0] + [0] * 8))])
     assert arrays is not None
     assert seen["class_counts"] == [[7, 0] + [0] * 8, [0, 5] + [0] * 8]  # sorted by partition id
+
+
+def test_fusion_rounds_fuses_then_averages_and_stops_asking_for_scores():
+    fused_rounds = []
+    name = "test-records-rounds"
+    if name not in METHODS:
+        @register(name, needs_data=False, uses_scores=True)
+        def _rec(models, *, weights, **options):
+            from fedfuse.fusion.average import fuse_average
+
+            fused_rounds.append(len(models))
+            out = fuse_average(models, weights=weights)
+            with torch.no_grad():
+                for p in out.parameters():
+                    p.add_(1.0)  # distinguishable from the plain average
+            return out
+    with pytest.raises(ValueError, match="fusion_rounds"):
+        build_strategy("average", model_fn=model_fn, fusion_rounds=-1)
+    s = build_strategy("average", model_fn=model_fn, fusion_rounds=1)
+    s.method, s.uses_scores = name, True
+    s._level_widths = {lv: w for lv, w in [(k, v.numel()) for k, v in uniform_importance(model_fn()).items()]}
+    assert s.round_method(1) == name and s.round_method(2) == "average"
+    replies = [reply(1, 1, n=10), reply(2, 2, n=30)]
+    r1, _ = s.aggregate_train(1, replies)
+    no_scores = [reply(1, 1, n=10, scores=False), reply(2, 2, n=30, scores=False)]
+    r2, _ = s.aggregate_train(2, no_scores)  # round 2 averages: scores are not required
+    assert fused_rounds == [2]
+    avg = build_strategy("average", model_fn=model_fn).aggregate_train(1, replies)[0]
+    a, f1, f2 = state_of(avg), state_of(r1), state_of(r2)
+    for k in a:
+        torch.testing.assert_close(f2[k], a[k])
+        torch.testing.assert_close(f1[k], a[k] + 1.0)
+    assert [h["method"] for h in s.history] == [name, "average"]
+    grid = Mock()
+    grid.get_node_ids.return_value = [11, 12]
+    s._construct_messages = lambda record, node_ids, message_type: [(record, n) for n in node_ids]
+    cfg1 = list(s.configure_train(1, ArrayRecord(model_fn().state_dict()), ConfigRecord({}), grid))[0][0]["config"]
+    cfg2 = list(s.configure_train(2, ArrayRecord(model_fn().state_dict()), ConfigRecord({}), grid))[0][0]["config"]
+    assert cfg1["need-importance"] is True and cfg1["fusion-method"] == name
+    assert cfg2["need-importance"] is False and cfg2["fusion-method"] == "average"
