@@ -382,6 +382,29 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(settings=settings, order=order, acc=acc, vacc=vacc, gap=gap, t_avg=t_avg, t_cli=t_cli, status=status)
 
 
+def validation_selected(summary: dict[str, Any]) -> dict[tuple[str, str], str]:
+    """``{(family, setting): row label}``: per method family (name without options, plus the score
+    marker) the variant with the highest mean federated validation accuracy; families with a single
+    variant and variants with ``fused_width`` (another model size) are skipped."""
+    import re
+
+    fams: dict[tuple[str, str], list[str]] = {}
+    for lab in summary["order"]:
+        if lab in ("best-base", "ensemble") or "fused_width" in lab:
+            continue
+        fam = re.sub(r"\[.*\]", "", lab)
+        for st in summary["settings"]:
+            if (lab, st) in summary["vacc"]:
+                fams.setdefault((fam, st), []).append(lab)
+    out = {}
+    for key, labs in fams.items():
+        scored = [(np.nanmean(summary["vacc"][(lab, key[1])]), lab) for lab in labs
+                  if any(v == v for v in summary["vacc"][(lab, key[1])])]
+        if len(scored) > 1:
+            out[key] = max(scored)[1]
+    return out
+
+
 def markdown_table(rows: list[dict[str, Any]], title: str = "One-shot fusion") -> str:
     s = summarise(rows)
     settings, order = s["settings"], s["order"]
@@ -410,6 +433,20 @@ def markdown_table(rows: list[dict[str, Any]], title: str = "One-shot fusion") -
                 "the selection criterion for method options)\n", head]
         for lab in order:
             out.append(f"| {lab} | " + " | ".join(cell(s["vacc"], lab, st) for st in settings) + " |\n")
+    sel = validation_selected(s)
+    if sel:
+        out += ["\n## Validation-selected options (per method family and setting: the variant with the highest mean "
+                "federated validation accuracy; variants with another `fused_width` are a different model size "
+                "and are not candidates). Test accuracy %; gap recovery as mean of per-seed ratios / ratio of "
+                "the means\n", "| method family | setting | chosen variant | test acc | gap recovery |\n"
+                "|---|---|---|---|---|\n"]
+        for (fam, st), lab in sorted(sel.items()):
+            accs, ens = s["acc"][(lab, st)], s["acc"].get(("ensemble", st))
+            best = s["acc"].get(("best-base", st))
+            ratio = ((np.mean(accs) - np.mean(best)) / (np.mean(ens) - np.mean(best))
+                     if ens and best and np.mean(ens) - np.mean(best) > 1e-9 else float("nan"))
+            out.append(f"| {fam} | {st} | {lab} | {_ms(accs)} | {cell(s['gap'], lab, st, 100.0, 0)} / "
+                       f"{100 * ratio:.0f} |\n")
     out += ["\n## Fusion wall time: × `average` / × one client's local training\n", head]
     for lab in order:
         if lab == "best-base":
