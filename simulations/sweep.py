@@ -153,11 +153,11 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
              f"\n\nFirst round reaching {reference}'s final accuracy (same seed)\n\n" + "\n".join(lines_ref) + "\n")
     (out / "table.md").write_text(table)
     print(table)
-    plot(rows, strategies, parts, out / "accuracy.png")
+    plot(rows, strategies, parts, out / "accuracy.png", title=run_config)
     return 0
 
 
-def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path) -> None:
+def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, title: str = "") -> None:
     """Test accuracy per round, mean ± std over seeds; one panel per partitioning."""
     import matplotlib
 
@@ -183,6 +183,8 @@ def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path) 
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
+    if title:
+        fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
