@@ -484,6 +484,16 @@ def markdown_table(rows: list[dict[str, Any]], title: str = "One-shot fusion") -
     return "".join(out)
 
 
+def _short_label(label: str) -> str:
+    """Plot tick label: common NI options abbreviated so long variant names fit."""
+    import re
+
+    for pat, rep in [(r'head_target="probs"', "probs"), (r"head_weights=true", "hw"), (r"fused_width=", "w"),
+                     (r"ridge=", "ridge"), (r"\((deep|unif|cond)[a-z]*", r"(\1")]:
+        label = re.sub(pat, rep, label)
+    return label
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """One panel per setting: horizontal bars (mean ± std accuracy) per method; ensemble / best base lines."""
     import matplotlib
@@ -494,8 +504,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     settings, order = s["settings"], [o for o in s["order"] if o not in ("best-base",)]
     ncol = min(3, len(settings))
     nrow = math.ceil(len(settings) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 0.28 * len(order) * nrow + 1.5 * nrow), squeeze=False)
-    for ax, st in zip(axes.flat, settings):
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 0.28 * len(order) * nrow + 1.5 * nrow), squeeze=False,
+                             sharey=True)
+    for i, (ax, st) in enumerate(zip(axes.flat, settings)):
         means, stds = [], []
         for lab in order:
             v = [x for x in s["acc"].get((lab, st), []) if x == x]
@@ -505,8 +516,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         colors = ["tab:gray" if lab in ("ensemble", "average") else
                   "tab:orange" if lab.startswith(("kd", "lp")) else "tab:blue" for lab in order]
         ax.barh(y, means, xerr=stds, color=colors, alpha=0.85)
-        ax.set_yticks(y, order, fontsize=7)
-        ax.invert_yaxis()
+        ax.set_yticks(y, [_short_label(o) for o in order], fontsize=7)
+        if i == 0:
+            ax.invert_yaxis()
         best = [x for x in s["acc"].get(("best-base", st), []) if x == x]
         if best:
             ax.axvline(np.mean(best) * 100, color="k", ls="--", lw=1, label="best base")
