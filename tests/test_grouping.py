@@ -146,3 +146,19 @@ def test_weighted_targets_follow_theorem_1():
     assert t2[0, 0] == pytest.approx(2.5) and t2[0, 0] > t[0, 0]
     a = assignment_matrix(labels, s, 2)
     assert torch.allclose(a.sum(0), torch.ones(2, dtype=a.dtype))
+
+
+def test_balanced_kmeans_recovers_per_model_permutations():
+    from fedfuse.fusion.grouping import balanced_kmeans
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(6, 4, generator=g) * 5
+    perms = [torch.arange(6)] + [torch.randperm(6, generator=g) for _ in range(3)]
+    pts = torch.cat([centres[p] + 0.1 * torch.randn(6, 4, generator=g) for p in perms])
+    labels = balanced_kmeans(pts, torch.rand(24, generator=g) + 0.5, [6, 6, 6, 6])
+    for m, p in enumerate(perms):
+        lab = labels[6 * m:6 * m + 6]
+        assert torch.equal(lab, p)                      # neuron i of model m sits in centre p[i]
+        assert sorted(lab.tolist()) == list(range(6))   # one neuron of every model per cluster
+    with pytest.raises(ValueError, match="equal widths"):
+        balanced_kmeans(pts[:11], torch.ones(11), [6, 5])

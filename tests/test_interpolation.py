@@ -303,3 +303,12 @@ def test_head_targets_probability_ensemble_and_floor():
         with pytest.raises(ValueError, match=next(iter(bad))):
             fuse("kf-linear", [build_model("mlp", input_shape=(1, 8, 8), width=8, seed=0)] * 2,
                  fusion_inputs=torch.randn(20, 1, 8, 8), **bad)
+
+
+def test_balanced_match_fuses_permuted_copies_exactly():
+    m = build_model("mlp", input_shape=(1, 8, 8), width=24, seed=1).eval()
+    copies = [m, _permuted_mlp(m, 1), _permuted_mlp(m, 2)]
+    x = torch.randn(200, 1, 8, 8)
+    fused = fuse("kf-linear", copies, fusion_inputs=x, match="balanced")
+    xt = torch.randn(64, 1, 8, 8)
+    assert torch.allclose(fused(xt), m(xt), atol=1e-4)

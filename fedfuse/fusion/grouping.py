@@ -291,6 +291,54 @@ def hungarian_match(points_a: torch.Tensor, points_b: torch.Tensor, weights_a: t
     return torch.from_numpy(perm)
 
 
+def balanced_kmeans(points: torch.Tensor, weights: torch.Tensor, widths: list[int], *, init: int = 0,
+                    max_iter: int = 30) -> torch.Tensor:
+    """Importance-weighted k-means where every cluster holds exactly one neuron of every model.
+
+    The Hungarian (HF) grouping generalised to ``n`` equal-width models: matching to a barycenter.
+    Centres start as model ``init``'s neurons; each iteration assigns every model's neurons one-to-one
+    to the centres (``linear_sum_assignment`` on ``s_j ‖x_j − c_k‖²``) and moves each centre to the
+    importance-weighted mean of its members, until no assignment changes. Clusters therefore never
+    absorb several neurons of one model (which, summed into the next level's prior, inflates weights
+    round after round in multi-round FL).
+
+    Args:
+        points: ``[Σ widths, D]`` neuron coordinates, models concatenated in order.
+        weights: ``[Σ widths]`` importance scores (positive).
+        widths: every model's width; all equal (= the number of clusters ``k``).
+        init: the model whose neurons seed the centres (and keep their order).
+        max_iter: assignment rounds at most.
+    Returns:
+        ``[Σ widths]`` int64 labels on ``points.device``; model ``init``'s neuron ``i`` gets label ``i``.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    k = widths[0]
+    if any(w != k for w in widths):
+        raise ValueError(f"balanced k-means needs equal widths, got {widths}")
+    x = points.double()
+    s = weights.double().to(x.device)
+    offs = [sum(widths[:m]) for m in range(len(widths))]
+    labels = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    labels[offs[init]:offs[init] + k] = torch.arange(k, device=x.device)
+    centres = x[offs[init]:offs[init] + k].clone()
+    prev = None
+    for _ in range(max_iter):
+        for m, o in enumerate(offs):
+            if m == init and prev is None:
+                continue  # first pass: model ``init`` defines the centres
+            xm, sm = x[o:o + k], s[o:o + k]
+            cost = sm[:, None] * torch.cdist(xm, centres).pow(2)        # [k neurons, k centres]
+            rows, cols = linear_sum_assignment(cost.cpu().numpy())
+            labels[o + torch.as_tensor(rows, device=x.device)] = torch.as_tensor(cols, device=x.device)
+        mass = torch.zeros(k, dtype=x.dtype, device=x.device).index_add_(0, labels, s)
+        centres = torch.zeros_like(centres).index_add_(0, labels, s[:, None] * x) / mass[:, None]
+        if prev is not None and torch.equal(prev, labels):
+            break
+        prev = labels.clone()
+    return labels
+
+
 def matching_labels(perm: torch.Tensor) -> torch.Tensor:
     """Cluster labels ``[2W]`` for the concatenation ``[A neurons, B neurons]`` from an HF ``perm [W]``:
     pair ``k`` = (A's neuron ``k``, B's neuron ``perm[k]``), so the fused neurons keep A's order."""

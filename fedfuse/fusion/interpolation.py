@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion import register
-from fedfuse.fusion.grouping import (assignment_matrix, gram_coordinates, hungarian_match, matching_labels,
+from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
                                      projected_coordinates, weighted_kmeans)
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
 from fedfuse.training import make_optimizer
@@ -69,6 +69,9 @@ COMMON = dict(batch_size=32, val_fraction=0.1, patience=15)
 # "probs" = τ·log of the weighted mean of the parents' softmax(z/τ) (floored, centred): the ensemble's
 # own prediction, whose confidence is bounded by the floor (see ``head_targets``)
 HEAD_TARGETS = ("logits", "probs")
+# KF grouping: "auto" = weighted k-means (the paper); "balanced" = one neuron of every model per cluster
+# (Hungarian matching to a barycenter, ``grouping.balanced_kmeans``); "identity" = neuron j ↔ j
+MATCHES = ("auto", "balanced", "identity")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -319,8 +322,8 @@ def _options(fit: str, n_models: int, options: dict) -> _Opts:
         raise ValueError(f"neuron interpolation: unknown option(s) {sorted(opts)}")
     if vals["init"] not in ("auto", "closed-form", "model0"):
         raise ValueError(f"neuron interpolation: init must be 'auto', 'closed-form' or 'model0', got {vals['init']!r}")
-    if vals["match"] not in ("auto", "identity"):
-        raise ValueError(f"neuron interpolation: match must be 'auto' or 'identity', got {vals['match']!r}")
+    if vals["match"] not in MATCHES:
+        raise ValueError(f"neuron interpolation: match must be one of {MATCHES}, got {vals['match']!r}")
     if vals["head_target"] not in HEAD_TARGETS:
         raise ValueError(f"neuron interpolation: head_target must be one of {HEAD_TARGETS}, got {vals['head_target']!r}")
     if not float(vals["head_temperature"]) > 0:
@@ -455,6 +458,11 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
             raise ValueError(f"neuron interpolation: match='identity' needs every model's level {level_name!r} "
                              f"to have the fused width {k}, got {widths}")
         return torch.cat([torch.arange(w, device=coords.device) for w in widths])
+    if opts.match == "balanced":
+        if any(w != k for w in widths):
+            raise ValueError(f"neuron interpolation: match='balanced' needs every model's level {level_name!r} "
+                             f"to have the fused width {k}, got {widths}")
+        return balanced_kmeans(coords, s, widths)
     init: str | torch.Tensor = opts.kmeans_init
     if init == "model0":
         # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
