@@ -61,7 +61,14 @@ def toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    return json.dumps(str(v))  # a TOML basic string
+    text = str(v)
+    # flwr's --run-config parser takes "..." or '...' without escapes: a value holding double quotes
+    # (e.g. fusion-options='{match="balanced"}') goes as a TOML literal string
+    if '"' in text or "\\" in text:
+        if "'" in text or "\n" in text:
+            raise ValueError(f"run config value {text!r} cannot be passed to flwr run: it holds both quote kinds")
+        return f"'{text}'"
+    return json.dumps(text)  # a TOML basic string
 
 
 def run_config_arg(cfg: dict[str, Any]) -> str:

@@ -66,3 +66,16 @@ def test_fusion_rounds_must_be_non_negative():
     assert parse_run_config({"fusion-rounds": 3}).fusion_rounds == 3
     with pytest.raises(ConfigError, match="fusion-rounds"):
         parse_run_config({"fusion-rounds": -1})
+
+
+def test_runner_passes_quoted_values_through_flwr_run_config_parser():
+    """fusion-options with double quotes must survive flwr's --run-config parser (no escapes there)."""
+    from flwr.common.config import parse_config_args
+
+    from simulations.flwr_runner import run_config_arg
+
+    cfg = {"fusion-options": '{match="balanced", ridge=0.01}', "seed": 3, "dataset": "digits", "resume": True,
+           "lr": 0.005, "data-root": "/tmp/a b"}
+    assert parse_config_args([run_config_arg(cfg)]) == cfg
+    with pytest.raises(ValueError, match="quote"):
+        run_config_arg({"fusion-options": "{a=\"x\", b='y'}"})
