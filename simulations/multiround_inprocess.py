@@ -6,7 +6,7 @@
 Mirrors one ``flwr run`` multi-round simulation (same ``FederatedData``, ``client_round``, seeds and
 sample-count weights as ``clients/app.py`` / ``server/strategies/base.py``, all clients every round)
 without Ray, so a 20-round run takes seconds. Prints per round: the global model's test accuracy,
-the weighted average and the probability ensemble of that round's clients (references), every
+the weighted average and the (weighted) probability ensemble of that round's clients (references), every
 parameter's norm and the fraction of dead ReLU units per hidden layer — what showed that fusing
 every round inflates weights (``simulations/README.md``). Reported accuracies come from the real
 Flower sweeps (``simulations/sweep.py``); this loop is for diagnosis.
@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             g = fuse("average", models, weights=weights)
         ev = lambda m: evaluate(m, data.test.x, data.test.y, num_classes=data.num_classes)["accuracy"]  # noqa: E731
-        acc, avg = ev(g), ev(fuse("average", models, weights=weights))
-        with torch.no_grad():
-            p = sum(torch.softmax(m(data.test.x), 1) * w for m, w in zip(models, weights))
-        ens = float((p.argmax(1) == data.test.y).float().mean())
+        acc = ev(g)
+        avg = ev(fuse("average", models, weights=weights)) if fusing else acc
+        ens = ev(fuse("ensemble", models, weights=weights, uniform=False))
         norms = " ".join(f"{n}:{p.norm().item():.1f}" for n, p in g.named_parameters())
         dead = dead_fractions(g, data.test.x) if isinstance(g, torch.nn.Sequential) else []
         accs.append(acc)

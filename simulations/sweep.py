@@ -50,14 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # rows of earlier sweeps into the same --out are kept (a rerun of a cell replaces its row)
+    rows = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else []
     if args.tables_only:
-        rows = json.loads((out / "sweep.json").read_text())
         return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out,
                       args.run_config)
     base = parse_overrides(args.run_config)
     defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    # rows of earlier sweeps into the same --out are kept (a rerun of a cell replaces its row)
-    rows = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else []
     for label in args.strategies.split(","):
         strategy, extra = parse_strategy(label)
         for part in args.partitions.split(","):
@@ -77,30 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                     row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
                 print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}", flush=True)
                 rows = [r for r in rows if (r["strategy"], r["partitioning"], r["seed"]) != (label, part, seed)]
-                rows.append(row)
-                (out / "sweep.json").write_text(json.dumps(rows, indent=2))
-    return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out,
-                      args.run_config)
-    base = parse_overrides(args.run_config)
-    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    rows = []
-    for strategy in args.strategies.split(","):
-        for part in args.partitions.split(","):
-            for seed in (int(s) for s in args.seeds.split(",")):
-                name = f"{strategy}-{part}-s{seed}"
-                cfg = {**base, "strategy": strategy, "partitioning": part, "seed": seed, "output-dir": str(out),
-                       "run-name": name}
-                n = int(cfg.get("num-clients", defaults["num-clients"]))
-                outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, echo=False)
-                row = {"strategy": strategy, "partitioning": part, "seed": seed, "status": outcome.status,
-                       "seconds": outcome.seconds}
-                res = outcome.out_dir / "results.json"
-                if outcome.ok and res.exists():
-                    rounds = json.loads(res.read_text())["rounds"]
-                    row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
-                    row["final-accuracy"] = rounds[-1]["test-accuracy"]
-                    row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
-                print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}", flush=True)
                 rows.append(row)
                 (out / "sweep.json").write_text(json.dumps(rows, indent=2))
     return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out, args.run_config)

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from torch import nn
 
 from fedfuse.fusion import fuse
 from fedfuse.fusion.permute import build_spec, ot_plan, permute_model, random_perms
-from fedfuse.models import build_model
+from helpers import model_with_bn_stats as _model
 
 CASES = [
     ("mlp", (1, 8, 8), dict(width=24)),
@@ -15,16 +14,6 @@ CASES = [
     ("vit", (1, 8, 8), dict(width=16, num_heads=4)),
     ("vit", (1, 40), dict(width=16, num_heads=2)),
 ]
-
-
-def _model(name, shape, kw, seed=0):
-    m = build_model(name, input_shape=shape, seed=seed, **kw)
-    if any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules()):
-        m.train()
-        with torch.no_grad():
-            for i in range(3):
-                m(torch.randn(32, *shape, generator=torch.Generator().manual_seed(i)) * 2 + 0.5)
-    return m.eval()
 
 
 @pytest.mark.parametrize("name,shape,kw", CASES)

@@ -6,7 +6,7 @@ from torch import nn
 
 from fedfuse.fusion import fuse
 from fedfuse.fusion.permute import Map, build_spec, permute_model, random_perms, reset_bn_stats
-from fedfuse.models import build_model
+from helpers import model_with_bn_stats as _model
 
 CASES = [
     ("mlp", (1, 8, 8), dict(width=24)),                      # Linear with bias
@@ -17,16 +17,6 @@ CASES = [
     ("resnet", (1, 8, 8), dict(width=16, norm="group")),     # GroupNorm: group-preserving permutations
     ("vit", (1, 8, 8), dict(width=16, num_heads=4)),         # timm ViT: stream, heads, MLP, LayerNorm
 ]
-
-
-def _model(name, shape, kw, seed=0):
-    m = build_model(name, input_shape=shape, seed=seed, **kw)
-    if any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules()):
-        m.train()
-        with torch.no_grad():  # non-trivial running statistics
-            for i in range(3):
-                m(torch.randn(32, *shape, generator=torch.Generator().manual_seed(i)) * 2 + 0.5)
-    return m.eval()
 
 
 @pytest.mark.parametrize("name,shape,kw", CASES)

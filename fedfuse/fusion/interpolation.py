@@ -453,15 +453,12 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
         w0 = widths[0]
         perm = hungarian_match(coords[:w0], coords[w0:], s[:w0], s[w0:], cost=opts.hf_cost)
         return matching_labels(perm).to(coords.device)
+    if opts.match != "auto" and any(w != k for w in widths):
+        raise ValueError(f"neuron interpolation: match={opts.match!r} needs every model's level {level_name!r} "
+                         f"to have the fused width {k}, got {widths}")
     if opts.match == "identity":
-        if any(w != k for w in widths):
-            raise ValueError(f"neuron interpolation: match='identity' needs every model's level {level_name!r} "
-                             f"to have the fused width {k}, got {widths}")
         return torch.cat([torch.arange(w, device=coords.device) for w in widths])
     if opts.match == "balanced":
-        if any(w != k for w in widths):
-            raise ValueError(f"neuron interpolation: match='balanced' needs every model's level {level_name!r} "
-                             f"to have the fused width {k}, got {widths}")
         return balanced_kmeans(coords, s, widths)
     init: str | torch.Tensor = opts.kmeans_init
     if init == "model0":
@@ -624,16 +621,25 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         def zcat(i: int, j: int) -> torch.Tensor:  # [rows, d^M] concatenated neurons of samples i:j
             return torch.cat([neurons_last(h_par[m][i:j], layout) for m in range(n)], 1).double()
 
+        # classifier: class c ↔ class c in every model, weighted by _head_assignment
+        head_a = _head_assignment(opts, widths, s, weights, fit, device) if last else None
+        nonlinear_head = last and opts.head_target != "logits"
         if fit == "linear" or (opts.init != "model0" and lvf.affine):
             bias = _folded_has_bias(lvf)
             d = lvf.layer.weight[0].numel() + int(bias)
             xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
             xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
+            # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
+            xtt = torch.zeros(d, k, dtype=torch.float64, device=device) if nonlinear_head else None
             with torch.no_grad():
                 for i in range(0, x.shape[0], chunk):
                     dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
+                    z = zcat(i, i + chunk)
                     xtx += dm.T @ dm
-                    xtz += dm.T @ zcat(i, i + chunk)
+                    xtz += dm.T @ z
+                    if nonlinear_head:
+                        xtt += dm.T @ head_targets(z, head_a, n, opts.head_target, opts.head_temperature,
+                                                   opts.head_floor)
             rel = opts.head_ridge if (last and opts.head_ridge is not None) else opts.ridge
             ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
             ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
@@ -649,8 +655,11 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                 raise ValueError(f"neuron interpolation: prior must be 'parents' or 'zero', got {opts.prior!r}")
             else:
                 prior = None
+            if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
+                base = prior @ head_a if prior is not None else torch.zeros_like(xtt)
+                head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
         else:
-            ls, xtx, prior, ridge, bias = None, None, None, 0.0, False
+            ls = None
 
         # ---- grouping -------------------------------------------------------------------------
         if last:  # classifier: class c ↔ class c in every model (identity grouping)
@@ -669,16 +678,13 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         # ---- fit ----------------------------------------------------------------------------------
         if fit == "linear":
             # importance-weighted targets (Theorem 1); the head optionally by class counts
-            a = _head_assignment(opts, widths, s, weights, fit, device) if last else assignment_matrix(labels, s, k)
-            if last and opts.head_target != "logits":
-                write_affine(lvf, _fit_head(lvf, h_fus, zcat, a, n, opts, xtx, prior, ridge, chunk, bias))
-            else:
-                write_affine(lvf, ls.coef @ a)                 # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+            a = head_a if last else assignment_matrix(labels, s, k)
+            # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+            write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
         else:
-            if last:  # the head regresses the averaged raw logits (spec §2.3b), weighted by `weights`
-                a = _head_assignment(opts, widths, s, weights, fit, device)
-            else:     # plain importance-weighted centroids; importance acts through grouping and targets
-                a = assignment_matrix(labels, s, k)
+            # the head regresses the `weights`-averaged raw logits (spec §2.3b) or head_target; hidden
+            # levels plain importance-weighted centroids (importance acts through grouping and targets)
+            a = head_a if last else assignment_matrix(labels, s, k)
             target = torch.cat([neurons_restore(
                 (head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
                  if last else zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
@@ -687,10 +693,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                 target = _align_residual(h_fus, target, a, s, layout)
             if opts.init != "model0" and lvf.affine:
                 # closed-form start: defence against collapse
-                if last and opts.head_target != "logits":
-                    write_affine(lvf, _fit_head(lvf, h_fus, zcat, a, n, opts, xtx, prior, ridge, chunk, bias))
-                else:
-                    write_affine(lvf, ls.coef @ a)
+                write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
             elif opts.eps > 0:
                 fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + l)
                 named = dict(fused.named_parameters())
@@ -712,25 +715,6 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     for p in fused.parameters():
         p.requires_grad_(True)
     return fused.eval()
-
-
-def _fit_head(lvf: Level, h_fus: torch.Tensor, zcat, a: torch.Tensor, n: int, opts: _Opts, xtx: torch.Tensor,
-              prior: torch.Tensor | None, ridge: float, chunk: int, bias: bool) -> torch.Tensor:
-    """Closed-form classifier weights ``[d, C]`` for a non-linear ``head_target`` (``head_targets``).
-
-    Least squares of the target on the fused model's own penultimate outputs; with ``prior="parents"``
-    the min-norm *deviation* from the parents' ``a``-averaged head (as for the other levels).
-    """
-    rows = h_fus.shape[0]
-    xtt = None
-    with torch.no_grad():
-        for i in range(0, rows, chunk):
-            dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
-            t = head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
-            xtt = dm.T @ t if xtt is None else xtt + dm.T @ t
-    base = prior @ a if prior is not None else torch.zeros_like(xtt)
-    dev = projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond)
-    return base + dev.coef
 
 
 def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s: torch.Tensor,

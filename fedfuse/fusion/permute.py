@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfuse.models.levels import neurons_last
+
 AFFINE = (nn.Linear, nn.Conv1d, nn.Conv2d)
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
 
@@ -530,17 +532,11 @@ def _subsample(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _rows(h: torch.Tensor, layout: str) -> torch.Tensor:
-    """Module output → ``[samples, units]``."""
-    if layout == "flat":
-        return h.reshape(h.shape[0], -1)
-    if layout == "channels":
-        return h.movedim(1, -1).reshape(-1, h.shape[1])
-    if layout == "tokens":
-        return h.reshape(-1, h.shape[-1])
+    """Module output → ``[samples, units]`` (``levels.neurons_last`` plus the fused-QKV layout)."""
     if layout == "qkv":
         d = h.shape[-1] // 3
         return h.reshape(-1, 3, d).transpose(0, 1).reshape(-1, d)
-    raise ValueError(f"unknown layout {layout!r}")
+    return neurons_last(h, layout)
 
 
 @torch.no_grad()

@@ -135,7 +135,7 @@ class FusionStrategy(FedAvg):
         server_round += self.round_offset
         self._global = arrays
         config["fusion-method"] = self.round_method(server_round)
-        config["need-importance"] = self.wants_client_scores and self.round_method(server_round) == self.method
+        config["need-importance"] = self.round_needs_scores(server_round)
         rng_state = random.getstate()  # FedAvg samples nodes with `random`: make it reproducible per round
         random.seed(self.seed * 1_000_003 + server_round)
         try:
@@ -187,11 +187,11 @@ class FusionStrategy(FedAvg):
                     failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
         self._sent, self._sent_msgs = set(), []
         reference = self._reference()
+        level_widths = self._level_widths if self.round_needs_scores(server_round) else None
         updates: list[ClientUpdate] = []
         for msg in ok:
             try:
-                need_scores = self.wants_client_scores and self.round_method(server_round) == self.method
-                updates.append(validate_reply(msg, reference, self._level_widths if need_scores else None))
+                updates.append(validate_reply(msg, reference, level_widths))
             except ReplyRejected as exc:
                 log(WARNING, "aggregate_train: rejected reply from node %d: %s", msg.metadata.src_node_id, exc)
                 record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
@@ -227,13 +227,22 @@ class FusionStrategy(FedAvg):
             return "average"
         return self.method
 
+    def round_needs_scores(self, server_round: int) -> bool:
+        """Whether round ``server_round``'s clients must send importance scores."""
+        return self.wants_client_scores and self.round_method(server_round) == self.method
+
+    @staticmethod
+    def weighted_average(updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
+        """Sample-count-weighted average of the updates' weights (FedAvg)."""
+        from fedfuse.fusion.average import average_state_dicts
+
+        w = np.array([u.num_examples for u in updates], dtype=float)
+        return average_state_dicts([u.state for u in updates], list(w / w.sum()))
+
     def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """Run the fusion method on validated updates; returns the new global state dict."""
         if self.round_method(server_round) != self.method:
-            from fedfuse.fusion.average import average_state_dicts
-
-            w = np.array([u.num_examples for u in updates], dtype=float)
-            return average_state_dicts([u.state for u in updates], list(w / w.sum()))
+            return self.weighted_average(updates)
         models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores else None
         options = dict(self.fusion_options)
@@ -262,10 +271,7 @@ class FusionStrategy(FedAvg):
                 raise
             reason = f"{type(exc).__name__}: {exc}"
             if self.fallback == "average" and self.method != "average":
-                from fedfuse.fusion.average import average_state_dicts
-
-                w = np.array([u.num_examples for u in updates], dtype=float)
-                state = average_state_dicts([u.state for u in updates], list(w / w.sum()))
+                state = self.weighted_average(updates)
                 log(WARNING, "aggregate_train: fusion %r failed (%s); fell back to weighted averaging",
                     self.method, reason)
                 return state, f"average ({reason})"
