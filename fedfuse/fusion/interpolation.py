@@ -558,7 +558,8 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         options: see the module docstring and ``_options`` (``fused_width``, ``setting``, ``lr``, ``epochs``,
             ``head_epochs``, ``eps``, ``batch_size``, ``val_fraction``, ``patience``, ``importance``,
             ``fusion_labels``, ``normalize_scores``, ``align_residual``, ``ridge``, ``init``, ``prox``,
-            ``kmeans_init``, ``kmeans_restarts``, ``hf_cost``, ``chunk_size``).
+            ``kmeans_init``, ``kmeans_restarts``, ``hf_cost``, ``chunk_size``, ``head_weights``,
+            ``class_counts``, ``head_target``, ``head_temperature``, ``head_floor``, ``head_ridge``, ``match``).
     Returns:
         The fused model (model 0's architecture, possibly with other hidden widths), eval mode.
     """
