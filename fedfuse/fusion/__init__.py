@@ -1,47 +1,31 @@
 """Model fusion methods behind one entry point.
 
     fused = fuse(method, models, fusion_inputs=X, scores=None, weights=None, device="cpu", seed=0, **options)
+    result = fuse_result(method, models, ...)        # FusionResult(method, model, info, seconds)
 
-Each module of this package registers its methods with ``@register("name")``; every submodule is
-imported when the package is, so ``METHODS`` always lists all of them. A method function has the
-signature ``fn(models, *, fusion_inputs, scores, weights, device, seed, **options) -> nn.Module`` and
-receives validated inputs: ``weights`` normalised to sum to 1 (float list, one per model), ``scores``
-either ``None`` or one ``{level name: [width] tensor}`` dict per model, ``device`` a ``torch.device``.
-Inputs are never modified; a method that cannot handle the models raises ``ValueError`` saying why.
+Each module of this package registers its methods with ``@register("name", options=Options, ...)``
+(``fedfuse.fusion.registry``); every submodule is imported when the package is, so ``METHODS`` /
+``METHOD_SPECS`` always list all of them. ``fuse`` validates the inputs and the options the same way for
+every method (unknown option or wrong type → ``FusionOptionError``, a ``ValueError`` naming it), then calls
+``fn(models, *, fusion_inputs, scores, weights, device, seed, options, info)`` with ``weights`` normalised
+to sum to 1, ``scores`` ``None`` or one ``{level name: [width] tensor}`` dict per model, ``device`` a
+``torch.device``, ``options`` the parsed options dataclass and ``info`` a dict for diagnostics. Inputs are
+never modified; every failure a method reports is a ``FusionError`` (``fedfuse.fusion.registry``).
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable
+import time
 
 import torch
 from torch import nn
 
+from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, FusionError, FusionOptionError, FusionResult,
+                                     IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
+                                     NumericalFusionError, get_spec, option_table, register)
 from fedfuse.training import resolve_device
-
-FusionFn = Callable[..., nn.Module]
-METHODS: dict[str, FusionFn] = {}
-
-
-def register(name: str, *, needs_data: bool = True, uses_scores: bool = False,
-             same_architecture: bool = True) -> Callable[[FusionFn], FusionFn]:
-    """Decorator adding a fusion function to ``METHODS`` under ``name``.
-
-    The flags tell strategies what to send/expect: ``needs_data`` (uses ``fusion_inputs``),
-    ``uses_scores`` (uses client importance scores), ``same_architecture`` (the result has model 0's
-    architecture, so it can be broadcast as the next global model).
-    """
-    def deco(fn: FusionFn) -> FusionFn:
-        if name in METHODS and METHODS[name] is not fn:
-            raise RuntimeError(f"fusion method {name!r} registered twice")
-        fn.needs_data = needs_data  # type: ignore[attr-defined]
-        fn.uses_scores = uses_scores  # type: ignore[attr-defined]
-        fn.same_architecture = same_architecture  # type: ignore[attr-defined]
-        METHODS[name] = fn
-        return fn
-    return deco
 
 
 def normalise_weights(weights, n: int) -> list[float]:
@@ -50,11 +34,38 @@ def normalise_weights(weights, n: int) -> list[float]:
         return [1.0 / n] * n
     w = [float(v) for v in weights]
     if len(w) != n:
-        raise ValueError(f"fuse: got {len(w)} weights for {n} models")
+        raise FusionOptionError(f"fuse: got {len(w)} weights for {n} models")
     if any(v < 0 or v != v for v in w) or sum(w) <= 0:
-        raise ValueError(f"fuse: weights must be non-negative with a positive sum, got {w}")
+        raise FusionOptionError(f"fuse: weights must be non-negative with a positive sum, got {w}")
     total = sum(w)
     return [v / total for v in w]
+
+
+def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
+                scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
+                device: str | torch.device = "cpu", seed: int = 0, **options) -> FusionResult:
+    """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
+    spec = get_spec(method)
+    models = list(models)
+    if not models:
+        raise IncompatibleModelsError("fuse: no models given")
+    if scores is not None and len(scores) != len(models):
+        raise FusionOptionError(f"fuse: got {len(scores)} score dicts for {len(models)} models")
+    legacy = getattr(spec, "_legacy", False)
+    opts = None if legacy else spec.parse_options(options)
+    spec.check_setup(num_models=len(models), has_fusion_set=fusion_inputs is not None or not spec.needs_data)
+    dev = resolve_device(device)
+    info: dict = {}
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        common = dict(fusion_inputs=fusion_inputs, scores=scores, weights=normalise_weights(weights, len(models)),
+                      device=dev, seed=seed)
+        if legacy:
+            fused = spec.fn(models, **common, **options)
+        else:
+            fused = spec.fn(models, **common, options=opts, info=info)
+    return FusionResult(method=method, model=fused.cpu().eval(), info=info, seconds=time.perf_counter() - t0)
 
 
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
@@ -70,30 +81,25 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         weights: optional per-model weights (e.g. sample counts), normalised here.
         device: where the fusion computation runs (``"auto"`` picks CUDA when present).
         seed: seeds every random choice of the method.
+        **options: the method's options (``METHOD_SPECS[method].options``); unknown or ill-typed options
+            raise ``FusionOptionError`` (a ``ValueError``) naming the key.
     Returns:
         A new ``nn.Module`` on CPU in eval mode.
+    Raises:
+        FusionError (a ``ValueError``) when the method cannot fuse these models or inputs.
     """
-    if method not in METHODS:
-        raise ValueError(f"fuse: unknown method {method!r}; choose one of {sorted(METHODS)}")
-    models = list(models)
-    if not models:
-        raise ValueError("fuse: no models given")
-    if scores is not None and len(scores) != len(models):
-        raise ValueError(f"fuse: got {len(scores)} score dicts for {len(models)} models")
-    dev = resolve_device(device)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
-        fused = METHODS[method](models, fusion_inputs=fusion_inputs, scores=scores,
-                                weights=normalise_weights(weights, len(models)), device=dev, seed=seed, **options)
-    return fused.cpu().eval()
+    return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
+                       seed=seed, **options).model
 
 
 def _import_all() -> None:
     for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
+        if not info.name.startswith("_") and info.name != "registry":
             importlib.import_module(f"{__name__}.{info.name}")
 
 
 _import_all()
 
-__all__ = ["fuse", "METHODS", "register", "normalise_weights"]
+__all__ = ["fuse", "fuse_result", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+           "normalise_weights", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]
