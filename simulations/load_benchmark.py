@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from simulations.flwr_runner import ROOT, run_app
+from simulations.runners.flwr_runner import ROOT, run_app
 
 
 def summarize(res: dict, n_clients: int, wall: float) -> dict:

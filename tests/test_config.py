@@ -72,7 +72,7 @@ def test_runner_passes_quoted_values_through_flwr_run_config_parser():
     """fusion-options with double quotes must survive flwr's --run-config parser (no escapes there)."""
     from flwr.common.config import parse_config_args
 
-    from simulations.flwr_runner import run_config_arg
+    from simulations.runners.flwr_runner import run_config_arg
 
     cfg = {"fusion-options": '{match="balanced", ridge=0.01}', "seed": 3, "dataset": "digits", "resume": True,
            "lr": 0.005, "data-root": "/tmp/a b"}

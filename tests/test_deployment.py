@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from simulations.deployment import Deployment
+from simulations.runners.deployment import Deployment
 
 
 def _cfg(tmp_path, name, **kw):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from simulations.flwr_runner import run_app
+from simulations.runners.flwr_runner import run_app
 
 
 def _run(tmp_path, **overrides):

@@ -20,7 +20,7 @@ from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.faults import parse_faults
 from server.app import setup
 from server.strategies import STRATEGIES
-from simulations.flwr_runner import run_app
+from simulations.runners.flwr_runner import run_app
 
 
 @pytest.mark.parametrize("override,key", [

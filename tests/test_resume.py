@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fedfuse.results import load_checkpoint, save_checkpoint
-from simulations.deployment import kill_tree
-from simulations.flwr_runner import (ROOT, _superlink_pids, flwr_env, run_app, run_config_arg,
+from simulations.runners.deployment import kill_tree
+from simulations.runners.flwr_runner import (ROOT, _superlink_pids, flwr_env, run_app, run_config_arg,
                                     start_local_superlink, stop_superlink)
 
 BASE = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,

@@ -10,14 +10,14 @@ Secure by default: ``tls=True`` generates a CA and a server certificate (``deplo
 public key with ``flwr supernode register`` before the SuperNode starts. ``tls=False`` (``--insecure``)
 is an explicit opt-in for local tests only.
 
-    from simulations.deployment import Deployment
+    from simulations.runners.deployment import Deployment
     with Deployment(num_supernodes=3, tls=True, auth=True) as dep:
         outcome = dep.run({"strategy": "kf-linear", "num-server-rounds": 2, ...})
 
 Command line (one machine; prints the results directory):
 
-    .venv/bin/python -m simulations.deployment --supernodes 3 --run-config "num-server-rounds=2"
-    .venv/bin/python -m simulations.deployment --insecure --no-auth ...
+    .venv/bin/python -m simulations.runners.deployment --supernodes 3 --run-config "num-server-rounds=2"
+    .venv/bin/python -m simulations.runners.deployment --insecure --no-auth ...
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.flwr_runner import (ROOT, RunOutcome, descendants, flwr_env, free_port, kill_tree,  # noqa: F401
+from simulations.runners.flwr_runner import (ROOT, RunOutcome, descendants, flwr_env, free_port, kill_tree,  # noqa: F401
                                      run_config_arg, toml_value)
 
 CONNECTION = "fedfuse-deploy"

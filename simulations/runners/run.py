@@ -1,7 +1,7 @@
 """Run the default fedfuse simulation (or any config) through ``flwr run`` and summarise it.
 
-    python -m simulations.run                                   # pyproject defaults
-    python -m simulations.run --run-config "strategy='fedavg' num-server-rounds=5" --num-supernodes 4
+    python -m simulations.runners.run                                   # pyproject defaults
+    python -m simulations.runners.run --run-config "strategy='fedavg' num-server-rounds=5" --num-supernodes 4
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from simulations.flwr_runner import ROOT, run_app
+from simulations.runners.flwr_runner import ROOT, run_app
 
 
 def parse_overrides(text: str) -> dict:

@@ -1,6 +1,6 @@
 """Sweep strategies × partitionings × seeds through real ``flwr run`` simulations; markdown table.
 
-    python -m simulations.sweep --strategies fedavg,kf-linear --partitions shards,dirichlet \
+    python -m simulations.runners.sweep --strategies fedavg,kf-linear --partitions shards,dirichlet \
         --seeds 0,1,2 --run-config "num-server-rounds=5 dataset='mnist1d'" --out results/sweep
 
 A strategy may carry its own run-config overrides: ``--strategies "fedavg,kf-linear[fusion-rounds=3]"``
@@ -25,8 +25,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from simulations.flwr_runner import ROOT, run_app
-from simulations.run import parse_overrides
+from simulations.runners.flwr_runner import ROOT, run_app
+from simulations.runners.run import parse_overrides
 
 
 def mean_std(vals: list[float]) -> str:
