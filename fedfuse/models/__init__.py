@@ -1,7 +1,8 @@
-"""Model registry (timm-style factory functions) and fusion-level decomposition.
+"""Model registry (timm-style factory functions), architecture adapters and fusion-level decomposition.
 
     model = build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=64, depth=2, seed=0)
     lv = levels(model)
+    adapter_for(model).resize(model, width=32)     # the same family at another width/depth
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fedfuse.models.adapters import (ADAPTERS, Adapter, ModelConfig, UnsupportedModelError, adapter_for,
+                                     model_family, register_adapter)
 from fedfuse.models.cnn import cnn
 from fedfuse.models.levels import Level, level_outputs, levels, neuron_axis_sum, neurons_last, neurons_restore
 from fedfuse.models.mlp import mlp
@@ -48,4 +51,5 @@ def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] =
 
 
 __all__ = ["MODELS", "build_model", "levels", "Level", "level_outputs", "neurons_last", "neurons_restore",
-           "neuron_axis_sum", "mlp", "cnn", "resnet", "ResNet"]
+           "neuron_axis_sum", "mlp", "cnn", "resnet", "ResNet", "ADAPTERS", "Adapter", "ModelConfig",
+           "UnsupportedModelError", "adapter_for", "model_family", "register_adapter"]

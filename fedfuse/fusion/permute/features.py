@@ -1,0 +1,60 @@
+"""Per-unit features and costs for matching: weight features, standardisation, similarity → cost,
+and OT marginals from importance scores."""
+
+from __future__ import annotations
+
+import torch
+
+from fedfuse.fusion.permute.maps import Map, entry_view, map_entry
+from fedfuse.fusion.permute.spec import Group, PermSpec
+
+
+def weight_features(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
+                    maps: dict[str, Map], roles: tuple[str, ...] = ("out", "in"),
+                    require_mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-unit weight features of ``group``: ``(F_A [m_A, F], F_B [m_B, F])`` with matching columns.
+
+    Every tensor touching the group in one of ``roles`` contributes its slices along the group's axis;
+    A's other grouped axes are first moved into B's units with ``maps``. With ``require_mapped``, tensors
+    whose other groups have no map yet are left out (the sequential OTFusion pass); otherwise a missing
+    map raises ``KeyError``.
+    """
+    fa, fb = [], []
+    for e, ax in spec_a.entries_of(group):
+        if ax.role not in roles or e.name not in state_a:
+            continue
+        others = [o.group for o in e.axes if o.group != group]
+        if require_mapped and any(o not in maps for o in others):
+            continue
+        xa = map_entry(state_a[e.name], e, maps, spec_a, spec_b, skip=group)
+        xb = entry_view(state_b[e.name], e, spec_b)
+        fa.append(xa.movedim(ax.axis, 0).reshape(xa.shape[ax.axis], -1))
+        fb.append(xb.movedim(ax.axis, 0).reshape(xb.shape[ax.axis], -1))
+    if not fa:
+        return (torch.zeros(spec_a.groups[group].size, 0, dtype=torch.float64),
+                torch.zeros(spec_b.groups[group].size, 0, dtype=torch.float64))
+    return torch.cat(fa, 1), torch.cat(fb, 1)
+
+def score_cost(score: torch.Tensor) -> torch.Tensor:
+    """Similarity ``[m_A, m_B]`` → non-negative cost (``max - score``) for solvers that minimise."""
+    score = score.double()
+    return score.max() - score
+
+def standardize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """z-score each column (unit) of ``x`` ``[S, m]`` (spec §1.2 ``std: True``)."""
+    std, mean = torch.std_mean(x, dim=0, keepdim=True)  # one pass over x
+    return (x - mean) / (std + eps)
+
+def marginal_from_scores(scores: dict[str, torch.Tensor] | None, group: Group, floor: float = 1e-3) -> torch.Tensor | None:
+    """OT marginal ``[size]`` from importance scores of the group's levels (mean over levels), or
+    ``None`` (uniform) when no score covers the group. A floor keeps every unit's mass positive."""
+    if scores is None:
+        return None
+    vecs = [scores[lv].detach().double().cpu().flatten() for lv in group.levels if lv in scores]
+    vecs = [v for v in vecs if len(v) == group.size]
+    if not vecs:
+        return None
+    s = torch.stack(vecs).mean(0).clamp_min(0)
+    s = s / s.sum().clamp_min(1e-300)
+    s = s + floor / group.size
+    return s / s.sum()

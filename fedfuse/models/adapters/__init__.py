@@ -1,0 +1,57 @@
+"""Architecture adapters: one per model family, the only code that knows a family's layout.
+
+    adapter = adapter_for(model)          # SequentialAdapter | ResNetAdapter | ViTAdapter
+    adapter.levels(model)                 # fusion levels (NI)
+    adapter.perm_spec(model, "tied")      # permutation groups (OT, Re-Basin, TransFusion)
+    adapter.fs_merge_structure(models)    # FS-Merge SuperNet layout
+    adapter.config(model); adapter.resize(model, width=..., depth=...)
+
+``ADAPTERS`` maps family name → adapter, checked in order by ``adapter_for`` (timm-style registry;
+``register_adapter`` adds a family).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Level, ModelConfig,
+                                          UnsupportedModelError)
+from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
+from fedfuse.models.adapters.resnet import ResNetAdapter
+from fedfuse.models.adapters.sequential import SequentialAdapter, SequentialMergeStructure
+from fedfuse.models.adapters.vit import ViTAdapter, ViTMergeStructure
+
+ADAPTERS: dict[str, Adapter] = {}
+
+
+def register_adapter(adapter: Adapter) -> Adapter:
+    """Add ``adapter`` under ``adapter.family`` (a family may be registered once)."""
+    if not adapter.family:
+        raise ValueError(f"register_adapter: {type(adapter).__name__} has no family name")
+    if adapter.family in ADAPTERS:
+        raise ValueError(f"register_adapter: family {adapter.family!r} is already registered")
+    ADAPTERS[adapter.family] = adapter
+    return adapter
+
+
+for _adapter in (SequentialAdapter(), ResNetAdapter(), ViTAdapter()):
+    register_adapter(_adapter)
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter of ``model``'s family; ``UnsupportedModelError`` (a ``ValueError``) for other models."""
+    for adapter in ADAPTERS.values():
+        if adapter.matches(model):
+            return adapter
+    raise UnsupportedModelError(f"unsupported model type {type(model).__name__}; expected nn.Sequential, "
+                                "fedfuse ResNet or timm VisionTransformer")
+
+
+def model_family(model: nn.Module) -> str:
+    """``"sequential"`` | ``"resnet"`` | ``"vit"``; ``UnsupportedModelError`` for any other model type."""
+    return adapter_for(model).family
+
+
+__all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "UnsupportedModelError",
+           "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter",
+           "SequentialMergeStructure", "ViTMergeStructure", "adapter_for", "model_family", "register_adapter"]

@@ -1,0 +1,180 @@
+"""What every architecture adapter provides, and the pieces adapters share.
+
+An adapter (one per architecture family: ``sequential`` MLP/CNN stacks, fedfuse ``ResNet``, timm
+``VisionTransformer``) is the only place that knows how a family's modules are laid out. Fusion code
+asks it for
+
+- ``levels(model)``: the fusion levels (``fedfuse.models.levels``; Neuron Interpolation spec §1.1),
+- ``perm_spec(model, residual)``: the permutation symmetries (``fedfuse.models.adapters.permspec``)
+  that OT fusion, Git Re-Basin and TransFusion align,
+- ``fs_merge_structure(models)``: the Foldable SuperNet layout of FS-Merge (``fs-merge.md`` §1.1–1.2),
+- ``pre_logits(model, x)`` / ``classifier(model)`` / ``set_classifier(model, linear)``: the features
+  before the class layer and the class layer itself,
+- ``config(model)`` / ``build(config, seed)`` / ``resize(model, width, depth, seed)``: the model's
+  width/depth description and the same family at another width/depth (heterogeneous clients, pruning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+# the layers whose output neurons are fusion units, and the norms that may follow them (one definition)
+AFFINE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+class UnsupportedModelError(ValueError):
+    """A model (or a part of it) that no adapter can describe; the message names the module and why."""
+
+
+@dataclass
+class Level:
+    """One fusion level of a model.
+
+    Attributes:
+        name: stable name (module path of the level's output module, or of its block).
+        width: number of neurons (output features / channels / embedding dims).
+        kind: ``"affine"`` | ``"block"`` | ``"classifier"``.
+        layout: ``"flat"`` | ``"channels"`` | ``"tokens"``.
+        module: module whose forward output *is* the level output (hook and captum target).
+        run: maps the previous level's output (model input for level 0) to this level's output.
+        param_names: names (as in ``model.named_parameters()``) of the parameters this level owns.
+        layer: for affine levels, the Linear/Conv whose output neurons are the level's neurons.
+        norm: for affine levels, the BatchNorm right after ``layer`` (or ``None``).
+        pre: for affine levels, the parameter-free ops applied to the previous output before ``layer``.
+        post: parameter-free ops after ``layer``/``norm`` that still belong to this level (trailing
+            ops of the last level only; identity otherwise).
+    """
+
+    name: str
+    width: int
+    kind: str
+    layout: str
+    module: nn.Module
+    run: Callable[[torch.Tensor], torch.Tensor]
+    param_names: list[str] = field(default_factory=list)
+    layer: nn.Module | None = None
+    norm: nn.Module | None = None
+    pre: Callable[[torch.Tensor], torch.Tensor] | None = None
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def affine(self) -> bool:
+        """True when the level is ``norm(layer(pre(h)))`` with parameter-free ``pre``/``post``."""
+        return self.layer is not None
+
+
+def compose(fns: list[Callable]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``h ↦ fns[-1](…fns[0](h))``."""
+    def run(h: torch.Tensor) -> torch.Tensor:
+        for fn in fns:
+            h = fn(h)
+        return h
+    return run
+
+
+def has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=True))
+
+
+def is_identity(m: nn.Module | None) -> bool:
+    return m is None or isinstance(m, nn.Identity)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What ``fedfuse.models.build_model`` needs to build a model of this shape.
+
+    Attributes:
+        family: ``"sequential"`` | ``"resnet"`` | ``"vit"``.
+        name: the ``build_model`` name (``"mlp"``, ``"cnn"``, ``"resnet"``, ``"vit"``).
+        num_classes: classifier outputs.
+        input_shape: an input shape the model takes, ``(features,)``, ``(C, L)`` or ``(C, H, W)``. Read
+            from the layers; where they do not fix it (the spatial size of a CNN), the smallest shape
+            that gives the same layers.
+        width: MLP hidden width, CNN/ResNet channels of the first stage, ViT embedding width.
+        depth: MLP hidden layers, CNN/ResNet stages, ViT blocks.
+        options: the factory's other keyword arguments (``batchnorm``, ``norm``, ``num_heads``, ...).
+    """
+
+    family: str
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    width: int
+    depth: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+class Adapter:
+    """Base class of the architecture adapters (see the module docstring); subclasses set ``family``."""
+
+    family: str = ""
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether ``model`` belongs to this family."""
+        raise NotImplementedError
+
+    # ---- structure views used by fusion code
+    def levels(self, model: nn.Module) -> list[Level]:
+        """Ordered fusion levels; the last is the classifier."""
+        raise NotImplementedError
+
+    def perm_spec(self, model: nn.Module, residual: str = "tied"):
+        """The ``PermSpec`` (permutation groups and tensor axes) of ``model``."""
+        raise NotImplementedError
+
+    def fs_merge_structure(self, models: list[nn.Module]):
+        """The FS-Merge SuperNet layout for ``models`` (same architecture); raises
+        ``UnsupportedModelError`` when FS-Merge has no SuperNet for this family."""
+        raise UnsupportedModelError(f"fs-merge: no Foldable SuperNet for {self.family!r} models "
+                                    "(supports nn.Sequential MLPs and timm VisionTransformers)")
+
+    def pre_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Features before the class layer: ``[N, *input_shape]`` → ``[N, d]``."""
+        raise NotImplementedError
+
+    def classifier(self, model: nn.Module) -> nn.Linear:
+        """The class layer (``[N, d]`` → ``[N, num_classes]``)."""
+        raise NotImplementedError
+
+    def set_classifier(self, model: nn.Module, layer: nn.Linear) -> None:
+        """Replace the class layer in place (its output count may change)."""
+        raise NotImplementedError
+
+    # ---- the family at other sizes
+    def config(self, model: nn.Module) -> ModelConfig:
+        """Width, depth and the other factory settings of ``model``."""
+        raise NotImplementedError
+
+    def build(self, config: ModelConfig, seed: int = 0) -> nn.Module:
+        """A freshly initialised model for ``config`` (``build_model`` with its fields)."""
+        from fedfuse.models import build_model
+
+        if config.family != self.family:
+            raise UnsupportedModelError(f"{type(self).__name__}.build: config is for family {config.family!r}, "
+                                        f"not {self.family!r}")
+        return build_model(config.name, num_classes=config.num_classes, input_shape=config.input_shape,
+                           width=config.width, depth=config.depth, seed=seed, **config.options)
+
+    def resized_config(self, config: ModelConfig, width: int | None, depth: int | None) -> ModelConfig:
+        """``config`` at another width/depth (families that scale more than one knob override this)."""
+        return config.replace(width=config.width if width is None else int(width),
+                              depth=config.depth if depth is None else int(depth))
+
+    def resize(self, model: nn.Module, width: int | None = None, depth: int | None = None,
+               seed: int = 0) -> nn.Module:
+        """A freshly initialised model of ``model``'s family and settings at another ``width``/``depth``
+        (``None`` keeps the current value)."""
+        for key, value in (("width", width), ("depth", depth)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"resize: {key} must be a positive int, got {value!r}")
+        return self.build(self.resized_config(self.config(model), width, depth), seed=seed)
