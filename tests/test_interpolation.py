@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import METHODS, fuse
+from fedfuse.fusion import METHODS, FusionOptionError, IncompatibleModelsError, MissingInputError, fuse
 from fedfuse.models import build_model, levels
 from fedfuse.training import train
 
@@ -112,23 +112,29 @@ def test_fused_width_and_mixed_widths():
     b = build_model("mlp", input_shape=(10,), width=24, seed=1).eval()
     x = torch.randn(120, 10)
     for method in ("kf-linear", "kf-gradient"):
-        fused = fuse(method, [a, b], fusion_inputs=x, fused_width=20, **FAST)
+        fused = fuse(method, [a, b], fusion_inputs=x, fused_width=20, **(FAST if "gradient" in method else {}))
         assert [lv.width for lv in levels(fused)] == [20, 20, 10]
         assert fused(x).shape == (120, 10)
     # fused width = sum of parents' widths: nothing is merged, the hidden levels are reproduced exactly
     wide = fuse("kf-linear", [a, b], fusion_inputs=x, fused_width=[40, 40])
     assert torch.allclose(wide(x), 0.5 * (a(x) + b(x)), atol=1e-3)
-    with pytest.raises(ValueError, match="Hungarian|equal width"):
+    with pytest.raises(IncompatibleModelsError, match="Hungarian|equal width"):
         fuse("hf-linear", [a, b], fusion_inputs=x)
-    with pytest.raises(ValueError, match="two models"):
+    with pytest.raises(IncompatibleModelsError, match="at most 2 models, got 3"):
         fuse("hf-linear", [a, a, a], fusion_inputs=x)
+    with pytest.raises(FusionOptionError, match="'fused_width' asks for 50 neurons"):
+        fuse("kf-linear", [a, b], fusion_inputs=x, fused_width=50)
+    with pytest.raises(FusionOptionError, match="fused_width"):
+        fuse("kf-linear", [a, b], fusion_inputs=x, fused_width=0)
+    with pytest.raises(FusionOptionError, match="unknown option 'epochs'"):  # linear fits train nothing
+        fuse("kf-linear", [a, b], fusion_inputs=x, epochs=3)
 
 
 def test_linear_variants_reject_blocks_and_gradient_handles_vit():
     v1 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=0).eval()
     v2 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=1).eval()
     x = torch.randn(40, 1, 8, 8)
-    with pytest.raises(ValueError, match="needs affine levels; level 'blocks.0' is a block"):
+    with pytest.raises(IncompatibleModelsError, match="does not support 'vit' models.*use a gradient variant"):
         fuse("kf-linear", [v1, v2], fusion_inputs=x)
     for method in ("kf-gradient", "hf-gradient"):
         fused = fuse(method, [v1, v2], fusion_inputs=x, align_residual=True, **FAST)
@@ -150,12 +156,12 @@ def test_server_side_importance_option():
     a = build_model("mlp", input_shape=(10,), width=8, seed=0).eval()
     b = build_model("mlp", input_shape=(10,), width=8, seed=1).eval()
     x, y = torch.randn(50, 10), torch.randint(0, 10, (50,))
-    with pytest.raises(ValueError, match="fusion_labels"):
+    with pytest.raises(MissingInputError, match="fusion_labels"):
         fuse("kf-linear", [a, b], fusion_inputs=x, importance="deeplift")
     f1 = fuse("kf-linear", [a, b], fusion_inputs=x, importance="deeplift", fusion_labels=y)
     f2 = fuse("kf-linear", [a, b], fusion_inputs=x)
     assert not torch.allclose(f1(x), f2(x))
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(FusionOptionError, match="unknown option"):
         fuse("kf-linear", [a, b], fusion_inputs=x, no_such_option=1)
 
 
@@ -233,7 +239,7 @@ def test_head_weights_take_each_class_from_its_owner(method):
     out = fused(xt)
     assert torch.allclose(out[:, :2], m0(xt)[:, :2], atol=1e-4)
     assert torch.allclose(out[:, 2:], m1(xt)[:, 2:], atol=1e-4)
-    with pytest.raises(ValueError, match="class_counts"):
+    with pytest.raises(MissingInputError, match="class_counts"):
         fuse(method, [m0, m1], fusion_inputs=x, head_weights=True, **kw)
 
 
@@ -266,9 +272,9 @@ def test_identity_match_with_infinite_ridge_is_weighted_averaging():
     fitted = fuse("kf-linear", models, fusion_inputs=x, weights=w, match="identity", ridge=1e-6)
     torch.testing.assert_close(fitted.state_dict()["1.weight"], avg.state_dict()["1.weight"], atol=1e-5, rtol=1e-4)
     assert (fitted.state_dict()["3.weight"] - avg.state_dict()["3.weight"]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="match='identity'"):
+    with pytest.raises(IncompatibleModelsError, match="match='identity'"):
         fuse("kf-linear", models, fusion_inputs=x, match="identity", fused_width=8)
-    with pytest.raises(ValueError, match="match must be"):
+    with pytest.raises(FusionOptionError, match="option 'match' must be"):
         fuse("kf-linear", models, fusion_inputs=x, match="hungarian")
 
 
@@ -300,7 +306,7 @@ def test_head_targets_probability_ensemble_and_floor():
     t_floor = head_targets(zz, a, 2, "probs", floor=0.2)                       # confidence bounded by the floor
     assert (t_floor.max(1).values - t_floor.min(1).values).max() <= -torch.log(torch.tensor(0.2)) + 1e-9
     for bad in (dict(head_target="softmax"), dict(head_temperature=0.0), dict(head_floor=1.5)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+        with pytest.raises(FusionOptionError, match=next(iter(bad))):
             fuse("kf-linear", [build_model("mlp", input_shape=(1, 8, 8), width=8, seed=0)] * 2,
                  fusion_inputs=torch.randn(20, 1, 8, 8), **bad)
 

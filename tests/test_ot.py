@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedfuse.fusion import fuse
+from fedfuse.fusion import FusionOptionError, IncompatibleModelsError, MissingInputError, fuse, fuse_result
 from fedfuse.fusion.permute import build_spec, ot_plan, permute_model, random_perms
 from helpers import model_with_bn_stats as _model
 
@@ -25,9 +25,9 @@ def test_exact_ot_recovers_permuted_copy(name, shape, kw, cost):
     p2 = permute_model(m, random_perms(build_spec(m), seed=9))
     with torch.no_grad():
         y = m(x)
-        fused = fuse("ot", [m, p, p2], fusion_inputs=x, cost=cost, solver="emd", reset_bn=False)
-        assert (fused(x) - y).abs().max() < 1e-5
-        trace = fused.fusion_info["trace_ratio"]
+        result = fuse_result("ot", [m, p, p2], fusion_inputs=x, cost=cost, solver="emd", reset_bn=False)
+        assert (result.model(x) - y).abs().max() < 1e-5
+        trace = result.info["trace_ratio"]
         assert len(trace) == 2  # one entry per aligned (non-anchor) model
 
 
@@ -129,27 +129,30 @@ def test_bn_reset_and_finetune_options():
     keep = fuse("ot", [a, b], fusion_inputs=x, reset_bn=False)
     reset = fuse("ot", [a, b], fusion_inputs=x)
     assert not torch.allclose(keep[1].running_mean, reset[1].running_mean)
-    ft = fuse("ot", [a, b], fusion_inputs=x, finetune=dict(epochs=2, lr=1e-3))
-    assert "finetune" in ft.fusion_info and ft.fusion_info["finetune"]["finetune-seconds"] > 0
+    result = fuse_result("ot", [a, b], fusion_inputs=x, finetune=dict(epochs=2, lr=1e-3))
+    ft = result.model
+    assert result.info["finetune"]["finetune-seconds"] > 0
     assert not torch.allclose(ft[0].weight, reset[0].weight)
 
 
 def test_bad_inputs_raise_value_error():
     a = _model("mlp", (1, 8, 8), dict(width=16))
     x = torch.randn(16, 1, 8, 8)
-    with pytest.raises(ValueError, match="solver"):
+    with pytest.raises(FusionOptionError, match="solver"):
         fuse("ot", [a, a], fusion_inputs=x, solver="magic")
-    with pytest.raises(ValueError, match="reg > 0"):
+    with pytest.raises(FusionOptionError, match="> 0 for solver='sinkhorn'"):
         fuse("ot", [a, a], fusion_inputs=x, solver="sinkhorn", reg=0.0)
-    with pytest.raises(ValueError, match="needs fusion_inputs"):
+    with pytest.raises(MissingInputError, match="needs fusion_inputs"):
         fuse("ot", [a, a], cost="activations")
-    with pytest.raises(ValueError, match="residual"):
+    with pytest.raises(FusionOptionError, match="residual"):
         fuse("ot", [a, a], fusion_inputs=x, residual="sideways")
-    with pytest.raises(ValueError, match="parameter names"):
+    with pytest.raises(FusionOptionError, match="'finetune'.*'epoch'.*did you mean 'epochs'"):
+        fuse("ot", [a, a], fusion_inputs=x, finetune=dict(epoch=2))
+    with pytest.raises(IncompatibleModelsError, match="parameter names"):
         fuse("ot", [a, _model("mlp", (1, 8, 8), dict(width=16, depth=3))], fusion_inputs=x)
-    with pytest.raises(ValueError, match="not a neuron axis"):  # different input sizes
+    with pytest.raises(IncompatibleModelsError, match="not a neuron axis"):  # different input sizes
         fuse("ot", [a, _model("mlp", (1, 6, 6), dict(width=16))], cost="weights")
     vit_a = _model("vit", (1, 8, 8), dict(width=16, num_heads=4))
     vit_b = _model("vit", (1, 8, 8), dict(width=16, num_heads=2))
-    with pytest.raises(ValueError, match="heads"):
+    with pytest.raises(IncompatibleModelsError, match="heads"):
         fuse("ot", [vit_a, vit_b], fusion_inputs=torch.randn(8, 1, 8, 8))

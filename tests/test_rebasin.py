@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import fuse
+from fedfuse.fusion import FusionOptionError, IncompatibleModelsError, MissingInputError, fuse
 from fedfuse.fusion.permute import Map, build_spec, permute_model, random_perms, reset_bn_stats
 from helpers import model_with_bn_stats as _model
 
@@ -98,17 +98,17 @@ def test_bad_inputs_raise_value_error():
     wide = _model("mlp", (1, 8, 8), dict(width=24))
     deep = _model("mlp", (1, 8, 8), dict(width=16, depth=3))
     x = torch.randn(16, 1, 8, 8)
-    with pytest.raises(ValueError, match="equal widths"):
+    with pytest.raises(IncompatibleModelsError, match="equal widths"):
         fuse("rebasin", [a, wide], fusion_inputs=x)
-    with pytest.raises(ValueError, match="parameter names"):
+    with pytest.raises(IncompatibleModelsError, match="parameter names"):
         fuse("rebasin", [a, deep], fusion_inputs=x)
-    with pytest.raises(ValueError, match="matching"):
+    with pytest.raises(FusionOptionError, match="matching"):
         fuse("rebasin", [a, a], fusion_inputs=x, matching="magic")
-    with pytest.raises(ValueError, match="needs fusion_inputs"):
+    with pytest.raises(MissingInputError, match="needs fusion_inputs"):
         fuse("rebasin", [a, a], matching="activations")
-    with pytest.raises(ValueError, match="unsupported model type"):
+    with pytest.raises(IncompatibleModelsError, match="supports .* families; model 0 is a Linear"):
         fuse("rebasin", [nn.Linear(4, 2), nn.Linear(4, 2)], matching="weights")
-    with pytest.raises(ValueError, match="families"):
+    with pytest.raises(IncompatibleModelsError, match="families"):
         fuse("rebasin", [_model("resnet", (1, 8, 8), dict(width=8)), _model("cnn", (1, 8, 8), dict(width=8))],
              matching="weights")
 

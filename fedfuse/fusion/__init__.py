@@ -41,6 +41,31 @@ def normalise_weights(weights, n: int) -> list[float]:
     return [v / total for v in w]
 
 
+def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None]:
+    """``(family, affine_levels)`` of ``models``: the family of model 0 (``None`` when it is no
+    ``fedfuse.models`` family) and whether every fusion level of every model is affine (``None`` when the
+    levels cannot be computed)."""
+    from fedfuse.models.levels import levels, model_family
+
+    try:
+        family = model_family(models[0])
+    except ValueError:
+        return None, None
+    try:
+        affine = all(lv.affine for m in models for lv in levels(m))
+    except ValueError:
+        affine = None
+    return family, affine
+
+
+def check_finite(method: str, model: nn.Module) -> None:
+    """Raise ``NumericalFusionError`` naming the first state entry with a NaN or an infinity."""
+    for name, value in model.state_dict().items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise NumericalFusionError(f"fusion method {method!r} produced non-finite values in {name!r} "
+                                       f"({int((~torch.isfinite(value)).sum())} of {value.numel()} entries)")
+
+
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, **options) -> FusionResult:
@@ -49,11 +74,21 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     models = list(models)
     if not models:
         raise IncompatibleModelsError("fuse: no models given")
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise IncompatibleModelsError(f"fuse: model {i} is a {type(m).__name__}, not an nn.Module")
     if scores is not None and len(scores) != len(models):
         raise FusionOptionError(f"fuse: got {len(scores)} score dicts for {len(models)} models")
+    if fusion_inputs is not None and len(fusion_inputs) == 0:
+        fusion_inputs = None  # an empty fusion set is no fusion set
     legacy = getattr(spec, "_legacy", False)
     opts = None if legacy else spec.parse_options(options)
-    spec.check_setup(num_models=len(models), has_fusion_set=fusion_inputs is not None or not spec.needs_data)
+    family, affine = model_setup(models)
+    if family is None and not spec.any_module:
+        raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models and supports "
+                                      f"{list(spec.families)} families; model 0 is a {type(models[0]).__name__}")
+    spec.check_setup(num_models=len(models), family=family,
+                     has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
     dev = resolve_device(device)
     info: dict = {}
     t0 = time.perf_counter()
@@ -65,7 +100,9 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
             fused = spec.fn(models, **common, **options)
         else:
             fused = spec.fn(models, **common, options=opts, info=info)
-    return FusionResult(method=method, model=fused.cpu().eval(), info=info, seconds=time.perf_counter() - t0)
+    fused = fused.cpu().eval()
+    check_finite(method, fused)
+    return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)
 
 
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
@@ -100,6 +137,6 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["fuse", "fuse_result", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
            "normalise_weights", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

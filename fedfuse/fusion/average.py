@@ -7,11 +7,12 @@ No paper section: these are the baselines every seed paper compares against (spe
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.registry import IncompatibleModelsError, NoOptions, register
 
 
 def average_state_dicts(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -19,10 +20,10 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], weights: list[flo
     keys = list(states[0])
     for i, s in enumerate(states[1:], 1):
         if list(s) != keys:
-            raise ValueError(f"average: model {i} has different parameter names than model 0")
+            raise IncompatibleModelsError(f"average: model {i} has different parameter names than model 0")
         for k in keys:
             if s[k].shape != states[0][k].shape:
-                raise ValueError(f"average: {k} has shape {tuple(s[k].shape)} in model {i} but "
+                raise IncompatibleModelsError(f"average: {k} has shape {tuple(s[k].shape)} in model {i} but "
                                  f"{tuple(states[0][k].shape)} in model 0 (different widths need a matching method)")
     out = {}
     for k in keys:
@@ -33,9 +34,10 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], weights: list[flo
     return out
 
 
-@register("average", needs_data=False)
-def fuse_average(models, *, weights, **_) -> nn.Module:
-    """Weighted parameter average of same-shape models (the vanilla / FedAvg baseline)."""
+@register("average", options=NoOptions, needs_data=False, any_module=True)
+def fuse_average(models, *, fusion_inputs, scores, weights, device, seed, options: NoOptions, info: dict) -> nn.Module:
+    """Weighted parameter average of same-shape models (the vanilla / FedAvg baseline). Fixed point:
+    averaging copies of one model returns that model."""
     fused = copy.deepcopy(models[0]).cpu()
     fused.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights))
     return fused
@@ -58,11 +60,24 @@ class Ensemble(nn.Module):
         return torch.log(probs.clamp_min(1e-12))
 
 
-@register("ensemble", needs_data=False, same_architecture=False)
-def fuse_ensemble(models, *, weights, uniform: bool = True, **_) -> nn.Module:
+@dataclass(frozen=True)
+class EnsembleOptions:
+    """Options of ``ensemble``.
+
+    Attributes:
+        uniform: equal member weights, as in the papers; ``False`` uses the per-model ``weights``.
+    """
+
+    uniform: bool = True
+
+
+@register("ensemble", options=EnsembleOptions, needs_data=False, same_architecture=False, mixed_widths=True,
+          any_module=True)
+def fuse_ensemble(models, *, fusion_inputs, scores, weights, device, seed, options: EnsembleOptions,
+                  info: dict) -> nn.Module:
     """Prediction ensemble (a reference, not a fusion: inference costs ``len(models)`` forwards).
 
-    Uniform member weights by default, as in the papers; ``uniform=False`` uses ``weights``.
+    Fixed point in probabilities: ``softmax`` of the ensemble of copies of one model is that model's.
     """
     members = [copy.deepcopy(m).cpu().eval() for m in models]
-    return Ensemble(members, None if uniform else weights)
+    return Ensemble(members, None if options.uniform else weights)

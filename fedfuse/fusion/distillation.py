@@ -14,12 +14,14 @@ Both need only unlabeled fusion inputs.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.registry import MissingInputError, register, require
 from fedfuse.models.levels import levels as model_levels
 from fedfuse.training import make_optimizer
 
@@ -46,23 +48,27 @@ def augment(x: torch.Tensor, kind: str, gen: torch.Generator, noise: float = 0.1
         perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
         lam = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), generator=gen).to(x)
         return lam * x + (1 - lam) * x[perm]
-    raise ValueError(f"kd: unknown augmentation {kind!r}; use 'none', 'noise' or 'mixup'")
+    raise ValueError(f"kd: unknown augmentation {kind!r}; use 'none', 'noise' or 'mixup'")  # options checked it
 
 
 def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: torch.Tensor, teachers,
              *, epochs: int, lr: float, weight_decay: float, optimizer: str, batch_size: int, temperature: float,
-             seed: int, device: torch.device, aug: str = "none", noise: float = 0.1) -> None:
+             seed: int, device: torch.device, aug: str = "none", noise: float = 0.1,
+             info: dict | None = None) -> None:
     """Minimise ``τ² · KL(teacher ‖ student)`` over minibatches of ``inputs [B, ...]``.
 
     ``run`` maps a batch of ``inputs`` to student logits; ``teachers`` maps a batch to target probs.
-    Eval mode throughout (no dropout; BatchNorm statistics of model 0 kept).
+    Eval mode throughout (no dropout; BatchNorm statistics of model 0 kept). ``info`` (optional) gets
+    ``epochs`` and ``epoch_losses`` (mean loss per epoch).
     """
     opt = make_optimizer(params, optimizer, lr, weight_decay)
     gen = torch.Generator().manual_seed(seed)
     student.eval()
     n = inputs.shape[0]
+    losses: list[float] = []
     for _ in range(epochs):
         perm = torch.randperm(n, generator=gen)
+        total = torch.zeros((), device=device)  # summed on device: no host sync per step
         for i in range(0, n, batch_size):
             xb = augment(inputs[perm[i:i + batch_size]].to(device), aug, gen, noise)
             with torch.no_grad():
@@ -72,52 +78,103 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            total += loss.detach() * xb.shape[0]
+        losses.append(float(total) / n)
+    if info is not None:
+        info.update(epochs=epochs, epoch_losses=losses)
 
 
-@register("kd", uses_scores=False)
-def fuse_kd(models, *, fusion_inputs=None, weights=None, device=torch.device("cpu"), seed: int = 0,
-            student: str = "model0", epochs: int = 50, lr: float = 1e-3, weight_decay: float = 0.0,
-            optimizer: str = "adam", batch_size: int = 32, temperature: float = 1.0, augmentation: str = "none",
-            noise: float = 0.1, **_) -> nn.Module:
-    """Multi-teacher knowledge distillation on the fusion set (spec §2.5).
+@dataclass(frozen=True)
+class DistillOptions:
+    """Training options shared by ``kd`` and ``lp`` (minibatch KL distillation on the fusion set).
 
-    Options: ``student`` ("model0" = copy of model 0, "fresh" = re-initialised architecture), ``epochs``,
-    ``lr``, ``weight_decay``, ``optimizer``, ``batch_size``, ``temperature`` τ, ``augmentation``
-    ("none" | "noise" | "mixup"; teachers are queried on the augmented inputs), ``noise``.
+    Attributes:
+        epochs: passes over the fusion set.
+        lr, weight_decay, optimizer: the optimiser (``fedfuse.training.make_optimizer``).
+        batch_size: fusion samples per step.
+        temperature: softmax temperature τ of teachers and student (the loss is scaled by τ²).
     """
+
+    epochs: int = 50
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    batch_size: int = 32
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.epochs >= 0, "epochs", ">= 0", self.epochs)
+        require(self.lr > 0, "lr", "> 0", self.lr)
+        require(self.weight_decay >= 0, "weight_decay", ">= 0", self.weight_decay)
+        require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
+        require(self.temperature > 0, "temperature", "> 0", self.temperature)
+
+
+@dataclass(frozen=True)
+class KDOptions(DistillOptions):
+    """Options of ``kd`` (``DistillOptions`` plus the student and the input augmentation).
+
+    Attributes:
+        student: ``"model0"`` = copy of model 0, ``"fresh"`` = model 0's architecture re-initialised.
+        augmentation: ``"none"`` | ``"noise"`` | ``"mixup"`` (teachers are queried on the augmented inputs).
+        noise: standard deviation of ``"noise"`` augmentation, relative to the batch's std.
+    """
+
+    student: Literal["model0", "fresh"] = "model0"
+    augmentation: Literal["none", "noise", "mixup"] = "none"
+    noise: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.noise >= 0, "noise", ">= 0", self.noise)
+
+
+@dataclass(frozen=True)
+class LPOptions(DistillOptions):
+    """Options of ``lp`` (``DistillOptions`` with 100 epochs by default)."""
+
+    epochs: int = 100
+
+
+def _fusion_tensor(method: str, fusion_inputs) -> torch.Tensor:
     if fusion_inputs is None or len(fusion_inputs) == 0:
-        raise ValueError("kd needs fusion_inputs (a non-empty unlabeled fusion set)")
-    weights = weights or [1.0 / len(models)] * len(models)
+        raise MissingInputError(f"{method} needs fusion_inputs (a non-empty unlabeled fusion set)")
+    return torch.as_tensor(fusion_inputs).float()
+
+
+@register("kd", options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True)
+def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict) -> nn.Module:
+    """Multi-teacher knowledge distillation on the fusion set (spec §2.5): the student (model 0's copy or
+    a fresh initialisation of its architecture) learns the teachers' weighted mean softmax at τ.
+    Teachers may have any architecture. Fixed point (``student="model0"``, no augmentation): copies of
+    one model are already the optimum, so the student stays close to it (Adam's normalised steps on
+    near-zero gradients still move it slightly)."""
+    o = options
     teachers = [copy.deepcopy(m).to(device).eval() for m in models]
     st = copy.deepcopy(models[0]).to(device)
-    if student == "fresh":
+    if o.student == "fresh":
         for mod in st.modules():
             if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
                 mod.reset_parameters()
-    elif student != "model0":
-        raise ValueError(f"kd: student must be 'model0' or 'fresh', got {student!r}")
-    x = torch.as_tensor(fusion_inputs).float().to(device)
-    _distill(st, st, list(st.parameters()), x, lambda xb: teacher_probs(teachers, xb, weights, temperature),
-             epochs=epochs, lr=lr, weight_decay=weight_decay, optimizer=optimizer, batch_size=batch_size,
-             temperature=temperature, seed=seed, device=device, aug=augmentation, noise=noise)
+    x = _fusion_tensor("kd", fusion_inputs).to(device)
+    _distill(st, st, list(st.parameters()), x, lambda xb: teacher_probs(teachers, xb, weights, o.temperature),
+             epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer, batch_size=o.batch_size,
+             temperature=o.temperature, seed=seed, device=device, aug=o.augmentation, noise=o.noise, info=info)
     return st.eval()
 
 
-@register("lp", uses_scores=False)
-def fuse_lp(models, *, fusion_inputs=None, weights=None, device=torch.device("cpu"), seed: int = 0,
-            epochs: int = 100, lr: float = 1e-3, weight_decay: float = 0.0, optimizer: str = "adam",
-            batch_size: int = 32, temperature: float = 1.0, **_) -> nn.Module:
+@register("lp", options=LPOptions, uses_scores=False, mixed_widths=True)
+def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LPOptions, info: dict) -> nn.Module:
     """Linear probing: refit only model 0's classifier level against the ensemble's averaged softmax.
 
     The classifier level's inputs (model 0's penultimate features ``[B, ...]``) are computed once; only
-    the parameters of ``levels(model)[-1]`` train (KL, τ = 1 by default, spec §2.5).
+    the parameters of ``levels(model)[-1]`` train (KL, τ = 1 by default, spec §2.5). Teachers may have
+    any architecture; model 0 must be a ``fedfuse.models`` family (its levels are needed).
     """
-    if fusion_inputs is None or len(fusion_inputs) == 0:
-        raise ValueError("lp needs fusion_inputs (a non-empty unlabeled fusion set)")
-    weights = weights or [1.0 / len(models)] * len(models)
-    x = torch.as_tensor(fusion_inputs).float().to(device)
+    o = options
+    x = _fusion_tensor("lp", fusion_inputs).to(device)
     teachers = [copy.deepcopy(m).to(device).eval() for m in models]
-    probs = teacher_probs(teachers, x, weights, temperature)
+    probs = teacher_probs(teachers, x, weights, o.temperature)
     st = copy.deepcopy(models[0]).to(device).eval()
     lvs = model_levels(st)
     head = lvs[-1]
@@ -134,11 +191,12 @@ def fuse_lp(models, *, fusion_inputs=None, weights=None, device=torch.device("cp
     # index the precomputed features and the fixed targets together
     idx_feats = torch.arange(h.shape[0], device=device)
     _distill(st, lambda ib: head.run(h[ib.long()]), params, idx_feats.float(),
-             lambda ib: probs[ib.long()], epochs=epochs, lr=lr, weight_decay=weight_decay, optimizer=optimizer,
-             batch_size=batch_size, temperature=temperature, seed=seed, device=device)
+             lambda ib: probs[ib.long()], epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay,
+             optimizer=o.optimizer, batch_size=o.batch_size, temperature=o.temperature, seed=seed, device=device,
+             info=info)
     for p in st.parameters():
         p.requires_grad_(True)
     return st.eval()
 
 
-__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment"]
+__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment", "DistillOptions", "KDOptions", "LPOptions"]

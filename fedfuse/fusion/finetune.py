@@ -12,13 +12,66 @@ of ``ot``, ``rebasin`` and ``transfusion``; not registered as a method.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.fusion.registry import parse_options, require
 from fedfuse.training import make_optimizer
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """The ``finetune`` option of ``ot``, ``rebasin`` and ``transfusion`` (see ``finetune_fused``).
+
+    Attributes:
+        epochs: passes over the fusion set.
+        lr, optimizer: the optimiser (``fedfuse.training.make_optimizer``).
+        batch_size: fusion samples per step.
+        temperature: softmax temperature of the ensemble targets and the fused model.
+        anchor: weight of the L2 pull ``‖θ − θ_fused‖²`` towards the closed-form fusion.
+    """
+
+    epochs: int = 5
+    lr: float = 1e-3
+    batch_size: int = 64
+    temperature: float = 1.0
+    anchor: float = 1e-3
+    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+
+    def __post_init__(self) -> None:
+        require(self.epochs >= 0, "finetune.epochs", ">= 0", self.epochs)
+        require(self.lr > 0, "finetune.lr", "> 0", self.lr)
+        require(self.batch_size >= 1, "finetune.batch_size", ">= 1", self.batch_size)
+        require(self.temperature > 0, "finetune.temperature", "> 0", self.temperature)
+        require(self.anchor >= 0, "finetune.anchor", ">= 0", self.anchor)
+
+
+def finetune_options(value: Any) -> FinetuneOptions | None:
+    """Normalise a ``finetune`` option value: ``None``/``False``/``0`` → off, ``True`` → defaults, a positive
+    int ``N`` → ``N`` epochs with the other defaults, a table → validated ``FinetuneOptions``."""
+    if isinstance(value, FinetuneOptions) or value is None:
+        return value
+    if isinstance(value, bool):
+        return FinetuneOptions() if value else None
+    if isinstance(value, int):
+        require(value >= 0, "finetune", "a table of options, true or an epoch count >= 0", value)
+        return FinetuneOptions(epochs=value) if value else None
+    if isinstance(value, dict):
+        return parse_options("finetune", FinetuneOptions, value, what="option 'finetune'") if value else None
+    raise ValueError(f"option 'finetune' must be a table of options, true or an epoch count, got {value!r}")
+
+
+def run_finetune(fused: nn.Module, teachers: list[nn.Module], inputs: torch.Tensor, options: FinetuneOptions, *,
+                 weights=None, device="cpu", seed: int = 0) -> dict[str, float]:
+    """``finetune_fused`` with validated ``FinetuneOptions``."""
+    return finetune_fused(fused, teachers, inputs, weights=weights, device=device, seed=seed,
+                          **dataclasses.asdict(options))
 
 
 @torch.no_grad()

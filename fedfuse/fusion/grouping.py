@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from fedfuse.fusion.registry import IncompatibleModelsError
+
 
 # ----------------------------------------------------------------------------------------------------
 # coordinates
@@ -227,8 +229,8 @@ def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, *, init
     """
     m = points.shape[0]
     if not 1 <= k <= m:
-        raise ValueError(f"k-means: need 1 <= k <= number of neurons, got k={k} for {m} neurons "
-                         "(a fused width larger than the parents' total width leaves clusters empty)")
+        raise IncompatibleModelsError(f"k-means: need 1 <= k <= number of neurons, got k={k} for {m} neurons "
+                                      "(a fused width larger than the parents' total width leaves clusters empty)")
     if weights.shape != (m,) or bool((weights < 0).any()) or float(weights.sum()) <= 0:
         raise ValueError("k-means: weights must be [M], non-negative, with a positive sum")
     points = points.double()
@@ -275,8 +277,8 @@ def hungarian_match(points_a: torch.Tensor, points_b: torch.Tensor, weights_a: t
         ``[W]`` int64 tensor ``perm`` on CPU: neuron ``i`` of A is matched with neuron ``perm[i]`` of B.
     """
     if points_a.shape != points_b.shape:
-        raise ValueError(f"Hungarian matching needs two equal-width sets, got {tuple(points_a.shape)} "
-                         f"and {tuple(points_b.shape)}")
+        raise IncompatibleModelsError(f"Hungarian matching needs two equal-width sets, got "
+                                      f"{tuple(points_a.shape)} and {tuple(points_b.shape)}")
     d = _sq_dists(points_a.double(), points_b.double())
     if cost == "exact":
         w = points_a.shape[0]
@@ -315,7 +317,7 @@ def balanced_kmeans(points: torch.Tensor, weights: torch.Tensor, widths: list[in
 
     k = widths[0]
     if any(w != k for w in widths):
-        raise ValueError(f"balanced k-means needs equal widths, got {widths}")
+        raise IncompatibleModelsError(f"balanced k-means needs equal widths, got {widths}")
     x = points.double()
     s = weights.double().to(x.device)
     offs = [sum(widths[:m]) for m in range(len(widths))]

@@ -45,13 +45,14 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError, register,
+                                     require)
 from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
                                      projected_coordinates, weighted_kmeans)
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
@@ -64,14 +65,6 @@ SETTINGS: dict[int, dict[str, Any]] = {
     2: dict(optimizer="sgd", lr=1e-4, epochs=50, weight_decay=1e-4, eps=0.1,
             head_optimizer="adam", head_lr=1e-3, head_epochs=100),
 }
-COMMON = dict(batch_size=32, val_fraction=0.1, patience=15)
-# classifier-level target: "logits" = weighted mean of the parents' raw logits (spec §2.3b, paper);
-# "probs" = τ·log of the weighted mean of the parents' softmax(z/τ) (floored, centred): the ensemble's
-# own prediction, whose confidence is bounded by the floor (see ``head_targets``)
-HEAD_TARGETS = ("logits", "probs")
-# KF grouping: "auto" = weighted k-means (the paper); "balanced" = one neuron of every model per cluster
-# (Hungarian matching to a barycenter, ``grouping.balanced_kmeans``); "identity" = neuron j ↔ j
-MATCHES = ("auto", "balanced", "identity")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -86,10 +79,11 @@ def _chunked(fn, h: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def _conv_geometry(layer: nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
     if layer.groups != 1:
-        raise ValueError(f"linear neuron interpolation: grouped convolution ({type(layer).__name__}, groups="
-                         f"{layer.groups}) is not supported")
+        raise IncompatibleModelsError(f"linear neuron interpolation: grouped convolution ({type(layer).__name__}, "
+                                      f"groups={layer.groups}) is not supported")
     if isinstance(layer.padding, str) or layer.padding_mode != "zeros":
-        raise ValueError("linear neuron interpolation: conv padding must be explicit integers with zero padding")
+        raise IncompatibleModelsError("linear neuron interpolation: conv padding must be explicit integers with "
+                                      "zero padding")
     if isinstance(layer, nn.Conv1d):
         return ((1, layer.kernel_size[0]), (1, layer.dilation[0]), (0, layer.padding[0]), (1, layer.stride[0]))
     return layer.kernel_size, layer.dilation, layer.padding, layer.stride
@@ -114,7 +108,7 @@ def design_matrix(layer: nn.Module, u: torch.Tensor, bias: bool) -> torch.Tensor
         cols = F.unfold(x, kernel_size=k, dilation=dil, padding=pad, stride=stride)  # [N, C*k, P]
         d = cols.transpose(1, 2).reshape(-1, cols.shape[1])
     else:
-        raise ValueError(f"linear neuron interpolation: unsupported layer {type(layer).__name__}")
+        raise IncompatibleModelsError(f"linear neuron interpolation: unsupported layer {type(layer).__name__}")
     if bias:
         d = torch.cat([d, torch.ones(d.shape[0], 1, dtype=d.dtype, device=d.device)], 1)
     return d
@@ -189,7 +183,7 @@ def write_affine(lv: Level, w: torch.Tensor) -> None:
             if norm.bias is not None:
                 norm.bias.copy_(b.to(norm.bias) if layer.bias is None else torch.zeros(k))
             elif layer.bias is None:
-                raise ValueError(f"linear neuron interpolation: level {lv.name!r} has no place for a bias")
+                raise IncompatibleModelsError(f"linear neuron interpolation: level {lv.name!r} has no place for a bias")
             norm.running_mean.zero_()
             norm.running_var.fill_(1.0 - norm.eps)
 
@@ -211,8 +205,8 @@ def _resize_sequential(model: nn.Sequential, new_widths: dict[int, int]) -> nn.S
                 in_f = m.in_features
                 if in_scale is not None:
                     if in_f % in_scale[0]:
-                        raise ValueError("fused_width: cannot resize a Linear fed by a flattened conv map "
-                                         f"({in_f} inputs from {in_scale[0]} channels)")
+                        raise IncompatibleModelsError("fused_width: cannot resize a Linear fed by a flattened conv "
+                                                      f"map ({in_f} inputs from {in_scale[0]} channels)")
                     in_f = in_f // in_scale[0] * in_scale[1]
                 new = nn.Linear(in_f, new_out, bias=m.bias is not None)
             else:
@@ -260,84 +254,136 @@ def _fresh_values(model: nn.Module, names: list[str], gen_seed: int) -> dict[str
 # options and scores
 # ----------------------------------------------------------------------------------------------------
 
-@dataclass
-class _Opts:
-    fused_width: Any
-    setting: int
-    optimizer: str
-    lr: float
-    epochs: int
-    weight_decay: float
-    eps: float
-    head_optimizer: str
-    head_lr: float
-    head_epochs: int
-    head_weight_decay: float
-    batch_size: int
-    val_fraction: float
-    patience: int
-    importance: str
-    fusion_labels: torch.Tensor | None
-    normalize_scores: bool
-    align_residual: bool
-    ridge: float
-    rcond: float
-    prior: str
-    init: str
-    prox: float
-    kmeans_init: str
-    kmeans_restarts: int
-    hf_cost: str
-    head_weights: bool
-    class_counts: Any
-    head_target: str
-    match: str
-    head_ridge: float | None
-    head_temperature: float
-    head_floor: float
-    chunk_size: int
-    importance_batch_size: int
-    verbose: bool
+Optimizer = Literal["adam", "adamw", "sgd"]
 
 
-def _options(fit: str, n_models: int, options: dict) -> _Opts:
-    opts = dict(options)
-    setting = int(opts.pop("setting", 1))
-    if setting not in SETTINGS:
-        raise ValueError(f"neuron interpolation: setting must be 1 or 2, got {setting}")
-    base = {**SETTINGS[setting], **COMMON}
-    base["head_weight_decay"] = base["weight_decay"]
-    # ridge is relative (× mean diagonal of XᵀX). 1e-3 keeps multi-round fusion stable: with the min-norm
-    # pseudo-inverse, near-singular fused inputs grew a hidden layer's weights ~10⁴× in 10 rounds of
-    # digits/Dirichlet FL; one-shot accuracy moved by < 0.3 points (simulations/README.md).
-    vals = dict(fused_width=None, importance="client", fusion_labels=None, normalize_scores=False,
-                align_residual=False, ridge=1e-3, rcond=1e-7, prior="parents", init="auto", prox=0.0,
-                kmeans_init="model0" if fit == "gradient" else "farthest", kmeans_restarts=3,
-                hf_cost="exact", head_weights=False, class_counts=None, head_target="logits", match="auto", head_ridge=None, head_temperature=1.0,
-                head_floor=1e-4, chunk_size=1024, importance_batch_size=64, verbose=False)
-    for key in list(opts):
-        if key in base or key in vals:
-            (base if key in base else vals)[key] = opts.pop(key)
-    if opts:
-        raise ValueError(f"neuron interpolation: unknown option(s) {sorted(opts)}")
-    if vals["init"] not in ("auto", "closed-form", "model0"):
-        raise ValueError(f"neuron interpolation: init must be 'auto', 'closed-form' or 'model0', got {vals['init']!r}")
-    if vals["match"] not in MATCHES:
-        raise ValueError(f"neuron interpolation: match must be one of {MATCHES}, got {vals['match']!r}")
-    if vals["head_target"] not in HEAD_TARGETS:
-        raise ValueError(f"neuron interpolation: head_target must be one of {HEAD_TARGETS}, got {vals['head_target']!r}")
-    if not float(vals["head_temperature"]) > 0:
-        raise ValueError(f"neuron interpolation: head_temperature must be > 0, got {vals['head_temperature']!r}")
-    if not 0 < float(vals["head_floor"]) < 1:
-        raise ValueError(f"neuron interpolation: head_floor must be in (0, 1), got {vals['head_floor']!r}")
-    if vals["head_weights"] and vals["class_counts"] is None:
-        raise ValueError("neuron interpolation: head_weights=True needs class_counts (per model, its training "
-                         "sample count per class)")
-    return _Opts(setting=setting, **base, **vals)
+@dataclass(frozen=True)
+class InterpolationOptions:
+    """Options of the linear variants ``hf-linear`` / ``kf-linear`` (and the base of the gradient ones).
+
+    Attributes:
+        fused_width: hidden widths of the fused model: ``None`` = model 0's, an int for every hidden
+            level, a list (one per hidden level) or a table ``{level name or index: width}``; other
+            widths than model 0's need an ``nn.Sequential`` model and KF grouping.
+        importance: ``"client"`` (the ``scores`` given to ``fuse``), ``"uniform"``, or a method computed
+            here on the fusion set (``"conductance"`` | ``"deeplift"``; needs ``fusion_labels``).
+        fusion_labels: data, not a setting: ``[B]`` labels of the fusion set for server-side importance.
+        normalize_scores: sum-normalise each model's scores per level.
+        ridge: relative Tikhonov ridge of the least-squares fits (× mean diagonal of XᵀX). 1e-3 keeps
+            multi-round fusion stable (the min-norm pseudo-inverse grew a hidden layer's weights ~10⁴×
+            in 10 rounds of digits/Dirichlet FL; one-shot accuracy moved by < 0.3 points).
+        rcond: eigenvalue cut-off of the pseudo-inverse when ``ridge == 0``.
+        prior: ``"parents"`` (min-norm deviation from the parents' interpolated weights) | ``"zero"``.
+        kmeans_init: KF seeding ``"farthest"`` | ``"kmeans++"`` | ``"model0"`` (model 0's neurons).
+        kmeans_restarts: seeded k-means runs per level (the lowest cost is kept).
+        hf_cost: HF matching cost ``"exact"`` (two-member grouping cost) | ``"distance"``.
+        head_weights: weight each model's class-``c`` logit by its share of class ``c``'s training
+            samples (spec §2.3b "Head Weights"; needs ``class_counts``).
+        class_counts: data, not a setting: ``[n models][classes]`` training-sample counts per class
+            (the Flower strategy fills it from the clients' metrics).
+        head_target: classifier target ``"logits"`` (averaged raw logits, the paper) | ``"probs"``
+            (τ·log of the probability ensemble, floored and centred; see ``head_targets``).
+        match: KF grouping ``"auto"`` (k-means) | ``"balanced"`` (one neuron of every model per
+            cluster) | ``"identity"`` (neuron j ↔ j: parents sharing an initialisation).
+        head_ridge: the classifier level's relative ridge (``None`` = ``ridge``).
+        head_temperature: τ of ``head_target="probs"``.
+        head_floor: probability floor of ``head_target="probs"``, in (0, 1).
+        chunk_size: fusion samples per chunk of the accumulated statistics (memory bound).
+        importance_batch_size: batch size of server-side importance.
+    """
+
+    fused_width: int | list | dict | None = None
+    importance: Literal["client", "uniform", "conductance", "deeplift"] = "client"
+    fusion_labels: Any = None
+    normalize_scores: bool = False
+    ridge: float = 1e-3
+    rcond: float = 1e-7
+    prior: Literal["parents", "zero"] = "parents"
+    kmeans_init: Literal["farthest", "kmeans++", "model0"] = "farthest"
+    kmeans_restarts: int = 3
+    hf_cost: Literal["exact", "distance"] = "exact"
+    head_weights: bool = False
+    class_counts: Any = None
+    head_target: Literal["logits", "probs"] = "logits"
+    match: Literal["auto", "balanced", "identity"] = "auto"
+    head_ridge: float | None = None
+    head_temperature: float = 1.0
+    head_floor: float = 1e-4
+    chunk_size: int = 1024
+    importance_batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        fw = self.fused_width
+        ok = fw is None or (isinstance(fw, int) and not isinstance(fw, bool) and fw >= 1) or (
+            isinstance(fw, (list, dict)) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 1
+                                                 for w in (fw.values() if isinstance(fw, dict) else fw)))
+        require(ok, "fused_width", "None, a width >= 1, a list of widths or a table of widths", fw)
+        require(self.ridge >= 0, "ridge", ">= 0", self.ridge)
+        require(self.rcond > 0, "rcond", "> 0", self.rcond)
+        require(self.kmeans_restarts >= 1, "kmeans_restarts", ">= 1", self.kmeans_restarts)
+        require(self.head_ridge is None or self.head_ridge >= 0, "head_ridge", ">= 0 or None", self.head_ridge)
+        require(self.head_temperature > 0, "head_temperature", "> 0", self.head_temperature)
+        require(0 < self.head_floor < 1, "head_floor", "in (0, 1)", self.head_floor)
+        require(self.chunk_size >= 1, "chunk_size", ">= 1", self.chunk_size)
+        require(self.importance_batch_size >= 1, "importance_batch_size", ">= 1", self.importance_batch_size)
+
+
+@dataclass(frozen=True)
+class GradientInterpolationOptions(InterpolationOptions):
+    """Options of ``hf-gradient`` / ``kf-gradient``: the linear variants' options plus the level fits.
+
+    Attributes:
+        setting: hyperparameter setting of spec §3.1 Table 9 (1: AdamW, far from the initialisation;
+            2: SGD, small steps from model 0); fills every optimiser option left ``None``.
+        optimizer, lr, epochs, weight_decay: hidden levels' fit (``None`` = the setting's).
+        eps: hidden levels start from ``(1 − eps)·model 0 + eps·fresh init`` when ``init="model0"``.
+        head_optimizer, head_lr, head_epochs, head_weight_decay: the classifier level's fit
+            (``None`` = the setting's; ``head_weight_decay`` = the setting's ``weight_decay``).
+        batch_size, val_fraction, patience: minibatches, validation split and early stopping.
+        align_residual: reorder ViT residual-stream targets to the closest input dimensions (spec §2.4).
+        init: ``"auto"`` / ``"closed-form"`` (affine levels start from their closed-form fit: defence
+            against collapse, FINDINGS.md #1) | ``"model0"`` (the paper: model 0 perturbed by ``eps``).
+        prox: weight of an L2 pull towards each level's starting point.
+        kmeans_init: as for the linear variants, default ``"model0"`` (keeps model 0's neuron order).
+    """
+
+    kmeans_init: Literal["farthest", "kmeans++", "model0"] = "model0"
+    setting: Literal[1, 2] = 1
+    optimizer: Optimizer | None = None
+    lr: float | None = None
+    epochs: int | None = None
+    weight_decay: float | None = None
+    eps: float | None = None
+    head_optimizer: Optimizer | None = None
+    head_lr: float | None = None
+    head_epochs: int | None = None
+    head_weight_decay: float | None = None
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    patience: int = 15
+    align_residual: bool = False
+    init: Literal["auto", "closed-form", "model0"] = "auto"
+    prox: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.setting in SETTINGS, "setting", f"one of {sorted(SETTINGS)}", self.setting)
+        defaults = {**SETTINGS[self.setting], "head_weight_decay": SETTINGS[self.setting]["weight_decay"]}
+        for key, value in defaults.items():  # None = the setting's value (frozen: set once, here)
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        for key in ("lr", "head_lr"):
+            require(getattr(self, key) > 0, key, "> 0", getattr(self, key))
+        for key in ("epochs", "head_epochs", "weight_decay", "head_weight_decay", "prox"):
+            require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
+        require(0 <= self.eps <= 1, "eps", "in [0, 1]", self.eps)
+        require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
+        require(0 <= self.val_fraction < 1, "val_fraction", "in [0, 1)", self.val_fraction)
+        require(self.patience >= 0, "patience", ">= 0", self.patience)
 
 
 def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], scores, weights: list[float],
-                    opts: _Opts, fusion_inputs: torch.Tensor, device: torch.device) -> list[list[torch.Tensor]]:
+                    opts: InterpolationOptions, fusion_inputs: torch.Tensor, device: torch.device) -> list[list[torch.Tensor]]:
     """Per model, per level: a ``[width]`` float64 score vector on ``device`` (uniform = ones).
 
     Scores from the clients (``importance="client"``) or computed here on the fusion set
@@ -351,15 +397,14 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
         dicts = None
     elif opts.importance in ("conductance", "deeplift"):
         if opts.fusion_labels is None:
-            raise ValueError(f"neuron interpolation: importance={opts.importance!r} computed on the server "
-                             "needs fusion_labels")
+            raise MissingInputError(f"neuron interpolation: importance={opts.importance!r} computed on the server "
+                                    "needs fusion_labels")
         from fedfuse.importance import neuron_importance
         y = torch.as_tensor(opts.fusion_labels).long()
         dicts = [neuron_importance(copy.deepcopy(m), fusion_inputs, y, method=opts.importance,
                                    batch_size=opts.importance_batch_size, device=device) for m in models]
-    else:
-        raise ValueError(f"neuron interpolation: importance must be 'client', 'uniform', 'conductance' or "
-                         f"'deeplift', got {opts.importance!r}")
+    else:  # unreachable: the options' Literal type admits only the four above
+        raise AssertionError(opts.importance)
     out = []
     for m in range(n):
         per_level = []
@@ -367,7 +412,7 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
             s = None if dicts is None or dicts[m] is None else dicts[m].get(lv.name)
             s = torch.ones(lv.width) if s is None else torch.as_tensor(s).detach().flatten()
             if s.numel() != lv.width:
-                raise ValueError(f"neuron interpolation: model {m} level {lv.name!r} has {lv.width} neurons but "
+                raise MissingInputError(f"neuron interpolation: model {m} level {lv.name!r} has {lv.width} neurons but "
                                  f"{s.numel()} scores")
             s = s.double().clamp_min(0) + 1e-12  # no exactly-zero weight: every neuron keeps a say
             if opts.normalize_scores:
@@ -377,7 +422,7 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
     return out
 
 
-def _head_assignment(opts: _Opts, widths: list[int], s: torch.Tensor, weights: list[float], fit: str,
+def _head_assignment(opts: InterpolationOptions, widths: list[int], s: torch.Tensor, weights: list[float], fit: str,
                      device: torch.device) -> torch.Tensor:
     """``A [n·C, C]`` of the classifier level: class ``c`` ↔ class ``c`` in every model (identity grouping).
 
@@ -395,9 +440,13 @@ def _head_assignment(opts: _Opts, widths: list[int], s: torch.Tensor, weights: l
         base = torch.cat([torch.eye(k, dtype=torch.float64, device=device) * weights[m] for m in range(n)])
     if not opts.head_weights:
         return base
+    if opts.class_counts is None:
+        raise MissingInputError("neuron interpolation: head_weights=True needs class_counts (per model, its "
+                                "training sample count per class)")
     cc = torch.as_tensor(opts.class_counts, dtype=torch.float64, device=device)
     if cc.shape != (n, k):
-        raise ValueError(f"neuron interpolation: class_counts must be [{n} models, {k} classes], got {tuple(cc.shape)}")
+        raise MissingInputError(f"neuron interpolation: class_counts must be [{n} models, {k} classes], got "
+                                f"{tuple(cc.shape)}")
     frac = cc / cc.sum(0, keepdim=True).clamp_min(1e-300)              # [n, C], columns sum to 1
     default = base.reshape(n, k, k).diagonal(dim1=1, dim2=2)             # [n, C] default per-class weights
     default = default / default.sum(0, keepdim=True).clamp_min(1e-300)
@@ -426,7 +475,7 @@ def head_targets(z: torch.Tensor, a: torch.Tensor, n: int, mode: str = "logits",
     return t - t.mean(1, keepdim=True)
 
 
-def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
+def _fused_widths(opts: InterpolationOptions, ref_levels: list[Level]) -> dict[int, int]:
     """Level index → fused width for the hidden levels (the classifier keeps ``num_classes``)."""
     fw = opts.fused_width
     hidden = range(len(ref_levels) - 1)
@@ -438,7 +487,8 @@ def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
         return {i: int(fw.get(ref_levels[i].name, fw.get(i, ref_levels[i].width))) for i in hidden}
     fw = list(fw)
     if len(fw) != len(ref_levels) - 1:
-        raise ValueError(f"fused_width: need one width per hidden level ({len(ref_levels) - 1}), got {len(fw)}")
+        raise FusionOptionError(f"option 'fused_width': need one width per hidden level ({len(ref_levels) - 1}), "
+                                f"got {len(fw)}")
     return {i: int(w) for i, w in zip(hidden, fw)}
 
 
@@ -446,16 +496,17 @@ def _fused_widths(opts: _Opts, ref_levels: list[Level]) -> dict[int, int]:
 # grouping of one level
 # ----------------------------------------------------------------------------------------------------
 
-def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int], k: int, opts: _Opts,
-           seed: int, level_name: str) -> torch.Tensor:
-    """Cluster labels ``[d^M]`` for the concatenated neurons (coordinates ``coords [d^M, r]``)."""
+def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int], k: int, opts: InterpolationOptions,
+           seed: int, level_name: str, diag: dict) -> torch.Tensor:
+    """Cluster labels ``[d^M]`` for the concatenated neurons (coordinates ``coords [d^M, r]``); k-means
+    cost and iterations go into ``diag``."""
     if method == "hf":
         w0 = widths[0]
         perm = hungarian_match(coords[:w0], coords[w0:], s[:w0], s[w0:], cost=opts.hf_cost)
         return matching_labels(perm).to(coords.device)
     if opts.match != "auto" and any(w != k for w in widths):
-        raise ValueError(f"neuron interpolation: match={opts.match!r} needs every model's level {level_name!r} "
-                         f"to have the fused width {k}, got {widths}")
+        raise IncompatibleModelsError(f"neuron interpolation: match={opts.match!r} needs every model's level "
+                                      f"{level_name!r} to have the fused width {k}, got {widths}")
     if opts.match == "identity":
         return torch.cat([torch.arange(w, device=coords.device) for w in widths])
     if opts.match == "balanced":
@@ -465,8 +516,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
         # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
         init = torch.arange(k) if widths[0] == k else "farthest"
     res = weighted_kmeans(coords, s, k, init=init, restarts=opts.kmeans_restarts, seed=seed)
-    if opts.verbose:
-        print(f"  kmeans {level_name}: cost {res.cost:.4g} in {res.iterations} it")
+    diag.update(kmeans_cost=res.cost, kmeans_iterations=res.iterations)
     return res.labels
 
 
@@ -475,7 +525,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
 # ----------------------------------------------------------------------------------------------------
 
 def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Tensor, *, optimizer: str, lr: float,
-               epochs: int, weight_decay: float, opts: _Opts, seed: int, device: torch.device) -> dict[str, float]:
+               epochs: int, weight_decay: float, opts: InterpolationOptions, seed: int, device: torch.device) -> dict[str, float]:
     """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE, spec §2.3b).
 
     ``x_in [B, ...]`` level input, ``target [B, ...]`` level-shaped targets. Eval mode (no dropout;
@@ -543,8 +593,9 @@ def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Te
 # ----------------------------------------------------------------------------------------------------
 
 def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
-                         scores=None, weights: list[float], device: torch.device, seed: int = 0,
-                         **options) -> nn.Module:
+                         scores=None, weights: list[float] | None = None, device: torch.device = torch.device("cpu"),
+                         seed: int = 0, options: InterpolationOptions | None = None,
+                         info: dict | None = None) -> nn.Module:
     """Algorithm 1 of the paper (spec §2.1) with HF/KF grouping and linear/gradient fitting.
 
     Args:
@@ -555,43 +606,53 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         scores: ``None`` or one ``{level name: [width]}`` dict per model (client-side importance).
         weights: per-model weights summing to 1 (scale each model's importance by ``n·w``).
         device: where everything runs (k-means, least squares and the level fits included).
-        options: see the module docstring and ``_options`` (``fused_width``, ``setting``, ``lr``, ``epochs``,
-            ``head_epochs``, ``eps``, ``batch_size``, ``val_fraction``, ``patience``, ``importance``,
-            ``fusion_labels``, ``normalize_scores``, ``align_residual``, ``ridge``, ``init``, ``prox``,
-            ``kmeans_init``, ``kmeans_restarts``, ``hf_cost``, ``chunk_size``, ``head_weights``,
-            ``class_counts``, ``head_target``, ``head_temperature``, ``head_floor``, ``head_ridge``, ``match``).
+        options: ``InterpolationOptions`` (linear fit) or ``GradientInterpolationOptions`` (gradient fit);
+            ``None`` = the defaults.
+        info: optional dict that receives per-level diagnostics ``{"levels": {name: {...}}}`` (k-means
+            cost and iterations; gradient fits: epochs, validation MSE at the start and the end).
     Returns:
         The fused model (model 0's architecture, possibly with other hidden widths), eval mode.
     """
     name = f"{grouping}-{fit}"
     if fusion_inputs is None or len(fusion_inputs) == 0:
-        raise ValueError(f"{name} needs fusion_inputs (a non-empty unlabeled fusion set)")
-    opts = _options(fit, len(models), options)
+        raise MissingInputError(f"{name} needs fusion_inputs (a non-empty unlabeled fusion set)")
+    options_cls = GradientInterpolationOptions if fit == "gradient" else InterpolationOptions
+    opts = options if options is not None else options_cls()
+    if not isinstance(opts, options_cls):
+        raise TypeError(f"{name}: options must be {options_cls.__name__}, got {type(opts).__name__}")
     n = len(models)
+    weights = weights or [1.0 / n] * n
+    level_info: dict[str, dict] = {}
+    if info is not None:
+        info["levels"] = level_info
     x = torch.as_tensor(fusion_inputs).float().to(device)
     parents = [copy.deepcopy(m).to(device).eval() for m in models]
     plv = [model_levels(p) for p in parents]
     n_levels = len(plv[0])
     for m, lv in enumerate(plv):
         if len(lv) != n_levels:
-            raise ValueError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
+            raise IncompatibleModelsError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
         if lv[-1].width != plv[0][-1].width:
-            raise ValueError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has {plv[0][-1].width}")
+            raise IncompatibleModelsError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has "
+                                          f"{plv[0][-1].width}")
     if grouping == "hf":
         if n != 2:
-            raise ValueError(f"{name} fuses exactly two models (Hungarian matching), got {n}; use kf-{fit}")
+            raise IncompatibleModelsError(f"{name} fuses exactly two models (Hungarian matching), got {n}; "
+                                          f"use kf-{fit}")
         for a, b in zip(plv[0][:-1], plv[1][:-1]):
             if a.width != b.width:
-                raise ValueError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs {b.width}")
+                raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
+                                              f"{b.width}")
     widths_f = _fused_widths(opts, plv[0])
     if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
-        raise ValueError(f"{name}: fused_width must equal the parents' width for Hungarian matching")
+        raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
+                                "matching")
 
     # the fused model: a copy of model 0, resized when another fused width is asked for
     if any(widths_f[i] != plv[0][i].width for i in widths_f):
         if not isinstance(models[0], nn.Sequential):
-            raise ValueError(f"{name}: fused_width different from model 0's width is supported for nn.Sequential "
-                             f"models only, not {type(models[0]).__name__}")
+            raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
+                                          f"nn.Sequential models only, not {type(models[0]).__name__}")
         fused = _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
     else:
         fused = copy.deepcopy(models[0]).to(device).eval()
@@ -600,11 +661,11 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     if fit == "linear":
         for lv in flv:
             if not lv.affine:
-                raise ValueError(f"{name} needs affine levels; level {lv.name!r} is a {lv.kind} "
+                raise IncompatibleModelsError(f"{name} needs affine levels; level {lv.name!r} is a {lv.kind} "
                                  f"({type(lv.module).__name__}); use the gradient variant")
 
     s_all = _resolve_scores(models, plv, scores, weights, opts, x, device)
-    chunk = max(1, opts.chunk_size)
+    chunk = opts.chunk_size
     h_par = [x for _ in range(n)]   # each parent's current level input (one level per model)
     h_fus = x                       # the fused model's current level input
     prev_labels: list[torch.Tensor | None] = [None] * n   # each parent's previous-level grouping
@@ -652,9 +713,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                 # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
                 dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
                 ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
-            elif opts.prior != "zero":
-                raise ValueError(f"neuron interpolation: prior must be 'parents' or 'zero', got {opts.prior!r}")
-            else:
+            else:  # prior == "zero": the min-norm fit itself
                 prior = None
             if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
                 base = prior @ head_a if prior is not None else torch.zeros_like(xtt)
@@ -674,7 +733,11 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                     z = zcat(i, i + chunk)
                     gram += z.T @ z
                 coords = gram_coordinates(gram)
-            labels = _group(grouping, coords, s, widths, k, opts, seed + l, plv[0][l].name)
+            if k > sum(widths):
+                raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
+                                        f"{plv[0][l].name!r} but the models have {sum(widths)} in all")
+            labels = _group(grouping, coords, s, widths, k, opts, seed + l, plv[0][l].name,
+                            level_info.setdefault(plv[0][l].name, {}))
 
         # ---- fit ----------------------------------------------------------------------------------
         if fit == "linear":
@@ -703,10 +766,9 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                         named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
             hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if last else \
                  (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
-            info = _fit_level(fused, lvf, h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
-                              weight_decay=hp[3], opts=opts, seed=seed * 7919 + l, device=device)
-            if opts.verbose:
-                print(f"  fit {lvf.name}: {info}")
+            fit_info = _fit_level(fused, lvf, h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
+                                  weight_decay=hp[3], opts=opts, seed=seed * 7919 + l, device=device)
+            level_info.setdefault(plv[0][l].name, {}).update(fit_info)
             del target
         if not last:
             h_fus = _chunked(lvf.run, h_fus, chunk)
@@ -738,20 +800,26 @@ def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s
 
 
 def _make(grouping: str, fit: str):
-    def fn(models, *, fusion_inputs=None, scores=None, weights=None, device=torch.device("cpu"), seed=0, **options):
+    def fn(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
         return neuron_interpolation(models, grouping=grouping, fit=fit, fusion_inputs=fusion_inputs, scores=scores,
-                                    weights=weights or [1.0 / len(models)] * len(models), device=device, seed=seed,
-                                    **options)
+                                    weights=weights, device=device, seed=seed, options=options, info=info)
     fn.__name__ = f"fuse_{grouping}_{fit}"
     fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting (spec §2). "
-                  "See ``neuron_interpolation`` for the options.")
+                  "See ``neuron_interpolation``; options: "
+                  f"``{'GradientInterpolationOptions' if fit == 'gradient' else 'InterpolationOptions'}``.")
     return fn
 
 
-fuse_hf_linear = register("hf-linear", uses_scores=True)(_make("hf", "linear"))
-fuse_kf_linear = register("kf-linear", uses_scores=True)(_make("kf", "linear"))
-fuse_hf_gradient = register("hf-gradient", uses_scores=True)(_make("hf", "gradient"))
-fuse_kf_gradient = register("kf-gradient", uses_scores=True)(_make("kf", "gradient"))
+# HF = Hungarian matching of two equal-width models; KF = k-means over any number of models and widths.
+# Linear fits are closed-form per affine level, so they need a model whose levels are all affine (the
+# sequential family); gradient fits train any differentiable level (ResNet and ViT blocks too).
+_LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential",), affine_only=True)
+_GRADIENT = dict(options=GradientInterpolationOptions, uses_scores=True)
+fuse_hf_linear = register("hf-linear", **_LINEAR, min_models=2, max_models=2)(_make("hf", "linear"))
+fuse_kf_linear = register("kf-linear", **_LINEAR, mixed_widths=True)(_make("kf", "linear"))
+fuse_hf_gradient = register("hf-gradient", **_GRADIENT, min_models=2, max_models=2)(_make("hf", "gradient"))
+fuse_kf_gradient = register("kf-gradient", **_GRADIENT, mixed_widths=True)(_make("kf", "gradient"))
 
-__all__ = ["neuron_interpolation", "design_matrix", "write_affine", "SETTINGS", "fuse_hf_linear", "fuse_kf_linear",
-           "fuse_hf_gradient", "fuse_kf_gradient"]
+__all__ = ["neuron_interpolation", "design_matrix", "write_affine", "SETTINGS", "InterpolationOptions",
+           "GradientInterpolationOptions", "fuse_hf_linear", "fuse_kf_linear", "fuse_hf_gradient",
+           "fuse_kf_gradient"]

@@ -32,23 +32,28 @@ from __future__ import annotations
 
 import copy
 import time
+import typing
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
 from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
                                     collect_activations, marginal_from_scores, solve_group, standardize,
                                     weight_features)
-from fedfuse.fusion.rebasin import _check_models, finish
+from fedfuse.fusion.rebasin import AlignOptions, finish
 
-POLICIES = ("tied", "mean", "no_resid", "only_resid")
+ResidualPolicy = Literal["tied", "mean", "no_resid", "only_resid"]
+POLICIES = typing.get_args(ResidualPolicy)
 
 
 def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> torch.Tensor:
     """Ground cost ``[m_A, m_B]``: Euclidean distance between unit activation vectors ``x [S, m]``."""
     if xa.shape[0] != xb.shape[0]:
-        raise ValueError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens must match")
+        raise IncompatibleModelsError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens "
+                                      "must match")
     if std:
         xa, xb = standardize(xa), standardize(xb)
     xa, xb = xa.double(), xb.double()
@@ -109,64 +114,73 @@ def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost
     return apply_maps(state_a, spec_a, spec_b, maps, state_b), maps, spec_a, spec_b
 
 
-@register("ot", needs_data=True, uses_scores=True)
-def fuse_ot(models, *, fusion_inputs=None, scores=None, weights, device, seed=0, cost: str | None = None,
-            solver: str = "emd", reg: float = 0.05, marginals: str = "uniform", residual: str = "tied",
-            head_preserving: bool = True, std: bool = True, max_rows: int = 4096, reset_bn: bool | None = None,
-            finetune: dict | None = None, **_) -> nn.Module:
-    """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture.
+@dataclass(frozen=True)
+class OTOptions(AlignOptions):
+    """Options of ``ot`` (plus ``reset_bn`` and ``finetune`` of ``AlignOptions``).
 
-    Options:
-        cost: ``"activations"`` | ``"weights"`` (default: activations when ``fusion_inputs`` is given).
-        solver: ``"emd"`` (default; exact, permutations for equal widths) | ``"sinkhorn"`` (soft).
-        reg: Sinkhorn ε on the max-normalised cost (spec: 0.05–0.1).
-        marginals: ``"uniform"`` | ``"importance"`` (needs ``scores``; per-unit scores as OT marginals).
+    Attributes:
+        cost: ``"activations"`` | ``"weights"`` (``None`` = activations when a fusion set is given).
+        solver: ``"emd"`` (exact; permutations for equal widths) | ``"sinkhorn"`` (entropic, soft plans).
+        reg: Sinkhorn ε on the max-normalised cost (spec: 0.05–0.1); must be > 0 for ``"sinkhorn"``.
+        marginals: ``"uniform"`` | ``"importance"`` (the clients' per-unit scores as OT marginals).
         residual: ViT residual policy ``"tied"`` | ``"mean"`` | ``"no_resid"`` | ``"only_resid"``.
         head_preserving: head-structured attention plans (default) or cross-head (reference code).
         std: z-score activations per unit before the cost.
-        reset_bn: re-estimate BN statistics on the fusion set (default: when data is given).
-        finetune: optional ``dict(epochs=..., lr=...)`` post-fusion distillation (``finetune.py``).
-    Returns the fused model; ``fused.fusion_info`` holds plan diagnostics (trace ratios) and timings.
+        max_rows: activation rows per hook point.
     """
-    _check_models(models)
-    cost = cost or ("activations" if fusion_inputs is not None else "weights")
-    if cost not in ("activations", "weights"):
-        raise ValueError(f"ot: cost must be 'activations' or 'weights', got {cost!r}")
+
+    cost: Literal["activations", "weights"] | None = None
+    solver: Literal["emd", "sinkhorn"] = "emd"
+    reg: float = 0.05
+    marginals: Literal["uniform", "importance"] = "uniform"
+    residual: ResidualPolicy = "tied"
+    head_preserving: bool = True
+    std: bool = True
+    max_rows: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.solver != "sinkhorn" or self.reg > 0, "reg", "> 0 for solver='sinkhorn'", self.reg)
+        require(self.max_rows >= 1, "max_rows", ">= 1", self.max_rows)
+
+
+@register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True)
+def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OTOptions, info: dict) -> nn.Module:
+    """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture.
+
+    Uses the fusion set when given (activation cost, BN re-estimation); without one, the weight cost.
+    Fixed point: copies of one model are transported by the identity plan and average back to it.
+    ``info``: ``cost``, ``solver``, per-model ``trace_ratio`` per group, timings (``finetune`` losses).
+    """
+    o = options
+    cost = o.cost or ("activations" if fusion_inputs is not None else "weights")
     if cost == "activations" and fusion_inputs is None:
-        raise ValueError("ot: cost='activations' needs fusion_inputs")
-    if solver not in ("emd", "sinkhorn"):
-        raise ValueError(f"ot: solver must be 'emd' or 'sinkhorn', got {solver!r}")
-    if solver == "sinkhorn" and not reg > 0:
-        raise ValueError(f"ot: Sinkhorn needs reg > 0, got {reg}")
-    if residual not in POLICIES:
-        raise ValueError(f"ot: residual must be one of {POLICIES}, got {residual!r}")
-    if marginals not in ("uniform", "importance"):
-        raise ValueError(f"ot: marginals must be 'uniform' or 'importance', got {marginals!r}")
-    if marginals == "importance" and scores is None:
-        raise ValueError("ot: marginals='importance' needs scores (one dict per model)")
+        raise MissingInputError("ot: cost='activations' needs fusion_inputs")
+    if o.marginals == "importance" and scores is None:
+        raise MissingInputError("ot: marginals='importance' needs scores (one dict per model)")
     t0 = time.perf_counter()
     ref = models[0]
-    layout = "tied" if residual == "tied" else "untied"
+    layout = "tied" if o.residual == "tied" else "untied"
     spec_b = build_spec(ref, layout)
-    acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+    acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if cost == "activations" else None)
-    if acts_b is not None and std:
+    if acts_b is not None and o.std:
         acts_b = {g: standardize(v) for g, v in acts_b.items()}
     states = [ref.state_dict()]
-    info = {"method": "ot", "cost": cost, "solver": solver, "trace_ratio": []}
+    info.update(cost=cost, solver=o.solver, trace_ratio=[])
     for k, model in enumerate(models[1:], 1):
         try:
             aligned, maps, _, _ = ot_align(
-                model, ref, fusion_inputs=fusion_inputs, cost=cost, solver=solver, reg=reg, residual=residual,
-                head_preserving=head_preserving, std=std, max_rows=max_rows, acts_b=acts_b, spec_b=spec_b, seed=seed,
-                scores_a=scores[k] if marginals == "importance" else None,
-                scores_b=scores[0] if marginals == "importance" else None, device=device)
+                model, ref, fusion_inputs=fusion_inputs, cost=cost, solver=o.solver, reg=o.reg, residual=o.residual,
+                head_preserving=o.head_preserving, std=o.std, max_rows=o.max_rows, acts_b=acts_b, spec_b=spec_b,
+                seed=seed, scores_a=scores[k] if o.marginals == "importance" else None,
+                scores_b=scores[0] if o.marginals == "importance" else None, device=device)
         except ValueError as err:
-            raise ValueError(f"ot: model {k} cannot be aligned to model 0: {err}") from None
+            raise IncompatibleModelsError(f"ot: model {k} cannot be aligned to model 0: {err}") from None
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
         states.append(aligned)
     fused = copy.deepcopy(ref).cpu()
     fused.load_state_dict(average_aligned(states, weights))
     info["align_seconds"] = time.perf_counter() - t0
-    return finish(fused, models, fusion_inputs, reset_bn=reset_bn, finetune=finetune, weights=weights, device=device,
-                  seed=seed, info=info)
+    return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
+                  device=device, seed=seed, info=info)

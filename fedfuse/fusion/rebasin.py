@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
+from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
 from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
                                     collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, weight_features)
@@ -60,7 +63,7 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
     names = list(spec_a.groups) if groups is None else list(groups)
     for g in spec_a.groups:
         if spec_a.groups[g].size != spec_b.groups[g].size:
-            raise ValueError(f"weight matching needs equal widths; group {g} has {spec_a.groups[g].size} vs "
+            raise IncompatibleModelsError(f"weight matching needs equal widths; group {g} has {spec_a.groups[g].size} vs "
                              f"{spec_b.groups[g].size} units (use method 'ot' for different widths)")
     head_costs = head_costs or {}
     maps: dict[str, Map] = {}
@@ -144,75 +147,94 @@ def unit_weights_for(scores: dict[str, torch.Tensor] | None, spec: PermSpec, map
     return out
 
 
-def finish(fused: nn.Module, models: list[nn.Module], fusion_inputs, *, reset_bn, finetune, weights, device, seed,
-           info: dict) -> nn.Module:
-    """Shared tail of ot/rebasin/transfusion: BN re-estimation, optional fine-tuning, diagnostics."""
+def finish(fused: nn.Module, models: list[nn.Module], fusion_inputs, *, reset_bn: bool | None,
+           finetune: FinetuneOptions | None, weights, device, seed, info: dict) -> nn.Module:
+    """Shared tail of ot/rebasin/transfusion: BN re-estimation, optional fine-tuning; timings into ``info``."""
     if reset_bn is None:
         reset_bn = fusion_inputs is not None
     if reset_bn and has_batchnorm(fused):
         if fusion_inputs is None:
-            raise ValueError("reset_bn=True needs fusion_inputs to re-estimate BatchNorm statistics")
+            raise MissingInputError("reset_bn=True needs fusion_inputs to re-estimate BatchNorm statistics")
         t0 = time.perf_counter()
         reset_bn_stats(fused, fusion_inputs, device=device)
         info["bn_reset_seconds"] = time.perf_counter() - t0
-    if finetune:
-        from fedfuse.fusion.finetune import finetune_fused
-
+    if finetune is not None:
         if fusion_inputs is None:
-            raise ValueError("finetune needs fusion_inputs (the fusion set)")
-        if isinstance(finetune, dict):
-            ft = dict(finetune)
-        elif finetune is True:
-            ft = {}
-        elif isinstance(finetune, int) and finetune > 0:
-            ft = {"epochs": int(finetune)}  # ``finetune=N``: N epochs with the other defaults
-        else:
-            raise ValueError(f"finetune must be a dict of options, True or a positive epoch count, got {finetune!r}")
-        info["finetune"] = finetune_fused(fused, models, fusion_inputs, weights=weights, device=device, seed=seed, **ft)
-    fused.fusion_info = info  # type: ignore[attr-defined]
+            raise MissingInputError("finetune needs fusion_inputs (the fusion set)")
+        info["finetune"] = run_finetune(fused, models, fusion_inputs, finetune, weights=weights, device=device,
+                                        seed=seed)
     return fused.cpu().eval()
 
 
-def _check_models(models: list[nn.Module]) -> None:
-    if len(models) < 1:
-        raise ValueError("no models given")
-    for i, m in enumerate(models):
-        if not isinstance(m, nn.Module):
-            raise ValueError(f"model {i} is a {type(m).__name__}, not an nn.Module")
+@dataclass(frozen=True)
+class AlignOptions:
+    """Options shared by the align-then-average methods (``ot``, ``rebasin``, ``transfusion``).
+
+    Attributes:
+        reset_bn: re-estimate BatchNorm statistics on the fusion set after averaging (``None`` = when a
+            fusion set is given).
+        finetune: optional post-fusion distillation (``fedfuse.fusion.finetune``): a table of
+            ``FinetuneOptions`` (``{epochs=3, lr=1e-3}``), ``true`` for the defaults or an epoch count;
+            normalised to ``FinetuneOptions | None``.
+    """
+
+    reset_bn: bool | None = None
+    finetune: FinetuneOptions | dict | bool | int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "finetune", finetune_options(self.finetune))
 
 
-@register("rebasin", needs_data=True, uses_scores=True)
-def fuse_rebasin(models, *, fusion_inputs=None, scores=None, weights, device, seed=0, matching: str | None = None,
-                 max_iter: int = 100, init: str = "sequential", order: str = "random", head_preserving: bool = True,
-                 importance_weighted: bool = True, reset_bn: bool | None = None, finetune: dict | None = None,
-                 max_rows: int = 4096, **_) -> nn.Module:
-    """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required).
+@dataclass(frozen=True)
+class RebasinOptions(AlignOptions):
+    """Options of ``rebasin``.
 
-    Options:
-        matching: ``"weights"`` | ``"activations"`` (default: activations when ``fusion_inputs`` is given).
-        max_iter, init, order: weight-matching coordinate descent (see :func:`weight_matching`).
+    Attributes:
+        matching: ``"weights"`` | ``"activations"`` (``None`` = activations when a fusion set is given).
+        max_iter, init, order: weight-matching coordinate descent (see ``weight_matching``).
         head_preserving: keep attention heads intact (required for function preservation).
         importance_weighted: with ``scores``, average each unit with per-unit importance weights.
-        reset_bn: re-estimate BN statistics on ``fusion_inputs`` (default: when data is given).
-        finetune: optional ``dict(epochs=..., lr=...)`` post-fusion distillation (``finetune.py``).
         max_rows: activation rows per hook point.
-    Returns model 0's architecture with fused weights; ``fused.fusion_info`` holds diagnostics.
     """
-    _check_models(models)
-    matching = matching or ("activations" if fusion_inputs is not None else "weights")
-    if matching not in ("weights", "activations"):
-        raise ValueError(f"rebasin: matching must be 'weights' or 'activations', got {matching!r}")
+
+    matching: Literal["weights", "activations"] | None = None
+    max_iter: int = 100
+    init: Literal["sequential", "identity"] = "sequential"
+    order: Literal["random", "forward", "backward"] = "random"
+    head_preserving: bool = True
+    importance_weighted: bool = True
+    max_rows: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.max_iter >= 0, "max_iter", ">= 0", self.max_iter)
+        require(self.max_rows >= 1, "max_rows", ">= 1", self.max_rows)
+
+
+@register("rebasin", options=RebasinOptions, needs_data=False, uses_scores=True)
+def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, options: RebasinOptions,
+                 info: dict) -> nn.Module:
+    """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required).
+
+    Uses the fusion set when given (activation matching, BN re-estimation); without one, weight matching.
+    Fixed point: copies of one model match by the identity and average back to it.
+    ``info``: ``matching``, per-model ``trace_ratio`` per group, ``sweeps`` (weight matching), timings.
+    """
+    o = options
+    matching = o.matching or ("activations" if fusion_inputs is not None else "weights")
     if matching == "activations" and fusion_inputs is None:
-        raise ValueError("rebasin: activation matching needs fusion_inputs")
+        raise MissingInputError("rebasin: activation matching needs fusion_inputs")
     t0 = time.perf_counter()
     ref = models[0]
     spec_b = build_spec(ref)
     state_b = ref.state_dict()
-    acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+    acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if matching == "activations" else None)
-    states, unit_w, info = [state_b], [], {"method": "rebasin", "matching": matching, "trace_ratio": []}
+    states: list[dict] = [state_b]
+    unit_w: list[Any] = []
+    info.update(matching=matching, trace_ratio=[])
     maps0 = {g: Map.identity(grp.size) for g, grp in spec_b.groups.items()}
-    use_scores = scores is not None and importance_weighted
+    use_scores = scores is not None and o.importance_weighted
     if use_scores:
         unit_w.append(unit_weights_for(scores[0], spec_b, maps0))
     for k, model in enumerate(models[1:], 1):
@@ -221,14 +243,14 @@ def fuse_rebasin(models, *, fusion_inputs=None, scores=None, weights, device, se
         try:
             check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
         except ValueError as err:
-            raise ValueError(f"rebasin: model {k} cannot be matched to model 0: {err}") from None
+            raise IncompatibleModelsError(f"rebasin: model {k} cannot be matched to model 0: {err}") from None
         if matching == "weights":
-            maps, wm = weight_matching(state_a, state_b, spec_a, spec_b, max_iter=max_iter, init=init, order=order,
-                                       seed=seed, head_preserving=head_preserving)
+            maps, wm = weight_matching(state_a, state_b, spec_a, spec_b, max_iter=o.max_iter, init=o.init,
+                                       order=o.order, seed=seed, head_preserving=o.head_preserving)
             info.setdefault("sweeps", []).append(wm["sweeps"])
         else:
-            acts_a = collect_activations(model, spec_a, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
-            maps = activation_matching(acts_a, acts_b, spec_a, spec_b, head_preserving=head_preserving)
+            acts_a = collect_activations(model, spec_a, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
+            maps = activation_matching(acts_a, acts_b, spec_a, spec_b, head_preserving=o.head_preserving)
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
         states.append(apply_maps(state_a, spec_a, spec_b, maps, state_b))
         if use_scores:
@@ -236,5 +258,5 @@ def fuse_rebasin(models, *, fusion_inputs=None, scores=None, weights, device, se
     fused = copy.deepcopy(ref).cpu()
     fused.load_state_dict(average_aligned(states, weights, unit_w if use_scores else None, spec_b))
     info["align_seconds"] = time.perf_counter() - t0
-    return finish(fused, models, fusion_inputs, reset_bn=reset_bn, finetune=finetune, weights=weights, device=device,
-                  seed=seed, info=info)
+    return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
+                  device=device, seed=seed, info=info)

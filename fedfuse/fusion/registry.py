@@ -87,9 +87,8 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is Any:
         return True, value
     origin = typing.get_origin(tp)
-    if origin is Literal:
-        return (value in typing.get_args(tp) and not (isinstance(value, bool) and True not in typing.get_args(tp)
-                                                    and False not in typing.get_args(tp))), value
+    if origin is Literal:  # exact type too: True must not pass as the choice 1
+        return any(type(value) is type(a) and value == a for a in typing.get_args(tp)), value
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             ok, v = _matches(value, arg)
@@ -115,12 +114,16 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def parse_options(method: str, cls: type, options: Mapping[str, Any] | None) -> Any:
+def parse_options(method: str, cls: type, options: Mapping[str, Any] | None, *, what: str | None = None) -> Any:
     """Validate ``options`` against the frozen dataclass ``cls`` and return an instance.
 
     Keys may use ``-`` or ``_``. Raises ``FusionOptionError`` naming the key on an unknown key (with the
     valid keys and a close match) or a value of the wrong type / outside a ``Literal``'s choices.
+    ``what`` replaces ``fusion method '<method>'`` at the start of messages (nested option tables).
     """
+    what = what or f"fusion method {method!r}"
+    if options is not None and not isinstance(options, Mapping):
+        raise FusionOptionError(f"{what}: options must be a table of key = value, got {options!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     values: dict[str, Any] = {}
@@ -130,19 +133,25 @@ def parse_options(method: str, cls: type, options: Mapping[str, Any] | None) -> 
             close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             valid = ", ".join(names) if names else "none"
-            raise FusionOptionError(f"fusion method {method!r}: unknown option {key!r}{hint}; valid options: {valid}")
+            raise FusionOptionError(f"{what}: unknown option {key!r}{hint}; valid options: {valid}")
         ok, coerced = _matches(value, hints[name])
         if not ok:
-            raise FusionOptionError(f"fusion method {method!r}: option {key!r} must be {_type_name(hints[name])}, "
-                                    f"got {value!r}")
+            raise FusionOptionError(f"{what}: option {key!r} must be {_type_name(hints[name])}, got {value!r}")
         values[name] = coerced
     try:
         opts = cls(**values)
     except (TypeError, ValueError) as exc:  # __post_init__ range checks raise ValueError naming the option
         if isinstance(exc, FusionOptionError):
             raise
-        raise FusionOptionError(f"fusion method {method!r}: {exc}") from None
+        raise FusionOptionError(f"{what}: {exc}") from None
     return opts
+
+
+def require(ok: bool, option: str, requirement: str, value: Any) -> None:
+    """Range check for an options dataclass's ``__post_init__``: ``ValueError`` naming ``option`` unless
+    ``ok`` (``parse_options`` turns it into a ``FusionOptionError`` with the method's name)."""
+    if not ok:
+        raise ValueError(f"option {option!r} must be {requirement}, got {value!r}")
 
 
 def option_table(cls: type) -> list[tuple[str, str, Any]]:
@@ -180,6 +189,8 @@ class MethodSpec:
         any_target: can produce another architecture of the family (``fuse(..., target=...)``).
         affine_only: needs every fusion level to be affine (closed-form fits); ``False`` when it
             handles blocks (residual / transformer).
+        any_module: also takes models outside ``families`` (any ``nn.Module`` mapping inputs to logits):
+            the method never decomposes the models (averaging, ensembling, distillation).
     """
 
     name: str
@@ -194,6 +205,7 @@ class MethodSpec:
     mixed_widths: bool = False
     any_target: bool = False
     affine_only: bool = False
+    any_module: bool = False
 
     def parse_options(self, options: Mapping[str, Any] | None) -> Any:
         """Validated options instance (raises ``FusionOptionError`` naming the key)."""
@@ -212,8 +224,10 @@ class MethodSpec:
             raise IncompatibleModelsError(f"fusion method {self.name!r} takes at most {self.max_models} models, "
                                           f"got {num_models}")
         if family is not None and family not in self.families:
+            why = (": it fits affine levels in closed form, and these models have block levels (residual/"
+                   "transformer blocks); use a gradient variant") if self.affine_only else ""
             raise IncompatibleModelsError(f"fusion method {self.name!r} does not support {family!r} models "
-                                          f"(supports {list(self.families)})")
+                                          f"(supports {list(self.families)}){why}")
         if self.needs_data and not has_fusion_set:
             raise MissingInputError(f"fusion method {self.name!r} needs a fusion set (fusion_inputs)")
         if self.affine_only and affine_levels is False:
@@ -226,7 +240,7 @@ class MethodSpec:
     def capabilities(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("needs_data", "uses_scores", "same_architecture", "min_models",
                                                "max_models", "families", "mixed_widths", "any_target",
-                                               "affine_only")}
+                                               "affine_only", "any_module")}
 
 
 METHOD_SPECS: dict[str, MethodSpec] = {}
@@ -235,7 +249,8 @@ METHODS: dict[str, FusionFn] = {}  # name -> function (public API: ``name in MET
 
 def register(name: str, *, options: type | None = None, **capabilities: Any) -> Callable[[FusionFn], FusionFn]:
     """Decorator registering a fusion function under ``name`` with its options dataclass and capabilities
-    (keyword arguments = ``MethodSpec`` fields).
+    (keyword arguments = ``MethodSpec`` fields). The function is called as
+    ``fn(models, *, fusion_inputs, scores, weights, device, seed, options, info)``.
 
     TRANSITION (issue 11, to be removed when every method is converted): ``options=None`` registers a
     legacy function called as ``fn(models, ..., **options)`` without ``options``/``info``.
@@ -273,4 +288,4 @@ def get_spec(method: str) -> MethodSpec:
 
 __all__ = ["FusionError", "FusionOptionError", "IncompatibleModelsError", "MissingInputError",
            "NumericalFusionError", "FusionResult", "NoOptions", "MethodSpec", "METHOD_SPECS", "METHODS",
-           "register", "get_spec", "parse_options", "option_table", "FAMILIES"]
+           "register", "get_spec", "parse_options", "option_table", "require", "FAMILIES"]

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from fedfuse.fusion import register
+from fedfuse.fusion.registry import IncompatibleModelsError, register, require
 from fedfuse.fusion.permute import (PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
                                     entry_view)
-from fedfuse.fusion.rebasin import _check_models, finish, weight_matching
+from fedfuse.fusion.rebasin import AlignOptions, finish, weight_matching
 
 
 def head_blocks(t: torch.Tensor, axis: int, n_heads: int) -> list[torch.Tensor]:
@@ -80,40 +82,61 @@ def transfusion_match(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Pe
     return maps, info
 
 
-@register("transfusion", needs_data=False)
-def fuse_transfusion(models, *, fusion_inputs=None, weights, device, seed=0, max_iter: int = 100,
-                     order: str = "random", top_k: int | None = None, include_proj: bool = True, intra: bool = True,
-                     init: str = "sequential", reset_bn: bool | None = None, finetune: dict | None = None,
-                     **_) -> nn.Module:
+@dataclass(frozen=True)
+class TransFusionOptions(AlignOptions):
+    """Options of ``transfusion`` (plus ``reset_bn`` and ``finetune`` of ``AlignOptions``; both need a
+    fusion set, which the matching itself never uses).
+
+    Attributes:
+        max_iter, order, init: weight-matching coordinate ascent (see ``weight_matching``).
+        top_k: singular values per head block in the spectral head cost (``None`` = all, ``d_k``).
+        include_proj: include the output projection's column blocks in the head cost.
+        intra: refine the order within each head after the spectral head pairing.
+    """
+
+    max_iter: int = 100
+    order: Literal["random", "forward", "backward"] = "random"
+    top_k: int | None = None
+    include_proj: bool = True
+    intra: bool = True
+    init: Literal["sequential", "identity"] = "sequential"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.max_iter >= 0, "max_iter", ">= 0", self.max_iter)
+        require(self.top_k is None or self.top_k >= 1, "top_k", ">= 1 or None", self.top_k)
+
+
+@register("transfusion", options=TransFusionOptions, needs_data=False)
+def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, options: TransFusionOptions,
+                     info: dict) -> nn.Module:
     """Data-free TransFusion alignment of every model to model 0, then weighted averaging.
 
-    Options: ``max_iter``, ``order`` (coordinate ascent), ``top_k`` singular values, ``include_proj``
-    (proj column blocks in the head cost), ``intra`` (within-head refinement), ``init``; ``reset_bn``
-    (BN re-estimation, only when ``fusion_inputs`` is given: the matching itself uses no data) and
-    ``finetune`` as for ``ot``. Equal architectures are required (``ValueError`` otherwise).
+    Equal architectures are required (``IncompatibleModelsError`` otherwise). Fixed point: copies of one
+    model match by the identity and average back to it. ``info``: per-model ``sweeps`` and
+    ``trace_ratio`` per group, timings.
     """
-    _check_models(models)
+    o = options
     t0 = time.perf_counter()
     ref = models[0]
     spec_b = build_spec(ref, "tied")
     state_b = ref.state_dict()
-    states, info = [state_b], {"method": "transfusion", "trace_ratio": [], "sweeps": []}
+    states = [state_b]
+    info.update(trace_ratio=[], sweeps=[])
     for k, model in enumerate(models[1:], 1):
         spec_a = build_spec(model, "tied")
         state_a = model.state_dict()
         try:
             check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
         except ValueError as err:
-            raise ValueError(f"transfusion: model {k} cannot be matched to model 0: {err}") from None
-        maps, tf = transfusion_match(state_a, state_b, spec_a, spec_b, max_iter=max_iter, order=order, seed=seed,
-                                     top_k=top_k, include_proj=include_proj, intra=intra, init=init)
+            raise IncompatibleModelsError(f"transfusion: model {k} cannot be matched to model 0: {err}") from None
+        maps, tf = transfusion_match(state_a, state_b, spec_a, spec_b, max_iter=o.max_iter, order=o.order, seed=seed,
+                                     top_k=o.top_k, include_proj=o.include_proj, intra=o.intra, init=o.init)
         info["sweeps"].append(tf["sweeps"])
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
         states.append(apply_maps(state_a, spec_a, spec_b, maps, state_b))
     fused = copy.deepcopy(ref).cpu()
     fused.load_state_dict(average_aligned(states, weights))
     info["align_seconds"] = time.perf_counter() - t0
-    if reset_bn is None:
-        reset_bn = fusion_inputs is not None
-    return finish(fused, models, fusion_inputs, reset_bn=reset_bn and fusion_inputs is not None, finetune=finetune,
-                  weights=weights, device=device, seed=seed, info=info)
+    return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
+                  device=device, seed=seed, info=info)
