@@ -1,6 +1,6 @@
 """Load benchmark (not a test): a ``flwr run`` simulation with many clients on few cores.
 
-    .venv/bin/python -m simulations.load_benchmark --clients 20,50 --rounds 4 --fraction-train 0.2
+    python -m simulations.bench.load --clients 20,50 --rounds 4 --fraction-train 0.2
 
 For each client count it runs the real Flower simulation (local SuperLink + Ray) with a tiny MLP, client
 sampling ``fraction-train`` < 1 and KF-linear fusion, then reads the run's ``results.json`` and reports:
@@ -17,9 +17,10 @@ Writes ``<out>/load_benchmark.json`` and a markdown table to stdout.
 
 from __future__ import annotations
 
+import simulations.bench  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -56,8 +57,8 @@ def summarize(res: dict, n_clients: int, wall: float) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m simulations.bench.load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="20,50")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--fraction-train", type=float, default=0.2)
@@ -66,8 +67,7 @@ def main() -> None:
     ap.add_argument("--cpus-per-client", type=float, default=1.0)
     ap.add_argument("--out", default=str(ROOT / "results" / "load_benchmark"))
     ap.add_argument("--timeout", type=float, default=1500)
-    a = ap.parse_args()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     summaries = []

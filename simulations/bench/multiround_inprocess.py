@@ -1,6 +1,6 @@
 """Multi-round FL in one process (no Flower): a fast diagnostic loop for fusion strategies.
 
-    python -m simulations.multiround_inprocess --dataset mnist1d --alpha 0.5 --width 128 --epochs 3 \
+    python -m simulations.bench.multiround_inprocess --dataset mnist1d --alpha 0.5 --width 128 --epochs 3 \
         --rounds 10 --method kf-linear --options '{"match": "balanced"}'
 
 Mirrors one ``flwr run`` multi-round simulation (same ``FederatedData``, ``client_round``, seeds and
@@ -9,14 +9,12 @@ without Ray, so a 20-round run takes seconds. Prints per round: the global model
 the weighted average and the (weighted) probability ensemble of that round's clients (references), every
 parameter's norm and the fraction of dead ReLU units per hidden layer — what showed that fusing
 every round inflates weights (``simulations/README.md``). Reported accuracies come from the real
-Flower sweeps (``simulations/sweep.py``); this loop is for diagnosis.
+Flower sweeps (``python -m simulations.runners.sweep``); this loop is for diagnosis.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import simulations.bench  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
 
 import argparse
 import copy

@@ -1,6 +1,7 @@
 """Token Fusion (ToFu) benchmark: throughput, accuracy and a federated end-to-end run (GitHub issue #7).
 
-Paper seed 004 / spec ``ot-transfusion-tofu.md`` §3. Every number is a ratio to "off" measured in the
+Paper: "Token Fusion: Bridging the Gap between Token Pruning and Token Merging" (Kim et al., WACV 2024).
+Every number is a ratio to "off" measured in the
 same run (timings are interleaved round-robin over the configurations and summarised by the median,
 so a noisy shared CPU hits all arms alike).
 
@@ -18,17 +19,20 @@ Parts (``--part``):
 Modes: ``tofu`` (prune for blocks < depth//2, MLERP after), ``tofu_avg`` (prune, then average),
 ``tome`` (average everywhere, ToMe-style), ``prune`` (pruning everywhere) and ``off``.
 
-    OMP_WAIT_POLICY=PASSIVE python -m simulations.tofu_benchmark --part all
-    python -m simulations.tofu_benchmark --part throughput --quick     # smoke run
-Results: ``results/tofu/<part>.json`` and ``results/tofu/tofu_benchmark.md`` (all parts found).
+    python -m simulations.bench.tofu --part all
+    python -m simulations.bench.tofu --part throughput --quick     # smoke run
+Results: ``<out>/<part>.json`` and ``<out>/tofu_benchmark.md`` (all parts found; ``--out`` default
+``results/tofu``). Single seed (``--seed``); timings are medians of ``--reps`` interleaved repeats.
+Models are trained with the harness trainer (``simulations.bench.clients.train_client``).
 """
 
 from __future__ import annotations
 
+import simulations.bench  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
+
 import argparse
 import copy
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +45,9 @@ from torch import nn
 from fedfuse import tofu
 from fedfuse.training import resolve_device
 
+from simulations.bench.clients import Recipe, plain_recipe, train_client
+from simulations.bench.timing import interleaved_timings
+
 RESULTS = Path("results/tofu")
 MODES: dict[str, dict] = {
     "tofu": dict(merge="mlerp"),                       # prune_until = depth // 2 (paper's d = 6 of 12)
@@ -51,11 +58,6 @@ MODES: dict[str, dict] = {
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _configs(rs: list[int], modes: list[str]) -> list[tuple[str, int]]:
     return [("off", 0)] + [(m, r) for r in rs for m in modes]
@@ -72,21 +74,10 @@ def timed_sweep(model: nn.Module, step: Callable[[], None], configs: list[tuple[
                 device: torch.device, warmup: int = 1, proportional_attention: bool = True
                 ) -> dict[tuple[str, int], list[float]]:
     """Seconds per call of ``step`` for every config, interleaved: rep 1 of all, rep 2 of all, …"""
-    times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
-    for c in configs:  # warm-up (allocator, kernels) for every arm
-        _set(model, *c, proportional_attention=proportional_attention)
-        for _ in range(warmup):
-            step()
-    for _ in range(reps):
-        for c in configs:
-            _set(model, *c, proportional_attention=proportional_attention)
-            _sync(device)
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times[c].append(time.perf_counter() - t0)
+    times = interleaved_timings({c: step for c in configs}, reps, warmup=warmup, device=device,
+                                before=lambda c: _set(model, *c, proportional_attention=proportional_attention))
     tofu.remove(model)
-    return times
+    return {c: t["wall"] for c, t in times.items()}
 
 
 def _rows_from_times(times: dict[tuple[str, int], list[float]], batch: int) -> list[dict]:
@@ -179,26 +170,10 @@ def _build(kind: str, seed: int = 0) -> tuple[nn.Module, str, int | None]:
 
 def train_model(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, device: torch.device,
                 seed: int = 0, batch_size: int = 64, lr: float = 1e-3) -> float:
-    """AdamW + cosine schedule, label smoothing 0.1; returns wall seconds of training."""
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
-    steps = epochs * ((len(x) + batch_size - 1) // batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    gen = torch.Generator().manual_seed(seed)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=gen)
-        for s in range(0, len(x), batch_size):
-            idx = perm[s:s + batch_size]
-            xb, yb = x[idx].to(device), y[idx].to(device)
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(xb), yb, label_smoothing=0.1).backward()
-            opt.step()
-            sched.step()
-    _sync(device)
-    model.eval()
-    return time.perf_counter() - t0
+    """AdamW (weight decay 0.05) + one-cycle schedule, label smoothing 0.1; returns wall seconds."""
+    recipe = Recipe(epochs=epochs, lr=lr, optimizer="adamw", weight_decay=0.05, label_smoothing=0.1, patience=0,
+                    schedule="onecycle", batch_size=batch_size)
+    return train_client(model, x, y, recipe, seed=seed, device=device)["train-seconds"]
 
 
 @torch.no_grad()
@@ -298,21 +273,10 @@ def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: in
                 local = copy.deepcopy(globals_[arm])
                 if r > 0:
                     tofu.apply(local, r=r, proportional_attention=False)
-                opt = torch.optim.Adam(local.parameters(), lr=lr)
-                gen = torch.Generator().manual_seed(seed * 1000 + rnd * 100 + k)  # same batches in both arms
                 idx_t = torch.as_tensor(idx)
-                local.train()
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(local_epochs):
-                    perm = idx_t[torch.randperm(len(idx_t), generator=gen)]
-                    for s in range(0, len(perm), batch_size):
-                        b = perm[s:s + batch_size]
-                        opt.zero_grad(set_to_none=True)
-                        F.cross_entropy(local(xtr[b].to(device)), ytr[b].to(device)).backward()
-                        opt.step()
-                _sync(device)
-                secs[arm].append(time.perf_counter() - t0)
+                info = train_client(local, xtr[idx_t], ytr[idx_t], plain_recipe(local_epochs, lr, batch_size),
+                                    seed=seed * 1000 + rnd * 100 + k, device=device)  # same batches in both arms
+                secs[arm].append(info["train-seconds"])
                 tofu.remove(local)  # weights are untouched by ToFu: aggregation is plain FedAvg
                 states[arm].append(local.state_dict())
         for arm in arms:
@@ -405,7 +369,9 @@ def _save(part: str, data: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    global RESULTS
+    ap = argparse.ArgumentParser(prog="python -m simulations.bench.tofu", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument("--part", choices=["throughput", "accuracy", "federated", "all"], default="all")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1)
@@ -425,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fed-r", type=int, default=4)
     ap.add_argument("--fed-kind", default="proxy_digits32", choices=["proxy_digits32", "project_mnist1d"])
     args = ap.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    RESULTS = Path(args.out)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
@@ -460,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         data["wall_seconds"] = time.perf_counter() - t0
         data["quick"] = args.quick
         _save(part, data)
-        print(f"[tofu_benchmark] {part} done in {data['wall_seconds']:.0f} s → {RESULTS / (part + '.json')}")
+        print(f"[tofu] {part} done in {data['wall_seconds']:.0f} s → {RESULTS / (part + '.json')}")
     print((RESULTS / "tofu_benchmark.md").read_text())
 
 
