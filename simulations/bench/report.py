@@ -106,6 +106,10 @@ def compare_to(rows: list[dict[str, Any]], reference: str) -> str:
              f"| setting | method | seeds | accuracy − {reference} (points) | fusion time / {reference} |\n",
              "|---|---|---|---|---|\n"]
     labels = list(dict.fromkeys(row_label(r) for r in rows if not r["method"].startswith(("base-", "best-base"))))
+    if not ref:
+        lines.append(f"| (no row `{reference}` with status ok: the reference must be one of the row labels "
+                     f"{labels}) | | | | |\n")
+        print(f"WARNING: --compare-to {reference!r}: no ok rows with that label; row labels: {labels}", flush=True)
     for st in sorted({setting_of(r) for r in rows}):
         for lab in labels:
             if lab in (reference, "ensemble"):
