@@ -1,1 +1,1 @@
-"""Flower ClientApp of fedfuse."""
+"""Compatibility shim: fedfuse's ClientApp lives in ``fedfuse.flower.client_app``."""

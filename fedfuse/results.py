@@ -1,4 +1,11 @@
-"""Run results: config, one row per round (JSON + CSV), a PNG accuracy plot, the final model."""
+"""Run results: config, one row per round (JSON + CSV), a PNG accuracy plot, the final model.
+
+``results.json`` = ``{"config", "rounds": [row, ...], **extra}``; the ServerApp's extras include the run's
+fusion outcome (``fusion_outcome``): ``"status"`` (``"completed"`` | ``"failed"``), ``"error"``,
+``"fallbacks"`` (count) and ``"fallback-rounds"``. A row's ``"fallback"`` is ``None`` or
+``"<kind>: <reason>"`` (kind ``previous`` or ``average``); ``rounds.csv`` always has that column and the
+plot marks those rounds.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +36,23 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's fusion outcome from the strategy's per-round history (dicts with ``round``, ``fallback``,
+    ``skipped``): fallback count and rounds, and ``status`` ``"failed"`` with an ``error`` when there were
+    aggregation rounds and none of them succeeded (each fell back or was skipped)."""
+    fell_back = [h for h in history if h.get("fallback")]
+    skipped = [h for h in history if h.get("skipped")]
+    out: dict[str, Any] = {"status": "completed", "error": None, "fallbacks": len(fell_back),
+                           "fallback-rounds": [int(h["round"]) for h in fell_back]}
+    if history and len(fell_back) + len(skipped) == len(history):
+        first = (fell_back or skipped)[0]
+        why = f"fell back ({first['fallback']})" if fell_back else f"was skipped ({first['skipped']})"
+        out["status"] = "failed"
+        out["error"] = (f"fusion never succeeded: {len(fell_back)} of {len(history)} rounds fell back and "
+                        f"{len(skipped)} were skipped; round {first['round']} {why}")
+    return out
+
+
 class RunRecorder:
     """Collects per-round rows and writes ``results.json``, ``rounds.csv``, ``accuracy.png``."""
 
@@ -50,6 +74,8 @@ class RunRecorder:
         _atomic_write(self.dir / "results.json", json.dumps(_jsonable(payload), indent=2))
         scalar_keys: list[str] = []
         for r in self.rows:
+            if r.get("round", 0) > 0 and "fallback" not in scalar_keys:  # always a column (empty = fused)
+                scalar_keys.append("fallback")
             for k, v in r.items():
                 if k not in scalar_keys and not isinstance(v, (list, dict)):
                     scalar_keys.append(k)
@@ -73,6 +99,14 @@ class RunRecorder:
         ens = [(r["round"], r["ensemble-accuracy"]) for r in self.rows if r.get("ensemble-accuracy") is not None]
         if ens:
             ax.plot(*zip(*ens), "s--", label="ensemble of clients (reference)")
+        fell_back = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("fallback")]
+        if fell_back:
+            ax.plot(*zip(*fell_back), "x", color="red", markersize=12, markeredgewidth=2.5,
+                    label="fusion fell back", zorder=5)
+        skipped = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("skipped")]
+        if skipped:
+            ax.plot(*zip(*skipped), "D", color="gray", fillstyle="none", markersize=10,
+                    label="round skipped (too few valid replies)", zorder=5)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)

@@ -1,1 +1,1 @@
-"""Flower server side of fedfuse: the ServerApp and the fusion strategies."""
+"""Compatibility shim: fedfuse's ServerApp and strategies live in ``fedfuse.flower``."""

@@ -1,9 +1,25 @@
-"""Validation of client train replies before anything reaches fusion.
+"""The reply contract of a fedfuse ``train`` round, and its validation before anything reaches fusion.
 
-A reply is rejected (never fused) when its weights do not match the global model's names, shapes or
-dtypes, contain NaN/Inf, its importance scores are missing, negative, non-finite or of the wrong
-length, or its ``num-examples`` is not a sane positive count. The reason is returned as text so the
-strategy can log it with the node id and record it in the run's results.
+A ClientApp that works with the fedfuse strategies (``fedfuse.flower.strategies``) answers each
+``train`` message with a ``Message(content=RecordDict(...), reply_to=msg)`` holding:
+
+- ``"arrays"`` (the strategy's ``arrayrecord_key``): an ``ArrayRecord`` with the trained model's
+  state dict: exactly the global model's array names, shapes and dtypes, all finite;
+- ``"metrics"``: a ``MetricRecord`` with the sample count under the strategy's ``weighted_by_key``
+  (default ``"num-examples"``, an integer in ``(0, 10**9]``); optional ``"partition-id"`` (int; replies
+  are fused in partition-id order so float sums are deterministic), ``"class-counts"`` (list of int, one
+  per class; needed by the ``head_weights`` fusion option), and any other scalar metrics (averaged,
+  weighted by the sample count);
+- ``"importance"``: only when the received ``ConfigRecord`` says ``need-importance = true``: an
+  ``ArrayRecord`` with one non-negative, finite score vector per fusion level (``fedfuse.models.levels``
+  names; length = the level's width), e.g. ``fedfuse.importance.neuron_importance`` output.
+
+The received ``ConfigRecord`` (``"config"``) carries ``server-round``, ``fusion-method`` and
+``need-importance`` plus whatever ``train_config`` the ServerApp passes (fedfuse's: ``mode``,
+``local-epochs``, ``lr``).
+
+A reply is rejected (never fused) when any of this does not hold; the reason is returned as text so
+the strategy can log it with the node id and record it in the run's results.
 """
 
 from __future__ import annotations
@@ -15,6 +31,10 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 MAX_NUM_EXAMPLES = 10**9
+ARRAYS_KEY = "arrays"
+METRICS_KEY = "metrics"
+IMPORTANCE_KEY = "importance"
+NUM_EXAMPLES_KEY = "num-examples"
 
 
 class ReplyRejected(ValueError):
@@ -23,7 +43,8 @@ class ReplyRejected(ValueError):
 
 @dataclass
 class ClientUpdate:
-    """One validated client reply."""
+    """One validated client reply: weights ``state`` (name → tensor of the global model's shape),
+    optional ``scores`` (level name → ``[width]`` tensor), the sample count and the reported metrics."""
 
     node_id: int
     partition_id: int
@@ -42,28 +63,41 @@ def _record(content, key: str, kind):
     return rec if isinstance(rec, kind) else None
 
 
+def _metric_record(content, key: str) -> MetricRecord | None:
+    """The reply's ``key`` MetricRecord, or its only MetricRecord (Flower's FedAvg contract)."""
+    rec = _record(content, key, MetricRecord)
+    if rec is not None:
+        return rec
+    found = [r for r in content.values() if isinstance(r, MetricRecord)]
+    return found[0] if len(found) == 1 else None
+
+
 def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.dtype]],
-                   level_widths: dict[str, int] | None, *, arrays_key: str = "arrays",
-                   importance_key: str = "importance", metrics_key: str = "metrics") -> ClientUpdate:
+                   level_widths: dict[str, int] | None, *, arrays_key: str = ARRAYS_KEY,
+                   importance_key: str = IMPORTANCE_KEY, metrics_key: str = METRICS_KEY,
+                   weight_key: str = NUM_EXAMPLES_KEY) -> ClientUpdate:
     """Check one reply against the global model; return it parsed or raise ``ReplyRejected``.
 
     Args:
+        msg: a reply without error (``msg.has_error()`` is false).
         reference: ``{name: (shape, dtype)}`` of the global model's arrays.
         level_widths: ``{level name: width}`` when importance scores are required, else ``None``.
+        arrays_key / metrics_key / importance_key: record names in the reply's content.
+        weight_key: the metric holding the sample count (the strategy's ``weighted_by_key``).
     """
     content = msg.content
     arrays = _record(content, arrays_key, ArrayRecord)
     if arrays is None:
         raise ReplyRejected(f"no ArrayRecord {arrays_key!r} in reply")
-    metrics = _record(content, metrics_key, MetricRecord)
+    metrics = _metric_record(content, metrics_key)
     if metrics is None:
         raise ReplyRejected(f"no MetricRecord {metrics_key!r} in reply")
 
-    n = metrics.get("num-examples")
+    n = metrics.get(weight_key)
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not float(n).is_integer():
-        raise ReplyRejected(f"num-examples must be an integer, got {n!r}")
+        raise ReplyRejected(f"{weight_key} must be an integer, got {n!r}")
     if not 0 < n <= MAX_NUM_EXAMPLES:
-        raise ReplyRejected(f"num-examples {n} is not in (0, {MAX_NUM_EXAMPLES}]")
+        raise ReplyRejected(f"{weight_key} {n} is not in (0, {MAX_NUM_EXAMPLES}]")
 
     missing = [k for k in reference if k not in arrays]
     extra = [k for k in arrays if k not in reference]
@@ -100,6 +134,7 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
 
     pid = metrics.get("partition-id", -1)
     counts = metrics.get("class-counts")
-    return ClientUpdate(node_id=int(msg.metadata.src_node_id), partition_id=int(pid) if isinstance(pid, (int, float)) else -1,
+    return ClientUpdate(node_id=int(msg.metadata.src_node_id),
+                        partition_id=int(pid) if isinstance(pid, (int, float)) else -1,
                         state=state, scores=scores, num_examples=int(n), metrics=dict(metrics),
                         class_counts=[int(c) for c in counts] if isinstance(counts, list) else None)

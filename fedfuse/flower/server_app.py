@@ -7,6 +7,15 @@ round's client models and each client model alone. Results go to ``<output-dir>/
 ``config.json``, ``results.json`` and ``rounds.csv`` (one row per round), ``accuracy.png``,
 ``global_model.pt``.
 
+Failures are never silent: a round whose fusion fell back (``fedfuse.fusion.FusionError``) is a WARNING
+line, a ``"fallback"`` entry of its results row and a red marker on the plot; ``results.json`` counts
+them (``"fallbacks"``, ``"fallback-rounds"``). A run in which fusion never succeeded (every aggregation
+round fell back or was skipped), or that raised, ends with ``"status": "failed"`` and ``"error"`` in
+``results.json`` and then raises, so ``flwr run`` reports the run as failed.
+
+``make_server_app(wrap_strategy=...)`` builds the same app with the strategy wrapped (e.g. by a
+Flower wrapper strategy); ``run_server`` is its body, for apps that prepare the ``Context`` first.
+
 Checkpoint and resume: after every round the global model and the run state (last completed round,
 rows so far, strategy history) are written atomically to ``<out>/checkpoint/``. A run started again
 with ``resume=true`` and the same ``run-name``/``output-dir`` continues from the last completed round:
@@ -23,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenM
 import resource  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime  # noqa: E402
-from logging import INFO, WARNING  # noqa: E402
+from logging import ERROR, INFO, WARNING  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -31,15 +40,20 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E
 from flwr.common.logger import log  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
+from typing import Callable  # noqa: E402
+
+from flwr.serverapp.strategy import Strategy  # noqa: E402
+
+from fedfuse import config as run_config_schema  # noqa: E402
 from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, parse_run_config  # noqa: E402
-from fedfuse.faults import parse_faults, server_fusion_fault  # noqa: E402
+from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
+from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
-from fedfuse.results import RunRecorder, load_checkpoint, save_checkpoint  # noqa: E402
+from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
-from server.strategies import STRATEGIES, build_strategy  # noqa: E402
 
-app = ServerApp()
+StrategyWrapper = Callable[[FusionStrategy, Context], Strategy]
 
 
 def output_dir(cfg: RunConfig) -> Path:
@@ -71,25 +85,11 @@ def setup(cfg: RunConfig):
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed,
                               fusion_rounds=cfg.fusion_rounds)
-    if any(f.target == "fusion" for f in parse_faults(cfg.test_faults)):  # TEST ONLY, off by default
-        _inject_fusion_fault(strategy, cfg.test_faults)
     return data, model_fn, strategy
 
 
-def _inject_fusion_fault(strategy, faults: str) -> None:
-    """TEST ONLY (run-config ``test-faults`` with ``fusion:error[@R]``): make fusion raise in those rounds."""
-    fuse_updates = strategy.fuse_updates
-
-    def faulty(server_round, updates):
-        if server_fusion_fault(faults, server_round) is not None:
-            raise RuntimeError(f"fedfuse test fault: injected fusion failure in round {server_round}")
-        return fuse_updates(server_round, updates)
-
-    strategy.fuse_updates = faulty
-
-
 # run-config keys that may differ between an interrupted run and its resumption
-RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "test-faults", "device")
+RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "device")
 
 
 def _resume_state(cfg: RunConfig, out: Path):
@@ -110,12 +110,27 @@ def _resume_state(cfg: RunConfig, out: Path):
     return int(run_state["round"]), run_state, state
 
 
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
+def check_run_config(context: Context) -> RunConfig:
+    """The validated run config: keys, types, ranges and combinations (``parse_run_config``), then the
+    files it names (``check_files``); raises ``ConfigError`` naming the key before any client is contacted."""
     cfg = parse_run_config(context.run_config, known_strategies=tuple(STRATEGIES))
+    check_files = getattr(run_config_schema, "check_files", None)
+    if check_files is not None:
+        check_files(cfg)
+    return cfg
+
+
+def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
+    """The ServerApp's body: validate the config, build data and strategy, run the rounds, write results.
+
+    ``wrap_strategy(strategy, context)`` may return a strategy wrapping fedfuse's (it is the one
+    ``start``-ed; history and results still come from the wrapped ``FusionStrategy``).
+    """
+    limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
+    cfg = check_run_config(context)
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
+    runner = wrap_strategy(strategy, context) if wrap_strategy is not None else strategy
     resumed = _resume_state(cfg, out)
     done = resumed[0] if resumed else 0
     strategy.round_offset = done
@@ -155,7 +170,8 @@ def main(grid: Grid, context: Context) -> None:
             if hist is not None:
                 row.update({"valid-replies": hist.get("valid"), "rejected": hist["rejected"],
                             "failures": hist["failures"], "fallback": hist.get("fallback"),
-                            "skipped": hist.get("skipped"), "fusion-seconds": hist.get("fusion-seconds")})
+                            "skipped": hist.get("skipped"), "fusion-seconds": hist.get("fusion-seconds"),
+                            "fusion-info": hist.get("fusion-info")})
             updates = strategy.last_updates
             if updates:
                 members = [strategy.build_model(u.state) for u in updates]
@@ -180,12 +196,22 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "fedfuse round %d: test-accuracy %.4f%s%s", server_round, row["test-accuracy"],
             f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
             f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
+        if row.get("fallback"):
+            log(WARNING, "fedfuse round %d: fusion fell back: %s", server_round, row["fallback"])
         return MetricRecord({"test-accuracy": float(m["accuracy"]), "test-loss": float(m["loss"])})
 
     train_config = ConfigRecord({"mode": cfg.mode, "local-epochs": cfg.local_epochs, "lr": cfg.lr})
-    if cfg.num_server_rounds > done:
-        strategy.start(grid=grid, initial_arrays=last["arrays"], num_rounds=cfg.num_server_rounds - done,
-                       timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluate_fn)
+    crash: BaseException | None = None
+    try:
+        if cfg.num_server_rounds > done:
+            runner.start(grid=grid, initial_arrays=last["arrays"], num_rounds=cfg.num_server_rounds - done,
+                         timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluate_fn)
+    except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised below
+        crash = exc
+    outcome = fusion_outcome(strategy.history)
+    if crash is not None:
+        outcome = {**outcome, "status": "failed", "error": f"{type(crash).__name__}: {crash}"}
+    recorder.extra.update(outcome)
     recorder.extra["strategy-history"] = strategy.history
     recorder.extra["failures"] = [{"round": h["round"], **f} for h in strategy.history for f in h.get("failures", [])]
     recorder.extra["rejected"] = [{"round": h["round"], **r} for h in strategy.history for r in h.get("rejected", [])]
@@ -194,5 +220,28 @@ def main(grid: Grid, context: Context) -> None:
     # the last global model (Result.arrays stays empty when every round was skipped)
     recorder.save_model(last["arrays"].to_torch_state_dict())
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
+    if crash is not None:
+        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
+        raise crash
+    if outcome["fallbacks"]:
+        log(WARNING, "fedfuse: fusion fell back in %d of %d rounds: %s", outcome["fallbacks"],
+            len(strategy.history), outcome["fallback-rounds"])
+    if outcome["status"] == "failed":
+        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
+        raise RuntimeError(f"fedfuse: {outcome['error']}")
     (out / "DONE").write_text("ok\n")
     log(INFO, "fedfuse: results written to %s", out)
+
+
+def make_server_app(*, wrap_strategy: StrategyWrapper | None = None) -> ServerApp:
+    """fedfuse's ServerApp; ``wrap_strategy(strategy, context)`` may wrap the strategy (see ``run_server``)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_server(grid, context, wrap_strategy=wrap_strategy)
+
+    return server_app
+
+
+app = make_server_app()

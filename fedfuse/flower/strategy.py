@@ -1,14 +1,18 @@
 """``FusionStrategy``: Flower's ``FedAvg`` with the aggregation replaced by ``fedfuse.fusion``.
 
-It keeps FedAvg's node sampling and configuration and overrides ``aggregate_train`` fully (stock
-FedAvg rejects replies carrying a second ArrayRecord, see ``specs/flower.md`` §2):
+It keeps FedAvg's node sampling and message construction (public ``configure_train``) and overrides
+``aggregate_train`` fully (stock FedAvg rejects replies carrying a second ArrayRecord such as
+``"importance"``):
 
-    replies → drop errors (logged) → validate each (shapes, dtypes, finite, scores) → sort by
-    partition id (deterministic float sums) → fedfuse.fusion.fuse(method, ...) → finite check →
-    new global ArrayRecord
+    replies → split off error replies (logged) → validate each against the reply contract
+    (``fedfuse.flower.replies``) → sort by partition id (deterministic float sums) →
+    ``fedfuse.fusion.fuse_result(method, ...)`` → finite check → new global ArrayRecord
 
-Rejected replies, failures, fallbacks and timings are kept in ``self.history`` (one dict per round)
-so the ServerApp can write them to the run's results.
+Failures are never silent. Only the fusion error family (``fedfuse.fusion.FusionError``) is caught: the
+round then takes the configured fallback (keep the previous global model, or average the valid
+replies) and says so in a WARNING line with the round and the reason; any other exception is a bug and
+fails the run. Rejected replies, failures, fallbacks, skipped rounds, fusion diagnostics (the method's
+``FusionResult.info``) and timings are kept in ``self.history`` (one dict per round) for the results.
 """
 
 from __future__ import annotations
@@ -20,78 +24,109 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from fedfuse.fusion import METHODS, fuse
+from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError,
+                            NumericalFusionError, fuse_result, get_spec)
 from fedfuse.models import levels
-from server.strategies.validation import ClientUpdate, ReplyRejected, validate_reply
+from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ReplyRejected, validate_reply
 
 FALLBACKS = ("previous", "average", "raise")
+MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
 class FusionStrategy(FedAvg):
-    """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse(method, ...)``.
+    """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``.
+
+    Use a named subclass (``KfLinearStrategy``, ``OtStrategy``, ...; ``fedfuse.flower.STRATEGIES``) or
+    ``FusionStrategy(method="...")``. The ClientApps must follow the reply contract of
+    ``fedfuse.flower.replies``.
 
     Args:
-        method: a name in ``fedfuse.fusion.METHODS`` whose result keeps the global architecture.
-        model_fn: ``() -> nn.Module`` building the global architecture (needed to turn arrays into
-            models and to know the fusion levels). Required except for weights-only methods.
+        method: a name in ``fedfuse.fusion.METHOD_SPECS`` whose result keeps the global architecture
+            (default: the subclass's ``method``).
+        model_fn: ``() -> nn.Module`` building the global architecture (turns arrays into models and
+            gives the fusion levels).
         fusion_inputs: the server fusion set ``[B, *input_shape]`` (every round sees the same set).
         fusion_labels: optional labels ``[B]`` of the fusion set, only for server-side importance.
-        fusion_options: extra keyword options for the fusion method.
-        importance: ``"client"`` (scores sent by clients, validated) or ``"server"`` (computed by
+        fusion_options: the fusion method's options; validated here against the method's options
+            schema (``METHOD_SPECS[method].parse_options``), so a bad key fails before any round.
+        importance: ``"client"`` (scores sent by the clients, validated) or ``"server"`` (computed by
             the method on the fusion set) for methods that use scores.
-        fallback: when fusion raises or yields non-finite weights: ``"previous"`` keeps the last
-            global model, ``"average"`` uses the weighted average of the valid replies, ``"raise"``.
+        fallback: when fusion raises a ``FusionError`` or yields non-finite weights: ``"previous"``
+            keeps the last global model, ``"average"`` uses the weighted average of the valid replies,
+            ``"raise"`` fails the run.
         min_valid_replies: rounds with fewer valid replies are skipped (global model unchanged).
-        fusion_rounds: fuse with ``method`` in rounds ``1..fusion_rounds`` only and average the replies'
-            weights (FedAvg) afterwards; 0 = fuse every round. Fusion gives multi-round FL its fast
-            start; once the clients share one initialisation, plain averaging keeps improving where a
-            refit on the small fusion set plateaus (``simulations/README.md``, multi-round results).
+        fusion_rounds: fuse with ``method`` in rounds ``1..fusion_rounds`` only and average the
+            replies' weights (FedAvg) afterwards; 0 = fuse every round.
         device: where fusion runs (``"auto"``: CUDA when present).
         seed: base seed; round ``r`` fuses with ``seed + r``.
-        **fedavg_kwargs: FedAvg's own options (``fraction_train``, ``min_train_nodes``, …).
+        fuse_fn: the fusion entry point, ``fedfuse.fusion.fuse_result`` by default; replace it to
+            instrument fusion (it must return a ``FusionResult`` and raise ``FusionError`` for a
+            failure the round may fall back from).
+        fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
+        weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn,
+        evaluate_metrics_aggr_fn: Flower ``FedAvg``'s options (same meaning). ``arrayrecord_key`` names
+            the weights record both ways and ``weighted_by_key`` the reply metric with the sample
+            count. ``fraction_evaluate`` defaults to 0 (fedfuse evaluates the global model centrally).
+            ``train_metrics_aggr_fn`` (``(contents, weighted_by_key) -> MetricRecord``) gets the valid
+            replies' contents; without it scalar metrics are sample-weighted means and
+            ``class-counts`` lists are summed.
     """
 
-    default_method = "average"
+    method: str | None = None
 
     def __init__(self, method: str | None = None, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
                  fusion_options: dict[str, Any] | None = None, importance: str = "client",
-                 fallback: str = "previous", min_valid_replies: int = 1, device: str = "cpu", seed: int = 0,
-                 fusion_rounds: int = 0, **fedavg_kwargs):
-        fedavg_kwargs.setdefault("fraction_evaluate", 0.0)  # central evaluation by default
-        super().__init__(**fedavg_kwargs)
-        method = method or self.default_method
-        if method not in METHODS:
-            raise ValueError(f"strategy: unknown fusion method {method!r}; choose one of {sorted(METHODS)}")
-        fn = METHODS[method]
-        if not getattr(fn, "same_architecture", True):
-            raise ValueError(f"strategy: method {method!r} does not return the global architecture, so it "
-                             "cannot be a round's aggregation (it is evaluated as a reference instead)")
+                 fallback: str = "previous", min_valid_replies: int = 1, fusion_rounds: int = 0,
+                 device: str = "cpu", seed: int = 0,
+                 fuse_fn: Callable[..., FusionResult] = fuse_result,
+                 fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+                 min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
+                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
+                 configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
+        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
+                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
+                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
+                         train_metrics_aggr_fn=train_metrics_aggr_fn,
+                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
+        cls_method = type(self).method
+        if method is not None and cls_method is not None and method != cls_method:
+            raise ValueError(f"strategy: {type(self).__name__} aggregates with {cls_method!r}, not {method!r}; "
+                             f"use FusionStrategy(method={method!r}) or that method's named strategy")
+        method = method or cls_method
+        if method is None:
+            raise ValueError("strategy: FusionStrategy needs method= (a name in fedfuse.fusion.METHOD_SPECS)")
         if fallback not in FALLBACKS:
             raise ValueError(f"strategy: fallback must be one of {FALLBACKS}, got {fallback!r}")
         if importance not in ("client", "server"):
             raise ValueError(f"strategy: importance must be 'client' or 'server', got {importance!r}")
+        if int(fusion_rounds) < 0:
+            raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
         self.method = method
+        self.spec = self._method_spec(method)
+        self.fusion_options = dict(fusion_options or {})
+        self._check_options(self.fusion_options)
         self.model_fn = model_fn
         self.fusion_inputs = fusion_inputs
         self.fusion_labels = fusion_labels
-        self.fusion_options = dict(fusion_options or {})
         self.importance = importance
         self.fallback = fallback
         self.min_valid_replies = max(1, int(min_valid_replies))
-        if int(fusion_rounds) < 0:
-            raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
         self.fusion_rounds = int(fusion_rounds)
         self.device = device
         self.seed = seed
-        self.needs_data = bool(getattr(fn, "needs_data", True))
-        self.uses_scores = bool(getattr(fn, "uses_scores", False))
+        self.fuse_fn = fuse_fn
+        self._user_train_metrics_aggr_fn = train_metrics_aggr_fn
+        self.needs_data = bool(self.spec.needs_data) if self.spec is not None else False
+        self.uses_scores = bool(self.spec.uses_scores) if self.spec is not None else False
         if self.needs_data and fusion_inputs is None:
             raise ValueError(f"strategy: method {method!r} needs fusion_inputs (the server fusion set)")
         if model_fn is None and self._needs_modules():
@@ -105,18 +140,34 @@ class FusionStrategy(FedAvg):
         # rounds already done before this ``start`` (resume from a checkpoint): ``start`` counts 1..k,
         # clients, fusion seeds and ``history`` see the true round ``round_offset + 1 ..``
         self.round_offset = 0
-        self._sent: set[int] = set()                   # node ids sent a train message this round
         self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
 
-    # ---------------------------------------------------------------- helpers
-    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"node-id": node_id, "reason": reason}
-        if code is not None:
-            out["code"] = code
-        if node_id in self._node_partitions:
-            out["partition-id"] = self._node_partitions[node_id]
-        return out
+    # ---------------------------------------------------------------- set-up helpers
+    def _method_spec(self, method: str) -> MethodSpec | None:
+        """The fusion method's registry entry (checked: it must keep the global architecture)."""
+        try:
+            spec = get_spec(method)
+        except FusionError as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        if not spec.same_architecture:
+            raise ValueError(f"strategy: method {method!r} does not return the global architecture, so it "
+                             "cannot be a round's aggregation (it is evaluated as a reference instead)")
+        return spec
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        """Validate ``fusion_options`` now, not in round 1 (``FusionOptionError`` names the key)."""
+        if self.spec is not None and not getattr(self.spec, "_legacy", False):
+            self.spec.parse_options(options)
+
+    def _accepts_option(self, name: str) -> bool:
+        if self.spec is None:
+            return False
+        if getattr(self.spec, "_legacy", False):
+            return True
+        import dataclasses
+
+        return name in {f.name for f in dataclasses.fields(self.spec.options)}
 
     def _needs_modules(self) -> bool:
         return True
@@ -127,9 +178,11 @@ class FusionStrategy(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, device=%s",
-            self.method, self.importance if self.uses_scores else "unused", self.fallback, self.device)
+        log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, device=%s, options=%s",
+            self.method, self.importance if self.uses_scores else "unused", self.fallback, self.device,
+            self.fusion_options or "{}")
 
+    # ---------------------------------------------------------------- configure
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         server_round += self.round_offset
@@ -143,83 +196,7 @@ class FusionStrategy(FedAvg):
         finally:
             random.setstate(rng_state)
         self._sent_msgs = [m for m in messages if isinstance(m, Message)]  # the grid sets their message ids
-        self._sent = {int(m.metadata.dst_node_id) for m in self._sent_msgs}
         return messages
-
-    def _reply_node(self, msg: Message) -> int:
-        """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the
-        SuperLink's id as source, so map them back through the message they reply to."""
-        by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self._sent_msgs if m.metadata.message_id}
-        return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
-
-    def _reference(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        if self.model_fn is not None:
-            return {k: (tuple(v.shape), v.detach().cpu().numpy().dtype) for k, v in self.model_fn().state_dict().items()}
-        if self._global is None:
-            raise RuntimeError("strategy: no global model to validate replies against")
-        return {k: (tuple(a.shape), a.numpy().dtype) for k, a in self._global.items()}
-
-    def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
-        model = self.model_fn()
-        model.load_state_dict(state)
-        return model.eval()
-
-    # ---------------------------------------------------------------- aggregation
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        server_round += self.round_offset
-        replies = list(replies)
-        ok, errors = self._check_and_log_replies(replies, is_train=True, validate=False)
-        record: dict[str, Any] = {"round": server_round, "method": self.round_method(server_round),
-                                  "replies": len(replies),
-                                  "failures": [self._failure(self._reply_node(m), _short(str(m.error.reason)),
-                                                             int(m.error.code)) for m in errors],
-                                  "rejected": [], "fallback": None, "skipped": None}
-        for node_id in sorted(self._sent - {self._reply_node(m) for m in replies}):
-            # no reply at all: the node timed out (round-timeout), disconnected or its process died
-            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
-                server_round, node_id)
-            record["failures"].append(self._failure(node_id, "no reply within the round timeout "
-                                                             "(timed out, disconnected or died)"))
-        for failure in record["failures"]:
-            if failure.get("code") is not None:
-                log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
-                    failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
-        self._sent, self._sent_msgs = set(), []
-        reference = self._reference()
-        level_widths = self._level_widths if self.round_needs_scores(server_round) else None
-        updates: list[ClientUpdate] = []
-        for msg in ok:
-            try:
-                updates.append(validate_reply(msg, reference, level_widths))
-            except ReplyRejected as exc:
-                log(WARNING, "aggregate_train: rejected reply from node %d: %s", msg.metadata.src_node_id, exc)
-                record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
-        updates.sort(key=lambda u: (u.partition_id, u.node_id))
-        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
-        record["valid"] = len(updates)
-        self.last_updates = updates
-        if len(updates) < self.min_valid_replies:
-            msg = (f"round {server_round} skipped: {len(updates)} valid replies, fewer than the minimum "
-                   f"{self.min_valid_replies}; the global model is unchanged")
-            log(WARNING, "aggregate_train: %s", msg)
-            record["skipped"] = msg
-            self.history.append(record)
-            return None, None
-
-        t0 = time.perf_counter()
-        state, fallback = self._fuse_with_fallback(server_round, updates)
-        record["fusion-seconds"] = time.perf_counter() - t0
-        record["fallback"] = fallback
-        self.history.append(record)
-        metrics = self._aggregate_metrics(updates)
-        metrics["fusion-seconds"] = record["fusion-seconds"]
-        metrics["num-valid"] = len(updates)
-        metrics["num-rejected"] = len(record["rejected"])
-        metrics["num-failures"] = len(errors)
-        if state is None:
-            return None, metrics
-        return state_to_record(state), metrics
 
     def round_method(self, server_round: int) -> str:
         """The aggregation of round ``server_round``: ``method``, or ``"average"`` after ``fusion_rounds``."""
@@ -231,6 +208,108 @@ class FusionStrategy(FedAvg):
         """Whether round ``server_round``'s clients must send importance scores."""
         return self.wants_client_scores and self.round_method(server_round) == self.method
 
+    # ---------------------------------------------------------------- replies
+    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"node-id": node_id, "reason": reason}
+        if code is not None:
+            out["code"] = code
+        if node_id in self._node_partitions:
+            out["partition-id"] = self._node_partitions[node_id]
+        return out
+
+    def _reply_node(self, msg: Message) -> int:
+        """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the
+        SuperLink's id as source, so map them back through the message they reply to."""
+        by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self._sent_msgs if m.metadata.message_id}
+        return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+
+    def _reference(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        if self.model_fn is not None:
+            return {k: (tuple(v.shape), v.detach().cpu().numpy().dtype) for k, v in self.model_fn().state_dict().items()}
+        if self._global is None:
+            raise RuntimeError("strategy: no global model to validate replies against (set model_fn)")
+        return {k: (tuple(a.shape), a.numpy().dtype) for k, a in self._global.items()}
+
+    def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        model = self.model_fn()
+        model.load_state_dict(state)
+        return model.eval()
+
+    def _split_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[dict]]:
+        """Replies with content, and one failure record per error reply or silent node (all logged)."""
+        ok = [m for m in replies if not m.has_error()]
+        errors = [m for m in replies if m.has_error()]
+        log(INFO, "aggregate_train: round %d: received %d results and %d failures", server_round, len(ok),
+            len(errors))
+        failures = []
+        for m in errors:
+            failure = self._failure(self._reply_node(m), _short(str(m.error.reason)), int(m.error.code))
+            log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
+                failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
+            failures.append(failure)
+        answered = {self._reply_node(m) for m in replies}
+        for node_id in sorted({int(m.metadata.dst_node_id) for m in self._sent_msgs} - answered):
+            # no reply at all: the node timed out (round-timeout), disconnected or its process died
+            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
+                server_round, node_id)
+            failures.append(self._failure(node_id, "no reply within the round timeout "
+                                                   "(timed out, disconnected or died)"))
+        self._sent_msgs = []
+        return ok, failures
+
+    def _validate(self, server_round: int, ok: list[Message], record: dict[str, Any]) -> list[ClientUpdate]:
+        reference = self._reference()
+        level_widths = self._level_widths if self.round_needs_scores(server_round) else None
+        updates: list[ClientUpdate] = []
+        for msg in ok:
+            try:
+                updates.append(validate_reply(msg, reference, level_widths, arrays_key=self.arrayrecord_key,
+                                              metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
+                                              weight_key=self.weighted_by_key))
+            except ReplyRejected as exc:
+                log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round,
+                    msg.metadata.src_node_id, exc)
+                record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
+        updates.sort(key=lambda u: (u.partition_id, u.node_id))
+        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
+        return updates
+
+    # ---------------------------------------------------------------- aggregation
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.round_offset
+        replies = list(replies)
+        ok, failures = self._split_replies(server_round, replies)
+        record: dict[str, Any] = {"round": server_round, "method": self.round_method(server_round),
+                                  "replies": len(replies), "failures": failures, "rejected": [],
+                                  "fallback": None, "skipped": None, "fusion-info": None}
+        updates = self._validate(server_round, ok, record)
+        record["valid"] = len(updates)
+        self.last_updates = updates
+        if len(updates) < self.min_valid_replies:
+            reason = (f"round {server_round} skipped: {len(updates)} valid replies, fewer than the minimum "
+                      f"{self.min_valid_replies}; the global model is unchanged")
+            log(WARNING, "aggregate_train: %s", reason)
+            record["skipped"] = reason
+            self.history.append(record)
+            return None, None
+
+        t0 = time.perf_counter()
+        state, fallback, info = self._fuse_with_fallback(server_round, updates)
+        record["fusion-seconds"] = time.perf_counter() - t0
+        record["fallback"] = fallback
+        record["fusion-info"] = info
+        self.history.append(record)
+        metrics = self._train_metrics(updates, ok)
+        metrics["fusion-seconds"] = record["fusion-seconds"]
+        metrics["num-valid"] = len(updates)
+        metrics["num-rejected"] = len(record["rejected"])
+        metrics["num-failures"] = len(failures)
+        metrics["fell-back"] = int(fallback is not None)
+        if state is None:
+            return None, metrics
+        return state_to_record(state), metrics
+
     @staticmethod
     def weighted_average(updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """Sample-count-weighted average of the updates' weights (FedAvg)."""
@@ -239,45 +318,68 @@ class FusionStrategy(FedAvg):
         w = np.array([u.num_examples for u in updates], dtype=float)
         return average_state_dicts([u.state for u in updates], list(w / w.sum()))
 
-    def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
-        """Run the fusion method on validated updates; returns the new global state dict."""
-        if self.round_method(server_round) != self.method:
-            return self.weighted_average(updates)
+    def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> FusionResult:
+        """Fuse validated updates (``fuse_fn``); the result's model is the new global model.
+
+        Raises ``FusionError`` when the method cannot fuse them (the round then falls back).
+        """
+        method = self.round_method(server_round)
+        if method != self.method:  # after fusion_rounds: plain sample-weighted averaging
+            t0 = time.perf_counter()
+            model = self.build_model(self.weighted_average(updates))
+            return FusionResult(method=method, model=model, info={}, seconds=time.perf_counter() - t0)
         models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores else None
         options = dict(self.fusion_options)
         if options.get("head_weights") and "class_counts" not in options:
             # class-count head weighting (NI spec §2.3b) uses the class counts the clients report
-            if any(u.class_counts is None for u in updates):
-                raise ValueError("head_weights needs 'class-counts' in every client's metrics")
+            missing = [u.node_id for u in updates if u.class_counts is None]
+            if missing:
+                raise MissingInputError(f"fusion option head_weights needs 'class-counts' in every client's "
+                                        f"metrics; nodes {missing} sent none")
             options["class_counts"] = [u.class_counts for u in updates]
-        if self.uses_scores and self.importance == "server":
+        if self.uses_scores and self.importance == "server" and self._accepts_option("fusion_labels"):
             options.setdefault("fusion_labels", self.fusion_labels)
-        fused = fuse(self.method, models, fusion_inputs=self.fusion_inputs, scores=scores,
-                     weights=[u.num_examples for u in updates], device=self.device, seed=self.seed + server_round,
-                     **options)
-        return fused.state_dict()
+        return self.fuse_fn(method, models, fusion_inputs=self.fusion_inputs, scores=scores,
+                            weights=[u.num_examples for u in updates], device=self.device,
+                            seed=self.seed + server_round, **options)
 
-    def _fuse_with_fallback(self, server_round: int,
-                            updates: list[ClientUpdate]) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    def aggregate_state(self, server_round: int, updates: list[ClientUpdate]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+        """``(new global state dict, fusion info, fusion seconds)`` of a round (``fuse_updates``)."""
+        result = self.fuse_updates(server_round, updates)
+        return result.model.state_dict(), dict(result.info or {}), float(result.seconds)
+
+    def _fuse_with_fallback(self, server_round: int, updates: list[ClientUpdate]
+                            ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
+        """``(new global state or None, fallback text or None, fusion info)``; only ``FusionError`` falls back."""
+        method = self.round_method(server_round)
         try:
-            state = self.fuse_updates(server_round, updates)
+            state, info, seconds = self.aggregate_state(server_round, updates)
             bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
             if bad:
-                raise FloatingPointError(f"fused model has non-finite values in {bad[:3]}")
-            return state, None
-        except Exception as exc:  # noqa: BLE001 - any fusion failure takes the configured fallback
+                raise NumericalFusionError(f"fused model has non-finite values in {bad[:3]}")
+        except FusionError as exc:
             if self.fallback == "raise":
                 raise
             reason = f"{type(exc).__name__}: {exc}"
-            if self.fallback == "average" and self.method != "average":
-                state = self.weighted_average(updates)
-                log(WARNING, "aggregate_train: fusion %r failed (%s); fell back to weighted averaging",
-                    self.method, reason)
-                return state, f"average ({reason})"
-            log(WARNING, "aggregate_train: fusion %r failed (%s); keeping the previous global model",
-                self.method, reason)
-            return None, f"previous ({reason})"
+            if self.fallback == "average" and method != "average":
+                log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); fell back to weighted averaging",
+                    server_round, method, reason)
+                return self.weighted_average(updates), f"average: {reason}", None
+            log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); keeping the previous global model",
+                server_round, method, reason)
+            return None, f"previous: {reason}", None
+        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s", server_round, method,
+            len(updates), seconds, f" ({_info_line(info)})" if info else "")
+        return state, None, info
+
+    def _train_metrics(self, updates: list[ClientUpdate], ok: list[Message]) -> MetricRecord:
+        if self._user_train_metrics_aggr_fn is not None:
+            valid_nodes = {u.node_id for u in updates}
+            contents = [m.content for m in ok if int(m.metadata.src_node_id) in valid_nodes]
+            return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
+        return self._aggregate_metrics(updates)
 
     @staticmethod
     def _aggregate_metrics(updates: list[ClientUpdate]) -> MetricRecord:
@@ -301,34 +403,22 @@ def _short(reason: str, head: int = 150, tail: int = 350) -> str:
     return reason if len(reason) <= head + tail else f"{reason[:head]} ... {reason[-tail:]}"
 
 
+def _info_line(info: dict[str, Any], limit: int = 6) -> str:
+    """The scalar entries of a fusion info dict as ``k=v`` pairs (the log's one-line summary)."""
+    parts = []
+    for k, v in info.items():
+        if isinstance(v, bool) or isinstance(v, (int, str)):
+            parts.append(f"{k}={v}")
+        elif isinstance(v, float):
+            parts.append(f"{k}={v:.4g}")
+        if len(parts) == limit:
+            break
+    return ", ".join(parts)
+
+
 def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
     """A torch state dict → ``ArrayRecord`` (CPU, contiguous)."""
     return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
-class FlowerFedAvg(FusionStrategy):
-    """Stock FedAvg aggregation (Flower's own ``aggregate_arrayrecords``) over validated replies.
-
-    Importance records that fedfuse clients may send are ignored; bad replies are still rejected.
-    """
-
-    def __init__(self, **kwargs):
-        kwargs.pop("method", None)
-        super().__init__(method="average", **kwargs)
-        self.method = "fedavg"
-        self.needs_data = False
-        self.uses_scores = False
-
-    def _needs_modules(self) -> bool:
-        return False
-
-    def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
-        from flwr.app import RecordDict
-        from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
-        contents = [RecordDict({"arrays": state_to_record(u.state),
-                                "metrics": MetricRecord({"num-examples": u.num_examples})}) for u in updates]
-        agg = aggregate_arrayrecords(contents, "num-examples")
-        reference = updates[0].state
-        # Flower averages every array, integer BN counters included; keep those exact like FedAvg users expect
-        return {k: (torch.from_numpy(np.array(agg[k].numpy())).to(reference[k].dtype)) for k in reference}
+__all__ = ["FusionStrategy", "FALLBACKS", "state_to_record", "METHOD_SPECS"]

@@ -1,35 +1,47 @@
-"""TEST-ONLY fault injection (off by default): make chosen clients crash, hang, exit or send bad replies.
+"""TEST-ONLY fault injection for fedfuse's Flower apps: a ClientApp mod and a wrapper strategy.
 
-Used by ``tests/test_faults.py``, ``tests/test_deployment.py`` and ``tests/test_resume.py`` to exercise
-fedfuse's fault handling in real Flower runs. Never set it in a real experiment.
+Nothing in the product imports this. ``tests/support/fault_app.py`` installs both into fedfuse's own
+ServerApp/ClientApp (``make_server_app``/``run_server``, ``make_client_app(mods=...)``), the way Flower's
+``*_mod``s and differential-privacy wrapper strategies are installed.
 
-Two ways to switch it on:
+Fault spec (run-config key ``test-faults`` of the *test* app; ``FAULTS_KEY``): comma-separated
+``TARGET:FAULT[@ROUND]`` entries. ``TARGET`` is a partition id, ``*`` (every client) or ``fusion`` (the
+server's fusion step); ``@ROUND`` limits the entry to one server round. Example:
+``"2:crash,3:nan,4:sleep:40@2,fusion:error@2"``. One SuperNode can also get its own fault through its
+node-config ``fault`` (deployment): ``FAULT[@ROUND]``, e.g. ``--node-config "... fault='crash@2'"``.
 
-- run-config ``test-faults`` (simulation and deployment): comma-separated ``TARGET:FAULT[@ROUND]``
-  entries. ``TARGET`` is a partition id, ``*`` (every client) or ``fusion`` (the server's fusion step);
-  ``@ROUND`` limits the entry to one server round. Example: ``"2:crash,3:nan,4:sleep:40@2,fusion:error@2"``.
-- node-config ``fault`` of one SuperNode (deployment): ``FAULT[@ROUND]``, e.g.
-  ``flower-supernode ... --node-config "partition-id=2 num-partitions=3 fault='crash@2'"``.
-
-Client faults: ``crash`` (the ClientApp raises), ``exit`` (the ClientApp process dies: ``os._exit``),
-``sleep:SECONDS`` (hangs before training; a round-timeout shorter than that drops it), ``nan`` / ``inf``
-(non-finite weights), ``shape`` (a weight with the wrong shape), ``dtype`` (float64 weights),
-``neg-scores``, ``no-scores``, ``short-scores`` (importance scores negative / missing / wrong length),
-``num-examples`` (an absurd sample count). Server fault: ``fusion:error`` (the fusion method raises, so
-the configured ``fusion-fallback`` is taken).
+Client faults (``fault_mod``): ``crash`` (the ClientApp raises), ``exit`` (the ClientApp process dies:
+``os._exit``), ``sleep:SECONDS`` (hangs before training; a shorter round-timeout drops it), ``nan`` /
+``inf`` (non-finite weights), ``shape`` (a weight of the wrong shape), ``dtype`` (float64 weights),
+``neg-scores``, ``no-scores``, ``short-scores`` (importance scores negative / missing / too short),
+``num-examples`` (an absurd sample count). Server fault (``FusionFaultStrategy``): ``fusion:error``
+(fusion raises a ``FusionError`` in that round, so the strategy's configured fallback is taken).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedfuse.fusion import FusionError
+
+FAULTS_KEY = "test-faults"
 CLIENT_FAULTS = ("crash", "exit", "sleep", "nan", "inf", "shape", "dtype", "neg-scores", "no-scores",
                  "short-scores", "num-examples")
 SERVER_FAULTS = ("error",)
 ABSURD_NUM_EXAMPLES = 10**12
+
+
+class InjectedFusionError(FusionError):
+    """The fusion failure ``FusionFaultStrategy`` injects."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class Fault:
         return self.round is None or self.round == server_round
 
 
+# --------------------------------------------------------------------------------------- spec parsing
 def _parse_one(target: str, spec: str) -> Fault:
     spec = spec.strip()
     rnd = None
@@ -68,7 +81,7 @@ def _parse_one(target: str, spec: str) -> Fault:
 def parse_faults(text: str) -> list[Fault]:
     """``"2:crash,3:sleep:30@2,fusion:error"`` → ``[Fault, ...]`` (``ValueError`` on a bad entry)."""
     faults = []
-    for entry in (e.strip() for e in text.split(",")):
+    for entry in (e.strip() for e in str(text).split(",")):
         if not entry:
             continue
         target, sep, spec = entry.partition(":")
@@ -89,43 +102,123 @@ def client_fault(run_faults: str, node_config: Mapping[str, Any], partition_id: 
     return next((f for f in candidates if f.applies(server_round)), None)
 
 
-def server_fusion_fault(run_faults: str, server_round: int) -> Fault | None:
-    return next((f for f in parse_faults(run_faults) if f.target == "fusion" and f.applies(server_round)), None)
+def fusion_fault_rounds(run_faults: str) -> set[int] | None:
+    """Rounds in which fusion must fail: ``None`` = every round, ``set()`` = never."""
+    faults = [f for f in parse_faults(run_faults) if f.target == "fusion"]
+    if any(f.round is None for f in faults):
+        return None
+    return {f.round for f in faults if f.round is not None}
 
 
-def before_training(fault: Fault | None) -> None:
-    """Faults that hit before any work: crash, exit, sleep."""
-    if fault is None:
-        return
-    if fault.kind == "crash":
+def without_faults_key(context: Context) -> Context:
+    """The same context without the test-only ``test-faults`` key (the product config does not know it).
+
+    ``state`` is the same object, so what the app stores there persists across rounds as usual.
+    """
+    return dataclasses.replace(context, run_config={k: v for k, v in context.run_config.items() if k != FAULTS_KEY})
+
+
+# ------------------------------------------------------------------------------------ client mod
+def fault_mod(msg: Message, context: Context, call_next) -> Message:
+    """Flower ClientApp mod: inject this node's fault (if any) into a ``train`` message's handling.
+
+    ``crash``/``exit``/``sleep`` hit before the app runs; the other faults corrupt its reply.
+    """
+    faults_text = str(context.run_config.get(FAULTS_KEY, "") or "")
+    inner_context = without_faults_key(context)
+    if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+        return call_next(msg, inner_context)
+    pid = int(context.node_config.get("partition-id", -1))
+    config = msg.content["config"] if "config" in msg.content else ConfigRecord()
+    server_round = int(config.get("server-round", 1))
+    fault = client_fault(faults_text, context.node_config, pid, server_round)
+    if fault is not None and fault.kind == "crash":
         raise RuntimeError("fedfuse test fault: injected ClientApp crash")
-    if fault.kind == "exit":
+    if fault is not None and fault.kind == "exit":
         os._exit(17)  # the ClientApp process dies without replying
-    if fault.kind == "sleep":
+    if fault is not None and fault.kind == "sleep":
         time.sleep(fault.seconds)
+    reply = call_next(msg, inner_context)
+    if fault is not None and not reply.has_error():
+        corrupt_reply(fault, reply)
+    return reply
 
 
-def corrupt_reply(fault: Fault | None, state: dict, scores: dict | None, metrics: dict) -> tuple[dict, dict | None, dict]:
-    """Faults that make the reply bad (the server must reject it); returns new (state, scores, metrics)."""
-    import torch
-
-    if fault is None or fault.kind in ("crash", "exit", "sleep"):
-        return state, scores, metrics
-    state = {k: v.clone() for k, v in state.items()}
-    first = next(k for k, v in state.items() if v.is_floating_point())
-    if fault.kind in ("nan", "inf"):
-        state[first].view(-1)[0] = float("nan") if fault.kind == "nan" else float("inf")
-    elif fault.kind == "shape":
-        state[first] = torch.zeros(*state[first].shape[:-1], state[first].shape[-1] + 1)
-    elif fault.kind == "dtype":
-        state = {k: (v.double() if v.is_floating_point() else v) for k, v in state.items()}
+def corrupt_reply(fault: Fault, reply: Message) -> None:
+    """Make a train reply bad the way ``fault`` says (in place); the server must reject it."""
+    content = reply.content
+    if fault.kind in ("nan", "inf", "shape", "dtype"):
+        arrays = {k: a.numpy().copy() for k, a in content["arrays"].items()}
+        first = next(k for k, a in arrays.items() if a.dtype.kind == "f")
+        if fault.kind in ("nan", "inf"):
+            arrays[first].reshape(-1)[0] = np.nan if fault.kind == "nan" else np.inf
+        elif fault.kind == "shape":
+            a = arrays[first]
+            arrays[first] = np.zeros((*a.shape[:-1], a.shape[-1] + 1), dtype=a.dtype)
+        else:
+            arrays = {k: (a.astype(np.float64) if a.dtype.kind == "f" else a) for k, a in arrays.items()}
+        content["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in arrays.items()})
     elif fault.kind == "num-examples":
-        metrics = {**metrics, "num-examples": ABSURD_NUM_EXAMPLES}
-    elif scores is not None or fault.kind == "no-scores":
+        content["metrics"] = MetricRecord({**dict(content["metrics"]), "num-examples": ABSURD_NUM_EXAMPLES})
+    elif "importance" in content or fault.kind == "no-scores":
         if fault.kind == "no-scores":
-            scores = None
-        elif fault.kind == "neg-scores":
-            scores = {k: -v.abs() - 1.0 for k, v in scores.items()}
+            if "importance" in content:
+                del content["importance"]
+            return
+        scores = {k: a.numpy().copy() for k, a in content["importance"].items()}
+        if fault.kind == "neg-scores":
+            scores = {k: -np.abs(v) - 1.0 for k, v in scores.items()}
         elif fault.kind == "short-scores":
             scores = {k: v[:-1] for k, v in scores.items()}
-    return state, scores, metrics
+        content["importance"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in scores.items()})
+
+
+# ---------------------------------------------------------------------------------- wrapper strategy
+class FusionFaultStrategy(Strategy):
+    """Wraps any Flower strategy and makes its aggregation raise a ``FusionError`` in chosen rounds.
+
+    For a fedfuse ``FusionStrategy`` the error is raised by its fusion step (its public ``fuse_fn``),
+    so the strategy's own fallback handles it as it would a real fusion failure; for any other strategy
+    ``aggregate_train`` itself raises.
+
+    Args:
+        strategy: the strategy to wrap.
+        rounds: server rounds (true round numbers, resumed runs included) in which fusion fails;
+            ``None`` = every round.
+    """
+
+    def __init__(self, strategy: Strategy, rounds: Iterable[int] | None = None) -> None:
+        self.strategy = strategy
+        self.rounds = None if rounds is None else set(rounds)
+        self._round = 0
+        inner_fuse = getattr(strategy, "fuse_fn", None)
+        if inner_fuse is not None:
+            def faulty_fuse(*args, **kwargs):
+                if self._fails(self._round):
+                    raise InjectedFusionError(f"fedfuse test fault: injected fusion failure in round {self._round}")
+                return inner_fuse(*args, **kwargs)
+            strategy.fuse_fn = faulty_fuse
+        self._in_fusion = inner_fuse is not None
+
+    def _fails(self, server_round: int) -> bool:
+        return self.rounds is None or server_round in self.rounds
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        self._round = server_round + int(getattr(self.strategy, "round_offset", 0))
+        if not self._in_fusion and self._fails(self._round):
+            raise InjectedFusionError(f"fedfuse test fault: injected fusion failure in round {self._round}")
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]):
+        return self.strategy.aggregate_evaluate(server_round, replies)

@@ -1,0 +1,26 @@
+"""fedfuse on Flower: strategies, the reply contract, the ServerApp and the ClientApp.
+
+This is the only part of fedfuse that imports Flower (``flwr``); the core (models, fusion, data,
+training, importance, config) does not.
+
+    from fedfuse.flower import build_strategy, STRATEGIES, KfLinearStrategy, FusionStrategy
+    from fedfuse.flower.server_app import app as server_app, make_server_app   # pyproject components
+    from fedfuse.flower.client_app import app as client_app, make_client_app
+
+Modules: ``strategy`` (``FusionStrategy``: FedAvg with fusion as the aggregation), ``strategies`` (one
+named class per fusion method + ``STRATEGIES`` / ``build_strategy``), ``replies`` (the reply contract a
+ClientApp must follow, and its validation), ``server_app`` / ``client_app`` (fedfuse's own apps).
+"""
+
+from fedfuse.flower.replies import ClientUpdate, ReplyRejected, validate_reply
+from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FlowerFedAvg, FsMergeSeqStrategy,
+                                       FsMergeStrategy, HfGradientStrategy, HfLinearStrategy, KdStrategy,
+                                       KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
+                                       RebasinStrategy, TransfusionStrategy, build_strategy)
+from fedfuse.flower.strategy import FALLBACKS, FusionStrategy, state_to_record
+
+__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
+           "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
+           "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
+           "FsMergeStrategy", "FsMergeSeqStrategy", "ClientUpdate", "ReplyRejected", "validate_reply",
+           "state_to_record"]
