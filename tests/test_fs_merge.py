@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import METHODS, fuse
+from fedfuse.fusion import METHOD_SPECS, METHODS, FusionError, fuse, fuse_result
 from fedfuse.fusion import fs_merge as fm
 from fedfuse.models import build_model
 from fedfuse.training import train
@@ -37,7 +37,7 @@ def test_unfolded_supernet_equals_folded_model(name, shape, rank):
     _perturb(net)
     wide = net.features(x, "wide").detach()                      # the paper's n·d-wide SuperNet
     body = net.fold_body()                                       # a standard model of model 0's class
-    folded = fm._Features(body, name)(x)
+    folded = fm.Features(body)(x)
     assert type(body) is type(models[0])
     assert {k: v.shape for k, v in body.state_dict().items()} == {k: v.shape for k, v in models[0].state_dict().items()}
     assert wide.abs().max() > 0.5                                 # non-trivial outputs
@@ -45,11 +45,11 @@ def test_unfolded_supernet_equals_folded_model(name, shape, rank):
     assert (wide - net.features(x, "folded")).abs().max() < 1e-4 * max(1.0, float(wide.abs().max()))
     # heads: the folded shared head == weighted mean of each model's head on its reconstruction
     rec = wide @ net.final.dense()
-    heads = fm._heads_of(models, net.arch.kind)
+    heads = fm.heads_of(models)
     scales = [0.5, 1.0, 2.0]
     expect = sum(w * ((r / s) @ hw.t() + hb) for w, r, s, (hw, hb) in
                  zip([0.2, 0.3, 0.5], rec.chunk(3, -1), scales, heads))
-    fused = fm.fold_heads(net.fold_body(), net.arch.kind, heads, net.final.dense().detach(), scales, [0.2, 0.3, 0.5],
+    fused = fm.fold_heads(net.fold_body(), heads, net.final.dense().detach(), scales, [0.2, 0.3, 0.5],
                           "shared")
     with torch.no_grad():
         assert (fused(x) - expect).abs().max() < 1e-4 * max(1.0, float(expect.abs().max()))
@@ -66,7 +66,7 @@ def test_first_init_folds_to_model0_exactly(name, shape):
     x = torch.randn(8, *shape)
     with torch.no_grad():
         assert torch.equal(body(x), models[0](x))
-        assert (net.features(x, "wide") - fm._Features(models[0], name)(x)).abs().max() < 1e-5
+        assert (net.features(x, "wide") - fm.Features(models[0])(x)).abs().max() < 1e-5
 
 
 def test_average_init_folds_to_weight_average():
@@ -112,8 +112,7 @@ def test_training_reduces_reconstruction_loss(sharded):
     models, parts, x, y, te = sharded
     xf = x[parts[0][:100]]
     for name in ("fs-merge",):
-        fuse(name, models, fusion_inputs=xf, steps=150, augment=1)
-        info = fm.fuse_fs_merge.last_info
+        info = fuse_result(name, models, fusion_inputs=xf, steps=150, augment=1).info
         assert info["loss_after"] < 0.5 * info["loss_before"], info
         assert info["epoch_losses"][-1] < info["epoch_losses"][0]
 
@@ -143,8 +142,8 @@ def test_fs_merge_seq_three_clients():
     xf = x[torch.cat([p[torch.randperm(len(p), generator=g)[:60]] for p in parts])]
     xt, yt = x[te], y[te]
     best = max(_acc(m, xt, yt) for m in models)
-    fused = fuse("fs-merge-seq", models, fusion_inputs=xf)        # default schedule, out of the box
-    info = fm.fuse_fs_merge_seq.last_info
+    result = fuse_result("fs-merge-seq", models, fusion_inputs=xf)  # default schedule, out of the box
+    fused, info = result.model, result.info
     assert len(info["stage_losses"]) == 2                         # (m0 + m1) then (+ m2)
     assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in models[0].state_dict().items()}
     assert info["stage_losses"][-1][-1] < 0.5 * info["stage_losses"][-1][0]
@@ -157,9 +156,10 @@ def test_fs_merge_seq_three_clients():
 def test_vit_fusion_end_to_end():
     models = [build_model("vit", 10, (1, 40), seed=s) for s in range(2)]
     x = torch.randn(40, 1, 40, generator=torch.Generator().manual_seed(0))
-    fused = fuse("fs-merge", models, fusion_inputs=x, steps=20, augment=1, rank=2)
+    result = fuse_result("fs-merge", models, fusion_inputs=x, steps=20, augment=1, rank=2)
+    fused = result.model
     assert type(fused) is type(models[0])
-    assert fm.fuse_fs_merge.last_info["loss_after"] < fm.fuse_fs_merge.last_info["loss_before"]
+    assert result.info["loss_after"] < result.info["loss_before"]
     with torch.no_grad():
         assert fused(x).shape == (40, 10)
 
@@ -167,19 +167,36 @@ def test_vit_fusion_end_to_end():
 def test_registered_and_flags():
     for name in ("fs-merge", "fs-merge-seq"):
         assert name in METHODS and METHODS[name].needs_data and METHODS[name].same_architecture
+        spec = METHOD_SPECS[name]
+        assert spec.options is fm.FSMergeOptions and spec.min_models == 2 and spec.families == ("sequential", "vit")
+
+
+def test_options_defaults_and_types():
+    o = fm.FSMergeOptions()
+    assert (o.rank, o.init, o.steps, o.epochs, o.lr, o.weight_decay, o.batch_size, o.augment, o.heads, o.route,
+            o.synth, o.synth_steps, o.task_ids, o.warmup, o.stage_steps) == \
+        (None, "first", 600, None, None, 1e-3, 128, 4, "shared", "folded", 0, 40, None, 0.05, None)
+    assert fm.resolve_defaults(o, "mlp").rank == "full" and fm.resolve_defaults(o, "vit").rank == 8
+    spec = METHOD_SPECS["fs-merge"]
+    assert spec.parse_options({"rank": "full", "lr": 1}).lr == 1.0           # int → float
+    for bad, match in [({"rank": "half"}, "rank"), ({"steps": 0}, "steps"), ({"lr": -1.0}, "lr"),
+                       ({"warmup": 2.0}, "warmup"), ({"route": "narrow"}, "route"), ({"history": []}, "unknown")]:
+        with pytest.raises(FusionError, match=match):
+            spec.parse_options(bad)
 
 
 @pytest.mark.parametrize("case,match", [
     ("one-model", "at least 2 models"),
-    ("no-data", "needs fusion_inputs"),
+    ("no-data", "fusion_inputs"),
     ("nan", "NaN"),
     ("shape", "cannot run on fusion_inputs"),
     ("widths", "architecture/widths"),
-    ("init", "init must be one of"),
-    ("heads", "heads must be one of"),
+    ("init", "init"),
+    ("heads", "heads"),
     ("rank", "rank must be"),
     ("option", "unknown option"),
     ("cnn", "MLP|supports nn.Sequential"),
+    ("resnet", "support.*resnet|supports nn.Sequential"),
     ("batchnorm", "BatchNorm"),
     ("task_ids", "task_ids"),
 ])
@@ -202,10 +219,12 @@ def test_bad_input_raises_value_error(case, match):
             {"rank": -1} if case == "rank" else {"rnak": 3}
     elif case == "cnn":
         ms = [build_model("cnn", 10, (1, 8, 8), seed=s) for s in range(2)]
+    elif case == "resnet":
+        ms = [build_model("resnet", 10, (1, 8, 8), seed=s) for s in range(2)]
     elif case == "batchnorm":
         ms = [build_model("mlp", 10, (1, 8, 8), seed=s, batchnorm=True) for s in range(2)]
     elif case == "task_ids":
         kw = {"task_ids": torch.full((16,), 5)}
     for method in ("fs-merge", "fs-merge-seq"):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(FusionError, match=match):     # a ValueError, typed for the strategy's fallback
             fuse(method, ms, fusion_inputs=x, steps=2, **kw)

@@ -1,0 +1,108 @@
+"""The Foldable SuperNet around n frozen models (spec ``fs-merge.md`` §1.1–1.2, §1.6).
+
+The family-specific layout (which slots get which M/U, the wide forward pass) is the family adapter's
+FS-Merge structure (``fedfuse.models.adapters``: ``SequentialMergeStructure``, ``ViTMergeStructure``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fedfuse.fusion.fs_merge.matrices import MergeMatrix
+from fedfuse.fusion.registry import IncompatibleModelsError
+from fedfuse.models.adapters import UnsupportedModelError, adapter_for
+
+
+class Features(nn.Module):
+    """Wraps a model so that ``forward`` returns its final pre-head features ``[N, d]`` (parameter names ``m.*``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.m = model
+        self.adapter = adapter_for(model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapter.pre_logits(self.m, x)
+
+
+def merge_structure(models: list[nn.Module]):
+    """The FS-Merge structure of ``models`` (one family, model 0's layout) from the family's adapter;
+    ``IncompatibleModelsError`` naming the unsupported part otherwise."""
+    try:
+        adapters = [adapter_for(m) for m in models]
+        if len({a.family for a in adapters}) != 1:
+            raise UnsupportedModelError("fs-merge: supports nn.Sequential MLPs and timm VisionTransformers (all models "
+                                        f"of one family); got {sorted({type(m).__name__ for m in models})}")
+        return adapters[0].fs_merge_structure(models)
+    except UnsupportedModelError as exc:
+        msg = str(exc) if str(exc).startswith("fs-merge") else f"fs-merge: {exc}"
+        raise IncompatibleModelsError(msg) from None
+
+
+class SuperNet(nn.Module):
+    """Foldable SuperNet around n frozen models (spec §1.1–1.2): trainable M/U, merged LNs and ``U_final``.
+
+    ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
+    reconstruction per target model, T = number of ``U_final`` blocks); ``fold()`` → a standard model.
+    """
+
+    def __init__(self, models: list[nn.Module], *, rank=8, init: str = "first", num_targets: int | None = None,
+                 final_base: torch.Tensor | None = None, device: torch.device = torch.device("cpu"), seed: int = 0):
+        super().__init__()
+        self.arch = merge_structure(models)
+        self.n = len(models)
+        gen = torch.Generator().manual_seed(seed)
+        # frozen weight sets, detached copies (inputs are never modified)
+        self.ws = [{k: t.detach().to(device=device, dtype=torch.float32) for k, t in m.state_dict().items()}
+                   for m in models]
+        tmpl = copy.deepcopy(models[0]).float().eval()
+        for prm in tmpl.parameters():
+            prm.requires_grad_(False)
+        self.template = Features(tmpl).to(device)
+        self.mus, self.lns = self.arch.make(self.n, rank, init, gen)
+        self.arch.init_norms(self.lns, self.ws, init)     # learned merged norms (ViT LayerNorms)
+        d = self.arch.d
+        t = num_targets or self.n
+        if final_base is not None:
+            self.final = MergeMatrix("U", t, d, _rank_for(rank, d), "first", base=final_base, generator=gen)
+        else:
+            self.final = MergeMatrix("U", t, d, _rank_for(rank, d), init if init != "average" else "first",
+                                     generator=gen)
+        self.num_targets = t
+        self.to(device)
+
+    def folded_params(self) -> dict[str, torch.Tensor]:
+        """Body parameters of the folded model (names ``m.*`` of the template), differentiable."""
+        return self.arch.fold(self.ws, self.mus, self.lns)
+
+    def features(self, x: torch.Tensor, route: str = "folded") -> torch.Tensor:
+        """Merged pre-head features ``[N, d]``; ``route="folded"`` (single width) or ``"wide"`` (n·d wide)."""
+        if route == "wide":
+            return self.arch.wide(self.ws, self.template, self.mus, self.lns, x)
+        return functional_call(self.template, self.folded_params(), (x,), strict=False)
+
+    def reconstruct(self, x: torch.Tensor, route: str = "folded") -> torch.Tensor:
+        """Per-target reconstructions ``[N, T, d]`` = features @ U_final."""
+        f = self.features(x, route)
+        return (f @ self.final.dense()).reshape(f.shape[0], self.num_targets, -1)
+
+    @torch.no_grad()
+    def fold_body(self) -> nn.Module:
+        """A standard model (model 0's class and size) carrying the folded body; its head is model 0's."""
+        body = copy.deepcopy(self.template.m)
+        params = self.folded_params()
+        sd = body.state_dict()
+        for k, v in params.items():
+            sd[k[2:]] = v.detach().clone()
+        body.load_state_dict(sd)
+        for prm in body.parameters():
+            prm.requires_grad_(True)
+        return body
+
+
+def _rank_for(rank, d: int):
+    return "full" if rank == "full" else min(int(rank), d)
