@@ -1,181 +1,266 @@
-"""Run configuration: every key of ``[tool.flwr.app.config]`` / ``--run-config`` is declared here.
+"""Run-config schema: every key of ``[tool.flwr.app.config]`` / ``--run-config`` is declared here, once.
 
-``parse_run_config`` fails fast on unknown keys, wrong types and bad values, naming the key, before
-any client work starts. Both the ServerApp and the ClientApp parse the same run config.
+``RunConfig`` *is* the schema: each field is one run-config key (field ``foo_bar`` is key ``foo-bar``)
+with its type (the annotation), its default, and in its metadata the help text and the allowed values
+or range (``SCHEMA`` lists them as ``KeySpec`` records; ``python -m fedfuse.config`` prints them).
+``[tool.flwr.app.config]`` in ``pyproject.toml`` repeats the defaults only because Flower reads them
+from there; ``tests/test_config.py`` checks that both agree value by value.
+
+The allowed-value lists (datasets, models, partitionings, optimizers, importance methods, fusion-set
+sources, fallbacks) live here too; ``fedfuse.data`` and the strategy import them from this module.
+
+Checks, all before any Flower process starts and without loading data:
+
+- ``parse_run_config(mapping) -> RunConfig``: unknown keys (with a close match), types, allowed values,
+  ranges, rules between keys, ``fusion-options`` against the chosen method's typed options
+  (``fedfuse.fusion.METHOD_SPECS[strategy].parse_options``) and whether the method can run on this setup
+  (clients per round, model family, affine levels, a fusion set; ``MethodSpec.check_setup``).
+- ``check_files(cfg)``: the files the config names: ``fusion-set-path`` (existence, format, shape, dtype,
+  finite values, value range against the dataset's preprocessing) and ``data-root``.
+- ``check_model(cfg)``: the model builds for the dataset's input shape and maps a batch to logits.
+- ``preflight(mapping)``: all of the above; every runner calls it before it starts Flower.
+
+Every failure is a ``ConfigError`` (a ``ValueError``) with one line that names the key. What is known
+about a dataset without loading it (input shape, classes, value scale) comes from
+``fedfuse.data.sources.SOURCE_INFO``; ``hf:<name>`` datasets are only known once loaded, so their
+shape checks run in the ServerApp (``check_files(cfg, input_shape=..., num_classes=...)``).
+This module imports no Flower; ``fedfuse.fusion`` / ``fedfuse.data`` are imported by the checks only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import difflib
+import math
+import sys
+import typing
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+# ------------------------------------------------------------------------------ allowed values (one place)
 MODES = ("multi-round", "one-shot")
 DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100", "mnist",
             "fashion-mnist")
+HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
 MODELS = ("mlp", "cnn", "resnet", "vit")
+# model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)
+MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "resnet": "resnet", "vit": "vit"}
 PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 IMPORTANCE = ("uniform", "conductance", "deeplift")
-FUSION_SOURCES = ("public", "client0")
+FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")
+# strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
+NON_FUSION_STRATEGIES = ("fedavg",)
+
+
+class ConfigError(ValueError):
+    """A bad run-config key or value; the one-line message names the key."""
+
+
+def _key(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+         gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
+    """A run-config key: ``default``, ``help`` text, allowed ``choices`` or a range (``ge``/``gt``/``le``/``lt``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt})
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Validated run configuration (field ``foo_bar`` is run-config key ``foo-bar``)."""
 
-    mode: str = "multi-round"
-    dataset: str = "digits"
-    data_root: str = ""
-    model: str = "mlp"
-    model_width: int = 64
-    model_depth: int = 2
-    num_clients: int = 4
-    partitioning: str = "shards"
-    dirichlet_alpha: float = 0.5
-    classes_per_client: int = 0
-    val_fraction: float = 0.1
-    test_fraction: float = 0.2
-    num_server_rounds: int = 3
-    local_epochs: int = 2
-    batch_size: int = 32
-    optimizer: str = "adam"
-    lr: float = 0.005
-    weight_decay: float = 0.0
-    importance: str = "deeplift"
-    importance_samples: int = 256
-    tofu_r: int = 0
-    strategy: str = "kf-linear"
-    fusion_set_size: int = 300
-    fusion_set_source: str = "public"
-    fusion_set_path: str = ""
-    fusion_options: str = ""
-    public_fraction: float = 0.2
-    fraction_train: float = 1.0
-    min_train_nodes: int = 2
-    fusion_fallback: str = "previous"
-    fusion_rounds: int = 0
-    seed: int = 0
-    device: str = "auto"
-    output_dir: str = "results"
-    run_name: str = ""
-    round_timeout: float = 3600.0
-    resume: bool = False
-    test_faults: str = ""
+    mode: str = _key("multi-round", "multi-round: clients start each round from the global model; one-shot: one "
+                     "round, independently initialised clients, the server fuses once", choices=MODES)
+    dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
+    data_root: str = _key("", "torchvision root / save_to_disk folder (offline loaders)")
+    model: str = _key("mlp", "architecture", choices=MODELS)
+    model_width: int = _key(64, "hidden width / channels", ge=1)
+    model_depth: int = _key(2, "hidden layers / blocks", ge=1)
+    num_clients: int = _key(4, "number of clients (partitions)", ge=1)
+    partitioning: str = _key("shards", "how the train pool is split across clients", choices=PARTITIONINGS)
+    dirichlet_alpha: float = _key(0.5, "Dirichlet concentration (dirichlet partitioning; small = skewed)", gt=0)
+    classes_per_client: int = _key(0, "shards: classes per client; 0 = split all classes evenly (class-disjoint)",
+                                   ge=0)
+    val_fraction: float = _key(0.1, "each client's validation hold-out", ge=0, lt=1)
+    test_fraction: float = _key(0.2, "test split for datasets without one", gt=0, lt=1)
+    num_server_rounds: int = _key(3, "federated rounds", ge=1)
+    local_epochs: int = _key(2, "client epochs per round", ge=1)
+    batch_size: int = _key(32, "client batch size", ge=1)
+    optimizer: str = _key("adam", "client optimizer", choices=OPTIMIZERS)
+    lr: float = _key(0.005, "client learning rate", gt=0)
+    weight_decay: float = _key(0.0, "client weight decay", ge=0)
+    importance: str = _key("deeplift", "neuron-importance method the clients use (captum)", choices=IMPORTANCE)
+    importance_samples: int = _key(256, "validation samples each client scores", ge=1)
+    tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
+                       ge=0)
+    strategy: str = _key("kf-linear", "fedavg or a fusion method (fedfuse.fusion.METHODS) that keeps the "
+                         "architecture")
+    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set", ge=1)
+    fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
+                                  "0's partition (skewed)", choices=FUSION_SET_SOURCES)
+    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
+    fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
+                               "\"{head_weights=true, ridge=1e-3}\"")
+    public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
+                                  ge=0, lt=1)
+    fraction_train: float = _key(1.0, "fraction of clients sampled per round", gt=0, le=1)
+    min_train_nodes: int = _key(2, "minimum clients sampled per round and minimum valid replies", ge=1)
+    fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
+                                choices=FALLBACKS)
+    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
+    seed: int = _key(0, "seed of everything random", ge=0)
+    device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
+    output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
+    run_name: str = _key("", "results folder name (default: strategy-dataset-model-...-timestamp)")
+    round_timeout: float = _key(3600.0, "seconds a round waits for client replies", gt=0)
+    resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
 
-_CHOICES = {"mode": MODES, "model": MODELS, "partitioning": PARTITIONINGS, "optimizer": OPTIMIZERS,
-            "importance": IMPORTANCE, "fusion_set_source": FUSION_SOURCES, "fusion_fallback": FALLBACKS}
-_POSITIVE = ("model_width", "model_depth", "num_clients", "num_server_rounds", "local_epochs", "batch_size",
-             "fusion_set_size", "importance_samples", "min_train_nodes")
+@dataclass(frozen=True)
+class KeySpec:
+    """One run-config key as declared in ``RunConfig``."""
+
+    key: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def range_text(self) -> str:
+        lo = f">= {self.ge}" if self.ge is not None else (f"> {self.gt}" if self.gt is not None else "")
+        hi = f"<= {self.le}" if self.le is not None else (f"< {self.lt}" if self.lt is not None else "")
+        return " and ".join(t for t in (lo, hi) if t)
 
 
-class ConfigError(ValueError):
-    """A bad run-config key or value; the message names the key."""
+def _schema() -> dict[str, KeySpec]:
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name.replace("_", "-"): KeySpec(key=f.name.replace("_", "-"), type=hints[f.name], default=f.default,
+                                              **dict(f.metadata))
+            for f in fields(RunConfig)}
 
 
+SCHEMA: dict[str, KeySpec] = _schema()
+"""run-config key -> ``KeySpec`` (type, default, help, allowed values / range), in declaration order."""
+
+
+# ------------------------------------------------------------------------------------------- parsing
 def _coerce(key: str, value: Any, typ: type) -> Any:
+    """``value`` as ``typ``: int → float, integral float → int, and numeric / true|false strings are accepted."""
     if typ is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
     elif typ is int:
-        if isinstance(value, bool):
-            pass
-        elif isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
-        elif isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer():
             return int(value)
-        elif isinstance(value, str):
+        if isinstance(value, str):
             try:
                 return int(value)
             except ValueError:
                 pass
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
+            if math.isfinite(value):
                 return float(value)
+        elif isinstance(value, str):
+            try:
+                v = float(value)
+                if math.isfinite(v):
+                    return v
             except ValueError:
                 pass
     elif typ is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, dict) and key == "fusion-options":
+            raise ConfigError("run-config key 'fusion-options': pass the table as a quoted string, "
+                              "e.g. fusion-options=\"{ridge=1e-3}\"")
     raise ConfigError(f"run-config key {key!r}: expected {typ.__name__}, got {value!r}")
+
+
+def _unknown_key(key: str, strict: bool) -> None:
+    if not strict:
+        return
+    if key.startswith("fusion-options."):  # an unquoted inline table that Flower flattened
+        raise ConfigError(f"run-config: unknown key {key!r}; write fusion-options as a quoted string, "
+                          "e.g. fusion-options=\"{ridge=1e-3}\"")
+    close = difflib.get_close_matches(key, list(SCHEMA), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"run-config: unknown key {key!r}{hint}; `python -m fedfuse.config` lists all keys")
+
+
+def _check_range(spec: KeySpec, value: Any) -> None:
+    if spec.choices is not None and value not in spec.choices:
+        if spec.key == "dataset" and isinstance(value, str) and value.startswith(HF_PREFIX):
+            if len(value) > len(HF_PREFIX):
+                return
+            raise ConfigError("run-config key 'dataset': 'hf:' needs a name, e.g. 'hf:uoft-cs/cifar10'")
+        close = difflib.get_close_matches(str(value), [str(c) for c in spec.choices], n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        extra = f" or '{HF_PREFIX}<name>'" if spec.key == "dataset" else ""
+        raise ConfigError(f"run-config key {spec.key!r}: {value!r} is not one of {list(spec.choices)}{extra}{hint}")
+    ok = ((spec.ge is None or value >= spec.ge) and (spec.gt is None or value > spec.gt)
+          and (spec.le is None or value <= spec.le) and (spec.lt is None or value < spec.lt))
+    if not ok:
+        raise ConfigError(f"run-config key {spec.key!r} must be {spec.range_text()}, got {value!r}")
 
 
 def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = True,
                      known_strategies: tuple[str, ...] | None = None) -> RunConfig:
-    """Validate a Flower ``context.run_config`` (missing keys take defaults; under ``run_simulation``
-    the mapping is empty). Unknown keys raise ``ConfigError`` when ``strict``."""
-    run_config = dict(run_config or {})
-    types = {f.name: f.type for f in fields(RunConfig)}
-    pytypes = {"int": int, "float": float, "str": str, "bool": bool}
+    """Validate a run config (Flower's ``context.run_config`` or ``--run-config`` overrides) into a ``RunConfig``.
+
+    Missing keys take the schema defaults (under ``run_simulation`` the mapping is empty). Unknown keys
+    raise when ``strict``. ``known_strategies`` (the ServerApp passes its registry) replaces the default
+    strategy list (``strategy_names()``). Raises ``ConfigError`` naming the key; imports no Flower.
+    """
     values: dict[str, Any] = {}
-    for key, value in run_config.items():
-        name = key.replace("-", "_")
-        if name not in types:
-            if strict:
-                valid = ", ".join(sorted(k.replace("_", "-") for k in types))
-                raise ConfigError(f"run-config: unknown key {key!r}; valid keys: {valid}")
+    for key, value in dict(run_config or {}).items():
+        spec = SCHEMA.get(key)
+        if spec is None:
+            _unknown_key(key, strict)
             continue
-        values[name] = _coerce(key, value, pytypes[types[name]])
+        values[key.replace("-", "_")] = _coerce(key, value, spec.type)
     cfg = RunConfig(**values)
-    for name, choices in _CHOICES.items():
-        if getattr(cfg, name) not in choices:
-            raise ConfigError(f"run-config key {name.replace('_', '-')!r}: {getattr(cfg, name)!r} is not one of "
-                              f"{list(choices)}")
-    if cfg.dataset not in DATASETS and not cfg.dataset.startswith("hf:"):
-        raise ConfigError(f"run-config key 'dataset': unknown dataset {cfg.dataset!r}; choose one of "
-                          f"{list(DATASETS)} or 'hf:<hub name>'")
-    for name in _POSITIVE:
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"run-config key {name.replace('_', '-')!r} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("val_fraction", "test_fraction", "public_fraction"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"run-config key {name.replace('_', '-')!r} must be in [0, 1), got {getattr(cfg, name)}")
-    if not 0.0 < cfg.fraction_train <= 1.0:
-        raise ConfigError(f"run-config key 'fraction-train' must be in (0, 1], got {cfg.fraction_train}")
+    for spec in SCHEMA.values():
+        _check_range(spec, getattr(cfg, spec.key.replace("-", "_")))
+    _check_rules(cfg)
+    _check_method(cfg, tuple(known_strategies) if known_strategies is not None else strategy_names())
+    return cfg
+
+
+def _check_rules(cfg: RunConfig) -> None:
+    """Rules between keys and the dataset facts known without loading it."""
     if cfg.resume and not cfg.run_name:
         raise ConfigError("run-config key 'resume' needs a fixed 'run-name' (the run to continue lives in "
                           "<output-dir>/<run-name>)")
-    if cfg.round_timeout <= 0:
-        raise ConfigError(f"run-config key 'round-timeout' must be > 0 seconds, got {cfg.round_timeout}")
-    if cfg.test_faults:
-        from fedfuse.faults import parse_faults
-
-        try:
-            parse_faults(cfg.test_faults)
-        except ValueError as exc:
-            raise ConfigError(f"run-config key 'test-faults': {exc}") from exc
-    if cfg.fusion_rounds < 0:
-        raise ConfigError(f"run-config key 'fusion-rounds' must be >= 0 (0 = fuse every round), got {cfg.fusion_rounds}")
-    if cfg.tofu_r < 0:
-        raise ConfigError(f"run-config key 'tofu-r' must be >= 0, got {cfg.tofu_r}")
     if cfg.tofu_r > 0 and cfg.model != "vit":
         raise ConfigError(f"run-config key 'tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
-    fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
-    if cfg.lr <= 0:
-        raise ConfigError(f"run-config key 'lr' must be > 0, got {cfg.lr}")
-    if cfg.dirichlet_alpha <= 0:
-        raise ConfigError(f"run-config key 'dirichlet-alpha' must be > 0, got {cfg.dirichlet_alpha}")
     if cfg.min_train_nodes > cfg.num_clients:
         raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}) exceeds 'num-clients' "
                           f"({cfg.num_clients})")
-    if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
+    if not (cfg.device in ("auto", "cpu", "cuda") or (cfg.device.startswith("cuda:") and cfg.device[5:].isdigit())):
         raise ConfigError(f"run-config key 'device': {cfg.device!r} is not auto, cpu, cuda or cuda:N")
-    if known_strategies is not None and cfg.strategy not in known_strategies:
-        raise ConfigError(f"run-config key 'strategy': unknown strategy {cfg.strategy!r}; choose one of "
-                          f"{sorted(known_strategies)}")
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
-    return cfg
+    fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
+    info = dataset_info(cfg.dataset)
+    if info is not None and cfg.partitioning == "shards":
+        if cfg.classes_per_client > info.num_classes:
+            raise ConfigError(f"run-config key 'classes-per-client' ({cfg.classes_per_client}) exceeds the "
+                              f"{info.num_classes} classes of dataset {cfg.dataset!r}")
+        if cfg.classes_per_client == 0 and cfg.num_clients > info.num_classes:
+            raise ConfigError(f"run-config key 'num-clients': class-disjoint 'shards' gives each client whole "
+                              f"classes, but {cfg.num_clients} clients > {info.num_classes} classes of "
+                              f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
 
 
 def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -188,7 +273,178 @@ def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"run-config key 'fusion-options': not a TOML inline table ({exc}): {text!r}") from None
+        raise ConfigError(f"run-config key 'fusion-options': not a TOML inline table ({exc}): {text!r}; "
+                          "write e.g. \"{ridge=1e-3, solver='sinkhorn'}\"") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"run-config key 'fusion-options': expected an inline table like '{{ridge=1e-3}}', got {text!r}")
+        raise ConfigError(f"run-config key 'fusion-options': expected an inline table like '{{ridge=1e-3}}', "
+                          f"got {text!r}")
     return value
+
+
+# -------------------------------------------------------------------------------- method / setup checks
+def strategy_names() -> tuple[str, ...]:
+    """``fedavg`` plus every fusion method whose result keeps the global architecture."""
+    from fedfuse.fusion import METHOD_SPECS
+
+    return NON_FUSION_STRATEGIES + tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture))
+
+
+def clients_per_round(cfg: RunConfig) -> int:
+    """Clients Flower's FedAvg samples per round: ``max(int(fraction-train · num-clients), min-train-nodes)``."""
+    return min(cfg.num_clients, max(int(cfg.num_clients * cfg.fraction_train), cfg.min_train_nodes))
+
+
+def fusion_set_problem(cfg: RunConfig) -> str | None:
+    """Why the server will have no fusion set under ``cfg`` (``None`` when it will have one)."""
+    if cfg.fusion_set_path or cfg.fusion_set_source == "client0":
+        return None
+    if cfg.public_fraction <= 0:
+        return ("fusion-set-source='public' with public-fraction=0 holds no samples and no fusion-set-path is "
+                "given; set public-fraction > 0, fusion-set-source='client0' or fusion-set-path")
+    return None
+
+
+def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
+    if cfg.strategy not in strategies:
+        close = difflib.get_close_matches(cfg.strategy, list(strategies), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"run-config key 'strategy': unknown strategy {cfg.strategy!r}{hint}; choose one of "
+                          f"{sorted(strategies)}")
+    from fedfuse.fusion import METHOD_SPECS, FusionError
+
+    options = fusion_options_dict(cfg)
+    spec = METHOD_SPECS.get(cfg.strategy)
+    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES:
+        if options:
+            raise ConfigError(f"run-config key 'fusion-options': strategy {cfg.strategy!r} is not a fusion method "
+                              f"and takes no fusion options, got {options}")
+        return
+    if not getattr(spec, "_legacy", False):  # TRANSITION: legacy registrations validate options only in fuse()
+        try:
+            spec.parse_options(options)
+        except FusionError as exc:
+            raise ConfigError(f"run-config key 'fusion-options': {exc}") from None
+    n = clients_per_round(cfg)
+    try:
+        spec.check_setup(num_models=n)
+    except FusionError as exc:
+        raise ConfigError(f"run-config keys 'strategy'/'num-clients': {exc} ({n} clients per round from "
+                          f"num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
+                          f"min-train-nodes={cfg.min_train_nodes})") from None
+    family = MODEL_FAMILIES[cfg.model]
+    try:
+        spec.check_setup(num_models=n, family=family, affine_levels=family == "sequential")
+    except FusionError as exc:
+        raise ConfigError(f"run-config keys 'strategy'/'model': {exc} (model {cfg.model!r} is of the {family} "
+                          "family)") from None
+    problem = fusion_set_problem(cfg)
+    try:
+        spec.check_setup(num_models=n, has_fusion_set=problem is None)
+    except FusionError as exc:
+        raise ConfigError(f"run-config key 'strategy': {exc}, but {problem}") from None
+
+
+# ------------------------------------------------------------------------------------- files and model
+def dataset_info(dataset: str):
+    """``fedfuse.data.sources.SourceInfo`` of ``dataset`` (shape, classes, scale) or ``None`` when it is only
+    known after loading (``hf:<name>``)."""
+    from fedfuse.data.sources import source_info
+
+    return source_info(dataset)
+
+
+def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
+                num_classes: int | None = None) -> None:
+    """Check the files ``cfg`` names; ``ConfigError`` naming the key and the path.
+
+    - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a non-empty floating-point
+      input tensor ``[B, *input_shape]`` with finite values on the dataset's scale (and, when present,
+      labels ``[B]`` in ``[0, num_classes)``).
+    - ``data-root``: an existing directory when set; required by the torchvision datasets.
+
+    ``input_shape`` / ``num_classes`` override the dataset metadata (the ServerApp passes the loaded
+    data's; needed for ``hf:<name>``, whose shape is unknown before loading).
+    """
+    from fedfuse.data.sources import TORCHVISION_SOURCES
+
+    if cfg.data_root:
+        from pathlib import Path
+
+        if not Path(cfg.data_root).expanduser().is_dir():
+            raise ConfigError(f"run-config key 'data-root': {cfg.data_root!r} is not a directory")
+    elif cfg.dataset in TORCHVISION_SOURCES:
+        raise ConfigError(f"run-config key 'data-root': dataset {cfg.dataset!r} is read from a torchvision root "
+                          "directory; set data-root to it")
+    if cfg.fusion_set_path:
+        read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=input_shape, num_classes=num_classes)
+
+
+def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...] | None = None,
+                    num_classes: int | None = None):
+    """The fusion set file of ``fusion-set-path``, checked against ``dataset`` (``check_files``' rules).
+
+    Returns ``(x float32 [B, *input_shape], y int64 [B] or None)``; ``ConfigError`` naming the key and path.
+    """
+    from fedfuse.data.fusion_set import check_fusion_inputs, load_fusion_file
+
+    try:
+        x, y = load_fusion_file(path)
+        check_fusion_inputs(x, y, dataset=dataset, info=dataset_info(dataset) if dataset else None,
+                            input_shape=input_shape, num_classes=num_classes)
+    except ValueError as exc:
+        raise ConfigError(f"run-config key 'fusion-set-path' ({path}): {exc}") from None
+    return x.float(), (y.long() if y is not None else None)
+
+
+def check_model(cfg: RunConfig) -> None:
+    """Build the model for the dataset's input shape and map a batch of two to logits (skipped when the shape
+    is only known after loading)."""
+    info = dataset_info(cfg.dataset)
+    if info is None:
+        return
+    import torch
+
+    from fedfuse.models import build_model
+
+    try:
+        model = build_model(cfg.model, num_classes=info.num_classes, input_shape=info.input_shape,
+                            width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(2, *info.input_shape))
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"run-config key 'model': {cfg.model!r} (width {cfg.model_width}, depth {cfg.model_depth}) "
+                          f"cannot take dataset {cfg.dataset!r} inputs {info.input_shape}: {exc}") from None
+    if tuple(out.shape) != (2, info.num_classes):
+        raise ConfigError(f"run-config key 'model': {cfg.model!r} maps inputs {info.input_shape} to "
+                          f"{tuple(out.shape[1:])}, expected {info.num_classes} logits")
+
+
+def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[str, ...] | None = None) -> RunConfig:
+    """Everything knowable from the config, before any Flower process: ``parse_run_config``, ``check_files``,
+    ``check_model``. Raises ``ConfigError`` naming the key."""
+    cfg = parse_run_config(run_config, known_strategies=known_strategies)
+    check_files(cfg)
+    check_model(cfg)
+    return cfg
+
+
+def describe() -> str:
+    """The schema as a markdown table (key, type, default, allowed values / range, meaning)."""
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for s in SCHEMA.values():
+        allowed = " \\| ".join(s.choices) if s.choices else s.range_text()
+        if s.key == "dataset":
+            allowed += f" \\| {HF_PREFIX}<name>"
+        rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help} |")
+    return "\n".join(rows)
+
+
+__all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "parse_run_config", "fusion_options_dict", "check_files",
+           "read_fusion_set",
+           "check_model", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
+           "describe", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
+           "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
+
+if __name__ == "__main__":
+    print(describe())
+    sys.exit(0)

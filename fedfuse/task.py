@@ -7,10 +7,8 @@ that a simulation and a benchmark build exactly the same data and models from th
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -42,20 +40,16 @@ def client_init_seed(cfg: RunConfig, partition_id: int) -> int:
     return cfg.seed * 1000 + partition_id + 1
 
 
-def load_fusion_inputs(path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fusion set from a file: ``.pt`` (tensor or ``{"x": ..., "y": ...}``) or ``.npz`` (``x``, optional ``y``)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"run-config key 'fusion-set-path': file {str(p)!r} does not exist")
-    if p.suffix == ".npz":
-        z = np.load(p)
-        x = torch.from_numpy(z["x"]).float()
-        y = torch.from_numpy(z["y"]).long() if "y" in z else None
-        return x, y
-    obj = torch.load(p, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict):
-        return obj["x"].float(), (obj["y"].long() if obj.get("y") is not None else None)
-    return obj.float(), None
+def load_fusion_inputs(path: str, *, dataset: str = "", input_shape: tuple[int, ...] | None = None,
+                       num_classes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fusion set from a ``.pt``/``.npz`` file (``fusion-set-path``), checked against ``dataset`` and the given
+    shape (``fedfuse.config.read_fusion_set``); ``ConfigError`` naming the key and the path otherwise.
+
+    Returns ``(x float32 [B, *input_shape], y int64 [B] or None)``.
+    """
+    from fedfuse.config import read_fusion_set
+
+    return read_fusion_set(path, dataset=dataset, input_shape=input_shape, num_classes=num_classes)
 
 
 def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_importance: bool,

@@ -481,3 +481,40 @@ def test_build_deterministic_cached_and_across_processes():
                          env=env, cwd=str(REPO), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == _fingerprint(a)
+
+
+# ------------------------------------------------------------------------- metadata without loading
+@pytest.mark.parametrize("name", ["digits", "digits-flat", "synthetic", "mnist1d", "mnist1d-flat"])
+def test_source_info_matches_the_loaded_data(name):
+    """What the config checks assume about a source (shape, classes, value scale) is what its loader gives."""
+    from fedfuse.data import source_info
+
+    info = source_info(name)
+    train, test = load_source(name)
+    assert train.input_shape == test.input_shape == info.input_shape
+    assert train.num_classes == info.num_classes
+    if info.scale == "unit":
+        assert float(train.x.min()) >= 0.0 and float(train.x.max()) <= 1.0
+    else:
+        assert abs(float(train.x.mean())) < 0.5 and 0.5 < float(train.x.std()) < 2.0
+
+
+def test_source_info_of_torchvision_and_hf():
+    from fedfuse.data import source_info
+
+    assert source_info("cifar10").input_shape == (3, 32, 32) and source_info("cifar100").num_classes == 100
+    assert source_info("fashion-mnist").input_shape == (1, 28, 28) and source_info("mnist").scale == "unit"
+    assert source_info("hf:uoft-cs/cifar10") is None  # only known once loaded
+    with pytest.raises(ValueError, match="dataset"):
+        source_info("bogus")
+
+
+def test_fusion_file_roundtrip_and_checks(tmp_path, digits):
+    from fedfuse.data import check_fusion_inputs, load_fusion_file, source_info
+
+    np.savez(tmp_path / "f.npz", x=digits[0].x[:10].numpy(), y=digits[0].y[:10].numpy())
+    x, y = load_fusion_file(tmp_path / "f.npz")
+    assert torch.equal(x, digits[0].x[:10]) and torch.equal(y, digits[0].y[:10])
+    check_fusion_inputs(x, y, dataset="digits", info=source_info("digits"))
+    with pytest.raises(ValueError, match=r"expected \[0, 1\]"):
+        check_fusion_inputs(x * 16, y, dataset="digits", info=source_info("digits"))

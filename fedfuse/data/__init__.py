@@ -11,15 +11,20 @@ Public API::
     PARTITIONERS            the valid partitioning method names
     split_train_val         stratified (train, val) split of an index array
     fusion_set              class-balanced server fusion inputs ("public" or "client0")
+    load_fusion_file        a fusion set saved as .pt / .npz -> (x, y or None)
+    check_fusion_inputs     shape / dtype / finite / value-scale checks of given fusion inputs
+    SOURCE_INFO, source_info  input shape, classes and value scale of a source, known without loading
     FederatedData           everything above, built deterministically from a config
+
+The allowed names (datasets, partitionings, fusion-set sources) are declared in ``fedfuse.config``.
 
 Heavy dependencies (sklearn, torchvision, datasets, flwr_datasets, mnist1d) are imported lazily
 inside the functions that need them, so ``import fedfuse.data`` stays cheap.
 """
 
-from fedfuse.data.fusion_set import FederatedData, fusion_set
+from fedfuse.data.fusion_set import FederatedData, check_fusion_inputs, fusion_set, load_fusion_file
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
-from fedfuse.data.sources import SOURCES, ArrayDataset, load_source
+from fedfuse.data.sources import SOURCE_INFO, SOURCES, ArrayDataset, SourceInfo, load_source, source_info
 
 __all__ = [
     "ArrayDataset",
@@ -29,5 +34,10 @@ __all__ = [
     "PARTITIONERS",
     "split_train_val",
     "fusion_set",
+    "load_fusion_file",
+    "check_fusion_inputs",
     "FederatedData",
+    "SOURCE_INFO",
+    "SourceInfo",
+    "source_info",
 ]

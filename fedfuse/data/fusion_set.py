@@ -10,6 +10,10 @@ The fusion set is a small sample of inputs the server uses to fuse client models
 Both draw class-balanced as far as the pool allows (the paper's ``sample_balanced_subset``):
 round-robin over the classes present in the pool.
 
+A fusion set can also come from a file (``fusion-set-path``, e.g. on a deployed SuperLink):
+``load_fusion_file`` reads it and ``check_fusion_inputs`` checks it against what is known about the
+dataset (shape, dtype, finite values, value scale of the loader's preprocessing).
+
 ``FederatedData.build`` must give identical results in every process (the ServerApp and each
 ClientApp build it independently), so everything derives from the arguments and the seed.
 """
@@ -18,16 +22,17 @@ from __future__ import annotations
 
 import functools
 import warnings
+import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedfuse.config import FUSION_SET_SOURCES
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
-from fedfuse.data.sources import ArrayDataset, load_source
-
-FUSION_SOURCES: tuple[str, ...] = ("public", "client0")
+from fedfuse.data.sources import ArrayDataset, SourceInfo, load_source
 
 
 def _balanced_sample(pool: np.ndarray, labels: np.ndarray, size: int, seed: int) -> np.ndarray:
@@ -76,9 +81,9 @@ def fusion_set(
         x [M, *input_shape] float32 with M = min(size, pool size), or (x, y [M] int64).
         Warns (never raises) when the pool holds fewer than ``size`` samples.
     """
-    if source not in FUSION_SOURCES:
+    if source not in FUSION_SET_SOURCES:
         raise ValueError(
-            f"fusion-set-source: unknown source {source!r}; valid: {', '.join(FUSION_SOURCES)}"
+            f"fusion-set-source: unknown source {source!r}; valid: {', '.join(FUSION_SET_SOURCES)}"
         )
     if source == "public":
         pool = np.asarray(reserved if reserved is not None else [], dtype=np.int64)
@@ -95,6 +100,91 @@ def fusion_set(
     t = torch.as_tensor(idx, dtype=torch.long)
     x = train.x[t]
     return (x, train.y[t]) if return_labels else x
+
+
+FUSION_FILE_SUFFIXES = (".pt", ".pth", ".npz")
+# slack on the value-scale checks: float rounding of [0, 1] data; a standardised set far outside it
+_UNIT_SLACK = 1e-3
+_STANDARD_MAX_ABS, _STANDARD_STD = 50.0, (0.05, 20.0)
+
+
+def load_fusion_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read a fusion set saved as ``.pt``/``.pth`` (a tensor, or ``{"x": tensor, "y": tensor}``) or ``.npz``
+    (array ``x``, optional ``y``). Returns ``(x [B, *input_shape], y [B] or None)`` with the stored dtypes.
+
+    Raises ``ValueError`` saying what is wrong (missing file, unknown suffix, unreadable, wrong content).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError("file does not exist")
+    if not p.is_file():
+        raise ValueError("not a file")
+    if p.suffix not in FUSION_FILE_SUFFIXES:
+        raise ValueError(f"unknown format {p.suffix!r}; expected one of {list(FUSION_FILE_SUFFIXES)}")
+    if p.suffix == ".npz":
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as exc:
+            raise ValueError(f"not a readable .npz file ({type(exc).__name__}: {exc})") from None
+        if "x" not in arrays:
+            raise ValueError(f"the .npz holds arrays {sorted(arrays)}; expected 'x' (inputs) and optional 'y'")
+        y = arrays.get("y")
+        return torch.from_numpy(arrays["x"]), (torch.from_numpy(y) if y is not None else None)
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many kinds (pickle, zip, runtime) for a corrupt file
+        raise ValueError(f"not a readable torch file ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") \
+            from None
+    if isinstance(obj, dict):
+        if "x" not in obj:
+            raise ValueError(f"the saved dict has keys {sorted(map(str, obj))}; expected 'x' (inputs) and optional 'y'")
+        x, y = obj["x"], obj.get("y")
+    else:
+        x, y = obj, None
+    if not isinstance(x, torch.Tensor) or not (y is None or isinstance(y, torch.Tensor)):
+        raise ValueError(f"expected tensors, got x: {type(x).__name__}, y: {type(y).__name__}")
+    return x, y
+
+
+def check_fusion_inputs(x: torch.Tensor, y: torch.Tensor | None = None, *, dataset: str = "",
+                        info: SourceInfo | None = None, input_shape: tuple[int, ...] | None = None,
+                        num_classes: int | None = None) -> None:
+    """Check fusion inputs ``x [B, *input_shape]`` (and labels ``y [B]``) against the dataset.
+
+    ``info`` is the dataset's ``SourceInfo`` (``None`` when only known after loading); ``input_shape`` /
+    ``num_classes`` override it. Checks: non-empty, floating point, shape, finite values, the value scale of
+    the loader's preprocessing (``[0, 1]`` or standardised), label dtype, length and range.
+    Raises ``ValueError`` saying what was found and what was expected.
+    """
+    shape = tuple(input_shape) if input_shape is not None else (info.input_shape if info else None)
+    classes = num_classes if num_classes is not None else (info.num_classes if info else None)
+    name = f"dataset {dataset!r}" if dataset else "the dataset"
+    scale = f"; {name} inputs are {info.scale_text()}" if info else ""
+    if x.dim() < 2 or x.shape[0] == 0:
+        raise ValueError(f"expected inputs [B, *input_shape] with B >= 1, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"inputs have dtype {x.dtype}; expected floating point{scale}")
+    if shape is not None and tuple(x.shape[1:]) != shape:
+        raise ValueError(f"inputs have shape {tuple(x.shape[1:])} per sample; {name} has {shape}")
+    xf = x.double()
+    if not torch.isfinite(xf).all():
+        raise ValueError(f"inputs hold {int((~torch.isfinite(xf)).sum())} non-finite values (NaN/Inf)")
+    lo, hi = float(xf.min()), float(xf.max())
+    if info is not None and info.scale == "unit" and (lo < -_UNIT_SLACK or hi > 1 + _UNIT_SLACK):
+        raise ValueError(f"values span [{lo:g}, {hi:g}], expected [0, 1]{scale}")
+    if info is not None and info.scale == "standard" and xf.numel() > 1:
+        std = float(xf.std())
+        if max(abs(lo), abs(hi)) > _STANDARD_MAX_ABS or not _STANDARD_STD[0] <= std <= _STANDARD_STD[1]:
+            raise ValueError(f"values span [{lo:g}, {hi:g}] with std {std:.3g}, not on the expected scale{scale}")
+    if y is None:
+        return
+    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        raise ValueError(f"labels y have dtype {y.dtype}; expected integers")
+    if tuple(y.shape) != (x.shape[0],):
+        raise ValueError(f"labels y have shape {tuple(y.shape)}; expected ({x.shape[0]},), one per input")
+    if classes is not None and len(y) and (int(y.min()) < 0 or int(y.max()) >= classes):
+        raise ValueError(f"labels y span [{int(y.min())}, {int(y.max())}]; {name} has classes 0..{classes - 1}")
 
 
 def _freeze(v: Any) -> Any:
@@ -196,9 +286,9 @@ class FederatedData:
             raise ValueError(
                 f"partitioning: unknown method {partitioning!r}; valid: {', '.join(PARTITIONERS)}"
             )
-        if fusion_source not in FUSION_SOURCES:
+        if fusion_source not in FUSION_SET_SOURCES:
             raise ValueError(
-                f"fusion-set-source: unknown source {fusion_source!r}; valid: {', '.join(FUSION_SOURCES)}"
+                f"fusion-set-source: unknown source {fusion_source!r}; valid: {', '.join(FUSION_SET_SOURCES)}"
             )
         args = dict(
             dataset=dataset, num_clients=int(num_clients), partitioning=partitioning,

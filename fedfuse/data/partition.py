@@ -33,7 +33,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "shards", "full")
+from fedfuse.config import PARTITIONINGS
+
+PARTITIONERS: tuple[str, ...] = PARTITIONINGS  # the names are declared in fedfuse.config
 
 # Distinct sub-streams of the user seed, so e.g. the row permutation and the class shuffle are
 # not the same random numbers.

@@ -22,6 +22,12 @@ hf:<name>      from the data           Hugging Face: ``root`` = a ``save_to_disk
 
 Loaders read whole datasets into memory: meant for the small / medium benchmarks fedfuse runs.
 Options a loader does not accept raise ``ValueError``.
+
+What a run config can know about a source without loading it (input shape, classes, value scale) is in
+``SOURCE_INFO`` (``source_info(name)``), for the config checks of ``fedfuse.config``. Every named source
+is covered, with its default options (the run config passes none). ``hf:<name>`` is not: a Hugging Face
+dataset's columns, image size and classes are only known once it is loaded (images are scaled to
+[0, 1], other feature columns are taken as they are).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from fedfuse.config import DATASETS, HF_PREFIX
 from fedfuse.data.partition import split_train_val
 
 
@@ -203,7 +210,7 @@ def _load_synthetic(
 
 # ---------------------------------------------------------------------------------- torchvision
 _TV_CLASSES = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
-_TV_NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "mnist": 10, "fashion-mnist": 10}
+TORCHVISION_SOURCES: tuple[str, ...] = tuple(_TV_CLASSES)
 
 
 def _images_to_nchw(data: np.ndarray) -> np.ndarray:
@@ -268,7 +275,7 @@ def _load_torchvision(
         data = ds.data.numpy() if isinstance(ds.data, torch.Tensor) else np.asarray(ds.data)
         targets = np.asarray(ds.targets.numpy() if isinstance(ds.targets, torch.Tensor) else ds.targets)
         x, y = _limit(data, targets.astype(np.int64), limit, seed + (0 if train else 1))
-        splits.append(_make(_images_to_nchw(x), y, _TV_NUM_CLASSES[which]))
+        splits.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
     train_ds, test_ds = splits
     if normalize:
         _normalize(train_ds, test_ds)
@@ -413,6 +420,61 @@ SOURCES: dict[str, Callable[..., tuple[ArrayDataset, ArrayDataset]]] = {
 handled by ``load_source`` in addition to these keys."""
 
 
+@dataclass(frozen=True)
+class SourceInfo:
+    """What is known about a named source before loading it (with its default options).
+
+    Attributes:
+        input_shape: shape of one input, ``x.shape[1:]``.
+        num_classes: classes of the task.
+        scale: ``"unit"`` (inputs in [0, 1]) or ``"standard"`` (standardised: about mean 0, std 1).
+        scale_note: how the loader gets there from the raw data (for error messages).
+    """
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    scale: str
+    scale_note: str
+
+    def scale_text(self) -> str:
+        what = "[0, 1]" if self.scale == "unit" else "standardised values (about mean 0, std 1)"
+        return f"{what}: {self.scale_note}"
+
+
+def _synthetic_info() -> SourceInfo:
+    p = inspect.signature(_load_synthetic).parameters  # the loader's defaults are the facts
+    return SourceInfo((int(p["num_features"].default),), int(p["num_classes"].default), "standard",
+                      "seeded Gaussian mixture with unit-variance classes")
+
+
+_UNIT_PIXELS = "uint8 pixels divided by 255"
+SOURCE_INFO: dict[str, SourceInfo] = {
+    "digits": SourceInfo((1, 8, 8), 10, "unit", "sklearn digits pixel values 0..16 divided by 16"),
+    "digits-flat": SourceInfo((64,), 10, "unit", "sklearn digits pixel values 0..16 divided by 16"),
+    "mnist1d": SourceInfo((1, 40), 10, "standard", "MNIST-1D signals as the mnist1d package generates them"),
+    "mnist1d-flat": SourceInfo((40,), 10, "standard", "MNIST-1D signals as the mnist1d package generates them"),
+    "synthetic": _synthetic_info(),
+    "cifar10": SourceInfo((3, 32, 32), 10, "unit", _UNIT_PIXELS),
+    "cifar100": SourceInfo((3, 32, 32), 100, "unit", _UNIT_PIXELS),
+    "mnist": SourceInfo((1, 28, 28), 10, "unit", _UNIT_PIXELS),
+    "fashion-mnist": SourceInfo((1, 28, 28), 10, "unit", _UNIT_PIXELS),
+}
+
+# the dataset names are declared once, in fedfuse.config.DATASETS: every name needs a loader and metadata
+if not set(DATASETS) == set(SOURCES) == set(SOURCE_INFO):
+    raise RuntimeError(f"fedfuse.data.sources: loaders {sorted(SOURCES)} / metadata {sorted(SOURCE_INFO)} do not "
+                       f"match fedfuse.config.DATASETS {sorted(DATASETS)}")
+
+
+def source_info(name: str) -> SourceInfo | None:
+    """``SourceInfo`` of a named source; ``None`` for ``hf:<name>`` (known only once loaded)."""
+    if name.startswith(HF_PREFIX):
+        return None
+    if name not in SOURCE_INFO:
+        raise ValueError(f"dataset: unknown source {name!r}; valid: {', '.join(SOURCES)}, {HF_PREFIX}<hub-name>")
+    return SOURCE_INFO[name]
+
+
 def _check_options(name: str, loader: Callable, options: dict) -> None:
     fn = getattr(loader, "__wrapped__", loader)
     fixed = getattr(loader, "_fixed", {})
@@ -455,8 +517,8 @@ def load_source(
     """
     if not isinstance(name, str):
         raise ValueError(f"dataset: expected a string name, got {name!r}")
-    if name.startswith("hf:"):
-        hub = name[3:]
+    if name.startswith(HF_PREFIX):
+        hub = name[len(HF_PREFIX):]
         if not hub:
             raise ValueError("dataset: 'hf:' needs a name, e.g. hf:uoft-cs/cifar10")
         loader = _bind(_load_hf, hub_name=hub)

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.runners.flwr_runner import (ROOT, RunOutcome, descendants, flwr_env, free_port, kill_tree,  # noqa: F401
-                                     run_config_arg, toml_value)
+from simulations.runners.flwr_runner import (ROOT, RunOutcome, check_app_config, descendants, flwr_env,  # noqa: F401
+                                             free_port, kill_tree, run_config_arg, toml_value)
 
 CONNECTION = "fedfuse-deploy"
 
@@ -273,12 +273,15 @@ class Deployment:
             return f"flwr log timed out: {exc}"
         return res.stdout + res.stderr
 
-    def run(self, run_config: dict[str, Any], timeout: float = 300.0) -> RunOutcome:
-        """Submit the app, wait for the run to finish, return its status, logs and results dir."""
+    def run(self, run_config: dict[str, Any], timeout: float = 300.0, check_config: bool | None = None) -> RunOutcome:
+        """Submit the app, wait for the run to finish, return its status, logs and results dir.
+
+        The whole config is checked first (``flwr_runner.check_app_config``; ``ConfigError`` names the key)."""
         cfg = dict(run_config)
         cfg.setdefault("output-dir", str((self.app_dir / "results").resolve()))
         cfg.setdefault("run-name", f"deploy-{time.strftime('%Y%m%d-%H%M%S')}")
         cfg.setdefault("num-clients", self.n)
+        check_app_config(cfg, self.app_dir, check_config)
         t0 = time.perf_counter()
         self.wait_for_nodes()
         run_id = self.submit(cfg)
@@ -296,11 +299,13 @@ def main() -> None:
     ap.add_argument("--run-config", default="", help='e.g. "num-server-rounds=2 strategy=\'kf-linear\'"')
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
-    import tomllib
+    from simulations.runners.cli import overrides_or_exit, preflight_or_exit
 
-    overrides = tomllib.loads("\n".join(a.run_config.split())) if a.run_config else {}
+    overrides = overrides_or_exit(a.run_config)
+    overrides.setdefault("num-clients", a.supernodes)
+    preflight_or_exit(overrides)  # before any SuperLink / SuperNode starts
     with Deployment(a.supernodes, tls=not a.insecure, auth=not (a.no_auth or a.insecure)) as dep:
-        out = dep.run(overrides, timeout=a.timeout)
+        out = dep.run(overrides, timeout=a.timeout, check_config=False)
         print(out.log[-4000:])
         print(f"run {out.run_id}: {out.status} {out.details} in {out.seconds:.0f}s; results in {out.out_dir}")
         sys.exit(0 if out.ok else 1)

@@ -190,19 +190,32 @@ class RunOutcome:
         return self.status == "finished:completed"
 
 
+def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | None) -> None:
+    """``fedfuse.config.preflight`` of the full run config before any Flower process starts; by default for
+    the fedfuse app only (a test app with its own keys, e.g. fault injection, checks its own)."""
+    if check_config is None:
+        check_config = Path(app_dir).resolve() == ROOT
+    if check_config:
+        from fedfuse.config import preflight
+
+        preflight(cfg)
+
+
 def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cpus_per_client: float = 1.0,
             gpus_per_client: float = 0.0, timeout: float = 900.0, echo: bool = True,
-            app_dir: Path = ROOT, keep_home: bool = False) -> RunOutcome:
+            app_dir: Path = ROOT, keep_home: bool = False, check_config: bool | None = None) -> RunOutcome:
     """``flwr run <app_dir>`` with ``run_config`` overrides; returns the run status and results dir.
 
     ``run_config`` should hold ``output-dir`` (absolute) and ``run-name``; both are filled in when
-    missing (``results/`` under the app, a timestamped name).
+    missing (``results/`` under the app, a timestamped name). The whole config is checked first
+    (``check_app_config``): a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
     """
     cfg = dict(run_config)
     cfg.setdefault("output-dir", str((app_dir / "results").resolve()))
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
     n = num_supernodes or int(cfg.get("num-clients", 4))
     cfg.setdefault("num-clients", n)
+    check_app_config(cfg, app_dir, check_config)
     out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
     home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
     env = flwr_env(home)

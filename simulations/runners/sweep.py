@@ -4,9 +4,10 @@
         --seeds 0,1,2 --run-config "num-server-rounds=5 dataset='mnist1d'" --out results/sweep
 
 A strategy may carry its own run-config overrides: ``--strategies "fedavg,kf-linear[fusion-rounds=3]"``
-(space-separated ``key=value`` inside the brackets; the label with brackets names the table row).
+(``key=value`` pairs inside the brackets, as in ``--run-config``; the label with brackets names the table
+row). Every cell's config is checked (``fedfuse.config.preflight``) before the first run starts.
 
-Each cell is the final-round central test accuracy, mean ± std over seeds; a second table gives
+Each cell is the final-round central test accuracy, mean ± sample std (ddof 1) over seeds; a second table gives
 the first round reaching 90% of that strategy's final accuracy; a third the first round reaching the
 ``--reference`` strategy's final accuracy *of the same seed* (rounds-to-reference: "reaches FedAvg's
 final accuracy in fewer rounds"; never = the run did not reach it, counted as the last round + 1 and
@@ -22,11 +23,12 @@ import json
 import re
 import statistics
 import sys
-import tomllib
 from pathlib import Path
 
+from fedfuse.config import ConfigError
+from simulations.runners.cli import config_error_exit, overrides_or_exit, parse_run_config_arg, preflight_or_exit
 from simulations.runners.flwr_runner import ROOT, run_app
-from simulations.runners.run import parse_overrides
+from simulations.runners.run import run_failure
 
 
 def mean_std(vals: list[float]) -> str:
@@ -53,40 +55,71 @@ def main(argv: list[str] | None = None) -> int:
     # rows of earlier sweeps into the same --out are kept (a rerun of a cell replaces its row)
     rows = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else []
     if args.tables_only:
-        return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out,
+        return render(rows, split_strategies(args.strategies), args.partitions.split(","), args.reference, out,
                       args.run_config)
-    base = parse_overrides(args.run_config)
-    defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    for label in args.strategies.split(","):
-        strategy, extra = parse_strategy(label)
+    base = overrides_or_exit(args.run_config)
+    labels = split_strategies(args.strategies)
+    cells = []  # every cell's config is checked before the first run starts
+    for label in labels:
+        try:
+            strategy, extra = parse_strategy(label)
+        except ConfigError as exc:
+            raise config_error_exit(exc) from None
         for part in args.partitions.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{label}-{part}-s{seed}").strip("_")
                 cfg = {**base, **extra, "strategy": strategy, "partitioning": part, "seed": seed,
                        "output-dir": str(out), "run-name": name}
-                n = int(cfg.get("num-clients", defaults["num-clients"]))
-                outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, echo=False)
-                row = {"strategy": label, "partitioning": part, "seed": seed, "status": outcome.status,
-                       "seconds": outcome.seconds, "run-config": {k: v for k, v in cfg.items() if k != "output-dir"}}
-                res = outcome.out_dir / "results.json"
-                if outcome.ok and res.exists():
-                    rounds = json.loads(res.read_text())["rounds"]
-                    row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
-                    row["final-accuracy"] = rounds[-1]["test-accuracy"]
-                    row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
-                print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}", flush=True)
-                rows = [r for r in rows if (r["strategy"], r["partitioning"], r["seed"]) != (label, part, seed)]
-                rows.append(row)
-                (out / "sweep.json").write_text(json.dumps(rows, indent=2))
-    return render(rows, args.strategies.split(","), args.partitions.split(","), args.reference, out, args.run_config)
+                cells.append((label, part, seed, name, cfg, preflight_or_exit(cfg).num_clients))
+    for label, part, seed, name, cfg, n in cells:
+        outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, echo=False, check_config=False)
+        row = {"strategy": label, "partitioning": part, "seed": seed, "status": outcome.status,
+               "seconds": outcome.seconds, "run-config": {k: v for k, v in cfg.items() if k != "output-dir"}}
+        res = outcome.out_dir / "results.json"
+        results = json.loads(res.read_text()) if res.exists() else None
+        failure = run_failure(results) if results is not None else None
+        if failure:  # the app reported a failed run (e.g. fusion never succeeded): no accuracy for the table
+            row["status"], row["error"] = "failed", failure
+        elif outcome.ok and results is not None:
+            rounds = results["rounds"]
+            row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
+            row["final-accuracy"] = rounds[-1]["test-accuracy"]
+            row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
+            row["fallback-rounds"] = [r["round"] for r in rounds if r.get("fallback")]
+        print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}"
+              f"{' fallback rounds ' + str(row['fallback-rounds']) if row.get('fallback-rounds') else ''}"
+              f"{' error: ' + row['error'] if row.get('error') else ''}", flush=True)
+        rows = [r for r in rows if (r["strategy"], r["partitioning"], r["seed"]) != (label, part, seed)]
+        rows.append(row)
+        (out / "sweep.json").write_text(json.dumps(rows, indent=2))
+    return render(rows, labels, args.partitions.split(","), args.reference, out, args.run_config)
+
+
+def split_strategies(text: str) -> list[str]:
+    """``"fedavg,kf-linear[fusion-options='{a=1, b=2}']"`` → labels, split on commas outside brackets/quotes."""
+    labels, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            labels.append(text[start:i].strip())
+            start = i + 1
+    labels.append(text[start:].strip())
+    return [label for label in labels if label]
 
 
 def parse_strategy(label: str) -> tuple[str, dict]:
     """``"kf-linear[fusion-rounds=3 local-epochs=2]"`` → ``("kf-linear", {run-config overrides})``."""
-    m = re.fullmatch(r"([^\[\]]+)(?:\[(.*)\])?", label.strip())
+    m = re.fullmatch(r"([^\[\]]+)(?:\[(.*)\])?", label.strip(), flags=re.S)
     if not m:
-        raise ValueError(f"--strategies: cannot parse {label!r}; use name or name[key=value ...]")
-    return m.group(1), parse_overrides(m.group(2) or "")
+        raise ConfigError(f"--strategies: cannot parse {label!r}; use name or name[key=value ...]")
+    return m.group(1).strip(), parse_run_config_arg(m.group(2) or "")
 
 
 def rounds_to(acc_per_round: list[float], target: float) -> int | None:
@@ -123,7 +156,7 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
         lines_ref.append(f"| {strategy} | " + " | ".join(cells_ref) + " |")
     seeds = sorted({r["seed"] for r in rows})
     table = ((f"Run config: `{run_config}`; seeds {seeds}\n\n" if run_config else "") +
-             "Final test accuracy (mean ± std over seeds)\n\n" + "\n".join(lines) +
+             "Final test accuracy (mean ± sample std, ddof 1, over seeds)\n\n" + "\n".join(lines) +
              "\n\nFirst round reaching 90% of the strategy's own final accuracy\n\n" + "\n".join(lines_r) +
              f"\n\nFirst round reaching {reference}'s final accuracy (same seed)\n\n" + "\n".join(lines_ref) + "\n")
     (out / "table.md").write_text(table)
@@ -133,7 +166,7 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
 
 
 def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, title: str = "") -> None:
-    """Test accuracy per round, mean ± std over seeds; one panel per partitioning."""
+    """Test accuracy per round, mean ± sample std (ddof 1) over seeds; one panel per partitioning."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,7 +182,7 @@ def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, 
                 continue
             n = min(len(c) for c in curves)
             a = np.array([c[:n] for c in curves])
-            mu, sd = a.mean(0), a.std(0)
+            mu, sd = a.mean(0), (a.std(0, ddof=1) if len(a) > 1 else np.zeros(n))
             xs = np.arange(n)
             ax.plot(xs, mu, label=f"{strategy} (n={len(curves)})")
             ax.fill_between(xs, mu - sd, mu + sd, alpha=0.2)
