@@ -9,8 +9,12 @@ Each module of this package registers its methods with ``@register("name", optio
 every method (unknown option or wrong type → ``FusionOptionError``, a ``ValueError`` naming it), then calls
 ``fn(models, *, fusion_inputs, scores, weights, device, seed, options, info)`` with ``weights`` normalised
 to sum to 1, ``scores`` ``None`` or one ``{level name: [width] tensor}`` dict per model, ``device`` a
-``torch.device``, ``options`` the parsed options dataclass and ``info`` a dict for diagnostics. Inputs are
-never modified; every failure a method reports is a ``FusionError`` (``fedfuse.fusion.registry``).
+``torch.device``, ``options`` the parsed options dataclass and ``info`` a dict for diagnostics. Before the
+call ``fuse`` checks the setup against the method's capabilities (``MethodSpec.check_setup`` with the
+models' adapter family, whether all their levels are affine, the number of models and the fusion set);
+after it, that the fused weights are finite (``NumericalFusionError`` naming the first bad entry).
+Inputs are never modified; every failure a method reports is a ``FusionError``
+(``fedfuse.fusion.registry``, all ``ValueError``s). Diagnostics come one way: ``fuse_result(...).info``.
 """
 
 from __future__ import annotations
@@ -41,21 +45,21 @@ def normalise_weights(weights, n: int) -> list[float]:
     return [v / total for v in w]
 
 
-def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None]:
-    """``(family, affine_levels)`` of ``models``: the family of model 0 (``None`` when it is no
-    ``fedfuse.models`` family) and whether every fusion level of every model is affine (``None`` when the
-    levels cannot be computed)."""
-    from fedfuse.models.levels import levels, model_family
+def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None, str | None]:
+    """``(family, affine_levels, problem)`` of ``models``: the adapter family of model 0, whether every
+    fusion level of every model is affine, and why the models cannot be decomposed (``None`` if they
+    can; family and affine_levels are then ``None`` where unknown)."""
+    from fedfuse.models import levels, model_family
 
     try:
         family = model_family(models[0])
-    except ValueError:
-        return None, None
+    except ValueError as exc:  # UnsupportedModelError: no adapter describes this model type
+        return None, None, f"model 0: {exc}"
     try:
         affine = all(lv.affine for m in models for lv in levels(m))
-    except ValueError:
-        affine = None
-    return family, affine
+    except ValueError as exc:
+        return family, None, str(exc)
+    return family, affine, None
 
 
 def check_finite(method: str, model: nn.Module) -> None:
@@ -81,12 +85,11 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         raise FusionOptionError(f"fuse: got {len(scores)} score dicts for {len(models)} models")
     if fusion_inputs is not None and len(fusion_inputs) == 0:
         fusion_inputs = None  # an empty fusion set is no fusion set
-    legacy = getattr(spec, "_legacy", False)
-    opts = None if legacy else spec.parse_options(options)
-    family, affine = model_setup(models)
-    if family is None and not spec.any_module:
-        raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models and supports "
-                                      f"{list(spec.families)} families; model 0 is a {type(models[0]).__name__}")
+    opts = spec.parse_options(options)
+    family, affine, problem = model_setup(models)
+    if problem is not None and not spec.any_module:
+        raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models into fusion levels "
+                                      f"({list(spec.families)} families) and cannot take these: {problem}")
     spec.check_setup(num_models=len(models), family=family,
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
     dev = resolve_device(device)
@@ -94,12 +97,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        common = dict(fusion_inputs=fusion_inputs, scores=scores, weights=normalise_weights(weights, len(models)),
-                      device=dev, seed=seed)
-        if legacy:
-            fused = spec.fn(models, **common, **options)
-        else:
-            fused = spec.fn(models, **common, options=opts, info=info)
+        fused = spec.fn(models, fusion_inputs=fusion_inputs, scores=scores,
+                        weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts, info=info)
     fused = fused.cpu().eval()
     check_finite(method, fused)
     return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)

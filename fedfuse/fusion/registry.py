@@ -247,25 +247,18 @@ METHOD_SPECS: dict[str, MethodSpec] = {}
 METHODS: dict[str, FusionFn] = {}  # name -> function (public API: ``name in METHODS``)
 
 
-def register(name: str, *, options: type | None = None, **capabilities: Any) -> Callable[[FusionFn], FusionFn]:
+def register(name: str, *, options: type = NoOptions, **capabilities: Any) -> Callable[[FusionFn], FusionFn]:
     """Decorator registering a fusion function under ``name`` with its options dataclass and capabilities
     (keyword arguments = ``MethodSpec`` fields). The function is called as
     ``fn(models, *, fusion_inputs, scores, weights, device, seed, options, info)``.
-
-    TRANSITION (issue 11, to be removed when every method is converted): ``options=None`` registers a
-    legacy function called as ``fn(models, ..., **options)`` without ``options``/``info``.
     """
-    legacy = options is None
-    if legacy:
-        options = NoOptions
-    elif not (dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+    if not (dataclasses.is_dataclass(options) and options.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise TypeError(f"register({name!r}): options must be a frozen dataclass, got {options!r}")
 
     def deco(fn: FusionFn) -> FusionFn:
         if name in METHODS and METHODS[name] is not fn:
             raise RuntimeError(f"fusion method {name!r} registered twice")
         spec = MethodSpec(name=name, fn=fn, options=options, **capabilities)
-        object.__setattr__(spec, "_legacy", legacy)
         # read-only mirrors of the capabilities for code that inspects METHODS[name] directly
         fn.needs_data = spec.needs_data  # type: ignore[attr-defined]
         fn.uses_scores = spec.uses_scores  # type: ignore[attr-defined]
