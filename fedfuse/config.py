@@ -435,7 +435,9 @@ def describe() -> str:
         allowed = " \\| ".join(s.choices) if s.choices else s.range_text()
         if s.key == "dataset":
             allowed += f" \\| {HF_PREFIX}<name>"
-        rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help} |")
+        if s.key == "strategy":
+            allowed = " \\| ".join(strategy_names())
+        rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
 
 

@@ -19,15 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.runners.cli import overrides_or_exit, parse_run_config_arg, preflight_or_exit
+from simulations.runners.cli import overrides_or_exit, preflight_or_exit
 from simulations.runners.flwr_runner import ROOT, run_app
 
 _FALLBACK_WIDTH = 40
-
-
-def parse_overrides(text: str) -> dict[str, Any]:
-    """``"k1=v1 k2='s t'"`` (TOML values, as ``flwr run --run-config``) → dict (``cli.parse_run_config_arg``)."""
-    return parse_run_config_arg(text)
 
 
 def summary_table(rounds: list[dict[str, Any]]) -> str:
