@@ -1,6 +1,8 @@
 """End to end: the real ``flwr run`` local simulation (SuperLink + Ray), checked through its results.
 
-One run stays in the default suite (it costs ~1 min on 2 cores, most of it Ray start-up).
+Two runs stay in the default suite (each costs ~30 s to 1 min on 2 cores, most of it Ray start-up): a
+healthy multi-round run, and one whose fusion always fails (test support ``FusionFaultStrategy``), which
+must end as a failed run with the reason in ``results.json``.
 """
 
 import json
@@ -8,6 +10,8 @@ import json
 import pytest
 
 from simulations.runners.flwr_runner import run_app
+from simulations.runners.run import report
+from tests.support.fault_app import write_fault_app
 
 
 def _run(tmp_path, **overrides):
@@ -33,6 +37,27 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     assert last["client-score-seconds-mean"] > 0                  # clients computed importance scores
     for name in ("rounds.csv", "accuracy.png", "global_model.pt", "config.json", "DONE"):
         assert (outcome.out_dir / name).exists(), name
+    assert res["status"] == "completed" and res["error"] is None
+    assert res["fallbacks"] == 0 and res["fallback-rounds"] == [] and last["fallback"] is None
+    assert last["fusion-info"] is not None
+
+
+def test_flwr_run_where_fusion_never_succeeds_fails_loudly(tmp_path, capsys):
+    cfg = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 2,
+           "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 80,
+           "min-train-nodes": 2, "strategy": "kf-linear", "importance": "uniform", "test-faults": "fusion:error",
+           "output-dir": str(tmp_path), "run-name": "always-fails"}
+    outcome = run_app(cfg, num_supernodes=2, timeout=420, echo=False, app_dir=write_fault_app(tmp_path / "app"))
+    assert outcome.status == "finished:failed", (outcome.status, outcome.details, outcome.log[-3000:])
+    res = json.loads((outcome.out_dir / "results.json").read_text())
+    assert res["status"] == "failed" and "fusion never succeeded" in res["error"], res.get("error")
+    assert "injected fusion failure" in res["error"]
+    assert res["fallbacks"] == 2 and res["fallback-rounds"] == [1, 2]
+    assert [r["fallback"].split(":")[0] for r in res["rounds"][1:]] == ["previous", "previous"]
+    assert "fusion never succeeded" in outcome.log and "keeping the previous global model" in outcome.log
+    assert not (outcome.out_dir / "DONE").exists() and (outcome.out_dir / "accuracy.png").exists()
+    assert report(outcome.out_dir, outcome.ok, outcome.status) == 1   # the runner exits non-zero
+    assert "fusion never succeeded" in capsys.readouterr().err
 
 
 @pytest.mark.slow
