@@ -151,8 +151,9 @@ class Adapter:
         raise NotImplementedError
 
     # ---- the family at other sizes
-    def config(self, model: nn.Module) -> ModelConfig:
-        """Width, depth and the other factory settings of ``model``."""
+    def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
+        """Width, depth and the other factory settings of ``model``; ``input_shape`` (when known) replaces
+        the one read from the layers."""
         raise NotImplementedError
 
     def build(self, config: ModelConfig, seed: int = 0) -> nn.Module:
@@ -170,11 +171,12 @@ class Adapter:
         return config.replace(width=config.width if width is None else int(width),
                               depth=config.depth if depth is None else int(depth))
 
-    def resize(self, model: nn.Module, width: int | None = None, depth: int | None = None,
-               seed: int = 0) -> nn.Module:
+    def resize(self, model: nn.Module, width: int | None = None, depth: int | None = None, seed: int = 0,
+               input_shape: tuple[int, ...] | None = None) -> nn.Module:
         """A freshly initialised model of ``model``'s family and settings at another ``width``/``depth``
-        (``None`` keeps the current value)."""
+        (``None`` keeps the current value). ``input_shape``: the inputs the model takes, where its layers do
+        not fix them (a CNN's spatial size decides its pooling)."""
         for key, value in (("width", width), ("depth", depth)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"resize: {key} must be a positive int, got {value!r}")
-        return self.build(self.resized_config(self.config(model), width, depth), seed=seed)
+        return self.build(self.resized_config(self.config(model, input_shape), width, depth), seed=seed)

@@ -77,10 +77,10 @@ class ResNetAdapter(Adapter):
     def set_classifier(self, model: nn.Module, layer: nn.Linear) -> None:
         model.fc = layer
 
-    def config(self, model: nn.Module) -> ModelConfig:
+    def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         """``width`` = stem channels, ``depth`` = stages (channel doublings), ``blocks_per_stage``, ``norm``.
 
-        The spatial input size does not change a ResNet's layers; ``input_shape`` uses 8 per side."""
+        The spatial input size does not change a ResNet's layers; without ``input_shape`` it is 8 per side."""
         conv = model.stem[0]
         one_d = isinstance(conv, nn.Conv1d)
         width = conv.out_channels
@@ -93,6 +93,6 @@ class ResNetAdapter(Adapter):
         if len(set(per_stage.values())) != 1:
             raise UnsupportedModelError(f"config: ResNet stages have different block counts {per_stage}")
         norm = "group" if isinstance(model.stem[1], nn.GroupNorm) else "batch"
-        spatial = (8,) if one_d else (8, 8)
-        return ModelConfig("resnet", "resnet", model.fc.out_features, (conv.in_channels, *spatial), width,
+        shape = tuple(input_shape) if input_shape is not None else (conv.in_channels, *((8,) if one_d else (8, 8)))
+        return ModelConfig("resnet", "resnet", model.fc.out_features, shape, width,
                            len(stages), {"blocks_per_stage": per_stage[stages[0]], "norm": norm})

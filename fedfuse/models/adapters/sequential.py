@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -149,12 +151,12 @@ class SequentialAdapter(Adapter):
         model[len(model) - 1] = layer
 
     # ----------------------------------------------------------------------------------- config / resize
-    def config(self, model: nn.Sequential) -> ModelConfig:
+    def config(self, model: nn.Sequential, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         """Config of a fedfuse ``mlp`` (``Flatten → [Linear → (BN) → ReLU]×depth → Linear``) or ``cnn``
         (``[Conv → (BN) → ReLU → (MaxPool)]×depth → GAP → Flatten → Linear``, channels doubling per stage).
 
-        A CNN's input size is not stored in its layers: ``input_shape`` is the smallest size that gives
-        the same pooling layers. Other ``nn.Sequential`` stacks raise ``UnsupportedModelError``.
+        A CNN's input size is not stored in its layers: without ``input_shape`` it is the smallest size that
+        gives the same pooling layers. Other ``nn.Sequential`` stacks raise ``UnsupportedModelError``.
         """
         children = list(model)
         cfg = _mlp_config(children) if children and isinstance(children[0], nn.Flatten) else _cnn_config(children)
@@ -162,7 +164,24 @@ class SequentialAdapter(Adapter):
             kinds = " → ".join(type(m).__name__ for m in children)
             raise UnsupportedModelError(f"config: this nn.Sequential ({kinds}) is not laid out like fedfuse's mlp or "
                                         "cnn, so it cannot be rebuilt at another width/depth")
+        if input_shape is not None:
+            if cfg.name == "mlp" and math.prod(input_shape) != cfg.input_shape[0]:
+                raise UnsupportedModelError(f"config: this mlp takes {cfg.input_shape[0]} input features, not "
+                                            f"input_shape {tuple(input_shape)}")
+            cfg = cfg.replace(input_shape=tuple(input_shape))
         return cfg
+
+    def resize(self, model: nn.Sequential, width: int | None = None, depth: int | None = None, seed: int = 0,
+               input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """See ``Adapter.resize``. A deeper CNN that pooled in every stage needs ``input_shape``: whether the
+        new stages pool depends on the input size, which its layers do not fix."""
+        if input_shape is None and depth is not None:
+            cfg = self.config(model)
+            pools = sum(isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)) for m in model)
+            if cfg.name == "cnn" and depth > cfg.depth and pools == cfg.depth:
+                raise UnsupportedModelError(f"resize: a cnn deeper than {cfg.depth} stages pools depending on the "
+                                            "input size, which its layers do not fix; pass input_shape=")
+        return super().resize(model, width=width, depth=depth, seed=seed, input_shape=input_shape)
 
 
 def _mlp_config(c: list[nn.Module]) -> ModelConfig | None:

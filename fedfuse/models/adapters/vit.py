@@ -164,7 +164,7 @@ class ViTAdapter(Adapter):
         model.num_classes = layer.out_features
 
     # ----------------------------------------------------------------------------------- config / resize
-    def config(self, model: nn.Module) -> ModelConfig:
+    def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         """``width`` = embedding width, ``depth`` = blocks; ``num_heads``, ``mlp_ratio``, ``patch_size``,
         ``reg_tokens``, ``qkv_bias`` as ``fedfuse.models.vit`` takes them. ViTs that ``vit`` cannot build
         (other pooling, no class token, LayerScale, q/k norms, ...) raise ``UnsupportedModelError``."""
@@ -195,6 +195,8 @@ class ViTAdapter(Adapter):
             if ph != pw:
                 raise UnsupportedModelError(f"config: non-square patches {pe.patch_size} are not supported")
             shape, patch = (c, h, w), ph
+        if input_shape is not None and tuple(input_shape) != shape:
+            raise UnsupportedModelError(f"config: this ViT's patch embedding takes inputs {shape}, not {tuple(input_shape)}")
         attn = blocks[0].attn
         options = {"num_heads": attn.num_heads, "mlp_ratio": blocks[0].mlp.fc1.out_features / model.embed_dim,
                    "patch_size": patch, "reg_tokens": model.num_reg_tokens, "qkv_bias": attn.qkv.bias is not None}
