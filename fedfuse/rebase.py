@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute import Map, apply_maps, build_spec, check_compatible
+from fedfuse.fusion.registry import IncompatibleModelsError
 from fedfuse.fusion.transfusion import transfusion_match
 
 
@@ -112,7 +113,7 @@ def transport(task_vector: dict[str, torch.Tensor], from_base: nn.Module, to_bas
             spec_a, spec_b = build_spec(from_base, residual), build_spec(to_base, residual)
             check_compatible(spec_a, spec_b, sa, sb, same_width=True)
     except ValueError as err:
-        raise ValueError(f"transport: bases are incompatible: {err}") from None
+        raise IncompatibleModelsError(f"transport: bases are incompatible: {err}") from None
     moved = permute_task_vector(task_vector, maps, spec_a, spec_b, sb)
     new_state = {k: v.clone() for k, v in sb.items()}
     for k, d in moved.items():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfuse.fusion import METHODS, fuse
+from fedfuse.fusion import METHODS, FusionOptionError, MissingInputError, fuse, fuse_result
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.models import build_model
 
@@ -39,16 +39,21 @@ def test_registered():
 def test_kd_moves_toward_ensemble_and_leaves_inputs(pair):
     a, b, x = pair
     before = copy.deepcopy(a.state_dict())
-    st = fuse("kd", [a, b], fusion_inputs=x, epochs=30, lr=3e-3)
+    result = fuse_result("kd", [a, b], fusion_inputs=x, epochs=30, lr=3e-3)
+    st = result.model
+    losses = result.info["epoch_losses"]  # diagnostics: mean distillation loss per epoch
+    assert result.info["epochs"] == 30 and len(losses) == 30 and losses[-1] < losses[0]
     assert _kl_to_ensemble(st, [a, b], x) < 0.3 * _kl_to_ensemble(a, [a, b], x)
     assert all(torch.equal(v, a.state_dict()[k]) for k, v in before.items())  # parents untouched
     for aug in ("noise", "mixup"):
         assert fuse("kd", [a, b], fusion_inputs=x, epochs=2, augmentation=aug)(x).shape == (128, 10)
     fresh = fuse("kd", [a, b], fusion_inputs=x, epochs=1, student="fresh")
     assert not torch.allclose(fresh[1].weight, a[1].weight)
-    with pytest.raises(ValueError):
+    with pytest.raises(FusionOptionError, match="'student'"):
         fuse("kd", [a, b], fusion_inputs=x, epochs=1, student="nope")
-    with pytest.raises(ValueError):
+    with pytest.raises(FusionOptionError, match="'lr' must be > 0"):
+        fuse("kd", [a, b], fusion_inputs=x, lr=0.0)
+    with pytest.raises(MissingInputError, match="fusion set"):
         fuse("kd", [a, b], fusion_inputs=None)
 
 
@@ -63,7 +68,7 @@ def test_lp_refits_only_the_head(pair):
         else:
             assert torch.equal(sa[k], ss[k]), k
     assert _kl_to_ensemble(st, [a, b], x) < 0.8 * _kl_to_ensemble(a, [a, b], x)
-    with pytest.raises(ValueError):
+    with pytest.raises(MissingInputError, match="fusion set"):
         fuse("lp", [a, b], fusion_inputs=None)
 
 

@@ -311,6 +311,19 @@ def test_head_targets_probability_ensemble_and_floor():
                  fusion_inputs=torch.randn(20, 1, 8, 8), **bad)
 
 
+def test_diagnostics_come_back_in_the_result_info():
+    from fedfuse.fusion import fuse_result
+
+    a = build_model("mlp", input_shape=(1, 8, 8), width=12, seed=1).eval()
+    b = build_model("mlp", input_shape=(1, 8, 8), width=12, seed=2).eval()
+    x = torch.randn(60, 1, 8, 8)
+    lin = fuse_result("kf-linear", [a, b], fusion_inputs=x).info["levels"]
+    assert set(lin) == {"1", "3"} and lin["1"]["kmeans_cost"] >= 0 and lin["1"]["kmeans_iterations"] >= 1
+    grad = fuse_result("kf-gradient", [a, b], fusion_inputs=x, epochs=2, head_epochs=2).info["levels"]
+    assert set(grad) == {"1", "3", "5"} and all("val_mse" in grad[k] for k in grad)
+    assert grad["5"]["val_mse"] <= grad["5"]["val_mse_start"]  # the best state, including the start, is kept
+
+
 def test_balanced_match_fuses_permuted_copies_exactly():
     m = build_model("mlp", input_shape=(1, 8, 8), width=24, seed=1).eval()
     copies = [m, _permuted_mlp(m, 1), _permuted_mlp(m, 2)]
