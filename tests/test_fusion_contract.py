@@ -1,5 +1,5 @@
 """The fusion-method contract, checked for every registered method (timm's registry-driven model tests
-are the model): each name in ``METHOD_SPECS`` × tiny {MLP, CNN, ViT}.
+are the model): each name in ``METHOD_SPECS`` × tiny {MLP, CNN, ViT, ResNet}.
 
 For a setup the spec says it supports, ``fuse_result`` returns a new CPU module in eval mode mapping
 ``[N, *input]`` to ``[N, classes]``, leaves the models and the fusion set unchanged, gives identical
@@ -36,6 +36,7 @@ ARCHS = {  # tiny members of each family; digits-like 1×8×8 inputs
     "mlp": dict(name="mlp", width=12, depth=2),
     "cnn": dict(name="cnn", width=4, depth=2, batchnorm=True),
     "vit": dict(name="vit", width=16, depth=1, num_heads=2),
+    "resnet": dict(name="resnet", width=4),  # beyond the issue's three: every family a spec may claim
 }
 # iterative methods get tiny budgets (the contract is about the interface, not accuracy); keys a
 # method does not declare are dropped, so a renamed option cannot break the test silently elsewhere
