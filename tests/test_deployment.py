@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from simulations.runners.deployment import Deployment
+from tests.support.fault_app import write_fault_app
 
 
 def _cfg(tmp_path, name, **kw):
@@ -74,9 +75,10 @@ def test_deployment_tls_and_node_auth(tmp_path):
 @pytest.mark.slow
 def test_deployment_timeout_and_disconnect(tmp_path):
     timeout = float(os.environ.get("FEDFUSE_TEST_ROUND_TIMEOUT", "120"))
-    # node 1 and 2 hang in round 2 (TEST-ONLY node-config fault); node 1 is then killed (disconnect)
+    # node 1 and 2 hang in round 2 (node-config fault of the TEST-ONLY fault app); node 1 is then killed
     node_configs = [{}, {"fault": "sleep:900@2"}, {"fault": "sleep:900@2"}]
-    with Deployment(3, tls=False, auth=False, node_configs=node_configs) as dep:
+    app = write_fault_app(tmp_path / "app")
+    with Deployment(3, tls=False, auth=False, node_configs=node_configs, app_dir=app) as dep:
         cfg = _cfg(tmp_path, "deploy-faults", **{"min-train-nodes": 1, "round-timeout": timeout,
                                                  "importance": "uniform"})
         dep.wait_for_nodes()

@@ -18,8 +18,9 @@ import torch
 
 from fedfuse.results import load_checkpoint, save_checkpoint
 from simulations.runners.deployment import kill_tree
-from simulations.runners.flwr_runner import (ROOT, _superlink_pids, flwr_env, run_app, run_config_arg,
+from simulations.runners.flwr_runner import (_superlink_pids, flwr_env, run_app, run_config_arg,
                                     start_local_superlink, stop_superlink)
+from tests.support.fault_app import write_fault_app
 
 BASE = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
         "partitioning": "shards", "num-server-rounds": 3, "local-epochs": 1, "fusion-set-size": 80,
@@ -42,16 +43,17 @@ def test_checkpoint_is_atomic_and_picks_the_committed_model(tmp_path):
     assert load_checkpoint(tmp_path / "nothing") is None
 
 
-def _interrupted_run(cfg: dict, timeout: float = 420.0) -> int:
-    """Submit a run, wait for its round-1 checkpoint, then kill the SuperLink (and its ServerApp) by PID."""
+def _interrupted_run(cfg: dict, app_dir: Path, timeout: float = 420.0) -> int:
+    """Submit a run of ``app_dir``, wait for its round-1 checkpoint, then kill the SuperLink (and its
+    ServerApp) by PID."""
     home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
     env = flwr_env(home)
     ckpt = Path(cfg["output-dir"]) / cfg["run-name"] / "checkpoint" / "state.json"
     try:
         start_local_superlink(home, env)  # flwr's own start-up wait (15 s) is too short on a loaded machine
-        res = subprocess.run(["flwr", "run", str(ROOT), "--run-config", run_config_arg(cfg), "--federation-config",
-                              "num-supernodes=3 client-resources-num-cpus=1", "--format", "json"],
-                             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+        res = subprocess.run(["flwr", "run", str(app_dir), "--run-config", run_config_arg(cfg),
+                              "--federation-config", "num-supernodes=3 client-resources-num-cpus=1", "--format",
+                              "json"], env=env, cwd=str(app_dir), capture_output=True, text=True, timeout=120)
         run_id = int(json.loads(res.stdout)["run-id"])
         deadline = time.monotonic() + timeout
         while not ckpt.exists():
@@ -74,8 +76,8 @@ def test_kill_server_mid_run_and_resume(tmp_path):
     assert ref.ok, ref.log[-3000:]
 
     cfg = {**BASE, "output-dir": str(tmp_path), "run-name": "resumed"}
-    # rounds 2 and 3 hang 15 s in every client (TEST-ONLY fault; results unaffected): time to kill it
-    done = _interrupted_run({**cfg, "test-faults": "*:sleep:15@2,*:sleep:15@3"})
+    # rounds 2 and 3 hang 15 s in every client (TEST-ONLY fault app; results unaffected): time to kill it
+    done = _interrupted_run({**cfg, "test-faults": "*:sleep:15@2,*:sleep:15@3"}, write_fault_app(tmp_path / "app"))
     assert done in (1, 2)
     out = tmp_path / "resumed"
     assert not (out / "DONE").exists()

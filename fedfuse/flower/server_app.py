@@ -44,8 +44,7 @@ from typing import Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse import config as run_config_schema  # noqa: E402
-from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, parse_run_config  # noqa: E402
+from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
@@ -111,13 +110,9 @@ def _resume_state(cfg: RunConfig, out: Path):
 
 
 def check_run_config(context: Context) -> RunConfig:
-    """The validated run config: keys, types, ranges and combinations (``parse_run_config``), then the
-    files it names (``check_files``); raises ``ConfigError`` naming the key before any client is contacted."""
-    cfg = parse_run_config(context.run_config, known_strategies=tuple(STRATEGIES))
-    check_files = getattr(run_config_schema, "check_files", None)
-    if check_files is not None:
-        check_files(cfg)
-    return cfg
+    """The validated run config (``fedfuse.config.preflight``: keys, types, ranges, combinations, the files
+    it names, the model); raises ``ConfigError`` naming the key before any client is contacted."""
+    return preflight(context.run_config, known_strategies=tuple(STRATEGIES))
 
 
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
