@@ -4,8 +4,8 @@
         --rounds 10 --method kf-linear --options '{"match": "balanced"}'
 
 Mirrors one ``flwr run`` multi-round simulation (same ``FederatedData``, ``client_round``, seeds and
-sample-count weights as ``clients/app.py`` / ``server/strategies/base.py``, all clients every round)
-without Ray, so a 20-round run takes seconds. Prints per round: the global model's test accuracy,
+sample-count weights as ``fedfuse/flower/client_app.py`` / ``fedfuse/flower/strategy.py``, all clients
+every round) without Ray, so a 20-round run takes seconds. Prints per round: the global model's test accuracy,
 the weighted average and the (weighted) probability ensemble of that round's clients (references), every
 parameter's norm and the fraction of dead ReLU units per hidden layer — what showed that fusing
 every round inflates weights (``simulations/README.md``). Reported accuracies come from the real
