@@ -33,7 +33,7 @@ What is implemented (spec sections):
   initialised to the previous stage's solution, ``U_final`` grows one block per stage) against the targets of
   all clients seen so far.
 
-Collapse defence (FINDINGS.md failure mode #1; not in the paper): a fusion set drawn from one client's
+Collapse defence (a failure mode of one-shot merging with a skewed fusion set; not in the paper): a fusion set drawn from one client's
 classes gives no signal about what the other clients compute on *their* classes, so a SuperNet started at
 model 0 stays model 0 there. The default defence is the all-clients reconstruction loss (every fusion input is
 scored against every client's centred, per-client-scaled features) plus augmented copies and dense M/U for MLPs

@@ -47,7 +47,7 @@ class SuperNet(nn.Module):
     """Foldable SuperNet around n frozen models (spec §1.1–1.2): trainable M/U, merged LNs and ``U_final``.
 
     ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
-    reconstruction per target model, T = number of ``U_final`` blocks); ``fold()`` → a standard model.
+    reconstruction per target model, T = number of ``U_final`` blocks); ``fold_body()`` → a standard model.
     """
 
     def __init__(self, models: list[nn.Module], *, rank=8, init: str = "first", num_targets: int | None = None,
