@@ -36,21 +36,9 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-# ------------------------------------------------------------------------------ allowed values (one place)
-MODES = ("multi-round", "one-shot")
-DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100", "mnist",
-            "fashion-mnist")
-HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
-MODELS = ("mlp", "cnn", "resnet", "vit")
-# model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)
-MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "resnet": "resnet", "vit": "vit"}
-PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-IMPORTANCE = ("uniform", "conductance", "deeplift")
-FUSION_SET_SOURCES = ("public", "client0")
-FALLBACKS = ("previous", "average", "raise")
-# strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
-NON_FUSION_STRATEGIES = ("fedavg",)
+# allowed values (one place: fedfuse.choices), re-exported as part of the schema
+from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
+                             MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 
 
 class ConfigError(ValueError):

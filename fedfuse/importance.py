@@ -13,12 +13,13 @@ their weights; the server can also compute them on its fusion set.
 
 from __future__ import annotations
 
+from fedfuse.choices import IMPORTANCE
 import torch
 from torch import nn
 
 from fedfuse.models.levels import Level, levels as model_levels, neuron_axis_sum
 
-IMPORTANCE_METHODS = ("uniform", "conductance", "deeplift")
+IMPORTANCE_METHODS = IMPORTANCE  # one list: fedfuse.choices
 EPS = 1e-8
 
 

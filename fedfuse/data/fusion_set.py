@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.config import FUSION_SET_SOURCES
+from fedfuse.choices import FUSION_SET_SOURCES
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
 from fedfuse.data.sources import ArrayDataset, SourceInfo, load_source
 

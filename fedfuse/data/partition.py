@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fedfuse.config import PARTITIONINGS
+from fedfuse.choices import PARTITIONINGS
 
 PARTITIONERS: tuple[str, ...] = PARTITIONINGS  # the names are declared in fedfuse.config
 

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fedfuse.config import DATASETS, HF_PREFIX
+from fedfuse.choices import DATASETS, HF_PREFIX
 from fedfuse.data.partition import split_train_val
 
 

@@ -30,12 +30,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
+from fedfuse.choices import FALLBACKS
 from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError,
                             NumericalFusionError, fuse_result, get_spec)
 from fedfuse.models import levels
 from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ReplyRejected, validate_reply
 
-FALLBACKS = ("previous", "average", "raise")
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
 

@@ -13,6 +13,7 @@ Both need only unlabeled fusion inputs.
 
 from __future__ import annotations
 
+from fedfuse.choices import OPTIMIZERS
 import copy
 from dataclasses import dataclass
 from typing import Literal
@@ -98,7 +99,7 @@ class DistillOptions:
     epochs: int = 50
     lr: float = 1e-3
     weight_decay: float = 0.0
-    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    optimizer: Literal[OPTIMIZERS] = "adam"
     batch_size: int = 32
     temperature: float = 1.0
 

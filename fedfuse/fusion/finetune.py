@@ -12,6 +12,7 @@ of ``ot``, ``rebasin`` and ``transfusion``; not registered as a method.
 
 from __future__ import annotations
 
+from fedfuse.choices import OPTIMIZERS
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class FinetuneOptions:
     batch_size: int = 64
     temperature: float = 1.0
     anchor: float = 1e-3
-    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    optimizer: Literal[OPTIMIZERS] = "adam"
 
     def __post_init__(self) -> None:
         require(self.epochs >= 0, "finetune.epochs", ">= 0", self.epochs)

@@ -42,6 +42,7 @@ classes, and a level's training only keeps an epoch that improves the validation
 
 from __future__ import annotations
 
+from fedfuse.choices import OPTIMIZERS
 import copy
 import math
 from dataclasses import dataclass
@@ -254,7 +255,7 @@ def _fresh_values(model: nn.Module, names: list[str], gen_seed: int) -> dict[str
 # options and scores
 # ----------------------------------------------------------------------------------------------------
 
-Optimizer = Literal["adam", "adamw", "sgd"]
+Optimizer = Literal[OPTIMIZERS]
 
 
 @dataclass(frozen=True)

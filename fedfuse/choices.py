@@ -1,0 +1,21 @@
+"""Allowed values of the run-config keys, in one place.
+
+``fedfuse.config`` (the run-config schema) and ``fedfuse.data`` (sources, partitioning, fusion set) both
+import these lists; they live in this leaf module so that ``config`` can call into ``data`` for its file
+checks without an import cycle.
+"""
+
+MODES = ("multi-round", "one-shot")
+DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100", "mnist",
+            "fashion-mnist")
+HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
+MODELS = ("mlp", "cnn", "resnet", "vit")
+# model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)
+MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "resnet": "resnet", "vit": "vit"}
+PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+IMPORTANCE = ("uniform", "conductance", "deeplift")
+FUSION_SET_SOURCES = ("public", "client0")
+FALLBACKS = ("previous", "average", "raise")
+# strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
+NON_FUSION_STRATEGIES = ("fedavg",)
