@@ -1,7 +1,7 @@
 """Token Fusion (ToFu) for timm ``VisionTransformer``s: prune early, MLERP-merge late.
 
-Paper: seed 004, "Token Fusion: Bridging the Gap between Token Pruning and Token Merging" (Kim et al.,
-``shared/seeds/004_5d62b9cd1cb7eb0b.txt``); working spec ``shared/specs/ot-transfusion-tofu.md`` §3
+Paper: "Token Fusion: Bridging the Gap between Token Pruning and Token Merging" (Kim, Gao, Hsu, Shen,
+Jin; WACV 2024, arXiv 2312.01026); working spec ``ot-transfusion-tofu.md`` §3
 ("Seed 004 — Token Fusion (ToFu)", §3.1–§3.8). Written from the paper's Algorithm 1 and the spec;
 no code is taken from the authors' or ToMe's repositories.
 

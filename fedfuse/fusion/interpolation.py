@@ -1,6 +1,6 @@
 """Neuron Interpolation fusion: ``hf-linear``, ``kf-linear``, ``hf-gradient``, ``kf-gradient``.
 
-Paper: seed ``001_b0313575a2d1df80.txt``, "Model Fusion via Neuron Interpolation" (arXiv 2507.00037).
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037).
 Implements spec ``neuron-interpolation.md``:
 
 - §2.1 Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;

@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         failure = run_failure(results) if results is not None else None
         if failure:  # the app reported a failed run (e.g. fusion never succeeded): no accuracy for the table
             row["status"], row["error"] = "failed", failure
-        elif outcome.ok and results is not None:
+        elif not outcome.ok or results is None:  # flwr-level failure: keep the run's log so it can be diagnosed
+            log_path = out / f"{name}.log"
+            log_path.write_text(outcome.log)
+            tail = [ln for ln in outcome.log.splitlines() if ln.strip()][-3:]
+            row["error"] = f"{outcome.details or 'no results.json'} (log: {log_path}; last lines: {' | '.join(tail)[-400:]})"
+        else:
             rounds = results["rounds"]
             row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
             row["final-accuracy"] = rounds[-1]["test-accuracy"]
