@@ -1,6 +1,7 @@
 """Task-vector transport between base releases (TransFusion use (b), data-free).
 
-Paper: seed 003 (``003_76cd912b00fbd71b``, TransFusion); spec ``ot-transfusion-tofu.md`` §2.1
+Paper: "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors" (TransFusion, arXiv
+2505.22697); spec ``ot-transfusion-tofu.md`` §2.1
 (``θ̃_B^ft = θ_B + α·π(τ)``), §2.4 (untied residual permutations are allowed here because only π(τ) is
 added to the plain θ_B), §2.5/§2.8 (every task-vector tensor is permuted along its axes; the classifier
 head's input axis follows the last stream permutation), §2.9 (re-basing a client's update or the global

@@ -1,6 +1,7 @@
 """Vanilla weight averaging (FedAvg's aggregation) and the prediction ensemble reference.
 
-No paper section: these are the baselines every seed paper compares against (spec
+FedAvg: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data" (arXiv
+1602.05629). No paper section: these are the baselines every seed paper compares against (spec
 ``neuron-interpolation.md`` §6.6: vanilla averaging, ensemble).
 """
 

@@ -1,5 +1,7 @@
 """Distillation baselines on the fusion set: ``kd`` (multi-teacher KD) and ``lp`` (linear probing).
 
+The KD and LP baselines of "Model Fusion via Neuron Interpolation" (arXiv 2507.00037); multi-teacher
+distillation after Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network" (arXiv 1503.02531).
 Spec ``neuron-interpolation.md`` §2.5 (the paper's KD and LP baselines) and §6.6:
 
 - ``kd``: the whole model is one level. A student (a copy of model 0, or a fresh initialisation of its

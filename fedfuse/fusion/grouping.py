@@ -1,6 +1,6 @@
 """Grouping of neurons for Neuron Interpolation: weighted k-means, Hungarian matching, weighted targets.
 
-Paper: seed 001 ("Model Fusion via Neuron Interpolation"); spec ``neuron-interpolation.md`` §1.3
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037); spec ``neuron-interpolation.md`` §1.3
 (representation cost, Theorem 1), §2.2 (HF / KF grouping) and §3.2 (k-means settings).
 
 Every neuron of every parent is a data point. Its feature vector is its value at every fusion sample

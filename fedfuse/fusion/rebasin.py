@@ -1,7 +1,7 @@
 """Git Re-Basin fusion: permutation matching of every client to the reference, then averaging.
 
 Paper: Ainsworth, Hayase & Srinivasa, "Git Re-Basin: Merging Models modulo Permutation Symmetries",
-ICLR 2023 (external; spec ``flower.md`` §5 "Git Re-Basin" anchor, and ``ot-transfusion-tofu.md`` §2.2
+ICLR 2023, arXiv 2209.04836 (external; spec ``flower.md`` §5 "Git Re-Basin" anchor, and ``ot-transfusion-tofu.md`` §2.2
 for the weight-matching core that TransFusion reuses). Written fresh from those descriptions.
 
 - *Weight matching*: maximise ``Σ_ℓ ⟨W_ℓ^B, P_ℓ W_ℓ^A P_{ℓ-1}ᵀ⟩`` by coordinate descent over the

@@ -1,7 +1,8 @@
 """TransFusion: data-free, head-aware weight matching for transformers (and plain weight matching else).
 
-Paper: seed 003 (``003_76cd912b00fbd71b``, "TransFusion: re-basin of task vectors" — Rinaldi et al.,
-transporting task vectors across pretrained releases with head-aware permutations). Implements spec
+Paper: "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors" (TransFusion; Rinaldi et
+al., ICML 2025, arXiv 2505.22697): transporting task vectors across pretrained releases with head-aware
+permutations. Implements spec
 ``ot-transfusion-tofu.md`` §2.2 (weight-matching core, coordinate ascent with Hungarian steps), §2.3
 (two-level attention alignment: inter-head spectral distance on singular values of the Q/K/V rows and
 the output projection's column blocks, then intra-head assignment), §2.4 (residual connections:
