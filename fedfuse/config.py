@@ -307,11 +307,10 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
             raise ConfigError(f"run-config key 'fusion-options': strategy {cfg.strategy!r} is not a fusion method "
                               f"and takes no fusion options, got {options}")
         return
-    if not getattr(spec, "_legacy", False):  # TRANSITION: legacy registrations validate options only in fuse()
-        try:
-            spec.parse_options(options)
-        except FusionError as exc:
-            raise ConfigError(f"run-config key 'fusion-options': {exc}") from None
+    try:
+        spec.parse_options(options)
+    except FusionError as exc:
+        raise ConfigError(f"run-config key 'fusion-options': {exc}") from None
     n = clients_per_round(cfg)
     try:
         spec.check_setup(num_models=n)

@@ -17,7 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp.strategy import FedAvg
 
 from fedfuse.flower import STRATEGIES, FusionStrategy, KfLinearStrategy, build_strategy
-from fedfuse.fusion import METHOD_SPECS, FusionError, IncompatibleModelsError, NoOptions, register
+from fedfuse.fusion import METHOD_SPECS, METHODS, FusionError, IncompatibleModelsError, NoOptions, register
 from fedfuse.fusion.average import fuse_average
 from fedfuse.importance import uniform_importance
 from fedfuse.models import build_model
@@ -234,13 +234,21 @@ def test_errors_and_too_few_valid_replies_skip_round():
     assert h["failures"][0]["code"] == 2 and "RuntimeError" in h["failures"][0]["reason"]
 
 
-@_register_once("test-always-fails", needs_data=False)
-def _always_fails(models, **_):
-    raise IncompatibleModelsError("cannot handle these models")
+@pytest.fixture
+def always_fails():
+    """A fusion method that always raises a FusionError, registered for the test only (registering at import
+    time would add it to the registry-driven contract test's parameters when collected after this module)."""
+    def _always_fails(models, **_):
+        raise IncompatibleModelsError("cannot handle these models")
+
+    _register_once("test-always-fails", needs_data=False)(_always_fails)
+    yield "test-always-fails"
+    METHOD_SPECS.pop("test-always-fails", None)
+    METHODS.pop("test-always-fails", None)
 
 
 @pytest.mark.parametrize("fallback", ["previous", "average"])
-def test_fusion_error_falls_back_with_a_warning(fallback, caplog):
+def test_fusion_error_falls_back_with_a_warning(fallback, caplog, always_fails):
     s = FusionStrategy("test-always-fails", model_fn=model_fn, fallback=fallback)
     with caplog.at_level("WARNING", logger="flwr"):
         arrays, metrics = s.aggregate_train(1, [reply(1, 1), reply(2, 2)])
@@ -254,7 +262,7 @@ def test_fusion_error_falls_back_with_a_warning(fallback, caplog):
         assert arrays is not None
 
 
-def test_fallback_raise_fails_the_round():
+def test_fallback_raise_fails_the_round(always_fails):
     s = FusionStrategy("test-always-fails", model_fn=model_fn, fallback="raise")
     with pytest.raises(FusionError, match="cannot handle"):
         s.aggregate_train(1, [reply(1, 1), reply(2, 2)])

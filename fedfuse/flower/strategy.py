@@ -17,6 +17,7 @@ fails the run. Rejected replies, failures, fallbacks, skipped rounds, fusion dia
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from logging import INFO, WARNING
@@ -31,8 +32,8 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.choices import FALLBACKS
-from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError,
-                            NumericalFusionError, fuse_result, get_spec)
+from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError, fuse_result,
+                            get_spec)
 from fedfuse.models import levels
 from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ReplyRejected, validate_reply
 
@@ -157,17 +158,11 @@ class FusionStrategy(FedAvg):
 
     def _check_options(self, options: dict[str, Any]) -> None:
         """Validate ``fusion_options`` now, not in round 1 (``FusionOptionError`` names the key)."""
-        if self.spec is not None and not getattr(self.spec, "_legacy", False):
+        if self.spec is not None:
             self.spec.parse_options(options)
 
     def _accepts_option(self, name: str) -> bool:
-        if self.spec is None:
-            return False
-        if getattr(self.spec, "_legacy", False):
-            return True
-        import dataclasses
-
-        return name in {f.name for f in dataclasses.fields(self.spec.options)}
+        return self.spec is not None and name in {f.name for f in dataclasses.fields(self.spec.options)}
 
     def _needs_modules(self) -> bool:
         return True
@@ -355,10 +350,8 @@ class FusionStrategy(FedAvg):
         """``(new global state or None, fallback text or None, fusion info)``; only ``FusionError`` falls back."""
         method = self.round_method(server_round)
         try:
+            # fuse_result raises NumericalFusionError for non-finite weights; averaging validated replies is finite
             state, info, seconds = self.aggregate_state(server_round, updates)
-            bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-            if bad:
-                raise NumericalFusionError(f"fused model has non-finite values in {bad[:3]}")
         except FusionError as exc:
             if self.fallback == "raise":
                 raise

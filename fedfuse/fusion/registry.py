@@ -235,12 +235,6 @@ class MethodSpec:
                                           "cannot fuse models with block levels (residual/transformer blocks); "
                                           "use a gradient variant")
 
-    # kept for code that read the old function attributes
-    @property
-    def capabilities(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("needs_data", "uses_scores", "same_architecture", "min_models",
-                                               "max_models", "families", "mixed_widths", "any_target",
-                                               "affine_only", "any_module")}
 
 
 METHOD_SPECS: dict[str, MethodSpec] = {}
@@ -263,7 +257,6 @@ def register(name: str, *, options: type = NoOptions, **capabilities: Any) -> Ca
         fn.needs_data = spec.needs_data  # type: ignore[attr-defined]
         fn.uses_scores = spec.uses_scores  # type: ignore[attr-defined]
         fn.same_architecture = spec.same_architecture  # type: ignore[attr-defined]
-        fn.spec = spec  # type: ignore[attr-defined]
         METHOD_SPECS[name] = spec
         METHODS[name] = fn
         return fn

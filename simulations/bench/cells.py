@@ -32,9 +32,7 @@ def check_methods(methods: list[str], method_options: dict[str, dict] | None = N
     client trains (``FusionOptionError`` naming the method and key)."""
     specs = [parse_method(m) for m in methods]
     for s in specs:
-        spec = get_spec(s.name)
-        if not getattr(spec, "_legacy", False):
-            spec.parse_options({**(method_options or {}).get(s.name, {}), **s.options})
+        get_spec(s.name).parse_options({**(method_options or {}).get(s.name, {}), **s.options})
     return specs
 
 

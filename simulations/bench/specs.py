@@ -71,18 +71,27 @@ def parse_method(text: str) -> MethodSpec:
     return MethodSpec(text.strip(), m.group(1), opts)
 
 
-def split_list(text: str) -> list[str]:
-    """Comma-separated items; commas inside ``[...]`` do not split; empty items are dropped."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur.strip())
-    return [v for v in out if v]
+def split_list(text: str, sep: str = ",") -> list[str]:
+    """Split ``text`` on ``sep`` outside quotes and ``[...]`` / ``{...}``; items stripped, empty ones dropped.
+
+    ``"fedavg,kf-linear[fusion-options='{a=1, b=2}']"`` → ``["fedavg", "kf-linear[fusion-options='{a=1, b=2}']"]``.
+    Shared by the benchmarks' comma lists and the sweep's strategy list.
+    """
+    items, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        elif c == sep and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    items.append(text[start:].strip())
+    return [item for item in items if item]
 
 
 def parse_ints(text: str) -> list[int]:

@@ -21,22 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
 from fedfuse.config import ConfigError
+from simulations.bench.specs import split_list
+from simulations.bench.stats import format_mean_std
 from simulations.runners.cli import config_error_exit, overrides_or_exit, parse_run_config_arg, preflight_or_exit
 from simulations.runners.flwr_runner import ROOT, run_app
 from simulations.runners.run import run_failure
 
 
 def mean_std(vals: list[float]) -> str:
-    if not vals:
-        return "n/a"
-    if len(vals) == 1:
-        return f"{vals[0]:.3f}"
-    return f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}"
+    """``"m ± s"`` with the harness's sample std (ddof 1), 3 decimals."""
+    return format_mean_std(vals, digits=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,21 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def split_strategies(text: str) -> list[str]:
     """``"fedavg,kf-linear[fusion-options='{a=1, b=2}']"`` → labels, split on commas outside brackets/quotes."""
-    labels, depth, quote, start = [], 0, "", 0
-    for i, c in enumerate(text):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            labels.append(text[start:i].strip())
-            start = i + 1
-    labels.append(text[start:].strip())
-    return [label for label in labels if label]
+    return split_list(text)
 
 
 def parse_strategy(label: str) -> tuple[str, dict]:
