@@ -70,10 +70,9 @@ def setup(cfg: RunConfig):
     data = federated_data(cfg)
     fusion_x, fusion_y = data.fusion_x, getattr(data, "fusion_y", None)
     if cfg.fusion_set_path:
-        fusion_x, fusion_y = load_fusion_inputs(cfg.fusion_set_path)
-        if tuple(fusion_x.shape[1:]) != tuple(data.input_shape):
-            raise ValueError(f"run-config key 'fusion-set-path': inputs have shape {tuple(fusion_x.shape[1:])}, "
-                             f"the model expects {tuple(data.input_shape)}")
+        # the same checks as the preflight, now against the loaded data's shape (hf:<name> is only known here)
+        fusion_x, fusion_y = load_fusion_inputs(cfg.fusion_set_path, dataset=cfg.dataset,
+                                                input_shape=tuple(data.input_shape), num_classes=data.num_classes)
 
     def model_fn() -> torch.nn.Module:
         return global_model(cfg, data.num_classes, data.input_shape)
