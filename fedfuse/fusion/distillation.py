@@ -10,7 +10,9 @@ Spec ``neuron-interpolation.md`` §2.5 (the paper's KD and LP baselines) and §6
 - ``lp``: only model 0's classifier level is refit, against the ensemble's averaged softmax (τ = 1,
   KL); every other level keeps model 0's weights.
 
-Both need only unlabeled fusion inputs.
+Both need only unlabeled fusion inputs. Both keep the best state on the fusion-set KL, the start included
+(``keep_best``, default on; see ``_distill``): never worse there than model 0, and copies of one model are a
+fixed point (issue 12).
 """
 
 from __future__ import annotations
@@ -54,22 +56,65 @@ def augment(x: torch.Tensor, kind: str, gen: torch.Generator, noise: float = 0.1
     raise ValueError(f"kd: unknown augmentation {kind!r}; use 'none', 'noise' or 'mixup'")  # options checked it
 
 
+@torch.no_grad()
+def _kl_on(run, inputs: torch.Tensor, targets: list[torch.Tensor], temperature: float, device: torch.device,
+           batch_size: int) -> float:
+    """``τ² · KL(target ‖ student)`` averaged over all of ``inputs [B, ...]`` (targets precomputed per batch)."""
+    total = 0.0
+    for j, i in enumerate(range(0, inputs.shape[0], batch_size)):
+        logp = F.log_softmax(run(inputs[i:i + batch_size].to(device)) / temperature, -1)
+        total += float(F.kl_div(logp, targets[j], reduction="sum"))
+    return total * temperature ** 2 / max(inputs.shape[0], 1)
+
+
+def _min_improvement(loss: float) -> float:
+    """What counts as a real decrease of the selection KL: more than float32 round-off (KL(p‖p) evaluates to
+    ±1e-8, not 0) — 1e-6 nats plus 1e-4 of the loss. Smaller changes keep the earlier state."""
+    return 1e-6 + 1e-4 * abs(loss)
+
+
 def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: torch.Tensor, teachers,
              *, epochs: int, lr: float, weight_decay: float, optimizer: str, batch_size: int, temperature: float,
              seed: int, device: torch.device, aug: str = "none", noise: float = 0.1,
-             info: dict | None = None) -> None:
-    """Minimise ``τ² · KL(teacher ‖ student)`` over minibatches of ``inputs [B, ...]``.
+             info: dict | None = None, keep_best: bool = True, select_inputs: torch.Tensor | None = None,
+             patience: int | None = None) -> None:
+    """Minimise ``τ² · KL(teacher ‖ student)`` over minibatches of ``inputs [B, ...]``, in place.
 
-    ``run`` maps a batch of ``inputs`` to student logits; ``teachers`` maps a batch to target probs.
-    Eval mode throughout (no dropout; BatchNorm statistics of model 0 kept). ``info`` (optional) gets
-    ``epochs`` and ``epoch_losses`` (mean loss per epoch).
+    ``run`` maps a batch of ``inputs`` to student logits ``[b, classes]``; ``teachers`` maps a batch to target
+    probs ``[b, classes]``; only ``params`` are updated. Eval mode throughout (no dropout; BatchNorm statistics
+    of model 0 kept).
+
+    Best-state guarantee (``keep_best=True``, the default): the *selection loss* — ``τ² · KL(teacher ‖ student)``
+    on the clean (un-augmented) ``select_inputs`` (default: ``inputs``, the fusion set) — is measured before
+    training and after every epoch, and ``params`` end at the state with the lowest one, the start included
+    (a decrease within float round-off, ``_min_improvement``, keeps the earlier state). So the returned student is **never worse on that KL than its start**; in
+    particular when the teachers agree with the start (copies of one model), the start is the optimum and is
+    returned unchanged (Adam's normalised steps on ~zero gradients would otherwise move it). With a held-out
+    ``select_inputs`` this is early-stopping model selection; ``patience`` (epochs without a strict
+    improvement, ``None`` = train all ``epochs``) stops training early.
+
+    ``info`` (optional) gets ``epochs`` (requested), ``epochs_run``, ``epoch_losses`` (mean training loss per
+    epoch) and, with ``keep_best``, ``initial_loss`` (selection loss at the start), ``selection_losses`` (after
+    each epoch), ``best_loss`` and ``best_epoch`` (0 = the start was kept).
     """
+    if patience is not None and patience < 1:
+        raise ValueError(f"distillation: patience must be >= 1 epochs or None, got {patience!r}")
+    if patience is not None and not keep_best:
+        raise ValueError("distillation: patience stops on the selection loss, which needs keep_best=True")
     opt = make_optimizer(params, optimizer, lr, weight_decay)
     gen = torch.Generator().manual_seed(seed)
     student.eval()
     n = inputs.shape[0]
     losses: list[float] = []
-    for _ in range(epochs):
+    sel_losses: list[float] = []
+    if keep_best:
+        sel_x = inputs if select_inputs is None else select_inputs
+        sel_bs = max(batch_size, 256)
+        with torch.no_grad():  # teachers are fixed: targets once
+            sel_t = [teachers(sel_x[i:i + sel_bs].to(device)) for i in range(0, sel_x.shape[0], sel_bs)]
+        best_loss = initial = _kl_on(run, sel_x, sel_t, temperature, device, sel_bs)
+        best_state, best_epoch = [p.detach().clone() for p in params], 0
+    for epoch in range(1, epochs + 1):
         perm = torch.randperm(n, generator=gen)
         total = torch.zeros((), device=device)  # summed on device: no host sync per step
         for i in range(0, n, batch_size):
@@ -83,8 +128,22 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
             opt.step()
             total += loss.detach() * xb.shape[0]
         losses.append(float(total) / n)
+        if keep_best:
+            sel = _kl_on(run, sel_x, sel_t, temperature, device, sel_bs)
+            sel_losses.append(sel)
+            if sel < best_loss - _min_improvement(best_loss):
+                best_loss, best_epoch = sel, epoch
+                best_state = [p.detach().clone() for p in params]
+            elif patience is not None and epoch - best_epoch >= patience:
+                break
+    if keep_best:
+        with torch.no_grad():
+            for p, b in zip(params, best_state):
+                p.copy_(b)
     if info is not None:
-        info.update(epochs=epochs, epoch_losses=losses)
+        info.update(epochs=epochs, epochs_run=len(losses), epoch_losses=losses)
+        if keep_best:
+            info.update(initial_loss=initial, selection_losses=sel_losses, best_loss=best_loss, best_epoch=best_epoch)
 
 
 @dataclass(frozen=True)
@@ -96,6 +155,9 @@ class DistillOptions:
         lr, weight_decay, optimizer: the optimiser (``fedfuse.training.make_optimizer``).
         batch_size: fusion samples per step.
         temperature: softmax temperature τ of teachers and student (the loss is scaled by τ²).
+        keep_best: end at the state with the lowest ``τ²·KL(ensemble ‖ student)`` on the (clean) fusion set
+            among the start and every epoch, so the result is never worse there than the start; off = the
+            last epoch's state.
     """
 
     epochs: int = 50
@@ -104,6 +166,7 @@ class DistillOptions:
     optimizer: Literal[OPTIMIZERS] = "adam"
     batch_size: int = 32
     temperature: float = 1.0
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         require(self.epochs >= 0, "epochs", ">= 0", self.epochs)
@@ -149,9 +212,9 @@ def _fusion_tensor(method: str, fusion_inputs) -> torch.Tensor:
 def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict) -> nn.Module:
     """Multi-teacher knowledge distillation on the fusion set (spec §2.5): the student (model 0's copy or
     a fresh initialisation of its architecture) learns the teachers' weighted mean softmax at τ.
-    Teachers may have any architecture. Fixed point (``student="model0"``, no augmentation): copies of
-    one model are already the optimum, so the student stays close to it (Adam's normalised steps on
-    near-zero gradients still move it slightly)."""
+    Teachers may have any architecture. With ``keep_best`` (default) the student ends at its best state on
+    the fusion-set KL, its start included, so it is never worse there than model 0 (``student="model0"``).
+    Fixed point: copies of one model (any weights) make model 0 the optimum, and it is returned unchanged."""
     o = options
     teachers = [copy.deepcopy(m).to(device).eval() for m in models]
     st = copy.deepcopy(models[0]).to(device)
@@ -162,7 +225,8 @@ def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KD
     x = _fusion_tensor("kd", fusion_inputs).to(device)
     _distill(st, st, list(st.parameters()), x, lambda xb: teacher_probs(teachers, xb, weights, o.temperature),
              epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer, batch_size=o.batch_size,
-             temperature=o.temperature, seed=seed, device=device, aug=o.augmentation, noise=o.noise, info=info)
+             temperature=o.temperature, seed=seed, device=device, aug=o.augmentation, noise=o.noise, info=info,
+             keep_best=o.keep_best)
     return st.eval()
 
 
@@ -172,7 +236,9 @@ def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LP
 
     The classifier level's inputs (model 0's penultimate features ``[B, ...]``) are computed once; only
     the parameters of ``levels(model)[-1]`` train (KL, τ = 1 by default, spec §2.5). Teachers may have
-    any architecture; model 0 must be a ``fedfuse.models`` family (its levels are needed).
+    any architecture; model 0 must be a ``fedfuse.models`` family (its levels are needed). With ``keep_best``
+    (default) the head ends at its best state on the fusion-set KL, the start included: copies of one model
+    give that model back unchanged (fixed point).
     """
     o = options
     x = _fusion_tensor("lp", fusion_inputs).to(device)
@@ -196,7 +262,7 @@ def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LP
     _distill(st, lambda ib: head.run(h[ib.long()]), params, idx_feats.float(),
              lambda ib: probs[ib.long()], epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay,
              optimizer=o.optimizer, batch_size=o.batch_size, temperature=o.temperature, seed=seed, device=device,
-             info=info)
+             info=info, keep_best=o.keep_best)
     for p in st.parameters():
         p.requires_grad_(True)
     return st.eval()
