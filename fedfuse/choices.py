@@ -18,4 +18,9 @@ IMPORTANCE = ("uniform", "conductance", "deeplift")
 FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")
 # strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
-NON_FUSION_STRATEGIES = ("fedavg",)
+# Flower's own server strategies, run on validated replies (fedfuse.flower.baselines)
+FLOWER_BASELINE_STRATEGIES = ("fedavgm", "fedadam", "fedyogi", "fedprox")
+NON_FUSION_STRATEGIES = ("fedavg",) + FLOWER_BASELINE_STRATEGIES
+# run-config keys read by some strategies only -> those strategies (set for another one: a ConfigError)
+STRATEGY_KEYS = {"server-lr": ("fedavgm", "fedadam", "fedyogi"), "server-momentum": ("fedavgm",),
+                 "proximal-mu": ("fedprox",)}

@@ -39,6 +39,7 @@ from typing import Any, Mapping
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
+from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -94,6 +95,10 @@ class RunConfig:
     fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
                                 choices=FALLBACKS)
     fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
+    server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi: server learning rate (Flower's server_learning_rate "
+                            "/ eta); 0 = the strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01)", ge=0)
+    server_momentum: float = _key(0.0, "fedavgm: server momentum (Flower's server_momentum)", ge=0, lt=1)
+    proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
@@ -221,6 +226,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         _check_range(spec, getattr(cfg, spec.key.replace("-", "_")))
     _check_rules(cfg)
     _check_method(cfg, tuple(known_strategies) if known_strategies is not None else strategy_names())
+    _check_strategy_keys(cfg)
     return cfg
 
 
@@ -329,6 +335,18 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         spec.check_setup(num_models=n, has_fusion_set=problem is None)
     except FusionError as exc:
         raise ConfigError(f"run-config key 'strategy': {exc}, but {problem}") from None
+
+
+def _check_strategy_keys(cfg: RunConfig) -> None:
+    """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
+    Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
+    for key, users in STRATEGY_KEYS.items():
+        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy not in users:
+            raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
+                              f"{cfg.strategy!r}; remove it or choose one of those strategies")
+    if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
+        raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
+                          "method; set fusion-rounds=0")
 
 
 # ------------------------------------------------------------------------------------- files and model

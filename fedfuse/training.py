@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -39,14 +40,24 @@ def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: f
 
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 32,
           optimizer: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0, device: str | torch.device = "cpu",
-          seed: int = 0) -> dict[str, float]:
+          seed: int = 0, proximal_mu: float = 0.0) -> dict[str, float]:
     """Supervised cross-entropy training in place. ``x`` ``[N, *input_shape]``, ``y`` ``[N]``.
 
-    Returns ``{"train-loss": mean loss of the last epoch, "train-seconds": wall time}``.
+    ``proximal_mu > 0`` adds FedProx's proximal term ``mu/2 · ||w - w_start||²`` to every batch loss (Li et
+    al., "Federated Optimization in Heterogeneous Networks", arXiv 1812.06127, Eq. 2), where ``w_start`` are
+    the trainable parameters as the model arrives (the global model in multi-round FL); ``0`` is plain
+    training (the same code path, bit for bit).
+
+    Returns ``{"train-loss": mean cross-entropy of the last epoch (without the proximal term),
+    "train-seconds": wall time}``.
     """
+    if not (isinstance(proximal_mu, (int, float)) and math.isfinite(proximal_mu) and proximal_mu >= 0):
+        raise ValueError(f"train: proximal_mu must be a finite number >= 0, got {proximal_mu!r}")
     device = resolve_device(device)
     model.to(device).train()
     opt = make_optimizer(model.parameters(), optimizer, lr, weight_decay)
+    # FedProx anchor: a detached copy of the weights before the first local step
+    anchor = ([(p, p.detach().clone()) for p in model.parameters() if p.requires_grad] if proximal_mu > 0 else [])
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     last = float("nan")
@@ -61,7 +72,10 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1
             xb, yb = x[idx].to(device), y[idx].to(device)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
+            objective = loss
+            if anchor:
+                objective = loss + 0.5 * proximal_mu * sum((p - p0).pow(2).sum() for p, p0 in anchor)
+            objective.backward()
             opt.step()
             total += loss.item() * len(idx)
             count += len(idx)

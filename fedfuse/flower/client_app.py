@@ -64,7 +64,9 @@ def train(msg: Message, context: Context) -> Message:
     out = client_round(cfg, model, train_set, val_set, need_importance=bool(config.get("need-importance", False)),
                        device=device, seed=cfg.seed * 7919 + pid * 131 + server_round,
                        epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
-                       lr=float(config["lr"]) if "lr" in config else None)
+                       lr=float(config["lr"]) if "lr" in config else None,
+                       # FedProx (Flower's strategy sends only mu): proximal term to the received global model
+                       proximal_mu=float(config.get("proximal-mu", 0.0)))
     content = RecordDict({ARRAYS_KEY: ArrayRecord(out["state"])})
     if out["scores"] is not None:
         content[IMPORTANCE_KEY] = ArrayRecord({k: v.detach().cpu().float().contiguous()

@@ -46,6 +46,7 @@ from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
+from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
@@ -82,7 +83,9 @@ def setup(cfg: RunConfig):
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed,
-                              fusion_rounds=cfg.fusion_rounds)
+                              fusion_rounds=cfg.fusion_rounds,
+                              **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
+                                                 server_momentum=cfg.server_momentum, proximal_mu=cfg.proximal_mu))
     return data, model_fn, strategy
 
 

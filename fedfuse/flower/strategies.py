@@ -143,6 +143,11 @@ STRATEGIES: dict[str, type[FusionStrategy]] = {cls.method: cls for cls in (
     FsMergeSeqStrategy)}
 
 
+from fedfuse.flower.baselines import FLOWER_BASELINES  # noqa: E402  (Flower's FedAvgM/FedAdam/FedYogi/FedProx)
+
+STRATEGIES.update(FLOWER_BASELINES)
+
+
 def build_strategy(name: str, **options: Any) -> FusionStrategy:
     """Build the strategy registered as ``name`` (a ``flwr.serverapp.strategy.Strategy``).
 

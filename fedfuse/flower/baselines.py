@@ -1,0 +1,274 @@
+"""Flower's own server strategies as fedfuse baselines: FedAvgM, FedAdam, FedYogi, FedProx.
+
+What a Flower user would pick instead of fusion, run on the same splits with fedfuse's reply contract:
+
+    replies → fedfuse: split off errors, validate each reply (``fedfuse.flower.replies``), sort by
+    partition id → Flower's strategy: ``aggregate_train(valid replies)`` → cast to the global model's
+    dtypes, finite check → new global ArrayRecord
+
+The aggregation is Flower's code (``flwr.serverapp.strategy.FedAvgM`` / ``FedAdam`` / ``FedYogi`` /
+``FedProx``, an inner instance, ``self.flower``), never a rewrite. Rejected replies never reach it.
+Node sampling and the per-round state Flower keeps go through the inner strategy's own ``configure_train``
+(FedAvgM stores its anchor ``current_arrays`` there, FedOpt the arrays it sent, FedProx adds
+``proximal-mu`` to the config), called inside fedfuse's seeded sampling, so every strategy of a seed trains
+the same nodes. History, logging, fallbacks and metrics are ``FusionStrategy``'s.
+
+- FedAvgM: Hsu et al., "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
+  Classification", arXiv 1909.06335 (server SGD with momentum on the pseudo-gradient).
+- FedAdam / FedYogi: Reddi et al., "Adaptive Federated Optimization", arXiv 2003.00295.
+- FedProx: Li et al., "Federated Optimization in Heterogeneous Networks", arXiv 1812.06127. Flower's
+  FedProx only sends ``mu``; fedfuse's ClientApp adds ``mu/2 · ||w - w_global||²`` to its local loss
+  (``fedfuse.training.train(proximal_mu=...)``).
+
+A failure inside Flower's aggregation (``AggregationError``, ``InconsistentMessageReplies``) or a non-finite
+result is a ``FusionError`` here, so the round takes the configured ``fallback`` with a WARNING; after a
+fallback the inner strategy's server-optimizer state (anchor, momentum, moments) restarts from the actual
+global model, so one bad step cannot poison later rounds. A resumed run restarts that state too (WARNING).
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError, InconsistentMessageReplies
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+
+from fedfuse.fusion import FusionError, MethodSpec, NumericalFusionError
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.strategy import FusionStrategy
+
+# Flower state that a fallback or a resume invalidates (FedAvgM: anchor + momentum; FedOpt: moments)
+_SERVER_OPT_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")
+
+
+class FlowerAggregationError(FusionError):
+    """Flower's strategy could not aggregate the validated replies (the round falls back)."""
+
+
+def _no_metrics(contents: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """The inner strategy's metrics are unused (fedfuse aggregates the replies' metrics itself, lists included)."""
+    return MetricRecord({})
+
+
+class _SampleWithFlower(FedAvg):
+    """MRO link: ``FusionStrategy.configure_train``'s ``super().configure_train`` (node sampling, message
+    construction) lands here and runs the inner Flower strategy's ``configure_train``, so Flower sets its
+    per-round state exactly as it would alone, inside fedfuse's seeded sampling."""
+
+    flower: FedAvg
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self.flower.configure_train(server_round, arrays, config, grid)
+
+
+class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
+    """A fedfuse strategy whose aggregation is a Flower strategy's ``aggregate_train`` (``flower_class``).
+
+    Use a named subclass (``FedAvgMStrategy``, ``FedAdamStrategy``, ``FedYogiStrategy``,
+    ``FedProxStrategy``; ``FLOWER_BASELINES``). Every ``FusionStrategy`` option applies (``model_fn`` is
+    optional: without it replies are checked against the global arrays sent), except ``fusion_options``
+    and ``fusion_rounds`` (not fusion methods: rejected when set). Flower's sampling options
+    (``fraction_train``, ``min_train_nodes``, ...) and record keys are passed to the inner strategy.
+
+    Args:
+        flower_options: keyword options of ``flower_class`` (the subclasses write them out, typed).
+    """
+
+    method: str | None = None
+    flower_class: type[FedAvg] = FedAvg
+
+    def __init__(self, method: str | None = None, *, flower_options: dict[str, Any] | None = None,
+                 fusion_rounds: int = 0, **options: Any) -> None:
+        if int(fusion_rounds) != 0:
+            raise ValueError(f"strategy {method or type(self).method!r} is Flower's {self.flower_class.__name__}, "
+                             f"not a fusion method: fusion_rounds must be 0, got {fusion_rounds}")
+        super().__init__(method, **options)
+        self.flower_options = dict(flower_options or {})
+        self.flower = self.flower_class(
+            fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
+            min_train_nodes=self.min_train_nodes, min_evaluate_nodes=self.min_evaluate_nodes,
+            min_available_nodes=self.min_available_nodes, weighted_by_key=self.weighted_by_key,
+            arrayrecord_key=self.arrayrecord_key, configrecord_key=self.configrecord_key,
+            train_metrics_aggr_fn=_no_metrics, **self.flower_options)
+        self._replies: list[Message] = []
+        self._warned_resume = False
+
+    # ---------------------------------------------------------------- not a fusion method
+    def _method_spec(self, method: str) -> MethodSpec | None:
+        return None
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        if options:
+            raise ValueError(f"strategy {self.method!r} (Flower's {self.flower_class.__name__}) takes no "
+                             f"fusion_options, got {sorted(options)}")
+
+    def _needs_modules(self) -> bool:
+        return False
+
+    def summary(self) -> None:
+        self.flower.summary()
+        log(INFO, "\t└──> fedfuse: Flower %s on validated replies, fallback=%s, options=%s",
+            self.flower_class.__name__, self.fallback, self.flower_options or "{}")
+
+    # ---------------------------------------------------------------- rounds
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        if self.round_offset and not self._warned_resume:
+            self._warned_resume = True
+            log(WARNING, "strategy %s: resumed after round %d; Flower's %s server-optimizer state (momentum / "
+                "moments) restarts from the checkpointed global model", self.method, self.round_offset,
+                self.flower_class.__name__)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._replies = list(replies)  # aggregate_state hands the validated ones to Flower
+        try:
+            return super().aggregate_train(server_round, self._replies)
+        finally:
+            self._replies = []
+
+    def aggregate_state(self, server_round: int, updates: list[ClientUpdate]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+        """Flower's ``aggregate_train`` on the validated replies' messages (partition-id order).
+
+        Returns ``(new global state dict in the global model's dtypes, info, seconds)``; raises
+        ``FusionError`` when Flower cannot aggregate or the result is not finite.
+        """
+        t0 = time.perf_counter()
+        by_node = {int(m.metadata.src_node_id): m for m in self._replies if not m.has_error()}
+        messages = [by_node[u.node_id] for u in updates]
+        try:
+            arrays, _ = self.flower.aggregate_train(server_round, messages)
+        except (AggregationError, InconsistentMessageReplies) as exc:
+            raise FlowerAggregationError(f"Flower {self.flower_class.__name__}: {exc}") from exc
+        if arrays is None:
+            raise FlowerAggregationError(f"Flower {self.flower_class.__name__} returned no arrays for "
+                                         f"{len(messages)} valid replies")
+        reference = updates[0].state
+        state: dict[str, torch.Tensor] = {}
+        for key, ref in reference.items():
+            a = np.asarray(arrays[key].numpy())
+            if not np.isfinite(a).all():
+                raise NumericalFusionError(f"Flower {self.flower_class.__name__}: aggregated array {key!r} "
+                                           "contains NaN or Inf")
+            if not ref.is_floating_point():
+                a = np.rint(a)  # integer buffers (BatchNorm counters) are averaged as floats by Flower
+            # Flower may promote to float64 (FedAdam's bias-corrected step); the global model keeps its dtypes
+            state[key] = torch.from_numpy(np.array(a, copy=True)).to(ref.dtype)
+        info: dict[str, Any] = {"flower-strategy": self.flower_class.__name__}
+        if self._global is not None:
+            step = sum(float(((state[k].double() - torch.from_numpy(np.asarray(self._global[k].numpy())).double())
+                              ** 2).sum()) for k in state if state[k].is_floating_point())
+            info["step-norm"] = step ** 0.5  # ||new global - previous global||
+        return state, info, time.perf_counter() - t0
+
+    def _fuse_with_fallback(self, server_round: int, updates: list[ClientUpdate]
+                            ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
+        state, fallback, info = super()._fuse_with_fallback(server_round, updates)
+        if fallback is not None:
+            # the global model did not come from Flower's step: its anchor/momentum/moments are stale
+            for attr in _SERVER_OPT_STATE:
+                if getattr(self.flower, attr, None) is not None:
+                    setattr(self.flower, attr, None)
+            log(WARNING, "aggregate_train: round %d: Flower %s state reset after the fallback", server_round,
+                self.flower_class.__name__)
+        return state, fallback, info
+
+
+class FedAvgMStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedAvgM``: server SGD with momentum on the pseudo-gradient ``w_t - avg(w_i)`` (Hsu et al.,
+    arXiv 1909.06335). ``server_momentum=0`` and ``server_learning_rate=1`` is FedAvg.
+
+    Args:
+        server_learning_rate: server step size (Flower's default 1.0).
+        server_momentum: server momentum (Flower's default 0.0; fedfuse's run config passes its own,
+            ``server-momentum``).
+    """
+
+    method = "fedavgm"
+    flower_class = FedAvgM
+
+    def __init__(self, method: str | None = None, *, server_learning_rate: float = 1.0,
+                 server_momentum: float = 0.0, **options: Any) -> None:
+        super().__init__(method, flower_options={"server_learning_rate": float(server_learning_rate),
+                                                 "server_momentum": float(server_momentum)}, **options)
+
+
+class FedAdamStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedAdam``: Adam on the server with the averaged client delta as the gradient (Reddi et al.,
+    arXiv 2003.00295). Options are Flower's (defaults as in Flower 1.41).
+
+    Args:
+        eta: server learning rate; eta_l: client learning rate (kept by Flower, not sent);
+        beta_1, beta_2: first/second moment decay; tau: adaptivity (added to ``sqrt(v)``).
+    """
+
+    method = "fedadam"
+    flower_class = FedAdam
+
+    def __init__(self, method: str | None = None, *, eta: float = 1e-1, eta_l: float = 1e-1, beta_1: float = 0.9,
+                 beta_2: float = 0.99, tau: float = 1e-3, **options: Any) -> None:
+        super().__init__(method, flower_options={"eta": float(eta), "eta_l": float(eta_l), "beta_1": float(beta_1),
+                                                 "beta_2": float(beta_2), "tau": float(tau)}, **options)
+
+
+class FedYogiStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedYogi``: Yogi on the server (additive second-moment update; Reddi et al., arXiv
+    2003.00295). Options are Flower's (defaults as in Flower 1.41)."""
+
+    method = "fedyogi"
+    flower_class = FedYogi
+
+    def __init__(self, method: str | None = None, *, eta: float = 1e-2, eta_l: float = 0.0316, beta_1: float = 0.9,
+                 beta_2: float = 0.99, tau: float = 1e-3, **options: Any) -> None:
+        super().__init__(method, flower_options={"eta": float(eta), "eta_l": float(eta_l), "beta_1": float(beta_1),
+                                                 "beta_2": float(beta_2), "tau": float(tau)}, **options)
+
+
+class FedProxStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedProx``: FedAvg on the server; sends ``proximal-mu`` in the train config, and the clients add
+    ``mu/2 · ||w - w_global||²`` to their loss (Li et al., arXiv 1812.06127).
+
+    Args:
+        proximal_mu: weight of the proximal term (Flower's default 0.0, which is FedAvg and which Flower
+            warns about).
+    """
+
+    method = "fedprox"
+    flower_class = FedProx
+
+    def __init__(self, method: str | None = None, *, proximal_mu: float = 0.0, **options: Any) -> None:
+        super().__init__(method, flower_options={"proximal_mu": float(proximal_mu)}, **options)
+
+
+FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for cls in (
+    FedAvgMStrategy, FedAdamStrategy, FedYogiStrategy, FedProxStrategy)}
+
+
+def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: float | None = None,
+                     proximal_mu: float | None = None) -> dict[str, Any]:
+    """The typed options of Flower baseline ``strategy`` from the run-config keys ``server-lr`` (0 = the
+    strategy's default), ``server-momentum`` and ``proximal-mu``; ``{}`` for any other strategy."""
+    if strategy == "fedavgm":
+        out: dict[str, Any] = {} if server_momentum is None else {"server_momentum": server_momentum}
+        if server_lr > 0:
+            out["server_learning_rate"] = server_lr
+        return out
+    if strategy in ("fedadam", "fedyogi"):
+        return {"eta": server_lr} if server_lr > 0 else {}
+    if strategy == "fedprox":
+        return {} if proximal_mu is None else {"proximal_mu": proximal_mu}
+    return {}
+
+
+__all__ = ["FlowerBaselineStrategy", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",
+           "FLOWER_BASELINES", "FlowerAggregationError", "baseline_options"]
