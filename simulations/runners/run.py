@@ -1,6 +1,7 @@
 """Run the default fedfuse simulation (or any config) through ``flwr run`` and summarise it.
 
     python -m simulations.runners.run                                   # pyproject defaults
+    python -m simulations.runners.run --engine inprocess                # same apps in this process, no Ray
     python -m simulations.runners.run --run-config "strategy='fedavg' num-server-rounds=5" --num-supernodes 4
     python -m simulations.runners.run --run-config 'fusion-options="{head_weights=true, ridge=1e-3}"'
 
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.runners.cli import overrides_or_exit, preflight_or_exit
-from simulations.runners.flwr_runner import ROOT, run_app
+from simulations.runners.cli import ENGINE_HELP, ENGINES, overrides_or_exit, preflight_or_exit, run_with_engine
+from simulations.runners.flwr_runner import ROOT
 
 _FALLBACK_WIDTH = 40
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='kf-linear' num-server-rounds=3\"")
     ap.add_argument("--num-supernodes", type=int, default=None, help="default: num-clients")
     ap.add_argument("--output-dir", default=str(ROOT / "results"))
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for the flwr run (engine flwr)")
+    ap.add_argument("--engine", choices=ENGINES, default="flwr", help=ENGINE_HELP)
     args = ap.parse_args(argv)
     cfg = overrides_or_exit(args.run_config)
     cfg.setdefault("output-dir", str(Path(args.output_dir).resolve()))
@@ -95,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg["run-name"] = (f"{checked.strategy}-{checked.dataset}-{checked.model}-{checked.partitioning}-"
                            f"s{checked.seed}-{time.strftime('%Y%m%d-%H%M%S')}").replace(":", "_").replace("/", "_")
     n = args.num_supernodes or checked.num_clients
-    outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, check_config=False)
-    print(f"\nfedfuse: run {outcome.run_id} {outcome.status} in {outcome.seconds:.1f}s {outcome.details}")
+    outcome = run_with_engine(args.engine, cfg, num_supernodes=n, timeout=args.timeout, echo=True, check_config=False)
+    print(f"\nfedfuse: run {outcome.run_id} ({args.engine}) {outcome.status} in {outcome.seconds:.1f}s "
+          f"{outcome.details}")
     return report(outcome.out_dir, outcome.ok, f"{outcome.status} {outcome.details}".strip())
 
 

@@ -1,4 +1,4 @@
-"""Sweep strategies × partitionings × seeds through real ``flwr run`` simulations; markdown table.
+"""Sweep strategies × partitionings × seeds through ``flwr run`` simulations (or in-process); markdown table.
 
     python -m simulations.runners.sweep --strategies fedavg,kf-linear --partitions shards,dirichlet \
         --seeds 0,1,2 --run-config "num-server-rounds=5 dataset='mnist1d'" --out results/sweep
@@ -14,6 +14,11 @@ final accuracy in fewer rounds"; never = the run did not reach it, counted as th
 marked). ``accuracy.png`` plots the test accuracy per round, mean ± std over seeds, per partitioning.
 Every run's own results folder is kept under ``--out``; ``sweep.json`` holds all rows;
 ``--tables-only`` re-renders table and plot from an existing ``sweep.json``.
+
+``--engine flwr`` (default) runs each cell as a real ``flwr run`` (SuperLink + Ray); ``--engine inprocess``
+runs the same ServerApp body and ClientApp in this process on a ``LocalGrid``
+(``simulations.runners.inprocess``: no Ray, no transport; the same numbers with ``fraction-train=1``), for
+large matrices on few cores. Each row records its ``engine``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from pathlib import Path
 from fedfuse.config import ConfigError
 from simulations.bench.specs import split_list
 from simulations.bench.stats import format_mean_std
-from simulations.runners.cli import config_error_exit, overrides_or_exit, parse_run_config_arg, preflight_or_exit
-from simulations.runners.flwr_runner import ROOT, run_app
+from simulations.runners.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, parse_run_config_arg,
+                                     preflight_or_exit, run_with_engine)
+from simulations.runners.flwr_runner import ROOT
 from simulations.runners.run import run_failure
 
 
@@ -44,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--run-config", default="")
     ap.add_argument("--out", default=str(ROOT / "results" / "sweep"))
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per flwr run (engine flwr)")
+    ap.add_argument("--engine", choices=ENGINES, default="flwr", help=ENGINE_HELP)
     ap.add_argument("--reference", default="fedavg", help="strategy whose final accuracy the others must reach")
     ap.add_argument("--tables-only", action="store_true", help="re-render from --out/sweep.json, run nothing")
     args = ap.parse_args(argv)
@@ -70,15 +77,17 @@ def main(argv: list[str] | None = None) -> int:
                        "output-dir": str(out), "run-name": name}
                 cells.append((label, part, seed, name, cfg, preflight_or_exit(cfg).num_clients))
     for label, part, seed, name, cfg, n in cells:
-        outcome = run_app(cfg, num_supernodes=n, timeout=args.timeout, echo=False, check_config=False)
-        row = {"strategy": label, "partitioning": part, "seed": seed, "status": outcome.status,
-               "seconds": outcome.seconds, "run-config": {k: v for k, v in cfg.items() if k != "output-dir"}}
+        outcome = run_with_engine(args.engine, cfg, num_supernodes=n, timeout=args.timeout, echo=False,
+                                  check_config=False)
+        row = {"strategy": label, "partitioning": part, "seed": seed, "engine": args.engine,
+               "status": outcome.status, "seconds": outcome.seconds,
+               "run-config": {k: v for k, v in cfg.items() if k != "output-dir"}}
         res = outcome.out_dir / "results.json"
         results = json.loads(res.read_text()) if res.exists() else None
         failure = run_failure(results) if results is not None else None
         if failure:  # the app reported a failed run (e.g. fusion never succeeded): no accuracy for the table
             row["status"], row["error"] = "failed", failure
-        elif not outcome.ok or results is None:  # flwr-level failure: keep the run's log so it can be diagnosed
+        elif not outcome.ok or results is None:  # engine-level failure: keep the run's log so it can be diagnosed
             log_path = out / f"{name}.log"
             log_path.write_text(outcome.log)
             tail = [ln for ln in outcome.log.splitlines() if ln.strip()][-3:]
