@@ -64,7 +64,7 @@ from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY, SUPERLINK
 from flwr.common.logger import log  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.date import now  # noqa: E402
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: E402
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute  # noqa: E402
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents  # noqa: E402
 from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
@@ -78,7 +78,10 @@ SERVER_TASK_ID = 1  # the ServerApp's task id (what ``flwr.server.compat`` uses 
 def over_the_wire(msg: Message) -> Message:
     """A copy of ``msg`` as the receiving side gets it: deflated to Flower's object wire format and inflated
     again (nothing shared with the sender; content that cannot be serialised fails here, as on a real grid).
-    The message id, which ``Message.deflate`` leaves out, is carried over as the SuperLink does."""
+    The message id, which ``Message.deflate`` leaves out, is carried over as the SuperLink does.
+    Call it inside ``no_object_id_recompute()`` (each object is hashed once; a batch of messages sharing
+    a record, the global model, hashes it once, as Flower's grid does when it pushes a batch); a nested
+    ``no_object_id_recompute`` would start an empty cache."""
     contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(msg).items()}
     copy = inflate_object_from_contents(msg.object_id, contents)
     assert isinstance(copy, Message)
@@ -176,14 +179,16 @@ class LocalGrid(Grid):
             raise ValueError(f"LocalGrid: message of run {md.run_id}, this grid runs {self._run.run_id}")
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids: list[str] = []
+        messages = list(messages)
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = str(uuid4())
             self._check_message(msg)
-            mid = msg.metadata.message_id
-            self._replies[mid], self._seconds[mid] = self._deliver(msg)
-            ids.append(mid)
-        return ids
+        with no_object_id_recompute():  # the batch's shared records (the global model) are serialised once
+            received = [over_the_wire(msg) for msg in messages]
+        for copy in received:
+            mid = copy.metadata.message_id
+            self._replies[mid], self._seconds[mid] = self._deliver(copy)
+        return [msg.metadata.message_id for msg in messages]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
@@ -203,12 +208,11 @@ class LocalGrid(Grid):
         return replies
 
     # ------------------------------------------------------------------ one node
-    def _deliver(self, msg: Message) -> tuple[Message, float]:
-        """Run the ClientApp of ``msg``'s node on a wire copy of it; its reply (or an error reply) as the
-        server receives it, and the seconds the ClientApp took."""
-        node_id = msg.metadata.dst_node_id
+    def _deliver(self, received: Message) -> tuple[Message, float]:
+        """Run the ClientApp of the node ``received`` (a wire copy) is for; its reply (or an error reply) as
+        the server receives it, and the seconds the ClientApp took."""
+        node_id = received.metadata.dst_node_id
         context = self.contexts[node_id]
-        received = over_the_wire(msg)
         received.metadata.delivered_at = now().isoformat()
         t0 = time.perf_counter()
         try:
@@ -226,7 +230,8 @@ class LocalGrid(Grid):
         seconds = time.perf_counter() - t0
         self.client_seconds.append(seconds)
         reply.metadata.__dict__["_message_id"] = str(uuid4())
-        return over_the_wire(reply), seconds
+        with no_object_id_recompute():
+            return over_the_wire(reply), seconds
 
     @staticmethod
     def _checked_reply(reply: Any, msg: Message) -> Message:
