@@ -17,6 +17,10 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 IMPORTANCE = ("uniform", "conductance", "deeplift")
 FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")
+# post-aggregation refinement of fusion strategies (fedfuse.fusion.refine); "auto" = the strategy's default
+REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill+calibrate")
+# class prior of the "calibrate" refinement
+PRIORS = ("auto", "class-counts", "uniform")
 # strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
 # Flower's own server strategies, run on validated replies (fedfuse.flower.baselines)
 FLOWER_BASELINE_STRATEGIES = ("fedavgm", "fedadam", "fedyogi", "fedprox")

@@ -40,6 +40,7 @@ from typing import Any, Mapping
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS  # noqa: E402
+from fedfuse.choices import PRIORS, REFINES  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,13 @@ class RunConfig:
     fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
                                 choices=FALLBACKS)
     fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
+    refine: str = _key("auto", "fusion strategies: refinement of every round's aggregate on the fusion set: calibrate "
+                       "(classifier bias to the class prior) | distill (FedDF step) | calibrate+distill | none; "
+                       "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
+    refine_prior: str = _key("auto", "class prior of refine=calibrate: class-counts (summed client counts) | uniform "
+                             "| auto (class counts when every client sends them)", choices=PRIORS)
+    divergence_guard: bool = _key(True, "fusion strategies: use the weighted average in a round whose fused model "
+                                  "agrees much less with the clients' ensemble on the fusion set (WARNING)")
     server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi: server learning rate (Flower's server_learning_rate "
                             "/ eta); 0 = the strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01)", ge=0)
     server_momentum: float = _key(0.0, "fedavgm: server momentum (Flower's server_momentum)", ge=0, lt=1)
@@ -309,6 +317,9 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(cfg.strategy)
     if spec is None or cfg.strategy in NON_FUSION_STRATEGIES:
+        if cfg.refine not in ("auto", "none"):
+            raise ConfigError(f"run-config key 'refine': strategy {cfg.strategy!r} aggregates the arrays only and "
+                              f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")
         if options:
             raise ConfigError(f"run-config key 'fusion-options': strategy {cfg.strategy!r} is not a fusion method "
                               f"and takes no fusion options, got {options}")
@@ -331,6 +342,8 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         raise ConfigError(f"run-config keys 'strategy'/'model': {exc} (model {cfg.model!r} is of the {family} "
                           "family)") from None
     problem = fusion_set_problem(cfg)
+    if problem is not None and cfg.refine not in ("auto", "none"):
+        raise ConfigError(f"run-config key 'refine': refine={cfg.refine!r} needs the server fusion set, but {problem}")
     try:
         spec.check_setup(num_models=n, has_fusion_set=problem is None)
     except FusionError as exc:

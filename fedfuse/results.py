@@ -43,7 +43,9 @@ def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
     fell_back = [h for h in history if h.get("fallback")]
     skipped = [h for h in history if h.get("skipped")]
     out: dict[str, Any] = {"status": "completed", "error": None, "fallbacks": len(fell_back),
-                           "fallback-rounds": [int(h["round"]) for h in fell_back]}
+                           "fallback-rounds": [int(h["round"]) for h in fell_back],
+                           # rounds where the divergence guard used the average instead of the fused model
+                           "guarded-rounds": [int(h["round"]) for h in history if h.get("guard")]}
     if history and len(fell_back) + len(skipped) == len(history):
         first = (fell_back or skipped)[0]
         why = f"fell back ({first['fallback']})" if fell_back else f"was skipped ({first['skipped']})"

@@ -84,6 +84,8 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
 
     method: str | None = None
     flower_class: type[FedAvg] = FedAvg
+    default_refine = "none"   # Flower's aggregation as it is: no fedfuse refinement (lead's edit, issue 12)
+    can_refine = False
 
     def __init__(self, method: str | None = None, *, flower_options: dict[str, Any] | None = None,
                  fusion_rounds: int = 0, **options: Any) -> None:

@@ -84,6 +84,8 @@ def setup(cfg: RunConfig):
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed,
                               fusion_rounds=cfg.fusion_rounds,
+                              refine=None if cfg.refine == "auto" else cfg.refine, prior=cfg.refine_prior,
+                              guard=cfg.divergence_guard,
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
                                                  server_momentum=cfg.server_momentum, proximal_mu=cfg.proximal_mu))
     return data, model_fn, strategy
@@ -167,7 +169,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
             if hist is not None:
                 row.update({"valid-replies": hist.get("valid"), "rejected": hist["rejected"],
                             "failures": hist["failures"], "fallback": hist.get("fallback"),
-                            "skipped": hist.get("skipped"), "fusion-seconds": hist.get("fusion-seconds"),
+                            "skipped": hist.get("skipped"), "guard": hist.get("guard"),
+                            "fusion-seconds": hist.get("fusion-seconds"),
                             "fusion-info": hist.get("fusion-info")})
             updates = strategy.last_updates
             if updates:

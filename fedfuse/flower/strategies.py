@@ -32,6 +32,8 @@ class FedAvgStrategy(FusionStrategy):
     """
 
     method = "fedavg"
+    default_refine = "none"
+    can_refine = False
 
     def _method_spec(self, method: str) -> MethodSpec | None:
         return None  # not a fedfuse.fusion method: plain averaging of the arrays
@@ -131,6 +133,16 @@ class FsMergeStrategy(FusionStrategy):
     method = "fs-merge"
 
 
+class FedDfStrategy(FusionStrategy):
+    """FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", arXiv
+    2006.07242; method ``feddf``): weighted average, then the round's client ensemble distilled into it on
+    the server fusion set (Adam 1e-3, early stopping on a held-out part). The baseline for "a server with
+    unlabeled data"; its own refinement is the distillation, so ``refine`` defaults to none."""
+
+    method = "feddf"
+    default_refine = "none"
+
+
 class FsMergeSeqStrategy(FusionStrategy):
     """Sequential FS-Merge: merge models 0 and 1, then the result with model 2, ... (method ``fs-merge-seq``)."""
 
@@ -140,7 +152,7 @@ class FsMergeSeqStrategy(FusionStrategy):
 STRATEGIES: dict[str, type[FusionStrategy]] = {cls.method: cls for cls in (
     FedAvgStrategy, AverageStrategy, KdStrategy, LpStrategy, HfLinearStrategy, KfLinearStrategy,
     HfGradientStrategy, KfGradientStrategy, OtStrategy, RebasinStrategy, TransfusionStrategy, FsMergeStrategy,
-    FsMergeSeqStrategy)}
+    FsMergeSeqStrategy, FedDfStrategy)}
 
 
 from fedfuse.flower.baselines import FLOWER_BASELINES  # noqa: E402  (Flower's FedAvgM/FedAdam/FedYogi/FedProx)
@@ -165,4 +177,5 @@ def build_strategy(name: str, **options: Any) -> FusionStrategy:
 
 __all__ = ["STRATEGIES", "build_strategy", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",
            "LpStrategy", "HfLinearStrategy", "KfLinearStrategy", "HfGradientStrategy", "KfGradientStrategy",
-           "OtStrategy", "RebasinStrategy", "TransfusionStrategy", "FsMergeStrategy", "FsMergeSeqStrategy"]
+           "OtStrategy", "RebasinStrategy", "TransfusionStrategy", "FsMergeStrategy", "FsMergeSeqStrategy",
+           "FedDfStrategy"]

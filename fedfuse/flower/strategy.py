@@ -31,13 +31,19 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from fedfuse.choices import FALLBACKS
-from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError, fuse_result,
-                            get_spec)
+from fedfuse.choices import FALLBACKS, PRIORS
+from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError, check_finite,
+                            fuse_result, get_spec)
+from fedfuse.fusion.refine import ensemble_probs, kl_to, parse_refine, refine_model
+from fedfuse.training import resolve_device
 from fedfuse.models import levels
 from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ReplyRejected, validate_reply
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
+
+
+class ClientsDivergedError(RuntimeError):
+    """Every client of a round returned non-finite weights: local training diverged; the run stops."""
 
 
 class FusionStrategy(FedAvg):
@@ -69,6 +75,19 @@ class FusionStrategy(FedAvg):
         fuse_fn: the fusion entry point, ``fedfuse.fusion.fuse_result`` by default; replace it to
             instrument fusion (it must return a ``FusionResult`` and raise ``FusionError`` for a
             failure the round may fall back from).
+        refine: post-aggregation refinement on the fusion set, every round (``fedfuse.fusion.refine``):
+            ``"calibrate"`` (classifier bias moved to the federation's class prior), ``"distill"`` (FedDF's
+            ensemble distillation), both joined by ``"+"``, or ``"none"``. ``None`` = the strategy's
+            default (``default_refine``: ``"calibrate"`` for fusion strategies, the best measured setting)
+            when ``fusion_inputs`` is given, else ``"none"``.
+        prior: the class prior of ``"calibrate"``: ``"class-counts"`` (the sum of the class counts the
+            clients report; an error when one does not), ``"uniform"``, or ``"auto"`` (class counts when
+            every valid reply has them, else uniform; the info says which).
+        guard: the divergence guard. After fusing (before refining) the fused model's KL to the round's
+            client ensemble on the fusion set is compared with the weighted average's; if it is higher
+            than ``guard_ratio`` × the average's + 0.05 nats, or not finite, the round uses the average
+            instead and says so (WARNING, ``history[round]["guard"]``, results ``guarded-rounds``).
+        guard_ratio: the guard's tolerance (> 1).
         fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
         weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn,
         evaluate_metrics_aggr_fn: Flower ``FedAvg``'s options (same meaning). ``arrayrecord_key`` names
@@ -80,13 +99,16 @@ class FusionStrategy(FedAvg):
     """
 
     method: str | None = None
+    default_refine: str = "calibrate"   # refine=None means this (the best measured setting, simulations/README.md)
+    can_refine: bool = True             # False for strategies that aggregate arrays only (fedavg, Flower's)
 
     def __init__(self, method: str | None = None, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
                  fusion_options: dict[str, Any] | None = None, importance: str = "client",
                  fallback: str = "previous", min_valid_replies: int = 1, fusion_rounds: int = 0,
                  device: str = "cpu", seed: int = 0,
-                 fuse_fn: Callable[..., FusionResult] = fuse_result,
+                 fuse_fn: Callable[..., FusionResult] = fuse_result, refine: str | None = None,
+                 prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
                  fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
@@ -111,6 +133,26 @@ class FusionStrategy(FedAvg):
             raise ValueError(f"strategy: importance must be 'client' or 'server', got {importance!r}")
         if int(fusion_rounds) < 0:
             raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
+        if prior not in PRIORS:
+            raise ValueError(f"strategy: prior must be one of {PRIORS}, got {prior!r}")
+        if not float(guard_ratio) > 1:
+            raise ValueError(f"strategy: guard_ratio must be > 1, got {guard_ratio}")
+        try:
+            # the default refinement needs the fusion set; without one (e.g. 'average' as a plug-in) it is off
+            steps = parse_refine(refine if refine is not None else
+                                 (self.default_refine if fusion_inputs is not None else "none"))
+        except ValueError as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        if steps and not self.can_refine:
+            raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
+                             f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")
+        if steps and fusion_inputs is None:
+            raise ValueError(f"strategy: refine={'+'.join(steps)!r} needs fusion_inputs (the server fusion set); "
+                             "pass refine='none' to aggregate without one")
+        self.refine_steps = steps
+        self.prior = prior
+        self.guard = bool(guard)
+        self.guard_ratio = float(guard_ratio)
         self.method = method
         self.spec = self._method_spec(method)
         self.fusion_options = dict(fusion_options or {})
@@ -173,9 +215,9 @@ class FusionStrategy(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, device=%s, options=%s",
-            self.method, self.importance if self.uses_scores else "unused", self.fallback, self.device,
-            self.fusion_options or "{}")
+        log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, refine=%s, guard=%s, device=%s, "
+            "options=%s", self.method, self.importance if self.uses_scores else "unused", self.fallback,
+            "+".join(self.refine_steps) or "none", self.guard, self.device, self.fusion_options or "{}")
 
     # ---------------------------------------------------------------- configure
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -281,6 +323,15 @@ class FusionStrategy(FedAvg):
         updates = self._validate(server_round, ok, record)
         record["valid"] = len(updates)
         self.last_updates = updates
+        non_finite = [r for r in record["rejected"] if "NaN or Inf" in r["reason"]]
+        if not updates and non_finite and len(non_finite) == len(record["rejected"]):
+            # the same global model would diverge again: stop instead of spinning through skipped rounds
+            self.history.append({**record, "skipped": "every client returned non-finite weights"})
+            raise ClientsDivergedError(
+                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
+                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
+                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
+                "another 'optimizer'.")
         if len(updates) < self.min_valid_replies:
             reason = (f"round {server_round} skipped: {len(updates)} valid replies, fewer than the minimum "
                       f"{self.min_valid_replies}; the global model is unchanged")
@@ -293,6 +344,7 @@ class FusionStrategy(FedAvg):
         state, fallback, info = self._fuse_with_fallback(server_round, updates)
         record["fusion-seconds"] = time.perf_counter() - t0
         record["fallback"] = fallback
+        record["guard"] = (info or {}).pop("guard", None)
         record["fusion-info"] = info
         self.history.append(record)
         metrics = self._train_metrics(updates, ok)
@@ -301,6 +353,7 @@ class FusionStrategy(FedAvg):
         metrics["num-rejected"] = len(record["rejected"])
         metrics["num-failures"] = len(failures)
         metrics["fell-back"] = int(fallback is not None)
+        metrics["guarded"] = int(record["guard"] is not None)
         if state is None:
             return None, metrics
         return state_to_record(state), metrics
@@ -341,9 +394,65 @@ class FusionStrategy(FedAvg):
 
     def aggregate_state(self, server_round: int, updates: list[ClientUpdate]
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
-        """``(new global state dict, fusion info, fusion seconds)`` of a round (``fuse_updates``)."""
+        """``(new global state dict, fusion info, seconds)`` of a round: ``fuse_updates``, then the divergence
+        guard (the average replaces a fused model that agrees much less with the clients' ensemble), then
+        the ``refine`` steps. A guard decision is returned as ``info["guard"]`` (text)."""
+        t0 = time.perf_counter()
         result = self.fuse_updates(server_round, updates)
-        return result.model.state_dict(), dict(result.info or {}), float(result.seconds)
+        model, info = result.model, dict(result.info or {})
+        teachers: list[nn.Module] | None = None
+        weights = [u.num_examples / sum(v.num_examples for v in updates) for u in updates]
+        if self.guard and self.fusion_inputs is not None and self.round_method(server_round) != "average":
+            teachers = [self.build_model(u.state) for u in updates]
+            model, guard_info = self.divergence_guard(server_round, model, teachers, weights, updates)
+            info.update(guard_info)
+        if self.refine_steps:
+            if teachers is None and "distill" in self.refine_steps:
+                teachers = [self.build_model(u.state) for u in updates]
+            prior, prior_name = self.class_prior(updates)
+            info["refine"] = "+".join(self.refine_steps)
+            info["prior"] = prior_name
+            dev = resolve_device(self.device)
+            info.update(refine_model(model.to(dev), self.refine_steps, teachers=teachers, weights=weights,
+                                     fusion_inputs=self.fusion_inputs, prior=prior, seed=self.seed + server_round,
+                                     device=dev))
+            model = model.cpu().eval()
+            check_finite(f"{self.round_method(server_round)} (refined)", model)
+        return model.state_dict(), info, time.perf_counter() - t0
+
+    def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
+        """``(prior [classes] or None = uniform, name)`` for ``calibrate`` (the ``prior`` option)."""
+        counts = [u.class_counts for u in updates]
+        have = all(c is not None for c in counts) and len({len(c) for c in counts}) == 1
+        if self.prior == "uniform" or (self.prior == "auto" and not have):
+            return None, "uniform"
+        if not have:
+            missing = [u.node_id for u in updates if u.class_counts is None]
+            raise MissingInputError(f"prior='class-counts' needs 'class-counts' in every client's metrics; nodes "
+                                    f"{missing} sent none (or lists of different lengths)")
+        total = torch.tensor(counts, dtype=torch.float).sum(0)
+        return total, "class-counts"
+
+    def divergence_guard(self, server_round: int, fused: nn.Module, teachers: list[nn.Module],
+                         weights: list[float], updates: list[ClientUpdate]) -> tuple[nn.Module, dict[str, Any]]:
+        """``(model to use, info)``: the fused model, or the weighted average when the fused model's KL to the
+        clients' ensemble on the fusion set exceeds ``guard_ratio`` × the average's + 0.05 (or is not finite)."""
+        x = torch.as_tensor(self.fusion_inputs).float()
+        target = ensemble_probs(teachers, x, weights)
+        average = self.build_model(self.weighted_average(updates))
+        with torch.no_grad():
+            kl_fused = kl_to(target, fused(x)) if bool(torch.isfinite(fused(x)).all()) else float("inf")
+            kl_avg = kl_to(target, average(x))
+        info: dict[str, Any] = {"guard-kl-fused": kl_fused, "guard-kl-average": kl_avg}
+        limit = self.guard_ratio * kl_avg + 0.05
+        if not kl_fused <= limit:  # also catches NaN
+            reason = (f"average: the fused model's KL to the clients' ensemble on the fusion set is {kl_fused:.4g}, "
+                      f"above {self.guard_ratio:g} x the weighted average's {kl_avg:.4g} + 0.05")
+            log(WARNING, "aggregate_train: round %d: divergence guard: %s; this round uses the weighted average",
+                server_round, reason)
+            info["guard"] = reason
+            return average, info
+        return fused, info
 
     def _fuse_with_fallback(self, server_round: int, updates: list[ClientUpdate]
                             ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
@@ -363,7 +472,8 @@ class FusionStrategy(FedAvg):
             log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); keeping the previous global model",
                 server_round, method, reason)
             return None, f"previous: {reason}", None
-        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s", server_round, method,
+        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s", server_round,
+            method + (f" + {'+'.join(self.refine_steps)}" if self.refine_steps else ""),
             len(updates), seconds, f" ({_info_line(info)})" if info else "")
         return state, None, info
 
@@ -414,4 +524,4 @@ def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
-__all__ = ["FusionStrategy", "FALLBACKS", "state_to_record", "METHOD_SPECS"]
+__all__ = ["FusionStrategy", "ClientsDivergedError", "FALLBACKS", "state_to_record", "METHOD_SPECS"]

@@ -19,6 +19,7 @@ Inputs are never modified; every failure a method reports is a ``FusionError``
 
 from __future__ import annotations
 
+import copy
 import importlib
 import pkgutil
 import time
@@ -72,8 +73,15 @@ def check_finite(method: str, model: nn.Module) -> None:
 
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
-                device: str | torch.device = "cpu", seed: int = 0, **options) -> FusionResult:
+                device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
+                prior: torch.Tensor | None = None, **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
+    from fedfuse.fusion.refine import parse_refine, refine_model
+
+    try:
+        steps = parse_refine(refine)
+    except ValueError as exc:
+        raise FusionOptionError(f"fuse: {exc}") from None
     spec = get_spec(method)
     models = list(models)
     if not models:
@@ -101,12 +109,21 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                         weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts, info=info)
     fused = fused.cpu().eval()
     check_finite(method, fused)
+    if steps:
+        if fusion_inputs is None:
+            raise MissingInputError(f"fuse: refine={refine!r} needs fusion_inputs (the unlabeled fusion set)")
+        info["refine"] = "+".join(steps)
+        info.update(refine_model(fused.to(dev), steps, teachers=[m.to(dev) for m in [copy.deepcopy(m) for m in models]],
+                                 weights=normalise_weights(weights, len(models)), fusion_inputs=fusion_inputs,
+                                 prior=prior, seed=seed, device=dev))
+        fused = fused.cpu().eval()
+        check_finite(f"{method} (refined)", fused)
     return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)
 
 
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
          scores: list[dict[str, torch.Tensor]] | None = None, weights=None, device: str | torch.device = "cpu",
-         seed: int = 0, **options) -> nn.Module:
+         seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None, **options) -> nn.Module:
     """Fuse ``models`` (first = reference) into one model mapping ``[N, *input_shape]`` to logits.
 
     Args:
@@ -117,6 +134,11 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         weights: optional per-model weights (e.g. sample counts), normalised here.
         device: where the fusion computation runs (``"auto"`` picks CUDA when present).
         seed: seeds every random choice of the method.
+        refine: optional post-fusion refinement on ``fusion_inputs`` (``fedfuse.fusion.refine``):
+            ``"calibrate"`` (classifier bias moved to the class ``prior``), ``"distill"`` (FedDF's
+            ensemble distillation of ``models`` into the fused model, early-stopped, never worse on the
+            held-out KL than the fused model), or both joined by ``"+"``, applied in order; ``None``/``"none"``.
+        prior: ``[classes]`` target class distribution of ``"calibrate"`` (default uniform).
         **options: the method's options (``METHOD_SPECS[method].options``); unknown or ill-typed options
             raise ``FusionOptionError`` (a ``ValueError``) naming the key.
     Returns:
@@ -125,7 +147,7 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         FusionError (a ``ValueError``) when the method cannot fuse these models or inputs.
     """
     return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
-                       seed=seed, **options).model
+                       seed=seed, refine=refine, prior=prior, **options).model
 
 
 def _import_all() -> None:
