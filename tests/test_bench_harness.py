@@ -79,17 +79,30 @@ def test_one_shot_end_to_end_writes_table_with_ddof_note(tmp_path, monkeypatch):
 
     out, cache = tmp_path / "out", tmp_path / "cache"
     rc = one_shot.main(["--datasets", "digits", "--partitions", "shards2", "--models", "mlp",
-                        "--methods", "average,kf-linear", "--importance", "uniform", "--seeds", "0",
+                        "--methods", "average,kf-linear,kf-linear[refine='distill'],"
+                        "average[refine='distill+calibrate',prior='class-counts']",
+                        "--importance", "uniform", "--seeds", "0",
                         "--epochs", "2", "--width", "16", "--fusion-size", "50",
                         "--cache", str(cache), "--out", str(out)])
     assert rc == 0
     table = (out / "table.md").read_text()
     assert "mean ± sample std (ddof=1) over 1 seed" in table
-    for row in ("| best-base |", "| ensemble |", "| average |", "| kf-linear (unif) |"):
+    for row in ("| best-base |", "| ensemble |", "| average |", "| kf-linear (unif) |",
+                "| kf-linear[refine='distill'] (unif) |", "| average[refine='distill+calibrate',prior='class-counts'] |",
+                "| auto |"):
         assert row in table
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert {r["method"] for r in rows} >= {"base-0", "base-1", "best-base", "ensemble", "average", "kf-linear"}
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["rows"]
+    assert {r["method"] for r in rows} >= {"base-0", "base-1", "best-base", "ensemble", "average", "kf-linear",
+                                           "kf-linear[refine='distill']"}
     assert all(r["status"] == "ok" for r in rows)
+    refined = [r for r in rows if r["method"] == "kf-linear[refine='distill']"]
+    assert refined[0]["refine"] == "distill" and refined[0]["fusion_info"]["refine"] == "distill"
+    calibrated = [r for r in rows if r["method"].startswith("average[")][0]["fusion_info"]
+    assert calibrated["refine"] == "distill+calibrate" and "calibration-gap-after" in calibrated
+    (auto,) = saved["auto"]
+    cands = [r for r in rows if r["method"] not in ("best-base", "ensemble") and not r["method"].startswith("base-")]
+    assert auto["val_accuracy"] == max(r["val_accuracy"] for r in cands) and auto["auto_candidates"] == len(cands)
     # the clients are cached under the cell's key; a second run loads them instead of training
     key = cell_config("digits", "shards2", "mlp", 0, width=16, epochs=2).key()
     assert sorted(p.name for p in (cache / key).glob("client*.pt")) == ["client0.pt", "client1.pt"]
@@ -108,4 +121,45 @@ def test_one_shot_rejects_bad_specs_before_training(tmp_path):
         one_shot.main([*args, "--partitions", "shard2", "--methods", "average"])
     with pytest.raises(ValueError, match="ridg"):
         one_shot.main([*args, "--partitions", "shards2", "--methods", "kf-linear[ridg=1e-3]"])
+    with pytest.raises(ValueError, match="did you mean 'distill'"):
+        one_shot.main([*args, "--partitions", "shards2", "--methods", "kf-linear[refine='distil']"])
+    with pytest.raises(ValueError, match="only used by refine's 'calibrate'"):
+        one_shot.main([*args, "--partitions", "shards2", "--methods", "kd[refine='distill',prior='uniform']"])
+    with pytest.raises(ValueError, match="prior='counts' is not one of"):
+        one_shot.main([*args, "--partitions", "shards2", "--methods", "kd[refine='calibrate',prior='counts']"])
     assert not (tmp_path / "c").exists()
+
+
+def test_refine_options_split_and_label():
+    from simulations.bench.cells import row_label_of, split_options
+
+    spec = parse_method("kf-gradient[setting=2]")
+    opts, fuse_opts = split_options(spec, {"kf-gradient": {"refine": "calibrate + distill", "prior": "uniform"}})
+    assert opts == {"setting": 2} and fuse_opts == {"refine": "calibrate+distill", "prior": "uniform"}
+    # refine from --method-options is not in the spec text: the row label adds it
+    assert row_label_of(spec, fuse_opts) == "kf-gradient[setting=2,refine='calibrate+distill',prior='uniform']"
+    spec = parse_method("kd[refine='distill']")
+    assert row_label_of(spec, split_options(spec)[1]) == "kd[refine='distill']"
+    assert split_options(parse_method("kd"))[1] == {"refine": None}
+
+
+def test_auto_row_chooses_by_validation_never_test():
+    from simulations.bench.report import auto_rows, markdown_report
+
+    base = dict(dataset="d", partition="p", model="mlp", fusion_size=10, fusion_source="client0",
+                client_train_seconds=1.0, importance="", score_source="", loss=0.0, status="ok")
+    rows = []
+    for seed, (va_a, va_b) in enumerate([(0.6, 0.7), (0.8, 0.5)]):
+        rows += [{**base, "seed": seed, "method": "base-0", "accuracy": 0.5, "val_accuracy": 0.9, "fuse_seconds": 0.0},
+                 {**base, "seed": seed, "method": "best-base", "accuracy": 0.5, "fuse_seconds": 0.0},
+                 {**base, "seed": seed, "method": "ensemble", "accuracy": 0.9, "val_accuracy": 0.99, "fuse_seconds": 1.0},
+                 {**base, "seed": seed, "method": "a", "accuracy": 0.85, "val_accuracy": va_a, "fuse_seconds": 1.0},
+                 {**base, "seed": seed, "method": "b[refine='distill']", "accuracy": 0.6, "val_accuracy": va_b,
+                  "fuse_seconds": 2.0},
+                 {**base, "seed": seed, "method": "c", "accuracy": float("nan"), "fuse_seconds": float("nan"),
+                  "status": "n/a: FusionError: no"}]
+    autos = sorted(auto_rows(rows), key=lambda r: r["seed"])
+    assert [r["auto_choice"] for r in autos] == ["b[refine='distill']", "a"]  # not the base, not the ensemble
+    assert [r["accuracy"] for r in autos] == [0.6, 0.85] and autos[0]["fuse_seconds"] == 3.0
+    table = markdown_report(rows)
+    assert "| auto | 72.5 ± 17.7 |" in table and "s0: b[refine='distill'] (60.0); s1: a (85.0)" in table

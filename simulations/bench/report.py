@@ -1,9 +1,10 @@
 """The one-shot report: summary of cell rows, ``table.md``, ``accuracy.png`` and ``results.json``.
 
 Tables: test accuracy, gap recovery = (fused − best base) / (ensemble − best base), federated validation
-accuracy, validation-selected options, an optional comparison to a reference method (accuracy
-difference and time ratio per seed), fusion wall time as ratios to ``average`` and to one client's
-local training. Spread is the sample std (ddof = 1) over seeds, stated in the table.
+accuracy, validation-selected options, the validation-selected choice across methods (the ``auto`` row),
+an optional comparison to a reference method (accuracy difference and time ratio per seed), fusion wall
+time as ratios to ``average`` and to one client's local training. Spread is the sample std (ddof = 1)
+over seeds, stated in the table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from simulations.bench.stats import STD_PHRASE, format_mean_std, mean, std_note
 from simulations.bench.tables import write_json
 
 Key = tuple[str, str]  # (row label, setting)
+AUTO = "auto"  # the row of the validation-selected candidate across all methods and variants
 
 
 def setting_of(r: dict) -> str:
@@ -30,6 +32,66 @@ def row_label(r: dict) -> str:
         return r["method"]
     src = "" if r["score_source"] in ("client", "") else ", server"
     return f"{r['method']} ({r['importance'][:4]}{src})"
+
+
+def auto_candidate(r: dict) -> bool:
+    """A row ``auto`` may choose: a single fused model (every method and variant, refined or not) that ran
+    and has a federated validation accuracy. Not the clients themselves, not the ensemble (several
+    models), not ``fused_width`` variants (another model size)."""
+    va = r.get("val_accuracy")
+    return (r["status"] == "ok" and va is not None and va == va and r["method"] not in ("best-base", "ensemble", AUTO)
+            and not r["method"].startswith("base-") and "fused_width" not in r["method"])
+
+
+def auto_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``auto`` row per (setting, seed): the candidate (``auto_candidate``) with the highest federated
+    validation accuracy of that seed (the first in run order on ties), never the test split; its test
+    accuracy is the row's. ``fuse_seconds`` is the sum over all candidates (auto runs them all);
+    ``auto_choice`` names the chosen row, ``auto_candidates`` counts them."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["method"] != AUTO:
+            cells.setdefault((setting_of(r), r["seed"]), []).append(r)
+    out = []
+    for cell in cells.values():
+        cands = [r for r in cell if auto_candidate(r)]
+        if not cands:
+            continue
+        best = max(cands, key=lambda r: r["val_accuracy"])  # max keeps the first of equal values
+        out.append({**best, "method": AUTO, "importance": "", "score_source": "", "fusion_info": {},
+                    "fuse_seconds": sum(r["fuse_seconds"] for r in cands), "auto_choice": row_label(best),
+                    "auto_candidates": len(cands)})
+    return out
+
+
+def with_auto(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with their ``auto`` rows recomputed (earlier ones, e.g. from ``--merge``, dropped)."""
+    plain = [r for r in rows if r["method"] != AUTO]
+    return plain + auto_rows(plain)
+
+
+def auto_report(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """Markdown: per setting, the ``auto`` row's test accuracy and gap recovery and its choice per seed."""
+    autos = [r for r in rows if r["method"] == AUTO]
+    if not autos:
+        return ""
+    out = ["\n## Validation-selected across methods (`auto`): per seed, the fused candidate (every method × "
+           "importance × refine variant; not the clients, not the ensemble) with the highest federated "
+           "validation accuracy; test accuracy %; gap recovery as mean of per-seed ratios / ratio of the means\n",
+           "| setting | test acc | gap recovery | candidates | chosen per seed (test acc %) |\n|---|---|---|---|---|\n"]
+    for st in summary["settings"]:
+        sel = sorted((r for r in autos if setting_of(r) == st), key=lambda r: r["seed"])
+        if not sel:
+            continue
+        accs = summary["acc"][(AUTO, st)]
+        ens, best = summary["acc"].get(("ensemble", st)), summary["acc"].get(("best-base", st))
+        ratio = ((mean(accs) - mean(best)) / (mean(ens) - mean(best))
+                 if ens and best and mean(ens) - mean(best) > 1e-9 else float("nan"))
+        gaps = summary["gap"][(AUTO, st)]
+        chosen = "; ".join(f"s{r['seed']}: {r['auto_choice']} ({100 * r['accuracy']:.1f})" for r in sel)
+        out.append(f"| {st} | {format_mean_std(accs, 100.0)} | {format_mean_std(gaps, 100.0, 0)} / {100 * ratio:.0f} "
+                   f"| {max(r['auto_candidates'] for r in sel)} | {chosen} |\n")
+    return "".join(out)
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -126,7 +188,8 @@ def compare_to(rows: list[dict[str, Any]], reference: str) -> str:
 
 
 def markdown_report(rows: list[dict[str, Any]], title: str = "One-shot fusion", reference: str = "") -> str:
-    """The one-shot ``table.md``."""
+    """The one-shot ``table.md`` (``auto`` rows are (re)computed here)."""
+    rows = with_auto(rows)
     s = summarise(rows)
     settings, order = s["settings"], s["order"]
     seeds = sorted({r["seed"] for r in rows})
@@ -168,6 +231,7 @@ def markdown_report(rows: list[dict[str, Any]], title: str = "One-shot fusion", 
                      if ens and best and mean(ens) - mean(best) > 1e-9 else float("nan"))
             out.append(f"| {fam} | {st} | {lab} | {format_mean_std(accs, 100.0)} | "
                        f"{cell(s['gap'], lab, st, 100.0, 0)} / {100 * ratio:.0f} |\n")
+    out.append(auto_report(rows, s))
     if reference:
         out.append(compare_to(rows, reference))
     out += ["\n## Fusion wall time: × `average` / × one client's local training (means over seeds)\n", head]
@@ -205,7 +269,7 @@ def markdown_report(rows: list[dict[str, Any]], title: str = "One-shot fusion", 
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    s = summarise(rows)
+    s = summarise(with_auto(rows))
     accuracy_bars(s["acc"], s["settings"], s["order"], path)
 
 
@@ -213,7 +277,7 @@ def write_results(rows: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     """``results.json`` (every raw row + the invocation), ``table.md``, ``accuracy.png``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json({"meta": meta, "rows": rows}, out / "results.json")
+    write_json({"meta": meta, "rows": rows, "auto": auto_rows(rows)}, out / "results.json")
     (out / "table.md").write_text(markdown_report(rows, title=meta.get("title", "One-shot fusion"),
                                                   reference=meta.get("reference", "")))
     try:
