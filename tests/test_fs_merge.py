@@ -78,6 +78,57 @@ def test_average_init_folds_to_weight_average():
             assert torch.allclose(v, a, atol=1e-6), k
 
 
+# ------------------------------------------------------------------------- fixed point (issue 12)
+@pytest.mark.parametrize("name,shape", [("mlp", (1, 8, 8)), ("vit", (1, 8, 8))])
+def test_first_init_reconstructs_agreeing_models_exactly(name, shape):
+    """With the "first" init and the reconstruction offsets, the start is the optimum for copies of one model:
+    the objective is 0 up to round-off (the old bias-free ``f @ U_final`` against centred, scaled targets was not,
+    so the first AdamW step moved the logits by 0.25)."""
+    a = build_model(name, 10, shape, seed=0).eval()
+    x = torch.randn(48, *shape, generator=torch.Generator().manual_seed(0))
+    models = [a, a, a]
+    cfg = fm.resolve_defaults(fm.FSMergeOptions(augment=1), fm.merge_structure(models).kind)
+    data = fm.prepare_data(models, x, cfg, torch.device("cpu"), torch.Generator().manual_seed(0))
+    net = fm.SuperNet(models, rank=cfg.rank, init="first", target_scales=data.scales, target_means=data.means)
+    tw = torch.tensor([0.2, 0.5, 0.3])
+    assert fm.objective(net, data.pool, data.targets, data.mask, tw) < 1e-10
+    other = fm.SuperNet([a, build_model(name, 10, shape, seed=1), a], rank=cfg.rank, init="first",
+                        target_scales=data.scales, target_means=data.means)
+    assert fm.objective(other, data.pool, data.targets, data.mask, tw) < 1e-10   # the body is model 0's
+
+
+def test_copies_fuse_back_only_thanks_to_keep_best():
+    """Without ``keep_best`` AdamW's normalised steps on round-off gradients (and weight decay) move the exact
+    start; with it (default) the start is kept and training stops at once (objective ~0: nothing to improve)."""
+    a = build_model("mlp", 10, (1, 8, 8), seed=0).eval()
+    x = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    for method in ("fs-merge", "fs-merge-seq"):
+        res = fuse_result(method, [a, a, a], fusion_inputs=x, weights=[0.2, 0.5, 0.3])
+        with torch.no_grad():
+            assert (res.model(x) - a(x)).abs().max() < 1e-5
+        assert res.info.get("steps_run", 0) == 0 and res.info.get("best_step", 0) == 0
+        assert res.info.get("stage_best_steps", [0]) == [0] * len(res.info.get("stage_best_steps", [0]))
+        drift = fuse(method, [a, a], fusion_inputs=x, steps=20, keep_best=False)
+        with torch.no_grad():
+            assert (drift(x) - a(x)).abs().max() > 1e-3
+
+
+def test_keep_best_never_ends_worse_than_the_start():
+    """A far too high lr makes every step worse: keep_best returns the start (the objective is not above it),
+    the last state is worse; a normal run keeps a later, better state."""
+    models = [build_model("mlp", 10, (1, 8, 8), seed=s) for s in range(2)]
+    x = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    kept = fuse_result("fs-merge", models, fusion_inputs=x, steps=30, lr=1.0, warmup=0.0).info
+    assert kept["best_step"] == 0 and kept["objective_best"] == kept["objective_start"]
+    assert kept["loss_after"] == pytest.approx(kept["loss_before"], rel=1e-5)
+    last = fuse_result("fs-merge", models, fusion_inputs=x, steps=30, lr=1.0, warmup=0.0, keep_best=False).info
+    assert last["loss_after"] > 1.5 * last["loss_before"]
+    good = fuse_result("fs-merge", models, fusion_inputs=x, steps=60).info
+    assert 0 < good["best_step"] <= 60 and good["objective_best"] < 0.8 * good["objective_start"]
+    with pytest.raises(FusionError, match="diverged"):                    # a divergence is still reported
+        fuse("fs-merge", models, fusion_inputs=x, steps=30, lr=1e6)
+
+
 # ---------------------------------------------------------------------------------------------- trained
 def _digits_shards(groups, seed=0, epochs=30):
     from sklearn.datasets import load_digits
@@ -174,8 +225,8 @@ def test_registered_and_flags():
 def test_options_defaults_and_types():
     o = fm.FSMergeOptions()
     assert (o.rank, o.init, o.steps, o.epochs, o.lr, o.weight_decay, o.batch_size, o.augment, o.heads, o.route,
-            o.synth, o.synth_steps, o.task_ids, o.warmup, o.stage_steps) == \
-        (None, "first", 600, None, None, 1e-3, 128, 4, "shared", "folded", 0, 40, None, 0.05, None)
+            o.synth, o.synth_steps, o.task_ids, o.warmup, o.stage_steps, o.keep_best) == \
+        (None, "first", 600, None, None, 1e-3, 128, 4, "shared", "folded", 0, 40, None, 0.05, None, True)
     assert fm.resolve_defaults(o, "mlp").rank == "full" and fm.resolve_defaults(o, "vit").rank == 8
     spec = METHOD_SPECS["fs-merge"]
     assert spec.parse_options({"rank": "full", "lr": 1}).lr == 1.0           # int → float

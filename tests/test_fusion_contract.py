@@ -46,13 +46,27 @@ FAST: dict[str, dict] = {
     "rebasin": dict(max_iter=3), "transfusion": dict(max_iter=3),
     "fs-merge": dict(steps=2, epochs=None), "fs-merge-seq": dict(steps=2, stage_steps=2, epochs=None),
 }
-# [a, a] → a (outputs within FIXED_TOL; ensemble: probabilities), with the default options (the gradient
-# NI variants through init="auto": the closed-form start is exact and training keeps only improvements).
-# Methods not listed make no such promise yet (issue 12): kd/lp move the student by Adam's normalised
-# steps on ~zero gradients (~1e-2 / 1e-3 in logits), FS-Merge learns its merge matrices from scratch.
-FIXED_POINT = ("average", "ensemble", "ot", "rebasin", "transfusion", "hf-linear", "kf-linear", "hf-gradient",
-               "kf-gradient")
+# Fixed point (issue 12): copies of one model fuse back to it — [a, a] and [a, a, a] with unequal weights → a,
+# outputs within FIXED_TOL (ensemble: probabilities) and the state within STATE_TOL — with the DEFAULT options, for
+# every registered method and every family its spec supports. How each gets there: closed-form methods are exact;
+# the gradient NI variants start from the closed form (init="auto") and keep only improvements; kd/lp keep the
+# best state on the fusion-set KL incl. the start (keep_best); FS-Merge starts exactly at model 0 with an exact
+# reconstruction (init="first" + reconstruction offsets) and keeps the best state on its objective incl. the start.
+FIXED_POINT = tuple(METHODS)  # every method; a new registration is covered automatically
 FIXED_TOL = 1e-4
+STATE_TOL = 1e-4
+# methods that give a back with its hidden units in another order (the same function): their state is compared
+# tensor by tensor as multisets of values (a permutation of rows/columns keeps each tensor's sorted values)
+PERMUTES_UNITS = {"kf-linear": "k-means numbers its clusters in its own order: a's neurons come back permuted"}
+# setups the spec supports where copies of a model do not fuse back to it yet (reported to the lead); they run
+# with the FAST options as strict xfails, so a fix makes the test fail until the entry is removed here
+FIXED_POINT_GAPS = {
+    **{(m, arch): "BatchNorm statistics are re-estimated on the fusion set after fusion (reset_bn defaults on), "
+                  "so a's running statistics are replaced" for m in ("ot", "rebasin", "transfusion")
+       for arch in ("cnn", "resnet")},
+    **{(m, arch): "block levels (no closed form) start from model 0 perturbed by eps and are trained, so a "
+                  "moves" for m in ("hf-gradient", "kf-gradient") for arch in ("vit", "resnet")},
+}
 # options under which a score-using method reads the scores (``ot`` uses them only as OT marginals)
 SCORE_OPTIONS = {"ot": dict(marginals="importance")}
 # setups the capability flags call supported but the method rejects: the flags cannot say "MLP-only"
@@ -153,18 +167,86 @@ def test_contract(method, arch):
     assert _same_state(r1.model.state_dict(), r2.model.state_dict()), "same seed, different weights"
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m in FIXED_POINT])
-def test_fusing_copies_of_one_model_returns_it(method):
+def _supported_setups(methods) -> list[tuple[str, str]]:
+    """(method, arch) pairs the method's spec claims and that are not a known interface gap."""
+    out = []
+    for method in methods:
+        for arch in sorted(ARCHS):
+            model = _models(arch, n=1)[0]
+            if _setup_error(_spec(method), [model, model]) is None and (method, arch) not in KNOWN_GAPS:
+                out.append((method, arch))
+    return out
+
+
+def _state_gap(fused: nn.Module, ref: nn.Module, up_to_permutation: bool) -> float:
+    """Largest entry-wise difference of the two state dicts (same keys and shapes required); with
+    ``up_to_permutation`` each tensor's values are compared sorted."""
+    a, b = fused.state_dict(), ref.state_dict()
+    assert list(a) == list(b) and all(a[k].shape == b[k].shape for k in a), "fused state has another layout"
+    gap = 0.0
+    for k in a:
+        x, y = a[k].double().flatten(), b[k].double().flatten()
+        if up_to_permutation:
+            x, y = x.sort().values, y.sort().values
+        gap = max(gap, float((x - y).abs().max()) if x.numel() else 0.0)
+    return gap
+
+
+@pytest.mark.parametrize("method,arch", _supported_setups(FIXED_POINT))
+def test_fusing_copies_of_one_model_returns_it(method, arch):
+    spec = _spec(method)
+    gap = FIXED_POINT_GAPS.get((method, arch))
+    a = _models(arch, n=1)[0]
+    x = torch.randn(96, *SHAPE, generator=torch.Generator().manual_seed(1))  # > 65 inputs: full-rank fits
+    xt = _inputs(40, seed=5)
+    cases = [[0.5, 0.5]] + ([[0.2, 0.5, 0.3]] if spec.max_models is None or spec.max_models >= 3 else [])
+    worst = 0.0
+    for weights in cases:
+        copies = [a] + [copy.deepcopy(a) for _ in weights[1:]]
+        fused = fuse(method, copies, fusion_inputs=x, weights=weights,  # a fusion set, as a strategy passes one
+                     **(_fast(method) if gap else {}))
+        with torch.no_grad():
+            got, want = fused(xt), a(xt)
+        if not spec.same_architecture:  # the ensemble returns log-probabilities
+            got, want = got.softmax(-1), want.softmax(-1)
+        out_gap = float((got - want).abs().max())
+        st_gap = _state_gap(fused, a, method in PERMUTES_UNITS) if spec.same_architecture else 0.0
+        worst = max(worst, out_gap / FIXED_TOL, st_gap / STATE_TOL)
+        if not gap:
+            assert out_gap < FIXED_TOL, f"{method}/{arch} weights {weights}: outputs differ by {out_gap:.2e}"
+            assert st_gap < STATE_TOL, f"{method}/{arch} weights {weights}: state differs by {st_gap:.2e}"
+    if gap:
+        if worst < 1:
+            pytest.fail(f"fixed-point gap {(method, arch)} is fixed: remove it from FIXED_POINT_GAPS")
+        pytest.xfail(gap)
+
+
+# a near-agreement gives a near-average: b = a + noise, fused with unequal weights, lands within the
+# clients' own disagreement of their weighted average (probabilities on the fusion set: what KD/FS-Merge fit)
+NEAR_AVERAGE_OPTIONS = {"fs-merge": dict(steps=100), "fs-merge-seq": dict(steps=100)}  # (a fast schedule)
+
+
+@pytest.mark.parametrize("method", [m for m in FIXED_POINT if _spec(m).needs_data and not _spec(m).affine_only])
+def test_near_agreement_gives_a_near_average(method):
     spec = _spec(method)
     a = _models("mlp", n=1)[0]
-    x = torch.randn(96, *SHAPE, generator=torch.Generator().manual_seed(1))  # > 65 inputs: full-rank fits
-    fused = fuse(method, [a, copy.deepcopy(a)], fusion_inputs=x if spec.needs_data else None, **_fast(method))
-    xt = _inputs(40, seed=5)
+    b = copy.deepcopy(a)
+    gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        got, want = fused(xt), a(xt)
-    if not spec.same_architecture:  # the ensemble returns log-probabilities
-        got, want = got.softmax(-1), want.softmax(-1)
-    assert (got - want).abs().max() < FIXED_TOL
+        for p in b.parameters():
+            p.add_(1e-2 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(96, *SHAPE, generator=torch.Generator().manual_seed(1))
+    opts = NEAR_AVERAGE_OPTIONS.get(method, {})
+    fused = fuse(method, [a, b], fusion_inputs=x, weights=[0.3, 0.7], **opts)
+    with torch.no_grad():
+        pa, pb, got = a(x).softmax(-1), b(x).softmax(-1), fused(x)
+        if spec.same_architecture:
+            got = got.softmax(-1)
+        else:
+            got = got.exp()
+    disagreement = float((pa - pb).abs().max())
+    assert disagreement > 1e-4
+    assert float((got - (0.3 * pa + 0.7 * pb)).abs().max()) <= disagreement
 
 
 # -------------------------------------------------------------------------------------------- options

@@ -12,7 +12,10 @@ What is implemented (spec sections):
   low-rank term ``A @ B`` (``rank``; ``rank="full"`` gives a dense residual, as in the paper's MLP runs); the
   hidden-width (transformer MLP) matrices use rank ``rank·h/d``.
 - §1.4 initialisations ``"first"`` (SuperNet == model 0 exactly), ``"average"`` (folds to the weight average),
-  ``"random"``; low-rank factors start at ``A = 0`` so the first/average inits are exact.
+  ``"random"``; low-rank factors start at ``A = 0`` so the first/average inits are exact. With "first" the
+  reconstruction of each model is exact too when the models agree (learned offsets ``c_k`` in ``SuperNet``), and
+  training keeps the best state incl. the start (``keep_best``): fusing copies of one model returns it, and
+  the result is never worse on the reconstruction objective than the start (issue 12; not in the paper).
 - §1.1 global FS-Merge for MLPs (any ``nn.Sequential`` of Linear layers and element-wise activations) and
   §1.2 the transformer SuperNet for timm ``VisionTransformer`` s: patch embedding/CLS/position merged by
   ``M_in`` (no U, B.1.1), attention block with one shared U, three merges M^Q/M^K/M^V, output unmerge U^O and
@@ -60,9 +63,10 @@ from fedfuse.fusion.fs_merge.matrices import INITS, MergeMatrix, fold_linear, sp
 from fedfuse.fusion.fs_merge.method import fuse_fs_merge, fuse_fs_merge_seq
 from fedfuse.fusion.fs_merge.options import FSMergeOptions, resolve_defaults
 from fedfuse.fusion.fs_merge.supernet import Features, SuperNet, merge_structure
-from fedfuse.fusion.fs_merge.training import epochs_to_steps, reconstruction_loss, train_supernet
+from fedfuse.fusion.fs_merge.training import (TrainResult, epochs_to_steps, objective, reconstruction_loss,
+                                              train_supernet)
 
 __all__ = ["FSMergeOptions", "resolve_defaults", "fuse_fs_merge", "fuse_fs_merge_seq", "MergeMatrix", "INITS",
            "split_blocks", "fold_linear", "wide_linear", "unmerge", "SuperNet", "Features", "merge_structure",
            "fold_heads", "heads_of", "augment_inputs", "synthesize_inputs", "target_features", "prepare_data",
-           "train_supernet", "reconstruction_loss", "epochs_to_steps"]
+           "train_supernet", "TrainResult", "objective", "reconstruction_loss", "epochs_to_steps"]

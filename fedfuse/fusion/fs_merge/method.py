@@ -58,33 +58,51 @@ def _check_finite(model: nn.Module, what: str) -> None:
                                    "(try a lower lr)")
 
 
+def _fold(net: SuperNet, models: list[nn.Module], weights: list[float], heads: str) -> nn.Module:
+    """The folded model: ``net``'s body plus the heads folded with ``U_final`` and the learned offsets (head k sees
+    the feature estimate ``f U^(k) + c_k`` in model k's own units, so no target scale/centre is left over)."""
+    body = net.fold_body().cpu()
+    return fold_heads(body, heads_of(models), net.final.dense().detach().cpu(), [1.0] * net.num_targets, weights,
+                      heads, net.offset.detach().cpu())
+
+
 @register("fs-merge", options=FSMergeOptions, needs_data=True, min_models=2, families=("sequential", "vit"))
 def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, options: FSMergeOptions,
                   info: dict) -> nn.Module:
     """Global FS-Merge of all ``models`` at once; returns one model of model 0's size (``FSMergeOptions``).
 
+    Fixed point (issue 12): with the default ``init="first"`` and ``keep_best`` the SuperNet starts exactly at
+    model 0 with an exact reconstruction of every agreeing model, and training only replaces that start by a
+    state with a lower reconstruction objective; so ``fuse("fs-merge", [a, a, ...], weights=w)`` is ``a`` (the
+    shared head is ``Σ_k w_k W_k = W``) and a near-agreement gives a model near model 0, hence near the average.
+
     ``info`` gets ``loss_before`` / ``loss_after`` (reconstruction MSE), ``epoch_losses`` (training history),
-    ``steps``, ``pool`` (training inputs), ``seconds`` and ``trainable`` (parameter count).
+    ``objective_start`` / ``objective_best`` / ``best_step`` (the weighted training objective on the whole pool
+    at the start and of the state kept, reached after ``best_step`` steps; 0 = the start was kept), ``steps``
+    (planned) and ``steps_run`` (fewer once the objective is ~0: nothing left to improve),
+    ``pool`` (training inputs), ``seconds`` and ``trainable`` (parameter count).
     """
     _check_inputs(models, fusion_inputs)
     cfg = resolve_defaults(options, merge_structure(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
-    net = SuperNet(models, rank=cfg.rank, init=cfg.init, device=device, seed=seed)
+    net = SuperNet(models, rank=cfg.rank, init=cfg.init, device=device, seed=seed, target_scales=data.scales,
+                   target_means=data.means)
     steps = epochs_to_steps(cfg, len(data.pool))
     before = reconstruction_loss(net, data.pool, data.targets, cfg.route)
-    hist = train_supernet(net, data.pool, data.targets, data.mask, torch.tensor(weights, dtype=torch.float32),
-                          cfg, steps, gen, device)
+    run = train_supernet(net, data.pool, data.targets, data.mask, torch.tensor(weights, dtype=torch.float32),
+                         cfg, steps, gen, device)
     after = reconstruction_loss(net, data.pool, data.targets, cfg.route)
-    body = net.fold_body().cpu()
-    fused = fold_heads(body, heads_of(models), net.final.dense().detach().cpu(), data.scales, weights, cfg.heads,
-                       data.means)
-    info.update({"loss_before": before, "loss_after": after, "epoch_losses": hist, "steps": steps,
+    fused = _fold(net, models, weights, cfg.heads)
+    info.update({"loss_before": before, "loss_after": after, "epoch_losses": run.epoch_losses, "steps": steps,
+                 "objective_start": run.start_loss, "objective_best": run.best_loss, "best_step": run.best_step,
+                 "steps_run": run.steps,
                  "pool": len(data.pool), "seconds": time.perf_counter() - t0,
                  "trainable": sum(p.numel() for p in net.parameters() if p.requires_grad)})
-    if not math.isfinite(after):
-        raise NumericalFusionError(f"fs-merge: reconstruction loss is {after} after training (diverged; try a lower lr)")
+    if run.diverged or not math.isfinite(after):  # the kept state may be finite: a divergence is still reported
+        raise NumericalFusionError(f"fs-merge: training diverged (non-finite reconstruction loss; try a lower lr "
+                                   f"than {cfg.lr})")
     _check_finite(fused, "fs-merge")
     return fused
 
@@ -97,8 +115,11 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
     Stage t is a 2-model SuperNet ``(merged_{t-1}, model_{t+1})`` with "first" init (it starts exactly at the
     previous stage's model) and a ``U_final`` of t+2 blocks whose first t+1 start at the previous stage's,
     trained against all original models seen so far. Same options as ``fs-merge``; ``stage_steps`` (default
-    ``steps // 4``, the paper's 50-of-200 ratio) for intermediate stages, ``steps`` for the last.
-    ``info`` gets ``stage_losses`` (per stage, the per-epoch losses), ``seconds`` and ``pool``.
+    ``steps // 4``, the paper's 50-of-200 ratio) for intermediate stages, ``steps`` for the last. Each stage
+    keeps its best state incl. its start (``keep_best``), so agreeing models stay exactly model 0 through every
+    stage (fixed point, as for ``fs-merge``).
+    ``info`` gets ``stage_losses`` (per stage, the per-epoch losses), ``stage_best_steps`` (per stage, the step of
+    the state kept; 0 = its start), ``seconds`` and ``pool``.
 
     Default schedule (600 + 150 per intermediate stage, lr 1e-3 for MLPs) works out of the box with 3-4 clients:
     the earlier collapse to chance was the old MLP lr 1e-2 (dead ReLUs), not the stage length. Chosen on a held-out
@@ -115,7 +136,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
     n = len(models)
-    merged, final, hist = models[0], None, []
+    merged, final, offset, hist, best_steps = models[0], None, None, [], []
     tw_all = torch.tensor(weights, dtype=torch.float32)
     for stage in range(1, n):
         last = stage == n - 1
@@ -125,8 +146,10 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         else:                                                   # previous U_final blocks + identity for the new one
             d = final.shape[0]
             base = torch.cat([final, torch.eye(d)], dim=1)
+            offset = torch.cat([offset, torch.zeros(1, d)])     # ... and previous offsets + 0 for the new one
         net = SuperNet([merged, models[stage]], rank=cfg.rank, init="first", num_targets=t,
-                       final_base=None if base is None else base.to(device), device=device, seed=seed + stage)
+                       final_base=None if base is None else base.to(device), device=device, seed=seed + stage,
+                       target_scales=data.scales[:t], target_means=data.means[:t], offset_init=offset)
         pool_steps = epochs_to_steps(cfg, len(data.pool))
         steps = pool_steps if last else (cfg.stage_steps or max(1, pool_steps // 4))
         mask = None if data.mask is None else data.mask[:, :t]
@@ -135,10 +158,17 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
             pool, targets, mask = data.pool[keep], data.targets[keep.to(data.targets.device)][:, :t], mask[keep]
         else:
             pool, targets = data.pool, data.targets[:, :t]
-        hist.append(train_supernet(net, pool, targets, mask, tw_all[:t], cfg, steps, gen, device))
+        run = train_supernet(net, pool, targets, mask, tw_all[:t], cfg, steps, gen, device)
+        if run.diverged:
+            raise NumericalFusionError(f"fs-merge-seq: stage {stage} training diverged (non-finite reconstruction "
+                                       f"loss; try a lower lr than {cfg.lr})")
+        hist.append(run.epoch_losses)
+        best_steps.append(run.best_step)
         merged = net.fold_body().cpu()
         final = net.final.dense().detach().cpu()
-    fused = fold_heads(merged, heads_of(models), final, data.scales, weights, cfg.heads, data.means)
-    info.update({"stage_losses": hist, "seconds": time.perf_counter() - t0, "pool": len(data.pool)})
+        offset = net.offset.detach().cpu()
+    fused = _fold(net, models, weights, cfg.heads)
+    info.update({"stage_losses": hist, "stage_best_steps": best_steps, "seconds": time.perf_counter() - t0,
+                 "pool": len(data.pool)})
     _check_finite(fused, "fs-merge-seq")
     return fused

@@ -30,6 +30,9 @@ class FSMergeOptions:
             the gradient steps per input (0 = off).
         task_ids: ``[B]`` client id per fusion input → per-task loss instead of the all-clients loss.
         stage_steps: ``fs-merge-seq`` steps of each intermediate stage (``None`` → ``steps // 4``).
+        keep_best: end (each stage) at the state with the lowest full-pool reconstruction objective among the
+            initialisation and ~10 checkpoints, so training only ever corrects the start (with ``init="first"``
+            and agreeing models the start is exact and is returned: fixed point); off = the last step's state.
     """
 
     rank: int | Literal["full"] | None = None
@@ -47,6 +50,7 @@ class FSMergeOptions:
     task_ids: list[int] | torch.Tensor | None = None
     warmup: float = 0.05
     stage_steps: int | None = None
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         if self.rank is not None and self.rank != "full" and self.rank < 0:

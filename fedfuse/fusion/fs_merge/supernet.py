@@ -48,10 +48,23 @@ class SuperNet(nn.Module):
 
     ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
     reconstruction per target model, T = number of ``U_final`` blocks); ``fold_body()`` → a standard model.
+
+    Reconstruction of target k (in the space of the scaled, centred training targets ``s_k (f_k − μ_k)``)::
+
+        r_k = s_k · (f @ U_final^(k) + c_k − μ_k)
+
+    with ``target_scales`` ``s [T]`` and ``target_means`` ``μ [T, d]`` fixed (from the targets; default 1 and
+    0) and a learned offset ``c [T, d]`` (``offset``, starts at ``offset_init`` or 0). So ``f U^(k) + c_k`` is
+    model k's feature estimate in its own units and folds into head k exactly (weight ``W_k U^(k)ᵀ``, bias
+    ``b_k + W_k c_k``). Why this form: with the "first" init (``U^(k) = I``, ``c = 0``) the reconstruction of
+    agreeing models is exact — the start is the optimum (loss 0), so fusing copies of one model returns it
+    (issue 12); a bias-free ``f @ U`` against centred targets could not start there.
     """
 
     def __init__(self, models: list[nn.Module], *, rank=8, init: str = "first", num_targets: int | None = None,
-                 final_base: torch.Tensor | None = None, device: torch.device = torch.device("cpu"), seed: int = 0):
+                 final_base: torch.Tensor | None = None, device: torch.device = torch.device("cpu"), seed: int = 0,
+                 target_scales: torch.Tensor | list[float] | None = None, target_means: torch.Tensor | None = None,
+                 offset_init: torch.Tensor | None = None):
         super().__init__()
         self.arch = merge_structure(models)
         self.n = len(models)
@@ -73,6 +86,17 @@ class SuperNet(nn.Module):
             self.final = MergeMatrix("U", t, d, _rank_for(rank, d), init if init != "average" else "first",
                                      generator=gen)
         self.num_targets = t
+        scales = torch.ones(t) if target_scales is None else torch.as_tensor(target_scales, dtype=torch.float32)
+        means = torch.zeros(t, d) if target_means is None else target_means.detach().float()
+        offset = torch.zeros(t, d) if offset_init is None else offset_init.detach().float().clone()
+        for name, v, shape in (("target_scales", scales, (t,)), ("target_means", means, (t, d)),
+                               ("offset_init", offset, (t, d))):
+            if tuple(v.shape) != shape:
+                raise ValueError(f"fs-merge: {name} of shape {tuple(v.shape)}, expected {shape} "
+                                 f"({t} targets of width {d})")
+        self.register_buffer("target_scales", scales.cpu())
+        self.register_buffer("target_means", means.cpu())
+        self.offset = nn.Parameter(offset.cpu())
         self.to(device)
 
     def folded_params(self) -> dict[str, torch.Tensor]:
@@ -86,9 +110,10 @@ class SuperNet(nn.Module):
         return functional_call(self.template, self.folded_params(), (x,), strict=False)
 
     def reconstruct(self, x: torch.Tensor, route: str = "folded") -> torch.Tensor:
-        """Per-target reconstructions ``[N, T, d]`` = features @ U_final."""
+        """Per-target reconstructions ``[N, T, d]`` = ``s_k · (features @ U_final^(k) + c_k − μ_k)``."""
         f = self.features(x, route)
-        return (f @ self.final.dense()).reshape(f.shape[0], self.num_targets, -1)
+        est = (f @ self.final.dense()).reshape(f.shape[0], self.num_targets, -1) + self.offset
+        return self.target_scales[:, None] * (est - self.target_means)
 
     @torch.no_grad()
     def fold_body(self) -> nn.Module:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,14 +20,66 @@ def _schedule(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - w) / max(1, total - w)))
 
 
+def _batch_loss(rec: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None, tw: torch.Tensor) -> torch.Tensor:
+    """Per-sample weighted reconstruction MSE ``[B]``: ``rec``/``targets`` ``[B, T, d]``, ``mask`` ``[B, T]``."""
+    err = ((rec - targets) ** 2).mean(-1)                                          # [B, T]
+    if mask is not None:
+        return (err * mask * tw).sum(1) / (mask * tw).sum(1).clamp_min(1e-12)
+    return (err * tw).sum(1) / tw.sum()
+
+
+@torch.no_grad()
+def objective(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
+              target_weights: torch.Tensor, route: str = "folded", batch_size: int = 512) -> float:
+    """The training objective of ``train_supernet`` over the whole ``pool`` (mean of the per-sample weighted
+    MSE): the criterion by which the best state is kept."""
+    tw = target_weights.to(targets.device)
+    tot = 0.0
+    for i in range(0, len(pool), batch_size):
+        rec = net.reconstruct(pool[i:i + batch_size].to(targets.device), route)
+        m = None if mask is None else mask[i:i + batch_size].to(targets.device)
+        tot += float(_batch_loss(rec, targets[i:i + batch_size], m, tw).sum())
+    return tot / len(pool)
+
+
+@dataclass
+class TrainResult:
+    """What ``train_supernet`` did: ``epoch_losses`` (mean minibatch loss per epoch), the full-pool objective at
+    the start (``start_loss``) and of the state kept (``best_loss``, reached after ``best_step`` steps; 0 = the
+    start was kept), the ``steps`` run (fewer than asked after a converged stop) and whether a minibatch loss or
+    a measured objective was non-finite (``diverged``: the caller raises rather than return the kept state)."""
+
+    epoch_losses: list[float]
+    start_loss: float
+    best_loss: float
+    best_step: int
+    steps: int
+    diverged: bool = False
+
+
+def _checkpoints(steps: int, count: int = 10) -> set[int]:
+    """Steps (1-based, after the update) at which the full-pool objective is measured: ~``count`` evenly spaced
+    ones and the last."""
+    every = max(1, math.ceil(steps / count))
+    return set(range(every, steps + 1, every)) | {steps}
+
+
 def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
                    target_weights: torch.Tensor, cfg: FSMergeOptions, steps: int, gen: torch.Generator,
-                   device: torch.device) -> list[float]:
-    """AdamW on M/U/LN/U_final minimising the weighted reconstruction MSE.
+                   device: torch.device) -> TrainResult:
+    """AdamW on M/U/LN/U_final/offsets minimising the weighted reconstruction MSE; in place.
 
     ``pool`` ``[N, *s]`` inputs, ``targets`` ``[N, T, d]`` (already scaled), ``mask`` ``[N, T]`` (1 = this
-    sample is scored against target t; None = all), ``target_weights`` ``[T]``. Returns the per-epoch mean
-    losses (an "epoch" is ``ceil(N / batch)`` steps).
+    sample is scored against target t; None = all), ``target_weights`` ``[T]``.
+
+    Training is a correction of the start: with ``cfg.keep_best`` (default) the full-pool objective
+    (``objective``) is measured at the start and at ~10 checkpoints (the last step included), and ``net`` ends at
+    the state with the lowest one, the start included (a decrease within float round-off, ``_min_improvement``,
+    keeps the earlier state). So the result is never worse on the reconstruction objective than the
+    initialisation; with the "first" init and agreeing models the start is exact (loss 0) and is returned, not
+    a state AdamW's normalised steps on round-off gradients (and its weight decay) moved away. Training stops
+    once the kept objective is within ``_min_improvement`` of its lower bound 0 (no later state could be kept;
+    an exact shortcut: no step at all for agreeing models); ``steps`` then counts the steps run.
     """
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -37,29 +90,53 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
     losses, running, count = [], 0.0, 0
     perm, pos = torch.randperm(n, generator=gen), 0
     tw = target_weights.to(device)
+    start = best = objective(net, pool, targets, mask, target_weights, cfg.route) if cfg.keep_best else float("nan")
+    best_state, best_step = (_trainable_state(net) if cfg.keep_best else None), 0
+    checks = _checkpoints(steps) if cfg.keep_best else set()
+    done, diverged = 0, False
     for step in range(steps):
+        if cfg.keep_best and best - _min_improvement(best) < 0:
+            break  # converged: the MSE is >= 0, so no later state could count as better and be kept
+        done += 1
         if pos >= n:
             perm, pos = torch.randperm(n, generator=gen), 0
         idx = perm[pos:pos + bs]
         pos += bs
         xb = pool[idx].to(device)
         rec = net.reconstruct(xb, cfg.route)                                      # [B, T, d]
-        err = ((rec - targets[idx]) ** 2).mean(-1)                                 # [B, T]
-        if mask is not None:
-            m = mask[idx].to(device)
-            loss = ((err * m * tw).sum(1) / (m * tw).sum(1).clamp_min(1e-12)).mean()
-        else:
-            loss = (err * tw).sum(1).mean() / tw.sum()
+        m = None if mask is None else mask[idx].to(device)
+        loss = _batch_loss(rec, targets[idx], m, tw).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         running += float(loss.detach())
+        diverged = diverged or not math.isfinite(running)
         count += 1
         if count == per_epoch or step == steps - 1:
             losses.append(running / count)
             running, count = 0.0, 0
-    return losses
+        if step + 1 in checks:
+            cur = objective(net, pool, targets, mask, target_weights, cfg.route)
+            diverged = diverged or not math.isfinite(cur)
+            if math.isfinite(cur) and (not math.isfinite(best) or cur < best - _min_improvement(best)):
+                best, best_step, best_state = cur, step + 1, _trainable_state(net)
+    if count:                                                   # a partial epoch before a converged stop
+        losses.append(running / count)
+    if cfg.keep_best and best_step < done:
+        with torch.no_grad():
+            for p, v in zip(params, best_state):
+                p.copy_(v)
+    return TrainResult(losses, start, best, best_step if cfg.keep_best else done, done, diverged)
+
+
+def _min_improvement(loss: float) -> float:
+    """A decrease of the objective that counts (more than float round-off): 1e-7 plus 1e-4 of the loss."""
+    return 1e-7 + 1e-4 * abs(loss)
+
+
+def _trainable_state(net: SuperNet) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.parameters() if p.requires_grad]
 
 
 @torch.no_grad()
