@@ -96,6 +96,7 @@ def test_copies_of_one_model_are_returned_unchanged(pair, method):
         models = [a, copy.deepcopy(a)] + ([copy.deepcopy(a)] if weights else [])
         res = fuse_result(method, models, fusion_inputs=x, weights=weights)
         assert res.info["best_epoch"] == 0 and abs(res.info["initial_loss"]) < 1e-6
+        assert res.info["epochs_run"] == 0  # converged at the start: KL ~ 0, nothing left to improve
         assert all(torch.equal(v, a.state_dict()[k]) for k, v in res.model.state_dict().items())
     drift = fuse(method, [a, copy.deepcopy(a)], fusion_inputs=x, keep_best=False)
     assert any(not torch.equal(v, a.state_dict()[k]) for k, v in drift.state_dict().items())

@@ -91,7 +91,9 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
     particular when the teachers agree with the start (copies of one model), the start is the optimum and is
     returned unchanged (Adam's normalised steps on ~zero gradients would otherwise move it). With a held-out
     ``select_inputs`` this is early-stopping model selection; ``patience`` (epochs without a strict
-    improvement, ``None`` = train all ``epochs``) stops training early.
+    improvement, ``None`` = train all ``epochs``) stops training early. Training also stops once the selection
+    loss is within ``_min_improvement`` of its lower bound 0 (no later state could be kept): an exact shortcut,
+    e.g. no epoch at all for agreeing teachers.
 
     ``info`` (optional) gets ``epochs`` (requested), ``epochs_run``, ``epoch_losses`` (mean training loss per
     epoch) and, with ``keep_best``, ``initial_loss`` (selection loss at the start), ``selection_losses`` (after
@@ -115,6 +117,8 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
         best_loss = initial = _kl_on(run, sel_x, sel_t, temperature, device, sel_bs)
         best_state, best_epoch = [p.detach().clone() for p in params], 0
     for epoch in range(1, epochs + 1):
+        if keep_best and best_loss - _min_improvement(best_loss) < 0:
+            break  # converged: KL >= 0, so no later state could count as better and be kept
         perm = torch.randperm(n, generator=gen)
         total = torch.zeros((), device=device)  # summed on device: no host sync per step
         for i in range(0, n, batch_size):
