@@ -81,8 +81,9 @@ class RunConfig:
     importance_samples: int = _key(256, "validation samples each client scores", ge=1)
     tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
                        ge=0)
-    strategy: str = _key("kf-linear", "fedavg or a fusion method (fedfuse.fusion.METHODS) that keeps the "
-                         "architecture")
+    strategy: str = _key("average", "fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
+                         "that keeps the architecture; the default 'average' = weighted average + refine "
+                         "(calibrate) + divergence guard, the best measured multi-round aggregation")
     fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set", ge=1)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)

@@ -142,7 +142,7 @@ def test_bad_fusion_options_toml(text):
 
 
 def test_fusion_options_inline_table():
-    cfg = parse_run_config({"fusion-options": "{head_weights=true, ridge=1e-3}"})
+    cfg = parse_run_config({"strategy": "kf-linear", "fusion-options": "{head_weights=true, ridge=1e-3}"})
     assert fusion_options_dict(cfg) == {"head_weights": True, "ridge": 1e-3}
     assert fusion_options_dict(parse_run_config({})) == {}
 
@@ -285,7 +285,7 @@ def test_model_that_cannot_take_the_inputs():
 
 def test_preflight_is_fast_and_complete():
     t0 = time.perf_counter()
-    assert preflight({"strategy": "kf-linear", "num-server-rounds": 2}) == RunConfig(num_server_rounds=2)
+    assert preflight({"strategy": "kf-linear", "num-server-rounds": 2}) == RunConfig(strategy="kf-linear", num_server_rounds=2)
     assert time.perf_counter() - t0 < 10
 
 
@@ -304,10 +304,11 @@ def test_run_config_string_with_spaces_quotes_and_braces_is_kept():
 
 
 def test_readme_examples_parse_and_pass_preflight():
-    for text in ['fusion-options="{head_weights=true, ridge=1e-3}"',
+    for text in ['strategy=\'kf-linear\' fusion-options="{head_weights=true, ridge=1e-3}"',
                  "strategy='fedavg' dataset='mnist1d' partitioning='dirichlet' dirichlet-alpha=0.3 num-server-rounds=10",
                  "mode='one-shot' num-server-rounds=1 local-epochs=30 strategy='kf-linear' fusion-set-source='client0'",
-                 "fusion-options={match='balanced'}"]:
+                 "strategy='kf-linear' fusion-options={match='balanced'}",
+                 "strategy='feddf' dirichlet-alpha=0.1 refine='none'", "refine='calibrate+distill' refine-prior='uniform'"]:
         preflight(parse_run_config_arg(text))
 
 
@@ -325,10 +326,10 @@ def test_bad_run_config_strings(text, needle):
 
 
 def test_run_config_toml_file(tmp_path):
-    (tmp_path / "c.toml").write_text("num-server-rounds = 2\nfusion-options = {match = \"balanced\", ridge = 0.01}\n")
+    (tmp_path / "c.toml").write_text("num-server-rounds = 2\nstrategy = \"kf-linear\"\nfusion-options = {match = \"balanced\", ridge = 0.01}\n")
     cfg = parse_run_config_arg(str(tmp_path / "c.toml"))
     assert cfg["num-server-rounds"] == 2
-    assert fusion_options_dict(parse_run_config({"fusion-options": cfg["fusion-options"]})) == {
+    assert fusion_options_dict(parse_run_config({"strategy": "kf-linear", "fusion-options": cfg["fusion-options"]})) == {
         "match": "balanced", "ridge": 0.01}
 
 

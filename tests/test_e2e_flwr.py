@@ -25,8 +25,10 @@ def _run(tmp_path, **overrides):
 
 
 def test_flwr_run_multi_round_simulation(tmp_path):
-    strategy = "kf-linear"
-    outcome, res = _run(tmp_path, strategy=strategy)
+    from fedfuse.config import SCHEMA
+
+    strategy = SCHEMA["strategy"].default   # the default strategy, as a new user runs it
+    outcome, res = _run(tmp_path)
     rounds = res["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]            # one row per round (+ the initial model)
     assert res["config"]["strategy"] == strategy
@@ -34,7 +36,7 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     assert last["test-accuracy"] > 0.3                            # chance is 0.1 on 10 digits
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
     assert last["ensemble-accuracy"] > 0.3 and len(last["client-test-accuracy"]) == 3
-    assert last["client-score-seconds-mean"] > 0                  # clients computed importance scores
+    assert last["fusion-info"]["refine"] == "calibrate" and last["fusion-info"]["prior"] == "class-counts"
     for name in ("rounds.csv", "accuracy.png", "global_model.pt", "config.json", "DONE"):
         assert (outcome.out_dir / name).exists(), name
     assert res["status"] == "completed" and res["error"] is None

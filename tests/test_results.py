@@ -12,7 +12,7 @@ def _h(r, fallback=None, skipped=None):
 
 def test_fusion_outcome_counts_fallbacks_and_fails_when_fusion_never_succeeded():
     ok = fusion_outcome([_h(1), _h(2, "average: IncompatibleModelsError: x"), _h(3)])
-    assert ok == {"status": "completed", "error": None, "fallbacks": 1, "fallback-rounds": [2]}
+    assert ok == {"status": "completed", "error": None, "fallbacks": 1, "fallback-rounds": [2], "guarded-rounds": []}
     bad = fusion_outcome([_h(1, "previous: NumericalFusionError: nan"), _h(2, skipped="round 2 skipped: 0 valid")])
     assert bad["status"] == "failed" and bad["fallbacks"] == 1 and bad["fallback-rounds"] == [1]
     assert "fusion never succeeded" in bad["error"] and "NumericalFusionError: nan" in bad["error"]
