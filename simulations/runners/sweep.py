@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             row["final-accuracy"] = rounds[-1]["test-accuracy"]
             row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
             row["fallback-rounds"] = [r["round"] for r in rounds if r.get("fallback")]
+            row["skipped-rounds"] = [r["round"] for r in rounds if r.get("skipped")]
+            row["guarded-rounds"] = [r["round"] for r in rounds if r.get("guard")]
         print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}"
               f"{' fallback rounds ' + str(row['fallback-rounds']) if row.get('fallback-rounds') else ''}"
               f"{' error: ' + row['error'] if row.get('error') else ''}", flush=True)
@@ -157,10 +159,60 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
              "Final test accuracy (mean ± sample std, ddof 1, over seeds)\n\n" + "\n".join(lines) +
              "\n\nFirst round reaching 90% of the strategy's own final accuracy\n\n" + "\n".join(lines_r) +
              f"\n\nFirst round reaching {reference}'s final accuracy (same seed)\n\n" + "\n".join(lines_ref) + "\n")
+    table += "".join(summary_table(rows, strategies, part, reference) for part in parts)
     (out / "table.md").write_text(table)
     print(table)
     plot(rows, strategies, parts, out / "accuracy.png", title=run_config)
     return 0
+
+
+def worst_drop(acc: list[float]) -> float:
+    """Largest round-over-round fall of the test accuracy (0 when it never falls), rounds 1.. only."""
+    return max([0.0] + [acc[i - 1] - acc[i] for i in range(2, len(acc))])
+
+
+def summary_table(rows: list[dict], strategies: list[str], part: str, reference: str, at_round: int = 10) -> str:
+    """The issue-12 summary of one partitioning: final and best accuracy, accuracy at ``at_round``, the first
+    round reaching ``reference``'s final accuracy (same seed; mean over seeds), the worst round-over-round
+    drop, the largest deficit of the mean curve below ``reference``'s mean curve (any round), and the rounds
+    that fell back, were skipped or were guarded (summed over seeds)."""
+    import numpy as np
+
+    def curves(strategy):
+        sel = [r for r in rows if r["strategy"] == strategy and r["partitioning"] == part and "accuracy-per-round" in r]
+        return sel, (np.array([r["accuracy-per-round"] for r in sel]) if sel else None)
+
+    _, ref = curves(reference)
+    head = (f"\n\nSummary, {part} (mean ± sample std over seeds; 'reach' = first round with accuracy ≥ {reference}'s "
+            f"final accuracy of the same seed, never = rounds+1; 'max deficit' = largest gap of the mean curve below "
+            f"{reference}'s mean curve over rounds 1..)\n\n"
+            f"| strategy | seeds | final | best | round {at_round} | reach | worst drop | max deficit | "
+            f"fallback / skipped / guarded rounds | failed runs |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for strategy in strategies:
+        sel, a = curves(strategy)
+        failed = sum(1 for r in rows if r["strategy"] == strategy and r["partitioning"] == part
+                     and r.get("status") != "finished:completed")
+        if a is None or not len(sel):
+            lines.append(f"| {strategy} | 0 | | | | | | | | {failed} |")
+            continue
+        reach = []
+        for r in sel:
+            refs = [q for q in rows if q["strategy"] == reference and q["partitioning"] == part and q["seed"] == r["seed"]
+                    and "final-accuracy" in q]
+            if refs:
+                k = rounds_to(r["accuracy-per-round"], refs[0]["final-accuracy"])
+                reach.append(float(len(r["accuracy-per-round"]) if k is None else k))
+        deficit = ""
+        if ref is not None and ref.shape[1] == a.shape[1]:
+            deficit = f"{float(np.max(ref.mean(0)[1:] - a.mean(0)[1:])):.3f}"
+        k = min(at_round, a.shape[1] - 1)
+        counts = " / ".join(str(sum(len(r.get(key, [])) for r in sel))
+                            for key in ("fallback-rounds", "skipped-rounds", "guarded-rounds"))
+        lines.append(f"| {strategy} | {len(sel)} | {mean_std(list(a[:, -1]))} | {mean_std(list(a[:, 1:].max(1)))} | "
+                     f"{mean_std(list(a[:, k]))} | {mean_std(reach) if reach else ''} | "
+                     f"{mean_std([worst_drop(list(c)) for c in a])} | {deficit} | {counts} | {failed} |")
+    return head + "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, title: str = "") -> None:
