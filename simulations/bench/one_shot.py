@@ -7,7 +7,10 @@
 
 Methods are names in ``fedfuse.fusion.METHODS``, optionally with options in brackets (TOML values):
 ``kf-gradient[setting=2,eps=0.5]``; several variants of one method form a grid whose validation-selected
-variant is reported. Methods that use importance scores run once per ``--importance`` method and per
+variant is reported. Every method also takes the fuse-level options ``refine`` (``"distill"``,
+``"calibrate"``, ``"calibrate+distill"``, ``"distill+calibrate"``: a post-fusion step) and ``prior``
+(``"uniform"`` or ``"class-counts"``, for ``calibrate``): ``kf-linear[refine="distill"]``. The ``auto`` row is,
+per seed, the fused candidate (all methods and variants) with the highest federated validation accuracy. Methods that use importance scores run once per ``--importance`` method and per
 ``--score-source`` (``client`` = each client on its own validation split, ``server`` = the server on its
 fusion set with its labels). ``average`` and ``ensemble`` always run (time and accuracy references).
 ``--compare-to kd`` adds per-seed accuracy differences and time ratios to that method. ``--merge`` adds
