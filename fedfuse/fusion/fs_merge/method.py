@@ -59,11 +59,12 @@ def _check_finite(model: nn.Module, what: str) -> None:
 
 
 def _fold(net: SuperNet, models: list[nn.Module], weights: list[float], heads: str) -> nn.Module:
-    """The folded model: ``net``'s body plus the heads folded with ``U_final`` and the learned offsets (head k sees
-    the feature estimate ``f U^(k) + c_k`` in model k's own units, so no target scale/centre is left over)."""
+    """The folded model: ``net``'s body plus the heads folded with ``U_final`` and the offsets: head k sees model
+    k's feature estimate ``f_k ≈ r_k / s_k + μ_k = f U^(k) / s_k + (c_k / s_k + μ_k)``."""
     body = net.fold_body().cpu()
-    return fold_heads(body, heads_of(models), net.final.dense().detach().cpu(), [1.0] * net.num_targets, weights,
-                      heads, net.offset.detach().cpu())
+    s = net.target_scales.detach().cpu()
+    centre = net.offset.detach().cpu() / s[:, None] + net.target_means.detach().cpu()
+    return fold_heads(body, heads_of(models), net.final.dense().detach().cpu(), s.tolist(), weights, heads, centre)
 
 
 @register("fs-merge", options=FSMergeOptions, needs_data=True, min_models=2, families=("sequential", "vit"))
@@ -71,14 +72,18 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
                   info: dict) -> nn.Module:
     """Global FS-Merge of all ``models`` at once; returns one model of model 0's size (``FSMergeOptions``).
 
-    Fixed point (issue 12): with the default ``init="first"`` and ``keep_best`` the SuperNet starts exactly at
-    model 0 with an exact reconstruction of every agreeing model, and training only replaces that start by a
-    state with a lower reconstruction objective; so ``fuse("fs-merge", [a, a, ...], weights=w)`` is ``a`` (the
-    shared head is ``Σ_k w_k W_k = W``) and a near-agreement gives a model near model 0, hence near the average.
+    Fixed point (issue 12): with ``keep_best`` (default) the result is the state with the lowest reconstruction
+    objective among the training start, the exact start (body as initialised — model 0 for ``init="first"`` —
+    with an exact reconstruction of every model that agrees with it: objective 0 for copies) and the training
+    checkpoints. So ``fuse("fs-merge", [a, a, ...], weights=w)`` is ``a`` (the shared head is ``Σ_k w_k W_k =
+    W``), and a near-agreement gives a model no worse on the objective than model 0 with exact reconstructions,
+    hence near the average. Disagreeing models: training runs as without ``keep_best`` and its state is kept
+    when better (the usual case), so the accuracy is unchanged.
 
-    ``info`` gets ``loss_before`` / ``loss_after`` (reconstruction MSE), ``epoch_losses`` (training history),
-    ``objective_start`` / ``objective_best`` / ``best_step`` (the weighted training objective on the whole pool
-    at the start and of the state kept, reached after ``best_step`` steps; 0 = the start was kept), ``steps``
+    ``info`` gets ``loss_before`` / ``loss_after`` (reconstruction MSE at the training start / of the result),
+    ``epoch_losses`` (training history), ``objective_start`` / ``objective_exact`` / ``objective_best`` (the
+    weighted training objective on the whole pool at the training start, at the exact start and of the state
+    kept), ``best_step`` (steps to the kept state; 0 = a start) and ``kept_exact``, ``steps``
     (planned) and ``steps_run`` (fewer once the objective is ~0: nothing left to improve),
     ``pool`` (training inputs), ``seconds`` and ``trainable`` (parameter count).
     """
@@ -96,7 +101,8 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
     after = reconstruction_loss(net, data.pool, data.targets, cfg.route)
     fused = _fold(net, models, weights, cfg.heads)
     info.update({"loss_before": before, "loss_after": after, "epoch_losses": run.epoch_losses, "steps": steps,
-                 "objective_start": run.start_loss, "objective_best": run.best_loss, "best_step": run.best_step,
+                 "objective_start": run.start_loss, "objective_exact": run.exact_loss,
+                 "objective_best": run.best_loss, "best_step": run.best_step, "kept_exact": run.kept_exact,
                  "steps_run": run.steps,
                  "pool": len(data.pool), "seconds": time.perf_counter() - t0,
                  "trainable": sum(p.numel() for p in net.parameters() if p.requires_grad)})
@@ -116,10 +122,11 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
     previous stage's model) and a ``U_final`` of t+2 blocks whose first t+1 start at the previous stage's,
     trained against all original models seen so far. Same options as ``fs-merge``; ``stage_steps`` (default
     ``steps // 4``, the paper's 50-of-200 ratio) for intermediate stages, ``steps`` for the last. Each stage
-    keeps its best state incl. its start (``keep_best``), so agreeing models stay exactly model 0 through every
-    stage (fixed point, as for ``fs-merge``).
+    keeps its best state incl. its exact start (``keep_best``: the previous merge, an exact reconstruction of the
+    new model where it agrees), so agreeing models stay exactly model 0 through every stage (fixed point).
     ``info`` gets ``stage_losses`` (per stage, the per-epoch losses), ``stage_best_steps`` (per stage, the step of
-    the state kept; 0 = its start), ``seconds`` and ``pool``.
+    the state kept; 0 = a start), ``stage_kept_exact`` (per stage, whether the exact start was kept), ``seconds``
+    and ``pool``.
 
     Default schedule (600 + 150 per intermediate stage, lr 1e-3 for MLPs) works out of the box with 3-4 clients:
     the earlier collapse to chance was the old MLP lr 1e-2 (dead ReLUs), not the stage length. Chosen on a held-out
@@ -136,7 +143,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
     n = len(models)
-    merged, final, offset, hist, best_steps = models[0], None, None, [], []
+    merged, final, offset, hist, best_steps, kept_exact = models[0], None, None, [], [], []
     tw_all = torch.tensor(weights, dtype=torch.float32)
     for stage in range(1, n):
         last = stage == n - 1
@@ -159,6 +166,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         else:
             pool, targets = data.pool, data.targets[:, :t]
         run = train_supernet(net, pool, targets, mask, tw_all[:t], cfg, steps, gen, device)
+        kept_exact.append(run.kept_exact)
         if run.diverged:
             raise NumericalFusionError(f"fs-merge-seq: stage {stage} training diverged (non-finite reconstruction "
                                        f"loss; try a lower lr than {cfg.lr})")
@@ -168,7 +176,8 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         final = net.final.dense().detach().cpu()
         offset = net.offset.detach().cpu()
     fused = _fold(net, models, weights, cfg.heads)
-    info.update({"stage_losses": hist, "stage_best_steps": best_steps, "seconds": time.perf_counter() - t0,
+    info.update({"stage_losses": hist, "stage_best_steps": best_steps, "stage_kept_exact": kept_exact,
+                 "seconds": time.perf_counter() - t0,
                  "pool": len(data.pool)})
     _check_finite(fused, "fs-merge-seq")
     return fused

@@ -49,16 +49,17 @@ class SuperNet(nn.Module):
     ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
     reconstruction per target model, T = number of ``U_final`` blocks); ``fold_body()`` → a standard model.
 
-    Reconstruction of target k (in the space of the scaled, centred training targets ``s_k (f_k − μ_k)``)::
+    Reconstruction of target k, in the units of the training targets ``s_k (f_k − μ_k)`` (``target_scales``
+    ``s [T]``, ``target_means`` ``μ [T, d]``, fixed)::
 
-        r_k = s_k · (f @ U_final^(k) + c_k − μ_k)
+        r_k = f @ U_final^(k) + c_k
 
-    with ``target_scales`` ``s [T]`` and ``target_means`` ``μ [T, d]`` fixed (from the targets; default 1 and
-    0) and a learned offset ``c [T, d]`` (``offset``, starts at ``offset_init`` or 0). So ``f U^(k) + c_k`` is
-    model k's feature estimate in its own units and folds into head k exactly (weight ``W_k U^(k)ᵀ``, bias
-    ``b_k + W_k c_k``). Why this form: with the "first" init (``U^(k) = I``, ``c = 0``) the reconstruction of
-    agreeing models is exact — the start is the optimum (loss 0), so fusing copies of one model returns it
-    (issue 12); a bias-free ``f @ U`` against centred targets could not start there.
+    with a fixed offset ``c [T, d]`` (buffer ``offset``, 0 unless set). Training starts, as in the paper's "first"
+    init, from ``U_final^(k) = I``, ``c = 0``. ``exact_start_()`` sets the identity-initialised ("fresh") blocks to
+    ``U^(k) = s_k I``, ``c_k = −s_k μ_k``: ``r_k = s_k (f − μ_k)``, an exact reconstruction of every model that
+    agrees with the body (model 0 for "first", the average for "average"), i.e. objective 0 for copies of one
+    model. ``train_supernet`` keeps that state as a candidate (issue 12: fixed point). Head k folds
+    ``f_k ≈ r_k / s_k + μ_k`` (``method._fold``).
     """
 
     def __init__(self, models: list[nn.Module], *, rank=8, init: str = "first", num_targets: int | None = None,
@@ -82,9 +83,11 @@ class SuperNet(nn.Module):
         t = num_targets or self.n
         if final_base is not None:
             self.final = MergeMatrix("U", t, d, _rank_for(rank, d), "first", base=final_base, generator=gen)
+            fresh = [False] * (t - 1) + [True]             # seq: earlier blocks continue the previous stage
         else:
             self.final = MergeMatrix("U", t, d, _rank_for(rank, d), init if init != "average" else "first",
                                      generator=gen)
+            fresh = [init != "random"] * t
         self.num_targets = t
         scales = torch.ones(t) if target_scales is None else torch.as_tensor(target_scales, dtype=torch.float32)
         means = torch.zeros(t, d) if target_means is None else target_means.detach().float()
@@ -96,7 +99,8 @@ class SuperNet(nn.Module):
                                  f"({t} targets of width {d})")
         self.register_buffer("target_scales", scales.cpu())
         self.register_buffer("target_means", means.cpu())
-        self.offset = nn.Parameter(offset.cpu())
+        self.register_buffer("offset", offset.cpu())
+        self.fresh = fresh
         self.to(device)
 
     def folded_params(self) -> dict[str, torch.Tensor]:
@@ -110,10 +114,35 @@ class SuperNet(nn.Module):
         return functional_call(self.template, self.folded_params(), (x,), strict=False)
 
     def reconstruct(self, x: torch.Tensor, route: str = "folded") -> torch.Tensor:
-        """Per-target reconstructions ``[N, T, d]`` = ``s_k · (features @ U_final^(k) + c_k − μ_k)``."""
+        """Per-target reconstructions ``[N, T, d]`` = ``features @ U_final^(k) + c_k``."""
         f = self.features(x, route)
-        est = (f @ self.final.dense()).reshape(f.shape[0], self.num_targets, -1) + self.offset
-        return self.target_scales[:, None] * (est - self.target_means)
+        return (f @ self.final.dense()).reshape(f.shape[0], self.num_targets, -1) + self.offset
+
+    @property
+    def has_exact_start(self) -> bool:
+        """Whether some ``U_final`` block is still at its identity init (``exact_start_`` applies)."""
+        return any(self.fresh)
+
+    @torch.no_grad()
+    def exact_start_(self) -> None:
+        """In place, for the identity-initialised blocks k: ``U^(k) = s_k I`` and ``c_k = −s_k μ_k``, so that
+        ``r_k = s_k (f − μ_k)`` reconstructs target k exactly whenever model k computes the body's features.
+        Call on a freshly built net only (the blocks must still be the identity)."""
+        for k, is_fresh in enumerate(self.fresh):
+            if is_fresh:
+                s = self.target_scales[k].to(self.final.diag)
+                self.final.diag[k] += s - 1.0
+                self.offset[k] = -s * self.target_means[k].to(self.offset)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of everything ``train_supernet`` may change: the trainable parameters and the offset."""
+        return [p.detach().clone() for p in self.parameters() if p.requires_grad] + [self.offset.clone()]
+
+    @torch.no_grad()
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        """Load a ``snapshot``."""
+        for p, v in zip([p for p in self.parameters() if p.requires_grad] + [self.offset], snap):
+            p.copy_(v)
 
     @torch.no_grad()
     def fold_body(self) -> nn.Module:

@@ -44,15 +44,19 @@ def objective(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mask: to
 
 @dataclass
 class TrainResult:
-    """What ``train_supernet`` did: ``epoch_losses`` (mean minibatch loss per epoch), the full-pool objective at
-    the start (``start_loss``) and of the state kept (``best_loss``, reached after ``best_step`` steps; 0 = the
-    start was kept), the ``steps`` run (fewer than asked after a converged stop) and whether a minibatch loss or
-    a measured objective was non-finite (``diverged``: the caller raises rather than return the kept state)."""
+    """What ``train_supernet`` did: ``epoch_losses`` (mean minibatch loss per epoch); the full-pool objective at
+    the training start (``start_loss``) and of the exact start (``exact_loss``, ``nan`` without one); of the state
+    kept (``best_loss``) and when it was reached (``best_step`` steps; 0 = a start was kept, ``kept_exact`` = it
+    was the exact start); the ``steps`` run (fewer than asked after a converged stop); and whether a minibatch
+    loss or a measured objective was non-finite (``diverged``: the caller raises rather than return the kept
+    state)."""
 
     epoch_losses: list[float]
     start_loss: float
+    exact_loss: float
     best_loss: float
     best_step: int
+    kept_exact: bool
     steps: int
     diverged: bool = False
 
@@ -64,22 +68,29 @@ def _checkpoints(steps: int, count: int = 10) -> set[int]:
     return set(range(every, steps + 1, every)) | {steps}
 
 
+def _min_improvement(loss: float) -> float:
+    """A decrease of the objective that counts (more than float round-off): 1e-7 plus 1e-4 of the loss."""
+    return 1e-7 + 1e-4 * abs(loss)
+
+
 def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
                    target_weights: torch.Tensor, cfg: FSMergeOptions, steps: int, gen: torch.Generator,
                    device: torch.device) -> TrainResult:
-    """AdamW on M/U/LN/U_final/offsets minimising the weighted reconstruction MSE; in place.
+    """AdamW on M/U/LN/U_final minimising the weighted reconstruction MSE; in place.
 
     ``pool`` ``[N, *s]`` inputs, ``targets`` ``[N, T, d]`` (already scaled), ``mask`` ``[N, T]`` (1 = this
     sample is scored against target t; None = all), ``target_weights`` ``[T]``.
 
-    Training is a correction of the start: with ``cfg.keep_best`` (default) the full-pool objective
-    (``objective``) is measured at the start and at ~10 checkpoints (the last step included), and ``net`` ends at
-    the state with the lowest one, the start included (a decrease within float round-off, ``_min_improvement``,
-    keeps the earlier state). So the result is never worse on the reconstruction objective than the
-    initialisation; with the "first" init and agreeing models the start is exact (loss 0) and is returned, not
-    a state AdamW's normalised steps on round-off gradients (and its weight decay) moved away. Training stops
-    once the kept objective is within ``_min_improvement`` of its lower bound 0 (no later state could be kept;
-    an exact shortcut: no step at all for agreeing models); ``steps`` then counts the steps run.
+    Best state (``cfg.keep_best``, default): the full-pool objective (``objective``) is measured for the training
+    start, for the exact start (``SuperNet.exact_start_``: the body as initialised with an exact reconstruction
+    of every model that agrees with it; when the net has one) and at ~10 checkpoints (the last step included);
+    ``net`` ends at the state with the lowest one (a decrease within float round-off, ``_min_improvement``, keeps
+    the earlier state). So the result is never worse on the reconstruction objective than either start; copies
+    of one model give objective 0 at the exact start, which is returned unchanged (issue 12: fixed point), not a
+    state AdamW's normalised steps on round-off gradients moved away. Training stops once the kept objective is
+    within ``_min_improvement`` of its lower bound 0 (no later state could be kept: an exact shortcut, no step
+    at all for agreeing models). Training itself runs from the paper's start (``U_final = I``), as without
+    ``keep_best``: starting it at the exact start measurably lowered accuracy (stuck near model 0).
     """
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -90,8 +101,18 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
     losses, running, count = [], 0.0, 0
     perm, pos = torch.randperm(n, generator=gen), 0
     tw = target_weights.to(device)
-    start = best = objective(net, pool, targets, mask, target_weights, cfg.route) if cfg.keep_best else float("nan")
-    best_state, best_step = (_trainable_state(net) if cfg.keep_best else None), 0
+    start = exact = best = float("nan")
+    best_state, best_step, kept_exact = None, 0, False
+    if cfg.keep_best:
+        start_state = net.snapshot()
+        start = best = objective(net, pool, targets, mask, target_weights, cfg.route)
+        best_state = start_state
+        if net.has_exact_start:
+            net.exact_start_()
+            exact = objective(net, pool, targets, mask, target_weights, cfg.route)
+            if math.isfinite(exact) and (not math.isfinite(best) or exact < best - _min_improvement(best)):
+                best, best_state, kept_exact = exact, net.snapshot(), True
+            net.restore(start_state)
     checks = _checkpoints(steps) if cfg.keep_best else set()
     done, diverged = 0, False
     for step in range(steps):
@@ -120,23 +141,12 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
             cur = objective(net, pool, targets, mask, target_weights, cfg.route)
             diverged = diverged or not math.isfinite(cur)
             if math.isfinite(cur) and (not math.isfinite(best) or cur < best - _min_improvement(best)):
-                best, best_step, best_state = cur, step + 1, _trainable_state(net)
+                best, best_step, best_state, kept_exact = cur, step + 1, net.snapshot(), False
     if count:                                                   # a partial epoch before a converged stop
         losses.append(running / count)
-    if cfg.keep_best and best_step < done:
-        with torch.no_grad():
-            for p, v in zip(params, best_state):
-                p.copy_(v)
-    return TrainResult(losses, start, best, best_step if cfg.keep_best else done, done, diverged)
-
-
-def _min_improvement(loss: float) -> float:
-    """A decrease of the objective that counts (more than float round-off): 1e-7 plus 1e-4 of the loss."""
-    return 1e-7 + 1e-4 * abs(loss)
-
-
-def _trainable_state(net: SuperNet) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in net.parameters() if p.requires_grad]
+    if cfg.keep_best and (best_step < done or kept_exact):
+        net.restore(best_state)
+    return TrainResult(losses, start, exact, best, best_step if cfg.keep_best else done, kept_exact, done, diverged)
 
 
 @torch.no_grad()
