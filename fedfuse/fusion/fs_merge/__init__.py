@@ -12,10 +12,12 @@ What is implemented (spec sections):
   low-rank term ``A @ B`` (``rank``; ``rank="full"`` gives a dense residual, as in the paper's MLP runs); the
   hidden-width (transformer MLP) matrices use rank ``rank·h/d``.
 - §1.4 initialisations ``"first"`` (SuperNet == model 0 exactly), ``"average"`` (folds to the weight average),
-  ``"random"``; low-rank factors start at ``A = 0`` so the first/average inits are exact. With "first" the
-  reconstruction of each model is exact too when the models agree (learned offsets ``c_k`` in ``SuperNet``), and
-  training keeps the best state incl. the start (``keep_best``): fusing copies of one model returns it, and
-  the result is never worse on the reconstruction objective than the start (issue 12; not in the paper).
+  ``"random"``; low-rank factors start at ``A = 0`` so the first/average inits are exact. Not in the paper
+  (issue 12): ``keep_best`` returns the state with the lowest reconstruction objective among the training start,
+  the *exact start* (``SuperNet.exact_start_``: the initial body with ``U_final^(k) = s_k I`` and offset
+  ``−s_k μ_k``, an exact reconstruction of every model that agrees with the body) and ~10 training checkpoints:
+  fusing copies of one model returns it, a near-agreement gives a near-average, and the result is never worse
+  on the objective than either start.
 - §1.1 global FS-Merge for MLPs (any ``nn.Sequential`` of Linear layers and element-wise activations) and
   §1.2 the transformer SuperNet for timm ``VisionTransformer`` s: patch embedding/CLS/position merged by
   ``M_in`` (no U, B.1.1), attention block with one shared U, three merges M^Q/M^K/M^V, output unmerge U^O and

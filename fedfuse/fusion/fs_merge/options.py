@@ -31,8 +31,9 @@ class FSMergeOptions:
         task_ids: ``[B]`` client id per fusion input → per-task loss instead of the all-clients loss.
         stage_steps: ``fs-merge-seq`` steps of each intermediate stage (``None`` → ``steps // 4``).
         keep_best: end (each stage) at the state with the lowest full-pool reconstruction objective among the
-            initialisation and ~10 checkpoints, so training only ever corrects the start (with ``init="first"``
-            and agreeing models the start is exact and is returned: fixed point); off = the last step's state.
+            training start, the exact start (the initial body with an exact reconstruction of every model that
+            agrees with it) and ~10 checkpoints: never worse than either start, and copies of one model come back
+            unchanged (fixed point); off = the last step's state (the paper's procedure).
     """
 
     rank: int | Literal["full"] | None = None
