@@ -50,8 +50,8 @@ FAST: dict[str, dict] = {
 # outputs within FIXED_TOL (ensemble: probabilities) and the state within STATE_TOL — with the DEFAULT options, for
 # every registered method and every family its spec supports. How each gets there: closed-form methods are exact;
 # the gradient NI variants start from the closed form (init="auto") and keep only improvements; kd/lp keep the
-# best state on the fusion-set KL incl. the start (keep_best); FS-Merge starts exactly at model 0 with an exact
-# reconstruction (init="first" + reconstruction offsets) and keeps the best state on its objective incl. the start.
+# best state on the fusion-set KL incl. the start (keep_best); FS-Merge keeps the best state on its objective among
+# its starts — one is model 0 with an exact reconstruction of every agreeing model (objective 0) — and checkpoints.
 FIXED_POINT = tuple(METHODS)  # every method; a new registration is covered automatically
 FIXED_TOL = 1e-4
 STATE_TOL = 1e-4
