@@ -106,7 +106,7 @@ class RunConfig:
                                   "agrees much less with the clients' ensemble on the fusion set (WARNING)")
     server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi: server learning rate (Flower's server_learning_rate "
                             "/ eta); 0 = the strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01)", ge=0)
-    server_momentum: float = _key(0.0, "fedavgm: server momentum (Flower's server_momentum)", ge=0, lt=1)
+    server_momentum: float = _key(0.5, "fedavgm: server momentum (Flower's server_momentum; 0 = FedAvg)", ge=0, lt=1)
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")

@@ -133,6 +133,8 @@ def test_flower_failure_falls_back_and_resets_the_server_optimizer(caplog):
 def test_options_and_errors_name_the_key():
     assert build_strategy("fedadam").flower.eta == 0.1 and build_strategy("fedyogi").flower.eta == 0.01
     assert build_strategy("fedprox", proximal_mu=0.3).flower.proximal_mu == 0.3
+    assert build_strategy("fedavgm").flower.server_momentum == 0.5  # measured default (docstring), not Flower's 0
+    assert parse_run_config({"strategy": "fedavgm"}).server_momentum == 0.5
     s = build_strategy("fedavgm", server_learning_rate=0.5, server_momentum=0.9)
     assert (s.flower.server_learning_rate, s.flower.server_momentum) == (0.5, 0.9)
     with pytest.raises(ValueError, match="takes no fusion_options.*ridge"):
@@ -152,6 +154,7 @@ def test_options_and_errors_name_the_key():
 @pytest.mark.parametrize("overrides, key", [
     ({"strategy": "fedavg", "proximal-mu": 0.1}, "proximal-mu"),
     ({"strategy": "fedadam", "server-momentum": 0.9}, "server-momentum"),
+    ({"strategy": "fedavg", "server-momentum": 0.0}, "server-momentum"),
     ({"strategy": "kf-linear", "server-lr": 0.01}, "server-lr"),
     ({"strategy": "fedadam", "fusion-options": "{ridge=1e-3}"}, "fusion-options"),
     ({"strategy": "fedprox", "fusion-rounds": 3}, "fusion-rounds"),

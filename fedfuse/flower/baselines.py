@@ -192,15 +192,17 @@ class FedAvgMStrategy(FlowerBaselineStrategy):
 
     Args:
         server_learning_rate: server step size (Flower's default 1.0).
-        server_momentum: server momentum (Flower's default 0.0; fedfuse's run config passes its own,
-            ``server-momentum``).
+        server_momentum: server momentum. Default 0.5, not Flower's 0.0 (which is plain FedAvg): measured on
+            MNIST-1D Dirichlet α=0.1 (10 clients, MLP 256×2, SGD lr 0.2, 1 local epoch, 30 rounds) it ends at
+            0.603 ± 0.022 over seeds 0-2 vs 0.492 ± 0.025 with 0.0; 0.9 diverges at server lr 1 (0.237, seed 0)
+            and is slower at server lr 0.1 (0.443).
     """
 
     method = "fedavgm"
     flower_class = FedAvgM
 
     def __init__(self, method: str | None = None, *, server_learning_rate: float = 1.0,
-                 server_momentum: float = 0.0, **options: Any) -> None:
+                 server_momentum: float = 0.5, **options: Any) -> None:
         super().__init__(method, flower_options={"server_learning_rate": float(server_learning_rate),
                                                  "server_momentum": float(server_momentum)}, **options)
 
