@@ -19,8 +19,7 @@ from fedfuse.flower import FusionStrategy, build_strategy
 from fedfuse.flower.strategy import ClientsDivergedError
 from fedfuse.fusion import METHOD_SPECS, METHODS, FusionOptionError, fuse, fuse_result
 from fedfuse.fusion.average import average_state_dicts
-from fedfuse.fusion.refine import (DistillRefineOptions, calibrate_head, distill_ensemble, ensemble_probs, kl_to,
-                                   parse_refine)
+from fedfuse.fusion.refine import DistillRefineOptions, calibrate_head, distill_ensemble, parse_refine
 from fedfuse.models import build_model
 from fedfuse.training import evaluate, train
 
@@ -113,10 +112,12 @@ def test_feddf_improves_over_the_average_where_the_ensemble_beats_it():
     acc = lambda m: evaluate(m, test_x, test_y, num_classes=10)["accuracy"]  # noqa: E731
     avg = fuse("average", clients)
     ens = fuse("ensemble", clients)
-    res = fuse_result("feddf", clients, fusion_inputs=fus_x, seed=0)
     assert acc(ens) > acc(avg) + 0.05  # the constructed case: label-skewed clients, ensemble far better
-    assert acc(res.model) > acc(avg) + 0.05, (acc(avg), acc(res.model), acc(ens))
-    assert res.info["distill-kl-best"] < res.info["distill-kl-start"]
+    # mean over three distillation seeds: one seed's batch order moves the result by ~±0.01
+    results = [fuse_result("feddf", clients, fusion_inputs=fus_x, seed=seed) for seed in (0, 1, 2)]
+    feddf_acc = float(np.mean([acc(r.model) for r in results]))
+    assert feddf_acc > acc(avg) + 0.05, (acc(avg), feddf_acc, acc(ens))
+    assert all(r.info["distill-kl-best"] < r.info["distill-kl-start"] for r in results)
     # fixed point: agreeing clients give their average back
     same = fuse("feddf", [clients[0], copy.deepcopy(clients[0])], fusion_inputs=fus_x)
     for k, v in clients[0].state_dict().items():

@@ -41,6 +41,10 @@ class ReplyRejected(ValueError):
     """A client reply that must not be fused; ``str(exc)`` is the reason."""
 
 
+class NonFiniteWeights(ReplyRejected):
+    """A reply whose weights contain NaN or Inf: the client's local training diverged."""
+
+
 @dataclass
 class ClientUpdate:
     """One validated client reply: weights ``state`` (name → tensor of the global model's shape),
@@ -111,7 +115,7 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
         if a.dtype != dtype:
             raise ReplyRejected(f"array {key!r} has dtype {a.dtype}, expected {dtype}")
         if a.dtype.kind == "f" and not np.isfinite(a).all():
-            raise ReplyRejected(f"array {key!r} contains NaN or Inf")
+            raise NonFiniteWeights(f"array {key!r} contains NaN or Inf")
         state[key] = torch.from_numpy(np.array(a, copy=True))
 
     scores = None

@@ -34,10 +34,12 @@ from torch import nn
 from fedfuse.choices import FALLBACKS, PRIORS
 from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError, check_finite,
                             fuse_result, get_spec)
-from fedfuse.fusion.refine import ensemble_probs, kl_to, parse_refine, refine_model
+from fedfuse.fusion.distillation import teacher_probs
+from fedfuse.fusion.refine import kl_to, parse_refine, refine_model
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
-from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ReplyRejected, validate_reply
+from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
+                                    validate_reply)
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -306,7 +308,10 @@ class FusionStrategy(FedAvg):
             except ReplyRejected as exc:
                 log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round,
                     msg.metadata.src_node_id, exc)
-                record["rejected"].append({"node-id": int(msg.metadata.src_node_id), "reason": str(exc)})
+                rejected = {"node-id": int(msg.metadata.src_node_id), "reason": str(exc)}
+                if isinstance(exc, NonFiniteWeights):
+                    rejected["non-finite-weights"] = True
+                record["rejected"].append(rejected)
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         self._node_partitions.update({u.node_id: u.partition_id for u in updates})
         return updates
@@ -323,7 +328,7 @@ class FusionStrategy(FedAvg):
         updates = self._validate(server_round, ok, record)
         record["valid"] = len(updates)
         self.last_updates = updates
-        non_finite = [r for r in record["rejected"] if "NaN or Inf" in r["reason"]]
+        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
         if not updates and non_finite and len(non_finite) == len(record["rejected"]):
             # the same global model would diverge again: stop instead of spinning through skipped rounds
             self.history.append({**record, "skipped": "every client returned non-finite weights"})
@@ -366,7 +371,8 @@ class FusionStrategy(FedAvg):
         w = np.array([u.num_examples for u in updates], dtype=float)
         return average_state_dicts([u.state for u in updates], list(w / w.sum()))
 
-    def fuse_updates(self, server_round: int, updates: list[ClientUpdate]) -> FusionResult:
+    def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
+                     models: list[nn.Module] | None = None) -> FusionResult:
         """Fuse validated updates (``fuse_fn``); the result's model is the new global model.
 
         Raises ``FusionError`` when the method cannot fuse them (the round then falls back).
@@ -376,7 +382,8 @@ class FusionStrategy(FedAvg):
             t0 = time.perf_counter()
             model = self.build_model(self.weighted_average(updates))
             return FusionResult(method=method, model=model, info={}, seconds=time.perf_counter() - t0)
-        models = [self.build_model(u.state) for u in updates]
+        if models is None:  # the updates' models, unless the caller built them already (fusion never modifies them)
+            models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores else None
         options = dict(self.fusion_options)
         if options.get("head_weights") and "class_counts" not in options:
@@ -398,17 +405,19 @@ class FusionStrategy(FedAvg):
         guard (the average replaces a fused model that agrees much less with the clients' ensemble), then
         the ``refine`` steps. A guard decision is returned as ``info["guard"]`` (text)."""
         t0 = time.perf_counter()
-        result = self.fuse_updates(server_round, updates)
+        method = self.round_method(server_round)
+        guarding = self.guard and self.fusion_inputs is not None and method != "average"
+        # the client models, built once: fusion, the guard's ensemble and distillation all read them
+        teachers = ([self.build_model(u.state) for u in updates]
+                    if method == self.method or guarding or "distill" in self.refine_steps else None)
+        result = self.fuse_updates(server_round, updates, models=teachers if method == self.method else None)
         model, info = result.model, dict(result.info or {})
-        teachers: list[nn.Module] | None = None
-        weights = [u.num_examples / sum(v.num_examples for v in updates) for u in updates]
-        if self.guard and self.fusion_inputs is not None and self.round_method(server_round) != "average":
-            teachers = [self.build_model(u.state) for u in updates]
+        total = sum(u.num_examples for u in updates)
+        weights = [u.num_examples / total for u in updates]
+        if guarding:
             model, guard_info = self.divergence_guard(server_round, model, teachers, weights, updates)
             info.update(guard_info)
         if self.refine_steps:
-            if teachers is None and "distill" in self.refine_steps:
-                teachers = [self.build_model(u.state) for u in updates]
             prior, prior_name = self.class_prior(updates)
             info["refine"] = "+".join(self.refine_steps)
             info["prior"] = prior_name
@@ -417,7 +426,7 @@ class FusionStrategy(FedAvg):
                                      fusion_inputs=self.fusion_inputs, prior=prior, seed=self.seed + server_round,
                                      device=dev))
             model = model.cpu().eval()
-            check_finite(f"{self.round_method(server_round)} (refined)", model)
+            check_finite(f"{method} (refined)", model)
         return model.state_dict(), info, time.perf_counter() - t0
 
     def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
@@ -438,10 +447,11 @@ class FusionStrategy(FedAvg):
         """``(model to use, info)``: the fused model, or the weighted average when the fused model's KL to the
         clients' ensemble on the fusion set exceeds ``guard_ratio`` × the average's + 0.05 (or is not finite)."""
         x = torch.as_tensor(self.fusion_inputs).float()
-        target = ensemble_probs(teachers, x, weights)
+        target = teacher_probs(teachers, x, weights)
         average = self.build_model(self.weighted_average(updates))
         with torch.no_grad():
-            kl_fused = kl_to(target, fused(x)) if bool(torch.isfinite(fused(x)).all()) else float("inf")
+            fused_logits = fused(x)
+            kl_fused = kl_to(target, fused_logits) if bool(torch.isfinite(fused_logits).all()) else float("inf")
             kl_avg = kl_to(target, average(x))
         info: dict[str, Any] = {"guard-kl-fused": kl_fused, "guard-kl-average": kl_avg}
         limit = self.guard_ratio * kl_avg + 0.05

@@ -82,6 +82,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         steps = parse_refine(refine)
     except ValueError as exc:
         raise FusionOptionError(f"fuse: {exc}") from None
+    if steps and (fusion_inputs is None or len(fusion_inputs) == 0):
+        raise MissingInputError(f"fuse: refine={refine!r} needs fusion_inputs (the unlabeled fusion set)")
     spec = get_spec(method)
     models = list(models)
     if not models:
@@ -110,12 +112,11 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     fused = fused.cpu().eval()
     check_finite(method, fused)
     if steps:
-        if fusion_inputs is None:
-            raise MissingInputError(f"fuse: refine={refine!r} needs fusion_inputs (the unlabeled fusion set)")
         info["refine"] = "+".join(steps)
-        info.update(refine_model(fused.to(dev), steps, teachers=[m.to(dev) for m in [copy.deepcopy(m) for m in models]],
-                                 weights=normalise_weights(weights, len(models)), fusion_inputs=fusion_inputs,
-                                 prior=prior, seed=seed, device=dev))
+        # copies: distillation moves its teachers to the device, and the inputs stay untouched
+        teachers = [copy.deepcopy(m).to(dev) for m in models] if "distill" in steps else None
+        info.update(refine_model(fused.to(dev), steps, teachers=teachers, weights=normalise_weights(weights, len(models)),
+                                 fusion_inputs=fusion_inputs, prior=prior, seed=seed, device=dev))
         fused = fused.cpu().eval()
         check_finite(f"{method} (refined)", fused)
     return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)

@@ -27,14 +27,15 @@ Both need only unlabeled inputs; neither modifies the teachers.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.fusion.distillation import _distill, teacher_probs
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, require
+from fedfuse.training import predict_logits
 
 REFINE_STEPS = ("calibrate", "distill")
 
@@ -77,11 +78,6 @@ def classifier_bias(model: nn.Module) -> torch.nn.Parameter:
 
 
 @torch.no_grad()
-def _logits(model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> torch.Tensor:
-    return torch.cat([model(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)])
-
-
-@torch.no_grad()
 def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.Tensor | None = None, *,
                    iters: int = 20, tol: float = 1e-4, device: torch.device | str = "cpu") -> dict:
     """Shift the classifier bias so that the model's mean softmax on ``fusion_inputs`` equals ``prior``.
@@ -102,8 +98,8 @@ def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.T
         raise MissingInputError("calibrate needs fusion_inputs (a non-empty unlabeled fusion set)")
     model.eval()
     bias = classifier_bias(model)
-    x = torch.as_tensor(fusion_inputs).float().to(device)
-    z = _logits(model, x) - bias.detach()  # bias-free logits [B, C]: the features do not change
+    x = torch.as_tensor(fusion_inputs).float()
+    z = predict_logits(model, x, device=device) - bias.detach().cpu()  # bias-free logits [B, C]: features fixed
     classes = z.shape[1]
     pi = torch.full((classes,), 1.0 / classes, device=z.device) if prior is None else \
         torch.as_tensor(prior, dtype=torch.float, device=z.device).flatten()
@@ -111,7 +107,7 @@ def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.T
         raise ValueError(f"calibrate: prior must be {classes} non-negative finite numbers, got {pi.tolist()}")
     pi = pi / pi.sum()
     pi = (pi + 1e-4) / (1 + 1e-4 * classes)
-    b0 = bias.detach().clone()
+    b0 = bias.detach().cpu().clone()  # the iteration runs on CPU with the logits
     b = b0.clone()
     gap0 = float((torch.softmax(z + b, -1).mean(0) - pi).abs().max())
     for _ in range(iters):
@@ -156,17 +152,6 @@ class DistillRefineOptions:
         require(self.patience >= 1, "patience", ">= 1", self.patience)
 
 
-@torch.no_grad()
-def ensemble_probs(models: list[nn.Module], x: torch.Tensor, weights: list[float], temperature: float = 1.0,
-                   batch_size: int = 1024) -> torch.Tensor:
-    """``Σ_k w_k softmax(M_k(x) / τ)``: ``x [B, ...]`` → ``[B, classes]``."""
-    out = []
-    for i in range(0, x.shape[0], batch_size):
-        xb = x[i:i + batch_size]
-        out.append(sum(w * (m(xb) / temperature).softmax(-1) for w, m in zip(weights, models)))
-    return torch.cat(out)
-
-
 def kl_to(probs: torch.Tensor, logits: torch.Tensor, temperature: float = 1.0) -> float:
     """Mean ``KL(probs ‖ softmax(logits / τ))`` over the batch (``[B, C]`` each)."""
     return float(F.kl_div(F.log_softmax(logits / temperature, -1), probs, reduction="batchmean"))
@@ -188,43 +173,22 @@ def distill_ensemble(student: nn.Module, teachers: list[nn.Module], weights: lis
     if fusion_inputs is None or len(fusion_inputs) < 2:
         raise MissingInputError("distill needs fusion_inputs (an unlabeled fusion set of at least 2 samples)")
     o = options
+    device = torch.device(device)
     x = torch.as_tensor(fusion_inputs).float().to(device)
     student.to(device).eval()
     teachers = [t.to(device).eval() for t in teachers]
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(x.shape[0], generator=gen).to(x.device)
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
     n_val = max(1, int(round(o.holdout * x.shape[0])))
     x_val, x_tr = x[perm[:n_val]], x[perm[n_val:]]
-    t_val = ensemble_probs(teachers, x_val, weights, o.temperature)
-    t_tr = ensemble_probs(teachers, x_tr, weights, o.temperature)
-
-    def val_kl() -> float:
-        return kl_to(t_val, _logits(student, x_val), o.temperature)
-
-    start = best = val_kl()
-    best_state, best_epoch, epochs_run, stale = copy.deepcopy(student.state_dict()), 0, 0, 0
-    opt = torch.optim.Adam(student.parameters(), lr=o.lr)
-    for epoch in range(1, o.epochs + 1):
-        order = torch.randperm(x_tr.shape[0], generator=gen).to(x.device)
-        for i in range(0, x_tr.shape[0], o.batch_size):
-            idx = order[i:i + o.batch_size]
-            logp = F.log_softmax(student(x_tr[idx]) / o.temperature, -1)
-            loss = F.kl_div(logp, t_tr[idx], reduction="batchmean") * o.temperature ** 2
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        epochs_run = epoch
-        kl = val_kl()
-        if kl < best - 1e-7:
-            best, best_state, best_epoch, stale = kl, copy.deepcopy(student.state_dict()), epoch, 0
-        else:
-            stale += 1
-            if stale >= o.patience:
-                break
-    student.load_state_dict(best_state)
+    # the distillation loop of kd/lp, selecting the state (start included) on the held-out part
+    run: dict = {}
+    _distill(student, student, list(student.parameters()), x_tr,
+             lambda xb: teacher_probs(teachers, xb, weights, o.temperature), epochs=o.epochs, lr=o.lr,
+             weight_decay=0.0, optimizer="adam", batch_size=o.batch_size, temperature=o.temperature, seed=seed,
+             device=device, info=run, keep_best=True, select_inputs=x_val, patience=o.patience)
     student.eval()
-    return {"distill-epochs": epochs_run, "distill-best-epoch": best_epoch, "distill-kl-start": start,
-            "distill-kl-best": best}
+    return {"distill-epochs": run["epochs_run"], "distill-best-epoch": run["best_epoch"],
+            "distill-kl-start": run["initial_loss"], "distill-kl-best": run["best_loss"]}
 
 
 def refine_model(model: nn.Module, steps: tuple[str, ...], *, teachers: list[nn.Module] | None,
@@ -251,4 +215,4 @@ def refine_model(model: nn.Module, steps: tuple[str, ...], *, teachers: list[nn.
 
 
 __all__ = ["REFINE_STEPS", "parse_refine", "calibrate_head", "classifier_bias", "distill_ensemble",
-           "DistillRefineOptions", "ensemble_probs", "kl_to", "refine_model"]
+           "DistillRefineOptions", "kl_to", "refine_model"]
