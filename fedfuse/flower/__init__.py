@@ -12,15 +12,18 @@ named class per fusion method + ``STRATEGIES`` / ``build_strategy``), ``replies`
 ClientApp must follow, and its validation), ``server_app`` / ``client_app`` (fedfuse's own apps).
 """
 
-from fedfuse.flower.replies import ClientUpdate, ReplyRejected, validate_reply
-from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FlowerFedAvg, FsMergeSeqStrategy,
-                                       FsMergeStrategy, HfGradientStrategy, HfLinearStrategy, KdStrategy,
-                                       KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
+from fedfuse.flower.baselines import (FLOWER_BASELINES, FedAdamStrategy, FedAvgMStrategy, FedProxStrategy,
+                                      FedYogiStrategy, FlowerBaselineStrategy)
+from fedfuse.flower.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
+from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy, FlowerFedAvg,
+                                       FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
+                                       KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
-from fedfuse.flower.strategy import FALLBACKS, FusionStrategy, state_to_record
+from fedfuse.flower.strategy import FALLBACKS, ClientsDivergedError, FusionStrategy, state_to_record
 
 __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
-           "FsMergeStrategy", "FsMergeSeqStrategy", "ClientUpdate", "ReplyRejected", "validate_reply",
-           "state_to_record"]
+           "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",
+           "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "ClientsDivergedError",
+           "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record"]

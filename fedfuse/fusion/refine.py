@@ -101,8 +101,8 @@ def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.T
     x = torch.as_tensor(fusion_inputs).float()
     z = predict_logits(model, x, device=device) - bias.detach().cpu()  # bias-free logits [B, C]: features fixed
     classes = z.shape[1]
-    pi = torch.full((classes,), 1.0 / classes, device=z.device) if prior is None else \
-        torch.as_tensor(prior, dtype=torch.float, device=z.device).flatten()
+    pi = torch.full((classes,), 1.0 / classes) if prior is None else \
+        torch.as_tensor(prior, dtype=torch.float).flatten().cpu()
     if pi.numel() != classes or not bool(torch.isfinite(pi).all()) or bool((pi < 0).any()) or float(pi.sum()) <= 0:
         raise ValueError(f"calibrate: prior must be {classes} non-negative finite numbers, got {pi.tolist()}")
     pi = pi / pi.sum()
