@@ -5,6 +5,12 @@ fusion outcome (``fusion_outcome``): ``"status"`` (``"completed"`` | ``"failed"`
 ``"fallbacks"`` (count) and ``"fallback-rounds"``. A row's ``"fallback"`` is ``None`` or
 ``"<kind>: <reason>"`` (kind ``previous`` or ``average``); ``rounds.csv`` always has that column and the
 plot marks those rounds.
+
+``rounds.csv`` has one row per round and one column per scalar of the row; the lists
+and records of a row are flattened: ``per-class-accuracy`` → ``class-<c>-accuracy``, ``client-test-accuracy``
+→ ``client-<p>-test-accuracy`` (``p`` = the client's partition id when the row has ``client-partition-ids``,
+else its position), ``rejected``/``failures`` → their count plus ``rejected-reasons``/``failure-reasons``
+(``node <id>: <reason>`` joined by `` | ``). Dicts such as ``fusion-info`` stay in ``results.json`` only.
 """
 
 from __future__ import annotations
@@ -55,6 +61,47 @@ def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def integer_round_ticks(ax: Any) -> None:
+    """Round numbers are integers: no 0.5 / 1.5 ticks on a plot of a few rounds."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _reasons(entries: list[Any]) -> str:
+    """``rejected`` / ``failures`` entries (dicts with ``node-id`` and ``reason``) as one CSV cell."""
+    parts = []
+    for e in entries:
+        if isinstance(e, dict):
+            node = e.get("node-id", "?")
+            pid = e.get("partition-id")
+            where = f"node {node}" + (f" (partition {pid})" if pid is not None else "")
+            parts.append(f"{where}: {e.get('reason', '')}".replace("\n", " "))
+        else:
+            parts.append(str(e))
+    return " | ".join(parts)
+
+
+def csv_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One ``rounds.csv`` row of a results row: its scalars, with the per-class accuracies, per-client
+    accuracies, rejected replies and failures flattened (see the module docstring); other lists and dicts
+    (``fusion-info``, ``client-partition-ids``) are left to ``results.json``."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k == "per-class-accuracy" and isinstance(v, (list, tuple)):
+            out.update({f"class-{c}-accuracy": a for c, a in enumerate(v)})
+        elif k == "client-test-accuracy" and isinstance(v, (list, tuple)):
+            pids = row.get("client-partition-ids")
+            ids = pids if isinstance(pids, (list, tuple)) and len(pids) == len(v) else range(len(v))
+            out.update({f"client-{p}-test-accuracy": a for p, a in zip(ids, v)})
+        elif k in ("rejected", "failures") and isinstance(v, (list, tuple)):
+            out[k] = len(v)
+            out["rejected-reasons" if k == "rejected" else "failure-reasons"] = _reasons(list(v))
+        elif not isinstance(v, (list, tuple, dict)):
+            out[k] = v
+    return out
+
+
 class RunRecorder:
     """Collects per-round rows and writes ``results.json``, ``rounds.csv``, ``accuracy.png``."""
 
@@ -74,19 +121,18 @@ class RunRecorder:
     def write(self) -> None:
         payload = {"config": self.config, "rounds": self.rows, **self.extra}
         _atomic_write(self.dir / "results.json", json.dumps(_jsonable(payload), indent=2))
-        scalar_keys: list[str] = []
-        for r in self.rows:
-            if r.get("round", 0) > 0 and "fallback" not in scalar_keys:  # always a column (empty = fused)
-                scalar_keys.append("fallback")
-            for k, v in r.items():
-                if k not in scalar_keys and not isinstance(v, (list, dict)):
-                    scalar_keys.append(k)
+        flat = [csv_row(r) for r in self.rows]
+        columns: list[str] = []
+        for r, fr in zip(self.rows, flat):
+            if r.get("round", 0) > 0 and "fallback" not in columns:  # always a column (empty = fused)
+                columns.append("fallback")
+            columns += [k for k in fr if k not in columns]
         tmp = self.dir / "rounds.csv.tmp"
         with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=scalar_keys, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             w.writeheader()
-            for r in self.rows:
-                w.writerow({k: r.get(k) for k in scalar_keys})
+            for fr in flat:
+                w.writerow({k: fr.get(k) for k in columns})
         os.replace(tmp, self.dir / "rounds.csv")
 
     def plot(self, title: str = "") -> Path:
@@ -109,6 +155,11 @@ class RunRecorder:
         if skipped:
             ax.plot(*zip(*skipped), "D", color="gray", fillstyle="none", markersize=10,
                     label="round skipped (too few valid replies)", zorder=5)
+        guarded = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("guard")]
+        if guarded:
+            ax.plot(*zip(*guarded), "o", color="orange", fillstyle="none", markersize=12, markeredgewidth=2,
+                    label="guarded (weighted average used)", zorder=5)
+        integer_round_ticks(ax)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)

@@ -45,3 +45,49 @@ def test_recorder_writes_fallback_column_and_marks_the_plot(tmp_path):
     finally:
         plt.Axes.legend = real
     assert "fusion fell back" in seen["labels"]
+
+
+def test_rounds_csv_has_per_class_per_client_rejected_and_failure_columns(tmp_path):
+    rec = RunRecorder(tmp_path, {"strategy": "average"})
+    rec.add_round({"round": 0, "test-accuracy": 0.1, "test-loss": 2.3, "per-class-accuracy": [0.0, 0.2]})
+    rec.add_round({"round": 1, "test-accuracy": 0.6, "test-loss": 1.1, "per-class-accuracy": [0.5, 0.7],
+                   "client-test-accuracy": [0.3, 0.4], "client-partition-ids": [0, 2],
+                   "rejected": [{"node-id": 7, "reason": "contains NaN"}],
+                   "failures": [{"node-id": 9, "partition-id": 1, "reason": "no reply\nwithin timeout"}],
+                   "guard": "KL 0.9 > 0.3", "fusion-info": {"refine": "calibrate"}, "fallback": None})
+    rows = list(csv.DictReader((tmp_path / "rounds.csv").open()))
+    header = list(rows[0])
+    for col in ("round", "test-accuracy", "test-loss", "class-0-accuracy", "class-1-accuracy", "fallback",
+                "client-0-test-accuracy", "client-2-test-accuracy", "rejected", "rejected-reasons", "failures",
+                "failure-reasons", "guard"):
+        assert col in header, (col, header)
+    assert "fusion-info" not in header and "client-partition-ids" not in header and "client-1-test-accuracy" not in header
+    assert rows[0]["class-1-accuracy"] == "0.2" and rows[0]["client-0-test-accuracy"] == ""
+    r1 = rows[1]
+    assert r1["class-1-accuracy"] == "0.7" and r1["client-2-test-accuracy"] == "0.4"
+    assert r1["rejected"] == "1" and r1["rejected-reasons"] == "node 7: contains NaN"
+    assert r1["failures"] == "1" and r1["failure-reasons"] == "node 9 (partition 1): no reply within timeout"
+
+
+def test_accuracy_plot_has_integer_round_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    rec = RunRecorder(tmp_path, {"strategy": "average"})
+    for r in range(3):
+        rec.add_round({"round": r, "test-accuracy": 0.1 + 0.2 * r, "guard": "x" if r == 2 else None})
+    ticks = {}
+    real = plt.Figure.savefig
+
+    def spy(fig, *a, **kw):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        ticks["x"] = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        ticks["labels"] = ax.get_legend_handles_labels()[1]
+        return real(fig, *a, **kw)
+    plt.Figure.savefig = spy
+    try:
+        rec.plot("t")
+    finally:
+        plt.Figure.savefig = real
+    assert ticks["x"] and all(float(t).is_integer() for t in ticks["x"]), ticks["x"]
+    assert "guarded (weighted average used)" in ticks["labels"]

@@ -180,6 +180,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                 probs = sum(w * lg.softmax(-1) for w, lg in zip(ens.weights.tolist(), member_logits))
                 row["ensemble-accuracy"] = metrics_from_logits(probs, test_y, probabilities=True)["accuracy"]
                 row["client-test-accuracy"] = [metrics_from_logits(lg, test_y)["accuracy"] for lg in member_logits]
+                row["client-partition-ids"] = [u.partition_id for u in updates]  # rounds.csv client-<p>-... columns
                 row["best-client-accuracy"] = max(row["client-test-accuracy"])
                 for key in ("train-seconds", "score-seconds", "train-accuracy", "val-accuracy"):
                     vals = [u.metrics.get(key) for u in updates if isinstance(u.metrics.get(key), (int, float))]
