@@ -1,6 +1,7 @@
 """Model fusion methods behind one entry point.
 
     fused = fuse(method, models, fusion_inputs=X, scores=None, weights=None, device="cpu", seed=0, **options)
+    small = fuse("kf-linear", models, fusion_inputs=X, target=build_model("mlp", ..., width_mult=0.5))
     result = fuse_result(method, models, ...)        # FusionResult(method, model, info, seconds)
 
 Each module of this package registers its methods with ``@register("name", options=Options, ...)``
@@ -63,6 +64,61 @@ def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None, str |
     return family, affine, None
 
 
+def same_architecture(a: nn.Module, b: nn.Module) -> bool:
+    """Same module type and the same state-dict names and shapes."""
+    if type(a) is not type(b):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(sa[k].shape == sb[k].shape for k in sa)
+
+
+def fresh_copy(model: nn.Module, seed: int) -> nn.Module:
+    """A copy of ``model``'s architecture with freshly initialised weights (seeded; its modules'
+    ``reset_parameters``, bare parameters such as a ViT's ``pos_embed`` N(0, 0.02²)); the global RNG is
+    left untouched. ``fuse(..., target=)`` ignores the target's weights this way."""
+    out = copy.deepcopy(model).cpu()
+    owned: set[int] = set()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for mod in out.modules():
+            if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
+                mod.reset_parameters()
+                owned.update(id(p) for p in mod.parameters(recurse=False))
+        with torch.no_grad():
+            for p in out.parameters():
+                if id(p) not in owned and p.is_floating_point():
+                    p.normal_(0.0, 0.02)
+    return out
+
+
+def resolve_target(spec: MethodSpec, models: list[nn.Module], target: nn.Module | None, seed: int) -> nn.Module | None:
+    """The module a method with ``any_target`` builds into: ``None`` when ``target`` is ``None`` or has model
+    0's architecture (the default), else a fresh copy of ``target``. A method that cannot produce another
+    architecture raises ``IncompatibleModelsError`` (a ``ValueError``) saying so."""
+    if target is None:
+        return None
+    if not isinstance(target, nn.Module):
+        raise IncompatibleModelsError(f"fuse: target must be an nn.Module (the architecture to produce), got "
+                                      f"{type(target).__name__}")
+    if same_architecture(target, models[0]):
+        return None
+    if not spec.any_target:
+        able = sorted(n for n, s in METHOD_SPECS.items() if s.any_target)
+        raise IncompatibleModelsError(f"fusion method {spec.name!r} cannot produce another architecture than model "
+                                      f"0's (target= is a {type(target).__name__} with other shapes); methods that "
+                                      f"can: {able}")
+    from fedfuse.models import model_family
+
+    try:
+        same_family = model_family(target) == model_family(models[0])
+    except ValueError:
+        same_family = type(target) is type(models[0])
+    if not same_family and not spec.any_module:
+        raise IncompatibleModelsError(f"fusion method {spec.name!r}: target is a {type(target).__name__}, not the "
+                                      f"models' family ({type(models[0]).__name__})")
+    return fresh_copy(target, seed)
+
+
 def check_finite(method: str, model: nn.Module) -> None:
     """Raise ``NumericalFusionError`` naming the first state entry with a NaN or an infinity."""
     for name, value in model.state_dict().items():
@@ -74,7 +130,7 @@ def check_finite(method: str, model: nn.Module) -> None:
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
-                prior: torch.Tensor | None = None, **options) -> FusionResult:
+                prior: torch.Tensor | None = None, target: nn.Module | None = None, **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
     from fedfuse.fusion.refine import parse_refine, refine_model
 
@@ -102,13 +158,16 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                                       f"({list(spec.families)} families) and cannot take these: {problem}")
     spec.check_setup(num_models=len(models), family=family,
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
+    skeleton = resolve_target(spec, models, target, seed)
+    extra = {"target": skeleton} if spec.any_target else {}
     dev = resolve_device(device)
     info: dict = {}
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         fused = spec.fn(models, fusion_inputs=fusion_inputs, scores=scores,
-                        weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts, info=info)
+                        weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts, info=info,
+                        **extra)
     fused = fused.cpu().eval()
     check_finite(method, fused)
     if steps:
@@ -124,7 +183,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
 
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
          scores: list[dict[str, torch.Tensor]] | None = None, weights=None, device: str | torch.device = "cpu",
-         seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None, **options) -> nn.Module:
+         seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None,
+         target: nn.Module | None = None, **options) -> nn.Module:
     """Fuse ``models`` (first = reference) into one model mapping ``[N, *input_shape]`` to logits.
 
     Args:
@@ -140,6 +200,11 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
             ensemble distillation of ``models`` into the fused model, early-stopped, never worse on the
             held-out KL than the fused model), or both joined by ``"+"``, applied in order; ``None``/``"none"``.
         prior: ``[classes]`` target class distribution of ``"calibrate"`` (default uniform).
+        target: the architecture of the fused model (its weights are ignored), e.g. a narrower or wider
+            capacity tier of the models' family (``build_model(..., width_mult=r)``); ``None`` or a module
+            of model 0's architecture = model 0's. Methods with the ``any_target`` capability
+            (``kf-linear``, ``kf-gradient``, ``kd``) build into it; any other method raises
+            ``IncompatibleModelsError`` (a ``ValueError``) saying that it cannot.
         **options: the method's options (``METHOD_SPECS[method].options``); unknown or ill-typed options
             raise ``FusionOptionError`` (a ``ValueError``) naming the key.
     Returns:
@@ -148,7 +213,7 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         FusionError (a ``ValueError``) when the method cannot fuse these models or inputs.
     """
     return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
-                       seed=seed, refine=refine, prior=prior, **options).model
+                       seed=seed, refine=refine, prior=prior, target=target, **options).model
 
 
 def _import_all() -> None:
@@ -159,6 +224,6 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
            "normalise_weights", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

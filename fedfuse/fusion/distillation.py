@@ -212,17 +212,19 @@ def _fusion_tensor(method: str, fusion_inputs) -> torch.Tensor:
     return torch.as_tensor(fusion_inputs).float()
 
 
-@register("kd", options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True)
-def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict) -> nn.Module:
+@register("kd", options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True, any_target=True)
+def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict,
+            target: nn.Module | None = None) -> nn.Module:
     """Multi-teacher knowledge distillation on the fusion set (spec §2.5): the student (model 0's copy or
     a fresh initialisation of its architecture) learns the teachers' weighted mean softmax at τ.
     Teachers may have any architecture. With ``keep_best`` (default) the student ends at its best state on
     the fusion-set KL, its start included, so it is never worse there than model 0 (``student="model0"``).
-    Fixed point: copies of one model (any weights) make model 0 the optimum, and it is returned unchanged."""
+    Fixed point: copies of one model (any weights) make model 0 the optimum, and it is returned unchanged.
+    ``target`` (``fuse(..., target=)``): the student is that freshly initialised architecture instead."""
     o = options
     teachers = [copy.deepcopy(m).to(device).eval() for m in models]
-    st = copy.deepcopy(models[0]).to(device)
-    if o.student == "fresh":
+    st = (target if target is not None else copy.deepcopy(models[0])).to(device)
+    if o.student == "fresh" and target is None:
         for mod in st.modules():
             if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
                 mod.reset_parameters()

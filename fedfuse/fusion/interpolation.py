@@ -328,6 +328,11 @@ class InterpolationOptions:
         require(self.chunk_size >= 1, "chunk_size", ">= 1", self.chunk_size)
         require(self.importance_batch_size >= 1, "importance_batch_size", ">= 1", self.importance_batch_size)
 
+    def reads_client_scores(self) -> bool:
+        """``importance="client"`` reads the given scores; the others compute or ignore them
+        (``MethodSpec.reads_client_scores``)."""
+        return self.importance == "client"
+
 
 @dataclass(frozen=True)
 class GradientInterpolationOptions(InterpolationOptions):
@@ -596,7 +601,7 @@ def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Te
 def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
                          scores=None, weights: list[float] | None = None, device: torch.device = torch.device("cpu"),
                          seed: int = 0, options: InterpolationOptions | None = None,
-                         info: dict | None = None) -> nn.Module:
+                         info: dict | None = None, target: nn.Module | None = None) -> nn.Module:
     """Algorithm 1 of the paper (spec §2.1) with HF/KF grouping and linear/gradient fitting.
 
     Args:
@@ -611,8 +616,10 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
             ``None`` = the defaults.
         info: optional dict that receives per-level diagnostics ``{"levels": {name: {...}}}`` (k-means
             cost and iterations; gradient fits: epochs, validation MSE at the start and the end).
+        target: optional module (same family and level count, any widths) that becomes the fused model:
+            its levels are fitted in place (KF only; its weights are only the gradient fits' start).
     Returns:
-        The fused model (model 0's architecture, possibly with other hidden widths), eval mode.
+        The fused model (model 0's architecture, possibly with other hidden widths, or ``target``), eval mode.
     """
     name = f"{grouping}-{fit}"
     if fusion_inputs is None or len(fusion_inputs) == 0:
@@ -644,13 +651,26 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
             if a.width != b.width:
                 raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
                                               f"{b.width}")
-    widths_f = _fused_widths(opts, plv[0])
+    tlv = None
+    if target is not None:
+        if grouping != "kf":
+            raise IncompatibleModelsError(f"{name} cannot build into another architecture (target=); use kf-{fit}")
+        if opts.fused_width is not None:
+            raise FusionOptionError(f"{name}: give either target= or option 'fused_width', not both")
+        tlv = model_levels(target)
+        if len(tlv) != n_levels or tlv[-1].width != plv[0][-1].width:
+            raise IncompatibleModelsError(f"{name}: target has {len(tlv)} levels and {tlv[-1].width} classes, the "
+                                          f"models {n_levels} levels and {plv[0][-1].width} classes; a target may "
+                                          "change widths only")
+    widths_f = _fused_widths(opts, plv[0]) if tlv is None else {i: tlv[i].width for i in range(n_levels - 1)}
     if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
         raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
                                 "matching")
 
-    # the fused model: a copy of model 0, resized when another fused width is asked for
-    if any(widths_f[i] != plv[0][i].width for i in widths_f):
+    # the fused model: the target, or a copy of model 0, resized when another fused width is asked for
+    if target is not None:
+        fused = target.to(device).eval()
+    elif any(widths_f[i] != plv[0][i].width for i in widths_f):
         if not isinstance(models[0], nn.Sequential):
             raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
                                           f"nn.Sequential models only, not {type(models[0]).__name__}")
@@ -800,10 +820,17 @@ def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s
     return neurons_restore(tk[:, order].float(), layout, target)
 
 
-def _make(grouping: str, fit: str):
-    def fn(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
-        return neuron_interpolation(models, grouping=grouping, fit=fit, fusion_inputs=fusion_inputs, scores=scores,
-                                    weights=weights, device=device, seed=seed, options=options, info=info)
+def _make(grouping: str, fit: str, any_target: bool = False):
+    if any_target:
+        def fn(models, *, fusion_inputs, scores, weights, device, seed, options, info, target=None) -> nn.Module:
+            return neuron_interpolation(models, grouping=grouping, fit=fit, fusion_inputs=fusion_inputs,
+                                        scores=scores, weights=weights, device=device, seed=seed, options=options,
+                                        info=info, target=target)
+    else:
+        def fn(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
+            return neuron_interpolation(models, grouping=grouping, fit=fit, fusion_inputs=fusion_inputs,
+                                        scores=scores, weights=weights, device=device, seed=seed, options=options,
+                                        info=info)
     fn.__name__ = f"fuse_{grouping}_{fit}"
     fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting (spec §2). "
                   "See ``neuron_interpolation``; options: "
@@ -817,9 +844,11 @@ def _make(grouping: str, fit: str):
 _LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential",), affine_only=True)
 _GRADIENT = dict(options=GradientInterpolationOptions, uses_scores=True)
 fuse_hf_linear = register("hf-linear", **_LINEAR, min_models=2, max_models=2)(_make("hf", "linear"))
-fuse_kf_linear = register("kf-linear", **_LINEAR, mixed_widths=True)(_make("kf", "linear"))
+# KF clusters the neurons of all models into any number of fused neurons: it builds into any width (target=)
+fuse_kf_linear = register("kf-linear", **_LINEAR, mixed_widths=True, any_target=True)(_make("kf", "linear", True))
 fuse_hf_gradient = register("hf-gradient", **_GRADIENT, min_models=2, max_models=2)(_make("hf", "gradient"))
-fuse_kf_gradient = register("kf-gradient", **_GRADIENT, mixed_widths=True)(_make("kf", "gradient"))
+fuse_kf_gradient = register("kf-gradient", **_GRADIENT, mixed_widths=True, any_target=True)(
+    _make("kf", "gradient", True))
 
 __all__ = ["neuron_interpolation", "design_matrix", "write_affine", "SETTINGS", "InterpolationOptions",
            "GradientInterpolationOptions", "fuse_hf_linear", "fuse_kf_linear", "fuse_hf_gradient",

@@ -186,7 +186,9 @@ class MethodSpec:
         min_models / max_models: how many models it takes (``None`` = no upper bound).
         families: model families it supports (``fedfuse.models`` adapters: sequential, resnet, vit).
         mixed_widths: can fuse models of different widths.
-        any_target: can produce another architecture of the family (``fuse(..., target=...)``).
+        any_target: can produce another architecture of the family (``fuse(..., target=...)``); its
+            function then also takes ``target=`` (``None`` = model 0's architecture, else a freshly
+            initialised module of the architecture to produce, owned by the method).
         affine_only: needs every fusion level to be affine (closed-form fits); ``False`` when it
             handles blocks (residual / transformer).
         any_module: also takes models outside ``families`` (any ``nn.Module`` mapping inputs to logits):
@@ -210,6 +212,15 @@ class MethodSpec:
     def parse_options(self, options: Mapping[str, Any] | None) -> Any:
         """Validated options instance (raises ``FusionOptionError`` naming the key)."""
         return parse_options(self.name, self.options, options)
+
+    def reads_client_scores(self, options: Mapping[str, Any] | None = None) -> bool:
+        """Whether ``fuse`` reads the ``scores`` argument under ``options`` (so a federation should have its
+        clients compute and send them): ``uses_scores``, narrowed by the options' own
+        ``reads_client_scores()`` when they define one (e.g. OT only with ``marginals="importance"``)."""
+        if not self.uses_scores:
+            return False
+        check = getattr(self.parse_options(options), "reads_client_scores", None)
+        return bool(check()) if callable(check) else True
 
     def check_setup(self, *, num_models: int, family: str | None = None, has_fusion_set: bool = True,
                     affine_levels: bool | None = None) -> None:

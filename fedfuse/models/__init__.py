@@ -3,6 +3,7 @@
     model = build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=64, depth=2, seed=0)
     lv = levels(model)
     adapter_for(model).resize(model, width=32)     # the same family at another width/depth
+    build_model("mlp", ..., width_mult=0.5)        # a capacity tier: every hidden width halved
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from fedfuse.models.adapters import (ADAPTERS, Adapter, ModelConfig, UnsupportedModelError, adapter_for,
-                                     model_family, register_adapter)
+                                     check_width_mult, model_family, register_adapter)
 from fedfuse.models.cnn import cnn
 from fedfuse.models.levels import Level, level_outputs, levels, neuron_axis_sum, neurons_last, neurons_restore
 from fedfuse.models.mlp import mlp
@@ -30,16 +31,21 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet":
 
 
 def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] = (1, 8, 8), width: int | None = None,
-                depth: int | None = None, seed: int = 0, **options) -> nn.Module:
+                depth: int | None = None, seed: int = 0, width_mult: float | None = None, **options) -> nn.Module:
     """Build a registered model with deterministic initialisation for ``seed``.
 
     ``input_shape`` is ``(features,)`` for flat inputs, ``(C, L)`` for 1-D signals, ``(C, H, W)`` for
     images. ``width``/``depth`` default to each family's CPU-size setting. Extra ``options`` go to the
     factory (e.g. ``batchnorm=True`` for cnn, ``norm="group"`` for resnet, ``num_heads`` for vit).
-    The global torch RNG is left untouched.
+    ``width_mult`` (> 0; ``None`` = 1): a capacity tier of that model, every hidden width scaled by the
+    family's adapter (``Adapter.at_width_mult``: MLP hidden units, CNN/ResNet channels, ViT embedding width
+    with heads and MLP width, head dim kept; ``ceil`` rounding, so a tier of ``width_mult`` is nested in the
+    full model). The global torch RNG is left untouched.
     """
     if name not in MODELS:
         raise ValueError(f"model: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    if width_mult is not None:
+        check_width_mult(width_mult, "model: width_mult")
     kw = dict(options)
     if width is not None:
         kw["width"] = width
@@ -47,9 +53,12 @@ def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] =
         kw["depth"] = depth
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kw)
+        model = MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kw)
+    if width_mult is None or width_mult == 1:
+        return model
+    return adapter_for(model).at_width_mult(model, width_mult, seed=seed, input_shape=tuple(input_shape))
 
 
 __all__ = ["MODELS", "build_model", "levels", "Level", "level_outputs", "neurons_last", "neurons_restore",
            "neuron_axis_sum", "mlp", "cnn", "resnet", "ResNet", "ADAPTERS", "Adapter", "ModelConfig",
-           "UnsupportedModelError", "adapter_for", "model_family", "register_adapter"]
+           "UnsupportedModelError", "adapter_for", "model_family", "register_adapter", "check_width_mult"]

@@ -5,6 +5,7 @@
     adapter.perm_spec(model, "tied")      # permutation groups (OT, Re-Basin, TransFusion)
     adapter.fs_merge_structure(models)    # FS-Merge SuperNet layout
     adapter.config(model); adapter.resize(model, width=..., depth=...)
+    adapter.at_width_mult(model, 0.5)     # a capacity tier (heterogeneous clients)
 
 ``ADAPTERS`` maps family name → adapter, checked in order by ``adapter_for`` (timm-style registry;
 ``register_adapter`` adds a family).
@@ -15,7 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Level, ModelConfig,
-                                          UnsupportedModelError)
+                                          UnsupportedModelError, check_width_mult)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 from fedfuse.models.adapters.resnet import ResNetAdapter
 from fedfuse.models.adapters.sequential import SequentialAdapter, SequentialMergeStructure
@@ -54,4 +55,5 @@ def model_family(model: nn.Module) -> str:
 
 __all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "UnsupportedModelError",
            "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter",
-           "SequentialMergeStructure", "ViTMergeStructure", "adapter_for", "model_family", "register_adapter"]
+           "SequentialMergeStructure", "ViTMergeStructure", "adapter_for", "model_family", "register_adapter",
+           "check_width_mult"]

@@ -17,6 +17,7 @@ asks it for
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +31,14 @@ BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
 
 class UnsupportedModelError(ValueError):
     """A model (or a part of it) that no adapter can describe; the message names the module and why."""
+
+
+def check_width_mult(width_mult: float, what: str = "width_mult") -> float:
+    """``width_mult`` as a float > 0 (a capacity tier's width multiplier); ``ValueError`` naming ``what``."""
+    if isinstance(width_mult, bool) or not isinstance(width_mult, (int, float)) or not (
+            math.isfinite(width_mult) and width_mult > 0):
+        raise ValueError(f"{what} must be a number > 0 (a width multiplier such as 0.5), got {width_mult!r}")
+    return float(width_mult)
 
 
 @dataclass
@@ -170,6 +179,21 @@ class Adapter:
         """``config`` at another width/depth (families that scale more than one knob override this)."""
         return config.replace(width=config.width if width is None else int(width),
                               depth=config.depth if depth is None else int(depth))
+
+    def scaled_width(self, config: ModelConfig, width_mult: float) -> int:
+        """The width of ``config`` at multiplier ``width_mult``: ``ceil(width_mult · width)`` (HeteroFL's
+        rule, "HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous
+        Clients", arXiv 2010.01264: the first ⌈r·C⌉ units). Families whose width has structure (ViT heads)
+        override this."""
+        return max(1, math.ceil(check_width_mult(width_mult) * config.width - 1e-9))
+
+    def at_width_mult(self, model: nn.Module, width_mult: float, seed: int = 0,
+                      input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """A freshly initialised model of ``model``'s family at ``width_mult`` × its width (every hidden
+        width of the family scales with it: MLP hidden units, CNN/ResNet channels of every stage, ViT
+        embedding width with heads and MLP width; depth kept). ``width_mult=1`` rebuilds the same shapes."""
+        cfg = self.config(model, input_shape)
+        return self.build(self.resized_config(cfg, self.scaled_width(cfg, width_mult), None), seed=seed)
 
     def resize(self, model: nn.Module, width: int | None = None, depth: int | None = None, seed: int = 0,
                input_shape: tuple[int, ...] | None = None) -> nn.Module:

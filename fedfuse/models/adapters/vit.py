@@ -5,12 +5,15 @@ timm is imported only when a model is inspected (it is slow to import).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedfuse.models.adapters.base import Adapter, Level, ModelConfig, UnsupportedModelError, is_identity
+from fedfuse.models.adapters.base import (Adapter, Level, ModelConfig, UnsupportedModelError, check_width_mult,
+                                          is_identity)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
 
 _HEAD_PREFIXES = ("norm.", "fc_norm.", "head.", "attn_pool.")
@@ -201,6 +204,12 @@ class ViTAdapter(Adapter):
         options = {"num_heads": attn.num_heads, "mlp_ratio": blocks[0].mlp.fc1.out_features / model.embed_dim,
                    "patch_size": patch, "reg_tokens": model.num_reg_tokens, "qkv_bias": attn.qkv.bias is not None}
         return ModelConfig("vit", "vit", model.num_classes, shape, model.embed_dim, len(blocks), options)
+
+    def scaled_width(self, config: ModelConfig, width_mult: float) -> int:
+        """Heads scale, the head dim stays: ``ceil(width_mult · heads) · head_dim`` (at least one head)."""
+        heads = config.options["num_heads"]
+        head_dim = config.width // heads
+        return max(1, math.ceil(check_width_mult(width_mult) * heads - 1e-9)) * head_dim
 
     def resized_config(self, config: ModelConfig, width: int | None, depth: int | None) -> ModelConfig:
         """Embedding width, heads and MLP width scale together; the head dim stays."""
