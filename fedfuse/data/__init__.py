@@ -12,6 +12,10 @@ Public API::
     split_train_val         stratified (train, val) split of an index array
     fusion_set              class-balanced server fusion inputs ("public" or "client0")
     load_fusion_file        a fusion set saved as .pt / .npz -> (x, y or None)
+    write_fusion_set_file   a run's fusion set, preprocessed as the loader does, to .npz / .pt (fusion-set-path)
+    write_test_set_file     the dataset's test split in the same format (test-set-path)
+    load_node_data          a SuperNode's own train/val file (node-config data-path) -> (train, val)
+    write_node_data, write_partition_files   write node-local data files
     check_fusion_inputs     shape / dtype / finite / value-scale checks of given fusion inputs
     SOURCE_INFO, source_info  input shape, classes and value scale of a source, known without loading
     FederatedData           everything above, built deterministically from a config
@@ -22,7 +26,9 @@ Heavy dependencies (sklearn, torchvision, datasets, flwr_datasets, mnist1d) are 
 inside the functions that need them, so ``import fedfuse.data`` stays cheap.
 """
 
-from fedfuse.data.fusion_set import FederatedData, check_fusion_inputs, fusion_set, load_fusion_file
+from fedfuse.data.fusion_set import (FederatedData, check_fusion_inputs, fusion_set, load_fusion_file,
+                                     write_fusion_set_file, write_test_set_file)
+from fedfuse.data.node_data import load_node_data, write_node_data, write_partition_files
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
 from fedfuse.data.sources import SOURCE_INFO, SOURCES, ArrayDataset, SourceInfo, load_source, source_info
 
@@ -36,6 +42,11 @@ __all__ = [
     "fusion_set",
     "load_fusion_file",
     "check_fusion_inputs",
+    "write_fusion_set_file",
+    "write_test_set_file",
+    "load_node_data",
+    "write_node_data",
+    "write_partition_files",
     "FederatedData",
     "SOURCE_INFO",
     "SourceInfo",

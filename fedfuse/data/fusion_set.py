@@ -338,3 +338,45 @@ class FederatedData:
 def _cached_build(key) -> FederatedData:
     args, options = dict(key[0]), dict(key[1])
     return FederatedData._build(args, options)
+
+
+def _save_xy(path: Path, x: torch.Tensor, y: torch.Tensor | None) -> Path:
+    if path.suffix not in FUSION_FILE_SUFFIXES:
+        raise ValueError(f"{path}: unknown format {path.suffix!r}; expected one of {list(FUSION_FILE_SUFFIXES)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npz":
+        arrays = {"x": x.float().numpy()}
+        if y is not None:
+            arrays["y"] = y.long().numpy()
+        np.savez_compressed(path, **arrays)
+    else:
+        torch.save({"x": x.float().contiguous(), **({"y": y.long().contiguous()} if y is not None else {})}, path)
+    return path
+
+
+def write_fusion_set_file(path: str | Path, *, dataset: str, size: int, seed: int = 0, source: str = "public",
+                          public_fraction: float = 0.2, num_clients: int = 4, partitioning: str = "shards",
+                          alpha: float = 0.5, classes_per_client: int = 0, data_root: str = "",
+                          test_fraction: float = 0.2, with_labels: bool = True) -> Path:
+    """Write the server fusion set of a run to ``path`` (``.npz``: ``x`` [B, *input_shape] float32 and ``y`` [B]
+    int64; ``.pt``: ``{"x", "y"}``), preprocessed exactly as the run's loader does (``fusion-set-path`` then
+    passes the value-scale check). Arguments mirror the run-config keys (``fusion-set-size`` = ``size``,
+    ``fusion-set-source``, ``public-fraction``, ...); ``source="public"`` draws from the held-out pool no client's
+    partition uses, so the file matches a simulation with the same keys. Labels are only needed for server-side
+    importance (``with_labels=False`` writes the inputs only). Returns the path."""
+    data = FederatedData.build(dataset, num_clients, partitioning, alpha=alpha, classes_per_client=classes_per_client,
+                               fusion_size=size, fusion_source=source, public_fraction=public_fraction,
+                               root=data_root, seed=seed, test_fraction=test_fraction)
+    from fedfuse.data.sources import source_info
+
+    info = source_info(dataset)
+    check_fusion_inputs(data.fusion_x, data.fusion_y, dataset=dataset, info=info, num_classes=data.num_classes)
+    return _save_xy(Path(path).expanduser(), data.fusion_x, data.fusion_y if with_labels else None)
+
+
+def write_test_set_file(path: str | Path, *, dataset: str, seed: int = 0, data_root: str = "",
+                        test_fraction: float = 0.2) -> Path:
+    """Write the dataset's test split (``x``, ``y``; the fusion-set file format) for ``test-set-path``: a server
+    that evaluates centrally without holding the training data. Returns the path."""
+    train, test = load_source(dataset, root=data_root, seed=seed, test_fraction=test_fraction)
+    return _save_xy(Path(path).expanduser(), test.x, test.y)

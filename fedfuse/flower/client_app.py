@@ -1,12 +1,21 @@
-"""fedfuse ClientApp: train locally on this node's partition, score neurons, reply.
+"""fedfuse ClientApp: train locally on this node's data, score neurons when asked, reply.
 
-Its replies follow the reply contract of ``fedfuse.flower.replies``. Reply of a ``train`` message
+Its replies follow the reply contract of ``fedfuse.flower.replies`` and are built by the same helper a
+user's own ClientApp uses (``fedfuse.flower.client.make_train_reply``). Reply of a ``train`` message
 (``RecordDict``):
-- ``"arrays"``: the trained weights (``ArrayRecord`` of the model's state dict);
-- ``"importance"``: one score vector per fusion level (``ArrayRecord``; only when the strategy's
-  config asks for it with ``need-importance``);
-- ``"metrics"``: num-examples, partition-id, class-counts, train/val accuracy and loss,
-  train-seconds and score-seconds.
+- the trained weights (``ArrayRecord`` of the model's state dict) under the name the global model arrived in
+  (the strategy's ``arrayrecord_key``, ``"arrays"`` by default);
+- ``"importance"``: one score vector per fusion level (``ArrayRecord``), only when the train config says
+  ``need-importance`` (the strategy's method reads client scores);
+- ``"metrics"``: num-examples, partition-id, train/val accuracy and loss, train-seconds and score-seconds;
+  ``class-counts`` (per-class training counts: the label distribution) only when the train config says
+  ``need-class-counts``.
+
+Where the data comes from (node-config):
+- ``data-path``: this node's own file (``fedfuse.data.node_data``: ``x_train``/``y_train`` [+ ``x_val``/``y_val``]),
+  preprocessed like the run's ``dataset``; nothing else is loaded. For deployments with private data.
+- otherwise partition ``partition-id`` of ``num-partitions`` of the run's public ``dataset``
+  (``data-root`` may point at this node's copy); ``num-partitions`` must equal the run's ``num-clients``.
 
 In ``one-shot`` mode the client ignores the received weights and trains its own independently
 initialised model (the papers' setting: fuse once, models from different initialisations).
@@ -21,69 +30,111 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import parse_run_config  # noqa: E402
-from fedfuse.flower.replies import ARRAYS_KEY, IMPORTANCE_KEY, METRICS_KEY  # noqa: E402
+from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
+from fedfuse.flower.client import make_train_reply, read_train_message  # noqa: E402
+from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 
-def _node(context: Context) -> tuple[int, int]:
+
+@dataclasses.dataclass
+class NodeData:
+    """This node's task and data: ``train``/``val`` ArrayDatasets (x [N, *input_shape], y [N])."""
+
+    pid: int
+    num_classes: int
+    input_shape: tuple[int, ...]
+    train: object
+    val: object
+
+
+def _node(context: Context, cfg: RunConfig) -> tuple[int, int]:
     try:
-        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
     except KeyError as exc:
         raise ValueError("node-config needs 'partition-id' and 'num-partitions' "
                          "(flower-supernode --node-config \"partition-id=0 num-partitions=2\")") from exc
+    if n != cfg.num_clients:
+        raise ValueError(f"node-config num-partitions={n} but run-config num-clients={cfg.num_clients}: every "
+                         f"SuperNode must be started with num-partitions equal to the run's num-clients (or run "
+                         f"with num-clients={n})")
+    if not 0 <= pid < n:
+        raise ValueError(f"node-config partition-id={pid} is not in [0, num-partitions={n})")
+    return pid, n
 
 
-def _setup(context: Context):
+def _node_local_data(cfg: RunConfig, pid: int, path: str) -> NodeData:
+    """The node's own file (node-config ``data-path``), checked against the run's dataset."""
+    from fedfuse.config import dataset_info
+    from fedfuse.data.node_data import load_node_data
+
+    info = dataset_info(cfg.dataset)
+    if info is None:
+        raise ValueError(f"node-config 'data-path' needs a dataset whose classes and input shape are known without "
+                         f"loading it; run-config dataset={cfg.dataset!r} is not one (use a named dataset)")
+    try:
+        train_set, val_set = load_node_data(path, num_classes=info.num_classes, info=info, dataset=cfg.dataset,
+                                            val_fraction=cfg.val_fraction, seed=cfg.seed * 1009 + pid)
+    except ValueError as exc:
+        raise ValueError(f"node-config 'data-path' ({path}): {exc}") from None
+    return NodeData(pid, info.num_classes, tuple(info.input_shape), train_set, val_set)
+
+
+def _setup(context: Context) -> tuple[RunConfig, NodeData]:
     limit_threads()
     cfg = parse_run_config(context.run_config)
     if context.node_config.get("data-root"):  # deployment: this SuperNode's own data folder
         cfg = dataclasses.replace(cfg, data_root=str(context.node_config["data-root"]))
     if context.node_config.get("device"):  # deployment: this SuperNode's device (auto | cpu | cuda | cuda:N)
         cfg = dataclasses.replace(cfg, device=str(context.node_config["device"]))
-    pid, n = _node(context)
+    pid, n = _node(context, cfg)
+    if context.node_config.get("data-path"):  # deployment with private data: this node's own file only
+        return cfg, _node_local_data(cfg, pid, str(context.node_config["data-path"]))
     data = federated_data(cfg, num_clients=n)
     train_set, val_set = data.client_data(pid, cfg.val_fraction, cfg.seed)
-    return cfg, pid, data, train_set, val_set
+    return cfg, NodeData(pid, data.num_classes, tuple(data.input_shape), train_set, val_set)
 
 
 def train(msg: Message, context: Context) -> Message:
-    cfg, pid, data, train_set, val_set = _setup(context)
-    config = msg.content["config"]
-    server_round = int(config.get("server-round", 1))
+    cfg, node = _setup(context)
+    request = read_train_message(msg)
+    config = request.config
     one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
-    model = global_model(cfg, data.num_classes, data.input_shape,
-                         seed=client_init_seed(cfg, pid) if one_shot else None)
+    model = global_model(cfg, node.num_classes, node.input_shape,
+                         seed=client_init_seed(cfg, node.pid) if one_shot else None)
     if not one_shot:
-        model.load_state_dict(msg.content[ARRAYS_KEY].to_torch_state_dict())
+        model.load_state_dict(request.state_dict())
     device = resolve_device(cfg.device)
-    out = client_round(cfg, model, train_set, val_set, need_importance=bool(config.get("need-importance", False)),
-                       device=device, seed=cfg.seed * 7919 + pid * 131 + server_round,
+    out = client_round(cfg, model, node.train, node.val, need_importance=request.need_importance,
+                       device=device, seed=cfg.seed * 7919 + node.pid * 131 + request.server_round,
                        epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
                        lr=float(config["lr"]) if "lr" in config else None,
                        # FedProx (Flower's strategy sends only mu): proximal term to the received global model
                        proximal_mu=float(config.get("proximal-mu", 0.0)))
-    content = RecordDict({ARRAYS_KEY: ArrayRecord(out["state"])})
-    if out["scores"] is not None:
-        content[IMPORTANCE_KEY] = ArrayRecord({k: v.detach().cpu().float().contiguous()
-                                               for k, v in out["scores"].items()})
-    content[METRICS_KEY] = MetricRecord({**out["metrics"], "partition-id": pid})
+    metrics = dict(out["metrics"])
+    class_counts = metrics.pop("class-counts")   # sent only when the strategy asks (privacy by default)
+    num_examples = metrics.pop("num-examples")
+    content = make_train_reply(out["state"], num_examples=num_examples, train_metrics=metrics,
+                               need_importance=request.need_importance, scores=out["scores"],
+                               class_counts=class_counts if request.need_class_counts else None,
+                               partition_id=node.pid, arrays_key=request.arrays_key)
     return Message(content=content, reply_to=msg)
 
 
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    cfg, pid, data, train_set, val_set = _setup(context)
-    model = global_model(cfg, data.num_classes, data.input_shape)
-    model.load_state_dict(msg.content[ARRAYS_KEY].to_torch_state_dict())
-    eval_set = val_set if len(val_set) > 0 else train_set
-    m = evaluate(model, eval_set.x, eval_set.y, num_classes=data.num_classes, device=resolve_device(cfg.device))
+    cfg, node = _setup(context)
+    request = read_train_message(msg)  # same layout: the global weights + config
+    model = global_model(cfg, node.num_classes, node.input_shape)
+    model.load_state_dict(request.state_dict())
+    eval_set = node.val if len(node.val) > 0 else node.train
+    m = evaluate(model, eval_set.x, eval_set.y, num_classes=node.num_classes, device=resolve_device(cfg.device))
     metrics = MetricRecord({"num-examples": len(eval_set), "eval-accuracy": float(m["accuracy"]),
-                            "eval-loss": float(m["loss"]), "partition-id": pid})
-    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+                            "eval-loss": float(m["loss"]), "partition-id": node.pid})
+    return Message(content=RecordDict({METRICS_KEY: metrics}), reply_to=msg)
 
 
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:

@@ -143,6 +143,10 @@ class OTOptions(AlignOptions):
         require(self.solver != "sinkhorn" or self.reg > 0, "reg", "> 0 for solver='sinkhorn'", self.reg)
         require(self.max_rows >= 1, "max_rows", ">= 1", self.max_rows)
 
+    def reads_client_scores(self) -> bool:
+        """Only importance marginals read the clients' scores (``MethodSpec.reads_client_scores``)."""
+        return self.marginals == "importance"
+
 
 @register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True)
 def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OTOptions, info: dict) -> nn.Module:

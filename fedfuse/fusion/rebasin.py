@@ -210,6 +210,10 @@ class RebasinOptions(AlignOptions):
         require(self.max_iter >= 0, "max_iter", ">= 0", self.max_iter)
         require(self.max_rows >= 1, "max_rows", ">= 1", self.max_rows)
 
+    def reads_client_scores(self) -> bool:
+        """Scores weight the aligned average only with ``importance_weighted`` (``MethodSpec.reads_client_scores``)."""
+        return self.importance_weighted
+
 
 @register("rebasin", options=RebasinOptions, needs_data=False, uses_scores=True)
 def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, options: RebasinOptions,
