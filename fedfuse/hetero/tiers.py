@@ -1,0 +1,59 @@
+"""Capacity tiers of a federation: parse ``client-tiers`` and assign a tier to every client.
+
+A tier is a width multiplier ``r`` in (0, 1] of the global model (HeteroFL, arXiv 2010.01264, names
+r = 1, 1/2, 1/4, 1/8, 1/16 tiers a–e). ``"1,0.5,0.25"`` assigns the tiers round-robin by partition id
+(client ``p`` gets tier ``p mod 3``); with one value per client that is one tier per client.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def parse_tiers(text: str, key: str = "client-tiers") -> tuple[float, ...]:
+    """``"1,0.5,0.25"`` → ``(1.0, 0.5, 0.25)``; ``""`` → ``()`` (no tiers). ``ValueError`` naming ``key``
+    for a value that is not a number in (0, 1]."""
+    text = str(text).strip()
+    if not text:
+        return ()
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            r = float(part)
+        except ValueError:
+            raise ValueError(f"{key}: {part!r} is not a number; give comma-separated width multipliers in (0, 1], "
+                             f"e.g. '1,0.5,0.25'") from None
+        if not (math.isfinite(r) and 0 < r <= 1):
+            raise ValueError(f"{key}: width multiplier {part} must be in (0, 1] (1 = the global model's width)")
+        out.append(r)
+    if max(out) != 1:
+        raise ValueError(f"{key}: no tier has width multiplier 1, so no client would train the global (widest) "
+                         f"model; got {text!r}")
+    return tuple(out)
+
+
+def tier_of(partition_id: int, tiers: tuple[float, ...]) -> float:
+    """The width multiplier of client ``partition_id``: ``tiers[partition_id mod len(tiers)]``."""
+    if not tiers:
+        return 1.0
+    return tiers[int(partition_id) % len(tiers)]
+
+
+def parse_tier_value(value, key: str = "tier") -> float:
+    """One tier (a node-config ``tier`` override): a number in (0, 1]; ``ValueError`` naming ``key``."""
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: {value!r} is not a width multiplier in (0, 1]") from None
+    if isinstance(value, bool) or not (math.isfinite(r) and 0 < r <= 1):
+        raise ValueError(f"{key}: width multiplier {value!r} must be in (0, 1]")
+    return r
+
+
+def tier_name(width_mult: float) -> str:
+    """A stable label for results tables: ``1``, ``0.5``, ``0.25``."""
+    return f"{width_mult:g}"
+
+
+__all__ = ["parse_tiers", "tier_of", "parse_tier_value", "tier_name"]
