@@ -253,3 +253,25 @@ def test_write_fusion_set_file_round_trip_and_raw_scale_rejected(tmp_path):
     np.savez(tmp_path / "raw.npz", x=(x.numpy() * 16), y=y.numpy())     # sklearn's raw digits scale
     with pytest.raises(ConfigError, match=r"'fusion-set-path'.*values span \[0, 16\], expected \[0, 1\]"):
         read_fusion_set(str(tmp_path / "raw.npz"), dataset="digits")
+
+
+# ------------------------------------------------------------------------------------ the server's own files
+def test_server_with_fusion_and_test_files_loads_no_dataset(tmp_path, monkeypatch):
+    from fedfuse.config import parse_run_config
+    from fedfuse.data import write_test_set_file
+    from fedfuse.flower import server_app
+
+    fusion = write_fusion_set_file(tmp_path / "fusion.npz", dataset="digits", size=50, seed=0)
+    test = write_test_set_file(tmp_path / "test.pt", dataset="digits", seed=0)
+
+    def no_dataset(*a, **k):
+        raise AssertionError("the server loaded the dataset")
+    monkeypatch.setattr(server_app, "federated_data", no_dataset)
+    cfg = parse_run_config({**RUN, "fusion-set-path": str(fusion), "test-set-path": str(test)})
+    data, model_fn, strategy = server_app.setup(cfg)
+    assert data.test.x.shape[1:] == SHAPE and len(data.test) > 300 and data.num_classes == 10
+    assert strategy.fusion_inputs.shape == (50, *SHAPE)
+    np.savez(tmp_path / "nolabels.npz", x=data.test.x.numpy())
+    with pytest.raises(ConfigError, match="'test-set-path'.*labels"):
+        server_app.setup(parse_run_config({**RUN, "fusion-set-path": str(fusion),
+                                           "test-set-path": str(tmp_path / "nolabels.npz")}))

@@ -380,3 +380,17 @@ def write_test_set_file(path: str | Path, *, dataset: str, seed: int = 0, data_r
     that evaluates centrally without holding the training data. Returns the path."""
     train, test = load_source(dataset, root=data_root, seed=seed, test_fraction=test_fraction)
     return _save_xy(Path(path).expanduser(), test.x, test.y)
+
+
+@dataclass(frozen=True, eq=False)
+class ServerData:
+    """What the ServerApp holds when the clients keep all training data (node-config ``data-path``): the task
+    (``num_classes``, ``input_shape``) and its two files, the fusion set (``fusion_x [F, *input_shape]``,
+    ``fusion_y [F]`` or ``None``) and the central test set (``test``). The same attributes as
+    ``FederatedData`` for what a server reads."""
+
+    test: ArrayDataset
+    fusion_x: torch.Tensor
+    fusion_y: torch.Tensor | None
+    num_classes: int
+    input_shape: tuple
