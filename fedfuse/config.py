@@ -41,6 +41,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS  # noqa: E402
 from fedfuse.choices import PRIORS, REFINES  # noqa: E402
+from fedfuse.hetero.tiers import TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -114,6 +115,12 @@ class RunConfig:
     run_name: str = _key("", "results folder name (default: strategy-dataset-model-...-timestamp)")
     round_timeout: float = _key(3600.0, "seconds a round waits for client replies", gt=0)
     resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round")
+    client_tiers: str = _key("", "capacity tiers: comma-separated width multipliers in (0, 1] (one must be 1), "
+                             "assigned to clients round-robin by partition id (one per client with num-clients "
+                             "values); node-config 'tier' overrides per SuperNode; '' = every client at full width")
+    tier_models: str = _key("slice", "client-tiers with a fusion strategy: each tier's model every round: slice (top-left "
+                            "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
+                            "tier's width)", choices=TIER_MODELS)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -255,6 +262,7 @@ def _check_rules(cfg: RunConfig) -> None:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
     fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
+    _check_tiers(cfg)
     info = dataset_info(cfg.dataset)
     if info is not None and cfg.partitioning == "shards":
         if cfg.classes_per_client > info.num_classes:
@@ -264,6 +272,28 @@ def _check_rules(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key 'num-clients': class-disjoint 'shards' gives each client whole "
                               f"classes, but {cfg.num_clients} clients > {info.num_classes} classes of "
                               f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
+
+
+def _check_tiers(cfg: RunConfig) -> None:
+    """``client-tiers`` parses, and the strategy can aggregate clients of different widths."""
+    try:
+        tiers = parse_tiers(cfg.client_tiers, key="run-config key 'client-tiers'")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
+        return
+    if cfg.strategy in TIER_STRATEGIES:
+        return
+    from fedfuse.fusion import METHOD_SPECS
+
+    spec = METHOD_SPECS.get(cfg.strategy)
+    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES or not spec.mixed_widths:
+        able = sorted(TIER_STRATEGIES + tuple(n for n, s in METHOD_SPECS.items() if s.mixed_widths and s.any_target))
+        raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
+                          f"different widths; use one of {able}")
+    if cfg.tier_models == "fuse" and not spec.any_target:
+        raise ConfigError(f"run-config key 'tier-models': 'fuse' needs a fusion method that builds into another width "
+                          f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
 
 
 def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -289,7 +319,8 @@ def strategy_names() -> tuple[str, ...]:
     """``fedavg`` plus every fusion method whose result keeps the global architecture."""
     from fedfuse.fusion import METHOD_SPECS
 
-    return NON_FUSION_STRATEGIES + tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture))
+    return (NON_FUSION_STRATEGIES + TIER_STRATEGIES
+            + tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture)))
 
 
 def clients_per_round(cfg: RunConfig) -> int:
@@ -317,7 +348,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(cfg.strategy)
-    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES:
+    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES + TIER_STRATEGIES:
         if cfg.refine not in ("auto", "none"):
             raise ConfigError(f"run-config key 'refine': strategy {cfg.strategy!r} aggregates the arrays only and "
                               f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")

@@ -65,7 +65,10 @@ def test_strategies_are_fedavg_plus_same_architecture_methods():
     assert names[0] == "fedavg" and "kf-linear" in names and "ensemble" not in names
     from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
 
-    assert set(names) - set(NON_FUSION_STRATEGIES) == {n for n, s in METHOD_SPECS.items() if s.same_architecture}
+    from fedfuse.hetero.tiers import TIER_STRATEGIES  # heterofl / fedrolex: sub-model averaging (capacity tiers)
+
+    assert set(names) - set(NON_FUSION_STRATEGIES) - set(TIER_STRATEGIES) == {
+        n for n, s in METHOD_SPECS.items() if s.same_architecture}
 
 
 # ------------------------------------------------------------------------------------- fail fast

@@ -37,6 +37,7 @@ from flwr.clientapp.typing import Mod  # noqa: E402
 from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
 from fedfuse.flower.client import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
+from fedfuse.flower.tier_client import query as tier_query, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 
@@ -106,6 +107,8 @@ def train(msg: Message, context: Context) -> Message:
     one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
     model = global_model(cfg, node.num_classes, node.input_shape,
                          seed=client_init_seed(cfg, node.pid) if one_shot else None)
+    # capacity tiers: the width the strategy sends (fedfuse.flower.tier_client); unchanged without tiers
+    model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
     if not one_shot:
         model.load_state_dict(request.state_dict())
     device = resolve_device(cfg.device)
@@ -142,6 +145,7 @@ def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     client_app = ClientApp(mods=list(mods))
     client_app.train()(train)
     client_app.evaluate()(evaluate_handler)
+    client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier
     return client_app
 
 

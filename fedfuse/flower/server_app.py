@@ -48,6 +48,7 @@ from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, prefligh
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
+from fedfuse.flower.tiers import strategy_builder  # noqa: E402
 from fedfuse.fusion.average import Ensemble  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
@@ -78,7 +79,8 @@ def setup(cfg: RunConfig):
     def model_fn() -> torch.nn.Module:
         return global_model(cfg, data.num_classes, data.input_shape)
 
-    strategy = build_strategy(cfg.strategy, model_fn=model_fn, fusion_options=fusion_options_dict(cfg),
+    make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiers
+    strategy = make(cfg.strategy, model_fn=model_fn, fusion_options=fusion_options_dict(cfg), **tier_options,
                               fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
@@ -160,6 +162,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         m = evaluate(model, test_x, test_y, num_classes=data.num_classes, device=device)
         row = {"round": server_round, "test-accuracy": m["accuracy"], "test-loss": m["loss"],
                "per-class-accuracy": m["per-class-accuracy"]}
+        if hasattr(strategy, "evaluate_tiers"):  # capacity tiers: every tier model's test accuracy, bytes sent
+            row.update(strategy.evaluate_tiers(server_round, test_x, test_y, device))
         now = time.perf_counter()
         row["round-seconds"] = now - clock["t"]
         clock["t"] = now

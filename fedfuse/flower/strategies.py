@@ -159,6 +159,10 @@ from fedfuse.flower.baselines import FLOWER_BASELINES  # noqa: E402  (Flower's F
 
 STRATEGIES.update(FLOWER_BASELINES)
 
+from fedfuse.flower.tiers import TIER_STRATEGY_CLASSES  # noqa: E402  (HeteroFL / FedRolex: capacity tiers)
+
+STRATEGIES.update(TIER_STRATEGY_CLASSES)
+
 
 def build_strategy(name: str, **options: Any) -> FusionStrategy:
     """Build the strategy registered as ``name`` (a ``flwr.serverapp.strategy.Strategy``).

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 
+TIER_STRATEGIES = ("heterofl", "fedrolex")   # sub-model averaging baselines (fedfuse.flower.tiers)
+TIER_MODELS = ("slice", "fuse")              # how a fusion strategy derives each tier's model
+
 
 def parse_tiers(text: str, key: str = "client-tiers") -> tuple[float, ...]:
     """``"1,0.5,0.25"`` → ``(1.0, 0.5, 0.25)``; ``""`` → ``()`` (no tiers). ``ValueError`` naming ``key``
@@ -56,4 +59,4 @@ def tier_name(width_mult: float) -> str:
     return f"{width_mult:g}"
 
 
-__all__ = ["parse_tiers", "tier_of", "parse_tier_value", "tier_name"]
+__all__ = ["TIER_STRATEGIES", "TIER_MODELS", "parse_tiers", "tier_of", "parse_tier_value", "tier_name"]

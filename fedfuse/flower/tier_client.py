@@ -1,0 +1,59 @@
+"""The ClientApp's side of capacity tiers (issue 13): say which tier this node is, build the tier's model.
+
+- ``query`` handler: a tier-aware strategy asks a node it has not seen yet for its partition id and tier
+  (Flower ``MessageType.QUERY``); the reply's ``"metrics"`` record holds ``partition-id`` and ``tier``.
+  The tier is the node config's ``tier`` when set (a SuperNode's own capacity in a deployment:
+  ``flower-supernode --node-config "... tier=0.25"``), else ``client-tiers`` round-robin by partition id.
+- ``tier_model``: the model a ``train`` message asks for: the run's architecture at the width multiplier
+  the strategy sends as ``tier-width-mult`` (with HeteroFL's width scaler when ``width-scaler`` is set).
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from torch import nn
+
+from fedfuse.config import parse_run_config
+from fedfuse.hetero import attach_width_scaler, parse_tier_value, parse_tiers, tier_of
+from fedfuse.models import adapter_for
+
+QUERY_KIND = "fedfuse-tier"        # config["query"] of a tier query
+TIER_KEY = "tier-width-mult"       # train config: the width multiplier of the model the node receives
+SCALER_KEY = "width-scaler"        # train config: apply HeteroFL's width scaler during local training
+
+
+def node_tier(context: Context) -> tuple[int, float]:
+    """``(partition id, width multiplier)`` of this node; ``ValueError`` naming the key for a bad value."""
+    try:
+        pid = int(context.node_config["partition-id"])
+    except KeyError as exc:
+        raise ValueError("node-config needs 'partition-id' (flower-supernode --node-config "
+                         "\"partition-id=0 num-partitions=2\")") from exc
+    if context.node_config.get("tier") not in (None, ""):
+        return pid, parse_tier_value(context.node_config["tier"], key="node-config key 'tier'")
+    cfg = parse_run_config(context.run_config)
+    return pid, tier_of(pid, parse_tiers(cfg.client_tiers, key="run-config key 'client-tiers'"))
+
+
+def query(msg: Message, context: Context) -> Message:
+    """Reply to a tier query with ``{"partition-id", "tier"}`` (other queries: ``ValueError``)."""
+    config = msg.content.config_records.get("config")
+    if config is None or config.get("query") != QUERY_KIND:
+        raise ValueError(f"fedfuse ClientApp answers only tier queries (config query={QUERY_KIND!r})")
+    pid, tier = node_tier(context)
+    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid, "tier": tier})}), reply_to=msg)
+
+
+def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """``model`` at the width multiplier of ``config[TIER_KEY]`` (unchanged when the strategy sends none),
+    with the width scaler hooks when ``config[SCALER_KEY]``."""
+    if TIER_KEY not in config:
+        return model
+    r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
+    out = model if r == 1 else adapter_for(model).at_width_mult(model, r, seed=seed, input_shape=tuple(input_shape))
+    if bool(config.get(SCALER_KEY, False)):
+        attach_width_scaler(out, r)
+    return out
+
+
+__all__ = ["query", "node_tier", "tier_model", "QUERY_KIND", "TIER_KEY", "SCALER_KEY"]

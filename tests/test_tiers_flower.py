@@ -1,0 +1,80 @@
+"""Capacity tiers on Flower (issue 13): tier assignment, per-node tier messages, tier strategies end to end."""
+
+import json
+
+import pytest
+from flwr.app import Context, RecordDict
+
+from fedfuse.config import ConfigError, parse_run_config
+from fedfuse.flower.tier_client import node_tier, tier_model
+from fedfuse.models import build_model, levels
+
+TINY = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
+        "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 120,
+        "min-train-nodes": 3, "importance": "uniform", "client-tiers": "1,0.5,0.25"}
+
+
+def _context(node_config, run_config):
+    return Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config=run_config)
+
+
+def test_tier_assignment_round_robin_and_node_config_override():
+    rc = {"client-tiers": "1,0.5,0.25", "num-clients": 5, "strategy": "kf-linear"}
+    assert [node_tier(_context({"partition-id": p, "num-partitions": 5}, rc))[1] for p in range(5)] == \
+        [1.0, 0.5, 0.25, 1.0, 0.5]
+    assert node_tier(_context({"partition-id": 0, "num-partitions": 5, "tier": 0.125}, rc)) == (0, 0.125)
+    with pytest.raises(ValueError, match="node-config key 'tier'"):
+        node_tier(_context({"partition-id": 0, "num-partitions": 5, "tier": "2"}, rc))
+    assert node_tier(_context({"partition-id": 2, "num-partitions": 5}, {}))[1] == 1.0   # no tiers: full width
+
+
+def test_bad_client_tiers_fail_in_preflight_naming_the_key():
+    for tiers in ("1,0", "1,abc", "0.5,0.25", "1,1.5"):
+        with pytest.raises(ConfigError, match="client-tiers"):
+            parse_run_config({"client-tiers": tiers, "strategy": "kf-linear"})
+    with pytest.raises(ConfigError, match="client-tiers.*cannot aggregate clients of different widths"):
+        parse_run_config({"client-tiers": "1,0.5", "strategy": "fedavg"})
+    with pytest.raises(ConfigError, match="tier-models"):
+        parse_run_config({"client-tiers": "1,0.5", "strategy": "ot", "tier-models": "fuse"})
+    assert parse_run_config({"client-tiers": "1, 0.5", "strategy": "heterofl"}).client_tiers == "1, 0.5"
+
+
+def test_client_builds_the_tier_it_is_sent():
+    g = build_model("cnn", 10, (1, 40))
+    small = tier_model(g, {"tier-width-mult": 0.25}, seed=0, input_shape=(1, 40))
+    assert [lv.width for lv in levels(small)] == [4, 8, 10]
+    assert tier_model(g, {}, seed=0, input_shape=(1, 40)) is g
+
+
+@pytest.mark.parametrize("strategy,extra", [("kf-linear", {}), ("kf-linear", {"tier-models": "fuse"}),
+                                            ("heterofl", {}), ("fedrolex", {})])
+def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
+    from simulations.runners.inprocess import run_inprocess
+
+    out = run_inprocess({**TINY, **extra, "strategy": strategy, "output-dir": str(tmp_path), "run-name": "t"}, 3,
+                        echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed"
+    last = res["rounds"][-1]
+    # every node got its tier's model: all replies valid against their tier's shapes
+    assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
+    assert set(last["tier-accuracy"]) == {"1", "0.5", "0.25"}
+    assert last["tier-clients"] == {"1": 1, "0.5": 1, "0.25": 1}
+    b = last["tier-bytes-sent"]
+    assert b["1"] > b["0.5"] > b["0.25"] > 0
+    assert last["test-accuracy"] == pytest.approx(last["tier-accuracy"]["1"])
+    assert last["test-accuracy"] > 0.15                              # chance 0.1 (MNIST-1D, 2 short rounds)
+    assert set(last["tier-val-accuracy"]) == {"1", "0.5", "0.25"}
+
+
+@pytest.mark.slow
+def test_flwr_run_two_round_tiers(tmp_path):
+    from simulations.runners.flwr_runner import run_app
+
+    cfg = {**TINY, "strategy": "kf-linear", "output-dir": str(tmp_path), "run-name": "tiers"}
+    outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)
+    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
+    res = json.loads((outcome.out_dir / "results.json").read_text())
+    last = res["rounds"][-1]
+    assert last["valid-replies"] == 3 and last["rejected"] == []
+    assert set(last["tier-accuracy"]) == {"1", "0.5", "0.25"}
