@@ -4,6 +4,7 @@
 #   deploy/supernode.sh SUPERLINK_ADDRESS PARTITION_ID NUM_PARTITIONS [extra node-config]
 #   deploy/supernode.sh 10.0.0.5:9092 0 3                      # TLS + auth key deploy/keys/supernode-0
 #   deploy/supernode.sh 10.0.0.5:9092 1 3 "data-root='/data/fl' device='cuda:0'"
+#   deploy/supernode.sh 10.0.0.5:9092 2 3 "data-path='/data/fl/node-2.npz'"   # this node's own (private) data file
 #   FEDFUSE_INSECURE=1 deploy/supernode.sh 127.0.0.1:9092 0 2  # local tests only
 #
 # Environment: PORT (this SuperNode's local ClientApp API, default 9094; distinct per SuperNode on one
@@ -11,7 +12,7 @@
 # must have been registered: flwr supernode register deploy/keys/supernode-<i>.pub <connection>).
 # GPU: the ClientApp uses CUDA when present (device="auto"); pin a GPU with CUDA_VISIBLE_DEVICES=<i>.
 set -euo pipefail
-[ $# -ge 3 ] || { sed -n '2,15p' "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n '2,16p' "$0"; exit 2; }
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
 SUPERLINK=$1; PID=$2; NUM=$3; EXTRA=${4:-}
