@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the default federated simulation with `flwr run` (Ray backend).
-# Extra arguments go to simulations/runners/run.py, e.g.  bash scripts/run.sh --run-config "strategy='fedavg'"
+# Set up (idempotent) and run the default federated simulation: fedfuse's default strategy with `flwr run`
+# (Ray backend), then FedAvg on the same split and seed, side by side (`fedfuse run` = simulations/runners/run.py).
+# Extra arguments go to it, e.g.  bash scripts/run.sh --run-config "strategy='kf-linear'" --no-compare --verbose
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
-exec .venv/bin/python -m simulations.runners.run "$@"
+exec .venv/bin/fedfuse run "$@"

@@ -8,6 +8,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 stamp_of() { { cat pyproject.toml; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1; }
 want=$(stamp_of)
 if [ -x .venv/bin/python ] && [ -f .venv/.fedfuse-stamp ] && [ "$(cat .venv/.fedfuse-stamp)" = "$want" ] \
+   && [ -x .venv/bin/fedfuse ] \
    && .venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot" >/dev/null 2>&1; then
   echo "setup: reusing up-to-date .venv"
   exit 0
@@ -15,6 +16,8 @@ fi
 echo "setup: installing fedfuse into .venv (first time: torch + CUDA wheels, a few minutes)"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
+# editable: the `fedfuse` command (fedfuse.cli) then also finds the repository's runners (simulations/)
 .venv/bin/python -m pip install --quiet -e ".[dev]"
 .venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot; print('setup: torch', torch.__version__, '| flwr', flwr.__version__)"
+.venv/bin/fedfuse --version
 echo "$want" > .venv/.fedfuse-stamp

@@ -30,6 +30,7 @@ from fedfuse.models import build_model
 from fedfuse.training import make_optimizer, resolve_device
 
 from simulations.bench.specs import parse_partition
+from simulations.runners.progress import progress
 
 CACHE_VERSION = 2  # bump when a change to training makes cached clients stale
 
@@ -289,7 +290,7 @@ def get_clients(cfg: CellConfig, data: FederatedData, importance: list[str], cac
     (d / "config.json").write_text(json.dumps(asdict(cfg), indent=1, sort_keys=True))
     recipe = cfg.recipe()
     out = []
-    for pid in range(data.num_clients):
+    for pid in progress(range(data.num_clients), desc="clients", unit="client", leave=False):  # bar + ETA on a tty
         path = d / f"client{pid}.pt"
         model = build_model(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape, width=cfg.width,
                             depth=cfg.depth, seed=client_seed(cfg, pid), **cfg.model_options)

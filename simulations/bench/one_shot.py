@@ -37,6 +37,7 @@ from simulations.bench.clients import add_client_arguments, cell_from_args
 from simulations.bench.report import write_results
 from simulations.bench.specs import parse_ints, parse_partition, split_list
 from simulations.bench.tables import load_rows
+from simulations.runners.progress import progress, progress_print
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,17 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"argv": sys.argv if argv is None else ["simulations.bench.one_shot", *argv], "args": vars(args),
             "title": args.title, "reference": args.compare_to, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     t_start = time.perf_counter()
-    for dataset in split_list(args.datasets):
-        for model in split_list(args.models):
-            for partition in partitions:
-                for seed in seeds:
-                    cfg = cell_from_args(args, dataset, partition, model, seed)
-                    print(f"== {dataset}/{partition}/{model} seed {seed}", flush=True)
-                    rows += run_cell(cfg, methods, importance, sources, args.fusion_size, Path(args.cache),
-                                     device=args.device, method_options=method_options,
-                                     log=lambda s: print(s, flush=True))
-                    meta["elapsed_seconds"] = time.perf_counter() - t_start
-                    write_results(rows, out, meta)  # after every cell: partial results survive
+    cells = [(d, m, p, s) for d in split_list(args.datasets) for m in split_list(args.models) for p in partitions
+             for s in seeds]
+    for dataset, model, partition, seed in progress(cells, desc="one-shot cells", unit="cell"):  # bar + ETA on a tty
+        cfg = cell_from_args(args, dataset, partition, model, seed)
+        progress_print(f"== {dataset}/{partition}/{model} seed {seed}")
+        rows += run_cell(cfg, methods, importance, sources, args.fusion_size, Path(args.cache),
+                         device=args.device, method_options=method_options, log=progress_print)
+        meta["elapsed_seconds"] = time.perf_counter() - t_start
+        write_results(rows, out, meta)  # after every cell: partial results survive
     print(f"wrote {out}/table.md ({time.perf_counter() - t_start:.0f}s)")
     return 0
 

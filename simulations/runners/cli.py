@@ -123,7 +123,7 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
     """Relative ``output-dir`` / ``fusion-set-path`` / ``data-root`` taken from the caller's directory: the
     Flower processes run elsewhere."""
     out = dict(cfg)
-    for key in ("output-dir", "fusion-set-path", "data-root"):
+    for key in ("output-dir", "fusion-set-path", "test-set-path", "data-root"):
         value = out.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             out[key] = str(Path(value).expanduser().resolve())
@@ -158,16 +158,18 @@ ENGINE_HELP = ("flwr: a real `flwr run` (SuperLink + Ray simulation engine); inp
 
 
 def run_with_engine(engine: str, run_config: dict[str, Any], *, num_supernodes: int, timeout: float, echo: bool,
-                    check_config: bool | None = None):
+                    check_config: bool | None = None, on_line=None):
     """One run on ``engine`` (``ENGINES``); the ``flwr_runner.RunOutcome`` either way (``timeout`` bounds the
-    ``flwr run`` process; the in-process engine holds each client call to the run's ``round-timeout``)."""
+    ``flwr run`` process; the in-process engine holds each client call to the run's ``round-timeout``).
+    ``on_line`` receives every log line of the run (``simulations.runners.console.QuietConsole``)."""
     if engine == "flwr":
         from simulations.runners.flwr_runner import run_app
 
         return run_app(run_config, num_supernodes=num_supernodes, timeout=timeout, echo=echo,
-                       check_config=check_config)
+                       check_config=check_config, on_line=on_line)
     if engine == "inprocess":
         from simulations.runners.inprocess import run_app_inprocess
 
-        return run_app_inprocess(run_config, num_supernodes=num_supernodes, echo=echo, check_config=check_config)
+        return run_app_inprocess(run_config, num_supernodes=num_supernodes, echo=echo, check_config=check_config,
+                                 on_line=on_line)
     raise ValueError(f"--engine: unknown engine {engine!r}; choose one of {list(ENGINES)}")

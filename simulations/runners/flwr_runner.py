@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,8 +204,12 @@ def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | No
 
 def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cpus_per_client: float = 1.0,
             gpus_per_client: float = 0.0, timeout: float = 900.0, echo: bool = True,
-            app_dir: Path = ROOT, keep_home: bool = False, check_config: bool | None = None) -> RunOutcome:
+            app_dir: Path = ROOT, keep_home: bool = False, check_config: bool | None = None,
+            on_line: Callable[[str], None] | None = None) -> RunOutcome:
     """``flwr run <app_dir>`` with ``run_config`` overrides; returns the run status and results dir.
+
+    Every line ``flwr run --stream`` prints is kept (``RunOutcome.log``), echoed when ``echo``, and handed to
+    ``on_line`` when given (the runners' quiet console: ``simulations.runners.console``).
 
     ``run_config`` should hold ``output-dir`` (absolute) and ``run-name``; both are filled in when
     missing (``results/`` under the app, a timestamped name). The whole config is checked first
@@ -236,6 +241,8 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
             if echo:
                 sys.stdout.write(line)
                 sys.stdout.flush()
+            if on_line is not None:
+                on_line(line)
             if run_id is None:
                 m = re.search(r"run (\d+)", line)
                 if m and "start" in line.lower():

@@ -289,20 +289,42 @@ class _Capture(logging.Handler):
             self.handleError(record)
 
 
+class _LineHandler(logging.Handler):
+    """Hands each ``flwr`` log record to ``on_line`` as ``"LEVEL : message"`` (the form Flower's console
+    prints, which ``simulations.runners.console`` reads)."""
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        super().__init__(logging.DEBUG)
+        self.on_line = on_line
+        self.setFormatter(logging.Formatter("%(levelname)-8s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.on_line(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 - logging must never break the run
+            self.handleError(record)
+
+
 @contextmanager
-def _logging(echo: bool) -> Iterator[_Capture]:
-    """Capture the ``flwr`` logger's lines; without ``echo`` its console handlers show warnings only."""
+def _logging(echo: bool, on_line: Callable[[str], None] | None = None) -> Iterator[_Capture]:
+    """Capture the ``flwr`` logger's lines; without ``echo`` its console handlers show warnings only, or
+    nothing when ``on_line`` receives every line (the caller decides what the console shows)."""
     logger = logging.getLogger("flwr")
     capture = _Capture()
     logger.addHandler(capture)
     saved = [(h, h.level) for h in logger.handlers if h is not capture]
+    line_handler = _LineHandler(on_line) if on_line is not None else None
+    if line_handler is not None:
+        logger.addHandler(line_handler)
     if not echo:
         for h, level in saved:
-            h.setLevel(max(level, WARNING))
+            h.setLevel(logging.CRITICAL + 1 if line_handler is not None else max(level, WARNING))
     try:
         yield capture
     finally:
         logger.removeHandler(capture)
+        if line_handler is not None:
+            logger.removeHandler(line_handler)
         for h, level in saved:
             h.setLevel(level)
 
@@ -323,10 +345,12 @@ def prepare(run_config: dict[str, Any], num_supernodes: int | None, app_dir: Pat
 def run_app_inprocess(run_config: dict[str, Any], *, num_supernodes: int | None = None, echo: bool = True,
                       app_dir: Path = ROOT, check_config: bool | None = None,
                       client_app: Callable[[Message, Context], Message] | None = None,
-                      server: ServerMain | None = None) -> RunOutcome:
+                      server: ServerMain | None = None,
+                      on_line: Callable[[str], None] | None = None) -> RunOutcome:
     """``run_app``'s in-process twin: the same run (config defaults, check, results folder) on a
     ``LocalGrid``; returns a ``RunOutcome`` whose status is ``finished:completed`` or ``finished:failed``
     (the ServerApp raised; its exception in ``details``, results still written by the ServerApp).
+    ``on_line`` receives every ``flwr`` log line (``"LEVEL : message"``), as ``run_app``'s does.
 
     ``client_app`` / ``server`` default to fedfuse's ClientApp and ``run_server``; pass e.g. a test app's
     (with its ``app_dir``, whose pyproject declares its extra run-config keys).
@@ -343,7 +367,7 @@ def run_app_inprocess(run_config: dict[str, Any], *, num_supernodes: int | None 
     t0 = time.perf_counter()
     status, details = "finished:completed", ""
     try:
-        with _logging(echo) as capture, task_identity(run_id, SUPERLINK_NODE_ID, SERVER_TASK_ID):
+        with _logging(echo, on_line) as capture, task_identity(run_id, SUPERLINK_NODE_ID, SERVER_TASK_ID):
             try:
                 server_fn(grid, context)
             except Exception as exc:  # noqa: BLE001 - the run's outcome, as flwr reports a failed ServerApp

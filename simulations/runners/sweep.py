@@ -13,7 +13,8 @@ the first round reaching 90% of that strategy's final accuracy; a third the firs
 final accuracy in fewer rounds"; never = the run did not reach it, counted as the last round + 1 and
 marked). ``accuracy.png`` plots the test accuracy per round, mean ± std over seeds, per partitioning.
 Every run's own results folder is kept under ``--out``; ``sweep.json`` holds all rows;
-``--tables-only`` re-renders table and plot from an existing ``sweep.json``.
+``--tables-only`` re-renders table and plot from an existing ``sweep.json``. On a terminal a progress bar
+(runs done, ETA) sits under the one line per finished run (``simulations.runners.progress``).
 
 ``--engine flwr`` (default) runs each cell as a real ``flwr run`` (SuperLink + Ray); ``--engine inprocess``
 runs the same ServerApp body and ClientApp in this process on a ``LocalGrid``
@@ -35,6 +36,7 @@ from simulations.bench.stats import format_mean_std
 from simulations.runners.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, parse_run_config_arg,
                                      preflight_or_exit, run_with_engine)
 from simulations.runners.flwr_runner import ROOT
+from simulations.runners.progress import progress, progress_print
 from simulations.runners.run import run_failure
 
 
@@ -43,8 +45,8 @@ def mean_std(vals: list[float]) -> str:
     return format_mean_std(vals, digits=3)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategies", default="fedavg,average")
     ap.add_argument("--partitions", default="shards,dirichlet")
     ap.add_argument("--seeds", default="0,1,2")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = {**base, **extra, "strategy": strategy, "partitioning": part, "seed": seed,
                        "output-dir": str(out), "run-name": name}
                 cells.append((label, part, seed, name, cfg, preflight_or_exit(cfg).num_clients))
-    for label, part, seed, name, cfg, n in cells:
+    for label, part, seed, name, cfg, n in progress(cells, desc="sweep", unit="run"):
         outcome = run_with_engine(args.engine, cfg, num_supernodes=n, timeout=args.timeout, echo=False,
                                   check_config=False)
         row = {"strategy": label, "partitioning": part, "seed": seed, "engine": args.engine,
@@ -100,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             row["fallback-rounds"] = [r["round"] for r in rounds if r.get("fallback")]
             row["skipped-rounds"] = [r["round"] for r in rounds if r.get("skipped")]
             row["guarded-rounds"] = [r["round"] for r in rounds if r.get("guard")]
-        print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')}"
-              f"{' fallback rounds ' + str(row['fallback-rounds']) if row.get('fallback-rounds') else ''}"
-              f"{' error: ' + row['error'] if row.get('error') else ''}", flush=True)
+        progress_print(f"sweep: {name}: {row['status']} final={row.get('final-accuracy')} ({outcome.seconds:.0f}s)"
+                       f"{' fallback rounds ' + str(row['fallback-rounds']) if row.get('fallback-rounds') else ''}"
+                       f"{' error: ' + row['error'] if row.get('error') else ''}")
         rows = [r for r in rows if (r["strategy"], r["partitioning"], r["seed"]) != (label, part, seed)]
         rows.append(row)
         (out / "sweep.json").write_text(json.dumps(rows, indent=2))
@@ -222,6 +224,7 @@ def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4), squeeze=False)
     for ax, part in zip(axes[0], parts):
@@ -237,6 +240,7 @@ def plot(rows: list[dict], strategies: list[str], parts: list[str], path: Path, 
             ax.plot(xs, mu, label=f"{strategy} (n={len(curves)})")
             ax.fill_between(xs, mu - sd, mu + sd, alpha=0.2)
         ax.set_title(part)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)

@@ -1,0 +1,313 @@
+"""``fedfuse``: the command line installed with the package (``[project.scripts]``).
+
+    fedfuse run [--run-config "..."] [--no-compare] [--verbose]     the default run: the strategy through `flwr run`,
+                                                                    then FedAvg on the same split and seed, a table
+    fedfuse compare --strategies average,fedavg --seeds 0,1,2 ...   several strategies on the same splits and seeds
+    fedfuse bench one-shot --datasets digits ...                    a benchmark (one-shot, ot, fs-merge, ...)
+    fedfuse fusion-set /abs/fusion.npz [--dataset digits --size 250 --seed 0 | --run-config "..."]
+                                                                    the server's fusion-set file for a deployment
+    fedfuse config [KEY ...] [--markdown]                           the run-config keys: type, default, help
+
+``run``, ``compare`` and ``bench`` drive the runners and benchmarks of the repository (``simulations/``, next to the
+Flower app's ``pyproject.toml``); ``scripts/setup.sh`` installs fedfuse from a checkout in editable mode, so they
+work from any directory. Installed without the repository, they exit with status 2 saying so. ``fusion-set`` and
+``config`` need the library only. ``fedfuse <command> --help`` shows each command's options. This module imports
+no Flower itself (the runners it calls do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+EXIT_USAGE = 2
+
+# fedfuse bench <name> -> the benchmark module (each has main(argv))
+BENCHMARKS = {
+    "one-shot": ("simulations.bench.one_shot", "one-shot fusion of independently trained clients vs best client, "
+                 "ensemble, averaging, KD"),
+    "ot": ("simulations.bench.ot", "width-heterogeneous OT fusion and task-vector transport"),
+    "fs-merge": ("simulations.bench.fs_merge", "FS-Merge low-data sweep, time and memory vs KD"),
+    "fusion-time": ("simulations.bench.fusion_time", "fusion time vs average, a forward pass and a client epoch"),
+    "tofu": ("simulations.bench.tofu", "Token Fusion on ViT clients"),
+    "scaling": ("simulations.bench.scaling", "aggregation time and server memory vs number of clients"),
+    "load": ("simulations.bench.load", "a flwr run with many clients (fraction-train < 1)"),
+}
+
+COMMANDS = {
+    "run": "the default run: the strategy through `flwr run`, then FedAvg on the same split and seed, side by side "
+           "(= bash scripts/run.sh)",
+    "compare": "several strategies x partitionings x seeds, mean ± std table and plot (simulations.runners.sweep)",
+    "bench": "benchmarks: " + ", ".join(BENCHMARKS),
+    "fusion-set": "write the server's fusion-set file (.npz/.pt), preprocessed exactly as a run loads it",
+    "config": "list the run-config keys (type, default, allowed values, meaning)",
+}
+
+
+class CliError(Exception):
+    """A usage problem reported as one ``fedfuse: ...`` line with exit status 2."""
+
+
+def repository_module(name: str, command: str) -> ModuleType:
+    """``importlib.import_module(name)`` for a command that needs the repository's ``simulations/`` package;
+    ``CliError`` saying how to get it when fedfuse was installed without its repository."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == "simulations" or exc.name.startswith("simulations.")):
+            raise CliError(f"`fedfuse {command}` needs the fedfuse repository (its simulations/ runners and the Flower "
+                           f"app's pyproject.toml), which this installation does not have ({exc.name} not found): "
+                           "clone the repository and run `bash scripts/setup.sh` there (it installs fedfuse in "
+                           "editable mode), or run the command from the checkout") from None
+        raise
+
+
+def _exit_code(value: object) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+# ------------------------------------------------------------------------------------------ run / compare / bench
+def cmd_run(argv: list[str]) -> int:
+    run = repository_module("simulations.runners.run", "run")
+    return _exit_code(run.main(argv, prog="fedfuse run"))
+
+
+def cmd_compare(argv: list[str]) -> int:
+    sweep = repository_module("simulations.runners.sweep", "compare")
+    return _exit_code(sweep.main(argv, prog="fedfuse compare"))
+
+
+def bench_help() -> str:
+    width = max(len(n) for n in BENCHMARKS)
+    lines = ["usage: fedfuse bench <benchmark> [options]   (fedfuse bench <benchmark> --help: its options)", "",
+             "benchmarks (seeded; tables and plots under --out):"]
+    lines += [f"  {name:<{width}}  {what}  [python -m {mod}]" for name, (mod, what) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(bench_help())
+        return 0 if argv else EXIT_USAGE
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        close = difflib.get_close_matches(name, list(BENCHMARKS), n=1)
+        raise CliError(f"bench: unknown benchmark {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") +
+                       f"; choose one of {', '.join(BENCHMARKS)}")
+    module = repository_module(BENCHMARKS[name][0], f"bench {name}")
+    if name == "one-shot" and any(a in ("-h", "--help") for a in rest) and hasattr(module, "build_parser"):
+        parser = module.build_parser()
+        parser.prog = "fedfuse bench one-shot"
+        parser.print_help()
+        return 0
+    return _exit_code(module.main(rest))
+
+
+# ------------------------------------------------------------------------------------------------- fusion-set
+def fusion_set_parser() -> argparse.ArgumentParser:
+    from fedfuse.config import SCHEMA
+
+    ap = argparse.ArgumentParser(
+        prog="fedfuse fusion-set", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write the server's fusion set to PATH (.npz: x [B, *input_shape] float32, y [B] int64; .pt: "
+                    "{'x', 'y'}), drawn and preprocessed exactly as a run with the same run-config keys loads it, so "
+                    "that run-config fusion-set-path=PATH passes the shape and value-range checks "
+                    "(fedfuse.data.fusion_set.write_fusion_set_file).",
+        epilog="examples:\n"
+               "  fedfuse fusion-set /srv/fedfuse/fusion.npz --dataset digits --size 250 --seed 0\n"
+               "  fedfuse fusion-set fusion.npz --run-config \"dataset='mnist1d' fusion-set-size=300 seed=1\" "
+               "--test-set test.npz\n"
+               "then: flwr run . <connection> --run-config \"fusion-set-path='/srv/fedfuse/fusion.npz' ...\"")
+    ap.add_argument("path", help="output file, .npz or .pt")
+    ap.add_argument("--run-config", default="",
+                    help="run-config keys the file must match (dataset, fusion-set-size, fusion-set-source, seed, "
+                         "public-fraction, num-clients, partitioning, ...), as for a run; the flags below override")
+    ap.add_argument("--dataset", default=None, help=f"run-config dataset (default {SCHEMA['dataset'].default!r})")
+    ap.add_argument("--size", type=int, default=None,
+                    help=f"run-config fusion-set-size (default {SCHEMA['fusion-set-size'].default})")
+    ap.add_argument("--seed", type=int, default=None, help=f"run-config seed (default {SCHEMA['seed'].default})")
+    ap.add_argument("--source", default=None, help="run-config fusion-set-source: public (held-out pool no client "
+                    f"sees) or client0 (default {SCHEMA['fusion-set-source'].default!r})")
+    ap.add_argument("--data-root", default=None, help="run-config data-root (torchvision / local datasets)")
+    ap.add_argument("--no-labels", action="store_true", help="write the inputs only (labels are needed only for "
+                    "server-side importance scores)")
+    ap.add_argument("--test-set", default="", metavar="PATH",
+                    help="also write the dataset's test split to PATH (same format), for a server that evaluates "
+                         "centrally without the training data")
+    return ap
+
+
+def fusion_set_config(args: argparse.Namespace):
+    """The validated run config the file is drawn for (``fedfuse.config.parse_run_config``: a bad value fails
+    naming its run-config key)."""
+    from fedfuse.config import parse_run_config
+
+    overrides: dict = {}
+    if args.run_config:
+        try:
+            from simulations.runners.cli import parse_run_config_arg
+        except ModuleNotFoundError:  # no repository: plain key=value pairs through tomllib
+            parse_run_config_arg = _parse_pairs
+        overrides.update(parse_run_config_arg(args.run_config))
+    for key, value in (("dataset", args.dataset), ("fusion-set-size", args.size), ("seed", args.seed),
+                       ("fusion-set-source", args.source), ("data-root", args.data_root)):
+        if value is not None:
+            overrides[key] = value
+    return parse_run_config(overrides)
+
+
+def _parse_pairs(text: str) -> dict:
+    """``key=value`` pairs (TOML values, no spaces inside a value): the runner's tokenizer's simple case."""
+    import tomllib
+
+    from fedfuse.config import ConfigError
+
+    out = {}
+    for token in text.split():
+        key, sep, raw = token.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--run-config: expected key=value, got {token!r}")
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"run-config key {key!r}: {raw!r} is not a TOML value ({exc})") from None
+    return out
+
+
+def cmd_fusion_set(argv: list[str]) -> int:
+    args = fusion_set_parser().parse_args(argv)
+    from fedfuse.config import ConfigError
+    from fedfuse.data.fusion_set import load_fusion_file, write_fusion_set_file, write_test_set_file
+
+    try:
+        cfg = fusion_set_config(args)
+    except ConfigError as exc:
+        raise CliError(f"config error: {exc}") from None
+    if cfg.fusion_set_size <= 0:
+        raise CliError("config error: run-config key 'fusion-set-size' must be > 0 to write a fusion set")
+    path = Path(args.path).expanduser().resolve()
+    written = write_fusion_set_file(path, dataset=cfg.dataset, size=cfg.fusion_set_size, seed=cfg.seed,
+                                    source=cfg.fusion_set_source, public_fraction=cfg.public_fraction,
+                                    num_clients=cfg.num_clients, partitioning=cfg.partitioning,
+                                    alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
+                                    data_root=cfg.data_root, test_fraction=cfg.test_fraction,
+                                    with_labels=not args.no_labels)
+    x, y = load_fusion_file(written)  # read back: what the server will load
+    print(f"fedfuse: wrote {written}: x {list(x.shape)} {str(x.dtype).replace('torch.', '')}, values "
+          f"[{float(x.min()):.3g}, {float(x.max()):.3g}]" + (f", y {list(y.shape)}" if y is not None else ", no labels") +
+          f" ({cfg.dataset}, fusion-set-source={cfg.fusion_set_source!r}, seed {cfg.seed})")
+    print(f"fedfuse: use it with --run-config \"fusion-set-path='{written}' dataset='{cfg.dataset}'\"")
+    if args.test_set:
+        test = write_test_set_file(Path(args.test_set).expanduser().resolve(), dataset=cfg.dataset, seed=cfg.seed,
+                                   data_root=cfg.data_root, test_fraction=cfg.test_fraction)
+        tx, ty = load_fusion_file(test)
+        print(f"fedfuse: wrote {test}: test split x {list(tx.shape)}, y {list(ty.shape) if ty is not None else None}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- config
+def config_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fedfuse config", description="The run-config keys (schema "
+                                 "fedfuse.config.RunConfig): type, default, allowed values or range, meaning. Set them "
+                                 "with --run-config \"key=value ...\" (fedfuse run, flwr run).")
+    ap.add_argument("keys", nargs="*", help="only these keys")
+    ap.add_argument("--markdown", action="store_true", help="a markdown table (what README's key table mirrors)")
+    return ap
+
+
+def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
+    """The schema as plain text, one block per key: ``key  type  default  allowed`` and the help, wrapped."""
+    from fedfuse.config import HF_PREFIX, SCHEMA, strategy_names
+
+    keys = list(keys or SCHEMA)
+    unknown = [k for k in keys if k not in SCHEMA]
+    if unknown:
+        k = unknown[0]
+        close = difflib.get_close_matches(k, list(SCHEMA), n=1)
+        raise CliError(f"config: unknown run-config key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    width = width or min(110, shutil.get_terminal_size((100, 20)).columns)
+    blocks = []
+    for key in keys:
+        s = SCHEMA[key]
+        allowed = " | ".join(map(str, s.choices)) if s.choices else s.range_text()
+        if key == "dataset":
+            allowed += f" | {HF_PREFIX}<name>"
+        if key == "strategy":
+            allowed = " | ".join(strategy_names())
+        head = f"{key}  ({s.type.__name__}, default {s.default!r})"
+        body = s.help.rstrip() + ("" if s.help.rstrip().endswith(".") else ".") + (f" Allowed: {allowed}." if allowed else "")
+        blocks.append(head + "\n" + textwrap.fill(body, width=width, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(blocks)
+
+
+def cmd_config(argv: list[str]) -> int:
+    args = config_parser().parse_args(argv)
+    if args.markdown:
+        from fedfuse.config import describe
+
+        text = describe()
+        if args.keys:
+            config_text(args.keys)  # unknown keys fail the same way
+            text = "\n".join(line for i, line in enumerate(text.splitlines())
+                             if i < 2 or any(line.startswith(f"| `{k}` |") for k in args.keys))
+        print(text)
+    else:
+        print(config_text(args.keys))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------- main
+HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": cmd_run, "compare": cmd_compare, "bench": cmd_bench,
+                                                   "fusion-set": cmd_fusion_set, "config": cmd_config}
+
+
+def main_help() -> str:
+    width = max(len(c) for c in COMMANDS)
+    lines = ["usage: fedfuse <command> [options]      (fedfuse <command> --help: the command's options)", "",
+             "Federated learning on Flower where the server fuses the clients' models.", "", "commands:"]
+    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += ["", "examples:", "  fedfuse run                                   # average vs FedAvg, digits shards, "
+              "4 clients, 3 rounds",
+              "  fedfuse run --run-config \"dataset='mnist1d' partitioning='dirichlet' num-server-rounds=10\"",
+              "  fedfuse compare --strategies average,fedavg,fedavgm --partitions shards --seeds 0,1,2 "
+              "--engine inprocess",
+              "  fedfuse config strategy refine"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``fedfuse <command> ...``; the exit status (2 for a usage or config problem)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main_help())
+        return 0 if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"fedfuse {version('fedfuse')}")
+        except PackageNotFoundError:
+            print("fedfuse (not installed as a package)")
+        return 0
+    command, rest = argv[0], argv[1:]
+    handler = HANDLERS.get(command)
+    try:
+        if handler is None:
+            close = difflib.get_close_matches(command, list(HANDLERS), n=1)
+            raise CliError(f"unknown command {command!r}" + (f" (did you mean {close[0]!r}?)" if close else "") +
+                           f"; commands: {', '.join(HANDLERS)} (fedfuse --help)")
+        return handler(rest)
+    except CliError as exc:
+        print(f"fedfuse: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The default run (``scripts/run.sh`` = ``fedfuse run``): the baseline's config, the side-by-side table, the quiet
+console (one line per round, the warnings that matter, everything in run.log), progress off without a terminal,
+and one small in-process run of the whole command (strategy + FedAvg, table, plot, logs)."""
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from simulations.runners.compare import STRATEGY_ONLY_KEYS, RunSummary, baseline_config, comparison_table, verdict
+from simulations.runners.console import QuietConsole, classify, format_round, parse_log_line
+
+ESC = "\x1b"
+
+
+# ------------------------------------------------------------------------------------------ baseline config
+def test_baseline_config_keeps_the_split_and_drops_strategy_keys():
+    from fedfuse.config import preflight
+
+    cfg = {"dataset": "digits", "partitioning": "shards", "seed": 3, "num-clients": 4, "local-epochs": 1,
+           "strategy": "kf-linear", "fusion-options": "{ridge=1e-3}", "refine": "distill", "fusion-rounds": 2,
+           "divergence-guard": False, "output-dir": "/x", "run-name": "main"}
+    b = baseline_config(cfg, output_dir="/x/main", run_name="baseline-fedavg")
+    assert b["strategy"] == "fedavg" and b["output-dir"] == "/x/main" and b["run-name"] == "baseline-fedavg"
+    for key in ("dataset", "partitioning", "seed", "num-clients", "local-epochs"):
+        assert b[key] == cfg[key]
+    assert not set(STRATEGY_ONLY_KEYS) & set(b)
+    preflight({k: v for k, v in b.items() if k not in ("output-dir", "run-name")})  # a valid fedavg config
+
+
+# --------------------------------------------------------------------------------------------- the table
+def _rows(accs, **marks):
+    rows = [{"round": r, "test-accuracy": a, "test-loss": 1.0} for r, a in enumerate(accs)]
+    for key, rounds in marks.items():
+        for r in rounds:
+            rows[r][key] = "x"
+    for r in rows[1:]:
+        r["ensemble-accuracy"] = 0.7
+    return rows
+
+
+def test_comparison_table_final_best_reach_ensemble_and_marks():
+    avg = RunSummary("average", "flwr run", _rows([0.1, 0.5, 0.45, 0.6], guard=[2]))
+    fedavg = RunSummary("fedavg", "in-process", _rows([0.1, 0.2, 0.3, 0.4]))
+    never = RunSummary("kf-linear", "flwr run", _rows([0.1, 0.2, 0.2, 0.3], fallback=[1, 3]))
+    table = comparison_table([avg, fedavg, never], "fedavg").splitlines()
+    assert "first round ≥ fedavg's final (0.4000)" in table[0] and "client ensemble (final round)" in table[0]
+    assert table[2] == "| average | flwr run | 0.6000 | 0.6000 (3) | 1 | 0.7000 | 0 / 1 / 0 |"
+    assert table[3] == "| fedavg (baseline) | in-process | 0.4000 | 0.4000 (3) | 3 | 0.7000 | 0 / 0 / 0 |"
+    assert table[4] == "| kf-linear | flwr run | 0.3000 | 0.3000 (3) | never | 0.7000 | 2 / 0 / 0 |"
+    assert verdict([avg, fedavg], "fedavg").startswith("final accuracy vs fedavg: average +0.2000 (one seed")
+
+
+def test_comparison_table_reports_a_failed_run_and_a_missing_baseline(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"rounds": _rows([0.1, 0.1]), "status": "failed",
+                                                       "error": "fusion never succeeded: 1 of 1 rounds fell back"}))
+    failed = RunSummary.load("kf-linear", "flwr run", tmp_path)
+    assert failed.error.startswith("fusion never succeeded")
+    missing = RunSummary.load("fedavg", "in-process", tmp_path / "none")
+    table = comparison_table([failed, missing], "fedavg").splitlines()
+    assert "failed: fusion never succeeded" in table[2] and "failed: no results.json" in table[3]
+    assert table[0].split(" | ")[4] == "first round ≥ fedavg's final"  # no target: no number
+    assert verdict([failed, missing], "fedavg") is None
+
+
+# ------------------------------------------------------------------------------------------ quiet console
+FLWR_LINES = [
+    "Successfully started run 1221\n",
+    f"{ESC}[92mINFO {ESC}[0m:      fedfuse: average on digits/mlp, 4 clients (shards), results in /r\n",
+    f"{ESC}[93mWARNING {ESC}[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.\n",
+    f"{ESC}[93mWARNING {ESC}[0m:   fraction_evaluate is set to 0.0. Federated evaluation will be skipped.\n",
+    "/x/ray/_private/worker.py:2051: FutureWarning: Tip: In future versions of Ray, Ray will no longer override\n",
+    f"{ESC}[92mINFO {ESC}[0m:      fedfuse round 0: test-accuracy 0.1142\n",
+    f"{ESC}[92mINFO {ESC}[0m:      \t└──> Aggregated MetricRecord: {{'num-examples': 1035}}\n",
+    f"{ESC}[93mWARNING {ESC}[0m:   aggregate_train: round 1: rejected reply from node 42: contains NaN or Inf\n",
+    f"{ESC}[93mWARNING {ESC}[0m:   aggregate_train: round 1: divergence guard: KL 0.9 > 0.3; this round uses the "
+    "weighted average\n",
+    f"{ESC}[92mINFO {ESC}[0m:      fedfuse round 1: test-accuracy 0.5153, ensemble 0.4708, fusion 0.01s\n",
+    f"{ESC}[91mERROR {ESC}[0m:     ServerApp failed with exception: boom\n",
+]
+
+
+def test_classify_flower_lines():
+    kinds = [classify(line)[0] for line in FLWR_LINES]
+    assert kinds == ["log", "log", "hidden-warning", "hidden-warning", "hidden-warning", "round", "log", "warning",
+                     "warning", "round", "error"]
+    assert parse_log_line(FLWR_LINES[7]) == ("WARNING", "aggregate_train: round 1: rejected reply from node 42: "
+                                                        "contains NaN or Inf")
+    # the in-process engine's format (simulations.runners.inprocess._LineHandler)
+    assert classify("WARNING : fedfuse round 2: fusion fell back: previous: FusionError: x\n") == (
+        "warning", "fedfuse round 2: fusion fell back: previous: FusionError: x")
+    assert classify("INFO    : fedfuse round 2: test-accuracy 0.5\n") == ("round", "2")
+
+
+def test_format_round_marks_fallback_guard_skip_rejected_failures():
+    row = {"round": 2, "test-accuracy": 0.55712, "test-loss": 1.69338, "ensemble-accuracy": 0.3482,
+           "fallback": "previous: NumericalFusionError: nan", "guard": "KL", "rejected": [{"node-id": 1}],
+           "failures": [], "skipped": None}
+    assert format_round(row, 3, "average") == ("average     round 2/3    acc 0.5571  loss 1.6934  ensemble 0.3482  "
+                                               "[FELL BACK (previous), GUARDED (average used), rejected 1]")
+    assert format_round({"round": 0, "test-accuracy": 0.1, "test-loss": 2.3}, 3) == (
+        "round 0/3    acc 0.1000  loss 2.3000  (initial model)")
+    assert "[SKIPPED, failures 2]" in format_round({"round": 1, "test-accuracy": 0.1, "skipped": "too few",
+                                                    "failures": [{}, {}]})
+
+
+def test_quiet_console_prints_rounds_and_user_warnings_and_logs_everything(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"rounds": [{"round": 0, "test-accuracy": 0.1142, "test-loss": 2.3033},
+                                              {"round": 1, "test-accuracy": 0.5153, "test-loss": 2.1142,
+                                               "ensemble-accuracy": 0.4708, "guard": "KL 0.9",
+                                               "rejected": [{"node-id": 42, "reason": "NaN"}]}]}))
+    log, out = io.StringIO(), io.StringIO()
+    console = QuietConsole(log, results, num_rounds=3, label="average", out=out)
+    for line in FLWR_LINES:
+        console(line)
+    shown = out.getvalue().splitlines()
+    assert shown == [
+        "average     round 0/3    acc 0.1142  loss 2.3033  (initial model)",
+        "            WARNING: aggregate_train: round 1: rejected reply from node 42: contains NaN or Inf",
+        "            WARNING: aggregate_train: round 1: divergence guard: KL 0.9 > 0.3; this round uses the weighted "
+        "average",
+        "average     round 1/3    acc 0.5153  loss 2.1142  ensemble 0.4708  [GUARDED (average used), rejected 1]",
+        "            ERROR: ServerApp failed with exception: boom"]
+    assert log.getvalue() == "".join(FLWR_LINES)   # every line, colours and all, in run.log
+    assert console.hidden_warnings == 3
+    assert console.hidden_note(Path("run.log")) == "3 other warning(s) from Flower/Ray are in run.log"
+    # without results.json the round line still shows the accuracy of the log line
+    out2 = io.StringIO()
+    QuietConsole(io.StringIO(), tmp_path / "absent.json", 3, "fedavg", out=out2)(FLWR_LINES[9])
+    assert out2.getvalue().startswith("fedavg      round 1/3    acc 0.5153  loss -")
+    # verbose: the engine echoes; the console only logs
+    out3 = io.StringIO()
+    QuietConsole(io.StringIO(), results, 3, "average", verbose=True, out=out3)(FLWR_LINES[5])
+    assert out3.getvalue() == ""
+
+
+def test_progress_is_off_without_a_terminal(monkeypatch, capsys):
+    from simulations.runners import progress as prog
+
+    monkeypatch.delenv("FEDFUSE_PROGRESS", raising=False)
+    items = [1, 2, 3]
+    assert prog.progress(items, desc="x") is items           # pytest's stdout is not a terminal
+    prog.progress_print("step 1 done")
+    assert capsys.readouterr().out == "step 1 done\n"
+    monkeypatch.setenv("FEDFUSE_PROGRESS", "1")
+    bar = prog.progress(items, desc="sweep", unit="run")
+    assert list(bar) == items and type(bar).__name__ == "tqdm"
+    assert "sweep: 100%" in capsys.readouterr().out          # the bar, with its rate / ETA fields
+
+
+# ---------------------------------------------------------------------------------- the whole command
+def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_logs(tmp_path, capsys):
+    from simulations.runners.run import main
+
+    rc = main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config",
+               "num-clients=2 num-server-rounds=2 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
+               "importance='uniform' run-name='r'"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    rounds = [ln for ln in lines if " round " in ln and " acc " in ln]
+    assert [ln.split()[0] + " " + ln.split()[2] for ln in rounds] == [
+        "average 0/2", "average 1/2", "average 2/2", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
+    assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| average | in-process")
+    assert table[3].startswith("| fedavg (baseline) | in-process") and len(table) == 4
+    run = tmp_path / "r"
+    for name in ("comparison.png", "comparison.md", "run.log", "results.json", "rounds.csv", "accuracy.png",
+                 "baseline-fedavg/results.json", "baseline-fedavg/run.log"):
+        assert (run / name).exists(), name
+    log = (run / "run.log").read_text()
+    assert "Aggregated MetricRecord" in log and "fedfuse round 2: test-accuracy" in log and "test-acc" in log
+    b = json.loads((run / "baseline-fedavg" / "results.json").read_text())["config"]
+    a = json.loads((run / "results.json").read_text())["config"]
+    assert b["strategy"] == "fedavg" and a["strategy"] == "average"
+    assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir")} == \
+        {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir")}
+
+
+def test_no_compare_runs_the_strategy_only(tmp_path, capsys):
+    from simulations.runners.run import main
+
+    rc = main(["--engine", "inprocess", "--no-compare", "--output-dir", str(tmp_path), "--run-config",
+               "num-clients=2 num-server-rounds=1 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
+               "importance='uniform' run-name='solo'"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fedavg" not in out.replace("fedavg's", "") and not (tmp_path / "solo" / "baseline-fedavg").exists()
+
+
+def test_a_bad_baseline_config_exits_before_anything_runs(tmp_path, capsys):
+    from simulations.runners.run import main
+
+    with pytest.raises(SystemExit) as exc:   # hf-linear fuses exactly 2 models; the default run has 4 clients
+        main(["--engine", "inprocess", "--baseline", "hf-linear", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and not any(tmp_path.iterdir())
+    assert err.startswith("fedfuse: config error:") and "baseline 'hf-linear'" in err
