@@ -5,8 +5,8 @@ aggregated-metrics dump); a user wants to see the rounds go by and hear about an
 ``QuietConsole`` is the ``on_line`` handler of both engines (``flwr_runner.run_app``,
 ``inprocess.run_app_inprocess``): every line goes to the run's ``run.log``; the console shows
 
-- one line per round (``format_round``), built from the ServerApp's ``fedfuse round N: test-accuracy``
-  log line and that round's row of ``results.json`` (loss, ensemble, fallback / guard / skipped /
+- one line per round (``format_round``), built from the ServerApp's INFO line ``fedfuse round N: ...``
+  (logged after each round's evaluation) and that round's row of ``results.json`` (loss, ensemble, fallback / guard / skipped /
   rejected / failure marks);
 - every ERROR line, and every WARNING line from fedfuse (fusion fallback, divergence guard, rejected
   replies, failed or silent nodes: ``is_user_warning``);
@@ -25,7 +25,8 @@ from typing import Any, TextIO
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
-ROUND_LINE = re.compile(r"fedfuse round (\d+): test-accuracy ([0-9.eE+-]+|nan)")
+ROUND_LINE = re.compile(r"^fedfuse round (\d+): ")          # the ServerApp's INFO line after each evaluation
+ROUND_ACCURACY = re.compile(r"test-accuracy ([0-9.eE+-]+|nan)")
 # WARNING messages fedfuse itself logs (fedfuse.flower.*, the in-process grid): shown on the console
 USER_PREFIXES = ("fedfuse", "aggregate_train", "strategy ", "LocalGrid", "configure_train", "ClientApp")
 USER_WORDS = ("fell back", "fallback", "guard", "rejected", "failed", "no reply", "diverged", "timed out", "timeout")
@@ -57,8 +58,8 @@ def classify(line: str) -> tuple[str, str]:
     (log file only; ``hidden-warning`` for a WARNING line that is not shown)."""
     level, message = parse_log_line(line)
     if level == "INFO":
-        m = ROUND_LINE.search(message)
-        if m and message.startswith("fedfuse round"):
+        m = ROUND_LINE.match(message)
+        if m:
             return "round", m.group(1)
         return "log", message
     if level in ("ERROR", "CRITICAL"):
@@ -155,8 +156,8 @@ class QuietConsole:
             self.rounds_seen.append(n)
             row = results_row(self.results_path, n)
             if row is None:  # results.json not readable: the log line's own accuracy
-                m = ROUND_LINE.search(strip_ansi(line))
-                row = {"round": n, "test-accuracy": float(m.group(2)) if m else None}
+                m = ROUND_ACCURACY.search(strip_ansi(line))
+                row = {"round": n, "test-accuracy": float(m.group(1)) if m else None}
             self.say(format_round(row, self.num_rounds, self.label))
         elif kind in ("warning", "error"):
             level = "ERROR" if kind == "error" else "WARNING"
