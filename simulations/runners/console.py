@@ -145,7 +145,8 @@ class QuietConsole:
         self.out.flush()
 
     def __call__(self, line: str) -> None:
-        self.log.write(line if line.endswith("\n") else line + "\n")
+        text_line = strip_ansi(line)  # the log file without terminal colour codes
+        self.log.write(text_line if text_line.endswith("\n") else text_line + "\n")
         kind, text = classify(line)
         if kind == "hidden-warning":
             self.hidden_warnings += 1
