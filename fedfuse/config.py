@@ -39,7 +39,7 @@ from typing import Any, Mapping
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
-from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS  # noqa: E402
+from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import PRIORS, REFINES  # noqa: E402
 from fedfuse.hetero.tiers import TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
 
@@ -89,6 +89,8 @@ class RunConfig:
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
     fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
+    test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y; the fusion-set format); "
+                              "with fusion-set-path the server loads no dataset (clients hold the data: data-path)")
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
@@ -105,9 +107,12 @@ class RunConfig:
                              "| auto (class counts when every client sends them)", choices=PRIORS)
     divergence_guard: bool = _key(True, "fusion strategies: use the weighted average in a round whose fused model "
                                   "agrees much less with the clients' ensemble on the fusion set (WARNING)")
-    server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi: server learning rate (Flower's server_learning_rate "
-                            "/ eta); 0 = the strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01)", ge=0)
-    server_momentum: float = _key(0.5, "fedavgm: server momentum (Flower's server_momentum; 0 = FedAvg)", ge=0, lt=1)
+    server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi | fusion strategies: server learning rate (Flower's "
+                            "server_learning_rate / eta; a fusion strategy's step on its aggregate's momentum); 0 = the "
+                            "strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01, fusion 1.0)", ge=0)
+    server_momentum: float = _key(0.5, "fedavgm | fusion strategies: server momentum on the aggregate's "
+                                  "pseudo-gradient (Flower's FedAvgM; fusion strategies apply the same step to their "
+                                  "fused aggregate before refining); 0 = none", ge=0, lt=1)
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
@@ -386,7 +391,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
     """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
     for key, users in STRATEGY_KEYS.items():
-        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy not in users:
+        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
@@ -427,10 +432,13 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
                           "directory; set data-root to it")
     if cfg.fusion_set_path:
         read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=input_shape, num_classes=num_classes)
+    if cfg.test_set_path:
+        read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=input_shape, num_classes=num_classes,
+                        key="test-set-path")
 
 
 def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...] | None = None,
-                    num_classes: int | None = None):
+                    num_classes: int | None = None, key: str = "fusion-set-path"):
     """The fusion set file of ``fusion-set-path``, checked against ``dataset`` (``check_files``' rules).
 
     Returns ``(x float32 [B, *input_shape], y int64 [B] or None)``; ``ConfigError`` naming the key and path.
@@ -441,8 +449,10 @@ def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...
         x, y = load_fusion_file(path)
         check_fusion_inputs(x, y, dataset=dataset, info=dataset_info(dataset) if dataset else None,
                             input_shape=input_shape, num_classes=num_classes)
+        if key == "test-set-path" and y is None:  # the same format; a test set needs its labels
+            raise ValueError("holds no labels 'y'; a test set needs x and y")
     except ValueError as exc:
-        raise ConfigError(f"run-config key 'fusion-set-path' ({path}): {exc}") from None
+        raise ConfigError(f"run-config key {key!r} ({path}): {exc}") from None
     return x.float(), (y.long() if y is not None else None)
 
 

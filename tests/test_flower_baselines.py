@@ -148,14 +148,17 @@ def test_options_and_errors_name_the_key():
     assert baseline_options("fedavgm", server_lr=0.5, server_momentum=0.9) == {"server_learning_rate": 0.5,
                                                                                 "server_momentum": 0.9}
     assert baseline_options("fedprox", proximal_mu=0.01) == {"proximal_mu": 0.01}
-    assert baseline_options("kf-linear", server_lr=0.5, proximal_mu=0.1) == {}
+    # fusion strategies take FedAvgM's server step on their aggregate (server-lr, server-momentum); not proximal-mu
+    assert baseline_options("kf-linear", server_lr=0.5, proximal_mu=0.1) == {"server_learning_rate": 0.5}
+    assert baseline_options("fedavg", server_lr=0.5, server_momentum=0.9) == {}
 
 
 @pytest.mark.parametrize("overrides, key", [
     ({"strategy": "fedavg", "proximal-mu": 0.1}, "proximal-mu"),
     ({"strategy": "fedadam", "server-momentum": 0.9}, "server-momentum"),
     ({"strategy": "fedavg", "server-momentum": 0.0}, "server-momentum"),
-    ({"strategy": "kf-linear", "server-lr": 0.01}, "server-lr"),
+    ({"strategy": "fedprox", "server-lr": 0.01}, "server-lr"),
+    ({"strategy": "fedavg", "server-lr": 0.5}, "server-lr"),
     ({"strategy": "fedadam", "fusion-options": "{ridge=1e-3}"}, "fusion-options"),
     ({"strategy": "fedprox", "fusion-rounds": 3}, "fusion-rounds"),
     ({"strategy": "fedavgm", "server-momentum": 1.0}, "server-momentum"),

@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import pytest
 import torch
+from flwr.app import ArrayRecord
 
 from fedfuse.flower import FusionStrategy, build_strategy
 from fedfuse.flower.strategy import ClientsDivergedError
@@ -139,7 +140,7 @@ def test_default_refine_calibrates_the_average_to_the_clients_class_prior():
 
     def with_counts(c):
         return lambda arrays, imp, metrics: metrics.update({"class-counts": c})
-    s = build_strategy("average", model_fn=model_fn, fusion_inputs=x)
+    s = build_strategy("average", model_fn=model_fn, fusion_inputs=x, refine_check=False)
     assert s.refine_steps == ("calibrate",)
     arrays, _ = s.aggregate_train(1, [reply(1, 1, mutate=with_counts(counts[0])),
                                       reply(2, 2, mutate=with_counts(counts[1]))])
@@ -217,3 +218,56 @@ def test_every_client_non_finite_stops_the_run_with_a_clear_error():
     s2 = build_strategy("average", model_fn=model_fn, fusion_inputs=_x())
     arrays, metrics = s2.aggregate_train(5, [reply(1, 1, mutate=BAD["NaN weights"]), reply(2, 2)])
     assert arrays is not None and metrics["num-rejected"] == 1
+
+
+def test_refine_check_keeps_calibration_only_when_it_moves_towards_the_ensemble():
+    """The default strategy keeps a calibrated head only when KL(ensemble ‖ model) on the fusion set does not rise."""
+    x = _x(100)
+    replies = [reply(1, 1), reply(2, 2)]
+    # a prior far from what both clients predict: calibrating to it moves the model away from their ensemble
+    skewed = torch.tensor([1000.0] + [1.0] * 9)
+    s = build_strategy("average", model_fn=model_fn, fusion_inputs=x)
+    s.class_prior = lambda updates: (skewed, "test")
+    arrays, _ = s.aggregate_train(1, replies)
+    info = s.history[-1]["fusion-info"]
+    assert info["refine-kept"] == 0 and info["refine-kl-after"] > info["refine-kl-before"]
+    avg = average_state_dicts([_mlp(1).state_dict(), _mlp(2).state_dict()], [0.5, 0.5])
+    for k, v in state_of(arrays).items():
+        torch.testing.assert_close(v, avg[k])
+    # the ensemble's own mean prediction as the prior: calibrating towards it is kept
+    teachers = [_mlp(1), _mlp(2)]
+    from fedfuse.fusion.distillation import teacher_probs
+    ens_prior = teacher_probs(teachers, x, [0.5, 0.5]).mean(0)
+    s2 = build_strategy("average", model_fn=model_fn, fusion_inputs=x)
+    s2.class_prior = lambda updates: (ens_prior, "test")
+    s2.aggregate_train(1, [reply(1, 1), reply(2, 2)])
+    info2 = s2.history[-1]["fusion-info"]
+    assert info2["refine-kept"] == 1 and info2["refine-kl-after"] <= info2["refine-kl-before"]
+
+
+def test_server_momentum_is_fedavgms_step_on_the_aggregate():
+    """x_{t+1} = x_t + v_t, v_t = m v_{t-1} + (a_t - x_t); the first round is the aggregate itself."""
+    x0 = _mlp(7).state_dict()
+    s = build_strategy("average", model_fn=model_fn, fusion_inputs=_x(50), refine="none", server_momentum=0.5)
+    assert build_strategy("average", model_fn=model_fn).server_momentum == 0.5  # the measured default
+    s._global = ArrayRecord({k: v.clone() for k, v in x0.items()})
+    a1, _ = s.aggregate_train(1, [reply(1, 1), reply(2, 2)])
+    avg1 = average_state_dicts([_mlp(1).state_dict(), _mlp(2).state_dict()], [0.5, 0.5])
+    for k, v in state_of(a1).items():
+        torch.testing.assert_close(v, avg1[k])
+    s._global = a1
+    a2, _ = s.aggregate_train(2, [reply(3, 3), reply(4, 4)])
+    avg2 = average_state_dicts([_mlp(3).state_dict(), _mlp(4).state_dict()], [0.5, 0.5])
+    for k, v in state_of(a2).items():
+        expected = avg1[k] + 0.5 * (avg1[k] - x0[k]) + (avg2[k] - avg1[k])
+        torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-6)
+    assert s.history[-1]["fusion-info"]["step-norm"] > 0
+    # a fallback restarts the momentum (the next global model did not come from it)
+    s.reset_server_state()
+    assert s._momentum is None
+    with pytest.raises(ValueError, match="server_momentum"):
+        build_strategy("average", model_fn=model_fn, server_momentum=1.0)
+    with pytest.raises(ValueError, match="plain FedAvg"):
+        build_strategy("fedavg", model_fn=model_fn, server_momentum=0.5)
+    with pytest.raises(TypeError, match="server_momentum"):
+        build_strategy("fedadam", model_fn=model_fn, server_momentum=0.5)

@@ -85,15 +85,16 @@ def test_registry_and_errors():
 def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     methods = {n for n, spec in METHOD_SPECS.items() if spec.same_architecture and not n.startswith("test-")}
     from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
+    from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiers)
 
-    assert set(STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
+    assert set(STRATEGIES) - set(TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
     for name, cls in STRATEGIES.items():
         assert issubclass(cls, FusionStrategy) and issubclass(cls, FedAvg)
         assert cls.method == name and cls.__name__.endswith("Strategy") and cls.__doc__
-        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines")
+        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiers")
     # written out, not generated: each class is a statement in its module's source
     defined = set()
-    for module in ("fedfuse.flower.strategies", "fedfuse.flower.baselines"):
+    for module in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiers"):
         src = inspect.getsource(sys.modules[module])
         defined |= {n.name for n in ast.parse(src).body if isinstance(n, ast.ClassDef)}
     assert {cls.__name__ for cls in STRATEGIES.values()} <= defined

@@ -40,6 +40,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError, InconsistentMessageReplies
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
+from fedfuse.choices import key_applies
 from fedfuse.fusion import FusionError, MethodSpec, NumericalFusionError
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.strategy import FusionStrategy
@@ -92,6 +93,10 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
         if int(fusion_rounds) != 0:
             raise ValueError(f"strategy {method or type(self).method!r} is Flower's {self.flower_class.__name__}, "
                              f"not a fusion method: fusion_rounds must be 0, got {fusion_rounds}")
+        for name in ("server_momentum", "server_learning_rate", "refine_check"):
+            if name in options:  # fedfuse's own server step / refine check: Flower's strategy has its own optimizer
+                raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} "
+                                f"(Flower's {self.flower_class.__name__} options are its own)")
         super().__init__(method, **options)
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
@@ -271,6 +276,11 @@ def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: 
         return {"eta": server_lr} if server_lr > 0 else {}
     if strategy == "fedprox":
         return {} if proximal_mu is None else {"proximal_mu": proximal_mu}
+    if key_applies("server-momentum", strategy):  # a fusion strategy: FedAvgM's step on its aggregate
+        out = {} if server_momentum is None else {"server_momentum": server_momentum}
+        if server_lr > 0:
+            out["server_learning_rate"] = server_lr
+        return out
     return {}
 
 

@@ -67,9 +67,39 @@ def output_dir(cfg: RunConfig) -> Path:
     return base / name
 
 
+def server_files(cfg: RunConfig):
+    """``fedfuse.data.fusion_set.ServerData`` from the server's own files only (``fusion-set-path`` and
+    ``test-set-path``): no dataset is loaded (deployment where every client holds its data, node-config
+    ``data-path``). ``ConfigError`` naming the key."""
+    from fedfuse.config import dataset_info, read_fusion_set
+    from fedfuse.data.fusion_set import ServerData
+    from fedfuse.data.sources import ArrayDataset
+
+    info = dataset_info(cfg.dataset)
+    if info is None:
+        raise ConfigError(f"run-config key 'test-set-path': dataset {cfg.dataset!r} has no known input shape and "
+                          "classes before loading; use a named dataset or leave test-set-path empty")
+    shape, classes = tuple(info.input_shape), info.num_classes
+    fx, fy = read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes)
+    tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes,
+                             key="test-set-path")
+    return ServerData(test=ArrayDataset(tx, ty, classes), fusion_x=fx, fusion_y=fy, num_classes=classes,
+                      input_shape=shape)
+
+
 def setup(cfg: RunConfig):
     """Data, fusion set, architecture and strategy for a validated config (no Flower messaging)."""
-    data = federated_data(cfg)
+    # with both server files the server needs no dataset (the clients hold theirs); else the dataset's splits
+    data = server_files(cfg) if cfg.fusion_set_path and cfg.test_set_path else federated_data(cfg)
+    if cfg.test_set_path and not cfg.fusion_set_path:
+        from dataclasses import replace
+
+        from fedfuse.config import read_fusion_set
+        from fedfuse.data.sources import ArrayDataset
+
+        tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=tuple(data.input_shape),
+                                 num_classes=data.num_classes, key="test-set-path")
+        data = replace(data, test=ArrayDataset(tx, ty, data.num_classes))
     fusion_x, fusion_y = data.fusion_x, getattr(data, "fusion_y", None)
     if cfg.fusion_set_path:
         # the same checks as the preflight, now against the loaded data's shape (hf:<name> is only known here)

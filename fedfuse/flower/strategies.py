@@ -34,6 +34,13 @@ class FedAvgStrategy(FusionStrategy):
     method = "fedavg"
     default_refine = "none"
     can_refine = False
+    default_server_momentum = 0.0  # FedAvg: no server optimizer (fedavgm is Flower's FedAvgM)
+
+    def __init__(self, method: str | None = None, **options: Any) -> None:
+        if options.get("server_momentum") or options.get("server_learning_rate", 1.0) != 1.0:
+            raise ValueError("strategy 'fedavg' is plain FedAvg: server_momentum / server_learning_rate do not apply; "
+                             "use 'fedavgm' (Flower's FedAvgM) or a fusion strategy such as 'average'")
+        super().__init__(method, **options)
 
     def _method_spec(self, method: str) -> MethodSpec | None:
         return None  # not a fedfuse.fusion method: plain averaging of the arrays

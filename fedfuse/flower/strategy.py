@@ -17,6 +17,7 @@ fails the run. Rejected replies, failures, fallbacks, skipped rounds, fusion dia
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import time
@@ -90,6 +91,16 @@ class FusionStrategy(FedAvg):
             than ``guard_ratio`` × the average's + 0.05 nats, or not finite, the round uses the average
             instead and says so (WARNING, ``history[round]["guard"]``, results ``guarded-rounds``).
         guard_ratio: the guard's tolerance (> 1).
+        server_momentum: server momentum on the aggregate's pseudo-gradient (FedAvgM's step, Hsu et al., arXiv
+            1909.06335, applied to the fused/guarded aggregate ``a_t``): ``v = m·v + (a_t − x_t)``,
+            ``x_{t+1} = x_t + server_learning_rate·v``, where ``x_t`` is the global model sent this round;
+            then ``refine``. 0 = off; ``None`` = ``default_server_momentum`` (0.5: on MNIST-1D Dirichlet α=0.1
+            it lifts ``average`` from 0.532 to 0.59, simulations/README.md). The first round is the aggregate.
+        server_learning_rate: the server step on ``v`` (1 = take the aggregate plus momentum).
+        refine_check: keep a round's refinement only when it does not move the model away from the clients'
+            ensemble on the fusion set (KL(ensemble ‖ model) not higher than before refining); otherwise the
+            round uses the unrefined aggregate (``info["refine-kept"]`` = 0). Measured: calibrating every
+            round under momentum ends at 0.548, checked 0.592 (MNIST-1D α=0.1, 3 seeds).
         fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
         weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn,
         evaluate_metrics_aggr_fn: Flower ``FedAvg``'s options (same meaning). ``arrayrecord_key`` names
@@ -103,6 +114,7 @@ class FusionStrategy(FedAvg):
     method: str | None = None
     default_refine: str = "calibrate"   # refine=None means this (the best measured setting, simulations/README.md)
     can_refine: bool = True             # False for strategies that aggregate arrays only (fedavg, Flower's)
+    default_server_momentum: float = 0.5  # server_momentum=None means this (measured: simulations/README.md)
 
     def __init__(self, method: str | None = None, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
@@ -111,6 +123,8 @@ class FusionStrategy(FedAvg):
                  device: str = "cpu", seed: int = 0,
                  fuse_fn: Callable[..., FusionResult] = fuse_result, refine: str | None = None,
                  prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
+                 server_momentum: float | None = None, server_learning_rate: float = 1.0,
+                 refine_check: bool = True,
                  fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
@@ -139,6 +153,12 @@ class FusionStrategy(FedAvg):
             raise ValueError(f"strategy: prior must be one of {PRIORS}, got {prior!r}")
         if not float(guard_ratio) > 1:
             raise ValueError(f"strategy: guard_ratio must be > 1, got {guard_ratio}")
+        if server_momentum is None:
+            server_momentum = self.default_server_momentum
+        if not 0 <= float(server_momentum) < 1:
+            raise ValueError(f"strategy: server_momentum must be in [0, 1), got {server_momentum}")
+        if not float(server_learning_rate) > 0:
+            raise ValueError(f"strategy: server_learning_rate must be > 0, got {server_learning_rate}")
         try:
             # the default refinement needs the fusion set; without one (e.g. 'average' as a plug-in) it is off
             steps = parse_refine(refine if refine is not None else
@@ -155,6 +175,10 @@ class FusionStrategy(FedAvg):
         self.prior = prior
         self.guard = bool(guard)
         self.guard_ratio = float(guard_ratio)
+        self.server_momentum = float(server_momentum)
+        self.server_learning_rate = float(server_learning_rate)
+        self.refine_check = bool(refine_check)
+        self._momentum: dict[str, torch.Tensor] | None = None   # v, over the floating-point arrays
         self.method = method
         self.spec = self._method_spec(method)
         self.fusion_options = dict(fusion_options or {})
@@ -172,6 +196,10 @@ class FusionStrategy(FedAvg):
         self._user_train_metrics_aggr_fn = train_metrics_aggr_fn
         self.needs_data = bool(self.spec.needs_data) if self.spec is not None else False
         self.uses_scores = bool(self.spec.uses_scores) if self.spec is not None else False
+        if importance == "server" or self.fusion_options.get("importance") in ("conductance", "deeplift"):
+            # scores computed by the method on the fusion set (issue 15: never silently uniform)
+            self.fusion_options = self._server_importance_options(self.fusion_options, fusion_labels)
+            self.importance = "server"
         if self.needs_data and fusion_inputs is None:
             raise ValueError(f"strategy: method {method!r} needs fusion_inputs (the server fusion set)")
         if model_fn is None and self._needs_modules():
@@ -211,9 +239,41 @@ class FusionStrategy(FedAvg):
     def _needs_modules(self) -> bool:
         return True
 
+    def _server_importance_options(self, options: dict[str, Any], fusion_labels: Any) -> dict[str, Any]:
+        """``importance="server"``: the fusion options with the method's ``importance`` set to the scoring it runs on
+        the fusion set (DeepLIFT unless the options name one); a ``ValueError`` saying what is missing otherwise."""
+        if not self.uses_scores:
+            raise ValueError(f"strategy: importance='server': method {self.method!r} uses no importance scores; "
+                             "leave importance='client' (the default)")
+        if not self._accepts_option("importance"):
+            raise ValueError(f"strategy: importance='server': method {self.method!r} takes its scores from the "
+                             "clients only (no server-side scoring); use importance='client'")
+        scoring = options.get("importance", "deeplift")
+        if scoring == "client":
+            raise ValueError("strategy: importance='server' conflicts with fusion option importance='client'; set "
+                             "that option to 'deeplift', 'conductance' or 'uniform' (what the server computes)")
+        if scoring != "uniform" and fusion_labels is None:
+            raise ValueError(f"strategy: importance='server' computes {scoring} scores of every client model on the "
+                             "fusion set and needs fusion_labels (the fusion set's labels, [B]); pass them, or use "
+                             "importance='client' (scores from the clients)")
+        out = {**options, "importance": scoring}
+        self._check_options(out)
+        return out
+
     @property
     def wants_client_scores(self) -> bool:
-        return self.uses_scores and self.importance == "client"
+        """Whether the clients must send importance scores: the method reads them under these options
+        (``MethodSpec.reads_client_scores``: e.g. OT only with ``marginals='importance'``)."""
+        return (self.uses_scores and self.importance == "client" and self.spec is not None
+                and self.spec.reads_client_scores(self.fusion_options))
+
+    @property
+    def wants_class_counts(self) -> bool:
+        """Whether the clients must send their per-class training counts (``class-counts``, which reveal their
+        label distribution): only for fusion option ``head_weights`` and ``calibrate`` with prior
+        ``class-counts``/``auto``. Sent to the clients as train-config ``need-class-counts``."""
+        head = bool(self.fusion_options.get("head_weights")) and "class_counts" not in self.fusion_options
+        return head or ("calibrate" in self.refine_steps and self.prior in ("class-counts", "auto"))
 
     def summary(self) -> None:
         super().summary()
@@ -228,6 +288,7 @@ class FusionStrategy(FedAvg):
         self._global = arrays
         config["fusion-method"] = self.round_method(server_round)
         config["need-importance"] = self.round_needs_scores(server_round)
+        config["need-class-counts"] = self.wants_class_counts
         rng_state = random.getstate()  # FedAvg samples nodes with `random`: make it reproducible per round
         random.seed(self.seed * 1_000_003 + server_round)
         try:
@@ -378,7 +439,9 @@ class FusionStrategy(FedAvg):
         Raises ``FusionError`` when the method cannot fuse them (the round then falls back).
         """
         method = self.round_method(server_round)
-        if method != self.method:  # after fusion_rounds: plain sample-weighted averaging
+        if method != self.method or (method == "average" and models is None and self.fuse_fn is fuse_result):
+            # plain sample-weighted averaging (after fusion_rounds, or the 'average' method): on the validated
+            # states directly, without rebuilding a model per client (the same numbers, a fraction of the time)
             t0 = time.perf_counter()
             model = self.build_model(self.weighted_average(updates))
             return FusionResult(method=method, model=model, info={}, seconds=time.perf_counter() - t0)
@@ -409,7 +472,8 @@ class FusionStrategy(FedAvg):
         guarding = self.guard and self.fusion_inputs is not None and method != "average"
         # the client models, built once: fusion, the guard's ensemble and distillation all read them
         teachers = ([self.build_model(u.state) for u in updates]
-                    if method == self.method or guarding or "distill" in self.refine_steps else None)
+                    if (method == self.method and method != "average") or guarding or "distill" in self.refine_steps
+                    else None)
         result = self.fuse_updates(server_round, updates, models=teachers if method == self.method else None)
         model, info = result.model, dict(result.info or {})
         total = sum(u.num_examples for u in updates)
@@ -417,17 +481,69 @@ class FusionStrategy(FedAvg):
         if guarding:
             model, guard_info = self.divergence_guard(server_round, model, teachers, weights, updates)
             info.update(guard_info)
+        if self.server_momentum > 0 or self.server_learning_rate != 1:
+            info.update(self.server_step(model))
         if self.refine_steps:
             prior, prior_name = self.class_prior(updates)
             info["refine"] = "+".join(self.refine_steps)
             info["prior"] = prior_name
             dev = resolve_device(self.device)
+            before = copy.deepcopy(model) if self.refine_check else None
             info.update(refine_model(model.to(dev), self.refine_steps, teachers=teachers, weights=weights,
                                      fusion_inputs=self.fusion_inputs, prior=prior, seed=self.seed + server_round,
                                      device=dev))
             model = model.cpu().eval()
+            if before is not None:
+                model, check = self._check_refinement(before, model, teachers, weights, updates)
+                info.update(check)
             check_finite(f"{method} (refined)", model)
         return model.state_dict(), info, time.perf_counter() - t0
+
+    def server_step(self, model: nn.Module) -> dict[str, Any]:
+        """FedAvgM's step on the round's aggregate: replace ``model``'s weights ``a`` by ``x + lr·v`` with
+        ``v = m·v + (a − x)``, ``x`` the global model sent this round. Returns ``{"step-norm": ||x_new − x||}``.
+
+        The first step (no momentum yet) with ``lr = 1`` returns ``a`` itself. Integer buffers (BatchNorm
+        counters) keep the aggregate's values.
+        """
+        if self._global is None:
+            return {}
+        state = model.state_dict()
+        prev = {k: torch.from_numpy(np.array(self._global[k].numpy(), copy=True)) for k in state}
+        floats = {k for k, v in state.items() if v.is_floating_point()}
+        first = self._momentum is None or set(self._momentum) != floats
+        if first:
+            self._momentum = {k: torch.zeros_like(state[k], dtype=torch.float64) for k in floats}
+        new, sq = {}, 0.0
+        for k, a in state.items():
+            if k not in floats:
+                new[k] = a
+                continue
+            x = prev[k].to(torch.float64)
+            v = self._momentum[k].mul_(self.server_momentum).add_(a.to(torch.float64) - x)
+            step = self.server_learning_rate * v
+            sq += float((step ** 2).sum())
+            new[k] = a if first and self.server_learning_rate == 1 else (x + step).to(a.dtype)
+        model.load_state_dict(new)
+        return {"step-norm": sq ** 0.5}
+
+    def _check_refinement(self, before: nn.Module, after: nn.Module, teachers: list[nn.Module] | None,
+                          weights: list[float], updates: list[ClientUpdate]) -> tuple[nn.Module, dict[str, Any]]:
+        """``(model, info)``: the refined model, or the unrefined one when refining moved it away from the clients'
+        ensemble on the fusion set (higher KL(ensemble ‖ model)); ``info["refine-kept"]`` says which."""
+        if teachers is None:
+            teachers = [self.build_model(u.state) for u in updates]
+        x = torch.as_tensor(self.fusion_inputs).float()
+        target = teacher_probs(teachers, x, weights)
+        with torch.no_grad():
+            kl_before, kl_after = kl_to(target, before(x)), kl_to(target, after(x))
+        kept = kl_after <= kl_before
+        return (after if kept else before.eval()), {"refine-kl-before": kl_before, "refine-kl-after": kl_after,
+                                                     "refine-kept": int(kept)}
+
+    def reset_server_state(self) -> None:
+        """Forget the server momentum (after a fallback or a resume: the global model did not come from it)."""
+        self._momentum = None
 
     def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
         """``(prior [classes] or None = uniform, name)`` for ``calibrate`` (the ``prior`` option)."""
@@ -474,6 +590,7 @@ class FusionStrategy(FedAvg):
         except FusionError as exc:
             if self.fallback == "raise":
                 raise
+            self.reset_server_state()  # the next global model does not come from the momentum step
             reason = f"{type(exc).__name__}: {exc}"
             if self.fallback == "average" and method != "average":
                 log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); fell back to weighted averaging",

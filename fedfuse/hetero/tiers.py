@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-TIER_STRATEGIES = ("heterofl", "fedrolex")   # sub-model averaging baselines (fedfuse.flower.tiers)
+from fedfuse.choices import TIER_STRATEGIES  # sub-model averaging baselines (fedfuse.flower.tiers)
 TIER_MODELS = ("slice", "fuse")              # how a fusion strategy derives each tier's model
 
 
