@@ -148,6 +148,7 @@ class FedDfStrategy(FusionStrategy):
 
     method = "feddf"
     default_refine = "none"
+    default_server_momentum = 0.0  # the paper's server step: the distilled average is the new global model
 
 
 class FsMergeSeqStrategy(FusionStrategy):
