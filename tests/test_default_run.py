@@ -199,3 +199,29 @@ def test_a_bad_baseline_config_exits_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and not any(tmp_path.iterdir())
     assert err.startswith("fedfuse: config error:") and "baseline 'hf-linear'" in err
+
+
+def test_comparison_plot_has_both_curves_marks_and_integer_ticks(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from simulations.bench.plots import round_curves
+
+    seen = {}
+    real = plt.Figure.savefig
+
+    def spy(fig, *a, **kw):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        lo, hi = ax.get_xlim()
+        seen["ticks"] = [t for t in ax.get_xticks() if lo <= t <= hi]
+        seen["labels"] = ax.get_legend_handles_labels()[1]
+        return real(fig, *a, **kw)
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    series = [{"label": "average (flwr run)", "points": [(0, 0.1), (1, 0.5), (2, 0.55), (3, 0.6)], "guarded": [2],
+               "fell_back": [3]},
+              {"label": "fedavg (in-process)", "points": [(0, 0.1), (1, 0.12), (2, 0.25), (3, 0.38)], "guarded": [3]}]
+    assert round_curves(series, tmp_path / "c.png", title="t").exists()
+    assert all(float(t).is_integer() for t in seen["ticks"]) and seen["ticks"]
+    # both curves; each mark kind once in the legend although both runs have guarded rounds
+    assert sorted(seen["labels"]) == ["average (flwr run)", "fedavg (in-process)", "fusion fell back",
+                                      "guarded (weighted average used)"]
