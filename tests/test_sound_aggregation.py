@@ -271,3 +271,15 @@ def test_server_momentum_is_fedavgms_step_on_the_aggregate():
         build_strategy("fedavg", model_fn=model_fn, server_momentum=0.5)
     with pytest.raises(TypeError, match="server_momentum"):
         build_strategy("fedadam", model_fn=model_fn, server_momentum=0.5)
+
+
+def test_a_linear_algebra_failure_inside_a_method_is_a_numerical_fusion_error():
+    """An ill-conditioned eigen/least-squares step (torch LinAlgError) makes the round fall back, not the run crash."""
+    from fedfuse.fusion import NumericalFusionError
+    from fedfuse.fusion.registry import NoOptions
+
+    @_register_once("test-linalg-fails", options=NoOptions, needs_data=False, any_module=True)
+    def failing(models, **kw):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge (test)")
+    with pytest.raises(NumericalFusionError, match="linear algebra failed"):
+        fuse("test-linalg-fails", [_mlp(1), _mlp(2)])

@@ -165,9 +165,14 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        fused = spec.fn(models, fusion_inputs=fusion_inputs, scores=scores,
-                        weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts, info=info,
-                        **extra)
+        try:
+            fused = spec.fn(models, fusion_inputs=fusion_inputs, scores=scores,
+                            weights=normalise_weights(weights, len(models)), device=dev, seed=seed, options=opts,
+                            info=info, **extra)
+        except torch.linalg.LinAlgError as exc:
+            # ill-conditioned inputs (e.g. near-identical neurons in an eigen/least-squares step) are a numerical
+            # failure of this fusion, not a bug: the caller (a strategy) falls back and says so
+            raise NumericalFusionError(f"fuse: method {method!r}: linear algebra failed: {exc}") from exc
     fused = fused.cpu().eval()
     check_finite(method, fused)
     if steps:

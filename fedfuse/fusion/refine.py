@@ -79,7 +79,8 @@ def classifier_bias(model: nn.Module) -> torch.nn.Parameter:
 
 @torch.no_grad()
 def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.Tensor | None = None, *,
-                   iters: int = 20, tol: float = 1e-4, device: torch.device | str = "cpu") -> dict:
+                   iters: int = 20, tol: float = 1e-4, min_gap: float = 0.0,
+                   device: torch.device | str = "cpu") -> dict:
     """Shift the classifier bias so that the model's mean softmax on ``fusion_inputs`` equals ``prior``.
 
     Args:
@@ -90,6 +91,8 @@ def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.T
         iters: at most this many fixed-point steps ``b ← b + log π − log q̄`` (each one forward pass of
             the frozen features, computed once: only the bias changes).
         tol: stop when ``max |log π − log q̄| < tol``.
+        min_gap: leave the model unchanged when the gap before calibrating (max |q̄ − π|) is below this
+            (``calibration-skipped`` = 1 in the result): small gaps are within what local training moves anyway.
 
     Returns ``{"calibration-shift": max |Δb|, "calibration-gap-before": ..., "calibration-gap-after": ...}``
     (gap = max absolute difference between the mean softmax and the prior).
@@ -110,6 +113,9 @@ def calibrate_head(model: nn.Module, fusion_inputs: torch.Tensor, prior: torch.T
     b0 = bias.detach().cpu().clone()  # the iteration runs on CPU with the logits
     b = b0.clone()
     gap0 = float((torch.softmax(z + b, -1).mean(0) - pi).abs().max())
+    if gap0 < min_gap:
+        return {"calibration-shift": 0.0, "calibration-gap-before": gap0, "calibration-gap-after": gap0,
+                "calibration-skipped": 1}
     for _ in range(iters):
         q = torch.softmax(z + b, -1).mean(0)
         step = pi.log() - q.clamp_min(1e-12).log()
@@ -194,7 +200,7 @@ def distill_ensemble(student: nn.Module, teachers: list[nn.Module], weights: lis
 def refine_model(model: nn.Module, steps: tuple[str, ...], *, teachers: list[nn.Module] | None,
                  weights: list[float] | None, fusion_inputs: torch.Tensor | None, prior: torch.Tensor | None = None,
                  distill_options: DistillRefineOptions = DistillRefineOptions(), seed: int = 0,
-                 device: torch.device | str = "cpu") -> dict:
+                 calibrate_min_gap: float = 0.0, device: torch.device | str = "cpu") -> dict:
     """Apply ``steps`` (``parse_refine``) to ``model`` in place, in order; returns their diagnostics.
 
     ``distill`` needs ``teachers`` (and ``weights``, uniform when ``None``); ``calibrate`` uses ``prior``
@@ -204,7 +210,7 @@ def refine_model(model: nn.Module, steps: tuple[str, ...], *, teachers: list[nn.
     info: dict = {}
     for step in steps:
         if step == "calibrate":
-            info.update(calibrate_head(model, fusion_inputs, prior, device=device))
+            info.update(calibrate_head(model, fusion_inputs, prior, min_gap=calibrate_min_gap, device=device))
         elif step == "distill":
             if not teachers:
                 raise MissingInputError("refine 'distill' needs the client models as teachers")
