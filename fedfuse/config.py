@@ -66,13 +66,13 @@ class RunConfig:
     model_width: int = _key(64, "hidden width / channels", ge=1)
     model_depth: int = _key(2, "hidden layers / blocks", ge=1)
     num_clients: int = _key(4, "number of clients (partitions)", ge=1)
-    partitioning: str = _key("shards", "how the train pool is split across clients", choices=PARTITIONINGS)
-    dirichlet_alpha: float = _key(0.5, "Dirichlet concentration (dirichlet partitioning; small = skewed)", gt=0)
+    partitioning: str = _key("dirichlet", "how the train pool is split across clients", choices=PARTITIONINGS)
+    dirichlet_alpha: float = _key(0.1, "Dirichlet concentration (dirichlet partitioning; small = skewed)", gt=0)
     classes_per_client: int = _key(0, "shards: classes per client; 0 = split all classes evenly (class-disjoint)",
                                    ge=0)
     val_fraction: float = _key(0.1, "each client's validation hold-out", ge=0, lt=1)
     test_fraction: float = _key(0.2, "test split for datasets without one", gt=0, lt=1)
-    num_server_rounds: int = _key(3, "federated rounds", ge=1)
+    num_server_rounds: int = _key(10, "federated rounds", ge=1)
     local_epochs: int = _key(2, "client epochs per round", ge=1)
     batch_size: int = _key(32, "client batch size", ge=1)
     optimizer: str = _key("adam", "client optimizer", choices=OPTIMIZERS)
@@ -110,9 +110,10 @@ class RunConfig:
     server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi | fusion strategies: server learning rate (Flower's "
                             "server_learning_rate / eta; a fusion strategy's step on its aggregate's momentum); 0 = the "
                             "strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01, fusion 1.0)", ge=0)
-    server_momentum: float = _key(0.5, "fedavgm | fusion strategies: server momentum on the aggregate's "
+    server_momentum: float = _key(-1.0, "fedavgm | fusion strategies: server momentum on the aggregate's "
                                   "pseudo-gradient (Flower's FedAvgM; fusion strategies apply the same step to their "
-                                  "fused aggregate before refining); 0 = none", ge=0, lt=1)
+                                  "fused aggregate before refining); 0 = none; -1 = the strategy's measured default "
+                                  "(fedavgm and average 0.5, other fusion strategies 0)", ge=-1, lt=1)
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
@@ -390,6 +391,9 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
 def _check_strategy_keys(cfg: RunConfig) -> None:
     """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
+    if -1 < cfg.server_momentum < 0:
+        raise ConfigError(f"run-config key 'server-momentum': {cfg.server_momentum} is neither -1 (the strategy's "
+                          "default) nor in [0, 1)")
     for key, users in STRATEGY_KEYS.items():
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "

@@ -117,8 +117,8 @@ def test_wrong_type_names_the_key(override, key):
     ({"min-train-nodes": 9, "num-clients": 4}, "min-train-nodes"),
     ({"resume": True}, "resume"),
     ({"tofu-r": 2}, "tofu-r"),
-    ({"num-clients": 12}, "num-clients"),               # class-disjoint shards: 12 clients > 10 digit classes
-    ({"classes-per-client": 11}, "classes-per-client"),
+    ({"num-clients": 12, "partitioning": "shards"}, "num-clients"),             # class-disjoint shards: 12 clients > 10 digit classes
+    ({"classes-per-client": 11, "partitioning": "shards"}, "classes-per-client"),
     ({"strategy": "kf-linaer"}, "strategy"),
 ])
 def test_bad_value_or_range_names_the_key(override, key):

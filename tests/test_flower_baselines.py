@@ -134,7 +134,8 @@ def test_options_and_errors_name_the_key():
     assert build_strategy("fedadam").flower.eta == 0.1 and build_strategy("fedyogi").flower.eta == 0.01
     assert build_strategy("fedprox", proximal_mu=0.3).flower.proximal_mu == 0.3
     assert build_strategy("fedavgm").flower.server_momentum == 0.5  # measured default (docstring), not Flower's 0
-    assert parse_run_config({"strategy": "fedavgm"}).server_momentum == 0.5
+    assert parse_run_config({"strategy": "fedavgm"}).server_momentum == -1.0  # = the strategy's default (0.5)
+    assert baseline_options("fedavgm", server_momentum=None) == {}
     s = build_strategy("fedavgm", server_learning_rate=0.5, server_momentum=0.9)
     assert (s.flower.server_learning_rate, s.flower.server_momentum) == (0.5, 0.9)
     with pytest.raises(ValueError, match="takes no fusion_options.*ridge"):
@@ -163,6 +164,7 @@ def test_options_and_errors_name_the_key():
     ({"strategy": "fedprox", "fusion-rounds": 3}, "fusion-rounds"),
     ({"strategy": "fedavgm", "server-momentum": 1.0}, "server-momentum"),
     ({"strategy": "fedprox", "proximal-mu": -0.1}, "proximal-mu"),
+    ({"strategy": "average", "server-momentum": -0.5}, "server-momentum"),
 ])
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

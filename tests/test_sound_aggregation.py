@@ -140,7 +140,7 @@ def test_default_refine_calibrates_the_average_to_the_clients_class_prior():
 
     def with_counts(c):
         return lambda arrays, imp, metrics: metrics.update({"class-counts": c})
-    s = build_strategy("average", model_fn=model_fn, fusion_inputs=x, refine_check=False)
+    s = build_strategy("average", model_fn=model_fn, fusion_inputs=x, refine_check=False, calibrate_min_gap=0.0)
     assert s.refine_steps == ("calibrate",)
     arrays, _ = s.aggregate_train(1, [reply(1, 1, mutate=with_counts(counts[0])),
                                       reply(2, 2, mutate=with_counts(counts[1]))])
@@ -238,11 +238,17 @@ def test_refine_check_keeps_calibration_only_when_it_moves_towards_the_ensemble(
     teachers = [_mlp(1), _mlp(2)]
     from fedfuse.fusion.distillation import teacher_probs
     ens_prior = teacher_probs(teachers, x, [0.5, 0.5]).mean(0)
-    s2 = build_strategy("average", model_fn=model_fn, fusion_inputs=x)
+    s2 = build_strategy("average", model_fn=model_fn, fusion_inputs=x, calibrate_min_gap=0.0)
     s2.class_prior = lambda updates: (ens_prior, "test")
     s2.aggregate_train(1, [reply(1, 1), reply(2, 2)])
     info2 = s2.history[-1]["fusion-info"]
     assert info2["refine-kept"] == 1 and info2["refine-kl-after"] <= info2["refine-kl-before"]
+    # a gap below calibrate_min_gap (default 0.2) leaves the aggregate as it is
+    s3 = build_strategy("average", model_fn=model_fn, fusion_inputs=x)
+    s3.class_prior = lambda updates: (ens_prior, "test")
+    s3.aggregate_train(1, [reply(1, 1), reply(2, 2)])
+    info3 = s3.history[-1]["fusion-info"]
+    assert info3["calibration-skipped"] == 1 and info3["calibration-gap-before"] < 0.2
 
 
 def test_server_momentum_is_fedavgms_step_on_the_aggregate():

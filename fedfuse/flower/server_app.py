@@ -119,7 +119,8 @@ def setup(cfg: RunConfig):
                               refine=None if cfg.refine == "auto" else cfg.refine, prior=cfg.refine_prior,
                               guard=cfg.divergence_guard,
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
-                                                 server_momentum=cfg.server_momentum, proximal_mu=cfg.proximal_mu))
+                                                 server_momentum=None if cfg.server_momentum < 0 else cfg.server_momentum,
+                                                 proximal_mu=cfg.proximal_mu))
     return data, model_fn, strategy
 
 

@@ -66,9 +66,11 @@ FlowerFedAvg = FedAvgStrategy  # name used before issue 11
 
 
 class AverageStrategy(FusionStrategy):
-    """Vanilla weight averaging of the rebuilt client models (``fedfuse.fusion`` method ``average``)."""
+    """Weighted averaging of the client models (``fedfuse.fusion`` method ``average``), by default with FedAvgM's
+    server step (momentum 0.5) and the calibration refinement: fedfuse's default multi-round aggregation."""
 
     method = "average"
+    default_server_momentum = 0.5  # measured: MNIST-1D Dirichlet α=0.1 0.597 ± 0.015 vs 0.532 ± 0.049 without
 
 
 class KdStrategy(FusionStrategy):
