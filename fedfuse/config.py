@@ -41,7 +41,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import PRIORS, REFINES  # noqa: E402
-from fedfuse.hetero.tiers import TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
+from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -126,7 +126,8 @@ class RunConfig:
                              "values); node-config 'tier' overrides per SuperNode; '' = every client at full width")
     tier_models: str = _key("slice", "client-tiers with a fusion strategy: each tier's model every round: slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
-                            "tier's width)", choices=TIER_MODELS)
+                            "tier's width) | distill (the slice, then the ensemble of all the round's clients distilled into it on the fusion "
+                            "set)", choices=TIER_MODELS)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -288,7 +289,10 @@ def _check_tiers(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
         return
-    if cfg.strategy in TIER_STRATEGIES:
+    if cfg.strategy in TIER_STRATEGIES + SUBMODEL_METHODS:   # sub-model averaging (+ FedDF's distillation)
+        if cfg.tier_models == "fuse":
+            raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} averages sub-models and "
+                              "derives tier models by slicing; use tier-models='slice'")
         return
     from fedfuse.fusion import METHOD_SPECS
 

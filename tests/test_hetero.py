@@ -1,5 +1,7 @@
 """HeteroFL / FedRolex sub-models on constructed tensors, the width scaler, static BN, tier parsing (issue 13)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -136,3 +138,28 @@ def test_tier_parsing_and_round_robin_assignment():
     assert parse_tier_value("0.5") == 0.5
     with pytest.raises(ValueError, match="tier"):
         parse_tier_value("1.5")
+
+
+def test_align_to_anchor_undoes_a_unit_permutation_and_keeps_the_function():
+    from fedfuse.hetero.anchor import align_to_anchor
+
+    torch.manual_seed(0)
+    anchor = build_model("mlp", 10, (40,), width=32, depth=2)
+    # the anchor with its hidden units shuffled (what k-means grouping does to a fused model's unit order)
+    shuffled = copy.deepcopy(anchor)
+    sd = shuffled.state_dict()
+    lin = [k for k in sd if k.endswith("weight")]
+    p1, p2 = torch.randperm(32), torch.randperm(32)
+    sd[lin[0]] = sd[lin[0]][p1]
+    sd[lin[0].replace("weight", "bias")] = sd[lin[0].replace("weight", "bias")][p1]
+    sd[lin[1]] = sd[lin[1]][p2][:, p1]
+    sd[lin[1].replace("weight", "bias")] = sd[lin[1].replace("weight", "bias")][p2]
+    sd[lin[2]] = sd[lin[2]][:, p2]
+    shuffled.load_state_dict(sd)
+    x = torch.randn(16, 40)
+    aligned, info = align_to_anchor(shuffled, anchor)
+    with torch.no_grad():
+        assert torch.allclose(aligned(x), shuffled(x), atol=1e-5)        # a permutation: same function
+    for k, v in anchor.state_dict().items():
+        assert torch.allclose(aligned.state_dict()[k], v), k            # unit i is the anchor's unit i again
+    assert info["anchor-moved"] > 0.9

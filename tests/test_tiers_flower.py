@@ -37,6 +37,11 @@ def test_bad_client_tiers_fail_in_preflight_naming_the_key():
     with pytest.raises(ConfigError, match="tier-models"):
         parse_run_config({"client-tiers": "1,0.5", "strategy": "ot", "tier-models": "fuse"})
     assert parse_run_config({"client-tiers": "1, 0.5", "strategy": "heterofl"}).client_tiers == "1, 0.5"
+    # sub-model averaging strategies take tiers; their tier models are slices (or distilled slices), never fused
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).strategy == "average"
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "feddf", "tier-models": "distill"})
+    with pytest.raises(ConfigError, match="tier-models"):
+        parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "tier-models": "fuse"})
 
 
 def test_client_builds_the_tier_it_is_sent():
@@ -47,7 +52,8 @@ def test_client_builds_the_tier_it_is_sent():
 
 
 @pytest.mark.parametrize("strategy,extra", [("kf-linear", {}), ("kf-linear", {"tier-models": "fuse"}),
-                                            ("heterofl", {}), ("fedrolex", {})])
+                                            ("heterofl", {}), ("fedrolex", {}), ("average", {}), ("feddf", {}),
+                                            ("average", {"tier-models": "distill"})])
 def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
     from simulations.runners.inprocess import run_inprocess
 
@@ -78,3 +84,47 @@ def test_flwr_run_two_round_tiers(tmp_path):
     last = res["rounds"][-1]
     assert last["valid-replies"] == 3 and last["rejected"] == []
     assert set(last["tier-accuracy"]) == {"1", "0.5", "0.25"}
+
+
+def _strategy(name, model="mlp", model_kw=None, **kw):
+    import torch
+
+    from fedfuse.flower.tiers import build_tier_strategy
+
+    shape = (40,) if model == "mlp" else (1, 40)
+    return build_tier_strategy(name, tiers=(1.0, 0.5, 0.25), input_shape=shape,
+                               model_fn=lambda: build_model(model, 10, shape, width=16, depth=2, **(model_kw or {})),
+                               fusion_inputs=torch.randn(32, *shape), **kw)
+
+
+def test_width_scaler_only_with_normalisation_layers_and_tiered_defaults():
+    # HeteroFL's scaler (x 1/r in training) goes with static BN; an MLP without BN would see its logits x 16 at r=1/4
+    assert _strategy("heterofl").width_scaler is False
+    assert _strategy("heterofl", model="cnn").width_scaler is False
+    assert _strategy("heterofl", model="cnn", model_kw={"batchnorm": True}).width_scaler is True
+    assert _strategy("heterofl", width_scaler=True).width_scaler is True
+    avg = _strategy("average")
+    assert avg.refine_steps == () and avg.server_momentum == 0.5 and avg.anchor
+    assert _strategy("feddf").server_momentum == 0.0
+    with pytest.raises(ValueError, match="tier_models='fuse'"):
+        _strategy("average", tier_models="fuse")
+
+
+def test_tiered_average_is_the_heterofl_average_of_the_replies():
+    import torch
+
+    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.hetero import aggregate_states
+
+    s = _strategy("average", server_momentum=0.0)
+    g = s.skeleton(1.0).state_dict()
+    s._global = __import__("fedfuse.flower.strategy", fromlist=["state_to_record"]).state_to_record(g)
+    ups = []
+    for i, r in enumerate((1.0, 0.5, 0.25)):
+        state = {k: torch.full_like(v, float(i + 1)) for k, v in s.skeleton(r).state_dict().items()}
+        ups.append(ClientUpdate(node_id=i, partition_id=i, num_examples=10 * (i + 1), state=state, metrics={"tier": r},
+                                scores=None, class_counts=None))
+    res = s.fuse_updates(1, ups)
+    want = aggregate_states(g, [u.state for u in ups], [s.layout(u.metrics["tier"], 0) for u in ups], [10, 20, 30])
+    for k, v in res.model.state_dict().items():
+        assert torch.allclose(v, want[k]), k

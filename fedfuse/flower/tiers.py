@@ -42,7 +42,10 @@ from fedfuse.flower.tier_client import QUERY_KIND, SCALER_KEY, TIER_KEY
 from fedfuse.fusion import FusionResult, MethodSpec, check_finite, fuse_result
 from fedfuse.hetero import (SubModel, aggregate_states, parse_tier_value, reestimate_batchnorm, slice_state, submodel,
                             tier_name)
-from fedfuse.hetero.tiers import TIER_MODELS
+from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
+from fedfuse.hetero.anchor import align_to_anchor
+from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS
+from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.models import adapter_for, levels
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 
@@ -53,13 +56,22 @@ def _shapes(state: dict[str, torch.Tensor]) -> tuple:
     return tuple((k, tuple(v.shape)) for k, v in state.items())
 
 
+def _named_strategy(method: str | None) -> type[FusionStrategy] | None:
+    """The flat strategy class of fusion method ``method`` (its default refine / server momentum), if any."""
+    from fedfuse.flower.strategies import STRATEGIES   # here: strategies imports this module
+
+    cls = STRATEGIES.get(method) if method is not None else None
+    return cls if cls is not None and cls.method == method and cls.__module__ == "fedfuse.flower.strategies" else None
+
+
 class TieredFusionStrategy(FusionStrategy):
     """Fusion across capacity tiers (see the module docstring).
 
     Args:
         tiers: the run's width multipliers (``client-tiers``; informational: a node's own tier comes from
             its query reply, so node-config overrides may add tiers).
-        tier_models: ``"slice"`` | ``"fuse"``: how each tier's model is derived after every round.
+        tier_models: ``"slice"`` | ``"fuse"`` | ``"distill"``: how each tier's model is derived after every round
+            (``"distill"``: the global model's slice, then FedDF's distillation of all the round's clients into it).
         input_shape: the inputs of the architecture (CNN tiers need it to rebuild their pooling).
         weighting: ``"examples"`` (sample counts, as every fedfuse aggregation) | ``"uniform"`` (the
             HeteroFL paper's plain count) for the sub-model average.
@@ -72,7 +84,15 @@ class TieredFusionStrategy(FusionStrategy):
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "slice",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool = False, **options: Any) -> None:
+                 width_scaler: bool | None = False, anchor: bool = True, **options: Any) -> None:
+        named = _named_strategy(method)
+        if named is not None:   # the method's own defaults (e.g. average: server momentum 0.5; feddf: no refine)
+            self.default_refine, self.default_server_momentum = named.default_refine, named.default_server_momentum
+        if method == "average":
+            # measured (MNIST-1D α=0.1, tiers 1/0.5/0.25, SGD lr 0.2, seed 0, 15 rounds): calibrate under server
+            # momentum 0.5 drifts apart from the clients (bias shifts growing to 44, step norm to 219; 0.078), momentum
+            # alone 0.344, calibrate alone 0.328: the tiered average refines nothing by default
+            self.default_refine = "none"
         super().__init__(method, **options)
         if tier_models not in TIER_MODELS:
             raise ValueError(f"strategy: tier_models must be one of {TIER_MODELS}, got {tier_models!r}")
@@ -81,15 +101,27 @@ class TieredFusionStrategy(FusionStrategy):
         if self.model_fn is None:
             raise ValueError("strategy: a tiered strategy needs model_fn (the global, widest architecture)")
         self.tiers = tuple(parse_tier_value(t, key="strategy tiers") for t in tiers) or (1.0,)
-        if self.spec is not None and len(set(self.tiers)) > 1 and not self.spec.mixed_widths:
+        if (self.spec is not None and len(set(self.tiers)) > 1 and not self.spec.mixed_widths
+                and self.method not in SUBMODEL_METHODS):
             raise ValueError(f"strategy: method {self.method!r} cannot fuse clients of different widths")
         if tier_models == "fuse" and self.spec is not None and not self.spec.any_target:
             raise ValueError(f"strategy: tier_models='fuse' needs a method that builds into another width; "
                              f"{self.method!r} cannot")
+        if tier_models == "distill" and self.fusion_inputs is None:
+            raise ValueError("strategy: tier_models='distill' needs fusion_inputs (the server fusion set)")
+        if tier_models == "fuse" and self.method in SUBMODEL_METHODS:
+            raise ValueError(f"strategy: {self.method!r} averages sub-models and derives tier models by slicing; "
+                             "tier_models='fuse' does not apply")
         self.tier_models = tier_models
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.weighting = weighting
+        if width_scaler is None:
+            # HeteroFL's scaler (× 1/r in training) keeps the pre-normalisation scale equal across tiers; the paper
+            # always pairs it with static BN. Without normalisation layers it multiplies an L-layer MLP's logits by
+            # r^-L in training only (×16 for r = 1/4, L = 2) and a narrow client diverges (SGD lr 0.2: NaN)
+            width_scaler = any(isinstance(m, BATCHNORMS) for m in self.model_fn().modules())
         self.width_scaler = bool(width_scaler)
+        self.anchor = bool(anchor)
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
         self._node_tier: dict[int, float] = {}
@@ -132,7 +164,7 @@ class TieredFusionStrategy(FusionStrategy):
         """The state dict tier ``r`` receives in ``server_round`` (the global model itself for tier 1)."""
         if r == 1:
             return self.global_state()
-        if self.tier_models == "fuse" and r in self._derived:
+        if r in self._derived:   # tier_models='fuse', or feddf's per-tier distillation
             return self._derived[r]
         return slice_state(self.global_state(), self.layout(r, self.window(server_round)))
 
@@ -262,6 +294,42 @@ class TieredFusionStrategy(FusionStrategy):
             record["tier-derivation-seconds"] = time.perf_counter() - t0
         return arrays, metrics
 
+    def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
+                     models: list[nn.Module] | None = None) -> FusionResult:
+        """Fuse the replies of every tier into the global architecture.
+
+        ``average`` (and every round after ``fusion_rounds``): HeteroFL's sub-model average. ``feddf`` (FedDF with
+        architecture groups, Lin et al., arXiv 2006.07242): that average, then the ensemble of *all* clients
+        (every tier) distilled into it on the fusion set. Other methods (kf-linear, kf-gradient, ot, kd...): fused
+        into the global width, then (``anchor``) their units permuted onto the HeteroFL average's, so that unit
+        ``i`` stays the unit the tiers' slices hold (``fedfuse.hetero.anchor``).
+        """
+        method = self.round_method(server_round)
+        if method in SUBMODEL_METHODS:
+            t0 = time.perf_counter()
+            model = self.build_model(self.weighted_average(updates))
+            info: dict[str, Any] = {}
+            if method == "feddf":
+                teachers = models if models is not None else [self.build_model(u.state) for u in updates]
+                dev = resolve_device(self.device)
+                info.update(distill_ensemble(model, teachers, self._norm_weights(updates), self.fusion_inputs,
+                                             self.spec.parse_options(self.fusion_options),
+                                             seed=self.seed + server_round, device=dev))
+                model = model.cpu().eval()
+            return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)
+        result = super().fuse_updates(server_round, updates, models)
+        if not self.anchor or len({u.metrics["tier"] for u in updates}) < 2 and self.window(server_round) == 0:
+            return result   # one width, top-left slices: nothing depends on the unit order
+        check_finite(method, result.model)
+        anchor = self.build_model(self.weighted_average(updates))
+        model, info = align_to_anchor(result.model, anchor, seed=self.seed + server_round)
+        return FusionResult(method=result.method, model=model, info={**(result.info or {}), **info},
+                            seconds=result.seconds)
+
+    def _norm_weights(self, updates: list[ClientUpdate]) -> list[float]:
+        w = self._weights(updates)
+        return [v / sum(w) for v in w]
+
     def aggregate_state(self, server_round: int, updates: list[ClientUpdate]):
         state, info, seconds = super().aggregate_state(server_round, updates)
         if self.static_bn and self.fusion_inputs is not None:
@@ -272,8 +340,15 @@ class TieredFusionStrategy(FusionStrategy):
         return state, info, seconds
 
     def derive_tier_models(self, server_round: int, updates: list[ClientUpdate]) -> None:
-        """``tier_models="fuse"``: fuse the round's client models into every narrower tier's width."""
-        if self.tier_models != "fuse" or not updates or self.spec is None:
+        """``tier_models="fuse"``: fuse the round's client models into every narrower tier's width. ``feddf``:
+        every narrower tier's slice of the new global model is a student of the ensemble of all clients."""
+        self._derived.clear()   # a tier without a derivation this round gets the new global model's slice
+        if not updates or self.spec is None:
+            return
+        if self.tier_models == "distill" or self.round_method(server_round) == "feddf":
+            self._distill_tiers(server_round, updates)
+            return
+        if self.tier_models != "fuse" or self.method in SUBMODEL_METHODS:
             return
         models = [self.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if self.wants_client_scores and all(u.scores for u in updates) else None
@@ -291,6 +366,20 @@ class TieredFusionStrategy(FusionStrategy):
                 self._derived.pop(r, None)
                 log(WARNING, "aggregate_train: round %d: fusing tier %s failed (%s); it gets the global model's slice",
                     server_round, tier_name(r), exc)
+
+    def _distill_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="distill"`` and FedDF with architecture groups: each narrower tier's model (the slice of the new global model) learns
+        the weighted softmax of all the round's clients on the fusion set (early stopping on a held-out part)."""
+        teachers = [self.build_model(u.state) for u in updates]
+        # feddf's own distillation options; other methods: the refine step's defaults (Adam 1e-3, early stopping)
+        options = self.spec.parse_options(self.fusion_options) if self.method == "feddf" else DistillRefineOptions()
+        dev = resolve_device(self.device)
+        for r in sorted(set(self._node_tier.values()) - {1.0}):
+            student = self.build_model(slice_state(self.global_state(), self.layout(r, self.window(server_round + 1))))
+            distill_ensemble(student, teachers, self._norm_weights(updates), self.fusion_inputs, options,
+                             seed=self.seed + server_round, device=dev)
+            check_finite(f"feddf (tier {tier_name(r)})", student.cpu())
+            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
 
     # ---------------------------------------------------------------- evaluation (results)
     def tier_model(self, r: float, server_round: int) -> nn.Module:
@@ -330,7 +419,7 @@ class HeteroFLStrategy(TieredFusionStrategy):
     can_refine = False
     static_bn = True
 
-    def __init__(self, method: str | None = None, *, width_scaler: bool = True, guard: bool = False,
+    def __init__(self, method: str | None = None, *, width_scaler: bool | None = None, guard: bool = False,
                  **options: Any) -> None:
         options.pop("tier_models", None)
         super().__init__(method, width_scaler=width_scaler, guard=False, tier_models="slice", **options)

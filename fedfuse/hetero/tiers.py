@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 
 from fedfuse.choices import TIER_STRATEGIES  # sub-model averaging baselines (fedfuse.flower.tiers)
-TIER_MODELS = ("slice", "fuse")              # how a fusion strategy derives each tier's model
+# how a fusion strategy derives each tier's model: the global model's slice; the round's clients fused into the
+# tier's width; the slice distilled from the ensemble of all the round's clients on the fusion set
+TIER_MODELS = ("slice", "fuse", "distill")
+# fusion strategies whose tiered form averages HeteroFL's sub-models (units keep their index, so any tier mix
+# works): 'average' (+ fedfuse's server step and refinement) and 'feddf' (FedDF with architecture groups)
+SUBMODEL_METHODS = ("average", "feddf")
 
 
 def parse_tiers(text: str, key: str = "client-tiers") -> tuple[float, ...]:
@@ -59,4 +64,4 @@ def tier_name(width_mult: float) -> str:
     return f"{width_mult:g}"
 
 
-__all__ = ["TIER_STRATEGIES", "TIER_MODELS", "parse_tiers", "tier_of", "parse_tier_value", "tier_name"]
+__all__ = ["TIER_STRATEGIES", "TIER_MODELS", "SUBMODEL_METHODS", "parse_tiers", "tier_of", "parse_tier_value", "tier_name"]
