@@ -19,6 +19,8 @@ FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")
 # post-aggregation refinement of fusion strategies (fedfuse.fusion.refine); "auto" = the strategy's default
 REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill+calibrate")
+# how the global model is evaluated: by the server on its test set, by the clients on their validation splits, or both
+EVALUATIONS = ("central", "federated", "both")
 # class prior of the "calibrate" refinement
 PRIORS = ("auto", "class-counts", "uniform")
 # strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)

@@ -40,7 +40,7 @@ from typing import Any, Mapping
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
-from fedfuse.choices import PRIORS, REFINES  # noqa: E402
+from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
 from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
 
 
@@ -91,6 +91,10 @@ class RunConfig:
     fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
     test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y; the fusion-set format); "
                               "with fusion-set-path the server loads no dataset (clients hold the data: data-path)")
+    evaluation: str = _key("central", "how the global model is evaluated every round: central (the server, on "
+                           "test-set-path or the dataset's test split) | federated (Flower's evaluate round: every "
+                           "client on its validation split, weighted by its samples; the server needs no test set, and "
+                           "with fusion-set-path it loads no dataset) | both", choices=EVALUATIONS)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
@@ -268,6 +272,12 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
+    if cfg.evaluation == "federated" and cfg.test_set_path:
+        raise ConfigError("run-config key 'test-set-path' is read by central evaluation only, but evaluation="
+                          "'federated'; use evaluation='both' or leave test-set-path empty")
+    if cfg.evaluation != "central" and cfg.val_fraction == 0:
+        raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} evaluates on the clients' validation "
+                          "splits, but val-fraction=0 holds none out; set val-fraction > 0 or evaluation='central'")
     fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
     _check_tiers(cfg)
     info = dataset_info(cfg.dataset)

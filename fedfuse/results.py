@@ -10,7 +10,8 @@ plot marks those rounds.
 and records of a row are flattened: ``per-class-accuracy`` → ``class-<c>-accuracy``, ``client-test-accuracy``
 → ``client-<p>-test-accuracy`` (``p`` = the client's partition id when the row has ``client-partition-ids``,
 else its position), ``rejected``/``failures`` → their count plus ``rejected-reasons``/``failure-reasons``
-(``node <id>: <reason>`` joined by `` | ``). Dicts such as ``fusion-info`` stay in ``results.json`` only.
+(``node <id>: <reason>`` joined by `` | ``), ``client-federated-accuracy`` (``{partition: accuracy}``, federated
+evaluation) → ``client-<p>-federated-accuracy``. Other dicts such as ``fusion-info`` stay in ``results.json`` only.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def csv_row(row: dict[str, Any]) -> dict[str, Any]:
             pids = row.get("client-partition-ids")
             ids = pids if isinstance(pids, (list, tuple)) and len(pids) == len(v) else range(len(v))
             out.update({f"client-{p}-test-accuracy": a for p, a in zip(ids, v)})
+        elif k == "client-federated-accuracy" and isinstance(v, dict):   # evaluation='federated'/'both'
+            out.update({f"client-{p}-federated-accuracy": a for p, a in v.items()})
         elif k in ("rejected", "failures") and isinstance(v, (list, tuple)):
             out[k] = len(v)
             out["rejected-reasons" if k == "rejected" else "failure-reasons"] = _reasons(list(v))
@@ -143,25 +146,32 @@ class RunRecorder:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         rounds = [r["round"] for r in self.rows]
-        ax.plot(rounds, [r.get("test-accuracy") for r in self.rows], "o-", label="global model")
+        # evaluation='federated': no server test set; the clients' validation accuracy of the global model
+        key = "test-accuracy" if any(r.get("test-accuracy") is not None for r in self.rows) else "federated-accuracy"
+        ax.plot(rounds, [r.get(key) for r in self.rows], "o-",
+                label="global model" if key == "test-accuracy" else "global model (clients' validation splits)")
+        fed = [(r["round"], r["federated-accuracy"]) for r in self.rows
+               if key == "test-accuracy" and r.get("federated-accuracy") is not None]
+        if fed:
+            ax.plot(*zip(*fed), "^:", label="global model, federated evaluation (clients' validation splits)")
         ens = [(r["round"], r["ensemble-accuracy"]) for r in self.rows if r.get("ensemble-accuracy") is not None]
         if ens:
             ax.plot(*zip(*ens), "s--", label="ensemble of clients (reference)")
-        fell_back = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("fallback")]
+        fell_back = [(r["round"], r.get(key)) for r in self.rows if r.get("fallback")]
         if fell_back:
             ax.plot(*zip(*fell_back), "x", color="red", markersize=12, markeredgewidth=2.5,
                     label="fusion fell back", zorder=5)
-        skipped = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("skipped")]
+        skipped = [(r["round"], r.get(key)) for r in self.rows if r.get("skipped")]
         if skipped:
             ax.plot(*zip(*skipped), "D", color="gray", fillstyle="none", markersize=10,
                     label="round skipped (too few valid replies)", zorder=5)
-        guarded = [(r["round"], r.get("test-accuracy")) for r in self.rows if r.get("guard")]
+        guarded = [(r["round"], r.get(key)) for r in self.rows if r.get("guard")]
         if guarded:
             ax.plot(*zip(*guarded), "o", color="orange", fillstyle="none", markersize=12, markeredgewidth=2,
                     label="guarded (weighted average used)", zorder=5)
         integer_round_ticks(ax)
         ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel("test accuracy" if key == "test-accuracy" else "federated (validation) accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend()

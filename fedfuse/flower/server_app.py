@@ -69,8 +69,8 @@ def output_dir(cfg: RunConfig) -> Path:
 
 def server_files(cfg: RunConfig):
     """``fedfuse.data.fusion_set.ServerData`` from the server's own files only (``fusion-set-path`` and
-    ``test-set-path``): no dataset is loaded (deployment where every client holds its data, node-config
-    ``data-path``). ``ConfigError`` naming the key."""
+    ``test-set-path``; without a test set, ``evaluation='federated'``: ``test`` is ``None``): no dataset is loaded
+    (deployment where every client holds its data, node-config ``data-path``). ``ConfigError`` naming the key."""
     from fedfuse.config import dataset_info, read_fusion_set
     from fedfuse.data.fusion_set import ServerData
     from fedfuse.data.sources import ArrayDataset
@@ -81,16 +81,21 @@ def server_files(cfg: RunConfig):
                           "classes before loading; use a named dataset or leave test-set-path empty")
     shape, classes = tuple(info.input_shape), info.num_classes
     fx, fy = read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes)
-    tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes,
-                             key="test-set-path")
-    return ServerData(test=ArrayDataset(tx, ty, classes), fusion_x=fx, fusion_y=fy, num_classes=classes,
+    test = None
+    if cfg.test_set_path:
+        tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes,
+                                 key="test-set-path")
+        test = ArrayDataset(tx, ty, classes)
+    return ServerData(test=test, fusion_x=fx, fusion_y=fy, num_classes=classes,
                       input_shape=shape)
 
 
 def setup(cfg: RunConfig):
     """Data, fusion set, architecture and strategy for a validated config (no Flower messaging)."""
-    # with both server files the server needs no dataset (the clients hold theirs); else the dataset's splits
-    data = server_files(cfg) if cfg.fusion_set_path and cfg.test_set_path else federated_data(cfg)
+    # with the server's files (fusion set, and a test set unless evaluation is federated only) the server needs no
+    # dataset (the clients hold theirs); else the dataset's splits
+    own_files = cfg.fusion_set_path and (cfg.test_set_path or cfg.evaluation == "federated")
+    data = server_files(cfg) if own_files else federated_data(cfg)
     if cfg.test_set_path and not cfg.fusion_set_path:
         from dataclasses import replace
 
@@ -118,10 +123,54 @@ def setup(cfg: RunConfig):
                               fusion_rounds=cfg.fusion_rounds,
                               refine=None if cfg.refine == "auto" else cfg.refine, prior=cfg.refine_prior,
                               guard=cfg.divergence_guard,
+                              **federated_evaluation_options(cfg),
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
                                                  server_momentum=None if cfg.server_momentum < 0 else cfg.server_momentum,
                                                  proximal_mu=cfg.proximal_mu))
     return data, model_fn, strategy
+
+
+class FederatedEvaluation:
+    """Flower's federated evaluation as fedfuse reports it: the ``evaluate_metrics_aggr_fn`` of the strategy
+    (``FedAvg.aggregate_evaluate`` hands it the valid evaluate replies of a round) that keeps each client's
+    ``eval-accuracy`` / ``eval-loss`` (fedfuse's ClientApp: the global model on its validation split) and returns
+    their sample-weighted means; ``take()`` gives the round's numbers to the results row (Flower evaluates the
+    clients before it calls the central ``evaluate_fn`` of the same round)."""
+
+    def __init__(self) -> None:
+        self.pending: dict | None = None
+
+    def __call__(self, contents: list, weighted_by_key: str) -> MetricRecord:
+        clients = []
+        for content in contents:
+            rec = next(iter(content.metric_records.values()), {})
+            if all(k in rec for k in (weighted_by_key, "eval-accuracy", "eval-loss")):
+                clients.append({"partition-id": rec.get("partition-id"), "num-examples": int(rec[weighted_by_key]),
+                                "accuracy": float(rec["eval-accuracy"]), "loss": float(rec["eval-loss"])})
+        total = sum(c["num-examples"] for c in clients)
+        if not total:
+            self.pending = {"federated-clients": 0}
+            return MetricRecord({"federated-clients": 0})
+        acc = sum(c["accuracy"] * c["num-examples"] for c in clients) / total
+        loss = sum(c["loss"] * c["num-examples"] for c in clients) / total
+        self.pending = {"federated-accuracy": acc, "federated-loss": loss, "federated-clients": len(clients),
+                        "federated-examples": total,
+                        "client-federated-accuracy": {str(c["partition-id"] if c["partition-id"] is not None else i):
+                                                      c["accuracy"] for i, c in enumerate(clients)}}
+        return MetricRecord({"federated-accuracy": acc, "federated-loss": loss, "federated-clients": len(clients)})
+
+    def take(self) -> dict:
+        out, self.pending = self.pending or {}, None
+        return out
+
+
+def federated_evaluation_options(cfg: RunConfig) -> dict:
+    """FedAvg options of the strategy for ``cfg.evaluation``: every node evaluates the global model each round
+    (``fraction_evaluate=1``) with ``evaluation`` ``federated``/``both``; none with ``central``."""
+    if cfg.evaluation == "central":
+        return {"fraction_evaluate": 0.0}
+    return {"fraction_evaluate": 1.0, "min_evaluate_nodes": cfg.min_train_nodes,
+            "evaluate_metrics_aggr_fn": FederatedEvaluation()}
 
 
 # run-config keys that may differ between an interrupted run and its resumption
@@ -180,7 +229,13 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         log(INFO, "fedfuse: resuming %s after round %d of %d", out, done, cfg.num_server_rounds)
     last = {"arrays": ArrayRecord(initial)}
     device = resolve_device(cfg.device)
-    test_x, test_y = data.test.x, data.test.y
+    central = cfg.evaluation != "federated"
+    test_x, test_y = (data.test.x, data.test.y) if central else (None, None)
+    federated = getattr(strategy, "evaluate_metrics_aggr_fn", None)
+    federated = federated if isinstance(federated, FederatedEvaluation) else None
+    if not central:
+        log(INFO, "fedfuse: evaluation='federated': the clients evaluate the global model on their validation "
+            "splits every round; the server holds no test set")
     clock = {"t": time.perf_counter()}
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -188,12 +243,17 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         last["arrays"] = arrays
         if done and server_round == done:  # the resumed-from model: its row is in the checkpoint already
             return None
-        model = model_fn()
-        model.load_state_dict(arrays.to_torch_state_dict())
-        m = evaluate(model, test_x, test_y, num_classes=data.num_classes, device=device)
-        row = {"round": server_round, "test-accuracy": m["accuracy"], "test-loss": m["loss"],
-               "per-class-accuracy": m["per-class-accuracy"]}
-        if hasattr(strategy, "evaluate_tiers"):  # capacity tiers: every tier model's test accuracy, bytes sent
+        row = {"round": server_round}
+        m = None
+        if central:
+            model = model_fn()
+            model.load_state_dict(arrays.to_torch_state_dict())
+            m = evaluate(model, test_x, test_y, num_classes=data.num_classes, device=device)
+            row.update({"test-accuracy": m["accuracy"], "test-loss": m["loss"],
+                        "per-class-accuracy": m["per-class-accuracy"]})
+        if federated is not None and server_round > 0:  # this round's Flower evaluate round (clients' val splits)
+            row.update(federated.take())
+        if central and hasattr(strategy, "evaluate_tiers"):  # capacity tiers: each tier model's test accuracy, bytes
             row.update(strategy.evaluate_tiers(server_round, test_x, test_y, device))
         now = time.perf_counter()
         row["round-seconds"] = now - clock["t"]
@@ -208,7 +268,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                             "fusion-seconds": hist.get("fusion-seconds"),
                             "fusion-info": hist.get("fusion-info")})
             updates = strategy.last_updates
-            if updates:
+            if updates and central:
                 members = [strategy.build_model(u.state) for u in updates]
                 member_logits = [predict_logits(mm, test_x, device=device) for mm in members]
                 ens = Ensemble(members)
@@ -217,6 +277,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                 row["client-test-accuracy"] = [metrics_from_logits(lg, test_y)["accuracy"] for lg in member_logits]
                 row["client-partition-ids"] = [u.partition_id for u in updates]  # rounds.csv client-<p>-... columns
                 row["best-client-accuracy"] = max(row["client-test-accuracy"])
+            if updates:
                 for key in ("train-seconds", "score-seconds", "train-accuracy", "val-accuracy"):
                     vals = [u.metrics.get(key) for u in updates if isinstance(u.metrics.get(key), (int, float))]
                     if vals:
@@ -229,11 +290,15 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                             {"num-server-rounds": cfg.num_server_rounds, "config": cfg.to_dict(), "rows": recorder.rows,
                              "strategy-history": strategy.history,
                              "resumed-from-rounds": recorder.extra.get("resumed-from-rounds", [])})
-        log(INFO, "fedfuse round %d: test-accuracy %.4f%s%s", server_round, row["test-accuracy"],
+        log(INFO, "fedfuse round %d: %s%s%s", server_round, ", ".join(
+            f"{k} {row[k]:.4f}" for k in ("test-accuracy", "federated-accuracy") if row.get(k) is not None)
+            + (f" ({row['federated-clients']} clients)" if "federated-clients" in row else "") or "no evaluation yet",
             f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
             f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
         if row.get("fallback"):
             log(WARNING, "fedfuse round %d: fusion fell back: %s", server_round, row["fallback"])
+        if m is None:
+            return None
         return MetricRecord({"test-accuracy": float(m["accuracy"]), "test-loss": float(m["loss"])})
 
     train_config = ConfigRecord({"mode": cfg.mode, "local-epochs": cfg.local_epochs, "lr": cfg.lr})

@@ -97,8 +97,12 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
     ``average  round 2/3  acc 0.5571  loss 1.6934  ensemble 0.3482  [GUARDED (average used)]``."""
     rnd = row.get("round", "?")
     where = f"round {rnd}/{num_rounds}" if num_rounds else f"round {rnd}"
-    parts = [f"{label:<10}" if label else "", f"{where:<11}", f"acc {_num(row.get('test-accuracy'))}",
-             f"loss {_num(row.get('test-loss'))}"]
+    parts = [f"{label:<10}" if label else "", f"{where:<11}"]
+    if row.get("test-accuracy") is not None or row.get("federated-accuracy") is None:
+        parts += [f"acc {_num(row.get('test-accuracy'))}", f"loss {_num(row.get('test-loss'))}"]
+    if row.get("federated-accuracy") is not None:  # evaluation='federated'/'both': the clients' validation splits
+        parts += [f"federated acc {_num(row.get('federated-accuracy'))}", f"loss {_num(row.get('federated-loss'))}",
+                  f"({row.get('federated-clients')} clients)"]
     if row.get("ensemble-accuracy") is not None:
         parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
     if rnd == 0:
