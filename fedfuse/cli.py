@@ -273,8 +273,8 @@ def main_help() -> str:
     lines = ["usage: fedfuse <command> [options]      (fedfuse <command> --help: the command's options)", "",
              "Federated learning on Flower where the server fuses the clients' models.", "", "commands:"]
     lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
-    lines += ["", "examples:", "  fedfuse run                                   # average vs FedAvg, digits shards, "
-              "4 clients, 3 rounds",
+    lines += ["", "examples:", "  fedfuse run                                   # average vs FedAvg, digits Dirichlet "
+              "α=0.1, 4 clients, 10 rounds",
               "  fedfuse run --run-config \"dataset='mnist1d' partitioning='dirichlet' num-server-rounds=10\"",
               "  fedfuse compare --strategies average,fedavg,fedavgm --partitions shards --seeds 0,1,2 "
               "--engine inprocess",
