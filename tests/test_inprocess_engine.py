@@ -167,3 +167,13 @@ def test_inprocess_engine_matches_flwr_run(tmp_path, strategy):
     assert [r["test-accuracy"] for r in b] == [r["test-accuracy"] for r in a]
     assert [r["test-loss"] for r in b] == pytest.approx([r["test-loss"] for r in a], rel=1e-6)
     assert [r.get("client-test-accuracy") for r in b] == [r.get("client-test-accuracy") for r in a]
+
+
+def test_local_grid_hosts_a_subset_of_the_partitions():
+    grid = LocalGrid(_echo_app(), {}, num_nodes=10, run_id=RUN_ID, partitions=[0, 3, 6, 9])
+    ids = list(grid.get_node_ids())
+    assert [grid.contexts[n].node_config for n in ids] == [{"partition-id": p, "num-partitions": 10} for p in (0, 3, 6, 9)]
+    assert sorted(grid.partition_of(n) for n in ids) == [0, 3, 6, 9]
+    for bad in ([], [0, 0], [10]):
+        with pytest.raises(ValueError, match="partitions"):
+            LocalGrid(_echo_app(), {}, num_nodes=10, run_id=RUN_ID, partitions=bad)

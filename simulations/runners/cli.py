@@ -158,10 +158,13 @@ ENGINE_HELP = ("flwr: a real `flwr run` (SuperLink + Ray simulation engine); inp
 
 
 def run_with_engine(engine: str, run_config: dict[str, Any], *, num_supernodes: int, timeout: float, echo: bool,
-                    check_config: bool | None = None, on_line=None):
+                    check_config: bool | None = None, on_line=None, partitions: list[int] | None = None):
     """One run on ``engine`` (``ENGINES``); the ``flwr_runner.RunOutcome`` either way (``timeout`` bounds the
     ``flwr run`` process; the in-process engine holds each client call to the run's ``round-timeout``).
-    ``on_line`` receives every log line of the run (``simulations.runners.console.QuietConsole``)."""
+    ``on_line`` receives every log line of the run (``simulations.runners.console.QuietConsole``).
+    ``partitions``: host only these partition ids (in-process engine only; ``LocalGrid``)."""
+    if partitions is not None and engine != "inprocess":
+        raise ValueError("a subset of partitions (partitions=) needs engine 'inprocess'")
     if engine == "flwr":
         from simulations.runners.flwr_runner import run_app
 
@@ -171,5 +174,5 @@ def run_with_engine(engine: str, run_config: dict[str, Any], *, num_supernodes: 
         from simulations.runners.inprocess import run_app_inprocess
 
         return run_app_inprocess(run_config, num_supernodes=num_supernodes, echo=echo, check_config=check_config,
-                                 on_line=on_line)
+                                 on_line=on_line, partitions=partitions)
     raise ValueError(f"--engine: unknown engine {engine!r}; choose one of {list(ENGINES)}")

@@ -126,20 +126,26 @@ class LocalGrid(Grid):
         run_config: the fused run config every node's ``Context`` carries.
         num_nodes: number of nodes (= partitions).
         run_id: the run id messages and contexts carry.
+        partitions: host only these partition ids of ``num_nodes`` partitions (one node each, node config
+            ``num-partitions`` stays ``num_nodes``): a federation of a subset of the clients on the same
+            splits (e.g. "only the full-width clients" of a capacity-tier run). ``None`` = all.
     """
 
     def __init__(self, client_app: Callable[[Message, Context], Message], run_config: dict[str, Any],
-                 num_nodes: int, run_id: int = 1) -> None:
+                 num_nodes: int, run_id: int = 1, partitions: list[int] | None = None) -> None:
         if num_nodes < 1:
             raise ValueError(f"LocalGrid: num_nodes must be >= 1, got {num_nodes}")
+        hosted = list(range(num_nodes)) if partitions is None else [int(p) for p in partitions]
+        if not hosted or len(set(hosted)) != len(hosted) or not all(0 <= p < num_nodes for p in hosted):
+            raise ValueError(f"LocalGrid: partitions must be distinct ids in [0, {num_nodes}), got {partitions!r}")
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
-        self._node_ids = node_ids(num_nodes, run_id)
+        self._node_ids = node_ids(len(hosted), run_id)
         self.contexts: dict[int, Context] = {
             nid: Context(run_id=run_id, node_id=nid,
-                         node_config={PARTITION_ID_KEY: i, NUM_PARTITIONS_KEY: num_nodes},
+                         node_config={PARTITION_ID_KEY: p, NUM_PARTITIONS_KEY: num_nodes},
                          state=RecordDict(), run_config=dict(run_config))
-            for i, nid in enumerate(self._node_ids)}
+            for p, nid in zip(hosted, self._node_ids)}
         self._replies: dict[str, Message] = {}     # instruction message id -> reply, until pulled
         self._seconds: dict[str, float] = {}       # instruction message id -> ClientApp seconds
         self.client_seconds: list[float] = []     # every ClientApp call's seconds, in order
@@ -346,20 +352,22 @@ def run_app_inprocess(run_config: dict[str, Any], *, num_supernodes: int | None 
                       app_dir: Path = ROOT, check_config: bool | None = None,
                       client_app: Callable[[Message, Context], Message] | None = None,
                       server: ServerMain | None = None,
-                      on_line: Callable[[str], None] | None = None) -> RunOutcome:
+                      on_line: Callable[[str], None] | None = None,
+                      partitions: list[int] | None = None) -> RunOutcome:
     """``run_app``'s in-process twin: the same run (config defaults, check, results folder) on a
     ``LocalGrid``; returns a ``RunOutcome`` whose status is ``finished:completed`` or ``finished:failed``
     (the ServerApp raised; its exception in ``details``, results still written by the ServerApp).
     ``on_line`` receives every ``flwr`` log line (``"LEVEL : message"``), as ``run_app``'s does.
 
     ``client_app`` / ``server`` default to fedfuse's ClientApp and ``run_server``; pass e.g. a test app's
-    (with its ``app_dir``, whose pyproject declares its extra run-config keys).
+    (with its ``app_dir``, whose pyproject declares its extra run-config keys). ``partitions``: host only these
+    partition ids of the run's ``num-clients`` partitions (``LocalGrid``).
     """
     cfg, n, out_dir = prepare(run_config, num_supernodes, app_dir, check_config)
     fused = fused_run_config(cfg, app_dir)
     run_id = run_id_for(str(cfg["run-name"]))
     server_fn = server or _default_server()
-    grid = LocalGrid(client_app or _default_client_app(), fused, n, run_id=run_id)
+    grid = LocalGrid(client_app or _default_client_app(), fused, n, run_id=run_id, partitions=partitions)
     context = Context(run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
                       run_config=dict(fused))
     threads = torch.get_num_threads()

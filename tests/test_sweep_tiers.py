@@ -1,0 +1,40 @@
+"""The sweep's capacity-tier table (issue 13): sweep-only keys, per-tier columns, timing ratio."""
+
+import pytest
+
+from fedfuse.config import ConfigError
+from simulations.runners.sweep import aggregation_seconds, parse_strategy, sweep_keys, tier_table
+
+
+def test_sweep_only_keys_are_popped_and_checked():
+    _, extra = parse_strategy("fedavg[model-width=64 sweep-partitions='0,3' sweep-as-tier=0.25]")
+    assert sweep_keys(extra) == ([0, 3], "0.25") and extra == {"model-width": 64}
+    assert sweep_keys({}) == (None, None)
+    with pytest.raises(ConfigError, match="sweep-partitions"):
+        sweep_keys({"sweep-partitions": "0,0"})
+    with pytest.raises(ConfigError, match="sweep-as-tier"):
+        sweep_keys({"sweep-as-tier": 2})
+
+
+def _row(strategy, seed, acc, tiers=None, secs=(1.0, 1.0), as_tier=None, nbytes=None):
+    row = {"strategy": strategy, "partitioning": "dirichlet", "seed": seed, "final-accuracy": acc,
+           "accuracy-per-round": [0.1, acc], "fusion-seconds": list(secs), "tier-derivation-seconds": [None, 0.5]}
+    if tiers:
+        row["final-tier-accuracy"] = tiers
+        row["tier-bytes-sent"] = {"1": 4e6, "0.5": 1e6}
+    if as_tier:
+        row["as-tier"], row["tier-bytes-sent"] = as_tier, {"all": nbytes}
+    return row
+
+
+def test_tier_table_columns_and_ratio():
+    rows = [_row("heterofl", s, 0.4, {"1": 0.4, "0.5": 0.3 + s / 100}, secs=(1.0, 1.0)) for s in (0, 1)]
+    rows += [_row("kf-linear", s, 0.5, {"1": 0.5, "0.5": 0.45}, secs=(3.0, 3.0)) for s in (0, 1)]
+    rows += [_row("fedavg", s, 0.2, as_tier="0.5", nbytes=2e6) for s in (0, 1)]
+    assert aggregation_seconds(rows[0]) == [1.0, 1.5]
+    text = tier_table(rows, ["heterofl", "kf-linear", "fedavg"], "dirichlet")
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "tier 1 | tier 0.5 |" in lines["strategy"]
+    assert "0.305 ± 0.007" in lines["heterofl"] and "1.0×" in lines["heterofl"]
+    assert "2.6×" in lines["kf-linear"]          # median (3.0 + 3.5) / 2 = 3.25 vs 1.25
+    assert "| — | 0.200 ± 0.000 |" in lines["fedavg"] and "— / 2.000" in lines["fedavg"]
