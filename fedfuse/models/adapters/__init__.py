@@ -6,6 +6,7 @@
     adapter.fs_merge_structure(models)    # FS-Merge SuperNet layout
     adapter.config(model); adapter.resize(model, width=..., depth=...)
     adapter.at_width_mult(model, 0.5)     # a capacity tier (heterogeneous clients)
+    adapter.pruning_spec(model)           # what structured pruning must know (fedfuse.pruning)
 
 ``ADAPTERS`` maps family name → adapter, checked in order by ``adapter_for`` (timm-style registry;
 ``register_adapter`` adds a family).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Level, ModelConfig,
+from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Level, ModelConfig, PruningSpec,
                                           UnsupportedModelError, check_width_mult)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 from fedfuse.models.adapters.resnet import ResNetAdapter
@@ -53,7 +54,8 @@ def model_family(model: nn.Module) -> str:
     return adapter_for(model).family
 
 
-__all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "UnsupportedModelError",
+__all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "PruningSpec",
+           "UnsupportedModelError",
            "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter",
            "SequentialMergeStructure", "ViTMergeStructure", "adapter_for", "model_family", "register_adapter",
            "check_width_mult"]

@@ -11,7 +11,11 @@ asks it for
 - ``pre_logits(model, x)`` / ``classifier(model)`` / ``set_classifier(model, linear)``: the features
   before the class layer and the class layer itself,
 - ``config(model)`` / ``build(config, seed)`` / ``resize(model, width, depth, seed)``: the model's
-  width/depth description and the same family at another width/depth (heterogeneous clients, pruning).
+  width/depth description and the same family at another width/depth (heterogeneous clients, pruning),
+- ``pruning_spec(model)`` / ``finish_pruning(model, num_heads)`` / ``removable_blocks(model)`` /
+  ``remove_blocks(model, indices)``: what structured pruning (``fedfuse.pruning``) must know about the
+  family (classifier, attention heads, raw parameters, which layers the importance levels score) and how to
+  keep the model consistent after Torch-Pruning cut its tensors or whole blocks were dropped.
 """
 
 from __future__ import annotations
@@ -123,6 +127,30 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass
+class PruningSpec:
+    """What structured pruning (``fedfuse.pruning``, Torch-Pruning's dependency graph) needs to know about a
+    model; given by its family's adapter (``Adapter.pruning_spec``).
+
+    Attributes:
+        ignored: modules whose *output* units are never pruned (the classifier).
+        num_heads: fused Q/K/V ``nn.Linear`` → number of heads (heads are pruning units; their output rows are
+            ``[q | k | v]``, each head-major).
+        attention_out: fused Q/K/V layer → the output projection whose *inputs* are the heads' outputs,
+            head-major (``h · head_dim + d``); attention groups are ranked and cut from that side.
+        unwrapped: raw ``nn.Parameter`` s outside prunable layers and the dimension holding their channels
+            (a ViT's class token and position embedding: dim 2).
+        score_levels: layer → name of the ``levels()`` level whose neurons are that layer's output units (so
+            client importance scores, keyed by level name, can rank its channels).
+    """
+
+    ignored: list[nn.Module] = field(default_factory=list)
+    num_heads: dict[nn.Module, int] = field(default_factory=dict)
+    attention_out: dict[nn.Module, nn.Module] = field(default_factory=dict)
+    unwrapped: list[tuple[nn.Parameter, int]] = field(default_factory=list)
+    score_levels: dict[nn.Module, str] = field(default_factory=dict)
+
+
 class Adapter:
     """Base class of the architecture adapters (see the module docstring); subclasses set ``family``."""
 
@@ -204,3 +232,28 @@ class Adapter:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"resize: {key} must be a positive int, got {value!r}")
         return self.build(self.resized_config(self.config(model, input_shape), width, depth), seed=seed)
+
+    # ---- structured pruning (fedfuse.pruning)
+    def pruning_spec(self, model: nn.Module) -> PruningSpec:
+        """``PruningSpec`` of ``model``: by default only the classifier is protected and the affine levels'
+        layers carry the level scores."""
+        spec = PruningSpec(ignored=[self.classifier(model)])
+        for lv in self.levels(model)[:-1]:
+            if lv.layer is not None:
+                spec.score_levels[lv.layer] = lv.name
+        return spec
+
+    def finish_pruning(self, model: nn.Module, num_heads: dict[nn.Module, int]) -> None:
+        """Make ``model``'s own bookkeeping match its tensors after Torch-Pruning cut them (in place);
+        ``num_heads``: the fused Q/K/V layers' head counts after pruning. Families whose modules store
+        widths as attributes (timm attention) override this."""
+
+    def removable_blocks(self, model: nn.Module) -> list[int]:
+        """Indices (in ``model.blocks``) of the residual blocks whose removal equals skipping them (input and
+        output of the same shape, identity shortcut); none for families without residual blocks."""
+        return []
+
+    def remove_blocks(self, model: nn.Module, indices: list[int]) -> None:
+        """Drop the residual blocks ``indices`` (of ``removable_blocks``) in place, renumbering the rest."""
+        if indices:
+            raise UnsupportedModelError(f"remove_blocks: {self.family!r} models have no removable residual blocks")

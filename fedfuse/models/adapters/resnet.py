@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfuse.models.adapters.base import Adapter, Level, ModelConfig, UnsupportedModelError, compose
+from fedfuse.models.adapters.base import Adapter, Level, ModelConfig, PruningSpec, UnsupportedModelError, compose
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
 
 
@@ -96,3 +96,26 @@ class ResNetAdapter(Adapter):
         shape = tuple(input_shape) if input_shape is not None else (conv.in_channels, *((8,) if one_d else (8, 8)))
         return ModelConfig("resnet", "resnet", model.fc.out_features, shape, width,
                            len(stages), {"blocks_per_stage": per_stage[stages[0]], "norm": norm})
+
+    # ------------------------------------------------------------------------- structured pruning
+    def pruning_spec(self, model: nn.Module) -> PruningSpec:
+        """The classifier's outputs stay; the stem conv's outputs are level ``stem``'s neurons and block ``i``'s
+        ``conv2`` outputs level ``blocks.i``'s (the block output channels)."""
+        spec = PruningSpec(ignored=[model.fc])
+        spec.score_levels[model.stem[0]] = "stem"
+        for i, blk in enumerate(model.blocks):
+            spec.score_levels[blk.conv2] = f"blocks.{i}"
+        return spec
+
+    def removable_blocks(self, model: nn.Module) -> list[int]:
+        """Blocks with an identity shortcut (stride 1, same channels): ``relu(x + f(x))`` with ``x >= 0`` (a
+        ReLU output) becomes ``x`` when skipped."""
+        return [i for i, blk in enumerate(model.blocks) if isinstance(blk.shortcut, nn.Identity)]
+
+    def remove_blocks(self, model: nn.Module, indices: list[int]) -> None:
+        drop = {int(i) for i in indices}
+        bad = drop - set(self.removable_blocks(model))
+        if bad:
+            raise UnsupportedModelError(f"remove_blocks: ResNet blocks {sorted(bad)} change the shape (shortcut "
+                                        "convolution) and cannot be dropped")
+        model.blocks = nn.Sequential(*[b for i, b in enumerate(model.blocks) if i not in drop])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedfuse.models.adapters.base import (Adapter, Level, ModelConfig, UnsupportedModelError, check_width_mult,
-                                          is_identity)
+from fedfuse.models.adapters.base import (Adapter, Level, ModelConfig, PruningSpec, UnsupportedModelError,
+                                          check_width_mult, is_identity)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
 
 _HEAD_PREFIXES = ("norm.", "fc_norm.", "head.", "attn_pool.")
@@ -185,6 +185,11 @@ class ViTAdapter(Adapter):
             if not (is_identity(blk.ls1) and is_identity(blk.ls2) and is_identity(getattr(blk.attn, "q_norm", None))):
                 why.append(f"block {i} has LayerScale or q/k norms")
                 break
+        shapes = {(blk.attn.num_heads, blk.attn.qkv.out_features, blk.mlp.fc1.out_features) for blk in blocks
+                  if hasattr(blk.attn, "qkv") and hasattr(blk.mlp, "fc1")}
+        if len(shapes) > 1 or any(qkv != 3 * model.embed_dim for _, qkv, _ in shapes):
+            why.append("blocks of different widths or an attention width other than the embedding width "
+                       "(e.g. after structured pruning)")
         if why:
             raise UnsupportedModelError(f"config: this VisionTransformer is not laid out like fedfuse's vit "
                                         f"({'; '.join(why)}), so it cannot be rebuilt at another width/depth")
@@ -219,6 +224,77 @@ class ViTAdapter(Adapter):
             raise ValueError(f"resize: ViT width {cfg.width} is not a multiple of the head dim {head_dim} "
                              f"(width {config.width} / {config.options['num_heads']} heads)")
         return cfg.replace(options={**config.options, "num_heads": cfg.width // head_dim})
+
+    # ------------------------------------------------------------------------- structured pruning
+    def pruning_spec(self, model: nn.Module) -> PruningSpec:
+        """Heads are units of every block's fused ``attn.qkv`` (cut together with the matching ``attn.proj``
+        input columns), the class/register tokens and the position embedding hold the embedding width in dim 2,
+        the head's outputs (classes) stay, and block ``i``'s ``mlp.fc2`` outputs are level ``blocks.i``'s neurons."""
+        spec = PruningSpec(ignored=[model.head])
+        for key in ("cls_token", "reg_token", "pos_embed"):
+            p = getattr(model, key, None)
+            if isinstance(p, nn.Parameter):
+                spec.unwrapped.append((p, p.dim() - 1))
+        for i, blk in enumerate(model.blocks):
+            attn = blk.attn
+            if not hasattr(attn, "qkv") or getattr(attn, "gate", None) is not None or not (
+                    is_identity(getattr(attn, "q_norm", None)) and is_identity(getattr(attn, "k_norm", None))
+                    and is_identity(getattr(attn, "norm", None))):
+                raise UnsupportedModelError(f"prune: blocks.{i}.attn is not a plain timm Attention with a fused qkv "
+                                            "(q/k norms, scale norm or gates are not supported)")
+            spec.num_heads[attn.qkv] = attn.num_heads
+            spec.attention_out[attn.qkv] = attn.proj
+            if hasattr(blk.mlp, "fc2"):
+                spec.score_levels[blk.mlp.fc2] = f"blocks.{i}"
+        return spec
+
+    def finish_pruning(self, model: nn.Module, num_heads: dict[nn.Module, int]) -> None:
+        """timm's ``Attention`` reshapes with its stored ``num_heads``/``head_dim``/``attn_dim``, and
+        ``VisionTransformer`` keeps ``embed_dim``/``num_features``: set them from the pruned tensors. When the
+        head dim shrank, the query rows are scaled by ``sqrt(new/old)`` so the attention logits keep the
+        original ``1/sqrt(old head dim)`` scaling (``scaled_dot_product_attention`` uses the new one)."""
+        for blk in model.blocks:
+            attn = blk.attn
+            heads = int(num_heads.get(attn.qkv, attn.num_heads))
+            attn_dim = attn.proj.in_features
+            if attn.qkv.out_features != 3 * attn_dim or attn_dim % heads:
+                raise UnsupportedModelError(f"finish_pruning: qkv has {attn.qkv.out_features} outputs for "
+                                            f"{heads} heads and a projection of {attn_dim} inputs")
+            head_dim = attn_dim // heads
+            if head_dim != attn.head_dim:
+                with torch.no_grad():
+                    c = math.sqrt(head_dim / attn.head_dim)
+                    attn.qkv.weight[:attn_dim].mul_(c)
+                    if attn.qkv.bias is not None:
+                        attn.qkv.bias[:attn_dim].mul_(c)
+            attn.num_heads, attn.head_dim, attn.attn_dim = heads, head_dim, attn_dim
+            attn.scale = head_dim ** -0.5
+        width = model.patch_embed.proj.out_channels
+        model.embed_dim = model.num_features = width
+        if hasattr(model, "head_hidden_size"):
+            model.head_hidden_size = width
+        _sync_feature_info(model)
+
+    def removable_blocks(self, model: nn.Module) -> list[int]:
+        """Every transformer block (pre-norm residual: skipping one maps tokens to themselves)."""
+        return list(range(len(model.blocks)))
+
+    def remove_blocks(self, model: nn.Module, indices: list[int]) -> None:
+        drop = {int(i) for i in indices}
+        if any(not 0 <= i < len(model.blocks) for i in drop) or len(drop) >= len(model.blocks):
+            raise UnsupportedModelError(f"remove_blocks: cannot drop blocks {sorted(drop)} of {len(model.blocks)} "
+                                        "(at least one must stay)")
+        model.blocks = nn.Sequential(*[b for i, b in enumerate(model.blocks) if i not in drop])
+        _sync_feature_info(model)
+
+
+def _sync_feature_info(model: nn.Module) -> None:
+    """timm's ``feature_info`` (one entry per block with its width) after pruning or dropping blocks."""
+    info = getattr(model, "feature_info", None)
+    if isinstance(info, list) and info and isinstance(info[0], dict):
+        red = info[0].get("reduction")
+        model.feature_info = [dict(module=f"blocks.{i}", num_chs=model.embed_dim, reduction=red)
+                              for i in range(len(model.blocks))]
 
 
 # ------------------------------------------------------------------------------------------------------
