@@ -28,7 +28,6 @@ inside the functions that need them, so ``import fedfuse.data`` stays cheap.
 
 from fedfuse.data.fusion_set import (FederatedData, check_fusion_inputs, fusion_set, load_fusion_file,
                                      write_fusion_set_file, write_test_set_file)
-from fedfuse.data.node_data import load_node_data, write_node_data, write_partition_files
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
 from fedfuse.data.sources import SOURCE_INFO, SOURCES, ArrayDataset, SourceInfo, load_source, source_info
 
@@ -52,3 +51,15 @@ __all__ = [
     "SourceInfo",
     "source_info",
 ]
+
+# node_data is also a script (`python -m fedfuse.data.node_data`): imported on first use, so that runpy does not
+# find it in sys.modules already (RuntimeWarning "found in sys.modules after import of package")
+_NODE_DATA = ("load_node_data", "write_node_data", "write_partition_files")
+
+
+def __getattr__(name: str):
+    if name in _NODE_DATA:
+        from fedfuse.data import node_data
+
+        return getattr(node_data, name)
+    raise AttributeError(f"module 'fedfuse.data' has no attribute {name!r}")
