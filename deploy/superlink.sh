@@ -17,6 +17,7 @@ export FLWR_HOME=${FLWR_HOME:-$HOME/.flwr}
 mkdir -p "$FLWR_HOME"
 DATABASE=${DATABASE:-$FLWR_HOME/superlink.db}
 BIN="$ROOT/.venv/bin"
+export PATH="$BIN:$PATH"   # flower-superlink/-supernode start flower-superexec (and flwr-*app) by name
 
 args=(--host "$HOST" --port "$PORT" --database "$DATABASE" --disable-runtime-dependency-installation)
 if [ "${FEDFUSE_INSECURE:-0}" = "1" ]; then

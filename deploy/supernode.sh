@@ -20,6 +20,7 @@ PORT=${PORT:-9094}
 CA=${CA:-$ROOT/deploy/certs/ca.crt}
 KEY=${KEY:-$ROOT/deploy/keys/supernode-$PID}
 BIN="$ROOT/.venv/bin"
+export PATH="$BIN:$PATH"   # flower-superlink/-supernode start flower-superexec (and flwr-*app) by name
 
 args=(--superlink "$SUPERLINK" --port "$PORT" --node-config "partition-id=$PID num-partitions=$NUM $EXTRA")
 if [ "${FEDFUSE_INSECURE:-0}" = "1" ]; then
