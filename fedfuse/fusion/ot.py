@@ -44,6 +44,8 @@ from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, 
                                     collect_activations, marginal_from_scores, solve_group, standardize,
                                     weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
+from fedfuse.fusion.selective import adapter_block_paths as block_paths
+from fedfuse.fusion.selective import fuse_selective
 
 ResidualPolicy = Literal["tied", "mean", "no_resid", "only_resid"]
 POLICIES = typing.get_args(ResidualPolicy)
@@ -127,6 +129,21 @@ class OTOptions(AlignOptions):
         head_preserving: head-structured attention plans (default) or cross-head (reference code).
         std: z-score activations per unit before the cost.
         max_rows: activation rows per hook point.
+        anchor: index of the model whose architecture the fused model takes (the OT reference B; default
+            model 0). Another anchor, and models of different depths (ViTs: blocks matched by CKA on the
+            fusion set), run through ``fedfuse.fusion.selective`` (``residual="tied"``, activation cost).
+        selective: importance-conditioned ("selective", seed 000 §1.9) transport, ``fedfuse.fusion.selective``:
+            mass ∝ unit importance, heads as units, low-importance / unmatched units keep the anchor's
+            values. The options below apply only with ``selective=true``.
+        importance: ``"auto"`` (the clients' scores where they cover a group, else a Taylor score
+            ``|a·∂KL(ensemble‖model)/∂a|`` on the fusion set) | ``"taylor"`` | ``"activation"`` (mean
+            ``|a|``) | ``"uniform"`` (every unit equal: ordinary OT plans with balanced transport).
+        transport: ``"partial"`` (POT ``ot.partial``: only ``mass`` of the importance mass moves) |
+            ``"unbalanced"`` (POT ``ot.unbalanced``, marginal penalty ``reg_m``) | ``"balanced"``.
+        mass: fraction of the importance mass that partial transport moves, in (0, 1] (1 = balanced).
+        reg_m: marginal relaxation of unbalanced transport (> 0; larger = closer to balanced).
+        min_importance: units below this multiple of their group's mean importance get no mass (stay
+            unmatched, the anchor's values kept); 0 = none excluded.
     """
 
     cost: Literal["activations", "weights"] | None = None
@@ -137,15 +154,27 @@ class OTOptions(AlignOptions):
     head_preserving: bool = True
     std: bool = True
     max_rows: int = 4096
+    anchor: int = 0
+    selective: bool = False
+    importance: Literal["auto", "taylor", "activation", "uniform"] = "auto"
+    transport: Literal["partial", "unbalanced", "balanced"] = "partial"
+    mass: float = 0.7
+    reg_m: float = 1.0
+    min_importance: float = 0.1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.anchor >= 0, "anchor", ">= 0", self.anchor)
+        require(0 < self.mass <= 1, "mass", "in (0, 1]", self.mass)
+        require(self.reg_m > 0, "reg_m", "> 0", self.reg_m)
+        require(self.min_importance >= 0, "min_importance", ">= 0", self.min_importance)
         require(self.solver != "sinkhorn" or self.reg > 0, "reg", "> 0 for solver='sinkhorn'", self.reg)
         require(self.max_rows >= 1, "max_rows", ">= 1", self.max_rows)
 
     def reads_client_scores(self) -> bool:
-        """Only importance marginals read the clients' scores (``MethodSpec.reads_client_scores``)."""
-        return self.marginals == "importance"
+        """Importance marginals and selective transport (``importance="auto"``) read the clients' scores
+        (``MethodSpec.reads_client_scores``)."""
+        return self.marginals == "importance" or (self.selective and self.importance == "auto")
 
 
 @register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True)
@@ -163,6 +192,17 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
     if o.marginals == "importance" and scores is None:
         raise MissingInputError("ot: marginals='importance' needs scores (one dict per model)")
     t0 = time.perf_counter()
+    if o.selective or o.anchor != 0 or len({len(block_paths(m)) for m in models}) > 1:
+        if cost != "activations":
+            raise MissingInputError("ot: selective=true, anchor > 0 and models of different depths need the "
+                                    "activation cost (fusion_inputs)")
+        fused, moved = fuse_selective(models, fusion_inputs=fusion_inputs, scores=scores, weights=weights,
+                                      device=device, seed=seed, opts=o, info=info)
+        info.update(cost=cost, solver=o.solver, align_seconds=time.perf_counter() - t0)
+        # copies of the anchor (nothing moved) keep its BatchNorm statistics: the fixed point
+        reset = o.reset_bn if o.reset_bn is not None else (fusion_inputs is not None and moved)
+        return finish(fused, models, fusion_inputs, reset_bn=reset, finetune=o.finetune, weights=weights,
+                      device=device, seed=seed, info=info)
     ref = models[0]
     layout = "tied" if o.residual == "tied" else "untied"
     spec_b = build_spec(ref, layout)

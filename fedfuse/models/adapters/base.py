@@ -187,6 +187,19 @@ class Adapter:
         """Replace the class layer in place (its output count may change)."""
         raise NotImplementedError
 
+    # ---- depth (selective OT fuses models of different depths: fedfuse.fusion.selective)
+    def block_paths(self, model: nn.Module) -> list[str]:
+        """Module paths of the model's repeated residual blocks, in forward order (families whose depth
+        is a sequence of interchangeable blocks); ``UnsupportedModelError`` for the others."""
+        raise UnsupportedModelError(f"{self.family!r} models have no interchangeable blocks; models of different "
+                                    "depths cannot be block-matched")
+
+    def with_blocks(self, model: nn.Module, indices: list[int]) -> nn.Module:
+        """A view of ``model`` whose blocks are ``model``'s blocks ``indices`` (in that order; repeats allowed),
+        **sharing** the module objects (no copy): its state dict names the chosen blocks by their new positions,
+        and hooks registered on it fire when ``model`` itself runs. Families without blocks raise."""
+        raise UnsupportedModelError(f"{self.family!r} models have no interchangeable blocks")
+
     # ---- the family at other sizes
     def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         """Width, depth and the other factory settings of ``model``; ``input_shape`` (when known) replaces

@@ -150,6 +150,24 @@ class ViTAdapter(Adapter):
             classifier = ()
         return PermSpec("vit", groups, entries, classifier)
 
+    # ------------------------------------------------------------------------------------------- depth
+    def block_paths(self, model: nn.Module) -> list[str]:
+        return [f"blocks.{i}" for i in range(len(model.blocks))]
+
+    def with_blocks(self, model: nn.Module, indices: list[int]) -> nn.Module:
+        import copy
+        from collections import OrderedDict
+
+        n = len(model.blocks)
+        if not indices or any(not 0 <= int(i) < n for i in indices):
+            raise UnsupportedModelError(f"with_blocks: block indices {list(indices)} out of range for depth {n}")
+        view = copy.copy(model)  # shallow: the same submodules, own module/parameter tables
+        view._modules = OrderedDict(model._modules)
+        view._parameters = OrderedDict(model._parameters)
+        view._buffers = OrderedDict(model._buffers)
+        view.blocks = nn.Sequential(*[model.blocks[int(i)] for i in indices])
+        return view
+
     # ------------------------------------------------------------------------------------------ FS-Merge
     def fs_merge_structure(self, models: list[nn.Module]) -> "ViTMergeStructure":
         return ViTMergeStructure(models)
