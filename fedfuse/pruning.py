@@ -193,6 +193,8 @@ def score_importance(DG, scores: Mapping[str, torch.Tensor], score_levels: Mappi
                 if any(r is None for r in root):
                     continue
                 name = score_levels[layer]
+                if name not in scores:
+                    continue
                 s = torch.as_tensor(scores[name]).detach().float().cpu().flatten()
                 s = s / s.mean().clamp_min(1e-12)
                 total.scatter_add_(0, torch.as_tensor(root, dtype=torch.long), s[torch.as_tensor(idxs, dtype=torch.long)])
@@ -226,16 +228,18 @@ def _taylor_gradients(model: nn.Module, x: torch.Tensor, teachers: list[nn.Modul
 
     def run(targets: torch.Tensor) -> float:
         model.zero_grad(set_to_none=True)
+        total = 0.0
         for i in range(0, len(x), batch_size):
             logp = F.log_softmax(model(x[i:i + batch_size]), -1)
             loss = F.kl_div(logp, targets[i:i + batch_size], reduction="sum") / len(x)
             loss.backward()
-        return math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+            total += float(loss)
+        return total
 
     probs = _targets(model, x, teachers, weights, batch_size)
     kind = "kl-ensemble" if teachers else "ce-own-predictions"
-    if run(probs) < 1e-10:
-        kind = "ce-ensemble-predictions" if teachers else kind
+    if run(probs) < 1e-6 and teachers:  # the teachers agree with the model: the KL gradient vanishes
+        kind = "ce-ensemble-predictions"
         run(F.one_hot(probs.argmax(-1), probs.shape[-1]).float())
     return kind
 
@@ -352,6 +356,7 @@ def block_similarity(model: nn.Module, fusion_inputs: torch.Tensor, batch_size: 
     (``Adapter.removable_blocks``)."""
     adapter = adapter_for(model)
     blocks = adapter.removable_blocks(model)
+    mods = adapter.blocks(model)
     sums = {i: 0.0 for i in blocks}
     hooks = []
 
@@ -360,7 +365,6 @@ def block_similarity(model: nn.Module, fusion_inputs: torch.Tensor, batch_size: 
             sums[i] += float(F.cosine_similarity(args[0].flatten(1).double(), out.flatten(1).double(), dim=1).sum())
         return fn
 
-    mods = list(model.blocks)
     for i in blocks:
         hooks.append(mods[i].register_forward_hook(hook(i)))
     was = model.training
@@ -528,10 +532,10 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
 
         # ---- 1. blocks
         removed: list[int] = []
-        order = list(range(len(getattr(work, "blocks", []))))
+        depth = len(adapter.blocks(work))
         drop: list[int] = []
         if target is not None:
-            t_depth, depth = len(getattr(target, "blocks", [])), len(getattr(work, "blocks", []))
+            t_depth = len(adapter.blocks(target))
             if t_depth > depth:
                 raise ValueError(f"prune: target is deeper than the model ({t_depth} > {depth} blocks)")
             if t_depth < depth:
@@ -548,7 +552,7 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
             sim = block_similarity(work, x, o.batch_size)
             info["block_similarity"] = sim
             ranked = sorted(sim, key=lambda i: -sim[i])
-            cap = len(order) - 1
+            cap = max(depth - 1, 0)
             if n_blocks is not None:
                 if n_blocks > min(len(ranked), cap):
                     raise ValueError(f"prune: prune_blocks={n_blocks} but only {min(len(ranked), cap)} blocks can "

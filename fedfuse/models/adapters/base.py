@@ -12,7 +12,7 @@ asks it for
   before the class layer and the class layer itself,
 - ``config(model)`` / ``build(config, seed)`` / ``resize(model, width, depth, seed)``: the model's
   width/depth description and the same family at another width/depth (heterogeneous clients, pruning),
-- ``pruning_spec(model)`` / ``finish_pruning(model, num_heads)`` / ``removable_blocks(model)`` /
+- ``pruning_spec(model)`` / ``finish_pruning(model, num_heads)`` / ``blocks(model)`` / ``removable_blocks(model)`` /
   ``remove_blocks(model, indices)``: what structured pruning (``fedfuse.pruning``) must know about the
   family (classifier, attention heads, raw parameters, which layers the importance levels score) and how to
   keep the model consistent after Torch-Pruning cut its tensors or whole blocks were dropped.
@@ -261,8 +261,12 @@ class Adapter:
         ``num_heads``: the fused Q/K/V layers' head counts after pruning. Families whose modules store
         widths as attributes (timm attention) override this."""
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The model's residual blocks in forward order (``[]`` for families without them)."""
+        return []
+
     def removable_blocks(self, model: nn.Module) -> list[int]:
-        """Indices (in ``model.blocks``) of the residual blocks whose removal equals skipping them (input and
+        """Indices (in ``blocks(model)``) of the residual blocks whose removal equals skipping them (input and
         output of the same shape, identity shortcut); none for families without residual blocks."""
         return []
 

@@ -107,6 +107,10 @@ class ResNetAdapter(Adapter):
             spec.score_levels[blk.conv2] = f"blocks.{i}"
         return spec
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The residual blocks (``model.blocks``)."""
+        return list(model.blocks)
+
     def removable_blocks(self, model: nn.Module) -> list[int]:
         """Blocks with an identity shortcut (stride 1, same channels): ``relu(x + f(x))`` with ``x >= 0`` (a
         ReLU output) becomes ``x`` when skipped."""

@@ -293,6 +293,10 @@ class ViTAdapter(Adapter):
             model.head_hidden_size = width
         _sync_feature_info(model)
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer blocks (``model.blocks``)."""
+        return list(model.blocks)
+
     def removable_blocks(self, model: nn.Module) -> list[int]:
         """Every transformer block (pre-norm residual: skipping one maps tokens to themselves)."""
         return list(range(len(model.blocks)))
