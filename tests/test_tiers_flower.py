@@ -128,3 +128,35 @@ def test_tiered_average_is_the_heterofl_average_of_the_replies():
     want = aggregate_states(g, [u.state for u in ups], [s.layout(u.metrics["tier"], 0) for u in ups], [10, 20, 30])
     for k, v in res.model.state_dict().items():
         assert torch.allclose(v, want[k]), k
+
+
+def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slice():
+    import torch
+
+    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.strategy import state_to_record
+    from fedfuse.hetero import slice_state
+
+    s = _strategy("kf-linear", tier_models="fuse")
+    torch.manual_seed(0)
+    s._node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
+    ups = [ClientUpdate(node_id=i, partition_id=i, num_examples=10, state=s.skeleton(r).state_dict(),
+                        metrics={"tier": r}, scores=None, class_counts=None) for i, r in enumerate((1.0, 0.5, 0.25))]
+    for i, u in enumerate(ups):   # distinct client models
+        u.state.update({k: torch.randn_like(v) * 0.3 for k, v in u.state.items()})
+    s._global = state_to_record(s.skeleton(1.0).state_dict())
+    good = slice_state(s.weighted_average(ups), s.layout(0.5, 0))
+    s._derived = {}
+    s._derived[0.5] = {k: v * 1e3 for k, v in good.items()}   # a blown-up tier model: guarded
+    s._derived[0.25] = slice_state(s.weighted_average(ups), s.layout(0.25, 0))   # the safe slice itself: kept
+    kept = {k: v.clone() for k, v in s._derived[0.25].items()}
+    s._tier_guarded = {}
+    s.guard_tiers(1, ups)
+    assert set(s._tier_guarded) == {"0.5"} and "KL" in s._tier_guarded["0.5"]
+    assert all(torch.equal(s._derived[0.5][k], good[k]) for k in good)
+    assert all(torch.equal(s._derived[0.25][k], kept[k]) for k in kept)
+    s.guard = False
+    s._derived[0.5] = {k: v * 1e3 for k, v in good.items()}
+    s._tier_guarded = {}
+    s.guard_tiers(1, ups)
+    assert s._tier_guarded == {}
