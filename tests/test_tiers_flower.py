@@ -160,3 +160,35 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
     s._tier_guarded = {}
     s.guard_tiers(1, ups)
     assert s._tier_guarded == {}
+
+
+def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
+    import torch
+
+    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.strategy import state_to_record
+
+    s = _strategy("kf-linear")
+    s._node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
+    torch.manual_seed(0)
+    ups = [ClientUpdate(node_id=i, partition_id=i, num_examples=10,
+                        state={k: torch.randn_like(v) * 0.3 for k, v in s.skeleton(r).state_dict().items()},
+                        metrics={"tier": r}, scores=None, class_counts=None) for i, r in enumerate((1.0, 0.5, 0.25))]
+    s._global = state_to_record(s.skeleton(1.0).state_dict())
+    average = s.weighted_average(ups)
+    s._global = state_to_record({k: v * 1e3 for k, v in average.items()})   # a "fused" global whose slices diverged
+    s.history.append({"round": 1})
+    s.last_updates = ups
+    s.derive_tier_models(1, ups)
+    assert s._tier_guarded and s._tier_fallback is not None
+    import fedfuse.flower.strategy as base
+
+    orig = base.FusionStrategy.aggregate_train
+    base.FusionStrategy.aggregate_train = lambda self, rnd, replies: (self._global, None)
+    try:
+        arrays, _ = s.aggregate_train(1, [])
+    finally:
+        base.FusionStrategy.aggregate_train = orig
+    got = arrays.to_torch_state_dict()
+    assert all(torch.allclose(got[k], average[k]) for k in average)
+    assert s._derived == {} and "tier guard" in s.history[-1]["guard"] and s._tier_fallback is None

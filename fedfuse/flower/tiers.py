@@ -129,6 +129,7 @@ class TieredFusionStrategy(FusionStrategy):
         self._derived: dict[float, dict[str, torch.Tensor]] = {}   # tier -> model from 'fuse' derivation
         self._round_tiers: dict[str, Any] = {}
         self._tier_guarded: dict[str, str] = {}   # tier -> why its derived model was replaced (the round's tier guard)
+        self._tier_fallback: dict[str, torch.Tensor] | None = None   # the round's sub-model average when a tier is guarded
         self._offset = 0   # the window offset of the round being aggregated
         self._level_widths = None  # per tier (tier_level_widths)
         base_fn = self.fuse_fn
@@ -296,6 +297,17 @@ class TieredFusionStrategy(FusionStrategy):
             record["tier-derivation-seconds"] = time.perf_counter() - t0
             if self._tier_guarded:
                 record["tier-guard"] = dict(self._tier_guarded)
+                if self._tier_fallback is not None:
+                    # the tiers must stay nested slices of the global model (the next round averages the narrow
+                    # clients' entries into the global's top-left block): the whole round uses the sub-model average
+                    arrays = state_to_record(self._tier_fallback)
+                    self._global = arrays
+                    self._derived.clear()
+                    self.reset_server_state()
+                    record["guard"] = record.get("guard") or f"average (tier guard: {'; '.join(self._tier_guarded.values())})"
+                    log(WARNING, "aggregate_train: round %d: tier guard: the round uses the sub-model average for the "
+                        "global model and every tier", server_round + self.round_offset)
+            self._tier_fallback = None
         return arrays, metrics
 
     def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
@@ -363,7 +375,11 @@ class TieredFusionStrategy(FusionStrategy):
         that of the tier's slice of HeteroFL's sub-model average + 0.05 (or is not finite) is replaced by that
         slice (WARNING, ``history[round]["tier-guard"]``). Measured without it (MNIST-1D α=0.1, tiers
         1/0.5/0.25, kf-linear, seed 0): the global guard passed a fused model whose 0.25 slice scored 0.105,
-        and ``tier_models='fuse'`` sent tier models with KL 17 → 3e4 whose clients returned NaN (final 0.10)."""
+        and ``tier_models='fuse'`` sent tier models with KL 17 → 3e4 whose clients returned NaN (final 0.10).
+        Guarding a tier alone is not enough: the next round averages the narrow clients' entries into the global
+        model's top-left block, which must hold the same units (replacing only the tier models: 0.115), so a
+        guarded tier makes ``aggregate_train`` use the sub-model average for the global model and every tier
+        (``self._tier_fallback``)."""
         if (not self.guard or self.fusion_inputs is None or self.round_method(server_round) in SUBMODEL_METHODS
                 or len(updates) == 0):
             return
@@ -392,6 +408,8 @@ class TieredFusionStrategy(FusionStrategy):
                     reason)
                 self._tier_guarded[tier_name(r)] = reason
                 self._derived[r] = {k: v.detach().clone() for k, v in safe.items()}
+        if self._tier_guarded:
+            self._tier_fallback = average
 
     def _fuse_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """``tier_models="fuse"``: the round's client models fused into every narrower tier's width."""
@@ -406,7 +424,12 @@ class TieredFusionStrategy(FusionStrategy):
                                   prior=self.class_prior(updates)[0] if "calibrate" in self.refine_steps else None,
                                   **self.fusion_options)
                 check_finite(self.method, res.model)
-                self._derived[r] = res.model.state_dict()
+                model = res.model
+                if self.anchor:   # its units onto the new global model's slice (the next round averages them there)
+                    slice_model = self.build_model(slice_state(self.global_state(),
+                                                               self.layout(r, self.window(server_round + 1))))
+                    model, _ = align_to_anchor(model, slice_model, seed=self.seed + server_round)
+                self._derived[r] = model.state_dict()
             except ValueError as exc:   # FusionError: this tier keeps the slice of the global model
                 self._derived.pop(r, None)
                 log(WARNING, "aggregate_train: round %d: fusing tier %s failed (%s); it gets the global model's slice",
