@@ -57,8 +57,11 @@ def test_growth_and_report(result, tmp_path):
                   "tracemalloc-bytes-per-client", "torch-bytes-per-client", "retained-bytes-per-client"):
             assert k in g
     # the strategy keeps every round's updates: more clients, more retained memory
-    kept = {r["clients"]: r["memory"]["retained-after-round"] for r in result["rows"] if r["strategy"] == "fedavg"}
-    assert kept[6] > kept[3]
+    # kf-linear keeps every round's updates: more clients, more retained memory; the streamed average keeps none
+    kept = {(r["strategy"], r["clients"]): r["memory"]["retained-after-round"] for r in result["rows"]}
+    assert kept[("kf-linear", 6)] > kept[("kf-linear", 3)]
+    assert kept[("average", 6)] - kept[("average", 3)] < kept[("kf-linear", 6)] - kept[("kf-linear", 3)]
+    assert all(r["streamed"] == (r["strategy"] in ("fedavg", "average")) for r in result["rows"])
     text = render_table(result, "python -m simulations.bench.scaling --test")
     for name in STRATEGIES:
         assert f"| {name} |" in text

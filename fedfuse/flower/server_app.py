@@ -40,7 +40,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord  # noqa: E
 from flwr.common.logger import log  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from typing import Callable  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
@@ -49,7 +49,6 @@ from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
 from fedfuse.flower.tiers import strategy_builder  # noqa: E402
-from fedfuse.fusion.average import Ensemble  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
@@ -164,6 +163,26 @@ class FederatedEvaluation:
         return out
 
 
+class MemberReference:
+    """The per-client reference columns of a round (``ensemble-accuracy``, ``client-<p>-test-accuracy``, client
+    metric means), collected while the strategy validates each reply (``FusionStrategy.update_observer``): the
+    member's test logits are computed then and its weights dropped, so a streaming aggregation (``average``,
+    ``fedavg``) need not keep the round's client models for this reference."""
+
+    def __init__(self, build_model: Callable[[dict], Any], test_x: Any, device: Any) -> None:
+        self.build_model, self.test_x, self.device = build_model, test_x, device
+        self.members: list[tuple[int, Any, dict]] = []   # (partition id, test logits or None, metrics)
+
+    def __call__(self, update: Any) -> None:
+        logits = (predict_logits(self.build_model(update.state), self.test_x, device=self.device)
+                  if self.test_x is not None else None)
+        self.members.append((update.partition_id, logits, dict(update.metrics)))
+
+    def take(self) -> list[tuple[int, Any, dict]]:
+        out, self.members = self.members, []
+        return out
+
+
 def federated_evaluation_options(cfg: RunConfig) -> dict:
     """FedAvg options of the strategy for ``cfg.evaluation``: every node evaluates the global model each round
     (``fraction_evaluate=1``) with ``evaluation`` ``federated``/``both``; none with ``central``."""
@@ -237,6 +256,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         log(INFO, "fedfuse: evaluation='federated': the clients evaluate the global model on their validation "
             "splits every round; the server holds no test set")
     clock = {"t": time.perf_counter()}
+    reference = MemberReference(strategy.build_model, test_x if central else None, device)
+    strategy.update_observer = reference
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         server_round += done  # true round number when resuming
@@ -267,22 +288,27 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                             "skipped": hist.get("skipped"), "guard": hist.get("guard"),
                             "fusion-seconds": hist.get("fusion-seconds"),
                             "fusion-info": hist.get("fusion-info")})
-            updates = strategy.last_updates
-            if updates and central:
-                members = [strategy.build_model(u.state) for u in updates]
-                member_logits = [predict_logits(mm, test_x, device=device) for mm in members]
-                ens = Ensemble(members)
-                probs = sum(w * lg.softmax(-1) for w, lg in zip(ens.weights.tolist(), member_logits))
+            # the round's members as the strategy validated them (observer), else its kept replies (strategies
+            # that validate their own way, e.g. capacity tiers)
+            members = reference.take()
+            if not members and strategy.last_updates:
+                members = [(u.partition_id, predict_logits(strategy.build_model(u.state), test_x, device=device)
+                            if central else None, u.metrics) for u in strategy.last_updates]
+            if members and central:
+                member_logits = [lg for _, lg, _ in members]
+                w = torch.full((len(members),), 1.0 / len(members))  # the uniform Ensemble's weights
+                probs = sum(wi * lg.softmax(-1) for wi, lg in zip((w / w.sum()).tolist(), member_logits))
                 row["ensemble-accuracy"] = metrics_from_logits(probs, test_y, probabilities=True)["accuracy"]
                 row["client-test-accuracy"] = [metrics_from_logits(lg, test_y)["accuracy"] for lg in member_logits]
-                row["client-partition-ids"] = [u.partition_id for u in updates]  # rounds.csv client-<p>-... columns
+                row["client-partition-ids"] = [pid for pid, _, _ in members]  # rounds.csv client-<p>-... columns
                 row["best-client-accuracy"] = max(row["client-test-accuracy"])
-            if updates:
+            if members:
                 for key in ("train-seconds", "score-seconds", "train-accuracy", "val-accuracy"):
-                    vals = [u.metrics.get(key) for u in updates if isinstance(u.metrics.get(key), (int, float))]
+                    vals = [m.get(key) for _, _, m in members if isinstance(m.get(key), (int, float))]
                     if vals:
                         row[f"client-{key}-mean"] = sum(vals) / len(vals)
-        row["eval-seconds"] = time.perf_counter() - t_eval  # central evaluation incl. ensemble reference
+        # central evaluation (the per-client reference logits are computed as the strategy validates each reply)
+        row["eval-seconds"] = time.perf_counter() - t_eval
         row["server-peak-rss-mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         recorder.add_round(row)
         if server_round > 0:

@@ -36,11 +36,11 @@ from fedfuse.choices import FALLBACKS, PRIORS
 from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MethodSpec, MissingInputError, check_finite,
                             fuse_result, get_spec)
 from fedfuse.fusion.distillation import teacher_probs
-from fedfuse.fusion.refine import kl_to, parse_refine, refine_model
+from fedfuse.fusion.refine import classifier_bias, kl_to, parse_refine, refine_model
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
-from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
-                                    validate_reply)
+from fedfuse.flower.replies import (IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, NonFiniteWeights,
+                                    ReplyRejected, _metric_record, _npy_view, validate_reply)
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -123,6 +123,10 @@ class FusionStrategy(FedAvg):
     # server_momentum=None means this; 0 except where measured better (AverageStrategy 0.5): kf-linear fused every
     # round with momentum 0.5 collapsed on digits Dirichlet α=0.1 (0.12, 0.10, one run diverged; README multi-round)
     default_server_momentum: float = 0.0
+    # rounds whose aggregation is a plain weighted average (+ server step, + calibrate) run as a stream over the
+    # replies (``aggregate_streaming``): a running weighted sum, nothing per client kept. Opt-in per strategy class:
+    # AverageStrategy and FedAvgStrategy; other strategies read every client model at once.
+    streams: bool = False
 
     def __init__(self, method: str | None = None, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
@@ -220,6 +224,14 @@ class FusionStrategy(FedAvg):
             self._level_widths = {lv.name: lv.width for lv in levels(model_fn())}
         self._global: ArrayRecord | None = None
         self.last_updates: list[ClientUpdate] = []
+        # keep_updates: keep every round's validated replies in ``last_updates`` (turns streaming off); observer:
+        # called with every validated reply of a round (e.g. the ServerApp's per-client test reference) before the
+        # strategy drops it, in both modes
+        self.keep_updates = False
+        self.update_observer: Callable[[ClientUpdate], None] | None = None
+        self._reference_cache: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._template: nn.Module | None = None   # model_fn() once: build_model copies it (no re-initialisation)
+        self._probe: nn.Module | None = None      # model_fn() once: the streaming ensemble's forward passes
         self.history: list[dict[str, Any]] = []
         # rounds already done before this ``start`` (resume from a checkpoint): ``start`` counts 1..k,
         # clients, fusion seeds and ``history`` see the true round ``round_offset + 1 ..``
@@ -336,13 +348,23 @@ class FusionStrategy(FedAvg):
 
     def _reference(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         if self.model_fn is not None:
-            return {k: (tuple(v.shape), v.detach().cpu().numpy().dtype) for k, v in self.model_fn().state_dict().items()}
+            if self._reference_cache is None:  # the global architecture does not change between rounds
+                self._reference_cache = {k: (tuple(v.shape), v.detach().cpu().numpy().dtype)
+                                         for k, v in self._model_template().state_dict().items()}
+            return self._reference_cache
         if self._global is None:
             raise RuntimeError("strategy: no global model to validate replies against (set model_fn)")
         return {k: (tuple(a.shape), a.numpy().dtype) for k, a in self._global.items()}
 
+    def _model_template(self) -> nn.Module:
+        if self._template is None:
+            self._template = self.model_fn()
+        return self._template
+
     def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
-        model = self.model_fn()
+        """A model of the global architecture holding ``state`` (a copy of one ``model_fn()`` instance: building
+        a model anew re-seeds and re-initialises every layer, the larger part of an average round's time)."""
+        model = copy.deepcopy(self._model_template())
         model.load_state_dict(state)
         return model.eval()
 
@@ -386,6 +408,9 @@ class FusionStrategy(FedAvg):
                 record["rejected"].append(rejected)
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         self._node_partitions.update({u.node_id: u.partition_id for u in updates})
+        if self.update_observer is not None:
+            for u in updates:
+                self.update_observer(u)
         return updates
 
     # ---------------------------------------------------------------- aggregation
@@ -397,6 +422,8 @@ class FusionStrategy(FedAvg):
         record: dict[str, Any] = {"round": server_round, "method": self.round_method(server_round),
                                   "replies": len(replies), "failures": failures, "rejected": [],
                                   "fallback": None, "skipped": None, "fusion-info": None}
+        if self.streaming_round(server_round):
+            return self.aggregate_streaming(server_round, ok, failures, record)
         updates = self._validate(server_round, ok, record)
         record["valid"] = len(updates)
         self.last_updates = updates
@@ -434,6 +461,209 @@ class FusionStrategy(FedAvg):
         if state is None:
             return None, metrics
         return state_to_record(state), metrics
+
+    # ---------------------------------------------------------------- streaming average
+    def streaming_round(self, server_round: int) -> bool:
+        """Whether round ``server_round`` aggregates as a stream (``aggregate_streaming``): a plain weighted average
+        (``average``/``fedavg``, or ``average`` after ``fusion_rounds``) of a ``streams`` strategy, no ``distill``
+        (which reads every client model), the default ``fuse_fn`` and ``keep_updates`` off."""
+        return (self.streams and not self.keep_updates and self.fuse_fn is fuse_result
+                and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
+
+    def _wants_stream_ensemble(self) -> bool:
+        # the refine check compares the calibrated model with the clients' ensemble on the fusion set
+        return self.refine_check and "calibrate" in self.refine_steps and self.fusion_inputs is not None
+
+    def aggregate_streaming(self, server_round: int, ok: list[Message], failures: list[dict],
+                            record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of a weighted-average round as a stream over the replies: each reply is validated,
+        added to a running float64 weighted sum of the weights (and, when the refine check needs it, its softmax on
+        the fusion set to a running ensemble), handed to ``update_observer`` and dropped. The strategy holds one
+        model's worth of sums (+ ``[fusion set, classes]`` probabilities) whatever the number of clients; the
+        result is the same as averaging the kept replies (same order, same weights: sorted by partition id, sample
+        counts read from the metrics first). Then the server step, ``calibrate`` and its check, as
+        ``aggregate_state``."""
+        t_start = time.perf_counter()
+        reference = self._reference()
+        observer_seconds = 0.0
+        # pass 1, metrics only (no array deserialised): fusion order and the weights' denominator
+        keyed = []
+        for msg in ok:
+            metrics = _metric_record(msg.content, METRICS_KEY)
+            pid = metrics.get("partition-id", -1) if metrics is not None else -1
+            n = metrics.get(self.weighted_by_key) if metrics is not None else None
+            keyed.append(((int(pid) if isinstance(pid, (int, float)) and not isinstance(pid, bool) else -1,
+                           int(msg.metadata.src_node_id)), n, msg))
+        keyed.sort(key=lambda t: t[0])
+        plausible = [float(n) for _, n, _ in keyed
+                     if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n <= MAX_NUM_EXAMPLES]
+        total = float(np.array(plausible, dtype=float).sum()) if plausible else 1.0
+        ensemble = self._wants_stream_ensemble()
+        members: list[tuple[Message, float]] = []  # the valid replies (Flower's messages, held by the caller anyway)
+        acc: dict[str, torch.Tensor] | None = None
+        light: list[ClientUpdate] = []   # metrics only (no arrays): the round's metrics aggregation
+        valid_total = 0
+        for _, _, msg in keyed:
+            try:
+                u = validate_reply(msg, reference, None, arrays_key=self.arrayrecord_key, metrics_key=METRICS_KEY,
+                                   importance_key=IMPORTANCE_KEY, weight_key=self.weighted_by_key, copy=False)
+            except ReplyRejected as exc:
+                log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round,
+                    msg.metadata.src_node_id, exc)
+                rejected = {"node-id": int(msg.metadata.src_node_id), "reason": str(exc)}
+                if isinstance(exc, NonFiniteWeights):
+                    rejected["non-finite-weights"] = True
+                record["rejected"].append(rejected)
+                continue
+            w = u.num_examples / total
+            valid_total += u.num_examples
+            if acc is None:  # integer buffers (BatchNorm counters) from the first reply, as average_state_dicts
+                dtypes = {k: v.dtype for k, v in u.state.items()}
+                acc = {k: (w * v.double() if v.is_floating_point() else v.clone()) for k, v in u.state.items()}
+            else:
+                for k, v in u.state.items():
+                    if v.is_floating_point():
+                        acc[k].add_(w * v.double())
+            if ensemble:
+                members.append((msg, w))
+            self._node_partitions[u.node_id] = u.partition_id
+            if self.update_observer is not None:
+                t_obs = time.perf_counter()
+                self.update_observer(u)
+                observer_seconds += time.perf_counter() - t_obs
+            light.append(dataclasses.replace(u, state={}, scores=None))
+            del u
+        record["valid"] = len(light)
+        self.last_updates = []
+        if self._stop_or_skip(server_round, len(light), record):
+            return None, None
+        if valid_total != total:  # a rejected reply: renormalise over the valid ones
+            scale = total / valid_total
+            for k, v in acc.items():
+                if v.is_floating_point():
+                    v.mul_(scale)
+            members = [(m, w * scale) for m, w in members]
+        average = {k: v.to(dtypes[k]) for k, v in acc.items()}
+        t0 = time.perf_counter()
+        probs = (lambda: self._stream_ensemble(members, reference)) if ensemble else None
+        state, fallback, info = self._finish_stream(server_round, average, probs, light)
+        record["fusion-seconds"] = time.perf_counter() - t0 + (t0 - t_start - observer_seconds)
+        record["fallback"] = fallback
+        record["guard"] = (info or {}).pop("guard", None)
+        record["fusion-info"] = info
+        self.history.append(record)
+        metrics = self._train_metrics(light, ok)
+        metrics["fusion-seconds"] = record["fusion-seconds"]
+        metrics["num-valid"] = len(light)
+        metrics["num-rejected"] = len(record["rejected"])
+        metrics["num-failures"] = len(failures)
+        metrics["fell-back"] = int(fallback is not None)
+        metrics["guarded"] = 0
+        if state is None:
+            return None, metrics
+        return state_to_record(state), metrics
+
+    def _stream_ensemble(self, members: list[tuple[Message, float]],
+                         reference: dict[str, tuple[tuple[int, ...], np.dtype]]) -> torch.Tensor:
+        """The clients' ensemble on the fusion set, ``sum_i w_i softmax(f_i(x))`` (``teacher_probs``, same order and
+        sums), re-reading the round's valid replies one at a time: only when a calibration needs checking."""
+        if self._probe is None:
+            self._probe = self.model_fn().eval()
+        x = torch.as_tensor(self.fusion_inputs).float()
+        probs = None
+        with torch.no_grad():
+            for msg, w in members:
+                arrays = msg.content[self.arrayrecord_key]
+                state = {}
+                for key, (shape, dtype) in reference.items():
+                    a = _npy_view(arrays[key], shape, dtype)
+                    state[key] = torch.from_numpy(np.array(a if a is not None else arrays[key].numpy(), copy=True))
+                p = torch.cat([w * torch.func.functional_call(self._probe, state, (x[i:i + 512],)).softmax(-1)
+                               for i in range(0, x.shape[0], 512)])
+                probs = p if probs is None else probs + p
+        return probs
+
+    def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:
+        """Every reply non-finite → ``ClientsDivergedError``; fewer than ``min_valid_replies`` → the round is
+        skipped (logged, recorded; returns True)."""
+        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
+        if not valid and non_finite and len(non_finite) == len(record["rejected"]):
+            self.history.append({**record, "skipped": "every client returned non-finite weights"})
+            raise ClientsDivergedError(
+                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
+                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
+                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
+                "another 'optimizer'.")
+        if valid < self.min_valid_replies:
+            reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
+                      f"{self.min_valid_replies}; the global model is unchanged")
+            log(WARNING, "aggregate_train: %s", reason)
+            record["skipped"] = reason
+            self.history.append(record)
+            return True
+        return False
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
+                       probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]
+                       ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
+        """The streamed average → server step → ``calibrate`` (+ check against the streamed ensemble), with
+        ``_fuse_with_fallback``'s failure handling."""
+        method = self.round_method(server_round)
+        t0 = time.perf_counter()
+        try:
+            info: dict[str, Any] = {}
+            stepping = self.server_momentum > 0 or self.server_learning_rate != 1
+            if not stepping and not self.refine_steps:
+                state = average  # FedAvg: the arrays themselves, no model built
+            else:
+                model = self.build_model(average)
+                if stepping:
+                    info.update(self.server_step(model))
+                if self.refine_steps:
+                    prior, prior_name = self.class_prior(light)  # the replies' metrics (class counts) are kept
+                    info["refine"] = "+".join(self.refine_steps)
+                    info["prior"] = prior_name
+                    dev = resolve_device(self.device)
+                    # calibrate moves only the classifier bias: the check needs the logits before and that bias
+                    checking = self.refine_check and probs is not None
+                    if checking:
+                        x = torch.as_tensor(self.fusion_inputs).float()
+                        with torch.no_grad():
+                            logits_before = model(x)
+                        bias_before = classifier_bias(model).detach().clone()
+                    info.update(refine_model(model.to(dev), self.refine_steps, teachers=None, weights=None,
+                                             fusion_inputs=self.fusion_inputs, prior=prior,
+                                             seed=self.seed + server_round, calibrate_min_gap=self.calibrate_min_gap,
+                                             device=dev))
+                    model = model.cpu().eval()
+                    if checking and not info.get("calibration-skipped"):
+                        # calibration changed the bias: keep it only if the model moved towards the clients' ensemble
+                        with torch.no_grad():
+                            target = probs()
+                            kl_before, kl_after = kl_to(target, logits_before), kl_to(target, model(x))
+                            kept = kl_after <= kl_before
+                            if not kept:
+                                classifier_bias(model).copy_(bias_before)
+                        info.update({"refine-kl-before": kl_before, "refine-kl-after": kl_after,
+                                     "refine-kept": int(kept)})
+                    check_finite(f"{method} (refined)", model)
+                state = model.state_dict()
+        except FusionError as exc:
+            if self.fallback == "raise":
+                raise
+            self.reset_server_state()
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.fallback == "average":
+                log(WARNING, "aggregate_train: round %d: %r failed (%s); fell back to weighted averaging",
+                    server_round, method, reason)
+                return average, f"average: {reason}", None
+            log(WARNING, "aggregate_train: round %d: %r failed (%s); keeping the previous global model",
+                server_round, method, reason)
+            return None, f"previous: {reason}", None
+        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs (streamed)%s", server_round,
+            method + (f" + {'+'.join(self.refine_steps)}" if self.refine_steps else ""), len(light),
+            time.perf_counter() - t0, f" ({_info_line(info)})" if info else "")
+        return state, None, info
 
     @staticmethod
     def weighted_average(updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
@@ -520,7 +750,7 @@ class FusionStrategy(FedAvg):
         if self._global is None:
             return {}
         state = model.state_dict()
-        prev = {k: torch.from_numpy(np.array(self._global[k].numpy(), copy=True)) for k in state}
+        prev = {k: torch.from_numpy(_array_copy(self._global[k], state[k])) for k in state}
         floats = {k for k, v in state.items() if v.is_floating_point()}
         first = self._momentum is None or set(self._momentum) != floats
         if first:
@@ -637,6 +867,12 @@ class FusionStrategy(FedAvg):
                 if len(lens) == 1:
                     out[k] = [int(sum(col)) for col in zip(*(v for v, _ in vals))]
         return MetricRecord(out)
+
+
+def _array_copy(array, like: torch.Tensor) -> np.ndarray:
+    """A writable numpy copy of a Flower ``Array`` (the fast ``.npy`` view when its header is the expected one)."""
+    view = _npy_view(array, tuple(like.shape), like.detach().cpu().numpy().dtype)
+    return np.array(view if view is not None else array.numpy(), copy=True)
 
 
 def _short(reason: str, head: int = 150, tail: int = 350) -> str:
