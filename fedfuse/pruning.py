@@ -31,7 +31,9 @@ How it works:
    (``|w · ∂L/∂w|`` with L = KL from the ``teachers``' averaged softmax to the model on ``fusion_inputs``, no
    labels; without teachers or when they agree with the model, cross-entropy to the teachers' / the model's
    own hard predictions, since the KL gradient vanishes there) or ``scores`` (the clients' ``neuron_importance``
-   dicts, ``ScoreImportance``; groups that no level scores, e.g. ViT heads and MLP units, use magnitude).
+   dicts, ``ScoreImportance``; groups that no level scores, e.g. ViT heads and MLP units, use magnitude);
+   ``auto`` is the family's measured best (``Adapter.pruning_criterion``; ``results/pruning/criteria.md``:
+   magnitude for MLP/CNN/ResNet, Taylor for ViT).
    Attention groups are cut from the output projection's inputs: whole heads (``attention="heads"``, the
    default; head score = mean over its dims, the head dim kept) or head dimensions (``"head_dims"``, the same
    number in every head, each head its own best).
@@ -256,6 +258,7 @@ class _Unit:
     out: bool = True       # the root's output channels (else its input channels)
     heads: int = 0         # > 0: attention group; root space is head-major [heads, size // heads]
     qkv: nn.Module | None = None
+    multiple: int = 1      # kept channels must be a multiple of this (GroupNorm groups in the group)
 
 
 def _graph(model: nn.Module, spec: PruningSpec, example: torch.Tensor):
@@ -279,8 +282,12 @@ def _graph(model: nn.Module, spec: PruningSpec, example: torch.Tensor):
                                False, spec.num_heads[qkv], qkv))
         else:
             dep = group[0].dep
+            multiple = 1
+            for d, _ in group:
+                if isinstance(d.target.module, nn.GroupNorm):
+                    multiple = math.lcm(multiple, d.target.module.num_groups)
             units.append(_Unit(names[dep.target.module], dep.target.module, dep.handler, len(group[0].idxs),
-                               DG.is_out_channel_pruning_fn(dep.handler)))
+                               DG.is_out_channel_pruning_fn(dep.handler), multiple=multiple))
     return DG, units
 
 
@@ -406,7 +413,8 @@ def _plan_fraction(units: list[_Unit], k: float, o: PruneOptions) -> dict[str, A
             plan[u.key] = ((max(1, min(u.heads, round(k * u.heads))), hd) if o.attention == "heads"
                            else (u.heads, max(1, min(hd, round(k * hd)))))
         else:
-            c = max(1, round(k * u.size / o.round_to)) * o.round_to
+            step = math.lcm(o.round_to, u.multiple)
+            c = max(1, round(k * u.size / step)) * step
             plan[u.key] = min(u.size, c)
     return plan
 
@@ -509,8 +517,10 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
             if torch.as_tensor(s).numel() != widths[name]:
                 raise ValueError(f"prune: scores[{name!r}] has {torch.as_tensor(s).numel()} entries for "
                                  f"{widths[name]} neurons")
-    if criterion == "auto":
-        criterion = "scores" if scores is not None else ("taylor" if fusion_inputs is not None else "magnitude")
+    if criterion == "auto":  # the family's measured best (Adapter.pruning_criterion); Taylor needs data
+        criterion = adapter.pruning_criterion
+        if criterion == "taylor" and fusion_inputs is None or criterion == "scores" and scores is None:
+            criterion = "magnitude"
     dev = resolve_device(device)
     if teachers is not None:
         teachers = [copy.deepcopy(t).to(dev).eval() for t in teachers]
@@ -672,8 +682,10 @@ def prune(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: fl
             weights ignored), e.g. ``build_model(..., width_mult=0.5)`` or a shallower ViT. Exactly one of the three.
         scores: optional client importance (``neuron_importance`` dict, level name → scores).
         fusion_inputs: unlabeled server data ``[B, *input_shape]`` (Taylor importance, block redundancy, recovery).
-        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (scores when given, else Taylor
-            when there are fusion inputs, else magnitude).
+        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (the family's measured best,
+            ``Adapter.pruning_criterion``: Taylor for ViTs when there are fusion inputs, magnitude otherwise;
+            ``results/pruning/criteria.md``: on digits, magnitude was best for MLP/CNN/ResNet, Taylor for ViT,
+            client DeepLIFT scores in between).
         prune_blocks: ``True`` drops the most redundant residual blocks (input/output cosine similarity on the
             fusion set ≥ ``block_similarity``) while the model stays at or above the requested size; an int drops
             exactly that many; ``False`` none.

@@ -377,3 +377,26 @@ def test_cuda_device(X):
     assert next(res.model.parameters()).device.type == "cpu"
     with torch.no_grad():
         assert res.model(X).shape == (len(X), 10)
+
+
+def test_auto_criterion_is_the_familys_measured_choice(X):
+    assert prune_result(make("vit"), params_ratio=0.6, fusion_inputs=X).info["criterion"] == "taylor"
+    assert prune_result(make("vit"), params_ratio=0.6).info["criterion"] == "magnitude"  # Taylor needs data
+    assert prune_result(make("mlp"), params_ratio=0.6, fusion_inputs=X).info["criterion"] == "magnitude"
+
+
+@pytest.mark.parametrize("mult", [0.5, 0.25])
+def test_groupnorm_resnet_keeps_valid_groups(mult, X):
+    m = make("resnet", norm="group", width=32)
+    small = prune(m, params_ratio=0.5, fusion_inputs=X, criterion="magnitude")
+    for mod in small.modules():
+        if isinstance(mod, nn.GroupNorm):
+            assert mod.num_channels % mod.num_groups == 0 and mod.weight.numel() == mod.num_channels
+    assert count_params(small) < count_params(m)
+    tier = adapter_for(m).at_width_mult(m, mult, input_shape=SHAPE)
+    small = prune(m, target=tier, fusion_inputs=X)
+    assert adapter_for(small).config(small, SHAPE) == adapter_for(tier).config(tier, SHAPE)
+    assert [(n, mod.num_groups) for n, mod in small.named_modules() if isinstance(mod, nn.GroupNorm)] == \
+        [(n, mod.num_groups) for n, mod in tier.named_modules() if isinstance(mod, nn.GroupNorm)]
+    with torch.no_grad():
+        assert torch.isfinite(small(X)).all()

@@ -155,6 +155,9 @@ class Adapter:
     """Base class of the architecture adapters (see the module docstring); subclasses set ``family``."""
 
     family: str = ""
+    # the importance criterion ``fedfuse.pruning``'s ``criterion="auto"`` uses for this family (measured:
+    # results/pruning/criteria.md; "taylor" falls back to "magnitude" without fusion inputs)
+    pruning_criterion: str = "magnitude"
 
     def matches(self, model: nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""

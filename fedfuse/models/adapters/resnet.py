@@ -107,6 +107,14 @@ class ResNetAdapter(Adapter):
             spec.score_levels[blk.conv2] = f"blocks.{i}"
         return spec
 
+    def finish_pruning(self, model: nn.Module, num_heads: dict[nn.Module, int]) -> None:
+        """GroupNorm keeps a group count that divides its (pruned) channels (``min(8, C)`` for a narrow tier)."""
+        import math
+
+        for mod in model.modules():
+            if isinstance(mod, nn.GroupNorm) and mod.num_channels % mod.num_groups:
+                mod.num_groups = math.gcd(mod.num_channels, mod.num_groups)
+
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The residual blocks (``model.blocks``)."""
         return list(model.blocks)

@@ -25,6 +25,7 @@ class ViTAdapter(Adapter):
     attention block (heads as blocks) and the hidden units of each MLP."""
 
     family = "vit"
+    pruning_criterion = "taylor"  # measured best on digits ViTs (results/pruning/criteria.md)
 
     def matches(self, model: nn.Module) -> bool:
         try:
