@@ -1,15 +1,16 @@
 """Structured pruning: a new, physically smaller model of the same family (fewer heads, head dimensions, MLP
 hidden units, channels and, where asked, whole residual blocks).
 
-Paper: seed 000, "Multi-ViT fusion with conditional optimal transport and structured pruning" (the seed
-document ``../shared/seeds/000_8e78aac31e48d1b4.txt``): after fusing heterogeneous ViTs, prune redundant heads,
-neurons and layers. Its pruning step has no public code; this follows the derived design of spec
-``ot-transfusion-tofu.md`` §1.9 (3): drop the heads and units of lowest importance, drop whole blocks whose
-residual update is negligible on the fusion set (highest cosine similarity between block input and output),
-then briefly fine-tune (here: distil on the fusion set). The dependency tracking is Torch-Pruning's
-(``torch-pruning``, DepGraph: Fang et al., "DepGraph: Towards Any Structural Pruning", CVPR 2023,
-arXiv 2301.12900), used as spec ``heterogeneous-fl.md`` §5 describes its timm ViT recipe (heads as units via
-``num_heads={qkv: heads}``, the classifier ignored, timm ``Attention``'s stored sizes fixed after pruning).
+Paper: seed 000 (``../shared/seeds/000_8e78aac31e48d1b4.txt``; the seed document is an abstract without a
+title: multi-ViT fusion, conditional optimal transport for selective alignment, then structured pruning): after
+fusing heterogeneous ViTs, prune redundant heads, neurons and layers. Its pruning step has no public code;
+this follows the derived design of spec ``ot-transfusion-tofu.md`` §1.9 (3): drop the heads and units of
+lowest importance, drop whole blocks whose residual update is negligible on the fusion set (highest cosine
+similarity between block input and output), then briefly fine-tune (here: distil on the fusion set). The
+dependency tracking is Torch-Pruning's (``torch-pruning``, DepGraph: Fang et al., "DepGraph: Towards Any
+Structural Pruning", CVPR 2023, arXiv 2301.12900), used as spec ``heterogeneous-fl.md`` §5 describes its
+timm ViT recipe (heads as units via ``num_heads={qkv: heads}``, the classifier ignored, timm ``Attention``'s
+stored sizes fixed after pruning).
 
     from fedfuse.pruning import prune, prune_result
     small = prune(model, params_ratio=0.5, fusion_inputs=X)                  # half the parameters
@@ -199,7 +200,8 @@ def score_importance(DG, scores: Mapping[str, torch.Tensor], score_levels: Mappi
                     continue
                 s = torch.as_tensor(scores[name]).detach().float().cpu().flatten()
                 s = s / s.mean().clamp_min(1e-12)
-                total.scatter_add_(0, torch.as_tensor(root, dtype=torch.long), s[torch.as_tensor(idxs, dtype=torch.long)])
+                sel = s[torch.as_tensor(idxs, dtype=torch.long)]
+                total.scatter_add_(0, torch.as_tensor(root, dtype=torch.long), sel)
                 used += 1
             if not used:
                 return fallback(group)
@@ -235,7 +237,7 @@ def _taylor_gradients(model: nn.Module, x: torch.Tensor, teachers: list[nn.Modul
             logp = F.log_softmax(model(x[i:i + batch_size]), -1)
             loss = F.kl_div(logp, targets[i:i + batch_size], reduction="sum") / len(x)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         return total
 
     probs = _targets(model, x, teachers, weights, batch_size)
@@ -521,6 +523,11 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
         criterion = adapter.pruning_criterion
         if criterion == "taylor" and fusion_inputs is None or criterion == "scores" and scores is None:
             criterion = "magnitude"
+    if teachers is not None and (not isinstance(teachers, (list, tuple)) or not teachers
+                                 or not all(isinstance(t, nn.Module) for t in teachers)):
+        raise ValueError("prune: teachers must be a non-empty list of nn.Modules (the ensemble)")
+    if weights is not None and (teachers is None or len(weights) != len(teachers)):
+        raise ValueError(f"prune: weights must give one weight per teacher ({len(teachers or [])}), got {weights!r}")
     dev = resolve_device(device)
     if teachers is not None:
         teachers = [copy.deepcopy(t).to(dev).eval() for t in teachers]

@@ -312,6 +312,8 @@ def test_taylor_uses_the_teachers(X):
     (dict(params_ratio=0.5, criterion="scores"), "scores"),
     (dict(params_ratio=0.5, recover={"epoch": 3}), "epoch"),
     (dict(params_ratio=0.5, prune_blocks="yes"), "prune_blocks"),
+    (dict(params_ratio=0.5, teachers=[]), "teachers"),
+    (dict(params_ratio=0.5, weights=[1.0]), "weights"),
 ])
 def test_bad_arguments_raise_naming_the_key(kw, word, X):
     m = make("mlp")
