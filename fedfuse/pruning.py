@@ -606,10 +606,10 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
 
         if target is not None:
             plan = _plan_target(work, units, target)
-            pruned, achieved, k = build(plan), None, None
+            pruned, k = build(plan), None
         else:
             goal = params_ratio if params_ratio is not None else macs_ratio
-            seen: dict[tuple, tuple[float, nn.Module | None]] = {}
+            seen: dict[tuple, float] = {}  # plan → achieved ratio
             best: tuple[float, float, nn.Module, dict] | None = None  # (|error|, k, model, plan)
 
             def evaluate(k: float) -> float:
@@ -637,7 +637,6 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
                     if best[0] <= 1e-3 * goal:
                         break
             _, k, pruned, plan = best
-            achieved = seen[tuple(sorted(plan.items()))]
         pruned = pruned.eval()
         info["keep_fraction"] = k
         info["widths"] = {key: (list(v) if isinstance(v, tuple) else v) for key, v in plan.items()}

@@ -29,7 +29,7 @@ from fedfuse.training import train
 MODELS = {"mlp": dict(width=128, depth=2), "cnn": dict(width=16, depth=2), "resnet": dict(width=16, depth=2),
           "vit": dict(width=64, depth=4, num_heads=4)}
 EPOCHS = {"mlp": 30, "cnn": 30, "resnet": 15, "vit": 40}
-CRITERIA = ("magnitude", "taylor", "scores")
+CRITERIA = ("magnitude", "taylor", "scores")  # a variant "<criterion>+blocks" also drops redundant blocks
 
 
 @torch.no_grad()
@@ -47,11 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--models", default="mlp,cnn,resnet,vit")
     ap.add_argument("--ratios", default="0.5,0.3")
+    ap.add_argument("--variants", default=",".join(CRITERIA),
+                    help="criteria; '<criterion>+blocks' adds prune_blocks=True (ResNet/ViT)")
     ap.add_argument("--out", default="results/pruning/criteria.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     seeds = [int(s) for s in a.seeds.split(",")]
     ratios = [float(r) for r in a.ratios.split(",")]
+    variants = a.variants.split(",")
     train_set, test_set = load_source("digits", seed=0)
     xf, yf = train_set.x[:250], train_set.y[:250]
     xt, yt = train_set.x[250:], train_set.y[250:]
@@ -65,31 +68,37 @@ def main(argv: list[str] | None = None) -> None:
             base.setdefault(name, []).append(accuracy(m, test_set.x, test_set.y))
             scores = neuron_importance(m, xf, yf, method="deeplift")
             for r in ratios:
-                for crit in CRITERIA:
-                    res = prune_result(m, params_ratio=r, fusion_inputs=xf, criterion=crit,
-                                       scores=scores if crit == "scores" else None)
-                    rec = prune_result(m, params_ratio=r, fusion_inputs=xf, criterion=crit,
-                                       scores=scores if crit == "scores" else None, recover=True, seed=seed)
+                for crit in variants:
+                    c, blocks = crit.split("+")[0], crit.endswith("+blocks")
+                    kw = dict(params_ratio=r, fusion_inputs=xf, criterion=c, prune_blocks=blocks,
+                              scores=scores if c == "scores" else None)
+                    res = prune_result(m, **kw)
+                    rec = prune_result(m, **kw, recover=True, seed=seed)
                     rows.setdefault((name, r, crit), []).append(
                         (accuracy(res.model, test_set.x, test_set.y), kl(m, res.model, test_set.x),
-                         accuracy(rec.model, test_set.x, test_set.y), kl(m, rec.model, test_set.x)))
+                         accuracy(rec.model, test_set.x, test_set.y), kl(m, rec.model, test_set.x),
+                         len(res.info["blocks_removed"])))
                     print(name, seed, r, crit, rows[(name, r, crit)][-1], flush=True)
     mean = statistics.fmean
     lines = ["# Pruning criteria (digits, params_ratio, test accuracy %)", "",
-             f"`python -m simulations.bench.prune_criteria --seeds {a.seeds} --models {a.models} --ratios {a.ratios}`; "
+             f"`python -m simulations.bench.prune_criteria --seeds {a.seeds} --models {a.models} --ratios {a.ratios} "
+             f"--variants {a.variants}`; "
              "models trained on digits, 250 held-out training images as the unlabeled fusion set (and the labelled "
              "scoring data for `scores` = DeepLIFT `neuron_importance`), mean over seeds "
              f"{a.seeds}. KL = KL(unpruned ‖ pruned) on the test inputs. 'recovered' = `recover=True` (the unpruned "
-             "model distilled on the fusion set, held-out early stopping).", "",
-             "| model | unpruned acc | params ratio | criterion | acc pruned | KL pruned | acc recovered | KL recovered |",
-             "|---|---|---|---|---|---|---|---|"]
+             "model distilled on the fusion set, held-out early stopping); '+blocks' = `prune_blocks=True` "
+             "(blocks dropped: mean over seeds).", "",
+             "| model | unpruned acc | params ratio | criterion | acc pruned | KL pruned | acc recovered | KL recovered "
+             "| blocks dropped |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (name, r, crit), v in rows.items():
         lines.append(f"| {name} | {100 * mean(base[name]):.1f} | {r} | {crit} | {100 * mean(x[0] for x in v):.1f} | "
-                     f"{mean(x[1] for x in v):.3f} | {100 * mean(x[2] for x in v):.1f} | {mean(x[3] for x in v):.3f} |")
-    summary = {c: mean(mean(x[0] for x in v) for (n, r, cc), v in rows.items() if cc == c) for c in CRITERIA}
-    summary_rec = {c: mean(mean(x[2] for x in v) for (n, r, cc), v in rows.items() if cc == c) for c in CRITERIA}
+                     f"{mean(x[1] for x in v):.3f} | {100 * mean(x[2] for x in v):.1f} | {mean(x[3] for x in v):.3f} | "
+                     f"{mean(x[4] for x in v):.1f} |")
+    summary = {c: mean(mean(x[0] for x in v) for (n, r, cc), v in rows.items() if cc == c) for c in variants}
+    summary_rec = {c: mean(mean(x[2] for x in v) for (n, r, cc), v in rows.items() if cc == c) for c in variants}
     lines += ["", "Mean over all cells (accuracy %): "
-              + ", ".join(f"{c} {100 * summary[c]:.1f} pruned / {100 * summary_rec[c]:.1f} recovered" for c in CRITERIA)]
+              + ", ".join(f"{c} {100 * summary[c]:.1f} pruned / {100 * summary_rec[c]:.1f} recovered" for c in variants)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
