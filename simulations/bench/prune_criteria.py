@@ -29,7 +29,7 @@ from fedfuse.training import train
 MODELS = {"mlp": dict(width=128, depth=2), "cnn": dict(width=16, depth=2), "resnet": dict(width=16, depth=2),
           "vit": dict(width=64, depth=4, num_heads=4)}
 EPOCHS = {"mlp": 30, "cnn": 30, "resnet": 15, "vit": 40}
-CRITERIA = ("magnitude", "taylor", "scores")  # a variant "<criterion>+blocks" also drops redundant blocks
+CRITERIA = ("magnitude", "taylor", "scores")  # variants "<criterion>+blocks" / "<criterion>+<n>" also drop blocks
 
 
 @torch.no_grad()
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="mlp,cnn,resnet,vit")
     ap.add_argument("--ratios", default="0.5,0.3")
     ap.add_argument("--variants", default=",".join(CRITERIA),
-                    help="criteria; '<criterion>+blocks' adds prune_blocks=True (ResNet/ViT)")
+                    help="criteria; '<criterion>+blocks' adds prune_blocks=True, '<criterion>+<n>' prune_blocks=n")
     ap.add_argument("--out", default="results/pruning/criteria.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             scores = neuron_importance(m, xf, yf, method="deeplift")
             for r in ratios:
                 for crit in variants:
-                    c, blocks = crit.split("+")[0], crit.endswith("+blocks")
+                    c, _, extra = crit.partition("+")
+                    blocks = True if extra == "blocks" else int(extra) if extra else False
                     kw = dict(params_ratio=r, fusion_inputs=xf, criterion=c, prune_blocks=blocks,
                               scores=scores if c == "scores" else None)
                     res = prune_result(m, **kw)
@@ -86,8 +87,9 @@ def main(argv: list[str] | None = None) -> None:
              "models trained on digits, 250 held-out training images as the unlabeled fusion set (and the labelled "
              "scoring data for `scores` = DeepLIFT `neuron_importance`), mean over seeds "
              f"{a.seeds}. KL = KL(unpruned ‖ pruned) on the test inputs. 'recovered' = `recover=True` (the unpruned "
-             "model distilled on the fusion set, held-out early stopping); '+blocks' = `prune_blocks=True` "
-             "(blocks dropped: mean over seeds).", "",
+             "model distilled on the fusion set, held-out early stopping); '+blocks' = `prune_blocks=True`, '+n' = "
+             "`prune_blocks=n` (the n most redundant blocks dropped, then widths pruned to the ratio; blocks "
+             "dropped: mean over seeds).", "",
              "| model | unpruned acc | params ratio | criterion | acc pruned | KL pruned | acc recovered | KL recovered "
              "| blocks dropped |",
              "|---|---|---|---|---|---|---|---|---|"]
