@@ -225,3 +225,23 @@ def test_comparison_plot_has_both_curves_marks_and_integer_ticks(tmp_path, monke
     # both curves; each mark kind once in the legend although both runs have guarded rounds
     assert sorted(seen["labels"]) == ["average (flwr run)", "fedavg (in-process)", "fusion fell back",
                                       "guarded (weighted average used)"]
+
+
+def test_with_capacity_tiers_the_default_baseline_is_heterofl(tmp_path, capsys):
+    """README's tier example (``client-tiers`` set): FedAvg cannot aggregate clients of different widths, so the
+    default run compares with HeteroFL (and runs HeteroFL alone when it is the strategy)."""
+    from fedfuse.config import parse_run_config, preflight
+    from simulations.runners.run import default_baseline, main
+
+    tiered = {"client-tiers": "1,0.5,0.25", "strategy": "kf-linear", "tier-models": "fuse", "dataset": "mnist1d"}
+    assert default_baseline(parse_run_config(tiered)) == "heterofl"
+    assert default_baseline(parse_run_config({})) == "fedavg"
+    preflight(baseline_config(tiered, "heterofl"))        # the baseline's config is valid (tier-models dropped)
+    rc = main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config",
+               "client-tiers='1,0.5' strategy='average' num-clients=2 num-server-rounds=1 local-epochs=1 "
+               "model-width=16 model-depth=1 fusion-set-size=60 importance='uniform' run-name='t'"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert table[2].startswith("| average |") and table[3].startswith("| heterofl (baseline) |")
+    assert (tmp_path / "t" / "baseline-heterofl" / "results.json").exists()

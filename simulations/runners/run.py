@@ -13,7 +13,7 @@ few seconds, no Flower), the baseline's too: a bad key or value exits with statu
 
 Then the configured strategy runs with ``--engine`` (default: a real ``flwr run``, SuperLink + Ray simulation)
 into ``<output-dir>/<run-name>/``, and, unless ``--no-compare`` or the strategy is the baseline itself, the
-``--baseline`` strategy (FedAvg) runs with the same run config (same data, split, seed and training; the
+``--baseline`` strategy (FedAvg; HeteroFL when ``client-tiers`` is set) runs with the same run config (same data, split, seed and training; the
 strategy-only keys dropped, ``simulations.runners.compare.baseline_config``) with ``--compare-engine``
 (default ``inprocess``: the same ServerApp and ClientApp bodies on a Flower Grid in this process, identical
 numbers, seconds instead of a minute) into ``<output-dir>/<run-name>/baseline-<baseline>/``.
@@ -138,6 +138,12 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
     return outcome, code, out
 
 
+def default_baseline(checked: Any) -> str:
+    """FedAvg, or HeteroFL (sub-model averaging, FedAvg's counterpart for clients of different widths) when the
+    run declares capacity tiers (``client-tiers``): FedAvg cannot aggregate them."""
+    return "heterofl" if checked.client_tiers else BASELINE
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='kf-linear' num-server-rounds=3\", "
@@ -146,7 +152,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", default=str(ROOT / "results"), help="default: results/ of the repository")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the flwr run (engine flwr)")
     ap.add_argument("--engine", choices=ENGINES, default="flwr", help=ENGINE_HELP)
-    ap.add_argument("--baseline", default=BASELINE, help="strategy to compare with (default: fedavg)")
+    ap.add_argument("--baseline", default=None, help="strategy to compare with (default: fedavg; heterofl when "
+                    "client-tiers is set: FedAvg cannot aggregate clients of different widths)")
     ap.add_argument("--compare-engine", choices=ENGINES, default="inprocess",
                     help="engine of the baseline run (default inprocess: identical numbers to flwr run, no Ray)")
     ap.add_argument("--no-compare", action="store_true", help="run the configured strategy only, no baseline")
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cfg["run-name"] = default_run_name(checked)
     out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
     n = args.num_supernodes or checked.num_clients
-    baseline = None if args.no_compare or checked.strategy == args.baseline else args.baseline
+    default = args.baseline or default_baseline(checked)
+    baseline = None if args.no_compare or checked.strategy == default else default
     bcfg = None
     if baseline:
         bcfg = baseline_config(cfg, baseline, output_dir=str(out_dir), run_name=f"baseline-{baseline}")
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         runs.append(RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
                                     error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()))
         code = code or b_code
-    write_comparison(runs, out_dir, baseline or args.baseline, title=(
+    write_comparison(runs, out_dir, baseline or default, title=(
         f"{checked.dataset}/{checked.model} · {checked.partitioning} · {checked.num_clients} clients · "
         f"seed {checked.seed}"))
     return code
