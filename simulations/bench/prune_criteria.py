@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratios", default="0.5,0.3")
     ap.add_argument("--variants", default=",".join(CRITERIA),
                     help="criteria; '<criterion>+blocks' adds prune_blocks=True, '<criterion>+<n>' prune_blocks=n")
+    ap.add_argument("--teachers", action="store_true",
+                    help="a second model (seed + 100) joins the model as the ensemble: Taylor's KL and recovery use both")
     ap.add_argument("--out", default="results/pruning/criteria.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -66,13 +68,18 @@ def main(argv: list[str] | None = None) -> None:
             train(m, xt, yt, epochs=EPOCHS[name], lr=1e-3, seed=seed)
             m.eval()
             base.setdefault(name, []).append(accuracy(m, test_set.x, test_set.y))
+            teachers = None
+            if a.teachers:
+                m2 = build_model(name, num_classes=10, input_shape=(1, 8, 8), seed=seed + 100, **MODELS[name])
+                train(m2, xt, yt, epochs=EPOCHS[name], lr=1e-3, seed=seed + 100)
+                teachers = [m, m2.eval()]
             scores = neuron_importance(m, xf, yf, method="deeplift")
             for r in ratios:
                 for crit in variants:
                     c, _, extra = crit.partition("+")
                     blocks = True if extra == "blocks" else int(extra) if extra else False
                     kw = dict(params_ratio=r, fusion_inputs=xf, criterion=c, prune_blocks=blocks,
-                              scores=scores if c == "scores" else None)
+                              scores=scores if c == "scores" else None, teachers=teachers)
                     res = prune_result(m, **kw)
                     rec = prune_result(m, **kw, recover=True, seed=seed)
                     rows.setdefault((name, r, crit), []).append(
@@ -83,13 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     mean = statistics.fmean
     lines = ["# Pruning criteria (digits, params_ratio, test accuracy %)", "",
              f"`python -m simulations.bench.prune_criteria --seeds {a.seeds} --models {a.models} --ratios {a.ratios} "
-             f"--variants {a.variants}`; "
+             f"--variants {a.variants}{' --teachers' if a.teachers else ''}`; "
              "models trained on digits, 250 held-out training images as the unlabeled fusion set (and the labelled "
              "scoring data for `scores` = DeepLIFT `neuron_importance`), mean over seeds "
              f"{a.seeds}. KL = KL(unpruned ‖ pruned) on the test inputs. 'recovered' = `recover=True` (the unpruned "
              "model distilled on the fusion set, held-out early stopping); '+blocks' = `prune_blocks=True`, '+n' = "
              "`prune_blocks=n` (the n most redundant blocks dropped, then widths pruned to the ratio; blocks "
-             "dropped: mean over seeds).", "",
+             "dropped: mean over seeds)."
+             + (" `--teachers`: a second model of the family (seed + 100) and the model form the ensemble "
+                "(`teachers=`): Taylor's loss is the KL to it and recovery distils it; KL columns still to the "
+                "unpruned model." if a.teachers else ""), "",
              "| model | unpruned acc | params ratio | criterion | acc pruned | KL pruned | acc recovered | KL recovered "
              "| blocks dropped |",
              "|---|---|---|---|---|---|---|---|---|"]
