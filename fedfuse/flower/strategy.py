@@ -232,6 +232,7 @@ class FusionStrategy(FedAvg):
         self._reference_cache: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
         self._template: nn.Module | None = None   # model_fn() once: build_model copies it (no re-initialisation)
         self._probe: nn.Module | None = None      # model_fn() once: the streaming ensemble's forward passes
+        self._work: nn.Module | None = None       # the streamed round's aggregate, reused
         self.history: list[dict[str, Any]] = []
         # rounds already done before this ``start`` (resume from a checkpoint): ``start`` counts 1..k,
         # clients, fusion seeds and ``history`` see the true round ``round_offset + 1 ..``
@@ -616,7 +617,12 @@ class FusionStrategy(FedAvg):
             if not stepping and not self.refine_steps:
                 state = average  # FedAvg: the arrays themselves, no model built
             else:
-                model = self.build_model(average)
+                # one model object reused every round (its state is copied into the reply record right away)
+                if self._work is None:
+                    self._work = copy.deepcopy(self._model_template())
+                model = self._work.cpu()
+                model.load_state_dict(average)
+                model.eval()
                 if stepping:
                     info.update(self.server_step(model))
                 if self.refine_steps:
@@ -624,12 +630,10 @@ class FusionStrategy(FedAvg):
                     info["refine"] = "+".join(self.refine_steps)
                     info["prior"] = prior_name
                     dev = resolve_device(self.device)
-                    # calibrate moves only the classifier bias: the check needs the logits before and that bias
+                    # calibrate moves only the classifier bias: the check needs that bias (and, when the calibration
+                    # fired, the logits with it: computed then by putting it back for one forward pass)
                     checking = self.refine_check and probs is not None
                     if checking:
-                        x = torch.as_tensor(self.fusion_inputs).float()
-                        with torch.no_grad():
-                            logits_before = model(x)
                         bias_before = classifier_bias(model).detach().clone()
                     info.update(refine_model(model.to(dev), self.refine_steps, teachers=None, weights=None,
                                              fusion_inputs=self.fusion_inputs, prior=prior,
@@ -638,12 +642,18 @@ class FusionStrategy(FedAvg):
                     model = model.cpu().eval()
                     if checking and not info.get("calibration-skipped"):
                         # calibration changed the bias: keep it only if the model moved towards the clients' ensemble
+                        x = torch.as_tensor(self.fusion_inputs).float()
                         with torch.no_grad():
+                            bias = classifier_bias(model)
+                            bias_after = bias.detach().clone()
+                            logits_after = model(x)
+                            bias.copy_(bias_before)
+                            logits_before = model(x)
                             target = probs()
-                            kl_before, kl_after = kl_to(target, logits_before), kl_to(target, model(x))
+                            kl_before, kl_after = kl_to(target, logits_before), kl_to(target, logits_after)
                             kept = kl_after <= kl_before
-                            if not kept:
-                                classifier_bias(model).copy_(bias_before)
+                            if kept:
+                                bias.copy_(bias_after)
                         info.update({"refine-kl-before": kl_before, "refine-kl-after": kl_after,
                                      "refine-kept": int(kept)})
                     check_finite(f"{method} (refined)", model)
@@ -762,8 +772,8 @@ class FusionStrategy(FedAvg):
                 continue
             x = prev[k].to(torch.float64)
             v = self._momentum[k].mul_(self.server_momentum).add_(a.to(torch.float64) - x)
-            step = self.server_learning_rate * v
-            sq += float((step ** 2).sum())
+            step = v if self.server_learning_rate == 1 else self.server_learning_rate * v
+            sq += float(torch.linalg.vector_norm(step)) ** 2
             new[k] = a if first and self.server_learning_rate == 1 else (x + step).to(a.dtype)
         model.load_state_dict(new)
         return {"step-norm": sq ** 0.5}
