@@ -36,7 +36,13 @@ def progress(items: Iterable[T], *, desc: str = "", unit: str = "it", total: int
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit=unit, total=total, leave=leave, file=sys.stdout, dynamic_ncols=True)
+    try:  # on a pseudo-terminal of size 0x0 (script, some containers/IDEs) tqdm draws nothing (rows 0 hide every bar)
+        size = os.get_terminal_size(sys.stdout.fileno())
+        sized = size.columns > 0 and size.lines > 0
+    except (OSError, ValueError, AttributeError):
+        sized = False
+    return tqdm(items, desc=desc, unit=unit, total=total, leave=leave, file=sys.stdout, dynamic_ncols=sized,
+                ncols=None if sized else 100, nrows=None if sized else 24)
 
 
 def progress_print(text: str) -> None:
