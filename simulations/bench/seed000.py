@@ -94,6 +94,14 @@ FUSIONS = {  # row label -> (fuse method, options); every fused model takes the 
     "selective OT": ("ot", {"selective": True}),
     "neuron interpolation (kf-gradient)": ("kf-gradient", {}),  # shallower parent padded (``pad_depth``)
 }
+ABLATION = {  # selective OT variants (zero-shot and fused + recovery at the larger parent's size): --ablation
+    "selective OT [mass=0.5]": {"selective": True, "mass": 0.5},
+    "selective OT [mass=0.9]": {"selective": True, "mass": 0.9},
+    "selective OT [transport=balanced]": {"selective": True, "transport": "balanced"},
+    "selective OT [transport=unbalanced]": {"selective": True, "transport": "unbalanced"},
+    "selective OT [importance=activation]": {"selective": True, "importance": "activation"},
+    "selective OT [importance=uniform]": {"selective": True, "importance": "uniform"},
+}
 TARGETS = {"a": "larger parent's params", "b": "smaller parent's params", "c": "50% of larger parent's MACs"}
 
 
@@ -219,6 +227,31 @@ def run_seed(ds: str, seed: int, args, archs, log=print) -> tuple[list[dict], di
     return rows, timed, big_i
 
 
+def run_ablation(ds: str, seed: int, args, archs, log=print) -> list[dict]:
+    """Selective-OT option variants: zero-shot accuracy and after recovery (no pruning: the larger parent's size)."""
+    from fedfuse.fusion import fuse_result, normalise_weights
+    from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
+
+    data = load_data(ds, args.partition, seed, args.fusion_size, args.alpha)
+    parents = get_parents(ds, args.partition, seed, archs, data, Path(args.cache), args.epochs, args.lr, args.alpha,
+                          log=log)
+    models = [p["model"] for p in parents]
+    big_i = max(range(len(models)), key=lambda i: sum(p.numel() for p in models[i].parameters()))
+    order = [models[big_i]] + [m for i, m in enumerate(models) if i != big_i]
+    rows = []
+    for label, opts in ABLATION.items():
+        res = fuse_result("ot", order, fusion_inputs=data.fusion_x, seed=seed, **opts)
+        rec = copy.deepcopy(res.model)
+        distill_ensemble(rec, models, normalise_weights(None, len(models)), data.fusion_x, DistillRefineOptions(),
+                         seed=seed)
+        for stage, m in (("fused", res.model), ("fused + recovery", rec.eval())):
+            rows.append({"dataset": ds, "partition": args.partition, "seed": seed, "row": label, "stage": stage,
+                         "accuracy": _acc(m, data.test.x, data.test.y),
+                         "matched_fraction": res.info["matched_fraction"][0]})
+            log(f"    {ds} s{seed} {label} {stage}: {rows[-1]['accuracy']:.3f}")
+    return rows
+
+
 def latency_ratios(timed: dict[str, nn.Module], ref: str, x: torch.Tensor, repeats: int) -> dict[str, float]:
     """Median CPU wall time per batch ``x`` of every model, as a ratio to ``ref``'s (interleaved, one process)."""
     from simulations.bench.timing import interleaved_timings, medians
@@ -277,6 +310,28 @@ def write_report(rows: list[dict], out: Path, invocation: str, seeds: list[int])
     return md
 
 
+def write_ablation(rows: list[dict], out: Path, invocation: str) -> None:
+    from simulations.bench.stats import format_mean_std, std_note
+    from simulations.bench.tables import markdown_table, write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json({"invocation": invocation, "rows": rows}, out / "ablation.json")
+    seeds = sorted({r["seed"] for r in rows})
+    table = []
+    for ds in dict.fromkeys(r["dataset"] for r in rows):
+        for label in dict.fromkeys(r["row"] for r in rows):
+            g = [r for r in rows if r["dataset"] == ds and r["row"] == label]
+            cells = [format_mean_std([r["accuracy"] for r in g if r["stage"] == st], 100.0)
+                     for st in ("fused", "fused + recovery")]
+            mf = [sum(r["matched_fraction"].values()) / len(r["matched_fraction"]) for r in g if r["stage"] == "fused"]
+            table.append([ds, label, *cells, format_mean_std(mf, 1.0, 2)])
+    text = ("# Selective OT ablation (seed 000 benchmark clients, fused into the larger parent's architecture)\n\n"
+            f"Command: `{invocation}`\n\nTest accuracy %, {std_note(len(seeds))}; matched fraction = mean over "
+            "groups of the anchor units' matched importance mass.\n\n"
+            + markdown_table(["dataset", "variant", "zero-shot", "+ recovery", "matched fraction"], table))
+    (out / "ablation.md").write_text(text)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", default="mnist1d")
@@ -293,6 +348,8 @@ def main(argv=None) -> None:
     ap.add_argument("--phase", default="all", choices=["train", "all"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--merge", default="", help="results.json files whose rows are added (other datasets/seeds)")
+    ap.add_argument("--ablation", action="store_true", help="only the selective-OT option variants (ablation.md)")
+    ap.add_argument("--report-only", action="store_true", help="only rewrite the report from --merge")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     invocation = "python -m simulations.bench.seed000 " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -302,6 +359,15 @@ def main(argv=None) -> None:
     for path in split_list(args.merge):
         rows += json.loads(Path(path).read_text())["rows"]
     out = Path(args.out)
+    if args.report_only:
+        print(write_report(rows, out, invocation, sorted({r["seed"] for r in rows})))
+        return
+    if args.ablation:
+        for ds in split_list(args.datasets):
+            for seed in seeds:
+                rows += run_ablation(ds, seed, args, archs)
+                write_ablation(rows, out, invocation)
+        return
     for ds in split_list(args.datasets):
         for seed in seeds:
             if args.phase == "train":
