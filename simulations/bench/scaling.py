@@ -451,9 +451,9 @@ def render_table(res: dict[str, Any], command: str) -> str:
     ]
     rows = sorted(res["rows"], key=lambda r: (res["strategies"].index(r["strategy"]), r["clients"]))
     lines.append(markdown_table(
-        ["strategy", "clients", "× FedAvg", "× local epoch", "× local epoch (CPU time)", "validation share",
-         "ms (this run)", "round notes"],
-        [[r["strategy"], r["clients"], f"{r['x-fedavg']:.2f}", f"{r['x-local-epoch']:.3f}",
+        ["strategy", "clients", "× FedAvg", "× FedAvg (CPU time)", "× local epoch", "× local epoch (CPU time)",
+         "validation share", "ms (this run)", "round notes"],
+        [[r["strategy"], r["clients"], f"{r['x-fedavg']:.2f}", f"{r['x-fedavg-cpu']:.2f}", f"{r['x-local-epoch']:.3f}",
           f"{r['x-local-epoch-cpu']:.3f}",
           f"{r['validation-share']:.0%}",
           f"{r['wall'] * 1e3:.1f}", _info_text(r)] for r in rows]))
