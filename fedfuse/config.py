@@ -131,7 +131,9 @@ class RunConfig:
     tier_models: str = _key("slice", "client-tiers with a fusion strategy: each tier's model every round: slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
                             "tier's width) | distill (the slice, then the ensemble of all the round's clients distilled into it on the fusion "
-                            "set)", choices=TIER_MODELS)
+                            "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
+                            "function, so that the pruned model is its slice) | prune-recover (prune, then the round's clients "
+                            "distilled into it on the fusion set)", choices=TIER_MODELS)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -299,6 +301,10 @@ def _check_tiers(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
         return
+    if cfg.strategy in TIER_STRATEGIES and cfg.tier_models != "slice":
+        raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} derives tier models by slicing "
+                          f"only (its paper's sub-models); {cfg.tier_models!r} needs a fusion strategy, e.g. "
+                          "strategy='average'")
     if cfg.strategy in TIER_STRATEGIES + SUBMODEL_METHODS:   # sub-model averaging (+ FedDF's distillation)
         if cfg.tier_models == "fuse":
             raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} averages sub-models and "

@@ -8,7 +8,10 @@
   validated against their tier's shapes; all replies are fused into the global architecture
   (``fuse(..., target=global)``, so any method with ``mixed_widths`` works: kf-linear, kf-gradient, kd,
   ot, ...). Each tier's next model is ``tier_models="slice"`` (the global model's top-left slice) or
-  ``"fuse"`` (the round's clients fused directly into the tier's width; needs ``any_target``).
+  ``"fuse"`` (the round's clients fused directly into the tier's width; needs ``any_target``) or ``"prune"`` /
+  ``"prune-recover"`` (structured pruning of the fused global model to the tier's architecture; the global
+  model's units are reordered, function-preserving, so that the pruned tier model *is* its top-left slice:
+  ``fedfuse.hetero.prune``; ``-recover`` then distils the round's clients into it).
   The weighted average that the divergence guard, the ``average`` fallback and ``fusion_rounds`` use is
   HeteroFL's count-weighted sub-model average here.
 - ``HeteroFLStrategy``: HeteroFL (Diao et al., arXiv 2010.01264): top-left slices, every global entry the
@@ -45,6 +48,7 @@ from fedfuse.hetero import (SubModel, aggregate_states, parse_tier_value, reesti
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble, kl_to
 from fedfuse.hetero.anchor import align_to_anchor
+from fedfuse.hetero.prune import permutation_layout
 from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.models import adapter_for, levels
@@ -71,8 +75,12 @@ class TieredFusionStrategy(FusionStrategy):
     Args:
         tiers: the run's width multipliers (``client-tiers``; informational: a node's own tier comes from
             its query reply, so node-config overrides may add tiers).
-        tier_models: ``"slice"`` | ``"fuse"`` | ``"distill"``: how each tier's model is derived after every round
-            (``"distill"``: the global model's slice, then FedDF's distillation of all the round's clients into it).
+        tier_models: ``"slice"`` | ``"fuse"`` | ``"distill"`` | ``"prune"`` | ``"prune-recover"``: how each tier's
+            model is derived after every round (``"distill"``: the global model's slice, then FedDF's distillation
+            of all the round's clients into it; ``"prune"``: see ``_prune_tiers``).
+        prune_options: ``tier_models="prune"``: ``criterion`` (``fedfuse.pruning``'s; default ``auto``), ``recover``
+            (``True`` or a ``DistillRefineOptions`` table; default ``True`` for ``"prune-recover"``, else off) and
+            ``PruneOptions`` keys.
         input_shape: the inputs of the architecture (CNN tiers need it to rebuild their pooling).
         weighting: ``"examples"`` (sample counts, as every fedfuse aggregation) | ``"uniform"`` (the
             HeteroFL paper's plain count) for the sub-model average.
@@ -85,7 +93,8 @@ class TieredFusionStrategy(FusionStrategy):
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "slice",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool | None = False, anchor: bool = True, **options: Any) -> None:
+                 width_scaler: bool | None = False, anchor: bool = True,
+                 prune_options: dict[str, Any] | None = None, **options: Any) -> None:
         named = _named_strategy(method)
         if named is not None:   # the method's own defaults (e.g. average: server momentum 0.5; feddf: no refine)
             self.default_refine, self.default_server_momentum = named.default_refine, named.default_server_momentum
@@ -108,6 +117,12 @@ class TieredFusionStrategy(FusionStrategy):
         if tier_models == "fuse" and self.spec is not None and not self.spec.any_target:
             raise ValueError(f"strategy: tier_models='fuse' needs a method that builds into another width; "
                              f"{self.method!r} cannot")
+        self.prune_options = dict(prune_options or {})
+        if tier_models == "prune-recover":
+            self.prune_options.setdefault("recover", True)
+        if tier_models.startswith("prune") and self.prune_options.get("recover") and self.fusion_inputs is None:
+            raise ValueError(f"strategy: tier_models={tier_models!r} with recovery needs fusion_inputs (the server "
+                             "fusion set)")
         if tier_models == "distill" and self.fusion_inputs is None:
             raise ValueError("strategy: tier_models='distill' needs fusion_inputs (the server fusion set)")
         if tier_models == "fuse" and self.method in SUBMODEL_METHODS:
@@ -131,6 +146,7 @@ class TieredFusionStrategy(FusionStrategy):
         self._tier_guarded: dict[str, str] = {}   # tier -> why its derived model was replaced (the round's tier guard)
         self._tier_fallback: dict[str, torch.Tensor] | None = None   # the round's sub-model average when a tier is guarded
         self._offset = 0   # the window offset of the round being aggregated
+        self._pruned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None   # (state, perms)
         self._level_widths = None  # per tier (tier_level_widths)
         base_fn = self.fuse_fn
 
@@ -307,6 +323,16 @@ class TieredFusionStrategy(FusionStrategy):
                     record["guard"] = record.get("guard") or f"average (tier guard: {'; '.join(self._tier_guarded.values())})"
                     log(WARNING, "aggregate_train: round %d: tier guard: the round uses the sub-model average for the "
                         "global model and every tier", server_round + self.round_offset)
+            if self._pruned is not None and not self._tier_guarded:
+                # tier_models='prune': the new global model with its units reordered (same function), so that every
+                # tier's pruned model is its top-left slice; the server momentum follows the units
+                state, perms = self._pruned
+                arrays = state_to_record(state)
+                self._global = arrays
+                if self._momentum is not None:
+                    layout = permutation_layout(self.skeleton(1.0), perms)
+                    self._momentum = slice_state(self._momentum, layout)
+            self._pruned = None
             self._tier_fallback = None
         return arrays, metrics
 
@@ -360,9 +386,12 @@ class TieredFusionStrategy(FusionStrategy):
         every narrower tier's slice of the new global model is a student of the ensemble of all clients."""
         self._derived.clear()   # a tier without a derivation this round gets the new global model's slice
         self._tier_guarded = {}
+        self._pruned = None
         if not updates or self.spec is None:
             return
-        if self.tier_models == "distill" or self.round_method(server_round) == "feddf":
+        if self.tier_models.startswith("prune"):   # (with feddf: instead of its per-tier distillation)
+            self._prune_tiers(server_round, updates)
+        elif self.tier_models == "distill" or self.round_method(server_round) == "feddf":
             self._distill_tiers(server_round, updates)
         elif self.tier_models == "fuse" and self.method not in SUBMODEL_METHODS:
             self._fuse_tiers(server_round, updates)
@@ -434,6 +463,71 @@ class TieredFusionStrategy(FusionStrategy):
                 self._derived.pop(r, None)
                 log(WARNING, "aggregate_train: round %d: fusing tier %s failed (%s); it gets the global model's slice",
                     server_round, tier_name(r), exc)
+
+    def aggregated_scores(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor] | None:
+        """The round's client importance scores at the global width (level name -> ``[width]``), or ``None`` when
+        not every client sent scores: each client's level scores divided by their mean, then the sample-weighted mean
+        over the clients holding each unit (a tier of width ``c`` holds units ``0..c-1``: the top-left slice)."""
+        if not updates or not all(u.scores for u in updates):
+            return None
+        widths = {lv.name: lv.width for lv in levels(self.skeleton(1.0))}
+        w = self._weights(updates)
+        out = {}
+        for name, width in widths.items():
+            acc, cnt = torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+            for u, wi in zip(updates, w):
+                s = u.scores.get(name)
+                if s is None:
+                    continue
+                s = torch.as_tensor(s).double().flatten()[:width]
+                s = s / s.mean().clamp_min(1e-12)
+                acc[:len(s)] += wi * s
+                cnt[:len(s)] += wi
+            if bool((cnt > 0).all()):
+                out[name] = (acc / cnt).float()
+        return out or None
+
+    def _prune_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="prune"``: every narrower tier's model is the new global model structurally pruned to the
+        tier's architecture (``fedfuse.pruning``, ``target=`` the tier; importance ``criterion`` of
+        ``prune_options``, default ``auto``, with the round's aggregated client scores when it has them). Tiers
+        are nested top-left slices of the global model (the next round maps the narrow clients' replies back by
+        position), so pruning only chooses which units each slice holds: the global model's units are reordered
+        (a function-preserving permutation, ``fedfuse.hetero.prune.prune_order``; the narrower tiers pruned from the
+        wider tier's model, so they stay nested) and each tier's pruned model is exactly its top-left slice.
+        ``aggregate_train`` hands out the reordered global model unless the tier guard fell back. With ``recover``
+        the slice is then distilled from the round's client models on the fusion set (``distill_ensemble``,
+        held-out early stopping: its units stay those of the slice)."""
+        from fedfuse.hetero.prune import prune_order
+
+        tiers = sorted(set(self._node_tier.values()) - {1.0})
+        if not tiers:
+            return
+        opts = dict(self.prune_options)
+        recover = opts.pop("recover", False)
+        criterion = opts.pop("criterion", "auto")
+        if self.input_shape is not None and "input_shape" not in opts:
+            opts["input_shape"] = self.input_shape
+        glob = self.build_model(self.global_state())
+        x = torch.as_tensor(self.fusion_inputs).float() if self.fusion_inputs is not None else None
+        scores = self.aggregated_scores(updates)
+        state, perms, info = prune_order(glob, {tier_name(r): self.skeleton(r) for r in tiers}, scores=scores,
+                                         fusion_inputs=x, criterion=criterion, seed=self.seed + server_round, **opts)
+        teachers = [self.build_model(u.state) for u in updates] if recover else None
+        dev = resolve_device(self.device)
+        for r in tiers:
+            student = self.build_model(slice_state(state, self.layout(r, 0)))
+            if recover:
+                ropts = DistillRefineOptions(**recover) if isinstance(recover, dict) else DistillRefineOptions()
+                info[tier_name(r)]["recover"] = distill_ensemble(student, teachers, self._norm_weights(updates), x,
+                                                                 ropts, seed=self.seed + server_round, device=dev)
+                student = student.cpu()
+                check_finite(f"prune (tier {tier_name(r)})", student)
+            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+        if self.history and self.history[-1].get("round") == server_round:
+            self.history[-1]["tier-prune"] = {k: {kk: vv for kk, vv in v.items() if kk != "recover"}
+                                              for k, v in info.items()}
+        self._pruned = (state, perms)
 
     def _distill_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """``tier_models="distill"`` and FedDF with architecture groups: each narrower tier's model (the slice of the new global model) learns

@@ -11,8 +11,10 @@ import math
 
 from fedfuse.choices import TIER_STRATEGIES  # sub-model averaging baselines (fedfuse.flower.tiers)
 # how a fusion strategy derives each tier's model: the global model's slice; the round's clients fused into the
-# tier's width; the slice distilled from the ensemble of all the round's clients on the fusion set
-TIER_MODELS = ("slice", "fuse", "distill")
+# tier's width; the slice distilled from the ensemble of all the round's clients on the fusion set; the fused global
+# model structurally pruned to the tier's architecture (its units reordered so that the pruned model is the slice:
+# fedfuse.hetero.prune), with '-recover' then distilled from the round's clients
+TIER_MODELS = ("slice", "fuse", "distill", "prune", "prune-recover")
 # fusion strategies whose tiered form averages HeteroFL's sub-models (units keep their index, so any tier mix
 # works): 'average' (+ fedfuse's server step and refinement) and 'feddf' (FedDF with architecture groups)
 SUBMODEL_METHODS = ("average", "feddf")

@@ -1,0 +1,196 @@
+"""Tier models by structured pruning that stay nested top-left slices of the global model (``tier-models='prune'``).
+
+Capacity tiers are index slices of the global model: a client of tier ``r`` trains units ``0..⌈r·C⌉-1`` of every
+hidden group, and its reply is averaged / fused back into exactly those positions (``fedfuse.hetero.submodel``;
+the tier guard's history, commits 2c9d211 / ff2b60e: the tiers must stay nested slices of the global). Structured
+pruning (``fedfuse.pruning.prune(global, target=tier)``) keeps the *most important* units instead, wherever they
+are. Both are reconciled by a function-preserving permutation of the global model: pruning only *chooses which units
+the slice keeps*.
+
+``prune_order`` prunes tier by tier, widest narrow tier first, each from the next wider tier's model (the global
+model for the widest, then the previous tier's slice), finds which units the pruned model kept
+(``kept_units``: exact matching of the pruned tensors to the wider model's), and permutes the global model's units
+so that those come first, in their order (the rest keep their relative order behind them). The permuted global
+model computes the same function, and every tier's pruned model is exactly its top-left slice, nested in the wider
+tiers' slices. Recovery (distilling the round's clients into a tier's slice) is the caller's (it changes the tier
+model's weights, not which global units it holds).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from fedfuse.hetero.submodel import SubModel, slice_state, submodel
+from fedfuse.models import adapter_for
+
+
+def _moved_to_front(view: torch.Tensor, axis: int) -> torch.Tensor:
+    return view.movedim(axis, 0).reshape(view.shape[axis], -1)
+
+
+def kept_units(wide: nn.Module, pruned: nn.Module, *, atol: float = 1e-6) -> dict[str, torch.Tensor]:
+    """``{group: [units of pruned] int64}``: for every unit group of ``wide``'s permutation spec, the indices of the
+    units of ``wide`` that ``pruned`` (``wide`` with units removed, nothing else changed: ``prune(..., recover=False)``)
+    holds, in ``pruned``'s unit order.
+
+    Groups are resolved in dependency order: a group is matched on the tensors whose other grouped axes are already
+    resolved (e.g. an MLP's first layer rows, then the second layer's rows restricted to the kept columns), each
+    pruned unit to the wide unit with the same entries (optimal assignment on the distances). ``ValueError`` when a
+    pruned unit has no exact counterpart (the pruned model is not a sub-network of ``wide``).
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    adapter = adapter_for(wide)
+    ws, ps = adapter.perm_spec(wide), adapter.perm_spec(pruned)
+    wstate, pstate = wide.state_dict(), pruned.state_dict()
+    if set(ws.groups) != set(ps.groups) or list(wstate) != list(pstate):
+        raise ValueError("kept_units: the pruned model's layout differs from the wide model's (another depth?)")
+    kept: dict[str, torch.Tensor] = {}
+    pending = [g for g in ws.groups]
+    while pending:
+        progress = False
+        for g in list(pending):
+            wf, pf = [], []
+            for key, entry in ws.entries.items():
+                axes = [ax for ax in entry.axes if ax.group == g]
+                if not axes:
+                    continue
+                others = [ax for ax in entry.axes if ax.group != g]
+                if any(ax.group not in kept for ax in others) or len(axes) != 1:
+                    continue
+                wt, pt = wstate[key], pstate[key]
+                if not wt.is_floating_point():
+                    continue
+                wv = wt.detach().reshape(entry.view or tuple(wt.shape)).double()
+                pentry = ps.entries[key]
+                pv = pt.detach().reshape(pentry.view or tuple(pt.shape)).double()
+                for ax in others:
+                    wv = wv.index_select(ax.axis, kept[ax.group])
+                wf.append(_moved_to_front(wv, axes[0].axis))
+                pf.append(_moved_to_front(pv, axes[0].axis))
+            if not wf:
+                continue
+            wfeat, pfeat = torch.cat(wf, 1), torch.cat(pf, 1)
+            if wfeat.shape[1] != pfeat.shape[1]:
+                raise ValueError(f"kept_units: group {g!r}: the pruned tensors do not match the wide model's layout")
+            dist = torch.cdist(pfeat, wfeat)
+            rows, cols = linear_sum_assignment(dist.numpy())
+            order = torch.as_tensor(cols[torch.as_tensor(rows).argsort().numpy()], dtype=torch.long)
+            scale = float(wfeat.abs().max()) if wfeat.numel() else 1.0
+            worst = float(dist[torch.arange(len(order)), order].max()) if len(order) else 0.0
+            if worst > atol * max(1.0, scale) * max(1, pfeat.shape[1]) ** 0.5:
+                raise ValueError(f"kept_units: group {g!r}: a pruned unit has no exact counterpart in the wide model "
+                                 f"(distance {worst:.3g}); was the pruned model changed after pruning?")
+            kept[g] = order
+            pending.remove(g)
+            progress = True
+        if not progress:
+            raise ValueError(f"kept_units: cannot resolve groups {pending} (no tensor indexes them alone)")
+    return kept
+
+
+def permutation_layout(model: nn.Module, perms: Mapping[str, torch.Tensor]) -> SubModel:
+    """A full-size ``SubModel`` whose ``slice_state`` permutes ``model``'s units: group ``g``'s new unit ``i`` is old
+    unit ``perms[g][i]`` (groups not in ``perms`` keep their order). Function-preserving (the permutation spec's)."""
+    spec = adapter_for(model).perm_spec(model)
+    state = model.state_dict()
+    positions = {}
+    for key, t in state.items():
+        entry = spec.entries.get(key)
+        pos = torch.arange(t.numel()).reshape(entry.view or tuple(t.shape) if entry is not None else tuple(t.shape))
+        if entry is not None:
+            for ax in entry.axes:
+                if ax.group in perms:
+                    pos = pos.index_select(ax.axis, perms[ax.group])
+        positions[key] = pos.reshape(t.shape)
+    return SubModel(positions, {k: tuple(v.shape) for k, v in state.items()})
+
+
+def _front_permutation(size: int, front: torch.Tensor, within: int) -> torch.Tensor:
+    """A permutation of ``range(size)``: ``front`` first (indices < ``within``), the rest of ``range(within)`` in
+    order, then ``within..size-1`` unchanged."""
+    chosen = set(front.tolist())
+    rest = [i for i in range(within) if i not in chosen]
+    return torch.cat([front.long(), torch.tensor(rest, dtype=torch.long), torch.arange(within, size)])
+
+
+def _group_scores(model: nn.Module, scores: Mapping[str, torch.Tensor] | None) -> dict[str, str]:
+    """``{level name: group}`` for the levels whose scores index exactly one group's units."""
+    if not scores:
+        return {}
+    spec = adapter_for(model).perm_spec(model)
+    out = {}
+    for g, grp in spec.groups.items():
+        for lv in grp.levels or ():
+            if lv in scores and torch.as_tensor(scores[lv]).numel() == grp.size:
+                out[lv] = g
+    return out
+
+
+def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[nn.Module], *, scores: Mapping[str, torch.Tensor] | None = None,
+                fusion_inputs: torch.Tensor | None = None, criterion: str = "auto", seed: int = 0,
+                **prune_options: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """``(permuted global state, permutation per group, info)``: the global model's units reordered so that each
+    tier's structured pruning keeps exactly its top-left slice (see the module docstring).
+
+    Args:
+        global_model: the global (widest) model; not modified.
+        tiers: skeletons of the narrower tiers' architectures (weights ignored), any order, as a list or a dict
+            (name → skeleton, the names key ``info``); each must be a sub-model of the next wider one
+            (``fedfuse.hetero.submodel``).
+        scores: global-width importance scores (level name → ``[width]``), e.g. the round's clients' aggregated
+            ``neuron_importance``; used by ``criterion='scores'`` (and by ``'auto'`` where the family's best is
+            scores); permuted along with the units for the narrower tiers.
+        fusion_inputs, criterion, seed, prune_options: ``fedfuse.pruning.prune_result``'s (no recovery here).
+    Returns:
+        ``perms[g][i]`` = the old index of the unit now at position ``i`` of group ``g``. ``info``:
+        ``{tier name (list: its index): {"kept-moved": fraction of the tier's units that were not already in its slice,
+        "criterion": ..., "seconds": ...}}``.
+    """
+    from fedfuse.pruning import prune_result
+
+    adapter = adapter_for(global_model)
+    spec = adapter.perm_spec(global_model)
+    sizes = {g: grp.size for g, grp in spec.groups.items()}
+    named = dict(tiers) if isinstance(tiers, Mapping) else {str(i): m for i, m in enumerate(tiers)}
+    order = sorted(named.items(), key=lambda kv: -sum(p.numel() for p in kv[1].parameters()))
+    state = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
+    perms = {g: torch.arange(n) for g, n in sizes.items()}
+    level_group = _group_scores(global_model, scores)
+    cur_scores = {lv: torch.as_tensor(scores[lv]).float().flatten().clone() for lv in level_group} if scores else None
+    template = copy.deepcopy(global_model)
+    info: dict[str, Any] = {}
+    wide_widths = dict(sizes)   # widths of the model the next tier is pruned from
+    for name, tier in order:
+        t0 = time.perf_counter()
+        template.load_state_dict(state)
+        wide = template
+        if wide_widths != sizes:   # the previous tier's slice of the (permuted) global
+            wide = copy.deepcopy(prev_skeleton)
+            wide.load_state_dict(slice_state(state, submodel(template, prev_skeleton)))
+        wide_scores = None
+        if cur_scores:
+            wide_scores = {lv: s[:wide_widths[g]] for lv, s in cur_scores.items() for g in [level_group[lv]]}
+        res = prune_result(wide, target=tier, scores=wide_scores, fusion_inputs=fusion_inputs, criterion=criterion,
+                           seed=seed, **prune_options)
+        kept = kept_units(wide, res.model)
+        step = {g: _front_permutation(sizes[g], kept[g], wide_widths[g]) for g in sizes}
+        layout = permutation_layout(template, step)
+        state = slice_state(state, layout)
+        perms = {g: perms[g][step[g]] for g in sizes}
+        if cur_scores:
+            cur_scores = {lv: s[step[level_group[lv]]] for lv, s in cur_scores.items()}
+        tier_sizes = {g: len(kept[g]) for g in sizes}
+        moved = sum(int((kept[g] >= tier_sizes[g]).sum()) for g in sizes)
+        info[name] = {"kept-moved": moved / max(1, sum(tier_sizes.values())), "criterion": res.info.get("criterion"),
+                     "seconds": time.perf_counter() - t0}
+        wide_widths, prev_skeleton = tier_sizes, tier
+    return state, perms, info
+
+
+__all__ = ["kept_units", "permutation_layout", "prune_order"]
