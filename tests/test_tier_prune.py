@@ -200,3 +200,5 @@ def test_two_round_inprocess_run_with_tier_models_prune(tmp_path, strategy):
     assert last["valid-replies"] == 2 and last["rejected"] == [] and last["failures"] == []
     assert set(last["tier-accuracy"]) == {"1", "0.5"} and last["tier-clients"] == {"1": 1, "0.5": 1}
     assert last["test-accuracy"] > 0.12
+    pruned = [h["tier-prune"] for h in res["strategy-history"] if "tier-prune" in h]
+    assert pruned and set(pruned[-1]) == {"0.5"}                           # every round derived tier 0.5 by pruning
