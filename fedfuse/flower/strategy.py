@@ -263,13 +263,24 @@ class FusionStrategy(FedAvg):
     def _needs_modules(self) -> bool:
         return True
 
+    def _scores_on_server(self) -> bool:
+        """Whether the method can score the client models itself: its ``importance`` option takes a captum
+        scorer (``ot``'s ``importance`` is selective OT's unit scoring, not a client-score replacement)."""
+        if not self._accepts_option("importance"):
+            return False
+        try:
+            self.spec.parse_options({"importance": "deeplift"})
+        except FusionError:
+            return False
+        return True
+
     def _server_importance_options(self, options: dict[str, Any], fusion_labels: Any) -> dict[str, Any]:
         """``importance="server"``: the fusion options with the method's ``importance`` set to the scoring it runs on
         the fusion set (DeepLIFT unless the options name one); a ``ValueError`` saying what is missing otherwise."""
         if not self.uses_scores:
             raise ValueError(f"strategy: importance='server': method {self.method!r} uses no importance scores; "
                              "leave importance='client' (the default)")
-        if not self._accepts_option("importance"):
+        if not self._scores_on_server():
             raise ValueError(f"strategy: importance='server': method {self.method!r} takes its scores from the "
                              "clients only (no server-side scoring); use importance='client'")
         scoring = options.get("importance", "deeplift")
