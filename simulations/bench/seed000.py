@@ -356,8 +356,13 @@ def main(argv=None) -> None:
     archs = [parse_arch(a) for a in split_list(args.archs)]
     seeds = parse_ints(args.seeds)
     rows: list[dict] = []
+    parts = []
     for path in split_list(args.merge):
-        rows += json.loads(Path(path).read_text())["rows"]
+        blob = json.loads(Path(path).read_text())
+        rows += blob["rows"]
+        parts.append(blob.get("invocation", path))
+    if parts:
+        invocation = " ; ".join(parts) + f" ; merged by: {invocation}"
     out = Path(args.out)
     if args.report_only:
         print(write_report(rows, out, invocation, sorted({r["seed"] for r in rows})))
