@@ -4,6 +4,12 @@ pruned alone and KD into the same pruned architecture (issue 14).
 
     .venv/bin/python -m simulations.bench.seed000 --datasets mnist1d --partition full2 --seeds 0,1,2 \\
         --archs 64x4x4,128x8x6 --out results/seed000
+    .venv/bin/python -m simulations.bench.seed000 --ablation --datasets mnist1d --seeds 0,1,2 --out results/seed000
+
+The committed ``results/seed000/table.md`` ran as one process per seed (``--seeds 0 --out
+results/seed000/parts/mnist1d-s0`` etc.), merged by ``--report-only --merge
+results/seed000/parts/mnist1d-s0/results.json,...-s1/...,...-s2/... --out results/seed000`` (same rows as the
+single command; every part's command is the table's first line).
 
 Clients: one ViT per entry of ``--archs`` (``<embed>x<heads>x<depth>``), each from its own initialisation
 (``clients.client_seed``), trained with the harness's one-shot recipe (``clients.train_client``: AdamW,
