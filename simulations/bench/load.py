@@ -76,9 +76,12 @@ def main(argv: list[str] | None = None) -> None:
                "partitioning": "iid", "num-server-rounds": a.rounds, "local-epochs": 1, "fusion-set-size": 100,
                "strategy": a.strategy, "importance": "uniform", "fraction-train": a.fraction_train,
                "min-train-nodes": 2, "val-fraction": 0.1, "output-dir": str(out), "run-name": f"clients-{n}"}
+        print(f"[load] {n} clients: flwr run with {n} SuperNodes, {a.rounds} rounds, fraction-train "
+              f"{a.fraction_train} (timeout {a.timeout:.0f} s) ...", flush=True)
         t0 = time.perf_counter()
         outcome = run_app(cfg, num_supernodes=n, cpus_per_client=a.cpus_per_client, timeout=a.timeout, echo=False)
         wall = time.perf_counter() - t0
+        print(f"[load] {n} clients: run {outcome.status} after {wall:.0f} s", flush=True)
         if not outcome.ok:
             print(f"{n} clients: run ended {outcome.status} {outcome.details}\n{outcome.log[-3000:]}")
             continue

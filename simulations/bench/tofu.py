@@ -47,6 +47,7 @@ from fedfuse.training import resolve_device
 
 from simulations.bench.clients import Recipe, plain_recipe, train_client
 from simulations.bench.timing import interleaved_timings
+from simulations.runners.progress import progress, progress_print
 
 RESULTS = Path("results/tofu")
 MODES: dict[str, dict] = {
@@ -115,6 +116,7 @@ def part_throughput(device: torch.device, rs: list[int], modes: list[str], batch
         with torch.inference_mode():
             model(x)
 
+    progress_print(f"[tofu] throughput: inference, {len(_configs(rs, modes))} arms x {reps} interleaved repeats")
     inf = _rows_from_times(timed_sweep(model, infer, _configs(rs, modes), reps, device), batch)
     for row in inf:
         if row["mode"] != "off":
@@ -135,6 +137,7 @@ def part_throughput(device: torch.device, rs: list[int], modes: list[str], batch
         opt.step()
 
     # training arms without proportional attention (ToMe's advice for training, spec §3.8)
+    progress_print(f"[tofu] throughput: training step, {len(_configs(train_rs, modes))} arms")
     tr = _rows_from_times(timed_sweep(model, train_step, _configs(train_rs, modes), max(2, reps // 2), device,
                                       proportional_attention=False), train_batch)
     return dict(model="ViT-Ti/16 (timm, 192-d, 12 blocks, 3 heads)", tokens=n_tokens, img_size=img_size,
@@ -194,7 +197,8 @@ TRAIN_HP = {  # per set-up (batch size, peak lr): the digits proxy has few sampl
 def part_accuracy(device: torch.device, setups: dict[str, list[int]], modes: list[str], epochs: dict[str, int],
                   reps: int, train_tofu_r: int, seed: int = 0) -> dict:
     out: dict = dict(device=str(device), threads=torch.get_num_threads(), setups={})
-    for kind, rs in setups.items():
+    for kind, rs in progress(list(setups.items()), desc="tofu accuracy", unit="set-up"):
+        progress_print(f"[tofu] accuracy: {kind}: training {epochs[kind]} epochs, then {len(_configs(rs, modes))} arms")
         model, source, up = _build(kind, seed)
         xtr, ytr, xte, yte = _data(source, up)
         sec = train_model(model, xtr, ytr, epochs[kind], device, seed, **TRAIN_HP[kind])
@@ -265,7 +269,7 @@ def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: in
     arms = {"off": 0, "tofu": tofu_r}
     globals_ = {arm: copy.deepcopy(init).to(device) for arm in arms}
     per_round: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for rnd in range(rounds):
+    for rnd in progress(range(rounds), desc="tofu federated", unit="round"):
         states: dict[str, list] = {arm: [] for arm in arms}
         secs: dict[str, list[float]] = {arm: [] for arm in arms}
         for k, idx in enumerate(parts):
@@ -284,6 +288,9 @@ def federated_run(kind: str = "proxy_digits32", num_clients: int = 3, rounds: in
             per_round[arm].append(dict(round=rnd + 1, client_train_seconds=secs[arm],
                                        total_train_seconds=sum(secs[arm]),
                                        accuracy_off=accuracy(globals_[arm], xte, yte, device)))
+        progress_print(f"[tofu] federated round {rnd + 1}/{rounds}: " + ", ".join(
+            f"{arm} acc {per_round[arm][-1]['accuracy_off']:.3f} train {per_round[arm][-1]['total_train_seconds']:.1f} s"
+            for arm in arms))
     for arm, r in arms.items():
         g = globals_[arm]
         acc_off = per_round[arm][-1]["accuracy_off"]
@@ -399,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = ["throughput", "accuracy", "federated"] if args.part == "all" else [args.part]
     for part in parts:
         t0 = time.perf_counter()
+        progress_print(f"[tofu] {part}: started{' (quick)' if args.quick else ''}")
         if part == "throughput":
             rs = [int(v) for v in args.rs.split(",")]
             train_rs = [int(v) for v in args.train_rs.split(",")]
