@@ -41,7 +41,8 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
-from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES, parse_tiers  # noqa: E402
+from fedfuse.hetero.tiers import (SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES, parse_tiers,  # noqa: E402
+                                  resolve_tier_models)
 
 
 class ConfigError(ValueError):
@@ -128,7 +129,8 @@ class RunConfig:
     client_tiers: str = _key("", "capacity tiers: comma-separated width multipliers in (0, 1] (one must be 1), "
                              "assigned to clients round-robin by partition id (one per client with num-clients "
                              "values); node-config 'tier' overrides per SuperNode; '' = every client at full width")
-    tier_models: str = _key("slice", "client-tiers with a fusion strategy: each tier's model every round: slice (top-left "
+    tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
+                            "average and fusion methods, slice for heterofl/fedrolex/feddf: measured) | slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
                             "tier's width) | distill (the slice, then the ensemble of all the round's clients distilled into it on the fusion "
                             "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
@@ -301,12 +303,13 @@ def _check_tiers(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
         return
-    if cfg.strategy in TIER_STRATEGIES and cfg.tier_models != "slice":
+    tier_models = resolve_tier_models(cfg.strategy, cfg.tier_models)
+    if cfg.strategy in TIER_STRATEGIES and tier_models != "slice":
         raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} derives tier models by slicing "
-                          f"only (its paper's sub-models); {cfg.tier_models!r} needs a fusion strategy, e.g. "
+                          f"only (its paper's sub-models); {tier_models!r} needs a fusion strategy, e.g. "
                           "strategy='average'")
     if cfg.strategy in TIER_STRATEGIES + SUBMODEL_METHODS:   # sub-model averaging (+ FedDF's distillation)
-        if cfg.tier_models == "fuse":
+        if tier_models == "fuse":
             raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} averages sub-models and "
                               "derives tier models by slicing; use tier-models='slice'")
         return
@@ -317,7 +320,7 @@ def _check_tiers(cfg: RunConfig) -> None:
         able = sorted(TIER_STRATEGIES + tuple(n for n, s in METHOD_SPECS.items() if s.mixed_widths and s.any_target))
         raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
                           f"different widths; use one of {able}")
-    if cfg.tier_models == "fuse" and not spec.any_target:
+    if tier_models == "fuse" and not spec.any_target:
         raise ConfigError(f"run-config key 'tier-models': 'fuse' needs a fusion method that builds into another width "
                           f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
 

@@ -185,6 +185,17 @@ def test_tier_models_prune_config():
         _strategy("heterofl", tier_models="prune")
 
 
+def test_tier_models_auto_default_prunes_for_fusion_and_slices_for_the_submodel_baselines():
+    # the run-config default is 'auto': the measured best per strategy (prune above slice on every MNIST-1D cell)
+    assert parse_run_config({"client-tiers": "1,0.5"}).tier_models == "auto"
+    for name in ("average", "kf-linear"):
+        assert _strategy(name).tier_models == "prune"
+    for name in ("heterofl", "fedrolex", "feddf"):
+        assert parse_run_config({"client-tiers": "1,0.5", "strategy": name})      # auto is valid for them
+        assert _strategy(name).tier_models == "slice"
+    assert _strategy("average", tier_models="slice").tier_models == "slice"
+
+
 @pytest.mark.parametrize("strategy", ["kf-linear", "average"])
 def test_two_round_inprocess_run_with_tier_models_prune(tmp_path, strategy):
     from simulations.runners.inprocess import run_inprocess

@@ -49,7 +49,7 @@ from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble, kl_to
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
-from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS
+from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, resolve_tier_models
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.models import adapter_for, levels
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
@@ -75,8 +75,9 @@ class TieredFusionStrategy(FusionStrategy):
     Args:
         tiers: the run's width multipliers (``client-tiers``; informational: a node's own tier comes from
             its query reply, so node-config overrides may add tiers).
-        tier_models: ``"slice"`` | ``"fuse"`` | ``"distill"`` | ``"prune"`` | ``"prune-recover"``: how each tier's
-            model is derived after every round (``"distill"``: the global model's slice, then FedDF's distillation
+        tier_models: ``"auto"`` (``prune`` for average and fusion methods, ``slice`` for feddf: measured;
+            ``fedfuse.hetero.tiers.resolve_tier_models``) | ``"slice"`` | ``"fuse"`` | ``"distill"`` | ``"prune"`` |
+            ``"prune-recover"``: how each tier's model is derived after every round (``"distill"``: the global model's slice, then FedDF's distillation
             of all the round's clients into it; ``"prune"``: see ``_prune_tiers``).
         prune_options: ``tier_models="prune"``: ``criterion`` (``fedfuse.pruning``'s; default ``auto``), ``recover``
             (``True`` or a ``DistillRefineOptions`` table; default ``True`` for ``"prune-recover"``, else off) and
@@ -91,7 +92,7 @@ class TieredFusionStrategy(FusionStrategy):
     window_rolls = False     # FedRolex: the sub-model window moves with the round
     static_bn = False        # HeteroFL: BN statistics re-estimated on the fusion set after aggregation
 
-    def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "slice",
+    def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
                  width_scaler: bool | None = False, anchor: bool = True,
                  prune_options: dict[str, Any] | None = None, **options: Any) -> None:
@@ -106,6 +107,7 @@ class TieredFusionStrategy(FusionStrategy):
         super().__init__(method, **options)
         if tier_models not in TIER_MODELS:
             raise ValueError(f"strategy: tier_models must be one of {TIER_MODELS}, got {tier_models!r}")
+        tier_models = resolve_tier_models(self.method, tier_models)
         if weighting not in ("examples", "uniform"):
             raise ValueError(f"strategy: weighting must be 'examples' or 'uniform', got {weighting!r}")
         if self.model_fn is None:
@@ -617,12 +619,12 @@ class FedRolexStrategy(HeteroFLStrategy):
 TIER_STRATEGY_CLASSES: dict[str, type[FusionStrategy]] = {"heterofl": HeteroFLStrategy, "fedrolex": FedRolexStrategy}
 
 
-def build_tier_strategy(name: str, *, tiers: tuple[float, ...], tier_models: str = "slice",
+def build_tier_strategy(name: str, *, tiers: tuple[float, ...], tier_models: str = "auto",
                         input_shape: tuple[int, ...] | None = None, **options: Any) -> FusionStrategy:
     """The tier-aware strategy for ``name``: ``heterofl`` / ``fedrolex``, or ``TieredFusionStrategy`` fusing
     with the fusion method ``name``."""
     if name in TIER_STRATEGY_CLASSES:
-        if tier_models != "slice":
+        if resolve_tier_models(name, tier_models) != "slice":
             raise ValueError(f"strategy {name!r} derives tier models by slicing only, got tier_models={tier_models!r}")
         return TIER_STRATEGY_CLASSES[name](tiers=tiers, input_shape=input_shape, **options)
     return TieredFusionStrategy(name, tiers=tiers, tier_models=tier_models, input_shape=input_shape, **options)
