@@ -458,18 +458,7 @@ class FusionStrategy(FedAvg):
 
         t0 = time.perf_counter()
         state, fallback, info = self._fuse_with_fallback(server_round, updates)
-        record["fusion-seconds"] = time.perf_counter() - t0
-        record["fallback"] = fallback
-        record["guard"] = (info or {}).pop("guard", None)
-        record["fusion-info"] = info
-        self.history.append(record)
-        metrics = self._train_metrics(updates, ok)
-        metrics["fusion-seconds"] = record["fusion-seconds"]
-        metrics["num-valid"] = len(updates)
-        metrics["num-rejected"] = len(record["rejected"])
-        metrics["num-failures"] = len(failures)
-        metrics["fell-back"] = int(fallback is not None)
-        metrics["guarded"] = int(record["guard"] is not None)
+        metrics = self._close_round(record, time.perf_counter() - t0, fallback, info, updates, ok, failures)
         if state is None:
             return None, metrics
         return state_to_record(state), metrics
@@ -559,18 +548,9 @@ class FusionStrategy(FedAvg):
         t0 = time.perf_counter()
         probs = (lambda: self._stream_ensemble(members, reference)) if ensemble else None
         state, fallback, info = self._finish_stream(server_round, average, probs, light)
-        record["fusion-seconds"] = time.perf_counter() - t0 + (t0 - t_start - observer_seconds)
-        record["fallback"] = fallback
-        record["guard"] = (info or {}).pop("guard", None)
-        record["fusion-info"] = info
-        self.history.append(record)
-        metrics = self._train_metrics(light, ok)
-        metrics["fusion-seconds"] = record["fusion-seconds"]
-        metrics["num-valid"] = len(light)
-        metrics["num-rejected"] = len(record["rejected"])
-        metrics["num-failures"] = len(failures)
-        metrics["fell-back"] = int(fallback is not None)
-        metrics["guarded"] = 0
+        # the streamed aggregate is the average itself: the divergence guard has nothing to replace (guard stays None)
+        metrics = self._close_round(record, time.perf_counter() - t0 + (t0 - t_start - observer_seconds), fallback,
+                                    info, light, ok, failures)
         if state is None:
             return None, metrics
         return state_to_record(state), metrics
@@ -614,6 +594,24 @@ class FusionStrategy(FedAvg):
             self.history.append(record)
             return True
         return False
+
+    def _close_round(self, record: dict[str, Any], seconds: float, fallback: str | None,
+                     info: dict[str, Any] | None, updates: list[ClientUpdate], ok: list[Message],
+                     failures: list[Any]) -> MetricRecord:
+        """Record the round's outcome in ``history`` and return the train metrics that report it."""
+        record["fusion-seconds"] = seconds
+        record["fallback"] = fallback
+        record["guard"] = (info or {}).pop("guard", None)
+        record["fusion-info"] = info
+        self.history.append(record)
+        metrics = self._train_metrics(updates, ok)
+        metrics["fusion-seconds"] = seconds
+        metrics["num-valid"] = len(updates)
+        metrics["num-rejected"] = len(record["rejected"])
+        metrics["num-failures"] = len(failures)
+        metrics["fell-back"] = int(fallback is not None)
+        metrics["guarded"] = int(record["guard"] is not None)
+        return metrics
 
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
                        probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]
