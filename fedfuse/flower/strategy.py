@@ -439,21 +439,7 @@ class FusionStrategy(FedAvg):
         updates = self._validate(server_round, ok, record)
         record["valid"] = len(updates)
         self.last_updates = updates
-        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
-        if not updates and non_finite and len(non_finite) == len(record["rejected"]):
-            # the same global model would diverge again: stop instead of spinning through skipped rounds
-            self.history.append({**record, "skipped": "every client returned non-finite weights"})
-            raise ClientsDivergedError(
-                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
-                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
-                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
-                "another 'optimizer'.")
-        if len(updates) < self.min_valid_replies:
-            reason = (f"round {server_round} skipped: {len(updates)} valid replies, fewer than the minimum "
-                      f"{self.min_valid_replies}; the global model is unchanged")
-            log(WARNING, "aggregate_train: %s", reason)
-            record["skipped"] = reason
-            self.history.append(record)
+        if self._stop_or_skip(server_round, len(updates), record):
             return None, None
 
         t0 = time.perf_counter()
