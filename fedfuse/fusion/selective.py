@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.permute import Map, apply_maps, assignment, build_spec, ot_plan, solve_group, standardize
+from fedfuse.fusion.permute import (Map, apply_maps, assignment, build_spec, exact_block_costs, ot_plan, solve_group,
+                                    standardize)
 from fedfuse.fusion.permute.activations import _rows, _subsample
 from fedfuse.fusion.permute.features import marginal_from_scores
 from fedfuse.fusion.permute.spec import Group, PermSpec
@@ -320,26 +321,6 @@ def transport(cost: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transport
     return torch.as_tensor(plan, dtype=torch.float64)
 
 
-def _head_costs(cost: torch.Tensor, ha: int, hb: int) -> torch.Tensor:
-    """``[H_A, H_B]`` exact transport cost between the units of every head pair (uniform marginals)."""
-    from scipy.optimize import linear_sum_assignment
-
-    ma, mb = cost.shape
-    da, db = ma // ha, mb // hb
-    cn = cost.detach().double().cpu().numpy()
-    out = torch.zeros(ha, hb, dtype=torch.float64)
-    for i in range(ha):
-        for j in range(hb):
-            blk = cn[i * da:(i + 1) * da, j * db:(j + 1) * db]
-            if da == db:
-                r, k = linear_sum_assignment(blk)
-                out[i, j] = float(blk[r, k].sum()) / da
-            else:
-                p = ot_plan(torch.from_numpy(blk), solver="emd", normalize=False)
-                out[i, j] = float((p * torch.from_numpy(blk)).sum())
-    return out
-
-
 def selective_plan(cost: torch.Tensor, ga: Group, gb: Group, imp_a: torch.Tensor, imp_b: torch.Tensor, *,
                    opts) -> tuple[Map, torch.Tensor]:
     """The map of one group and, per B unit, the matched fraction ``r`` of its mass (0…1)."""
@@ -358,7 +339,7 @@ def selective_plan(cost: torch.Tensor, ga: Group, gb: Group, imp_a: torch.Tensor
             raise IncompatibleModelsError(f"{ga.name}: {ma} units in {ha} heads / {mb} units in {hb} heads")
         da, db = ma // ha, mb // hb
         head_a, head_b = a.reshape(ha, da).sum(1), b.reshape(hb, db).sum(1)
-        hc = _head_costs(cost, ha, hb)
+        hc = exact_block_costs(cost, ha, hb)
         if balanced and _uniform(head_a) and _uniform(head_b) and ha == hb:
             perm = assignment(hc, maximize=False)
             hp = torch.zeros(ha, hb, dtype=torch.float64)

@@ -115,18 +115,20 @@ def blocked_plan(n_blocks: int, size_a: int, size_b: int, head_cost: torch.Tenso
         plan[i * da:(i + 1) * da, j * db:(j + 1) * db] = p / p.sum().clamp_min(1e-300) / H
     return plan, head_perm
 
-def exact_block_costs(cost: torch.Tensor, H: int) -> torch.Tensor:
-    """``[H, H]`` exact (EMD) transport cost between every A block ``i`` and B block ``j`` of ``cost``
-    (uniform marginals; a linear assignment per pair when the blocks are square)."""
+def exact_block_costs(cost: torch.Tensor, H: int, H_b: int | None = None) -> torch.Tensor:
+    """``[H, H_b]`` exact (EMD) transport cost between every A block ``i`` and B block ``j`` of ``cost``
+    (``H`` blocks on A's side, ``H_b`` on B's, default ``H``; uniform marginals; a linear assignment per pair when
+    the blocks are square)."""
     from scipy.optimize import linear_sum_assignment
 
+    H_b = H if H_b is None else H_b
     m_a, m_b = cost.shape
-    da, db = m_a // H, m_b // H
+    da, db = m_a // H, m_b // H_b
     c = cost.detach().double().cpu()
-    out = torch.zeros(H, H, dtype=torch.float64)
+    out = torch.zeros(H, H_b, dtype=torch.float64)
     cn = c.numpy()
     for i in range(H):
-        for j in range(H):
+        for j in range(H_b):
             blk = cn[i * da:(i + 1) * da, j * db:(j + 1) * db]
             if da == db:
                 r, k = linear_sum_assignment(blk)
