@@ -71,6 +71,8 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
     assert last["test-accuracy"] == pytest.approx(last["tier-accuracy"]["1"])
     assert last["test-accuracy"] > 0.15                              # chance 0.1 (MNIST-1D, 2 short rounds)
     assert set(last["tier-val-accuracy"]) == {"1", "0.5", "0.25"}
+    assert set(last["tier-train-seconds"]) == {"1", "0.5", "0.25"}
+    assert all(s > 0 for s in last["tier-train-seconds"].values())
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@
 - ``FedRolexStrategy``: FedRolex (Alam et al., arXiv 2212.01548): the same with the window rolled by one
   unit per round.
 
-Per round, ``history`` gets ``tier-bytes-sent`` / ``tier-clients`` / ``tier-val-accuracy``
+Per round, ``history`` gets ``tier-bytes-sent`` / ``tier-clients`` / ``tier-val-accuracy`` / ``tier-train-seconds``
 (``{tier: value}``), and ``evaluate_tiers`` scores every tier model on the test split for the results
 (``tier-accuracy``).
 """
@@ -302,12 +302,13 @@ class TieredFusionStrategy(FusionStrategy):
         arrays, metrics = super().aggregate_train(server_round, replies)
         record = self.history[-1] if self.history else {}
         record.update(self._round_tiers)
-        vals: dict[str, list[float]] = {}
-        for u in self.last_updates:
-            v = u.metrics.get("val-accuracy")
-            if isinstance(v, (int, float)):
-                vals.setdefault(tier_name(u.metrics["tier"]), []).append(float(v))
-        record["tier-val-accuracy"] = {k: sum(v) / len(v) for k, v in vals.items()}
+        for src, key in (("val-accuracy", "tier-val-accuracy"), ("train-seconds", "tier-train-seconds")):
+            vals: dict[str, list[float]] = {}
+            for u in self.last_updates:
+                v = u.metrics.get(src)
+                if isinstance(v, (int, float)):
+                    vals.setdefault(tier_name(u.metrics["tier"]), []).append(float(v))
+            record[key] = {k: sum(v) / len(v) for k, v in vals.items()}
         if arrays is not None:
             self._global = arrays   # the derivations below slice / fuse from the new global model
             t0 = time.perf_counter()
@@ -555,7 +556,8 @@ class TieredFusionStrategy(FusionStrategy):
 
     def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
         """``{"tier-accuracy": {tier: test accuracy}}`` of the tier models the next round sends, plus the round's
-        ``tier-bytes-sent``, ``tier-clients`` and ``tier-val-accuracy`` (after round 0: empty)."""
+        ``tier-bytes-sent``, ``tier-clients``, ``tier-val-accuracy`` and ``tier-train-seconds`` (the tier's clients'
+        mean local-training wall seconds; after round 0: empty)."""
         if self._global is None:
             return {}
         tiers = sorted({1.0, *self.tiers, *self._node_tier.values()}, reverse=True)
@@ -566,7 +568,7 @@ class TieredFusionStrategy(FusionStrategy):
         out: dict[str, Any] = {"tier-accuracy": acc}
         hist = next((h for h in reversed(self.history) if h.get("round") == server_round), None)
         if hist is not None:
-            for key in ("tier-bytes-sent", "tier-clients", "tier-val-accuracy"):
+            for key in ("tier-bytes-sent", "tier-clients", "tier-val-accuracy", "tier-train-seconds"):
                 if key in hist:
                     out[key] = hist[key]
         return out

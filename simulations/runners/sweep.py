@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
             row["final-accuracy"] = rounds[-1]["test-accuracy"]
             row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
+            row["best-client-accuracy"] = rounds[-1].get("best-client-accuracy")
             row["fallback-rounds"] = [r["round"] for r in rounds if r.get("fallback")]
             row["skipped-rounds"] = [r["round"] for r in rounds if r.get("skipped")]
             row["guarded-rounds"] = [r["round"] for r in rounds if r.get("guard")]
@@ -181,6 +182,12 @@ def tier_fields(results: dict, out_dir: Path) -> dict:
         k = int(rounds[-1].get("valid-replies") or 0)
         out["tier-bytes-sent"], out["tier-clients"] = {"all": nbytes * k}, {"all": k}
     out["fusion-seconds"] = [r.get("fusion-seconds") for r in rounds]
+    if any(r.get("tier-train-seconds") for r in rounds):
+        # one local epoch of the largest tier's clients, per round (the yardstick of "fusion time per round")
+        epochs = max(1, int(results.get("config", {}).get("local-epochs", 1) or 1))
+        out["largest-tier-epoch-seconds"] = [
+            (max(t.items(), key=lambda kv: _tier_key(kv[0]))[1] / epochs) if t else None
+            for t in (r.get("tier-train-seconds") for r in rounds)]
     derive = {h.get("round"): h.get("tier-derivation-seconds") for h in results.get("strategy-history") or []}
     out["tier-derivation-seconds"] = [derive.get(r.get("round")) for r in rounds]
     return out
@@ -259,6 +266,12 @@ def aggregation_seconds(row: dict) -> list[float]:
     return [float(f) + float(d or 0.0) for f, d in zip(fus, der + [None] * (len(fus) - len(der))) if f is not None]
 
 
+def epoch_ratios(row: dict) -> list[float]:
+    """Per round: aggregation seconds / one local epoch of the widest tier's clients (same round)."""
+    agg, ep = aggregation_seconds(row), row.get("largest-tier-epoch-seconds") or []
+    return [a / e for a, e in zip(agg, ep) if e]
+
+
 def tier_table(rows: list[dict], strategies: list[str], part: str, timing_reference: str = "heterofl") -> str:
     """Capacity tiers, one partitioning: global and every tier model's final test accuracy (mean ± sample std over
     seeds), MB sent per round to each tier (all its clients), and the aggregation seconds per round (median over
@@ -275,10 +288,14 @@ def tier_table(rows: list[dict], strategies: list[str], part: str, timing_refere
             f"carry the same arrays back); aggregation = fusion + tier-model derivation seconds per round "
             f"(median over rounds, mean over seeds) and its ratio to {timing_reference}'s of the same seed. "
             f"A row without tiers shows its global model in the tier column it stands for ('as tier'), '—' "
-            f"where that run has no model for the tier.\n\n"
+            f"where that run has no model for the tier. 'best client' / 'ensemble': the last round's best single "
+            f"client model and the uniform ensemble of the round's client models on the test split. 'per largest-tier "
+            f"epoch': aggregation seconds / one local epoch of a client of the widest tier (its mean train seconds "
+            f"/ local-epochs, same round, same process), median over rounds, mean over seeds.\n\n"
             f"| strategy | seeds | global | " + " | ".join(f"tier {t}" for t in tiers) +
-            " | MB / round (" + " / ".join(tiers) + ") | aggregation s | ratio to " + timing_reference +
-            " |\n|---|---|---|" + "---|" * len(tiers) + "---|---|---|\n")
+            " | best client | ensemble | MB / round (" + " / ".join(tiers) + ") | aggregation s | ratio to " +
+            timing_reference + " | per largest-tier epoch |\n|---|---|---|" + "---|" * len(tiers) +
+            "---|---|---|---|---|---|\n")
     lines = []
     for strategy in strategies:
         sel = [r for r in sel_all if r["strategy"] == strategy]
@@ -298,10 +315,16 @@ def tier_table(rows: list[dict], strategies: list[str], part: str, timing_refere
             mb.append(f"{np.mean(b) / 1e6:.3f}" if b else "—")
         secs = {r["seed"]: float(np.median(aggregation_seconds(r))) for r in sel if aggregation_seconds(r)}
         ratio = [secs[s] / ref_med[s] for s in secs if s in ref_med and ref_med[s] > 0]
+        extra = []
+        for key in ("best-client-accuracy", "ensemble-accuracy"):
+            vals = [r[key] for r in sel if isinstance(r.get(key), (int, float))]
+            extra.append(mean_std(vals) if vals else "—")
+        per_epoch = [float(np.median(v)) for v in (epoch_ratios(r) for r in sel) if v]
         lines.append(f"| {strategy} | {len(sel)} | {mean_std([r['final-accuracy'] for r in sel])} | " +
-                     " | ".join(cells) + f" | {' / '.join(mb)} | " +
+                     " | ".join(cells) + f" | {' | '.join(extra)} | {' / '.join(mb)} | " +
                      (f"{np.mean(list(secs.values())):.3f}" if secs else "") + " | " +
-                     (f"{np.mean(ratio):.1f}×" if ratio else "") + " |")
+                     (f"{np.mean(ratio):.1f}×" if ratio else "") + " | " +
+                     (f"{np.mean(per_epoch):.2f}×" if per_epoch else "") + " |")
     return head + "\n".join(lines) + "\n"
 
 
