@@ -41,8 +41,8 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
-from fedfuse.hetero.tiers import (SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES, parse_tiers,  # noqa: E402
-                                  resolve_tier_models)
+from fedfuse.hetero.tiers import (ORDERED_DROPOUT, SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
+                                  parse_tiers, resolve_tier_models)
 
 
 class ConfigError(ValueError):
@@ -136,6 +136,10 @@ class RunConfig:
                             "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
                             "function, so that the pruned model is its slice) | prune-recover (prune, then the round's clients "
                             "distilled into it on the fusion set)", choices=TIER_MODELS)
+    ordered_dropout: str = _key("auto", "client-tiers: every client also trains the narrower tiers' nested "
+                                "sub-models, one width drawn per batch (FjORD's ordered dropout): auto (on for "
+                                "average and fusion methods, off for heterofl/fedrolex/feddf: measured) | on | off",
+                                choices=ORDERED_DROPOUT)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -302,6 +306,9 @@ def _check_tiers(cfg: RunConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
+        if cfg.ordered_dropout == "on":
+            raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
+                              "below 1), there is no narrower sub-model to train")
         return
     tier_models = resolve_tier_models(cfg.strategy, cfg.tier_models)
     if cfg.strategy in TIER_STRATEGIES and tier_models != "slice":

@@ -54,8 +54,10 @@ def load_fusion_inputs(path: str, *, dataset: str = "", input_shape: tuple[int, 
 
 def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_importance: bool,
                  device: torch.device, seed: int, epochs: int | None = None, lr: float | None = None,
-                 proximal_mu: float = 0.0) -> dict[str, Any]:
+                 proximal_mu: float = 0.0, forward=None) -> dict[str, Any]:
     """One client's local work: train, evaluate, score neurons.
+
+    ``forward``: the training forward (``fedfuse.training.train``'s; capacity tiers' ordered dropout).
 
     ``proximal_mu`` > 0 adds FedProx's proximal term ``mu/2 · ||w - w_global||²`` to the local loss
     (``fedfuse.training.train``; the server's FedProx strategy sends it as ``proximal-mu``).
@@ -68,7 +70,7 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
         tofu.apply(model, r=cfg.tofu_r)
     stats = train(model, train_set.x, train_set.y, epochs=epochs or cfg.local_epochs, batch_size=cfg.batch_size,
                   optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed,
-                  proximal_mu=proximal_mu)
+                  proximal_mu=proximal_mu, forward=forward)
     train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
     eval_set = val_set if len(val_set) > 0 else train_set
     val_metrics = evaluate(model, eval_set.x, eval_set.y, num_classes=eval_set.num_classes, device=device)

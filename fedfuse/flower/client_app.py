@@ -37,7 +37,7 @@ from flwr.clientapp.typing import Mod  # noqa: E402
 from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
 from fedfuse.flower.client import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.tier_client import query as tier_query, tier_model  # noqa: E402
+from fedfuse.flower.tier_client import query as tier_query, tier_forward, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 
@@ -108,12 +108,15 @@ def train(msg: Message, context: Context) -> Message:
     model = global_model(cfg, node.num_classes, node.input_shape,
                          seed=client_init_seed(cfg, node.pid) if one_shot else None)
     # capacity tiers: the width the strategy sends (fedfuse.flower.tier_client); unchanged without tiers
+    base = model
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
     if not one_shot:
         model.load_state_dict(request.state_dict())
+    round_seed = cfg.seed * 7919 + node.pid * 131 + request.server_round
+    forward = tier_forward(base, model, config, seed=round_seed, input_shape=node.input_shape)
     device = resolve_device(cfg.device)
     out = client_round(cfg, model, node.train, node.val, need_importance=request.need_importance,
-                       device=device, seed=cfg.seed * 7919 + node.pid * 131 + request.server_round,
+                       device=device, seed=round_seed, forward=forward,
                        epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
                        lr=float(config["lr"]) if "lr" in config else None,
                        # FedProx (Flower's strategy sends only mu): proximal term to the received global model

@@ -6,6 +6,8 @@
   ``flower-supernode --node-config "... tier=0.25"``), else ``client-tiers`` round-robin by partition id.
 - ``tier_model``: the model a ``train`` message asks for: the run's architecture at the width multiplier
   the strategy sends as ``tier-width-mult`` (with HeteroFL's width scaler when ``width-scaler`` is set).
+- ``tier_forward``: with ``ordered-dropout-widths`` in the train config, local training draws per batch one of
+  the node's nested widths (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from torch import nn
 
 from fedfuse.config import parse_run_config
 from fedfuse.hetero import attach_width_scaler, parse_tier_value, parse_tiers, tier_of
+from fedfuse.hetero.ordered_dropout import ordered_dropout
 from fedfuse.models import adapter_for
 
 QUERY_KIND = "fedfuse-tier"        # config["query"] of a tier query
 TIER_KEY = "tier-width-mult"       # train config: the width multiplier of the model the node receives
 SCALER_KEY = "width-scaler"        # train config: apply HeteroFL's width scaler during local training
+OD_KEY = "ordered-dropout-widths"  # train config: the narrower tiers this node also trains (FjORD ordered dropout)
 
 
 def node_tier(context: Context) -> tuple[int, float]:
@@ -56,4 +60,26 @@ def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, .
     return out
 
 
-__all__ = ["query", "node_tier", "tier_model", "QUERY_KIND", "TIER_KEY", "SCALER_KEY"]
+def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]):
+    """The ordered-dropout training forward (``fedfuse.hetero.OrderedDropout``) when the strategy sends
+    ``config[OD_KEY]`` (width multipliers of the narrower tiers, relative to the global model ``base``);
+    ``None`` otherwise (plain ``model(x)``)."""
+    widths = config.get(OD_KEY)
+    if TIER_KEY not in config or not widths:
+        return None
+    r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
+    ps = [parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths]
+    if any(p >= r for p in ps):
+        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    scaler = bool(config.get(SCALER_KEY, False))
+
+    def model_at(p: float) -> nn.Module:
+        sub = adapter_for(base).at_width_mult(base, p, seed=seed, input_shape=tuple(input_shape))
+        if scaler:
+            attach_width_scaler(sub, p)
+        return sub
+
+    return ordered_dropout(model, ps, model_at, seed=seed)
+
+
+__all__ = ["query", "node_tier", "tier_model", "tier_forward", "QUERY_KIND", "TIER_KEY", "SCALER_KEY", "OD_KEY"]

@@ -41,7 +41,7 @@ from torch import nn
 
 from fedfuse.flower.replies import IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
 from fedfuse.flower.strategy import FusionStrategy, state_to_record
-from fedfuse.flower.tier_client import QUERY_KIND, SCALER_KEY, TIER_KEY
+from fedfuse.flower.tier_client import OD_KEY, QUERY_KIND, SCALER_KEY, TIER_KEY
 from fedfuse.fusion import FusionResult, MethodSpec, check_finite, fuse_result
 from fedfuse.hetero import (SubModel, aggregate_states, parse_tier_value, reestimate_batchnorm, slice_state, submodel,
                             tier_name)
@@ -49,7 +49,7 @@ from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble, kl_to
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
-from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, resolve_tier_models
+from fedfuse.hetero.tiers import SUBMODEL_METHODS, TIER_MODELS, resolve_ordered_dropout, resolve_tier_models
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.models import adapter_for, levels
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
@@ -86,6 +86,8 @@ class TieredFusionStrategy(FusionStrategy):
         weighting: ``"examples"`` (sample counts, as every fedfuse aggregation) | ``"uniform"`` (the
             HeteroFL paper's plain count) for the sub-model average.
         width_scaler: ask clients to apply HeteroFL's width scaler in local training.
+        ordered_dropout: ask every client to also train the narrower tiers' nested sub-models, one width drawn
+            per batch (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``).
         Everything else: ``FusionStrategy``'s options.
     """
 
@@ -94,7 +96,7 @@ class TieredFusionStrategy(FusionStrategy):
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool | None = False, anchor: bool = True,
+                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: bool = False,
                  prune_options: dict[str, Any] | None = None, **options: Any) -> None:
         named = _named_strategy(method)
         if named is not None:   # the method's own defaults (e.g. average: server momentum 0.5; feddf: no refine)
@@ -139,6 +141,7 @@ class TieredFusionStrategy(FusionStrategy):
             # r^-L in training only (×16 for r = 1/4, L = 2) and a narrow client diverges (SGD lr 0.2: NaN)
             width_scaler = any(isinstance(m, BATCHNORMS) for m in self.model_fn().modules())
         self.width_scaler = bool(width_scaler)
+        self.ordered_dropout = bool(ordered_dropout)
         self.anchor = bool(anchor)
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
@@ -246,6 +249,9 @@ class TieredFusionStrategy(FusionStrategy):
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
+            narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
+            if self.ordered_dropout and narrower:
+                cfg[OD_KEY] = [float(t) for t in narrower]
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
             name = tier_name(r)
@@ -642,7 +648,8 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]) -> tuple[Callable[..., F
     if not tiers and cfg.strategy not in TIER_STRATEGY_CLASSES:
         return build_strategy, {}
     return build_tier_strategy, {"tiers": tiers or (1.0,), "tier_models": cfg.tier_models,
-                                 "input_shape": tuple(input_shape)}
+                                 "input_shape": tuple(input_shape),
+                                 "ordered_dropout": resolve_ordered_dropout(cfg.strategy, cfg.ordered_dropout)}
 
 
 __all__ = ["TieredFusionStrategy", "HeteroFLStrategy", "FedRolexStrategy", "TIER_STRATEGY_CLASSES",

@@ -1,0 +1,101 @@
+"""FjORD's ordered dropout in tiered local training (issue 13): the drawn sub-model is exactly the narrower tier's
+model, its gradients stay inside its slice, the strategy sends every node its narrower tiers, the config key."""
+
+from unittest.mock import Mock
+
+import pytest
+import torch
+from flwr.app import ConfigRecord
+
+from fedfuse.config import ConfigError, parse_run_config
+from fedfuse.flower.tier_client import OD_KEY, tier_forward, tier_model
+from fedfuse.hetero import slice_state, submodel
+from fedfuse.hetero.ordered_dropout import OrderedDropout
+from fedfuse.hetero.tiers import resolve_ordered_dropout
+from fedfuse.models import adapter_for, build_model
+
+FAMILIES = [("mlp", (40,)), ("cnn", (1, 8, 8)), ("vit", (1, 8, 8))]
+
+
+def _at(g, r, shape, seed):
+    return adapter_for(g).at_width_mult(g, r, seed=seed, input_shape=shape)
+
+
+@pytest.mark.parametrize("family,shape", FAMILIES)
+def test_each_draw_is_the_nested_tier_model_and_trains_only_its_slice(family, shape):
+    g = build_model(family, num_classes=10, input_shape=shape, width=64, seed=0)
+    half = _at(g, 0.5, shape, seed=1)                     # the client: tier 0.5
+    ref = _at(g, 0.25, shape, seed=2)                     # what the server would send a 0.25 client
+    ref.load_state_dict(slice_state(half.state_dict(), submodel(half, ref)))
+    od = OrderedDropout(half, [_at(g, 0.25, shape, seed=3)], seed=0)
+    half.eval()
+    ref.eval()
+    x = torch.randn(6, *shape)
+    seen = set()
+    for _ in range(12):
+        before = list(od.draws)
+        y = od(x)
+        k = next(i for i, (a, b) in enumerate(zip(before, od.draws)) if a != b)
+        seen.add(k)
+        with torch.no_grad():
+            assert torch.allclose(y, half(x) if k == 0 else ref(x), atol=1e-5)
+    assert seen == {0, 1}                                 # both widths are drawn
+    # a narrow draw's gradient lands on the entries its sub-model holds, nowhere else
+    half.zero_grad()
+    while True:
+        before = list(od.draws)
+        y = od(x)
+        if od.draws[1] != before[1]:
+            break
+    y.square().sum().backward()
+    pos = submodel(half, ref).positions
+    for name, p in half.named_parameters():
+        inside = torch.zeros(p.numel(), dtype=torch.bool)
+        inside[pos[name].reshape(-1)] = True
+        grad = p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+        assert not grad[~inside].any(), name
+        assert grad[inside].abs().sum() > 0, name
+
+
+def test_client_forward_from_the_train_config():
+    g = build_model("mlp", 10, (40,), width=32, depth=2)
+    cfg = {"tier-width-mult": 1.0, OD_KEY: [0.5, 0.25]}
+    model = tier_model(g, cfg, seed=0, input_shape=(40,))
+    fwd = tier_forward(g, model, cfg, seed=0, input_shape=(40,))
+    assert [adapter_for(m).config(m, (40,)) != adapter_for(g).config(g, (40,)) for m, _ in fwd.subs] == [True, True]
+    assert tier_forward(g, model, {"tier-width-mult": 0.25}, seed=0, input_shape=(40,)) is None
+    with pytest.raises(ValueError, match=OD_KEY):
+        tier_forward(g, model, {"tier-width-mult": 0.5, OD_KEY: [0.5]}, seed=0, input_shape=(40,))
+
+
+def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedfuse.flower.strategy import state_to_record
+    from fedfuse.flower.tiers import build_tier_strategy
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    for on in (True, False):
+        s = build_tier_strategy("average", tiers=(1.0, 0.5, 0.25), input_shape=(40,), seed=0, ordered_dropout=on,
+                                model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
+        s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+        grid = Mock()
+        grid.get_node_ids.return_value = [1, 2, 3]
+        arrays = state_to_record(build_model("mlp", 10, (40,), width=16, depth=2).state_dict())
+        msgs = list(s.configure_train(1, arrays, ConfigRecord({}), grid))
+        sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_KEY) for m in msgs}
+        assert sent == ({1: [0.5, 0.25], 2: [0.25], 3: None} if on else {1: None, 2: None, 3: None})
+
+
+def test_ordered_dropout_config():
+    assert resolve_ordered_dropout("average", "auto") and resolve_ordered_dropout("kf-linear", "auto")
+    assert not any(resolve_ordered_dropout(s, "auto") for s in ("heterofl", "fedrolex", "feddf"))
+    assert resolve_ordered_dropout("heterofl", "on") and not resolve_ordered_dropout("average", "off")
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "heterofl", "ordered-dropout": "on"})
+    with pytest.raises(ConfigError, match="ordered-dropout"):
+        parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout": "yes"})
+    with pytest.raises(ConfigError, match="ordered-dropout"):
+        parse_run_config({"strategy": "average", "ordered-dropout": "on"})   # no tiers: nothing narrower to train
+    assert parse_run_config({"strategy": "average"}).ordered_dropout == "auto"   # default, no tiers: silent no-op
