@@ -136,10 +136,10 @@ class RunConfig:
                             "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
                             "function, so that the pruned model is its slice) | prune-recover (prune, then the round's clients "
                             "distilled into it on the fusion set)", choices=TIER_MODELS)
-    ordered_dropout: str = _key("auto", "client-tiers: every client also trains the narrower tiers' nested "
-                                "sub-models, one width drawn per batch (FjORD's ordered dropout): auto (on for "
-                                "average and fusion methods, off for heterofl/fedrolex/feddf: measured) | on | off",
-                                choices=ORDERED_DROPOUT)
+    ordered_dropout: str = _key("auto", "client-tiers: clients also train their narrower tiers' nested sub-models, "
+                                "one width drawn per batch (FjORD's ordered dropout): auto (measured best: off for "
+                                "heterofl/fedrolex/feddf) | all (every client) | narrow (every client but the widest "
+                                "tier's) | off", choices=ORDERED_DROPOUT)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -306,7 +306,7 @@ def _check_tiers(cfg: RunConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
-        if cfg.ordered_dropout == "on":
+        if cfg.ordered_dropout in ("all", "narrow"):
             raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
                               "below 1), there is no narrower sub-model to train")
         return

@@ -86,8 +86,9 @@ class TieredFusionStrategy(FusionStrategy):
         weighting: ``"examples"`` (sample counts, as every fedfuse aggregation) | ``"uniform"`` (the
             HeteroFL paper's plain count) for the sub-model average.
         width_scaler: ask clients to apply HeteroFL's width scaler in local training.
-        ordered_dropout: ask every client to also train the narrower tiers' nested sub-models, one width drawn
-            per batch (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``).
+        ordered_dropout: ``"all"`` (or ``True``): ask every client to also train the narrower tiers' nested
+            sub-models, one width drawn per batch (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``);
+            ``"narrow"``: every client but the widest tier's; ``"off"`` (or ``False``).
         Everything else: ``FusionStrategy``'s options.
     """
 
@@ -96,7 +97,7 @@ class TieredFusionStrategy(FusionStrategy):
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: bool = False,
+                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "off",
                  prune_options: dict[str, Any] | None = None, **options: Any) -> None:
         named = _named_strategy(method)
         if named is not None:   # the method's own defaults (e.g. average: server momentum 0.5; feddf: no refine)
@@ -141,7 +142,11 @@ class TieredFusionStrategy(FusionStrategy):
             # r^-L in training only (×16 for r = 1/4, L = 2) and a narrow client diverges (SGD lr 0.2: NaN)
             width_scaler = any(isinstance(m, BATCHNORMS) for m in self.model_fn().modules())
         self.width_scaler = bool(width_scaler)
-        self.ordered_dropout = bool(ordered_dropout)
+        if ordered_dropout is True or ordered_dropout is False:
+            ordered_dropout = "all" if ordered_dropout else "off"
+        if ordered_dropout not in ("all", "narrow", "off"):
+            raise ValueError(f"strategy: ordered_dropout must be 'all', 'narrow' or 'off', got {ordered_dropout!r}")
+        self.ordered_dropout = ordered_dropout
         self.anchor = bool(anchor)
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
@@ -250,7 +255,8 @@ class TieredFusionStrategy(FusionStrategy):
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
             narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
-            if self.ordered_dropout and narrower:
+            if narrower and (self.ordered_dropout == "all" or
+                             self.ordered_dropout == "narrow" and r < max(self.tiers, default=1.0)):
                 cfg[OD_KEY] = [float(t) for t in narrower]
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))

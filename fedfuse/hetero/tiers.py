@@ -32,19 +32,25 @@ def resolve_tier_models(strategy: str | None, tier_models: str) -> str:
     return "slice" if strategy in TIER_STRATEGIES + ("feddf",) else "prune"
 
 
-ORDERED_DROPOUT = ("auto", "on", "off")
+ORDERED_DROPOUT = ("auto", "all", "narrow", "off")
 
 
-def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str) -> bool:
-    """``ordered-dropout='auto'`` → the measured best for ``strategy``: on for ``average`` and the fusion methods,
-    off for HeteroFL / FedRolex / FedDF (their papers' local training). ``"on"`` / ``"off"`` as given.
-    (``average``, MNIST-1D, 10 clients, tiers 1/0.5/0.25, α=0.1, 3 seeds: global 0.441 vs 0.421, tier 0.25
-    0.516 vs 0.400; ``results/tiers/``.)"""
+def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str) -> str:
+    """``ordered-dropout='auto'`` → the measured best for ``strategy``: ``off`` for HeteroFL / FedRolex / FedDF
+    (their papers' local training), ``all`` for ``average`` and the fusion methods. ``"all"``: every client also
+    trains its narrower tiers' sub-models; ``"narrow"``: every client but those of the widest tier; ``"off"``.
+
+    Measured (``results/tiers/summary.md``, 10 clients, 30 rounds, 3 seeds, ``average``): ``all`` raises the
+    smallest tier's model in 7 of 8 cells (MNIST-1D MLP α=0.1 tiers 1/0.5/0.25: 0.516 vs 0.400 ``off``; MNIST-1D
+    CNN 0.775 vs 0.549) and the global model in 5 (0.441 vs 0.421; CNN 0.708 vs 0.667); it costs the global model
+    on digits CNN (0.603 vs 0.773) and MNIST-1D α=0.5 tiers 1/0.125 (0.462 vs 0.525), where the full-width
+    clients train their own width on half the batches only (every curve still rises at round 30). ``narrow``
+    was below ``all`` on 4 of 5 cells (``results/tiers/explore-od-narrow-*``)."""
     if ordered_dropout not in ORDERED_DROPOUT:
         raise ValueError(f"ordered-dropout: {ordered_dropout!r} is not one of {ORDERED_DROPOUT}")
     if ordered_dropout != "auto":
-        return ordered_dropout == "on"
-    return strategy not in TIER_STRATEGIES + ("feddf",)
+        return ordered_dropout
+    return "off" if strategy in TIER_STRATEGIES + ("feddf",) else "all"
 
 
 def parse_tiers(text: str, key: str = "client-tiers") -> tuple[float, ...]:

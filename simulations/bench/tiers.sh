@@ -26,7 +26,7 @@ cell() {
   local cfg="dataset='$ds' dirichlet-alpha=$a $COMMON $model client-tiers='$tiers'"
   # fedfuse's default (average: pruned tier models + ordered dropout), its ablation, the paper baselines, HeteroFL
   # with ordered dropout (FjORD-style), everyone at the smallest width, only the full-width clients
-  local strat="heterofl,fedrolex,average,average[ordered-dropout='off'],heterofl[ordered-dropout='on'],fedavg[model-width=$small client-tiers='' sweep-as-tier=$stier],fedavg[client-tiers='' min-train-nodes=$nfull sweep-partitions='$full' sweep-as-tier=1]"
+  local strat="heterofl,fedrolex,average,average[ordered-dropout='off'],heterofl[ordered-dropout='all'],fedavg[model-width=$small client-tiers='' sweep-as-tier=$stier],fedavg[client-tiers='' min-train-nodes=$nfull sweep-partitions='$full' sweep-as-tier=1]"
   if [ "$extra" = feddf ]; then strat=feddf; fi   # FedDF (architecture groups): the slowest rows, run last
   echo "$(date +%T) $name ${extra:-}"
   $PY --strategies "$strat" --run-config "$cfg" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1

@@ -23,7 +23,7 @@ from simulations.bench.stats import format_mean_std, mean_std
 
 MULTI = [("average", "average (default)"), ("average[ordered-dropout='off']", "average, no OD"),
          ("heterofl", "HeteroFL"), ("fedrolex", "FedRolex"), ("feddf", "FedDF"),
-         ("heterofl[ordered-dropout='on']", "HeteroFL + OD (FjORD-style)"),
+         ("heterofl[ordered-dropout='all']", "HeteroFL + OD (FjORD-style)"),
          ("fedavg[model-width", "FedAvg at the smallest width"), ("fedavg[client-tiers=''", "FedAvg, full-width clients only")]
 BASELINES = ("heterofl", "fedrolex", "feddf")
 ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[ordered-dropout='off']", "kf-gradient", "ot",
