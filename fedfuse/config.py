@@ -110,8 +110,10 @@ class RunConfig:
                        "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
     refine_prior: str = _key("auto", "class prior of refine=calibrate: class-counts (summed client counts) | uniform "
                              "| auto (class counts when every client sends them)", choices=PRIORS)
-    divergence_guard: bool = _key(True, "fusion strategies: use the weighted average in a round whose fused model "
-                                  "agrees much less with the clients' ensemble on the fusion set (WARNING)")
+    divergence_guard: bool = _key(True, "multi-round fusion strategies: use the weighted average in a round whose fused "
+                                  "model agrees much less with the clients' ensemble on the fusion set (WARNING); "
+                                  "off in one-shot mode (independently initialised clients: their average is no "
+                                  "fallback)")
     server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi | fusion strategies: server learning rate (Flower's "
                             "server_learning_rate / eta; a fusion strategy's step on its aggregate's momentum); 0 = the "
                             "strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01, fusion 1.0)", ge=0)
