@@ -139,8 +139,8 @@ class RunConfig:
                             "function, so that the pruned model is its slice) | prune-recover (prune, then the round's clients "
                             "distilled into it on the fusion set)", choices=TIER_MODELS)
     ordered_dropout: str = _key("auto", "client-tiers: clients also train their narrower tiers' nested sub-models, "
-                                "one width drawn per batch (FjORD's ordered dropout): auto (measured best: off for "
-                                "heterofl/fedrolex/feddf) | all (every client) | narrow (every client but the widest "
+                                "one width drawn per batch (FjORD's ordered dropout): auto (measured best: all for average and "
+                                "fusion methods in multi-round; off for heterofl/fedrolex/feddf and one-shot) | all (every client) | narrow (every client but the widest "
                                 "tier's) | off", choices=ORDERED_DROPOUT)
 
     def to_dict(self) -> dict[str, Any]:

@@ -93,6 +93,9 @@ def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
 
 def test_ordered_dropout_config():
     assert {resolve_ordered_dropout(s, "auto") for s in ("heterofl", "fedrolex", "feddf")} == {"off"}
+    assert resolve_ordered_dropout("average", "auto") == resolve_ordered_dropout("kf-linear", "auto") == "all"
+    assert resolve_ordered_dropout("kf-linear", "auto", "one-shot") == "off"           # measured: OD hurts one-shot
+    assert resolve_ordered_dropout("kf-linear", "all", "one-shot") == "all"
     assert resolve_ordered_dropout("heterofl", "all") == "all" and resolve_ordered_dropout("average", "off") == "off"
     assert parse_run_config({"client-tiers": "1,0.5", "strategy": "heterofl", "ordered-dropout": "all"})
     with pytest.raises(ConfigError, match="ordered-dropout"):

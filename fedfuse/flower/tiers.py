@@ -655,7 +655,7 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]) -> tuple[Callable[..., F
         return build_strategy, {}
     return build_tier_strategy, {"tiers": tiers or (1.0,), "tier_models": cfg.tier_models,
                                  "input_shape": tuple(input_shape),
-                                 "ordered_dropout": resolve_ordered_dropout(cfg.strategy, cfg.ordered_dropout)}
+                                 "ordered_dropout": resolve_ordered_dropout(cfg.strategy, cfg.ordered_dropout, cfg.mode)}
 
 
 __all__ = ["TieredFusionStrategy", "HeteroFLStrategy", "FedRolexStrategy", "TIER_STRATEGY_CLASSES",

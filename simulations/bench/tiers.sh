@@ -39,7 +39,7 @@ oneshot() {
   local name=$1 ds=$2 a=$3 model=$4
   local cfg="dataset='$ds' dirichlet-alpha=$a mode='one-shot' num-server-rounds=1 local-epochs=20 num-clients=10 batch-size=32 min-train-nodes=5 fusion-set-size=300 $model client-tiers='1,0.5,0.25'"
   echo "$(date +%T) $name"
-  $PY --strategies "heterofl,kd,feddf,kf-linear,kf-linear[ordered-dropout='off'],kf-gradient,ot,kf-linear[tier-models='fuse'],kf-gradient[tier-models='fuse']" \
+  $PY --strategies "heterofl,kd,feddf,kf-linear,kf-linear[ordered-dropout='all'],kf-gradient,ot,kf-linear[tier-models='fuse'],kf-gradient[tier-models='fuse']" \
       --run-config "$cfg" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
 }
 

@@ -26,7 +26,7 @@ MULTI = [("average", "average (default)"), ("average[ordered-dropout='off']", "a
          ("heterofl[ordered-dropout='all']", "HeteroFL + OD (FjORD-style)"),
          ("fedavg[model-width", "FedAvg at the smallest width"), ("fedavg[client-tiers=''", "FedAvg, full-width clients only")]
 BASELINES = ("heterofl", "fedrolex", "feddf")
-ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[ordered-dropout='off']", "kf-gradient", "ot",
+ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[ordered-dropout='all']", "kf-gradient", "ot",
            "kf-linear[tier-models='fuse']", "kf-gradient[tier-models='fuse']"]
 
 
