@@ -11,7 +11,10 @@ and records of a row are flattened: ``per-class-accuracy`` → ``class-<c>-accur
 → ``client-<p>-test-accuracy`` (``p`` = the client's partition id when the row has ``client-partition-ids``,
 else its position), ``rejected``/``failures`` → their count plus ``rejected-reasons``/``failure-reasons``
 (``node <id>: <reason>`` joined by `` | ``), ``client-federated-accuracy`` (``{partition: accuracy}``, federated
-evaluation) → ``client-<p>-federated-accuracy``. Other dicts such as ``fusion-info`` stay in ``results.json`` only.
+evaluation) → ``client-<p>-federated-accuracy``; capacity tiers' ``tier-accuracy`` / ``tier-val-accuracy`` /
+``tier-bytes-sent`` / ``tier-clients`` / ``tier-train-seconds`` (``{tier: value}``) → ``tier-<t>-test-accuracy``,
+``tier-<t>-val-accuracy``, ``tier-<t>-bytes-sent``, ``tier-<t>-clients``, ``tier-<t>-train-seconds``. Other dicts
+such as ``fusion-info`` stay in ``results.json`` only. The plot has one line per narrower tier's model.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ def _reasons(entries: list[Any]) -> str:
     return " | ".join(parts)
 
 
+# capacity tiers: the round's {tier: value} records -> rounds.csv columns tier-<t>-<name>
+TIER_COLUMNS = {"tier-accuracy": "test-accuracy", "tier-val-accuracy": "val-accuracy", "tier-bytes-sent": "bytes-sent",
+                "tier-clients": "clients", "tier-train-seconds": "train-seconds"}
+
+
 def csv_row(row: dict[str, Any]) -> dict[str, Any]:
     """One ``rounds.csv`` row of a results row: its scalars, with the per-class accuracies, per-client
     accuracies, rejected replies and failures flattened (see the module docstring); other lists and dicts
@@ -97,6 +105,8 @@ def csv_row(row: dict[str, Any]) -> dict[str, Any]:
             out.update({f"client-{p}-test-accuracy": a for p, a in zip(ids, v)})
         elif k == "client-federated-accuracy" and isinstance(v, dict):   # evaluation='federated'/'both'
             out.update({f"client-{p}-federated-accuracy": a for p, a in v.items()})
+        elif k in TIER_COLUMNS and isinstance(v, dict):   # capacity tiers: {tier: value}
+            out.update({f"tier-{t}-{TIER_COLUMNS[k]}": a for t, a in v.items()})
         elif k in ("rejected", "failures") and isinstance(v, (list, tuple)):
             out[k] = len(v)
             out["rejected-reasons" if k == "rejected" else "failure-reasons"] = _reasons(list(v))
@@ -150,6 +160,11 @@ class RunRecorder:
         key = "test-accuracy" if any(r.get("test-accuracy") is not None for r in self.rows) else "federated-accuracy"
         ax.plot(rounds, [r.get(key) for r in self.rows], "o-",
                 label="global model" if key == "test-accuracy" else "global model (clients' validation splits)")
+        tiers = sorted({t for r in self.rows for t in (r.get("tier-accuracy") or {}) if float(t) < 1},
+                       key=float, reverse=True)
+        for t in tiers:   # capacity tiers: every narrower tier's model (tier 1 is the global model)
+            pts = [(r["round"], r["tier-accuracy"][t]) for r in self.rows if t in (r.get("tier-accuracy") or {})]
+            ax.plot(*zip(*pts), ".-", label=f"tier {t} model")
         fed = [(r["round"], r["federated-accuracy"]) for r in self.rows
                if key == "test-accuracy" and r.get("federated-accuracy") is not None]
         if fed:

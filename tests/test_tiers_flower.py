@@ -72,6 +72,13 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
     assert last["test-accuracy"] > 0.15                              # chance 0.1 (MNIST-1D, 2 short rounds)
     assert set(last["tier-val-accuracy"]) == {"1", "0.5", "0.25"}
     assert set(last["tier-train-seconds"]) == {"1", "0.5", "0.25"}
+    import csv
+
+    with (out / "rounds.csv").open() as f:
+        csv_last = list(csv.DictReader(f))[-1]
+    for t in ("1", "0.5", "0.25"):   # the tier records as rounds.csv columns
+        assert float(csv_last[f"tier-{t}-test-accuracy"]) == pytest.approx(last["tier-accuracy"][t])
+        assert int(csv_last[f"tier-{t}-clients"]) == 1 and float(csv_last[f"tier-{t}-bytes-sent"]) > 0
     assert all(s > 0 for s in last["tier-train-seconds"].values())
 
 
