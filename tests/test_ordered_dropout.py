@@ -104,13 +104,3 @@ def test_ordered_dropout_config():
         parse_run_config({"strategy": "average", "ordered-dropout": "all"})   # no tiers: nothing narrower to train
     assert parse_run_config({"strategy": "average"}).ordered_dropout == "auto"   # default, no tiers: silent no-op
 
-
-def test_one_shot_runs_without_the_divergence_guard():
-    """One-shot clients start from independent initialisations: their weighted average is no fallback model."""
-    from fedfuse.flower.server_app import setup
-
-    base = {"dataset": "synthetic", "num-clients": 3, "strategy": "kf-linear", "fusion-set-size": 40}
-    _, _, multi = setup(parse_run_config(base))
-    _, _, shot = setup(parse_run_config({**base, "mode": "one-shot", "num-server-rounds": 1,
-                                         "client-tiers": "1,0.5"}))
-    assert multi.guard and not shot.guard
