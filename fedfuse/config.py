@@ -133,7 +133,7 @@ class RunConfig:
                              "assigned to clients round-robin by partition id (one per client with num-clients "
                              "values); node-config 'tier' overrides per SuperNode; '' = every client at full width")
     tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
-                            "average and fusion methods, slice for heterofl/fedrolex/feddf: measured) | slice (top-left "
+                            "average and fusion methods, slice for ViTs and heterofl/fedrolex/feddf: measured) | slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
                             "tier's width) | distill (the slice, then the ensemble of all the round's clients distilled into it on the fusion "
                             "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
@@ -313,7 +313,7 @@ def _check_tiers(cfg: RunConfig) -> None:
             raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
                               "below 1), there is no narrower sub-model to train")
         return
-    tier_models = resolve_tier_models(cfg.strategy, cfg.tier_models)
+    tier_models = resolve_tier_models(cfg.strategy, cfg.tier_models, MODEL_FAMILIES.get(cfg.model))
     if cfg.strategy in TIER_STRATEGIES and tier_models != "slice":
         raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} derives tier models by slicing "
                           f"only (its paper's sub-models); {tier_models!r} needs a fusion strategy, e.g. "

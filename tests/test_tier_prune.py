@@ -194,6 +194,12 @@ def test_tier_models_auto_default_prunes_for_fusion_and_slices_for_the_submodel_
         assert parse_run_config({"client-tiers": "1,0.5", "strategy": name})      # auto is valid for them
         assert _strategy(name).tier_models == "slice"
     assert _strategy("average", tier_models="slice").tier_models == "slice"
+    # ViTs: slicing measured above pruning (results/tiers/explore-vit-slice)
+    from fedfuse.flower.tiers import build_tier_strategy
+
+    vit = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(1, 8, 8), seed=0,
+                              model_fn=lambda: build_model("vit", 10, (1, 8, 8)))
+    assert vit.tier_models == "slice"
 
 
 @pytest.mark.parametrize("strategy", ["kf-linear", "average"])

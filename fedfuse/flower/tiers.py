@@ -110,7 +110,8 @@ class TieredFusionStrategy(FusionStrategy):
         super().__init__(method, **options)
         if tier_models not in TIER_MODELS:
             raise ValueError(f"strategy: tier_models must be one of {TIER_MODELS}, got {tier_models!r}")
-        tier_models = resolve_tier_models(self.method, tier_models)
+        tier_models = resolve_tier_models(self.method, tier_models,
+                                          adapter_for(self.model_fn()).family if self.model_fn is not None else None)
         if weighting not in ("examples", "uniform"):
             raise ValueError(f"strategy: weighting must be 'examples' or 'uniform', got {weighting!r}")
         if self.model_fn is None:

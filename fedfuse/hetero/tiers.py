@@ -20,16 +20,26 @@ TIER_MODELS = ("auto", "slice", "fuse", "distill", "prune", "prune-recover")
 SUBMODEL_METHODS = ("average", "feddf")
 
 
-def resolve_tier_models(strategy: str | None, tier_models: str) -> str:
-    """``tier-models='auto'`` → the measured best for ``strategy``: ``slice`` for HeteroFL / FedRolex (their papers'
-    sub-models) and FedDF (its per-tier distillation), ``prune`` for ``average`` and the fusion methods
-    (``average``, MNIST-1D, 10 clients, 3 seeds: tiers 1/0.5/0.25 at α=0.1 and 0.5, the global and every tier's
-    model above ``slice`` by 1.6–7.4 points; tiers 1/0.125 at α=0.1 global +1.3, tier 0.125 −1.4, within the seed
-    spread; ``results/hetero/prune-vs-slice``, ``results/hetero/prune-default-check``).
+def resolve_tier_models(strategy: str | None, tier_models: str, family: str | None = None) -> str:
+    """``tier-models='auto'`` → the measured best for ``strategy`` and the model ``family``: ``slice`` for HeteroFL /
+    FedRolex (their papers' sub-models) and FedDF (its per-tier distillation); for ``average`` and the fusion methods
+    ``prune``, except ViTs: ``slice``. Measured (10 clients, 30 rounds, 3 seeds, ``results/tiers``):
+
+    - MLP, MNIST-1D, tiers 1/0.5/0.25 at α=0.1 and 0.5: the global and every tier's model above ``slice`` by 1.6–7.4
+      points; tiers 1/0.125 at α=0.1: global +1.3, tier 0.125 −1.4, within the seed spread
+      (``results/hetero/prune-vs-slice``, ``results/hetero/prune-default-check``); with ordered dropout, MNIST-1D
+      α=0.1: 0.441 / 0.529 / 0.516 vs ``slice`` 0.376 / 0.518 / 0.514 (``results/tiers/explore-od-mnist1d-a0.1``).
+    - CNN (with ordered dropout), α=0.1: MNIST-1D 0.708 / 0.748 / 0.775 vs ``slice`` 0.604 / 0.722 / 0.742; digits
+      0.603 / 0.626 / 0.632 vs 0.632 / 0.624 / 0.630 (``results/tiers/explore-cnn-slice-*``).
+    - ViT, digits α=0.1 (with ordered dropout): ``slice`` 0.469 / 0.756 / 0.712 vs ``prune`` 0.487 / 0.446 / 0.450
+      (``results/tiers/explore-vit-slice``).
+
     Any other value is returned as given."""
     if tier_models != "auto":
         return tier_models
-    return "slice" if strategy in TIER_STRATEGIES + ("feddf",) else "prune"
+    if strategy in TIER_STRATEGIES + ("feddf",) or family == "vit":
+        return "slice"
+    return "prune"
 
 
 ORDERED_DROPOUT = ("auto", "all", "narrow", "off")
