@@ -39,8 +39,10 @@ oneshot() {
   local name=$1 ds=$2 a=$3 model=$4
   local cfg="dataset='$ds' dirichlet-alpha=$a mode='one-shot' num-server-rounds=1 local-epochs=20 num-clients=10 batch-size=32 min-train-nodes=5 fusion-set-size=300 $model client-tiers='1,0.5,0.25'"
   echo "$(date +%T) $name"
-  $PY --strategies "heterofl,kd,feddf,kf-linear,kf-linear[ordered-dropout='all'],kf-gradient,ot,kf-linear[tier-models='fuse'],kf-gradient[tier-models='fuse']" \
-      --run-config "$cfg" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
+  local strat="heterofl,kd,feddf,kf-linear,kf-linear[ordered-dropout='all'],kf-linear[refine='calibrate'],kf-gradient,ot,kf-linear[tier-models='fuse'],kf-gradient[tier-models='fuse']"
+  # ViTs: kf-linear fits affine levels in closed form and takes no transformer blocks; the gradient variant does
+  [[ "$model" == *vit* ]] && strat="heterofl,kd,feddf,kf-gradient,kf-gradient[refine='calibrate'],ot,kf-gradient[tier-models='fuse']"
+  $PY --strategies "$strat" --run-config "$cfg" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
 }
 
 if [ "$LANE" = A ] || [ "$LANE" = all ]; then
@@ -76,4 +78,4 @@ if [ "$LANE" = B ] || [ "$LANE" = all ]; then
   oneshot oneshot-mnist1d-mlp-a0.1 mnist1d 0.1 "$MLP1"
   oneshot oneshot-digits-mlp-a0.1  digits  0.1 "$MLP1"
 fi
-${PYTHON:-.venv/bin/python} -m simulations.bench.tiers_summary --root "$OUT" > /dev/null
+${PYTHON:-.venv/bin/python} -m simulations.bench.tiers_summary --root "$OUT" --render > /dev/null

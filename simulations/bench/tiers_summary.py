@@ -117,12 +117,50 @@ def one_shot(cells: dict[str, list[dict]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+ORDER = ["heterofl", "fedrolex", "feddf", "average", "average[ordered-dropout='off']",
+         "heterofl[ordered-dropout='all']", "kd", "kf-linear", "kf-linear[ordered-dropout='all']",
+         "kf-linear[refine='calibrate']", "kf-gradient", "kf-gradient[refine='calibrate']", "ot",
+         "kf-linear[tier-models='fuse']", "kf-gradient[tier-models='fuse']"]
+RUN_KEYS_NOT_CELL = ("strategy", "partitioning", "seed", "run-name", "output-dir")
+
+
+def cell_labels(rows: list[dict]) -> list[str]:
+    """The cell's strategy labels, baselines first (``ORDER``), then the rest in order of appearance."""
+    seen = list(dict.fromkeys(r["strategy"] for r in rows))
+    return sorted(seen, key=lambda s: (ORDER.index(s) if s in ORDER else len(ORDER), seen.index(s)))
+
+
+def cell_run_config(rows: list[dict]) -> str:
+    """The run config the cell's rows share (a heterofl row's, else the first), as ``--run-config`` text."""
+    row = next((r for r in rows if r["strategy"] == "heterofl"), rows[0])
+    cfg = {k: v for k, v in (row.get("run-config") or {}).items() if k not in RUN_KEYS_NOT_CELL}
+    return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in cfg.items())
+
+
+def render_cells(root: Path) -> None:
+    """Rewrite every cell's ``table.md`` / ``tiers.md`` / plots from its whole ``sweep.json`` (a sweep renders only
+    the strategies it ran: the FedDF pass alone, the extra seeds alone)."""
+    from simulations.runners.sweep import render
+
+    for p in sorted(root.glob("*/sweep.json")):
+        rows = json.loads(p.read_text())
+        if rows:
+            render(rows, cell_labels(rows), ["dirichlet"], "fedavg", p.parent, cell_run_config(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m simulations.bench.tiers_summary", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default="results/tiers")
+    ap.add_argument("--render", action="store_true", help="first re-render every cell's own tables from sweep.json")
     args = ap.parse_args(argv)
     root = Path(args.root)
+    if args.render:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):   # render prints every table
+            render_cells(root)
     cells = {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/sweep.json"))
              if not p.parent.name.startswith("explore")}
     multi = {k: v for k, v in cells.items() if not k.startswith("oneshot")}
