@@ -26,8 +26,9 @@ MULTI = [("average", "average (default)"), ("average[ordered-dropout='off']", "a
          ("heterofl[ordered-dropout='all']", "HeteroFL + OD (FjORD-style)"),
          ("fedavg[model-width", "FedAvg at the smallest width"), ("fedavg[client-tiers=''", "FedAvg, full-width clients only")]
 BASELINES = ("heterofl", "fedrolex", "feddf")
-ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[ordered-dropout='all']", "kf-gradient", "ot",
-           "kf-linear[tier-models='fuse']", "kf-gradient[tier-models='fuse']"]
+ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[refine='calibrate']", "kf-linear[ordered-dropout='all']",
+           "kf-gradient", "kf-gradient[refine='calibrate']", "ot", "kf-linear[tier-models='fuse']",
+           "kf-gradient[tier-models='fuse']"]
 
 
 def _label_rows(rows: list[dict], key: str) -> list[dict]:
@@ -110,7 +111,7 @@ def one_shot(cells: dict[str, list[dict]]) -> str:
             sel = _label_rows(rows, k)
             cols.append(format_mean_std([r["final-accuracy"] for r in sel], scale=100) if sel else "—")
             means[k] = mean_std([r["final-accuracy"] for r in sel])[0] if sel else float("nan")
-        fused = [means[k] for k in present if k.startswith(("kf-", "ot"))]
+        fused = [means[k] for k in present if k.startswith(("kf-", "ot")) and means[k] == means[k]]
         ref = max(mean_std(best)[0], means.get("kd", float("nan")))
         gap = f"{100 * (max(fused) - ref):+.1f} pts" if fused and ref == ref else "—"
         lines.append(f"| {cell} | " + " | ".join(cols) + f" | {gap} |")
