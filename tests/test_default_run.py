@@ -237,6 +237,8 @@ def test_with_capacity_tiers_the_default_baseline_is_heterofl(tmp_path, capsys):
     assert default_baseline(parse_run_config(tiered)) == "heterofl"
     assert default_baseline(parse_run_config({})) == "fedavg"
     preflight(baseline_config(tiered, "heterofl"))        # the baseline's config is valid (tier-models dropped)
+    # the baseline is the paper's HeteroFL: fedfuse's ordered dropout is not carried over to it
+    assert "ordered-dropout" not in baseline_config({**tiered, "ordered-dropout": "all"}, "heterofl")
     rc = main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config",
                "client-tiers='1,0.5' strategy='average' num-clients=2 num-server-rounds=1 local-epochs=1 "
                "model-width=16 model-depth=1 fusion-set-size=60 importance='uniform' run-name='t'"])

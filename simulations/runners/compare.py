@@ -24,7 +24,7 @@ BASELINE = "fedavg"
 # run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
 # fedfuse.config rejects most of them for fedavg)
 STRATEGY_ONLY_KEYS = ("fusion-options", "fusion-rounds", "refine", "refine-prior", "divergence-guard", "server-lr",
-                      "server-momentum", "proximal-mu", "tier-models")
+                      "server-momentum", "proximal-mu", "tier-models", "ordered-dropout")
 
 
 def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, output_dir: str | None = None,
