@@ -107,8 +107,7 @@ class RunConfig:
     fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
     refine: str = _key("auto", "fusion strategies: refinement of every round's aggregate on the fusion set: calibrate "
                        "(classifier bias to the class prior) | distill (FedDF step) | calibrate+distill | none; "
-                       "auto = the strategy's default (calibrate; none for feddf), distill for one-shot fusion methods with a "
-                       "fusion set no client supplied (measured)", choices=REFINES)
+                       "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
     refine_prior: str = _key("auto", "class prior of refine=calibrate: class-counts (summed client counts) | uniform "
                              "| auto (class counts when every client sends them)", choices=PRIORS)
     divergence_guard: bool = _key(True, "multi-round fusion strategies: use the weighted average in a round whose fused "

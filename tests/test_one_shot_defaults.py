@@ -1,4 +1,4 @@
-"""One-shot mode's defaults (issue 13's one-shot tier cells): no divergence guard, distillation after fusion."""
+"""One-shot mode's defaults (issue 13's one-shot tier cells): no divergence guard; calibration, not distillation."""
 
 from fedfuse.config import parse_run_config
 
@@ -14,12 +14,13 @@ def test_one_shot_runs_without_the_divergence_guard():
     assert multi.guard and not shot.guard
 
 
-def test_one_shot_fusion_distills_by_default_with_a_public_fusion_set():
-    from fedfuse.flower.server_app import resolved_refine
 
-    shot = {"mode": "one-shot", "num-server-rounds": 1, "strategy": "kf-linear"}
-    assert resolved_refine(parse_run_config(shot)) == "distill"
-    assert resolved_refine(parse_run_config({**shot, "fusion-set-source": "client0"})) is None   # strategy default
-    assert resolved_refine(parse_run_config({**shot, "strategy": "kd"})) is None                # the KD baseline
-    assert resolved_refine(parse_run_config({**shot, "refine": "none"})) == "none"
-    assert resolved_refine(parse_run_config({"strategy": "kf-linear"})) is None                 # multi-round
+def test_one_shot_keeps_the_calibrate_default_measured_above_distillation():
+    """Measured on the 8 one-shot tier cells (results/tiers/oneshot-*): kf-linear 63.0 % mean with the default
+    calibration vs 59.6 % with distillation (distillation ahead at α = 0.5 on digits CNN only, behind at α = 0.1)."""
+    from fedfuse.flower.server_app import setup
+
+    base = {"dataset": "synthetic", "num-clients": 3, "strategy": "kf-linear", "fusion-set-size": 40,
+            "mode": "one-shot", "num-server-rounds": 1}
+    _, _, shot = setup(parse_run_config(base))
+    assert tuple(shot.refine_steps) == ("calibrate",)

@@ -44,7 +44,6 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.choices import NON_FUSION_STRATEGIES  # noqa: E402
 from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
@@ -121,7 +120,7 @@ def setup(cfg: RunConfig):
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
                               fallback=cfg.fusion_fallback, device=cfg.device, seed=cfg.seed,
                               fusion_rounds=cfg.fusion_rounds,
-                              refine=resolved_refine(cfg), prior=cfg.refine_prior,
+                              refine=None if cfg.refine == "auto" else cfg.refine, prior=cfg.refine_prior,
                               # one-shot: the clients start from independent initialisations, so the weighted average
                               # the guard falls back to is no model (MNIST-1D one-shot tiers: chance, 0.10, replaced
                               # kf-linear's fused model every seed); the guard is a multi-round safeguard
@@ -185,25 +184,6 @@ class MemberReference:
     def take(self) -> list[tuple[int, Any, dict]]:
         out, self.members = self.members, []
         return out
-
-
-# one-shot fusion methods whose fused model is refined by distillation by default (not the KD / averaging baselines)
-ONE_SHOT_DISTILL_EXCLUDED = ("average", "kd", "feddf", "heterofl", "fedrolex")
-
-
-def resolved_refine(cfg: RunConfig) -> str | None:
-    """The strategy's ``refine`` for the run config: the key's value, or for ``auto`` the measured default: ``None``
-    (the strategy's own: calibrate), except one-shot fusion with a fusion set no client supplied (``public`` or a
-    server file), where it is ``distill``: one-shot tier cells (``results/tiers/explore-oneshot-refine-*``, 10
-    clients, 3 seeds) kf-linear 82.1 / 90.1 / 57.7 / 36.1 % with vs 70.3 / 91.9 / 57.4 / 36.2 % without (digits
-    CNN, digits MLP, MNIST-1D CNN, MNIST-1D MLP). Not with ``client0``'s fusion set: it may hold a few classes and
-    distillation then hurt (issue 12: digits shards-2 −4.5)."""
-    if cfg.refine != "auto":
-        return cfg.refine
-    if (cfg.mode == "one-shot" and (cfg.fusion_set_source == "public" or cfg.fusion_set_path)
-            and cfg.strategy not in NON_FUSION_STRATEGIES + ONE_SHOT_DISTILL_EXCLUDED):
-        return "distill"
-    return None
 
 
 def federated_evaluation_options(cfg: RunConfig) -> dict:
