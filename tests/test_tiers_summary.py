@@ -35,7 +35,7 @@ def test_summary_checks_the_goals_on_means(tmp_path):
     assert "0.500 / 0.500" in line and "no (vs heterofl, fedrolex)" in line    # fedrolex's tier 0.5 is higher
     assert "+8.0 pts" in line and "3.0×" in line                              # 0.50 − 0.42; (0.02+0.01)/0.01
     shot_line = next(ln for ln in text.splitlines() if ln.startswith("| oneshot-digits"))
-    assert "| 60.0 | 90.0 |" in shot_line and "+5.0 pts" in shot_line          # 85 − max(60, 80)
+    assert "| 60.0 | 90.0 |" in shot_line and "| +5.0 pts | +5.0 pts |" in shot_line   # 85 − max(60, 80)
 
 
 def test_largest_tier_epoch_seconds_from_the_round_records(tmp_path):

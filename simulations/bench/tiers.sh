@@ -40,9 +40,9 @@ oneshot() {
   local name=$1 ds=$2 a=$3 model=$4
   local cfg="dataset='$ds' dirichlet-alpha=$a mode='one-shot' num-server-rounds=1 local-epochs=20 num-clients=10 batch-size=32 min-train-nodes=5 fusion-set-size=300 $model client-tiers='1,0.5,0.25'"
   echo "$(date +%T) $name"
-  local strat="heterofl,kd,feddf,kf-linear,kf-linear[ordered-dropout='all'],kf-linear[refine='calibrate'],kf-gradient,ot,kf-linear[tier-models='fuse'],kf-gradient[tier-models='fuse']"
+  local strat="heterofl,kd,feddf,kf-linear,kf-linear[refine='distill'],kf-linear[ordered-dropout='all' refine='distill'],kf-gradient[refine='distill'],ot[refine='distill'],kf-linear[tier-models='fuse' refine='distill'],kf-gradient[tier-models='fuse' refine='distill']"
   # ViTs: kf-linear fits affine levels in closed form and takes no transformer blocks; the gradient variant does
-  [[ "$model" == *vit* ]] && strat="heterofl,kd,feddf,kf-gradient,kf-gradient[refine='calibrate'],ot,kf-gradient[tier-models='fuse']"
+  [[ "$model" == *vit* ]] && strat="heterofl,kd,feddf,kf-gradient,kf-gradient[refine='distill'],ot[refine='distill'],kf-gradient[tier-models='fuse' refine='distill']"
   PY --strategies "$strat" --run-config "$cfg" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
 }
 
