@@ -48,17 +48,17 @@ ORDERED_DROPOUT = ("auto", "all", "narrow", "off")
 def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str, mode: str = "multi-round") -> str:
     """``ordered-dropout='auto'`` → the measured best for ``strategy``: ``off`` for HeteroFL / FedRolex / FedDF
     (their papers' local training) and in one-shot mode, ``all`` for ``average`` and the fusion methods in
-    multi-round mode. ``"all"``: every client also
-    trains its narrower tiers' sub-models; ``"narrow"``: every client but those of the widest tier; ``"off"``.
+    multi-round mode. ``"all"``: every client also trains its narrower tiers' sub-models; ``"narrow"``: every client
+    but those of the widest tier; ``"off"``.
 
-    Measured (``results/tiers/summary.md``, 10 clients, 30 rounds, 3 seeds, ``average``): ``all`` raises the
-    smallest tier's model in 7 of 8 cells (MNIST-1D MLP α=0.1 tiers 1/0.5/0.25: 0.516 vs 0.400 ``off``; MNIST-1D
-    CNN 0.775 vs 0.549) and the global model in 5 (0.441 vs 0.421; CNN 0.708 vs 0.667); it costs the global model
-    on digits CNN (0.603 vs 0.773) and MNIST-1D α=0.5 tiers 1/0.125 (0.462 vs 0.525), where the full-width
-    clients train their own width on half the batches only (every curve still rises at round 30). ``narrow``
-    was below ``all`` on 4 of 5 cells (``results/tiers/explore-od-narrow-*``). One-shot (clients trained from
-    scratch, fused once): ``kf-linear``'s global model 70.3 / 91.9 / 36.2 % without vs 56.7 / 87.8 / 35.1 % with
-    ``all`` (digits CNN, digits MLP, MNIST-1D MLP; ``results/tiers/oneshot-*``, first run)."""
+    Measured (``results/tiers/summary.md``: 13 multi-round cells, 10 clients, 30 rounds, ``average``): ``all``
+    raises the smallest tier's model in 11 of 13 cells (MNIST-1D MLP α=0.1 tiers 1/0.5/0.25, 5 seeds: 0.511 vs
+    0.402 ``off``; it beats FedAvg trained at the smallest width in 12 of 13 cells, ``off`` in 5) and costs the
+    global model in 7 (digits CNN 0.603 vs 0.773; tiers 1/0.125, where the full-width clients train their own width
+    on half the batches: MNIST-1D α=0.5 0.465 vs 0.535), every curve still rising at round 30. ``narrow`` was below
+    ``all`` on 4 of 5 cells (``results/tiers/explore-od-narrow-*``). One-shot (clients trained from scratch, fused
+    once): kf-linear's global model 55.2 vs 82.1 % (digits CNN, with distillation): off there.
+    """
     if ordered_dropout not in ORDERED_DROPOUT:
         raise ValueError(f"ordered-dropout: {ordered_dropout!r} is not one of {ORDERED_DROPOUT}")
     if ordered_dropout != "auto":
