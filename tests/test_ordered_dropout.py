@@ -89,6 +89,15 @@ def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
         msgs = list(s.configure_train(1, arrays, ConfigRecord({}), grid))
         sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_KEY) for m in msgs}
         assert sent == want, mode
+    # the Python API's default is the run config's: auto = all for average (off in a one-shot round), off for HeteroFL
+    for name, cfg, want in (("average", {}, [0.5, 0.25]), ("average", {"mode": "one-shot"}, None),
+                            ("heterofl", {}, None)):
+        s = build_tier_strategy(name, tiers=(1.0, 0.5, 0.25), input_shape=(40,), seed=0,
+                                model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
+        s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+        msgs = list(s.configure_train(1, arrays, ConfigRecord(cfg), grid))
+        got = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_KEY) for m in msgs}
+        assert got[1] == want, (name, cfg)
 
 
 def test_ordered_dropout_config():

@@ -88,7 +88,8 @@ class TieredFusionStrategy(FusionStrategy):
         width_scaler: ask clients to apply HeteroFL's width scaler in local training.
         ordered_dropout: ``"all"`` (or ``True``): ask every client to also train the narrower tiers' nested
             sub-models, one width drawn per batch (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``);
-            ``"narrow"``: every client but the widest tier's; ``"off"`` (or ``False``).
+            ``"narrow"``: every client but the widest tier's; ``"off"`` (or ``False``); ``"auto"`` (default): the
+            measured best, as the run-config key (``resolve_ordered_dropout``; off in one-shot rounds).
         Everything else: ``FusionStrategy``'s options.
     """
 
@@ -97,7 +98,7 @@ class TieredFusionStrategy(FusionStrategy):
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "off",
+                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "auto",
                  prune_options: dict[str, Any] | None = None, **options: Any) -> None:
         named = _named_strategy(method)
         if named is not None:   # the method's own defaults (e.g. average: server momentum 0.5; feddf: no refine)
@@ -145,9 +146,11 @@ class TieredFusionStrategy(FusionStrategy):
         self.width_scaler = bool(width_scaler)
         if ordered_dropout is True or ordered_dropout is False:
             ordered_dropout = "all" if ordered_dropout else "off"
-        if ordered_dropout not in ("all", "narrow", "off"):
-            raise ValueError(f"strategy: ordered_dropout must be 'all', 'narrow' or 'off', got {ordered_dropout!r}")
-        self.ordered_dropout = ordered_dropout
+        try:   # 'auto': the run config's measured default for this strategy (one-shot rounds: off, configure_train)
+            self.ordered_dropout = resolve_ordered_dropout(self.method, ordered_dropout)
+        except ValueError as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        self._ordered_dropout_auto = ordered_dropout == "auto"
         self.anchor = bool(anchor)
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
@@ -256,8 +259,9 @@ class TieredFusionStrategy(FusionStrategy):
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
             narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
-            if narrower and (self.ordered_dropout == "all" or
-                             self.ordered_dropout == "narrow" and r < max(self.tiers, default=1.0)):
+            one_shot_auto = self._ordered_dropout_auto and cfg.get("mode") == "one-shot"
+            if narrower and not one_shot_auto and (self.ordered_dropout == "all" or
+                                                   self.ordered_dropout == "narrow" and r < max(self.tiers, default=1.0)):
                 cfg[OD_KEY] = [float(t) for t in narrower]
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
