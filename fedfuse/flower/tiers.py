@@ -146,11 +146,11 @@ class TieredFusionStrategy(FusionStrategy):
         self.width_scaler = bool(width_scaler)
         if ordered_dropout is True or ordered_dropout is False:
             ordered_dropout = "all" if ordered_dropout else "off"
-        try:   # 'auto': the run config's measured default for this strategy (one-shot rounds: off, configure_train)
-            self.ordered_dropout = resolve_ordered_dropout(self.method, ordered_dropout)
+        try:   # validated here; 'auto' is resolved per round (configure_train: the round's mode)
+            resolve_ordered_dropout(self.method, ordered_dropout)
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
-        self._ordered_dropout_auto = ordered_dropout == "auto"
+        self.ordered_dropout = ordered_dropout
         self.anchor = bool(anchor)
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
@@ -259,9 +259,8 @@ class TieredFusionStrategy(FusionStrategy):
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
             narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
-            one_shot_auto = self._ordered_dropout_auto and cfg.get("mode") == "one-shot"
-            if narrower and not one_shot_auto and (self.ordered_dropout == "all" or
-                                                   self.ordered_dropout == "narrow" and r < max(self.tiers, default=1.0)):
+            od = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
+            if narrower and (od == "all" or od == "narrow" and r < max(self.tiers, default=1.0)):
                 cfg[OD_KEY] = [float(t) for t in narrower]
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
@@ -660,7 +659,7 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]) -> tuple[Callable[..., F
         return build_strategy, {}
     return build_tier_strategy, {"tiers": tiers or (1.0,), "tier_models": cfg.tier_models,
                                  "input_shape": tuple(input_shape),
-                                 "ordered_dropout": resolve_ordered_dropout(cfg.strategy, cfg.ordered_dropout, cfg.mode)}
+                                 "ordered_dropout": cfg.ordered_dropout}
 
 
 __all__ = ["TieredFusionStrategy", "HeteroFLStrategy", "FedRolexStrategy", "TIER_STRATEGY_CLASSES",

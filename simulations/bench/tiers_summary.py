@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from simulations.bench.stats import format_mean_std, mean_std
+from simulations.runners.sweep import epoch_ratios, render
 
 MULTI = [("average", "average (default)"), ("average[ordered-dropout='off']", "average, no OD"),
          ("heterofl", "HeteroFL"), ("fedrolex", "FedRolex"), ("feddf", "FedDF"),
@@ -85,8 +86,6 @@ def multi_round(cells: dict[str, list[dict]]) -> str:
         gap = f"{100 * (d[small] - fa[small]):+.1f} pts" if d and fa and small in d and small in fa else "—"
         ratios = []
         for r in _label_rows(rows, "average"):
-            from simulations.runners.sweep import epoch_ratios
-
             v = epoch_ratios(r)
             if v:
                 ratios.append(sorted(v)[len(v) // 2])
@@ -145,8 +144,6 @@ def cell_run_config(rows: list[dict]) -> str:
 def render_cells(root: Path) -> None:
     """Rewrite every cell's ``table.md`` / ``tiers.md`` / plots from its whole ``sweep.json`` (a sweep renders only
     the strategies it ran: the FedDF pass alone, the extra seeds alone)."""
-    from simulations.runners.sweep import render
-
     for p in sorted(root.glob("*/sweep.json")):
         rows = json.loads(p.read_text())
         if rows:
