@@ -23,23 +23,8 @@ REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill
 EVALUATIONS = ("central", "federated", "both")
 # class prior of the "calibrate" refinement
 PRIORS = ("auto", "class-counts", "uniform")
-# strategies that are not a fedfuse.fusion method (every method that keeps the architecture is one too)
-# Flower's own server strategies, run on validated replies (fedfuse.flower.baselines)
-FLOWER_BASELINE_STRATEGIES = ("fedavgm", "fedadam", "fedyogi", "fedprox")
-NON_FUSION_STRATEGIES = ("fedavg",) + FLOWER_BASELINE_STRATEGIES
-# sub-model averaging baselines of capacity tiers (fedfuse.flower.tiers): array aggregation, no server step
-TIER_STRATEGIES = ("heterofl", "fedrolex")
-# strategies run with their paper's server step (no fedfuse server momentum): FedDF and the tier baselines
-PAPER_SERVER_STEP = ("feddf",) + TIER_STRATEGIES
-# run-config keys read by some strategies only -> those strategies (set for another one: a ConfigError)
-# (FUSION_STRATEGIES stands for every fusion strategy: not in NON_FUSION_STRATEGIES nor PAPER_SERVER_STEP)
-FUSION_STRATEGIES = "<fusion strategies>"
-STRATEGY_KEYS = {"server-lr": ("fedavgm", "fedadam", "fedyogi", FUSION_STRATEGIES),
-                 "server-momentum": ("fedavgm", FUSION_STRATEGIES), "proximal-mu": ("fedprox",)}
+# strategy names and what they read: one registry entry per strategy (fedfuse.strategy_specs)
+from fedfuse.strategy_specs import (FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES,  # noqa: E402
+                                    PAPER_SERVER_STEP, STRATEGY_KEYS_ALL, TIER_STRATEGIES, key_applies, key_users)
 
-
-def key_applies(key: str, strategy: str) -> bool:
-    """Whether the strategy-specific run-config ``key`` (``STRATEGY_KEYS``) is read by ``strategy``."""
-    users = STRATEGY_KEYS[key]
-    return strategy in users or (FUSION_STRATEGIES in users and strategy not in NON_FUSION_STRATEGIES
-                                 and strategy not in PAPER_SERVER_STEP)
+STRATEGY_KEYS = {key: key_users(key) for key in STRATEGY_KEYS_ALL}

@@ -34,6 +34,7 @@ import math
 import sys
 import typing
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any, Mapping
 
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
@@ -41,7 +42,8 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
-from fedfuse.hetero.tiers import (ORDERED_DROPOUT, SUBMODEL_METHODS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
+from fedfuse.strategy_specs import SUBMODEL_METHODS  # noqa: E402
+from fedfuse.hetero.tiers import (ORDERED_DROPOUT, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   parse_tiers, resolve_tier_models)
 
 
@@ -145,6 +147,20 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    # parsed once, here: nothing downstream re-parses these strings
+    @cached_property
+    def tiers(self) -> tuple[float, ...]:
+        """``client-tiers`` parsed (``()`` without tiers); ``ConfigError`` naming the key."""
+        try:
+            return parse_tiers(self.client_tiers, key="run-config key 'client-tiers'")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @cached_property
+    def fusion_options_table(self) -> dict[str, Any]:
+        """``fusion-options`` parsed from its TOML inline table; ``ConfigError`` naming the key."""
+        return _parse_fusion_options(self.fusion_options)
 
 
 @dataclass(frozen=True)
@@ -303,10 +319,7 @@ def _check_rules(cfg: RunConfig) -> None:
 
 def _check_tiers(cfg: RunConfig) -> None:
     """``client-tiers`` parses, and the strategy can aggregate clients of different widths."""
-    try:
-        tiers = parse_tiers(cfg.client_tiers, key="run-config key 'client-tiers'")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    tiers = cfg.tiers
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
         if cfg.ordered_dropout in ("all", "narrow"):
             raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
@@ -335,10 +348,15 @@ def _check_tiers(cfg: RunConfig) -> None:
 
 
 def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
-    """``fusion-options`` (a TOML inline table, e.g. ``"{ridge=1e-3, head_weights=true}"``) as a dict."""
+    """``fusion-options`` (a TOML inline table, e.g. ``"{ridge=1e-3, head_weights=true}"``) as a dict (a copy of
+    the value ``RunConfig`` parsed once)."""
+    return dict(cfg.fusion_options_table)
+
+
+def _parse_fusion_options(text: str) -> dict[str, Any]:
     import tomllib
 
-    text = cfg.fusion_options.strip()
+    text = text.strip()
     if not text:
         return {}
     try:
@@ -354,11 +372,11 @@ def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------- method / setup checks
 def strategy_names() -> tuple[str, ...]:
-    """``fedavg`` plus every fusion method whose result keeps the global architecture."""
-    from fedfuse.fusion import METHOD_SPECS
+    """Every strategy name (``fedfuse.strategy_specs``): FedAvg, Flower's baselines, the tier baselines and every
+    fusion method whose result keeps the global architecture."""
+    from fedfuse.strategy_specs import strategy_names as registry_names
 
-    return (NON_FUSION_STRATEGIES + TIER_STRATEGIES
-            + tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture)))
+    return registry_names()
 
 
 def clients_per_round(cfg: RunConfig) -> int:

@@ -7,23 +7,36 @@ training, importance, config) does not.
     from fedfuse.flower.server_app import app as server_app, make_server_app   # pyproject components
     from fedfuse.flower.client_app import app as client_app, make_client_app
 
-Modules: ``strategy`` (``FusionStrategy``: FedAvg with fusion as the aggregation), ``strategies`` (one
-named class per fusion method + ``STRATEGIES`` / ``build_strategy``), ``replies`` (the reply contract a
-ClientApp must follow, and its validation), ``client`` (``make_train_reply`` / ``reply_to_train``: a valid
-reply from your own ClientApp), ``server_app`` / ``client_app`` (fedfuse's own apps).
+Modules:
+
+- ``protocol``: ``RoundProtocol``, Flower's ``FedAvg`` with fedfuse's round (sampling, reply triage and
+  validation, fallback, history) for every strategy;
+- ``fusion_strategy``: ``FusionStrategy``, the protocol aggregating with a ``fedfuse.fusion`` method, then the
+  round steps of ``steps`` (divergence guard, server momentum, refinement; ``streaming`` for average rounds);
+- ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the
+  named classes; ``baselines``: Flower's own strategies; ``tiered`` (+ ``tier_layout``, ``tier_derivation``):
+  capacity tiers, HeteroFL and FedRolex;
+- ``replies``: the reply contract a ClientApp must follow, and its validation; ``client_replies``:
+  ``make_train_reply`` / ``reply_to_train`` for your own ClientApp; ``client_tiers``: the ClientApp's side of
+  tiers;
+- ``server_app`` / ``client_app``: fedfuse's own apps.
 """
 
 from fedfuse.flower.baselines import (FLOWER_BASELINES, FedAdamStrategy, FedAvgMStrategy, FedProxStrategy,
                                       FedYogiStrategy, FlowerBaselineStrategy)
 from fedfuse.flower.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
-from fedfuse.flower.client import TrainRequest, make_train_reply, read_train_message, reply_to_train
+from fedfuse.flower.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
 from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy, FlowerFedAvg,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
-from fedfuse.flower.strategy import FALLBACKS, ClientsDivergedError, FusionStrategy, state_to_record
+from fedfuse.choices import FALLBACKS
+from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.protocol import ClientsDivergedError, RoundProtocol, state_to_record
+from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
-__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
+__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "RoundProtocol", "TieredFusionStrategy",
+           "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
            "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",

@@ -2,28 +2,21 @@
 
 What a Flower user would pick instead of fusion, run on the same splits with fedfuse's reply contract:
 
-    replies → fedfuse: split off errors, validate each reply (``fedfuse.flower.replies``), sort by
-    partition id → Flower's strategy: ``aggregate_train(valid replies)`` → cast to the global model's
+    replies → fedfuse's round protocol: split off errors, validate each reply (``fedfuse.flower.replies``),
+    sort by partition id → Flower's strategy: ``aggregate_train(valid replies)`` → cast to the global model's
     dtypes, finite check → new global ArrayRecord
 
 The aggregation is Flower's code (``flwr.serverapp.strategy.FedAvgM`` / ``FedAdam`` / ``FedYogi`` /
-``FedProx``, an inner instance, ``self.flower``), never a rewrite. Rejected replies never reach it.
-Node sampling and the per-round state Flower keeps go through the inner strategy's own ``configure_train``
-(FedAvgM stores its anchor ``current_arrays`` there, FedOpt the arrays it sent, FedProx adds
-``proximal-mu`` to the config), called inside fedfuse's seeded sampling, so every strategy of a seed trains
-the same nodes. History, logging, fallbacks and metrics are ``FusionStrategy``'s.
+``FedProx``, an inner instance, ``self.flower``), never a rewrite; rejected replies never reach it. A failure
+inside Flower's aggregation (``AggregationError``, ``InconsistentMessageReplies``) or a non-finite result is a
+``FusionError``, so the round takes the configured ``fallback``; the inner strategy's server-optimizer state
+then restarts from the actual global model, so one bad step cannot poison later rounds.
 
 - FedAvgM: Hsu et al., "Measuring the Effects of Non-Identical Data Distribution for Federated Visual
-  Classification", arXiv 1909.06335 (server SGD with momentum on the pseudo-gradient).
+  Classification", arXiv 1909.06335.
 - FedAdam / FedYogi: Reddi et al., "Adaptive Federated Optimization", arXiv 2003.00295.
-- FedProx: Li et al., "Federated Optimization in Heterogeneous Networks", arXiv 1812.06127. Flower's
-  FedProx only sends ``mu``; fedfuse's ClientApp adds ``mu/2 · ||w - w_global||²`` to its local loss
-  (``fedfuse.training.train(proximal_mu=...)``).
-
-A failure inside Flower's aggregation (``AggregationError``, ``InconsistentMessageReplies``) or a non-finite
-result is a ``FusionError`` here, so the round takes the configured ``fallback`` with a WARNING; after a
-fallback the inner strategy's server-optimizer state (anchor, momentum, moments) restarts from the actual
-global model, so one bad step cannot poison later rounds. A resumed run restarts that state too (WARNING).
+- FedProx: Li et al., "Federated Optimization in Heterogeneous Networks", arXiv 1812.06127. Flower's FedProx
+  only sends ``mu``; fedfuse's ClientApp adds ``mu/2 · ||w - w_global||²`` to its local loss.
 """
 
 from __future__ import annotations
@@ -40,13 +33,16 @@ from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError, InconsistentMessageReplies
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from fedfuse.choices import key_applies
-from fedfuse.fusion import FusionError, MethodSpec, NumericalFusionError
+from fedfuse.fusion import FusionError, NumericalFusionError
+from fedfuse.fusion.refine import parse_refine
+from fedfuse.strategy_specs import key_applies, strategy_spec
+from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.strategy import FusionStrategy
 
 # Flower state that a fallback or a resume invalidates (FedAvgM: anchor + momentum; FedOpt: moments)
 _SERVER_OPT_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")
+# fusion-strategy options every strategy accepts so that one call builds any of them; here they must be neutral
+_FUSION_ONLY = ("importance", "prior", "guard", "guard_ratio", "calibrate_min_gap", "fuse_fn")
 
 
 class FlowerAggregationError(FusionError):
@@ -58,26 +54,16 @@ def _no_metrics(contents: list[RecordDict], weighted_by_key: str) -> MetricRecor
     return MetricRecord({})
 
 
-class _SampleWithFlower(FedAvg):
-    """MRO link: ``FusionStrategy.configure_train``'s ``super().configure_train`` (node sampling, message
-    construction) lands here and runs the inner Flower strategy's ``configure_train``, so Flower sets its
-    per-round state exactly as it would alone, inside fedfuse's seeded sampling."""
+class FlowerBaselineStrategy(RoundProtocol):
+    """The round protocol whose aggregation is a Flower strategy's ``aggregate_train`` (``flower_class``).
 
-    flower: FedAvg
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        return self.flower.configure_train(server_round, arrays, config, grid)
-
-
-class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
-    """A fedfuse strategy whose aggregation is a Flower strategy's ``aggregate_train`` (``flower_class``).
-
-    Use a named subclass (``FedAvgMStrategy``, ``FedAdamStrategy``, ``FedYogiStrategy``,
-    ``FedProxStrategy``; ``FLOWER_BASELINES``). Every ``FusionStrategy`` option applies (``model_fn`` is
-    optional: without it replies are checked against the global arrays sent), except ``fusion_options``
-    and ``fusion_rounds`` (not fusion methods: rejected when set). Flower's sampling options
-    (``fraction_train``, ``min_train_nodes``, ...) and record keys are passed to the inner strategy.
+    Use a named subclass (``FedAvgMStrategy``, ``FedAdamStrategy``, ``FedYogiStrategy``, ``FedProxStrategy``;
+    ``FLOWER_BASELINES``). ``RoundProtocol``'s options apply (``model_fn`` is optional: without it replies are
+    checked against the global arrays sent); ``fusion_options`` must be empty, ``fusion_rounds`` 0 and ``refine``
+    none (not a fusion method); the other fusion-strategy options (``guard``, ``prior``, ...) are accepted and have
+    no effect. Flower's sampling options and record keys are passed to the inner strategy, whose own
+    ``configure_train`` samples the nodes (inside fedfuse's seeded sampling) so Flower keeps its per-round state
+    (FedAvgM's anchor, FedOpt's arrays, FedProx's ``proximal-mu``) exactly as it would alone.
 
     Args:
         flower_options: keyword options of ``flower_class`` (the subclasses write them out, typed).
@@ -85,19 +71,29 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
 
     method: str | None = None
     flower_class: type[FedAvg] = FedAvg
-    default_refine = "none"   # Flower's aggregation as it is: no fedfuse refinement (lead's edit, issue 12)
-    can_refine = False
 
     def __init__(self, method: str | None = None, *, flower_options: dict[str, Any] | None = None,
-                 fusion_rounds: int = 0, **options: Any) -> None:
+                 fusion_rounds: int = 0, fusion_options: dict[str, Any] | None = None, refine: str | None = None,
+                 **options: Any) -> None:
+        self.method = method or type(self).method
+        self.entry = strategy_spec(self.method)
         if int(fusion_rounds) != 0:
-            raise ValueError(f"strategy {method or type(self).method!r} is Flower's {self.flower_class.__name__}, "
+            raise ValueError(f"strategy {self.method!r} is Flower's {self.flower_class.__name__}, "
                              f"not a fusion method: fusion_rounds must be 0, got {fusion_rounds}")
         for name in ("server_momentum", "server_learning_rate", "refine_check"):
             if name in options:  # fedfuse's own server step / refine check: Flower's strategy has its own optimizer
                 raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} "
                                 f"(Flower's {self.flower_class.__name__} options are its own)")
-        super().__init__(method, **options)
+        if fusion_options:
+            raise ValueError(f"strategy {self.method!r} (Flower's {self.flower_class.__name__}) takes no "
+                             f"fusion_options, got {sorted(fusion_options)}")
+        if refine is not None and parse_refine(refine):
+            raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
+                             f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")
+        for name in _FUSION_ONLY:
+            options.pop(name, None)
+        super().__init__(**options)
+        self.refine_steps: tuple[str, ...] = ()
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
             fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
@@ -108,17 +104,11 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
         self._replies: list[Message] = []
         self._warned_resume = False
 
-    # ---------------------------------------------------------------- not a fusion method
-    def _method_spec(self, method: str) -> MethodSpec | None:
-        return None
+    wants_client_scores = False
+    wants_class_counts = False
 
-    def _check_options(self, options: dict[str, Any]) -> None:
-        if options:
-            raise ValueError(f"strategy {self.method!r} (Flower's {self.flower_class.__name__}) takes no "
-                             f"fusion_options, got {sorted(options)}")
-
-    def _needs_modules(self) -> bool:
-        return False
+    def round_method(self, server_round: int) -> str:
+        return self.method
 
     def summary(self) -> None:
         self.flower.summary()
@@ -126,30 +116,27 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
             self.flower_class.__name__, self.fallback, self.flower_options or "{}")
 
     # ---------------------------------------------------------------- rounds
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def sample(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
         if self.round_offset and not self._warned_resume:
             self._warned_resume = True
             log(WARNING, "strategy %s: resumed after round %d; Flower's %s server-optimizer state (momentum / "
                 "moments) restarts from the checkpointed global model", self.method, self.round_offset,
                 self.flower_class.__name__)
-        return super().configure_train(server_round, arrays, config, grid)
+        return list(self.flower.configure_train(server_round, arrays, config, grid))
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        self._replies = list(replies)  # aggregate_state hands the validated ones to Flower
+        self._replies = list(replies)  # aggregate hands the validated ones to Flower
         try:
             return super().aggregate_train(server_round, self._replies)
         finally:
             self._replies = []
 
-    def aggregate_state(self, server_round: int, updates: list[ClientUpdate]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
-        """Flower's ``aggregate_train`` on the validated replies' messages (partition-id order).
-
-        Returns ``(new global state dict in the global model's dtypes, info, seconds)``; raises
-        ``FusionError`` when Flower cannot aggregate or the result is not finite.
-        """
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+        """Flower's ``aggregate_train`` on the validated replies' messages (partition-id order): ``(new global state
+        in the global model's dtypes, info, seconds)``; ``FusionError`` when Flower cannot aggregate or the result
+        is not finite."""
         t0 = time.perf_counter()
         by_node = {int(m.metadata.src_node_id): m for m in self._replies if not m.has_error()}
         messages = [by_node[u.node_id] for u in updates]
@@ -178,17 +165,12 @@ class FlowerBaselineStrategy(FusionStrategy, _SampleWithFlower):
             info["step-norm"] = step ** 0.5  # ||new global - previous global||
         return state, info, time.perf_counter() - t0
 
-    def _fuse_with_fallback(self, server_round: int, updates: list[ClientUpdate]
-                            ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
-        state, fallback, info = super()._fuse_with_fallback(server_round, updates)
-        if fallback is not None:
-            # the global model did not come from Flower's step: its anchor/momentum/moments are stale
-            for attr in _SERVER_OPT_STATE:
-                if getattr(self.flower, attr, None) is not None:
-                    setattr(self.flower, attr, None)
-            log(WARNING, "aggregate_train: round %d: Flower %s state reset after the fallback", server_round,
-                self.flower_class.__name__)
-        return state, fallback, info
+    def on_fallback(self) -> None:
+        """The global model did not come from Flower's step: its anchor / momentum / moments are stale."""
+        for attr in _SERVER_OPT_STATE:
+            if getattr(self.flower, attr, None) is not None:
+                setattr(self.flower, attr, None)
+        log(WARNING, "aggregate_train: Flower %s state reset after the fallback", self.flower_class.__name__)
 
 
 class FedAvgMStrategy(FlowerBaselineStrategy):
@@ -197,10 +179,8 @@ class FedAvgMStrategy(FlowerBaselineStrategy):
 
     Args:
         server_learning_rate: server step size (Flower's default 1.0).
-        server_momentum: server momentum. Default 0.5, not Flower's 0.0 (which is plain FedAvg): measured on
-            MNIST-1D Dirichlet α=0.1 (10 clients, MLP 256×2, SGD lr 0.2, 1 local epoch, 30 rounds) it ends at
-            0.603 ± 0.022 over seeds 0-2 vs 0.492 ± 0.025 with 0.0; 0.9 diverges at server lr 1 (0.237, seed 0)
-            and is slower at server lr 0.1 (0.443).
+        server_momentum: server momentum. Default 0.5, not Flower's 0.0 (which is plain FedAvg): the best
+            measured setting (docs/multi-round.md); 0.9 diverges at server lr 1.
     """
 
     method = "fedavgm"

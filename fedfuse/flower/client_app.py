@@ -35,9 +35,9 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
 from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
-from fedfuse.flower.client import make_train_reply, read_train_message  # noqa: E402
+from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.tier_client import query as tier_query, tier_forward, tier_model  # noqa: E402
+from fedfuse.flower.client_tiers import query as tier_query, tier_forward, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 

@@ -44,16 +44,16 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import ConfigError, RunConfig, fusion_options_dict, preflight  # noqa: E402
+from fedfuse.config import ConfigError, RunConfig, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
-from fedfuse.flower.strategy import FusionStrategy  # noqa: E402
-from fedfuse.flower.tiers import strategy_builder  # noqa: E402
+from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
+from fedfuse.flower.tiered import strategy_builder  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
 
-StrategyWrapper = Callable[[FusionStrategy, Context], Strategy]
+StrategyWrapper = Callable[[RoundProtocol, Context], Strategy]
 
 
 def output_dir(cfg: RunConfig) -> Path:
@@ -114,7 +114,7 @@ def setup(cfg: RunConfig):
         return global_model(cfg, data.num_classes, data.input_shape)
 
     make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiers
-    strategy = make(cfg.strategy, model_fn=model_fn, fusion_options=fusion_options_dict(cfg), **tier_options,
+    strategy = make(cfg.strategy, model_fn=model_fn, fusion_options=dict(cfg.fusion_options_table), **tier_options,
                               fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
                               min_available_nodes=cfg.min_train_nodes, min_valid_replies=cfg.min_train_nodes,
@@ -168,7 +168,7 @@ class FederatedEvaluation:
 
 class MemberReference:
     """The per-client reference columns of a round (``ensemble-accuracy``, ``client-<p>-test-accuracy``, client
-    metric means), collected while the strategy validates each reply (``FusionStrategy.update_observer``): the
+    metric means), collected while the strategy validates each reply (``RoundProtocol.update_observer``): the
     member's test logits are computed then and its weights dropped, so a streaming aggregation (``average``,
     ``fedavg``) need not keep the round's client models for this reference."""
 
@@ -227,7 +227,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     """The ServerApp's body: validate the config, build data and strategy, run the rounds, write results.
 
     ``wrap_strategy(strategy, context)`` may return a strategy wrapping fedfuse's (it is the one
-    ``start``-ed; history and results still come from the wrapped ``FusionStrategy``).
+    ``start``-ed; history and results still come from the wrapped fedfuse strategy).
     """
     limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
     cfg = check_run_config(context)

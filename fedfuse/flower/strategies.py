@@ -1,41 +1,39 @@
-"""Named fedfuse strategies: ``"fedavg"`` plus one ``FusionStrategy`` subclass per fusion method.
+"""Every strategy name, built from its registry entry (``fedfuse.strategy_specs``).
 
     from fedfuse.flower import build_strategy, STRATEGIES, KfLinearStrategy
-    strategy = KfLinearStrategy(model_fn=lambda: build_model("mlp"), fusion_inputs=X, min_train_nodes=4)
-    strategy = build_strategy("kf-linear", model_fn=..., fusion_inputs=X)      # the same, by name
+    strategy = build_strategy("kf-linear", model_fn=..., fusion_inputs=X)      # by name
+    strategy = KfLinearStrategy(model_fn=..., fusion_inputs=X)                  # the same, by class
 
-Each class only fixes ``method``; every option is ``FusionStrategy``'s (its own plus Flower ``FedAvg``'s).
-Methods whose result is not the global architecture (``ensemble``) have no strategy: they are
-references, not aggregations.
+``build_strategy`` picks the implementation from the entry's aggregation: a ``FusionStrategy`` for fusion
+methods (``average`` included), ``FedAvgStrategy`` for FedAvg, Flower's own strategies
+(``fedfuse.flower.baselines``) and the sub-model averages of the capacity-tier baselines
+(``fedfuse.flower.tiered``). The named classes are thin aliases that fix ``method``; adding a strategy is
+one registry entry (or one fusion method in ``fedfuse.fusion``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedfuse.flower.baselines import FLOWER_BASELINES
+from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.strategy import FusionStrategy
-from fedfuse.fusion import MethodSpec
+from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES
+from fedfuse.strategy_specs import strategy_names, strategy_spec
 
 
 class FedAvgStrategy(FusionStrategy):
-    """Federated averaging (McMahan et al., "Communication-Efficient Learning of Deep Networks from
-    Decentralized Data", arXiv 1602.05629) over validated replies: the sample-weighted mean of every
-    floating-point array; integer buffers (BatchNorm counters) are taken from the first reply.
-
-    Works on the arrays alone (``model_fn`` optional: without it replies are checked against the
-    global ArrayRecord sent in ``configure_train``); importance records are ignored; takes no
-    ``fusion_options``.
-    """
+    """Federated averaging (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
+    Data", arXiv 1602.05629) over validated replies: the sample-weighted mean of every floating-point array;
+    integer buffers (BatchNorm counters) come from the first reply. Works on the arrays alone (``model_fn``
+    optional); takes no ``fusion_options`` and no server step."""
 
     method = "fedavg"
-    default_refine = "none"
-    can_refine = False
-    default_server_momentum = 0.0  # FedAvg: no server optimizer (fedavgm is Flower's FedAvgM)
-    streams = True  # the same running weighted sum as 'average' (aggregate_streaming)
 
     def __init__(self, method: str | None = None, **options: Any) -> None:
         if options.get("server_momentum") or options.get("server_learning_rate", 1.0) != 1.0:
@@ -43,18 +41,7 @@ class FedAvgStrategy(FusionStrategy):
                              "use 'fedavgm' (Flower's FedAvgM) or a fusion strategy such as 'average'")
         super().__init__(method, **options)
 
-    def _method_spec(self, method: str) -> MethodSpec | None:
-        return None  # not a fedfuse.fusion method: plain averaging of the arrays
-
-    def _check_options(self, options: dict[str, Any]) -> None:
-        if options:
-            raise ValueError(f"strategy 'fedavg' takes no fusion_options, got {sorted(options)}")
-
-    def _needs_modules(self) -> bool:
-        return False
-
-    def aggregate_state(self, server_round: int, updates: list[ClientUpdate]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]):
         w = np.array([u.num_examples for u in updates], dtype=float)
         w = w / w.sum()
         ref = updates[0].state
@@ -62,132 +49,94 @@ class FedAvgStrategy(FusionStrategy):
                      if ref[k].is_floating_point() else ref[k].clone()) for k in ref}
         return state, {}, 0.0
 
-
-FlowerFedAvg = FedAvgStrategy  # name used before issue 11
-
-
-class AverageStrategy(FusionStrategy):
-    """Weighted averaging of the client models (``fedfuse.fusion`` method ``average``), by default with FedAvgM's
-    server step (momentum 0.5) and the calibration refinement: fedfuse's default multi-round aggregation."""
-
-    method = "average"
-    default_server_momentum = 0.5  # measured: MNIST-1D Dirichlet α=0.1 0.597 ± 0.015 vs 0.532 ± 0.049 without
-    streams = True  # a running weighted sum over the replies: server memory bounded in the number of clients
+    aggregate_state = aggregate
 
 
-class KdStrategy(FusionStrategy):
-    """Multi-teacher knowledge distillation into the global architecture on the server fusion set
-    (Hinton et al., "Distilling the Knowledge in a Neural Network", arXiv 1503.02531; method ``kd``)."""
+FlowerFedAvg = FedAvgStrategy  # an earlier name
 
-    method = "kd"
-
-
-class LpStrategy(FusionStrategy):
-    """Linear probing: model 0's classifier level refit on the fusion set against the ensemble's averaged
-    softmax (method ``lp``)."""
-
-    method = "lp"
-
-
-class HfLinearStrategy(FusionStrategy):
-    """Neuron interpolation, HF grouping with closed-form linear level fits ("Model Fusion via Neuron
-    Interpolation", arXiv 2507.00037; method ``hf-linear``)."""
-
-    method = "hf-linear"
-
-
-class KfLinearStrategy(FusionStrategy):
-    """Neuron interpolation, KF (k-means) grouping with closed-form linear level fits ("Model Fusion via
-    Neuron Interpolation", arXiv 2507.00037; method ``kf-linear``)."""
-
-    method = "kf-linear"
+_PAPERS = {
+    "average": "Weighted averaging of the client models with FedAvgM's server step and the calibration refinement: "
+               "fedfuse's default multi-round aggregation.",
+    "kd": 'Multi-teacher knowledge distillation into the global architecture on the fusion set (Hinton et al., '
+          '"Distilling the Knowledge in a Neural Network", arXiv 1503.02531).',
+    "lp": "Linear probing: model 0's classifier refit on the fusion set against the ensemble's averaged softmax.",
+    "hf-linear": 'Neuron interpolation, HF grouping, closed-form linear level fits ("Model Fusion via Neuron '
+                 'Interpolation", arXiv 2507.00037).',
+    "kf-linear": 'Neuron interpolation, KF (k-means) grouping, closed-form linear level fits ("Model Fusion via '
+                 'Neuron Interpolation", arXiv 2507.00037).',
+    "hf-gradient": "Neuron interpolation, HF grouping, gradient-based level fits (arXiv 2507.00037).",
+    "kf-gradient": "Neuron interpolation, KF grouping, gradient-based level fits (arXiv 2507.00037).",
+    "ot": 'Optimal-transport fusion (Singh & Jaggi, "Model Fusion via Optimal Transport", arXiv 1910.05653).',
+    "rebasin": 'Git Re-Basin alignment then averaging (Ainsworth et al., "Git Re-Basin: Merging Models modulo '
+               'Permutation Symmetries", arXiv 2209.04836).',
+    "transfusion": "Data-free TransFusion alignment to model 0 (head-aware weight matching), then averaging.",
+    "fs-merge": 'FS-Merge (Kinderman et al., "Foldable SuperNets: Scalable Merging of Transformers with Different '
+                'Initializations and Tasks", arXiv 2410.01483).',
+    "fs-merge-seq": "Sequential FS-Merge: models 0 and 1, then the result with model 2, ...",
+    "feddf": 'FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", arXiv '
+             '2006.07242): the weighted average, then the clients\' ensemble distilled into it on the fusion set.',
+}
 
 
-class HfGradientStrategy(FusionStrategy):
-    """Neuron interpolation, HF grouping with gradient-based level fits (blocks allowed; ``hf-gradient``)."""
-
-    method = "hf-gradient"
+def _class_name(method: str) -> str:
+    return "".join(p.capitalize() for p in re.split(r"[-_]", method)) + "Strategy"
 
 
-class KfGradientStrategy(FusionStrategy):
-    """Neuron interpolation, KF (k-means) grouping with gradient-based level fits (blocks allowed; ``kf-gradient``)."""
-
-    method = "kf-gradient"
-
-
-class OtStrategy(FusionStrategy):
-    """Optimal-transport fusion (Singh & Jaggi, "Model Fusion via Optimal Transport", arXiv 1910.05653;
-    method ``ot``): layer-wise OT alignment to the first model, then averaging."""
-
-    method = "ot"
+def _named(method: str, name: str | None = None) -> type[FusionStrategy]:
+    """A thin alias class of ``FusionStrategy`` that fixes ``method``."""
+    doc = _PAPERS.get(method, f"``FusionStrategy`` with fusion method ``{method}``.")
+    return type(name or _class_name(method), (FusionStrategy,), {"method": method, "__doc__": doc,
+                                                                  "__module__": __name__})
 
 
-class RebasinStrategy(FusionStrategy):
-    """Git Re-Basin permutation alignment then averaging (Ainsworth et al., "Git Re-Basin: Merging Models
-    modulo Permutation Symmetries", arXiv 2209.04836; method ``rebasin``)."""
-
-    method = "rebasin"
-
-
-class TransfusionStrategy(FusionStrategy):
-    """Data-free TransFusion alignment of every model to model 0 (head-aware weight matching), then
-    weighted averaging (method ``transfusion``)."""
-
-    method = "transfusion"
-
-
-class FsMergeStrategy(FusionStrategy):
-    """FS-Merge (Kinderman et al., "Foldable SuperNets: Scalable Merging of Transformers with Different
-    Initializations and Tasks", arXiv 2410.01483; method ``fs-merge``): a SuperNet trained by feature
-    reconstruction on the fusion set, folded back to one model."""
-
-    method = "fs-merge"
+AverageStrategy = _named("average")
+KdStrategy = _named("kd")
+LpStrategy = _named("lp")
+HfLinearStrategy = _named("hf-linear")
+KfLinearStrategy = _named("kf-linear")
+HfGradientStrategy = _named("hf-gradient")
+KfGradientStrategy = _named("kf-gradient")
+OtStrategy = _named("ot")
+RebasinStrategy = _named("rebasin")
+TransfusionStrategy = _named("transfusion")
+FsMergeStrategy = _named("fs-merge")
+FsMergeSeqStrategy = _named("fs-merge-seq")
+FedDfStrategy = _named("feddf", "FedDfStrategy")
+_NAMED = {cls.method: cls for cls in (AverageStrategy, KdStrategy, LpStrategy, HfLinearStrategy, KfLinearStrategy,
+                                      HfGradientStrategy, KfGradientStrategy, OtStrategy, RebasinStrategy,
+                                      TransfusionStrategy, FsMergeStrategy, FsMergeSeqStrategy, FedDfStrategy)}
 
 
-class FedDfStrategy(FusionStrategy):
-    """FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", arXiv
-    2006.07242; method ``feddf``): weighted average, then the round's client ensemble distilled into it on
-    the server fusion set (Adam 1e-3, early stopping on a held-out part). The baseline for "a server with
-    unlabeled data"; its own refinement is the distillation, so ``refine`` defaults to none."""
-
-    method = "feddf"
-    default_refine = "none"
-    default_server_momentum = 0.0  # the paper's server step: the distilled average is the new global model
-
-
-class FsMergeSeqStrategy(FusionStrategy):
-    """Sequential FS-Merge: merge models 0 and 1, then the result with model 2, ... (method ``fs-merge-seq``)."""
-
-    method = "fs-merge-seq"
+def _implementation(name: str) -> type[RoundProtocol]:
+    spec = strategy_spec(name)
+    if spec.aggregation == "arrays":
+        return FedAvgStrategy
+    if spec.aggregation == "flower":
+        return FLOWER_BASELINES[name]
+    if spec.aggregation == "submodel":
+        return TIER_STRATEGY_CLASSES[name]
+    if name not in _NAMED:
+        _NAMED[name] = _named(name)
+    return _NAMED[name]
 
 
-STRATEGIES: dict[str, type[FusionStrategy]] = {cls.method: cls for cls in (
-    FedAvgStrategy, AverageStrategy, KdStrategy, LpStrategy, HfLinearStrategy, KfLinearStrategy,
-    HfGradientStrategy, KfGradientStrategy, OtStrategy, RebasinStrategy, TransfusionStrategy, FsMergeStrategy,
-    FsMergeSeqStrategy, FedDfStrategy)}
+def _registry() -> dict[str, type[RoundProtocol]]:
+    return {name: _implementation(name) for name in strategy_names()}
 
 
-from fedfuse.flower.baselines import FLOWER_BASELINES  # noqa: E402  (Flower's FedAvgM/FedAdam/FedYogi/FedProx)
-
-STRATEGIES.update(FLOWER_BASELINES)
-
-from fedfuse.flower.tiers import TIER_STRATEGY_CLASSES  # noqa: E402  (HeteroFL / FedRolex: capacity tiers)
-
-STRATEGIES.update(TIER_STRATEGY_CLASSES)
+STRATEGIES: dict[str, type[RoundProtocol]] = _registry()
 
 
-def build_strategy(name: str, **options: Any) -> FusionStrategy:
+def build_strategy(name: str, **options: Any) -> RoundProtocol:
     """Build the strategy registered as ``name`` (a ``flwr.serverapp.strategy.Strategy``).
 
-    ``options`` are ``FusionStrategy``'s keyword options (``model_fn``, ``fusion_inputs``,
-    ``fusion_options``, ``fallback``, …, and FedAvg's ``fraction_train``, ``min_train_nodes``, …).
+    ``options`` are the implementation's keyword options (``FusionStrategy``'s: ``model_fn``, ``fusion_inputs``,
+    ``fusion_options``, ``fallback``, …, and Flower ``FedAvg``'s ``fraction_train``, ``min_train_nodes``, …).
+    ``ValueError`` naming the closest name for an unknown strategy.
     """
     if name not in STRATEGIES:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(STRATEGIES), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"strategy: unknown strategy {name!r}{hint}; choose one of {sorted(STRATEGIES)}")
+        strategy_spec(name)   # raises the ValueError with the closest name
+        STRATEGIES[name] = _implementation(name)   # a fusion method registered after import
     return STRATEGIES[name](**options)
 
 

@@ -1,0 +1,93 @@
+"""The ClientApp's side of capacity tiers: say which tier this node is, build the tier's model.
+
+- ``query`` handler: a tier-aware strategy asks a node it has not seen yet for its partition id and tier
+  (Flower ``MessageType.QUERY``); the reply's ``"metrics"`` record holds ``partition-id`` and ``tier``.
+  The tier is the node config's ``tier`` when set (a SuperNode's own capacity in a deployment:
+  ``flower-supernode --node-config "... tier=0.25"``), else the run's tiers that the query carries
+  (``client-tiers``, already parsed by the server) round-robin by partition id.
+- ``tier_model``: the model a ``train`` message asks for: the run's architecture at the width multiplier
+  the strategy sends as ``tier-width-mult`` (with HeteroFL's width scaler when ``width-scaler`` is set).
+- ``tier_forward``: with ``ordered-dropout-widths`` in the train config, local training draws per batch one of
+  the node's nested widths (FjORD's ordered dropout, ``fedfuse.hetero.ordered_dropout``).
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from torch import nn
+
+from fedfuse.config import parse_run_config
+from fedfuse.hetero import attach_width_scaler, parse_tier_value, tier_of
+from fedfuse.hetero.ordered_dropout import ordered_dropout
+from fedfuse.models import adapter_for
+
+QUERY_KIND = "fedfuse-tier"        # config["query"] of a tier query
+TIERS_KEY = "client-tiers"         # query config: the run's width multipliers (a list of floats)
+TIER_KEY = "tier-width-mult"       # train config: the width multiplier of the model the node receives
+SCALER_KEY = "width-scaler"        # train config: apply HeteroFL's width scaler during local training
+OD_KEY = "ordered-dropout-widths"  # train config: the narrower tiers this node also trains (FjORD ordered dropout)
+
+
+def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = None) -> tuple[int, float]:
+    """``(partition id, width multiplier)`` of this node: node-config ``tier``, else ``tiers`` (the run's tiers as
+    the strategy sends them) round-robin; without ``tiers`` the run config's ``client-tiers``. ``ValueError``
+    naming the key for a bad value."""
+    try:
+        pid = int(context.node_config["partition-id"])
+    except KeyError as exc:
+        raise ValueError("node-config needs 'partition-id' (flower-supernode --node-config "
+                         "\"partition-id=0 num-partitions=2\")") from exc
+    if context.node_config.get("tier") not in (None, ""):
+        return pid, parse_tier_value(context.node_config["tier"], key="node-config key 'tier'")
+    if tiers is not None:
+        return pid, tier_of(pid, tuple(parse_tier_value(t, key=f"query config {TIERS_KEY!r}") for t in tiers))
+    cfg = parse_run_config(context.run_config)
+    return pid, tier_of(pid, cfg.tiers)
+
+
+def query(msg: Message, context: Context) -> Message:
+    """Reply to a tier query with ``{"partition-id", "tier"}`` (other queries: ``ValueError``)."""
+    config = msg.content.config_records.get("config")
+    if config is None or config.get("query") != QUERY_KIND:
+        raise ValueError(f"fedfuse ClientApp answers only tier queries (config query={QUERY_KIND!r})")
+    tiers = config.get(TIERS_KEY)
+    pid, tier = node_tier(context, list(tiers) if tiers is not None else None)
+    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid, "tier": tier})}), reply_to=msg)
+
+
+def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """``model`` at the width multiplier of ``config[TIER_KEY]`` (unchanged when the strategy sends none),
+    with the width scaler hooks when ``config[SCALER_KEY]``."""
+    if TIER_KEY not in config:
+        return model
+    r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
+    out = model if r == 1 else adapter_for(model).at_width_mult(model, r, seed=seed, input_shape=tuple(input_shape))
+    if bool(config.get(SCALER_KEY, False)):
+        attach_width_scaler(out, r)
+    return out
+
+
+def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]):
+    """The ordered-dropout training forward (``fedfuse.hetero.OrderedDropout``) when the strategy sends
+    ``config[OD_KEY]`` (width multipliers of the narrower tiers, relative to the global model ``base``);
+    ``None`` otherwise (plain ``model(x)``)."""
+    widths = config.get(OD_KEY)
+    if TIER_KEY not in config or not widths:
+        return None
+    r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
+    ps = [parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths]
+    if any(p >= r for p in ps):
+        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    scaler = bool(config.get(SCALER_KEY, False))
+
+    def model_at(p: float) -> nn.Module:
+        sub = adapter_for(base).at_width_mult(base, p, seed=seed, input_shape=tuple(input_shape))
+        if scaler:
+            attach_width_scaler(sub, p)
+        return sub
+
+    return ordered_dropout(model, ps, model_at, seed=seed)
+
+
+__all__ = ["query", "node_tier", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY",
+           "OD_KEY"]

@@ -1,0 +1,337 @@
+"""``FusionStrategy``: the round protocol whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``,
+followed by the round steps of ``fedfuse.flower.steps``:
+
+    validated replies → fuse (or the weighted average, streamed) → divergence guard → server momentum
+    → refine (calibrate / distill, kept only when it moves the model towards the clients' ensemble)
+
+What each strategy name aggregates and its defaults come from its registry entry
+(``fedfuse.strategy_specs``). A subclass or plug-in adds a step by overriding ``post_steps``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from logging import INFO
+from typing import Any, Callable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
+from torch import nn
+
+from fedfuse.fusion import FusionError, FusionResult, MissingInputError, fuse_result
+from fedfuse.fusion.refine import parse_refine
+from fedfuse.models import levels
+from fedfuse.strategy_specs import StrategySpec, strategy_spec
+from fedfuse.flower.protocol import RoundProtocol, state_to_record
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
+                                  class_prior)
+from fedfuse.flower.streaming import stream_average, stream_ensemble
+from fedfuse.flower.server_importance import server_importance_options
+
+
+class FusionStrategy(RoundProtocol):
+    """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``.
+
+    Use ``build_strategy(name)``, a named class (``KfLinearStrategy``, ...) or ``FusionStrategy(method=...)``.
+    The ClientApps must follow the reply contract of ``fedfuse.flower.replies``.
+
+    Args:
+        method: a name in ``fedfuse.fusion.METHOD_SPECS`` whose result keeps the global architecture.
+        fusion_options: the method's options, validated now against its options schema.
+        importance: ``"client"`` (scores sent by the clients, validated) or ``"server"`` (computed by the method
+            on the fusion set; needs ``fusion_labels`` unless uniform).
+        fusion_rounds: fuse in rounds ``1..fusion_rounds`` only and average afterwards; 0 = fuse every round.
+        fuse_fn: the fusion entry point (default ``fuse_result``): replace it to instrument fusion.
+        refine: ``"calibrate"`` | ``"distill"`` | both joined by ``"+"`` | ``"none"``; ``None`` = the registry
+            entry's default when ``fusion_inputs`` is given, else none.
+        prior, refine_check, calibrate_min_gap: the ``Refinement`` step's options.
+        guard, guard_ratio: the ``DivergenceGuard`` step (rounds that fuse with a method other than the average).
+        server_momentum, server_learning_rate: the ``ServerMomentum`` step (``None``: the entry's default).
+        Everything else: ``RoundProtocol``'s options (Flower ``FedAvg``'s included).
+    """
+
+    method: str | None = None
+
+    def __init__(self, method: str | None = None, *, fusion_options: dict[str, Any] | None = None,
+                 importance: str = "client", fusion_rounds: int = 0,
+                 fuse_fn: Callable[..., FusionResult] = fuse_result, refine: str | None = None,
+                 prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
+                 server_momentum: float | None = None, server_learning_rate: float = 1.0,
+                 refine_check: bool = True, calibrate_min_gap: float = 0.2,
+                 registry_entry: StrategySpec | None = None, **options: Any) -> None:
+        super().__init__(**options)
+        cls_method = type(self).method
+        if method is not None and cls_method is not None and method != cls_method:
+            raise ValueError(f"strategy: {type(self).__name__} aggregates with {cls_method!r}, not {method!r}; "
+                             f"use FusionStrategy(method={method!r}) or that method's named strategy")
+        method = method or cls_method
+        if method is None:
+            raise ValueError("strategy: FusionStrategy needs method= (a name in fedfuse.fusion.METHOD_SPECS)")
+        if importance not in ("client", "server"):
+            raise ValueError(f"strategy: importance must be 'client' or 'server', got {importance!r}")
+        if int(fusion_rounds) < 0:
+            raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
+        self.entry = registry_entry or strategy_spec(method)
+        self.method = method
+        self.spec = self._method_spec(method)
+        self.fusion_options = dict(fusion_options or {})
+        self._check_options(self.fusion_options)
+        self.importance = importance
+        self.fusion_rounds = int(fusion_rounds)
+        self.fuse_fn = fuse_fn
+        self.uses_scores = bool(self.spec is not None and self.spec.uses_scores)
+        self.needs_data = bool(self.spec is not None and self.spec.needs_data)
+        if importance == "server" or self.fusion_options.get("importance") in ("conductance", "deeplift"):
+            self.fusion_options = server_importance_options(self, self.fusion_options, self.fusion_labels)
+            self.importance = "server"
+        if self.needs_data and self.fusion_inputs is None:
+            raise ValueError(f"strategy: method {method!r} needs fusion_inputs (the server fusion set)")
+        if self.model_fn is None and self.spec is not None:
+            raise ValueError(f"strategy: method {method!r} needs model_fn to rebuild client models")
+        # the steps (fedfuse.flower.steps), from the registry entry's defaults
+        self.momentum_step = ServerMomentum(self.entry.default_server_momentum if server_momentum is None
+                                            else server_momentum, server_learning_rate)
+        self.guard = bool(guard)
+        self.guard_step = DivergenceGuard(guard_ratio)
+        try:  # the default refinement needs the fusion set; without one (e.g. a plug-in 'average') it is off
+            steps = parse_refine(refine if refine is not None else
+                                 (self.entry.default_refine if self.fusion_inputs is not None else "none"))
+        except ValueError as exc:
+            raise ValueError(f"strategy: {exc}") from None
+        if steps and not self.entry.can_refine:
+            raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
+                             f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")
+        if steps and self.fusion_inputs is None:
+            raise ValueError(f"strategy: refine={'+'.join(steps)!r} needs fusion_inputs (the server fusion set); "
+                             "pass refine='none' to aggregate without one")
+        self.refinement = Refinement(steps, prior=prior, check=refine_check, calibrate_min_gap=calibrate_min_gap,
+                                     prior_fn=lambda updates: self.class_prior(updates))
+        self.static_bn_step = StaticBatchNorm() if self.entry.static_bn else None
+        self._level_widths: dict[str, int] | None = None
+        if self.model_fn is not None and self.uses_scores and importance == "client":
+            self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
+        self._probe: nn.Module | None = None      # the streamed ensemble's forward passes
+        self._work: nn.Module | None = None       # the streamed round's aggregate, reused
+
+    # ---------------------------------------------------------------- options and their views
+    def _method_spec(self, method: str):
+        if self.entry.aggregation != "fusion":
+            return None
+        from fedfuse.fusion import get_spec
+
+        try:
+            return get_spec(method)
+        except FusionError as exc:
+            raise ValueError(f"strategy: {exc}") from None
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        if self.spec is not None:
+            self.spec.parse_options(options)
+        elif options:
+            raise ValueError(f"strategy {self.method!r} takes no fusion_options, got {sorted(options)}")
+
+    def _accepts_option(self, name: str) -> bool:
+        return self.spec is not None and name in {f.name for f in dataclasses.fields(self.spec.options)}
+
+    refine_steps = property(lambda self: self.refinement.steps)
+    prior = property(lambda self: self.refinement.prior)
+    refine_check = property(lambda self: self.refinement.check)
+    calibrate_min_gap = property(lambda self: self.refinement.calibrate_min_gap)
+    server_momentum = property(lambda self: self.momentum_step.momentum)
+    server_learning_rate = property(lambda self: self.momentum_step.learning_rate)
+    guard_ratio = property(lambda self: self.guard_step.ratio)
+    _momentum = property(lambda self: self.momentum_step.velocity,
+                         lambda self, v: setattr(self.momentum_step, "velocity", v))
+
+    @property
+    def wants_client_scores(self) -> bool:
+        """Whether the clients must send importance scores (the method reads them under these options)."""
+        return (self.uses_scores and self.importance == "client" and self.spec is not None
+                and self.spec.reads_client_scores(self.fusion_options))
+
+    @property
+    def wants_class_counts(self) -> bool:
+        """Whether the clients must send their per-class training counts (they reveal the label distribution):
+        fusion option ``head_weights`` and ``calibrate`` with prior ``class-counts``/``auto`` only."""
+        head = bool(self.fusion_options.get("head_weights")) and "class_counts" not in self.fusion_options
+        return head or ("calibrate" in self.refine_steps and self.prior in ("class-counts", "auto"))
+
+    def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
+        return class_prior(self.prior, updates)
+
+    def on_fallback(self) -> None:
+        self.momentum_step.reset()
+
+    def summary(self) -> None:
+        super().summary()
+        log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, refine=%s, guard=%s, device=%s, "
+            "options=%s", self.method, self.importance if self.uses_scores else "unused", self.fallback,
+            "+".join(self.refine_steps) or "none", self.guard, self.device, self.fusion_options or "{}")
+
+    # ---------------------------------------------------------------- round hooks
+    def round_method(self, server_round: int) -> str:
+        """The aggregation of round ``server_round``: ``method``, or ``"average"`` after ``fusion_rounds``."""
+        return "average" if self.fusion_rounds and server_round > self.fusion_rounds else self.method
+
+    round_label = round_method
+
+    def round_summary(self, server_round: int) -> str:
+        return self.round_method(server_round) + (f" + {'+'.join(self.refine_steps)}" if self.refine_steps else "")
+
+    def round_needs_scores(self, server_round: int) -> bool:
+        return self.wants_client_scores and self.round_method(server_round) == self.method
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        return {"fusion-method": self.round_method(server_round),
+                "need-importance": self.round_needs_scores(server_round),
+                "need-class-counts": self.wants_class_counts}
+
+    def reply_reference(self, server_round: int, node_id: int):
+        return self._reference(), (self._level_widths if self.round_needs_scores(server_round) else None)
+
+    # ---------------------------------------------------------------- aggregation
+    def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
+                     models: list[nn.Module] | None = None) -> FusionResult:
+        """Fuse validated updates (``fuse_fn``); raises ``FusionError`` when the method cannot fuse them."""
+        method = self.round_method(server_round)
+        if method != self.method or (method == "average" and models is None and self.fuse_fn is fuse_result):
+            t0 = time.perf_counter()   # plain weighted averaging on the states, no model per client
+            model = self.build_model(self.weighted_average(updates))
+            return FusionResult(method=method, model=model, info={}, seconds=time.perf_counter() - t0)
+        if models is None:
+            models = [self.build_model(u.state) for u in updates]
+        scores = [u.scores for u in updates] if self.wants_client_scores else None
+        options = dict(self.fusion_options)
+        if options.get("head_weights") and "class_counts" not in options:
+            missing = [u.node_id for u in updates if u.class_counts is None]
+            if missing:
+                raise MissingInputError(f"fusion option head_weights needs 'class-counts' in every client's "
+                                        f"metrics; nodes {missing} sent none")
+            options["class_counts"] = [u.class_counts for u in updates]
+        if self.uses_scores and self.importance == "server" and self._accepts_option("fusion_labels"):
+            options.setdefault("fusion_labels", self.fusion_labels)
+        target = self.fuse_target()
+        if target is not None:
+            options.setdefault("target", target)
+        return self.fuse_fn(method, models, fusion_inputs=self.fusion_inputs, scores=scores,
+                            weights=[u.num_examples for u in updates], device=self.device,
+                            seed=self.seed + server_round, **options)
+
+    def fuse_target(self) -> nn.Module | None:
+        """The architecture the fused model takes (``fuse(..., target=)``); ``None``: model 0's."""
+        return None
+
+    def round_data(self, server_round: int, updates: list[ClientUpdate],
+                   teachers: list[nn.Module] | None = None) -> RoundData:
+        total = sum(u.num_examples for u in updates)
+        return RoundData(server_round, updates, [u.num_examples / total for u in updates], self.fusion_inputs,
+                         self.build_model, lambda: self.weighted_average(updates), teachers, self._global,
+                         self.round_method(server_round), self.seed + server_round, self.device)
+
+    def post_steps(self, server_round: int) -> list[Callable[[nn.Module, RoundData], tuple[nn.Module, dict]]]:
+        """The steps of round ``server_round`` after the aggregation, in order (override to add one)."""
+        steps: list = []
+        if self.guard and self.fusion_inputs is not None and self.round_method(server_round) != "average":
+            steps.append(self.guard_step)
+        if self.momentum_step.active:
+            steps.append(self.momentum_step)
+        if self.refine_steps:
+            steps.append(self.refinement)
+        if self.static_bn_step is not None:
+            steps.append(self.static_bn_step)
+        return steps
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]):
+        """``(new global state, info, seconds)``: ``fuse_updates`` then ``post_steps``."""
+        t0 = time.perf_counter()
+        method = self.round_method(server_round)
+        steps = self.post_steps(server_round)
+        needs_models = ((self.spec is not None and method == self.method and method != "average")
+                        or self.guard_step in steps
+                        or "distill" in self.refine_steps)
+        teachers = [self.build_model(u.state) for u in updates] if needs_models else None
+        result = self.fuse_updates(server_round, updates, models=teachers if method == self.method else None)
+        model, info = result.model, dict(result.info or {})
+        rd = self.round_data(server_round, updates, teachers)
+        for step in steps:
+            model, step_info = step(model, rd)
+            info.update(step_info)
+        return model.state_dict(), info, time.perf_counter() - t0
+
+    aggregate_state = aggregate   # the name tests and plug-ins use
+
+    # ---------------------------------------------------------------- streamed average rounds
+    def streaming_round(self, server_round: int) -> bool:
+        """A plain weighted-average round of a streaming entry (``average``/``fedavg``) with the default ``fuse_fn``,
+        no ``distill`` (it reads every client model), no static BN and ``keep_updates`` off."""
+        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result
+                and self.static_bn_step is None
+                and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
+
+    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
+                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        if not self.streaming_round(server_round):
+            return None
+        t_start = time.perf_counter()
+        ensemble = (self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None)
+        streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
+        record["valid"] = len(streamed.light)
+        self.last_updates = []
+        if self._stop_or_skip(server_round, len(streamed.light), record):
+            return None, None
+        t0 = time.perf_counter()
+        reference = self._reference()
+
+        def probs() -> torch.Tensor:
+            if self._probe is None:
+                self._probe = self.model_fn().eval()
+            return stream_ensemble(self._probe, streamed.members, reference, self.arrayrecord_key,
+                                   self.fusion_inputs)
+
+        state, fallback, info = self.with_fallback(
+            server_round, len(streamed.light),
+            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.light),
+            lambda: streamed.average, streamed=True)
+        seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
+        metrics = self._close_round(record, seconds, fallback, info, streamed.light, ok, failures)
+        return (None if state is None else state_to_record(state)), metrics
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
+                       probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]):
+        """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
+        t0 = time.perf_counter()
+        info: dict[str, Any] = {}
+        if not self.momentum_step.active and not self.refine_steps:
+            return average, info, time.perf_counter() - t0   # FedAvg: the arrays themselves, no model built
+        if self._work is None:   # one model object reused every round (its state is copied out right away)
+            self._work = copy.deepcopy(self._model_template())
+        model = self._work.cpu()
+        model.load_state_dict(average)
+        model.eval()
+        rd = self.round_data(server_round, light)
+        if self.momentum_step.active:
+            model, step_info = self.momentum_step(model, rd)
+            info.update(step_info)
+        if self.refine_steps:
+            model, step_info = self.refinement.streamed(model, rd, probs)
+            info.update(step_info)
+        return model.state_dict(), info, time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- kept for plug-ins written against 0.1
+    def server_step(self, model: nn.Module) -> dict[str, Any]:
+        """FedAvgM's step on ``model`` in place (``ServerMomentum``); returns its info."""
+        return self.momentum_step(model, RoundData(0, [], [], None, self.build_model, dict, None, self._global))[1]
+
+    def divergence_guard(self, server_round: int, fused: nn.Module, teachers: list[nn.Module],
+                         weights: list[float], updates: list[ClientUpdate]) -> tuple[nn.Module, dict[str, Any]]:
+        """The ``DivergenceGuard`` step on ``fused``."""
+        rd = self.round_data(server_round, updates, teachers)
+        rd.weights = weights
+        return self.guard_step(fused, rd)
+
+
+__all__ = ["FusionStrategy"]

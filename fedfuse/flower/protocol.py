@@ -1,0 +1,409 @@
+"""``RoundProtocol``: the round of every fedfuse strategy, whatever aggregates it.
+
+Flower's ``FedAvg`` with its node sampling (made reproducible per round) and message construction; the
+rest of a train round is fedfuse's, once for every strategy:
+
+    replies → split off error replies and silent nodes (logged, recorded) → validate each reply against
+    the reply contract (``fedfuse.flower.replies``; a rejected reply is logged with its reason and the
+    round goes on with the others) → sort (partition id: deterministic float sums) → stop when every
+    reply diverged, skip the round below ``min_valid_replies`` → ``aggregate(updates)`` under the
+    fallback policy → history record + train metrics → new global ArrayRecord
+
+A subclass supplies ``aggregate`` (what the strategy is) and may refine the hooks ``round_config`` (keys
+added to the train config), ``sample`` (node sampling and messages), ``reply_reference`` (the shapes a
+reply must have), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses) and
+``on_fallback`` (server state a fallback invalidates).
+
+Only the fusion error family (``fedfuse.fusion.FusionError``) falls back: ``fallback="previous"`` keeps
+the last global model, ``"average"`` uses the weighted average of the valid replies, ``"raise"`` fails
+the run; each says so in a WARNING line with the round and the reason. Any other exception is a bug and
+fails the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from logging import INFO, WARNING
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from torch import nn
+
+from fedfuse.choices import FALLBACKS
+from fedfuse.fusion import FusionError
+from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
+                                    _npy_view, validate_reply)
+
+MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
+Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+class ClientsDivergedError(RuntimeError):
+    """Every client of a round returned non-finite weights: local training diverged; the run stops."""
+
+
+class RoundProtocol(FedAvg):
+    """Sampling, per-node messages, reply triage and validation, fallback, history (see the module docstring).
+
+    Args:
+        model_fn: ``() -> nn.Module`` building the global architecture (optional for strategies that
+            aggregate arrays: replies are then checked against the global ArrayRecord sent).
+        fusion_inputs: the server fusion set ``[B, *input_shape]`` (unlabeled; every round sees it).
+        fusion_labels: optional labels ``[B]`` of the fusion set (server-side importance only).
+        fallback: ``"previous"`` | ``"average"`` | ``"raise"`` when aggregation raises a ``FusionError``.
+        min_valid_replies: rounds with fewer valid replies are skipped (global model unchanged).
+        device: where the server computes (``"auto"``: CUDA when present).
+        seed: base seed; round ``r`` samples nodes and fuses with seeds derived from ``seed`` and ``r``.
+        fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
+        weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn, evaluate_metrics_aggr_fn:
+            Flower ``FedAvg``'s options (same meaning). ``fraction_evaluate`` defaults to 0 (fedfuse evaluates
+            the global model centrally). ``train_metrics_aggr_fn`` gets the valid replies' contents; without
+            it scalar metrics are sample-weighted means and ``class-counts`` lists are summed.
+    """
+
+    def __init__(self, *, model_fn: Callable[[], nn.Module] | None = None,
+                 fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
+                 fallback: str = "previous", min_valid_replies: int = 1, device: str = "cpu", seed: int = 0,
+                 fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+                 min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
+                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
+                 configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
+        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
+                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
+                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
+                         train_metrics_aggr_fn=train_metrics_aggr_fn,
+                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
+        if fallback not in FALLBACKS:
+            raise ValueError(f"strategy: fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.model_fn = model_fn
+        self.fusion_inputs = fusion_inputs
+        self.fusion_labels = fusion_labels
+        self.fallback = fallback
+        self.min_valid_replies = max(1, int(min_valid_replies))
+        self.device = device
+        self.seed = seed
+        self._user_train_metrics_aggr_fn = train_metrics_aggr_fn
+        self._global: ArrayRecord | None = None
+        self._template: nn.Module | None = None   # model_fn() once: build_model copies it (no re-initialisation)
+        self._reference_cache: Reference | None = None
+        self.history: list[dict[str, Any]] = []
+        self.last_updates: list[ClientUpdate] = []
+        # keep_updates: keep every round's validated replies in ``last_updates``; update_observer: called with
+        # every validated reply of a round (e.g. the ServerApp's per-client test reference)
+        self.keep_updates = False
+        self.update_observer: Callable[[ClientUpdate], None] | None = None
+        # rounds already done before this ``start`` (resume): clients, seeds and ``history`` see the true round
+        self.round_offset = 0
+        self._sent_msgs: list[Message] = []
+        self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
+
+    # ---------------------------------------------------------------- hooks
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """Keys added to round ``server_round``'s train config (the ClientApps read them): the round's aggregation
+        and whether the clients must send importance scores and class counts (not by default)."""
+        return {"fusion-method": self.round_label(server_round), "need-importance": False,
+                "need-class-counts": False}
+
+    def round_label(self, server_round: int) -> str:
+        """The round's aggregation, as recorded in ``history`` and logged."""
+        return getattr(self, "method", type(self).__name__)
+
+    def sample(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
+        """Flower ``FedAvg``'s node sampling and train messages (one per sampled node)."""
+        return list(super().configure_train(server_round, arrays, config, grid))
+
+    def reply_reference(self, server_round: int, node_id: int) -> tuple[Reference, dict[str, int] | None]:
+        """``(array names -> (shape, dtype), level widths or None)`` that node ``node_id``'s reply must match."""
+        return self._reference(), None
+
+    def update_key(self, update: ClientUpdate) -> tuple:
+        """The fusion order of the valid replies (partition id: deterministic float sums)."""
+        return update.partition_id, update.node_id
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+        """``(new global state dict, info, seconds)``; raises ``FusionError`` for a failure the round may fall back
+        from."""
+        raise NotImplementedError
+
+    def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
+        """Sample-count-weighted average of the updates' weights (FedAvg; the ``"average"`` fallback)."""
+        from fedfuse.fusion.average import average_state_dicts
+
+        w = np.array([u.num_examples for u in updates], dtype=float)
+        return average_state_dicts([u.state for u in updates], list(w / w.sum()))
+
+    weighted_average = average   # the name strategies and tests use
+
+    def on_fallback(self) -> None:
+        """Forget server state the fallen-back round did not produce (e.g. momentum)."""
+
+    def reset_server_state(self) -> None:
+        """Forget the server optimiser state (after a fallback or a resume)."""
+        self.on_fallback()
+
+    # ---------------------------------------------------------------- models
+    def _model_template(self) -> nn.Module:
+        if self._template is None:
+            self._template = self.model_fn()
+        return self._template
+
+    def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """A model of the global architecture holding ``state`` (a copy of one ``model_fn()`` instance)."""
+        model = copy.deepcopy(self._model_template())
+        model.load_state_dict(state)
+        return model.eval()
+
+    def _reference(self) -> Reference:
+        if self.model_fn is not None:
+            if self._reference_cache is None:  # the global architecture does not change between rounds
+                self._reference_cache = {k: (tuple(v.shape), v.detach().cpu().numpy().dtype)
+                                         for k, v in self._model_template().state_dict().items()}
+            return self._reference_cache
+        if self._global is None:
+            raise RuntimeError("strategy: no global model to validate replies against (set model_fn)")
+        return {k: (tuple(a.shape), a.numpy().dtype) for k, a in self._global.items()}
+
+    # ---------------------------------------------------------------- configure
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        server_round += self.round_offset
+        self._global = arrays
+        for key, value in self.round_config(server_round).items():
+            config[key] = value
+        rng_state = random.getstate()  # FedAvg samples nodes with `random`: reproducible per round
+        random.seed(self.seed * 1_000_003 + server_round)
+        try:
+            messages = self.sample(server_round, arrays, config, grid)
+        finally:
+            random.setstate(rng_state)
+        self._sent_msgs = [m for m in messages if isinstance(m, Message)]  # the grid sets their message ids
+        return messages
+
+    # ---------------------------------------------------------------- replies
+    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"node-id": node_id, "reason": reason}
+        if code is not None:
+            out["code"] = code
+        if node_id in self._node_partitions:
+            out["partition-id"] = self._node_partitions[node_id]
+        return out
+
+    def _reply_node(self, msg: Message) -> int:
+        """The node a reply is about (SuperLink-made errors carry the SuperLink's id: map them back)."""
+        by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self._sent_msgs if m.metadata.message_id}
+        return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+
+    def _split_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[dict]]:
+        """Replies with content, and one failure record per error reply or silent node (all logged)."""
+        ok = [m for m in replies if not m.has_error()]
+        errors = [m for m in replies if m.has_error()]
+        log(INFO, "aggregate_train: round %d: received %d results and %d failures", server_round, len(ok),
+            len(errors))
+        failures = []
+        for m in errors:
+            failure = self._failure(self._reply_node(m), _short(str(m.error.reason)), int(m.error.code))
+            log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
+                failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
+            failures.append(failure)
+        answered = {self._reply_node(m) for m in replies}
+        for node_id in sorted({int(m.metadata.dst_node_id) for m in self._sent_msgs} - answered):
+            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
+                server_round, node_id)
+            failures.append(self._failure(node_id, "no reply within the round timeout "
+                                                   "(timed out, disconnected or died)"))
+        self._sent_msgs = []
+        return ok, failures
+
+    def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], *, level_widths: bool = True,
+                    copy: bool = True) -> ClientUpdate | None:
+        """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
+        node = int(msg.metadata.src_node_id)
+        reference, widths = self.reply_reference(server_round, node)
+        try:
+            return validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
+                                  metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
+                                  weight_key=self.weighted_by_key, copy=copy)
+        except ReplyRejected as exc:
+            log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, node, exc)
+            rejected = {"node-id": node, "reason": str(exc), **self.rejected_extra(node)}
+            if isinstance(exc, NonFiniteWeights):
+                rejected["non-finite-weights"] = True
+            record["rejected"].append(rejected)
+            return None
+
+    def rejected_extra(self, node_id: int) -> dict[str, Any]:
+        """Extra fields of a rejected-reply record (capacity tiers add the node's tier)."""
+        return {}
+
+    def validate_replies(self, server_round: int, ok: list[Message], record: dict[str, Any]) -> list[ClientUpdate]:
+        """The valid replies in fusion order (``update_key``), each handed to ``update_observer``."""
+        updates = [u for u in (self.check_reply(server_round, m, record) for m in ok) if u is not None]
+        updates.sort(key=self.update_key)
+        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
+        if self.update_observer is not None:
+            for u in updates:
+                self.update_observer(u)
+        return updates
+
+    # ---------------------------------------------------------------- aggregation
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.round_offset
+        replies = list(replies)
+        ok, failures = self._split_replies(server_round, replies)
+        record: dict[str, Any] = {"round": server_round, "method": self.round_label(server_round),
+                                  "replies": len(replies), "failures": failures, "rejected": [],
+                                  "fallback": None, "skipped": None, "fusion-info": None}
+        streamed = self.aggregate_streamed(server_round, ok, failures, record)
+        if streamed is not None:
+            return streamed
+        updates = self.validate_replies(server_round, ok, record)
+        record["valid"] = len(updates)
+        self.last_updates = updates
+        if self._stop_or_skip(server_round, len(updates), record):
+            return None, None
+        t0 = time.perf_counter()
+        average = (lambda: self.average(updates)) if self.round_label(server_round) != "average" else None
+        state, fallback, info = self.with_fallback(server_round, len(updates),
+                                                   lambda: self.aggregate(server_round, updates), average)
+        metrics = self._close_round(record, time.perf_counter() - t0, fallback, info, updates, ok, failures)
+        return (None if state is None else state_to_record(state)), metrics
+
+    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
+                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        """A round aggregated as a stream over the replies (``None``: this round is not; see ``streaming``)."""
+        return None
+
+    def with_fallback(self, server_round: int, num_models: int,
+                      run: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any], float]],
+                      average: Callable[[], dict[str, torch.Tensor]] | None, streamed: bool = False
+                      ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
+        """``(new global state or None, fallback text or None, info)``: ``run()``, and on a ``FusionError`` the
+        fallback policy (``average`` is the weighted average of the round, ``None`` where the round's aggregation
+        is that average already). The one place a round falls back."""
+        label = self.round_label(server_round)
+        try:
+            state, info, seconds = run()
+        except FusionError as exc:
+            if self.fallback == "raise":
+                raise
+            self.reset_server_state()  # the next global model does not come from the server step
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.fallback == "average" and average is not None:
+                log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); fell back to weighted averaging",
+                    server_round, label, reason)
+                return average(), f"average: {reason}", None
+            log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); keeping the previous global model",
+                server_round, label, reason)
+            return None, f"previous: {reason}", None
+        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s%s", server_round,
+            self.round_summary(server_round), num_models, seconds, " (streamed)" if streamed else "",
+            f" ({_info_line(info)})" if info else "")
+        return state, None, info
+
+    def round_summary(self, server_round: int) -> str:
+        """The aggregation as the round's log line names it."""
+        return self.round_label(server_round)
+
+    def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:
+        """Every reply non-finite → ``ClientsDivergedError``; fewer than ``min_valid_replies`` → the round is
+        skipped (logged, recorded; returns True)."""
+        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
+        if not valid and non_finite and len(non_finite) == len(record["rejected"]):
+            self.history.append({**record, "skipped": "every client returned non-finite weights"})
+            raise ClientsDivergedError(
+                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
+                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
+                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
+                "another 'optimizer'.")
+        if valid < self.min_valid_replies:
+            reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
+                      f"{self.min_valid_replies}; the global model is unchanged")
+            log(WARNING, "aggregate_train: %s", reason)
+            record["skipped"] = reason
+            self.history.append(record)
+            return True
+        return False
+
+    def _close_round(self, record: dict[str, Any], seconds: float, fallback: str | None,
+                     info: dict[str, Any] | None, updates: list[ClientUpdate], ok: list[Message],
+                     failures: list[Any]) -> MetricRecord:
+        """Record the round's outcome in ``history`` and return the train metrics that report it."""
+        record["fusion-seconds"] = seconds
+        record["fallback"] = fallback
+        record["guard"] = (info or {}).pop("guard", None)
+        record["fusion-info"] = info
+        self.history.append(record)
+        metrics = self._train_metrics(updates, ok)
+        metrics["fusion-seconds"] = seconds
+        metrics["num-valid"] = len(updates)
+        metrics["num-rejected"] = len(record["rejected"])
+        metrics["num-failures"] = len(failures)
+        metrics["fell-back"] = int(fallback is not None)
+        metrics["guarded"] = int(record["guard"] is not None)
+        return metrics
+
+    def _train_metrics(self, updates: list[ClientUpdate], ok: list[Message]) -> MetricRecord:
+        if self._user_train_metrics_aggr_fn is not None:
+            valid_nodes = {u.node_id for u in updates}
+            contents = [m.content for m in ok if int(m.metadata.src_node_id) in valid_nodes]
+            return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
+        return aggregate_metrics(updates)
+
+
+def aggregate_metrics(updates: list[ClientUpdate]) -> MetricRecord:
+    """Sample-weighted mean of the clients' scalar metrics (lists such as class counts are summed)."""
+    total = sum(u.num_examples for u in updates)
+    out: dict[str, Any] = {"num-examples": total}
+    keys = sorted({k for u in updates for k in u.metrics} - {"num-examples", "partition-id"})
+    for k in keys:
+        vals = [(u.metrics.get(k), u.num_examples) for u in updates]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[k] = float(sum(v * n for v, n in vals) / total)
+        elif k == "class-counts" and all(isinstance(v, list) for v, _ in vals):
+            lens = {len(v) for v, _ in vals}
+            if len(lens) == 1:
+                out[k] = [int(sum(col)) for col in zip(*(v for v, _ in vals))]
+    return MetricRecord(out)
+
+
+def array_copy(array, like: torch.Tensor) -> np.ndarray:
+    """A writable numpy copy of a Flower ``Array`` (the fast ``.npy`` view when its header is the expected one)."""
+    view = _npy_view(array, tuple(like.shape), like.detach().cpu().numpy().dtype)
+    return np.array(view if view is not None else array.numpy(), copy=True)
+
+
+def _short(reason: str, head: int = 150, tail: int = 350) -> str:
+    """A long error reason (e.g. a Ray traceback) cut to its start and its end (where the exception is)."""
+    return reason if len(reason) <= head + tail else f"{reason[:head]} ... {reason[-tail:]}"
+
+
+def _info_line(info: dict[str, Any], limit: int = 6) -> str:
+    """The scalar entries of an info dict as ``k=v`` pairs (the log's one-line summary)."""
+    parts = []
+    for k, v in info.items():
+        if isinstance(v, bool) or isinstance(v, (int, str)):
+            parts.append(f"{k}={v}")
+        elif isinstance(v, float):
+            parts.append(f"{k}={v:.4g}")
+        if len(parts) == limit:
+            break
+    return ", ".join(parts)
+
+
+def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    """A torch state dict → ``ArrayRecord`` (CPU, contiguous)."""
+    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
+
+
+__all__ = ["RoundProtocol", "ClientsDivergedError", "aggregate_metrics", "state_to_record", "array_copy"]

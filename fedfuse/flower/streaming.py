@@ -1,0 +1,111 @@
+"""A weighted-average round as a stream over the replies: each reply is validated, added to a running float64
+weighted sum of the weights and dropped, so the server holds one model's worth of sums whatever the number of
+clients. The result equals averaging the kept replies (same order, same weights: sorted by partition id, sample
+counts read from the metrics before any array is deserialised)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import Message
+
+from fedfuse.flower.replies import MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view
+
+if TYPE_CHECKING:
+    from fedfuse.flower.protocol import Reference, RoundProtocol
+
+
+@dataclasses.dataclass
+class StreamedRound:
+    """The outcome of one streamed pass: the average (``None`` without valid replies), the valid replies' metrics
+    (``light``: no arrays), the members of the clients' ensemble and the seconds spent in the update observer."""
+
+    average: dict[str, torch.Tensor] | None
+    light: list[ClientUpdate]
+    members: list[tuple[Message, float]]
+    observer_seconds: float
+
+
+def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], float]:
+    """The replies sorted by (partition id, node id) from their metrics alone, and the sum of their plausible
+    sample counts (the weights' denominator)."""
+    keyed = []
+    for msg in ok:
+        metrics = _metric_record(msg.content, METRICS_KEY)
+        pid = metrics.get("partition-id", -1) if metrics is not None else -1
+        n = metrics.get(weight_key) if metrics is not None else None
+        keyed.append(((int(pid) if isinstance(pid, (int, float)) and not isinstance(pid, bool) else -1,
+                       int(msg.metadata.src_node_id)), n, msg))
+    keyed.sort(key=lambda t: t[0])
+    plausible = [float(n) for _, n, _ in keyed
+                 if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n <= MAX_NUM_EXAMPLES]
+    total = float(np.array(plausible, dtype=float).sum()) if plausible else 1.0
+    return [m for _, _, m in keyed], total
+
+
+def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message], record: dict[str, Any],
+                   keep_members: bool) -> StreamedRound:
+    """One pass over the replies: validate (``strategy.check_reply``), accumulate, observe, drop."""
+    ordered, total = fusion_order(ok, strategy.weighted_by_key)
+    members: list[tuple[Message, float]] = []
+    acc: dict[str, torch.Tensor] | None = None
+    dtypes: dict[str, torch.dtype] = {}
+    light: list[ClientUpdate] = []
+    valid_total, observer_seconds = 0, 0.0
+    for msg in ordered:
+        u = strategy.check_reply(server_round, msg, record, level_widths=False, copy=False)
+        if u is None:
+            continue
+        w = u.num_examples / total
+        valid_total += u.num_examples
+        if acc is None:  # integer buffers (BatchNorm counters) from the first reply, as average_state_dicts
+            dtypes = {k: v.dtype for k, v in u.state.items()}
+            acc = {k: (w * v.double() if v.is_floating_point() else v.clone()) for k, v in u.state.items()}
+        else:
+            for k, v in u.state.items():
+                if v.is_floating_point():
+                    acc[k].add_(w * v.double())
+        if keep_members:
+            members.append((msg, w))
+        strategy._node_partitions[u.node_id] = u.partition_id
+        if strategy.update_observer is not None:
+            t_obs = time.perf_counter()
+            strategy.update_observer(u)
+            observer_seconds += time.perf_counter() - t_obs
+        light.append(dataclasses.replace(u, state={}, scores=None))
+        del u
+    if acc is None:
+        return StreamedRound(None, light, members, observer_seconds)
+    if valid_total != total:  # a rejected reply: renormalise over the valid ones
+        scale = total / valid_total
+        for v in acc.values():
+            if v.is_floating_point():
+                v.mul_(scale)
+        members = [(m, w * scale) for m, w in members]
+    return StreamedRound({k: v.to(dtypes[k]) for k, v in acc.items()}, light, members, observer_seconds)
+
+
+def stream_ensemble(probe: torch.nn.Module, members: list[tuple[Message, float]], reference: Reference,
+                    arrays_key: str, fusion_inputs: torch.Tensor) -> torch.Tensor:
+    """The clients' ensemble on the fusion set, ``sum_i w_i softmax(f_i(x))`` (the same order and sums as
+    ``teacher_probs``), re-reading the round's valid replies one at a time."""
+    x = torch.as_tensor(fusion_inputs).float()
+    probs = None
+    with torch.no_grad():
+        for msg, w in members:
+            arrays = msg.content[arrays_key]
+            state = {}
+            for key, (shape, dtype) in reference.items():
+                a = _npy_view(arrays[key], shape, dtype)
+                state[key] = torch.from_numpy(np.array(a if a is not None else arrays[key].numpy(), copy=True))
+            p = torch.cat([w * torch.func.functional_call(probe, state, (x[i:i + 512],)).softmax(-1)
+                           for i in range(0, x.shape[0], 512)])
+            probs = p if probs is None else probs + p
+    return probs
+
+
+__all__ = ["StreamedRound", "fusion_order", "stream_average", "stream_ensemble"]

@@ -1,0 +1,220 @@
+"""How a tiered strategy derives each narrower tier's model after a round, and guards it.
+
+``TierModels`` is the round step of capacity tiers (composed into ``TieredFusionStrategy``): after the new
+global model is set it derives every narrower tier's model by the strategy's ``tier_models`` rule:
+
+- ``"slice"``: the global model's top-left slice (nothing to derive);
+- ``"fuse"``: the round's client models fused directly into the tier's width (``fuse(..., target=tier)``);
+- ``"distill"`` (and FedDF with architecture groups): the slice, then the ensemble of all the round's clients
+  distilled into it on the fusion set;
+- ``"prune"`` / ``"prune-recover"``: the fused global model structurally pruned to the tier's architecture, its
+  units reordered (function-preserving) so that each pruned tier model *is* its top-left slice
+  (``fedfuse.hetero.prune``); ``-recover`` then distils the round's clients into it.
+
+then guards each derived tier model against the tier's slice of the sub-model average (``guard_tiers``).
+"""
+
+from __future__ import annotations
+
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.common.logger import log
+
+from fedfuse.fusion import check_finite, fuse_result
+from fedfuse.fusion.distillation import teacher_probs
+from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble, kl_to
+from fedfuse.hetero import slice_state, tier_name
+from fedfuse.hetero.anchor import align_to_anchor
+from fedfuse.models import levels
+from fedfuse.training import resolve_device
+from fedfuse.flower.replies import ClientUpdate
+
+if TYPE_CHECKING:
+    from fedfuse.flower.tiered import TieredFusionStrategy
+
+
+class TierModels:
+    """The derived tier models of a tiered strategy and the state of the round's tier guard.
+
+    Args:
+        strategy: the tiered strategy (its layout, fusion set, method and options).
+        tier_models: the resolved rule (``"slice"`` | ``"fuse"`` | ``"distill"`` | ``"prune"`` | ``"prune-recover"``).
+        prune_options: ``criterion`` (``fedfuse.pruning``'s; default ``auto``), ``recover`` (``True`` or a
+            ``DistillRefineOptions`` table) and ``PruneOptions`` keys.
+    """
+
+    def __init__(self, strategy: TieredFusionStrategy, tier_models: str, prune_options: dict[str, Any]) -> None:
+        self.strategy = strategy
+        self.tier_models = tier_models
+        self.prune_options = prune_options
+        self._derived: dict[float, dict[str, torch.Tensor]] = {}   # tier -> derived state
+        self._tier_guarded: dict[str, str] = {}   # tier -> why its derived model was replaced
+        self._tier_fallback: dict[str, torch.Tensor] | None = None   # the round's sub-model average when guarded
+        self._pruned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None   # (state, perms)
+
+    def derive_tier_models(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="fuse"``: fuse the round's client models into every narrower tier's width. ``feddf``:
+        every narrower tier's slice of the new global model is a student of the ensemble of all clients."""
+        s = self.strategy
+        self._derived.clear()   # a tier without a derivation this round gets the new global model's slice
+        self._tier_guarded = {}
+        self._pruned = None
+        if not updates or s.spec is None:
+            return
+        if self.tier_models.startswith("prune"):   # (with feddf: instead of its per-tier distillation)
+            self._prune_tiers(server_round, updates)
+        elif self.tier_models == "distill" or (s.entry.tier_distill and s.round_method(server_round) == s.method):
+            self._distill_tiers(server_round, updates)
+        elif self.tier_models == "fuse" and not s.entry.submodel_tiers:
+            self._fuse_tiers(server_round, updates)
+        self.guard_tiers(server_round, updates)
+
+    def guard_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """The divergence guard for every narrower tier's model (fusion methods; sub-model averaging needs none):
+        a tier model (fused into the tier's width, or the slice of a fused global model, whose units the
+        level fits mixed) whose KL to the round's clients' ensemble on the fusion set exceeds ``guard_ratio`` ×
+        that of the tier's slice of HeteroFL's sub-model average + 0.05 (or is not finite) is replaced by that
+        slice (WARNING, ``history[round]["tier-guard"]``): the global guard alone passes fused models whose narrow
+        slices are at chance. Guarding a tier alone is not enough: the next round averages the narrow clients'
+        entries into the global model's top-left block, which must hold the same units, so a guarded tier makes ``aggregate_train`` use the sub-model average for the global model and every tier
+        (``self._tier_fallback``)."""
+        s = self.strategy
+        if (not s.guard or s.fusion_inputs is None or s.submodel_round(server_round)
+                or len(updates) == 0):
+            return
+        tiers = sorted(set(s._node_tier.values()) - {1.0})
+        if not tiers:
+            return
+        x = torch.as_tensor(s.fusion_inputs).float()
+        teachers = [s.build_model(u.state) for u in updates]
+        target = teacher_probs(teachers, x, s._norm_weights(updates))
+        average = s.weighted_average(updates)   # HeteroFL's sub-model average (into the new global's entries)
+        nxt = s.window(server_round + 1)
+        for r in tiers:
+            layout = s.layout(r, nxt)
+            candidate = self._derived.get(r)
+            if candidate is None:
+                candidate = slice_state(s.global_state(), layout)
+            safe = slice_state(average, layout)
+            with torch.no_grad():
+                logits = s.build_model(candidate)(x)
+                kl_c = kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("inf")
+                kl_s = kl_to(target, s.build_model(safe)(x))
+            if not kl_c <= s.guard_ratio * kl_s + 0.05:
+                reason = (f"tier {tier_name(r)}: its model's KL to the clients' ensemble on the fusion set is "
+                          f"{kl_c:.4g}, above {s.guard_ratio:g} x the sub-model average's slice's {kl_s:.4g} + 0.05")
+                log(WARNING, "aggregate_train: round %d: tier guard: %s; the tier gets that slice", server_round,
+                    reason)
+                self._tier_guarded[tier_name(r)] = reason
+                self._derived[r] = {k: v.detach().clone() for k, v in safe.items()}
+        if self._tier_guarded:
+            self._tier_fallback = average
+
+    def _fuse_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="fuse"``: the round's client models fused into every narrower tier's width."""
+        s = self.strategy
+        models = [s.build_model(u.state) for u in updates]
+        scores = [u.scores for u in updates] if s.wants_client_scores and all(u.scores for u in updates) else None
+        for r in sorted({s._node_tier[n] for n in s._node_tier} - {1.0}):
+            try:
+                res = fuse_result(s.method, models, fusion_inputs=s.fusion_inputs, scores=scores,
+                                  weights=[u.num_examples for u in updates], device=s.device,
+                                  seed=s.seed + server_round, target=s.skeleton(r),
+                                  refine="+".join(s.refine_steps) or None,
+                                  prior=s.class_prior(updates)[0] if "calibrate" in s.refine_steps else None,
+                                  **s.fusion_options)
+                check_finite(s.method, res.model)
+                model = res.model
+                if s.anchor:   # its units onto the new global model's slice (the next round averages them there)
+                    slice_model = s.build_model(slice_state(s.global_state(),
+                                                               s.layout(r, s.window(server_round + 1))))
+                    model, _ = align_to_anchor(model, slice_model, seed=s.seed + server_round)
+                self._derived[r] = model.state_dict()
+            except ValueError as exc:   # FusionError: this tier keeps the slice of the global model
+                self._derived.pop(r, None)
+                log(WARNING, "aggregate_train: round %d: fusing tier %s failed (%s); it gets the global model's slice",
+                    server_round, tier_name(r), exc)
+
+    def aggregated_scores(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor] | None:
+        """The round's client importance scores at the global width (level name -> ``[width]``), or ``None`` when
+        not every client sent scores: each client's level scores divided by their mean, then the sample-weighted mean
+        over the clients holding each unit (a tier of width ``c`` holds units ``0..c-1``: the top-left slice)."""
+        s = self.strategy
+        if not updates or not all(u.scores for u in updates):
+            return None
+        widths = {lv.name: lv.width for lv in levels(s.skeleton(1.0))}
+        w = s._weights(updates)
+        out = {}
+        for name, width in widths.items():
+            acc, cnt = torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+            for u, wi in zip(updates, w):
+                sc = u.scores.get(name)
+                if sc is None:
+                    continue
+                sc = torch.as_tensor(sc).double().flatten()[:width]
+                sc = sc / sc.mean().clamp_min(1e-12)
+                acc[:len(sc)] += wi * sc
+                cnt[:len(sc)] += wi
+            if bool((cnt > 0).all()):
+                out[name] = (acc / cnt).float()
+        return out or None
+
+    def _prune_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="prune"``: every narrower tier's model is the new global model structurally pruned to the
+        tier's architecture (``fedfuse.pruning``, ``target=`` the tier; importance ``criterion`` of
+        ``prune_options``, default ``auto``, with the round's aggregated client scores when it has them). Tiers
+        are nested top-left slices of the global model (the next round maps the narrow clients' replies back by
+        position), so pruning only chooses which units each slice holds: the global model's units are reordered
+        (a function-preserving permutation, ``fedfuse.hetero.prune.prune_order``; the narrower tiers pruned from the
+        wider tier's model, so they stay nested) and each tier's pruned model is exactly its top-left slice.
+        ``aggregate_train`` hands out the reordered global model unless the tier guard fell back. With ``recover``
+        the slice is then distilled from the round's client models on the fusion set (``distill_ensemble``,
+        held-out early stopping: its units stay those of the slice)."""
+        s = self.strategy
+        from fedfuse.hetero.prune import prune_order
+
+        tiers = sorted(set(s._node_tier.values()) - {1.0})
+        if not tiers:
+            return
+        opts = dict(self.prune_options)
+        recover = opts.pop("recover", False)
+        criterion = opts.pop("criterion", "auto")
+        if s.input_shape is not None and "input_shape" not in opts:
+            opts["input_shape"] = s.input_shape
+        glob = s.build_model(s.global_state())
+        x = torch.as_tensor(s.fusion_inputs).float() if s.fusion_inputs is not None else None
+        scores = self.aggregated_scores(updates)
+        state, perms, info = prune_order(glob, {tier_name(r): s.skeleton(r) for r in tiers}, scores=scores,
+                                         fusion_inputs=x, criterion=criterion, seed=s.seed + server_round, **opts)
+        teachers = [s.build_model(u.state) for u in updates] if recover else None
+        dev = resolve_device(s.device)
+        for r in tiers:
+            student = s.build_model(slice_state(state, s.layout(r, 0)))
+            if recover:
+                ropts = DistillRefineOptions(**recover) if isinstance(recover, dict) else DistillRefineOptions()
+                info[tier_name(r)]["recover"] = distill_ensemble(student, teachers, s._norm_weights(updates), x,
+                                                                 ropts, seed=s.seed + server_round, device=dev)
+                student = student.cpu()
+                check_finite(f"prune (tier {tier_name(r)})", student)
+            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+        if s.history and s.history[-1].get("round") == server_round:
+            s.history[-1]["tier-prune"] = {k: {kk: vv for kk, vv in v.items() if kk != "recover"}
+                                              for k, v in info.items()}
+        self._pruned = (state, perms)
+
+    def _distill_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
+        """``tier_models="distill"`` and FedDF with architecture groups: each narrower tier's model (the slice of the new global model) learns
+        the weighted softmax of all the round's clients on the fusion set (early stopping on a held-out part)."""
+        s = self.strategy
+        teachers = [s.build_model(u.state) for u in updates]
+        # feddf's own distillation options; other methods: the refine step's defaults (Adam 1e-3, early stopping)
+        options = s.spec.parse_options(s.fusion_options) if s.entry.tier_distill else DistillRefineOptions()
+        dev = resolve_device(s.device)
+        for r in sorted(set(s._node_tier.values()) - {1.0}):
+            student = s.build_model(slice_state(s.global_state(), s.layout(r, s.window(server_round + 1))))
+            distill_ensemble(student, teachers, s._norm_weights(updates), s.fusion_inputs, options,
+                             seed=s.seed + server_round, device=dev)
+            check_finite(f"feddf (tier {tier_name(r)})", student.cpu())
+            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}

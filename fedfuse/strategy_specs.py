@@ -1,0 +1,188 @@
+"""One registry entry per server strategy name: what aggregates, its default round steps, its defaults.
+
+The Flower integration (``fedfuse.flower``) builds a strategy from its entry; the run-config checks
+(``fedfuse.config``) read the same entry, so a strategy's identity lives in one place. This module
+imports no Flower and nothing of fedfuse at import time (``choices`` and ``config`` import it).
+
+Aggregations:
+
+- ``"fusion"``: ``fedfuse.fusion.fuse_result(method, client models)``; ``"average"`` is the fusion
+  method that is the sample-weighted mean, run as a stream over the replies.
+- ``"arrays"``: FedAvg on the arrays alone (no model is built).
+- ``"flower"``: a Flower strategy's own ``aggregate_train`` (``flower_class`` in
+  ``flwr.serverapp.strategy``) on the validated replies.
+- ``"submodel"``: HeteroFL's count-weighted average of nested sub-models (capacity tiers only).
+
+Round steps after the aggregation (``fedfuse.flower.steps``): the divergence guard (fusion methods
+other than ``average``), the server step (FedAvgM's momentum on the pseudo-gradient, Hsu et al.,
+arXiv 1909.06335), the ``refine`` steps (calibrate / distill, kept only when they move the model
+towards the clients' ensemble) and, for HeteroFL, static batch normalisation.
+
+Every fusion method of ``fedfuse.fusion.METHOD_SPECS`` whose result keeps the global architecture is a
+strategy of its own (``strategy_spec`` builds its entry on first use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+AGGREGATIONS = ("fusion", "arrays", "flower", "submodel")
+SERVER_STEPS = ("fedfuse", "paper", "flower")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy name means.
+
+    Attributes:
+        name: the strategy name (run-config ``strategy``).
+        aggregation: one of ``AGGREGATIONS``.
+        method: the ``fedfuse.fusion`` method of a ``"fusion"`` aggregation (else ``None``).
+        flower_class: the ``flwr.serverapp.strategy`` class name of a ``"flower"`` aggregation.
+        default_refine: the refine steps ``refine=None`` means (``"none"`` for array aggregations).
+        can_refine: whether the strategy takes refine steps at all.
+        server_step: ``"fedfuse"`` (FedAvgM's step on the aggregate, configurable), ``"paper"`` (none: the
+            aggregate is the new global model, as in the strategy's paper) or ``"flower"`` (Flower's own).
+        default_server_momentum: the momentum of the ``"fedfuse"`` server step when not set.
+        streams: rounds that are a plain weighted average run as a stream over the replies.
+        submodel_tiers: with capacity tiers, the strategy averages HeteroFL's nested sub-models (units keep
+            their index) instead of fusing into the global width.
+        tier_refine: ``default_refine`` when tiered (``None``: the same).
+        tier_distill: with capacity tiers, every narrower tier's slice is distilled from all the round's clients
+            (FedDF with architecture groups).
+        window_rolls: FedRolex's rolling sub-model window.
+        static_bn: HeteroFL's static batch normalisation after aggregation.
+        needs_tiers: a capacity-tier baseline (the strategy exists only with tiers).
+        run_keys: the strategy-specific run-config keys it reads (``server-lr``, ``server-momentum``,
+            ``proximal-mu``); setting one of those keys for another strategy is a config error.
+        tier_models_auto / ordered_dropout_auto: what ``tier-models='auto'`` / ``ordered-dropout='auto'`` mean
+            (``tier_models_auto`` ``None``: ``prune``, or ``slice`` for ViTs).
+        paper: the paper (title and arXiv id) the strategy follows, for the docs.
+    """
+
+    name: str
+    aggregation: str
+    method: str | None = None
+    flower_class: str | None = None
+    default_refine: str = "calibrate"
+    can_refine: bool = True
+    server_step: str = "fedfuse"
+    default_server_momentum: float = 0.0
+    streams: bool = False
+    submodel_tiers: bool = False
+    tier_refine: str | None = None
+    tier_distill: bool = False
+    window_rolls: bool = False
+    static_bn: bool = False
+    needs_tiers: bool = False
+    run_keys: tuple[str, ...] = ("server-lr", "server-momentum")
+    tier_models_auto: str | None = None
+    ordered_dropout_auto: str = "all"
+    paper: str = ""
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"strategy spec {self.name!r}: aggregation {self.aggregation!r} not in {AGGREGATIONS}")
+        if self.server_step not in SERVER_STEPS:
+            raise ValueError(f"strategy spec {self.name!r}: server_step {self.server_step!r} not in {SERVER_STEPS}")
+
+    @property
+    def is_fusion(self) -> bool:
+        """A fusion strategy (fedfuse's own server step and refine steps apply)."""
+        return self.aggregation == "fusion" and self.server_step == "fedfuse"
+
+
+_ARRAYS = dict(default_refine="none", can_refine=False, run_keys=())
+_FLOWER = dict(aggregation="flower", server_step="flower", **_ARRAYS)
+_TIER_BASELINE = dict(aggregation="submodel", server_step="paper", needs_tiers=True, submodel_tiers=True,
+                      static_bn=True, tier_models_auto="slice", ordered_dropout_auto="off", **_ARRAYS)
+
+#: the strategies that are not a plain ``fedfuse.fusion`` method with fedfuse's defaults
+SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
+    StrategySpec("fedavg", "arrays", server_step="paper", streams=True, **_ARRAYS,
+                 paper="Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"),
+    StrategySpec("fedavgm", flower_class="FedAvgM", **{**_FLOWER, "run_keys": ("server-lr", "server-momentum")},
+                 paper="Measuring the Effects of Non-Identical Data Distribution, arXiv 1909.06335"),
+    StrategySpec("fedadam", flower_class="FedAdam", **{**_FLOWER, "run_keys": ("server-lr",)},
+                 paper="Adaptive Federated Optimization, arXiv 2003.00295"),
+    StrategySpec("fedyogi", flower_class="FedYogi", **{**_FLOWER, "run_keys": ("server-lr",)},
+                 paper="Adaptive Federated Optimization, arXiv 2003.00295"),
+    StrategySpec("fedprox", flower_class="FedProx", **{**_FLOWER, "run_keys": ("proximal-mu",)},
+                 paper="Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"),
+    StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
+                 submodel_tiers=True, tier_refine="none"),
+    StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
+                 submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
+                 paper="Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv 2006.07242"),
+    StrategySpec("heterofl", **_TIER_BASELINE,
+                 paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
+                       "Clients, arXiv 2010.01264"),
+    StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
+                 paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
+                       "arXiv 2212.01548"),
+)}
+
+#: names whose aggregation is not a fusion method (FedAvg and Flower's own strategies)
+NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower"))
+FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
+TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
+PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
+SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
+STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu")
+
+
+def fusion_spec(method: str) -> StrategySpec:
+    """The entry of a plain fusion method (``fedfuse.fusion`` defaults: calibrate, no server momentum)."""
+    return StrategySpec(method, "fusion", method=method)
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Every strategy name: the special entries and every fusion method that keeps the global architecture."""
+    from fedfuse.fusion import METHOD_SPECS
+
+    fusion = tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture and n not in SPECIAL_SPECS))
+    return tuple(SPECIAL_SPECS) + fusion
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The entry of strategy ``name``; ``ValueError`` (with the closest name) for an unknown one."""
+    if name in SPECIAL_SPECS:
+        return SPECIAL_SPECS[name]
+    from fedfuse.fusion import METHOD_SPECS
+
+    spec = METHOD_SPECS.get(name)
+    if spec is None or not spec.same_architecture:
+        import difflib
+
+        names = strategy_names()
+        close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        why = (f"; method {name!r} does not return the global architecture, so it cannot be a round's aggregation"
+               if spec is not None else "")
+        raise ValueError(f"strategy: unknown strategy {name!r}{hint}{why}; choose one of {sorted(names)}")
+    return fusion_spec(name)
+
+
+def key_applies(key: str, strategy: str) -> bool:
+    """Whether the strategy-specific run-config ``key`` (``server-lr``, ``server-momentum``, ``proximal-mu``) is
+    read by ``strategy``."""
+    try:
+        return key in strategy_spec(strategy).run_keys
+    except ValueError:
+        return False
+
+
+def key_users(key: str) -> tuple[str, ...]:
+    """The strategies that read run-config ``key`` (fusion methods summed up as ``<fusion strategies>``)."""
+    special = tuple(n for n, s in SPECIAL_SPECS.items() if key in s.run_keys and s.aggregation != "fusion")
+    return special + (("<fusion strategies>",) if key in fusion_spec("x").run_keys else ())
+
+
+def with_tiers(spec: StrategySpec) -> StrategySpec:
+    """The entry as a tiered strategy uses it (``tier_refine`` replaces ``default_refine``)."""
+    return replace(spec, default_refine=spec.tier_refine) if spec.tier_refine is not None else spec
+
+
+__all__ = ["StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
+           "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
+           "strategy_spec", "strategy_names", "fusion_spec", "key_applies", "key_users", "with_tiers"]
