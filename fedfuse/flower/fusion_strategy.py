@@ -25,12 +25,18 @@ from fedfuse.fusion import FusionError, FusionResult, MissingInputError, fuse_re
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
-from fedfuse.flower.protocol import RoundProtocol, state_to_record
+from fedfuse.flower.protocol import MetricsAggrFn, RoundProtocol, state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
 from fedfuse.flower.streaming import stream_average, stream_ensemble
 from fedfuse.flower.server_importance import server_importance_options
+
+
+def delegate(part: str, name: str) -> property:
+    """A strategy attribute that reads and writes ``getattr(strategy, part).name``."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value))
 
 
 class FusionStrategy(RoundProtocol):
@@ -62,8 +68,21 @@ class FusionStrategy(RoundProtocol):
                  prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
                  server_momentum: float | None = None, server_learning_rate: float = 1.0,
                  refine_check: bool = True, calibrate_min_gap: float = 0.2,
-                 registry_entry: StrategySpec | None = None, **options: Any) -> None:
-        super().__init__(**options)
+                 registry_entry: StrategySpec | None = None,
+                 model_fn: Callable[[], nn.Module] | None = None, fusion_inputs: torch.Tensor | None = None,
+                 fusion_labels: torch.Tensor | None = None, fallback: str = "previous", min_valid_replies: int = 1,
+                 device: str = "cpu", seed: int = 0, fraction_train: float = 1.0, fraction_evaluate: float = 0.0,
+                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
+                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
+                 configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
+                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
+        super().__init__(model_fn=model_fn, fusion_inputs=fusion_inputs, fusion_labels=fusion_labels,
+                         fallback=fallback, min_valid_replies=min_valid_replies, device=device, seed=seed,
+                         fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
+                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
+                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
+                         train_metrics_aggr_fn=train_metrics_aggr_fn, evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
         cls_method = type(self).method
         if method is not None and cls_method is not None and method != cls_method:
             raise ValueError(f"strategy: {type(self).__name__} aggregates with {cls_method!r}, not {method!r}; "
@@ -137,15 +156,15 @@ class FusionStrategy(RoundProtocol):
     def _accepts_option(self, name: str) -> bool:
         return self.spec is not None and name in {f.name for f in dataclasses.fields(self.spec.options)}
 
-    refine_steps = property(lambda self: self.refinement.steps)
-    prior = property(lambda self: self.refinement.prior)
-    refine_check = property(lambda self: self.refinement.check)
-    calibrate_min_gap = property(lambda self: self.refinement.calibrate_min_gap)
-    server_momentum = property(lambda self: self.momentum_step.momentum)
-    server_learning_rate = property(lambda self: self.momentum_step.learning_rate)
-    guard_ratio = property(lambda self: self.guard_step.ratio)
-    _momentum = property(lambda self: self.momentum_step.velocity,
-                         lambda self, v: setattr(self.momentum_step, "velocity", v))
+    # the steps' options, read and set on the strategy as before the steps existed
+    refine_steps = delegate("refinement", "steps")
+    prior = delegate("refinement", "prior")
+    refine_check = delegate("refinement", "check")
+    calibrate_min_gap = delegate("refinement", "calibrate_min_gap")
+    server_momentum = delegate("momentum_step", "momentum")
+    server_learning_rate = delegate("momentum_step", "learning_rate")
+    guard_ratio = delegate("guard_step", "ratio")
+    _momentum = delegate("momentum_step", "velocity")
 
     @property
     def wants_client_scores(self) -> bool:
@@ -287,10 +306,7 @@ class FusionStrategy(RoundProtocol):
         reference = self._reference()
 
         def probs() -> torch.Tensor:
-            if self._probe is None:
-                self._probe = self.model_fn().eval()
-            return stream_ensemble(self._probe, streamed.members, reference, self.arrayrecord_key,
-                                   self.fusion_inputs)
+            return self._stream_ensemble(streamed.members, reference)
 
         state, fallback, info = self.with_fallback(
             server_round, len(streamed.light),
@@ -299,6 +315,12 @@ class FusionStrategy(RoundProtocol):
         seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
         metrics = self._close_round(record, seconds, fallback, info, streamed.light, ok, failures)
         return (None if state is None else state_to_record(state)), metrics
+
+    def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
+        """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""
+        if self._probe is None:
+            self._probe = self.model_fn().eval()
+        return stream_ensemble(self._probe, members, reference, self.arrayrecord_key, self.fusion_inputs)
 
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
                        probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]):

@@ -45,7 +45,7 @@ from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.client_tiers import OD_KEY, SCALER_KEY, TIER_KEY
-from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.fusion_strategy import FusionStrategy, delegate
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_derivation import TierModels
@@ -115,12 +115,15 @@ class TieredFusionStrategy(FusionStrategy):
         self._level_widths = None   # per tier (TierLayout.level_widths)
 
     # ---------------------------------------------------------------- the layout's view
-    tiers = property(lambda self: self.tier_layout.tiers)
-    input_shape = property(lambda self: self.tier_layout.input_shape)
-    _node_tier = property(lambda self: self.tier_layout.node_tier)
-    tier_models = property(lambda self: self.tier_models_step.tier_models)
-    prune_options = property(lambda self: self.tier_models_step.prune_options)
-    _derived = property(lambda self: self.tier_models_step._derived)
+    tiers = delegate("tier_layout", "tiers")
+    input_shape = delegate("tier_layout", "input_shape")
+    _node_tier = delegate("tier_layout", "node_tier")
+    tier_models = delegate("tier_models_step", "tier_models")
+    prune_options = delegate("tier_models_step", "prune_options")
+    _derived = delegate("tier_models_step", "_derived")
+    _tier_guarded = delegate("tier_models_step", "_tier_guarded")
+    _tier_fallback = delegate("tier_models_step", "_tier_fallback")
+    _pruned = delegate("tier_models_step", "_pruned")
 
     def skeleton(self, r: float) -> nn.Module:
         return self.tier_layout.skeleton(r)
