@@ -1,0 +1,209 @@
+"""Registry-driven contract of every strategy name (``fedfuse.strategy_specs``): it builds, runs one round
+(configure + aggregate) on constructed replies under custom record keys, returns a finite global model of the
+global architecture, records the round, and rejects an unknown option naming it. Plus each round step alone
+(``fedfuse.flower.steps``) and the import direction of the layers."""
+
+import ast
+from pathlib import Path
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedfuse.flower import STRATEGIES, build_strategy, state_to_record
+from fedfuse.flower.steps import DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.importance import uniform_importance
+from fedfuse.models import build_model
+from fedfuse.strategy_specs import SPECIAL_SPECS, StrategySpec, strategy_names, strategy_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (1, 8, 8)
+ARRAYS, WEIGHT = "weights", "samples"
+
+
+def model_fn(seed=0):
+    return build_model("mlp", num_classes=10, input_shape=SHAPE, width=16, depth=1, seed=seed)
+
+
+def _x(n=60):
+    return torch.randn(n, *SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def _trained(seed):
+    m = model_fn(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return m
+
+
+def _reply(node_id, seed, n, scores=True):
+    msg = Mock(spec=Message)
+    msg.metadata = Mock(src_node_id=node_id)
+    msg.has_error.return_value = False
+    model = _trained(seed)
+    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v.numpy().copy()) for k, v in model.state_dict().items()}),
+                          "metrics": MetricRecord({WEIGHT: n, "partition-id": node_id,
+                                                   "class-counts": [n // 10] * 10})})
+    if scores:   # only when the train config asks for them (``need-importance``), as fedfuse's ClientApp does
+        content["importance"] = ArrayRecord({k: Array(v.numpy().copy()) for k, v in uniform_importance(model).items()})
+    msg.content = content
+    return msg
+
+
+def _grid():
+    g = Mock()
+    g.get_node_ids.return_value = [1, 2]
+    return g
+
+
+def _build(name, **extra):
+    return build_strategy(name, model_fn=model_fn, fusion_inputs=_x(), fusion_labels=torch.arange(60) % 10,
+                          arrayrecord_key=ARRAYS, weighted_by_key=WEIGHT, min_train_nodes=2, min_available_nodes=2,
+                          **extra)
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(name, monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):   # Message() needs a run identity
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    s = _build(name)
+    assert s.method == name and type(s) is STRATEGIES[name]
+    if hasattr(s, "tier_layout"):
+        s._node_tier = {1: 1.0, 2: 1.0}   # known nodes: no tier query
+    init = model_fn()
+    msgs = list(s.configure_train(1, state_to_record(init.state_dict()), ConfigRecord({}), _grid()))
+    assert len(msgs) == 2 and all(ARRAYS in m.content for m in msgs)
+    scores = bool(msgs[0].content["config"]["need-importance"])
+    arrays, metrics = s.aggregate_train(1, [_reply(1, 1, 30, scores), _reply(2, 2, 90, scores)])
+    record = s.history[-1]
+    assert record["valid"] == 2 and not record["rejected"] and record["fallback"] is None, record
+    assert arrays is not None and metrics["num-examples"] == 120
+    out = {k: torch.from_numpy(np.array(v.numpy())) for k, v in arrays.items()}
+    ref = init.state_dict()
+    assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in ref.items()}
+    assert all(bool(torch.isfinite(v.float()).all()) for v in out.values())
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_every_strategy_name_rejects_an_unknown_option_naming_it(name):
+    with pytest.raises(TypeError, match="no_such_option"):
+        _build(name, no_such_option=1)
+
+
+def test_an_unknown_strategy_name_says_the_closest_one():
+    with pytest.raises(ValueError, match="did you mean 'kf-linear'"):
+        build_strategy("kf-linaer")
+    with pytest.raises(ValueError, match="does not return the global architecture"):
+        strategy_spec("ensemble")
+
+
+def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
+    from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES, TIER_STRATEGIES
+    from fedfuse.hetero.tiers import SUBMODEL_METHODS
+
+    assert FLOWER_BASELINE_STRATEGIES == ("fedavgm", "fedadam", "fedyogi", "fedprox")
+    assert NON_FUSION_STRATEGIES == ("fedavg",) + FLOWER_BASELINE_STRATEGIES
+    assert TIER_STRATEGIES == ("heterofl", "fedrolex") and SUBMODEL_METHODS == ("average", "feddf")
+    assert set(STRATEGIES) == set(strategy_names())
+    for name in strategy_names():
+        spec = strategy_spec(name)
+        assert spec.name == name and (spec.aggregation != "fusion" or spec.method == name)
+    with pytest.raises(ValueError, match="aggregation"):
+        StrategySpec("x", "nonsense")
+    assert SPECIAL_SPECS["average"].default_server_momentum == 0.5 and SPECIAL_SPECS["feddf"].server_step == "paper"
+
+
+# ------------------------------------------------------------------------------------------ round steps alone
+def _round(models, weights, fusion=True, global_state=None):
+    ups = [ClientUpdate(i, i, m.state_dict(), None, 10, {}, [1] * 10) for i, m in enumerate(models)]
+    avg = {k: sum(w * m.state_dict()[k] for w, m in zip(weights, models)) for k in models[0].state_dict()}
+
+    def build(state):
+        m = model_fn()
+        m.load_state_dict(state)
+        return m.eval()
+
+    return RoundData(1, ups, weights, _x() if fusion else None, build, lambda: avg, None,
+                     state_to_record(global_state) if global_state is not None else None, "test", 1, "cpu")
+
+
+def test_divergence_guard_alone_keeps_an_agreeing_model_and_replaces_a_broken_one():
+    models = [_trained(1), _trained(2)]
+    rd = _round(models, [0.5, 0.5])
+    kept, info = DivergenceGuard(2.0)(models[0], rd)
+    assert kept is models[0] and "guard" not in info
+    broken = _trained(3)
+    with torch.no_grad():
+        for p in broken.parameters():
+            p.mul_(50.0)
+    out, info = DivergenceGuard(2.0)(broken, rd)
+    assert out is not broken and "guard" in info and info["guard-kl-fused"] > info["guard-kl-average"]
+    with pytest.raises(ValueError, match="guard_ratio"):
+        DivergenceGuard(1.0)
+
+
+def test_server_momentum_alone_is_fedavgms_step():
+    x0, a1, a2 = _trained(1).state_dict(), _trained(2).state_dict(), _trained(3).state_dict()
+    step = ServerMomentum(0.5)
+    m = model_fn()
+    m.load_state_dict(a1)
+    out, info = step(m, _round([m], [1.0], global_state=x0))
+    assert all(torch.equal(out.state_dict()[k], a1[k]) for k in a1)   # first step: the aggregate itself
+    m2 = model_fn()
+    m2.load_state_dict(a2)
+    out2, _ = step(m2, _round([m2], [1.0], global_state=a1))
+    for k in a1:   # v1 = a1 - x0; v2 = 0.5 v1 + (a2 - a1); x2 = a1 + v2
+        want = (a1[k].double() + 0.5 * (a1[k].double() - x0[k].double()) + a2[k].double() - a1[k].double()).float()
+        torch.testing.assert_close(out2.state_dict()[k], want)
+    step.reset()
+    assert step.velocity is None
+    with pytest.raises(ValueError, match="server_momentum"):
+        ServerMomentum(1.0)
+
+
+def test_refinement_alone_is_kept_only_when_it_moves_towards_the_ensemble():
+    models = [_trained(1), _trained(2)]
+    rd = _round(models, [0.5, 0.5])
+    skewed = torch.tensor([1000.0] + [1.0] * 9)
+    away = Refinement(("calibrate",), calibrate_min_gap=0.0, prior_fn=lambda updates: (skewed, "test"))
+    before = {k: v.clone() for k, v in models[0].state_dict().items()}
+    out, info = away(models[0], rd)
+    assert info["refine-kept"] == 0 and all(torch.equal(out.state_dict()[k], before[k]) for k in before)
+    with pytest.raises(ValueError, match="prior"):
+        Refinement(("calibrate",), prior="nope")
+
+
+def test_static_batch_norm_alone_reestimates_on_the_fusion_set():
+    m = build_model("cnn", num_classes=10, input_shape=SHAPE, width=8, depth=1, seed=0)
+    has_bn = any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+    out, info = StaticBatchNorm()(m, _round([model_fn()], [1.0]))
+    assert info.get("static-bn", False) == has_bn
+    assert StaticBatchNorm()(m, _round([model_fn()], [1.0], fusion=False))[1] == {}
+
+
+# ------------------------------------------------------------------------------------------ layering
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("fedfuse/models", ("fedfuse.fusion", "fedfuse.flower", "fedfuse.pruning", "simulations")),
+    ("fedfuse/fusion", ("fedfuse.flower", "simulations")),
+    ("fedfuse", ("simulations", "tests")),
+])
+def test_no_module_imports_upward(layer, forbidden):
+    for path in (ROOT / layer).rglob("*.py"):
+        bad = {m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
