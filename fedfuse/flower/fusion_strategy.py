@@ -29,7 +29,7 @@ from fedfuse.flower.protocol import MetricsAggrFn, RoundProtocol, state_to_recor
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
-from fedfuse.flower.streaming import stream_average, stream_ensemble
+from fedfuse.flower.streaming import finish_stream, stream_average, stream_ensemble
 from fedfuse.flower.server_importance import server_importance_options
 
 
@@ -325,35 +325,10 @@ class FusionStrategy(RoundProtocol):
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
                        probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]):
         """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
-        t0 = time.perf_counter()
-        info: dict[str, Any] = {}
-        if not self.momentum_step.active and not self.refine_steps:
-            return average, info, time.perf_counter() - t0   # FedAvg: the arrays themselves, no model built
         if self._work is None:   # one model object reused every round (its state is copied out right away)
             self._work = copy.deepcopy(self._model_template())
-        model = self._work.cpu()
-        model.load_state_dict(average)
-        model.eval()
-        rd = self.round_data(server_round, light)
-        if self.momentum_step.active:
-            model, step_info = self.momentum_step(model, rd)
-            info.update(step_info)
-        if self.refine_steps:
-            model, step_info = self.refinement.streamed(model, rd, probs)
-            info.update(step_info)
-        return model.state_dict(), info, time.perf_counter() - t0
-
-    # ---------------------------------------------------------------- kept for plug-ins written against 0.1
-    def server_step(self, model: nn.Module) -> dict[str, Any]:
-        """FedAvgM's step on ``model`` in place (``ServerMomentum``); returns its info."""
-        return self.momentum_step(model, RoundData(0, [], [], None, self.build_model, dict, None, self._global))[1]
-
-    def divergence_guard(self, server_round: int, fused: nn.Module, teachers: list[nn.Module],
-                         weights: list[float], updates: list[ClientUpdate]) -> tuple[nn.Module, dict[str, Any]]:
-        """The ``DivergenceGuard`` step on ``fused``."""
-        rd = self.round_data(server_round, updates, teachers)
-        rd.weights = weights
-        return self.guard_step(fused, rd)
+        return finish_stream(self._work, average, self.round_data(server_round, light), self.momentum_step,
+                             self.refinement, probs)
 
 
 __all__ = ["FusionStrategy"]

@@ -61,11 +61,9 @@ class RoundProtocol(FedAvg):
         min_valid_replies: rounds with fewer valid replies are skipped (global model unchanged).
         device: where the server computes (``"auto"``: CUDA when present).
         seed: base seed; round ``r`` samples nodes and fuses with seeds derived from ``seed`` and ``r``.
-        fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes,
-        weighted_by_key, arrayrecord_key, configrecord_key, train_metrics_aggr_fn, evaluate_metrics_aggr_fn:
-            Flower ``FedAvg``'s options (same meaning). ``fraction_evaluate`` defaults to 0 (fedfuse evaluates
-            the global model centrally). ``train_metrics_aggr_fn`` gets the valid replies' contents; without
-            it scalar metrics are sample-weighted means and ``class-counts`` lists are summed.
+        Flower ``FedAvg``'s options keep their meaning (``fraction_evaluate`` defaults to 0: fedfuse evaluates
+            centrally; without ``train_metrics_aggr_fn`` scalar metrics are sample-weighted means and
+            ``class-counts`` lists are summed).
     """
 
     def __init__(self, *, model_fn: Callable[[], nn.Module] | None = None,
@@ -148,7 +146,6 @@ class RoundProtocol(FedAvg):
         """Forget server state the fallen-back round did not produce (e.g. momentum)."""
 
     def reset_server_state(self) -> None:
-        """Forget the server optimiser state (after a fallback or a resume)."""
         self.on_fallback()
 
     # ---------------------------------------------------------------- models
@@ -191,17 +188,10 @@ class RoundProtocol(FedAvg):
 
     # ---------------------------------------------------------------- replies
     def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"node-id": node_id, "reason": reason}
-        if code is not None:
-            out["code"] = code
-        if node_id in self._node_partitions:
-            out["partition-id"] = self._node_partitions[node_id]
-        return out
+        return failure_record(node_id, reason, code, self._node_partitions.get(node_id))
 
     def _reply_node(self, msg: Message) -> int:
-        """The node a reply is about (SuperLink-made errors carry the SuperLink's id: map them back)."""
-        by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in self._sent_msgs if m.metadata.message_id}
-        return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+        return reply_node(msg, self._sent_msgs)
 
     def _split_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[dict]]:
         """Replies with content, and one failure record per error reply or silent node (all logged)."""
@@ -359,6 +349,23 @@ class RoundProtocol(FedAvg):
             contents = [m.content for m in ok if int(m.metadata.src_node_id) in valid_nodes]
             return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
         return aggregate_metrics(updates)
+
+
+def failure_record(node_id: int, reason: str, code: int | None, partition_id: int | None) -> dict[str, Any]:
+    """The history record of a failed or silent node."""
+    out: dict[str, Any] = {"node-id": node_id, "reason": reason}
+    if code is not None:
+        out["code"] = code
+    if partition_id is not None:
+        out["partition-id"] = partition_id
+    return out
+
+
+def reply_node(msg: Message, sent: list[Message]) -> int:
+    """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the SuperLink's id as
+    source, so map them back through the message they reply to."""
+    by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
+    return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
 
 
 def aggregate_metrics(updates: list[ClientUpdate]) -> MetricRecord:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from flwr.app import Message
 
+from fedfuse.flower.steps import Refinement, RoundData, ServerMomentum
 from fedfuse.flower.replies import MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view
 
 if TYPE_CHECKING:
@@ -108,4 +109,25 @@ def stream_ensemble(probe: torch.nn.Module, members: list[tuple[Message, float]]
     return probs
 
 
-__all__ = ["StreamedRound", "fusion_order", "stream_average", "stream_ensemble"]
+def finish_stream(work: torch.nn.Module, average: dict[str, torch.Tensor], rd: RoundData, momentum: ServerMomentum,
+                  refinement: Refinement, ensemble) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
+    """``(state, info, seconds)``: the streamed average, then the server step and the refinement (checked with
+    ``Refinement.streamed``) on ``work``, a model object the strategy reuses every round. Without either step the
+    average's arrays are the result (FedAvg: no model built)."""
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {}
+    if not momentum.active and not refinement.steps:
+        return average, info, time.perf_counter() - t0
+    model = work.cpu()
+    model.load_state_dict(average)
+    model.eval()
+    if momentum.active:
+        model, step_info = momentum(model, rd)
+        info.update(step_info)
+    if refinement.steps:
+        model, step_info = refinement.streamed(model, rd, ensemble)
+        info.update(step_info)
+    return model.state_dict(), info, time.perf_counter() - t0
+
+
+__all__ = ["StreamedRound", "fusion_order", "stream_average", "stream_ensemble", "finish_stream"]
