@@ -110,7 +110,7 @@ def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
     assert FLOWER_BASELINE_STRATEGIES == ("fedavgm", "fedadam", "fedyogi", "fedprox")
     assert NON_FUSION_STRATEGIES == ("fedavg",) + FLOWER_BASELINE_STRATEGIES
     assert TIER_STRATEGIES == ("heterofl", "fedrolex") and SUBMODEL_METHODS == ("average", "feddf")
-    assert set(STRATEGIES) == set(strategy_names())
+    assert set(STRATEGIES) <= set(strategy_names())   # (+ fusion methods registered later, e.g. by tests)
     for name in strategy_names():
         spec = strategy_spec(name)
         assert spec.name == name and (spec.aggregation != "fusion" or spec.method == name)
