@@ -87,7 +87,7 @@ class RunConfig:
                        ge=0)
     strategy: str = _key("average", "fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
                          "that keeps the architecture; the default 'average' = weighted average + refine "
-                         "(calibrate) + divergence guard (measured against the others: README, multi-round)")
+                         "(calibrate) + divergence guard (the best measured aggregation: docs/multi-round.md)")
     fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set", ge=1)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)

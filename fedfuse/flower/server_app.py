@@ -122,8 +122,8 @@ def setup(cfg: RunConfig):
                               fusion_rounds=cfg.fusion_rounds,
                               refine=None if cfg.refine == "auto" else cfg.refine, prior=cfg.refine_prior,
                               # one-shot: the clients start from independent initialisations, so the weighted average
-                              # the guard falls back to is no model (MNIST-1D one-shot tiers: chance, 0.10, replaced
-                              # kf-linear's fused model every seed); the guard is a multi-round safeguard
+                              # the guard falls back to is no model (it would replace a good fused model by one at
+                              # chance); the guard is a multi-round safeguard
                               guard=cfg.divergence_guard and cfg.mode != "one-shot",
                               **federated_evaluation_options(cfg),
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
