@@ -243,6 +243,19 @@ FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for
     FedAvgMStrategy, FedAdamStrategy, FedYogiStrategy, FedProxStrategy)}
 
 
+def flower_baseline_class(name: str, flower_class: str) -> type[FlowerBaselineStrategy]:
+    """A ``FlowerBaselineStrategy`` for the ``flwr.serverapp.strategy`` class named ``flower_class`` (a registry entry
+    without a typed class of its own: Flower's options go in ``flower_options``)."""
+    import flwr.serverapp.strategy as flower_strategies
+
+    cls = getattr(flower_strategies, flower_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
+        raise ValueError(f"strategy {name!r}: flwr.serverapp.strategy has no FedAvg-based class {flower_class!r}")
+    doc = f"Flower's ``{flower_class}`` on validated replies (registry entry {name!r})."
+    return type(f"{flower_class}Strategy", (FlowerBaselineStrategy,), {"method": name, "flower_class": cls,
+                                                                      "__doc__": doc, "__module__": __name__})
+
+
 def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: float | None = None,
                      proximal_mu: float | None = None) -> dict[str, Any]:
     """The typed options of Flower baseline ``strategy`` from the run-config keys ``server-lr`` (0 = the
@@ -264,5 +277,5 @@ def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: 
     return {}
 
 
-__all__ = ["FlowerBaselineStrategy", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",
+__all__ = ["FlowerBaselineStrategy", "flower_baseline_class", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",
            "FLOWER_BASELINES", "FlowerAggregationError", "baseline_options"]

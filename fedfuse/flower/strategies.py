@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.flower.baselines import FLOWER_BASELINES
+from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
@@ -112,7 +112,7 @@ def _implementation(name: str) -> type[RoundProtocol]:
     if spec.aggregation == "arrays":
         return FedAvgStrategy
     if spec.aggregation == "flower":
-        return FLOWER_BASELINES[name]
+        return FLOWER_BASELINES.get(name) or flower_baseline_class(name, spec.flower_class)
     if spec.aggregation == "submodel":
         return TIER_STRATEGY_CLASSES[name]
     if name not in _NAMED:
