@@ -44,7 +44,7 @@ BENCHMARKS = {
 
 COMMANDS = {
     "run": "the default run: the strategy through `flwr run`, then FedAvg on the same split and seed, side by side "
-           "(= bash scripts/run.sh)",
+           "(fedfuse.flower.runner.run)",
     "compare": "several strategies x partitionings x seeds, mean ± std table and plot (fedfuse.flower.runner.sweep)",
     "bench": "benchmarks, in a repository checkout only: " + ", ".join(BENCHMARKS),
     "fusion-set": "write the server's fusion-set file (.npz/.pt), preprocessed exactly as a run loads it",

@@ -1,6 +1,6 @@
 """Run the fedfuse Flower app with ``flwr run`` (local simulation engine, Ray) safely and check it.
 
-What this takes care of (``specs/flower.md``, ``FINDINGS.md``):
+What this takes care of:
 - a private ``FLWR_HOME`` per run, runtime dependency installation off, no update check/telemetry;
 - the managed local SuperLink on free ports (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` /
   ``FLWR_LOCAL_CONTROL_API_PORT``), so it never reuses someone else's SuperLink, and stopped by PID;

@@ -1,13 +1,14 @@
 """The default run: fedfuse's strategy through ``flwr run``, then FedAvg on the same split and seed, side by side.
 
-    python -m fedfuse.flower.runner.run                                   # pyproject defaults + FedAvg baseline
-    python -m fedfuse.flower.runner.run --no-compare                      # the strategy only
-    python -m fedfuse.flower.runner.run --engine inprocess                # same apps in this process, no Ray
-    python -m fedfuse.flower.runner.run --run-config "strategy='kf-linear' num-server-rounds=5" --num-supernodes 4
-    python -m fedfuse.flower.runner.run --run-config 'fusion-options="{head_weights=true, ridge=1e-3}"'
-    python -m fedfuse.flower.runner.run --verbose                         # every Flower/Ray line on the console
+    fedfuse run                                   # the app's run-config defaults + FedAvg baseline
+    fedfuse run --no-compare                      # the strategy only
+    fedfuse run --engine inprocess                # same apps in this process, no Ray
+    fedfuse run --run-config "strategy='kf-linear' num-server-rounds=5" --num-supernodes 4
+    fedfuse run --run-config 'fusion-options="{head_weights=true, ridge=1e-3}"'
+    fedfuse run --verbose                         # every Flower/Ray line on the console
 
-(``fedfuse run`` is the same command.) The whole run config is checked first (``fedfuse.config.preflight``, a
+(``python -m fedfuse.flower.runner.run`` is the same command.) The Flower app is the checkout's ``pyproject.toml``
+in a checkout, else the one shipped in the package (``fedfuse.flower.runner.paths``). The whole run config is checked first (``fedfuse.config.preflight``, a
 few seconds, no Flower), the baseline's too: a bad key or value exits with status 2 and one line
 ``fedfuse: config error: ...`` naming the key, before any SuperLink or Ray process starts.
 

@@ -1,7 +1,9 @@
 """Sweep strategies × partitionings × seeds through ``flwr run`` simulations (or in-process); markdown table.
 
-    python -m fedfuse.flower.runner.sweep --strategies fedavg,kf-linear --partitions shards,dirichlet \
+    fedfuse compare --strategies fedavg,kf-linear --partitions shards,dirichlet \
         --seeds 0,1,2 --run-config "num-server-rounds=5 dataset='mnist1d'" --out results/sweep
+
+(``python -m fedfuse.flower.runner.sweep`` is the same command.)
 
 A strategy may carry its own run-config overrides: ``--strategies "fedavg,kf-linear[fusion-rounds=3]"``
 (``key=value`` pairs inside the brackets, as in ``--run-config``; the label with brackets names the table
