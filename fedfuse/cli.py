@@ -3,16 +3,17 @@
     fedfuse run [--run-config "..."] [--no-compare] [--verbose]     the default run: the strategy through `flwr run`,
                                                                     then FedAvg on the same split and seed, a table
     fedfuse compare --strategies average,fedavg --seeds 0,1,2 ...   several strategies on the same splits and seeds
-    fedfuse bench one-shot --datasets digits ...                    a benchmark (one-shot, ot, fs-merge, ...)
     fedfuse fusion-set /abs/fusion.npz [--dataset digits --size 250 --seed 0 | --run-config "..."]
                                                                     the server's fusion-set file for a deployment
     fedfuse config [KEY ...] [--markdown]                           the run-config keys: type, default, help
+    fedfuse bench one-shot --datasets digits ...                    a benchmark (repository checkout only)
 
-``run``, ``compare`` and ``bench`` drive the runners and benchmarks of the repository (``simulations/``, next to the
-Flower app's ``pyproject.toml``); ``scripts/setup.sh`` installs fedfuse from a checkout in editable mode, so they
-work from any directory. Installed without the repository, they exit with status 2 saying so. ``fusion-set`` and
-``config`` need the library only. ``fedfuse <command> --help`` shows each command's options. This module imports
-no Flower itself (the runners it calls do).
+``run`` and ``compare`` are the package's runners (``fedfuse.flower.runner``): installed from a wheel they use the
+Flower app configuration shipped in the package and write under ``./results``; in a checkout they use the
+checkout's ``pyproject.toml`` and ``results/``. ``bench`` runs the benchmarks, which are experiments of the
+repository (``simulations/bench``, not in the package): it works in a checkout (``scripts/setup.sh`` installs
+fedfuse from it in editable mode) and otherwise exits with status 2 saying so. ``fedfuse <command> --help`` shows
+each command's options. This module imports no Flower itself (the runners it calls do).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from types import ModuleType
 
 EXIT_USAGE = 2
 
-# fedfuse bench <name> -> the benchmark module (each has main(argv))
+# fedfuse bench <name> -> the benchmark module of the repository (each has main(argv)); not in the package
 BENCHMARKS = {
     "one-shot": ("simulations.bench.one_shot", "one-shot fusion of independently trained clients vs best client, "
                  "ensemble, averaging, KD"),
@@ -43,9 +44,9 @@ BENCHMARKS = {
 
 COMMANDS = {
     "run": "the default run: the strategy through `flwr run`, then FedAvg on the same split and seed, side by side "
-           "(= bash scripts/run.sh)",
-    "compare": "several strategies x partitionings x seeds, mean ± std table and plot (simulations.runners.sweep)",
-    "bench": "benchmarks: " + ", ".join(BENCHMARKS),
+           "(fedfuse.flower.runner.run)",
+    "compare": "several strategies x partitionings x seeds, mean ± std table and plot (fedfuse.flower.runner.sweep)",
+    "bench": "benchmarks, in a repository checkout only: " + ", ".join(BENCHMARKS),
     "fusion-set": "write the server's fusion-set file (.npz/.pt), preprocessed exactly as a run loads it",
     "config": "list the run-config keys (type, default, allowed values, meaning)",
 }
@@ -56,16 +57,18 @@ class CliError(Exception):
 
 
 def repository_module(name: str, command: str) -> ModuleType:
-    """``importlib.import_module(name)`` for a command that needs the repository's ``simulations/`` package;
-    ``CliError`` saying how to get it when fedfuse was installed without its repository."""
+    """``importlib.import_module(name)`` for a command that runs one of the repository's experiments
+    (``simulations/``, never part of the package); ``CliError`` saying where they are when fedfuse was installed
+    without its repository."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and (exc.name == "simulations" or exc.name.startswith("simulations.")):
-            raise CliError(f"`fedfuse {command}` needs the fedfuse repository (its simulations/ runners and the Flower "
-                           f"app's pyproject.toml), which this installation does not have ({exc.name} not found): "
-                           "clone the repository and run `bash scripts/setup.sh` there (it installs fedfuse in "
-                           "editable mode), or run the command from the checkout") from None
+            raise CliError(f"`fedfuse {command}` runs a benchmark, and the benchmarks are scripts of the fedfuse "
+                           f"repository (simulations/bench), not part of the installed package ({exc.name} not "
+                           f"found): in a checkout of the repository run `python -m {name}` (or `fedfuse {command}` "
+                           "after `bash scripts/setup.sh` there, which installs fedfuse in editable mode); "
+                           "`fedfuse run` and `fedfuse compare` work from the package alone") from None
         raise
 
 
@@ -75,18 +78,22 @@ def _exit_code(value: object) -> int:
 
 # ------------------------------------------------------------------------------------------ run / compare / bench
 def cmd_run(argv: list[str]) -> int:
-    run = repository_module("simulations.runners.run", "run")
+    from fedfuse.flower.runner import run
+
     return _exit_code(run.main(argv, prog="fedfuse run"))
 
 
 def cmd_compare(argv: list[str]) -> int:
-    sweep = repository_module("simulations.runners.sweep", "compare")
+    from fedfuse.flower.runner import sweep
+
     return _exit_code(sweep.main(argv, prog="fedfuse compare"))
 
 
 def bench_help() -> str:
     width = max(len(n) for n in BENCHMARKS)
     lines = ["usage: fedfuse bench <benchmark> [options]   (fedfuse bench <benchmark> --help: its options)", "",
+             "The benchmarks are scripts of the fedfuse repository (simulations/bench), not part of the installed",
+             "package: run them in a checkout (`python -m <module>`, or `fedfuse bench` after scripts/setup.sh).", "",
              "benchmarks (seeded; tables and plots under --out):"]
     lines += [f"  {name:<{width}}  {what}  [python -m {mod}]" for name, (mod, what) in BENCHMARKS.items()]
     return "\n".join(lines)
@@ -151,34 +158,14 @@ def fusion_set_config(args: argparse.Namespace):
 
     overrides: dict = {}
     if args.run_config:
-        try:
-            from simulations.runners.cli import parse_run_config_arg
-        except ModuleNotFoundError:  # no repository: plain key=value pairs through tomllib
-            parse_run_config_arg = _parse_pairs
+        from fedfuse.flower.runner.cli import parse_run_config_arg
+
         overrides.update(parse_run_config_arg(args.run_config))
     for key, value in (("dataset", args.dataset), ("fusion-set-size", args.size), ("seed", args.seed),
                        ("fusion-set-source", args.source), ("data-root", args.data_root)):
         if value is not None:
             overrides[key] = value
     return parse_run_config(overrides)
-
-
-def _parse_pairs(text: str) -> dict:
-    """``key=value`` pairs (TOML values, no spaces inside a value): the runner's tokenizer's simple case."""
-    import tomllib
-
-    from fedfuse.config import ConfigError
-
-    out = {}
-    for token in text.split():
-        key, sep, raw = token.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--run-config: expected key=value, got {token!r}")
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"run-config key {key!r}: {raw!r} is not a TOML value ({exc})") from None
-    return out
 
 
 def cmd_fusion_set(argv: list[str]) -> int:

@@ -34,8 +34,8 @@ def test_unknown_command_is_one_line_with_a_suggestion(capsys):
                    "config (fedfuse --help)"]
 
 
-@pytest.mark.parametrize("command,module,prog", [("run", "simulations.runners.run", "fedfuse run"),
-                                                 ("compare", "simulations.runners.sweep", "fedfuse compare")])
+@pytest.mark.parametrize("command,module,prog", [("run", "fedfuse.flower.runner.run", "fedfuse run"),
+                                                 ("compare", "fedfuse.flower.runner.sweep", "fedfuse compare")])
 def test_run_and_compare_pass_their_arguments_through(monkeypatch, command, module, prog):
     import importlib
 
@@ -72,7 +72,9 @@ def test_bench_dispatches_to_the_benchmark_module(monkeypatch, capsys):
     assert "did you mean 'one-shot'?" in capsys.readouterr().err
 
 
-def test_commands_that_need_the_repository_say_so(monkeypatch, capsys):
+def test_run_and_compare_need_no_repository_but_bench_does(monkeypatch, capsys):
+    """Without the repository's experiments (an installed wheel), ``run`` and ``compare`` still work (package
+    runners); ``bench`` says the benchmarks are repository scripts and how to run them in a checkout."""
     import importlib
 
     real = importlib.import_module
@@ -83,10 +85,43 @@ def test_commands_that_need_the_repository_say_so(monkeypatch, capsys):
         return real(name, *a, **k)
 
     monkeypatch.setattr(cli.importlib, "import_module", no_simulations)
-    for argv in (["run"], ["compare"], ["bench", "one-shot"]):
+    for argv in (["bench", "one-shot"], ["bench", "ot", "--seeds", "0"]):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
-        assert f"`fedfuse {' '.join(argv)}` needs the fedfuse repository" in err and "scripts/setup.sh" in err
+        assert err.startswith(f"fedfuse: `fedfuse {' '.join(argv[:2])}` runs a benchmark") and err.count("\n") == 1
+        assert "repository" in err and f"python -m {cli.BENCHMARKS[argv[1]][0]}" in err
+    assert cli.main(["bench", "--help"]) == 0  # the list is there, saying where the benchmarks live
+    assert "not part of the installed" in capsys.readouterr().out
+    for command in ("run", "compare"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--help"])
+        assert exc.value.code == 0 and capsys.readouterr().out.startswith(f"usage: fedfuse {command} ")
+
+
+def test_the_product_never_imports_the_experiments():
+    """``fedfuse/`` is the installable product: no module of it imports ``simulations`` (at any level); the
+    only mention is ``fedfuse bench``'s table of repository benchmark modules, imported by name on demand."""
+    import ast
+
+    for path in (ROOT / "fedfuse").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "simulations" or n.startswith("simulations.") for n in names), path
+    assert all(mod.startswith("simulations.bench.") for mod, _ in cli.BENCHMARKS.values())
+
+
+def test_simulations_runners_are_the_package_runners():
+    """The old names are aliases of the package's modules (same objects: a patch through either applies)."""
+    import importlib
+
+    for name in ("cli", "compare", "console", "flwr_runner", "inprocess", "progress", "run", "sweep"):
+        assert importlib.import_module(f"simulations.runners.{name}") is importlib.import_module(
+            f"fedfuse.flower.runner.{name}")
+    from simulations.runners.run import main  # the form the benchmarks and tests use
+    from fedfuse.flower.runner import run
+
+    assert main is run.main
 
 
 def test_config_lists_every_key_with_type_and_default(capsys):

@@ -6,6 +6,7 @@ import math
 import re
 from pathlib import Path
 
+from fedfuse.flower.runner.compare import round_curves  # noqa: F401  (the default run's plot)
 from simulations.bench.stats import mean_std
 
 
@@ -55,50 +56,3 @@ def accuracy_bars(acc: dict[tuple[str, str], list[float]], settings: list[str], 
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
-    """Test accuracy per round of several runs on one axis (the default run: the strategy next to FedAvg).
-
-    Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model) and
-    optional ``fell_back`` / ``guarded`` / ``skipped`` (lists of rounds), marked on the curve (red ×, orange
-    ring, grey diamond). Round ticks are integers."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    marks = {"fell_back": dict(marker="x", color="red", markersize=12, markeredgewidth=2.5, ls="none",
-                               label="fusion fell back"),
-             "guarded": dict(marker="o", color="orange", fillstyle="none", markersize=13, markeredgewidth=2, ls="none",
-                             label="guarded (weighted average used)"),
-             "skipped": dict(marker="D", color="gray", fillstyle="none", markersize=10, ls="none",
-                             label="round skipped (too few valid replies)")}
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    labelled: set[str] = set()
-    for s in series:
-        pts = sorted(s["points"])
-        if not pts:
-            continue
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, "o-", label=s["label"])
-        acc = dict(pts)
-        for key, style in marks.items():
-            at = [(r, acc[r]) for r in s.get(key, []) if r in acc]
-            if at:
-                style = dict(style)
-                if style["label"] in labelled:
-                    style["label"] = "_nolegend_"
-                labelled.add(style["label"])
-                ax.plot(*zip(*at), zorder=5, **style)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)

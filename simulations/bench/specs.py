@@ -14,6 +14,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+from fedfuse.flower.runner.cli import split_list  # noqa: F401  (the runners' comma lists too)
+
 PARTITION_METHODS = ("shards", "dirichlet", "iid", "full")
 
 
@@ -69,29 +71,6 @@ def parse_method(text: str) -> MethodSpec:
         raise ValueError(f"method spec {text!r}: expected name or name[key=value,...]")
     opts = parse_options_text(m.group(2), f"method spec {text!r}") if m.group(2) else {}
     return MethodSpec(text.strip(), m.group(1), opts)
-
-
-def split_list(text: str, sep: str = ",") -> list[str]:
-    """Split ``text`` on ``sep`` outside quotes and ``[...]`` / ``{...}``; items stripped, empty ones dropped.
-
-    ``"fedavg,kf-linear[fusion-options='{a=1, b=2}']"`` → ``["fedavg", "kf-linear[fusion-options='{a=1, b=2}']"]``.
-    Shared by the benchmarks' comma lists and the sweep's strategy list.
-    """
-    items, depth, quote, start = [], 0, "", 0
-    for i, c in enumerate(text):
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-        elif c == sep and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
-    items.append(text[start:].strip())
-    return [item for item in items if item]
 
 
 def parse_ints(text: str) -> list[int]:

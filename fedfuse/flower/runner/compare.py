@@ -1,0 +1,181 @@
+"""The default run's comparison: a strategy next to a baseline (FedAvg) on the same split and seed.
+
+``baseline_config`` turns a run config into the baseline's (same data, split, seed, training; the
+strategy-specific keys dropped); ``RunSummary.load`` reads a finished run's ``results.json``;
+``comparison_table`` is the side-by-side markdown table printed at the end of ``fedfuse run``; ``round_curves``
+plots the runs' accuracy per round (``comparison.png``):
+
+| column | meaning |
+|---|---|
+| final accuracy | central test accuracy of the global model after the last round |
+| best (round) | the highest test accuracy over rounds 1.., and its round |
+| first round ≥ <baseline>'s final | first round (1..) whose accuracy reaches the baseline's final accuracy; ``never`` |
+| client ensemble (final round) | the reference: averaged softmax of that round's client models (if recorded) |
+| fallback / guarded / skipped | rounds whose fusion fell back / the divergence guard used the average / skipped |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BASELINE = "fedavg"
+# run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
+# fedfuse.config rejects most of them for fedavg)
+STRATEGY_ONLY_KEYS = ("fusion-options", "fusion-rounds", "refine", "refine-prior", "divergence-guard", "server-lr",
+                      "server-momentum", "proximal-mu", "tier-models", "ordered-dropout")
+
+
+def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, output_dir: str | None = None,
+                    run_name: str | None = None) -> dict[str, Any]:
+    """``run_config`` for ``baseline``: the same keys (dataset, split, seed, clients, training) except the
+    strategy and the strategy-only keys (``STRATEGY_ONLY_KEYS``); ``output-dir``/``run-name`` when given."""
+    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS}
+    cfg["strategy"] = baseline
+    if output_dir is not None:
+        cfg["output-dir"] = output_dir
+    if run_name is not None:
+        cfg["run-name"] = run_name
+    return cfg
+
+
+@dataclass
+class RunSummary:
+    """One finished run as the comparison sees it."""
+
+    label: str                      # the strategy (row name)
+    engine: str                     # "flwr run" or "in-process"
+    rows: list[dict[str, Any]] = field(default_factory=list)  # results.json rounds (round 0 = initial model)
+    error: str | None = None        # why the run has no usable result
+    out_dir: Path | None = None
+
+    @classmethod
+    def load(cls, label: str, engine: str, out_dir: Path, error: str | None = None) -> "RunSummary":
+        path = Path(out_dir) / "results.json"
+        rows: list[dict[str, Any]] = []
+        if path.exists():
+            res = json.loads(path.read_text())
+            rows = list(res.get("rounds", []))
+            if error is None and (res.get("error") or res.get("status") not in (None, "completed")):
+                error = str(res.get("error") or f"status {res.get('status')!r}")
+        elif error is None:
+            error = f"no results.json in {out_dir}"
+        return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir))
+
+    def curve(self) -> list[tuple[int, float]]:
+        """``[(round, test accuracy)]`` of rounds with an accuracy, round 0 (initial model) included."""
+        return [(int(r["round"]), float(r["test-accuracy"])) for r in self.rows
+                if isinstance(r.get("test-accuracy"), (int, float))]
+
+    @property
+    def final(self) -> float | None:
+        c = self.curve()
+        return c[-1][1] if c and c[-1][0] > 0 else None
+
+    def best(self) -> tuple[int, float] | None:
+        c = [(r, a) for r, a in self.curve() if r > 0]
+        return max(c, key=lambda ra: (ra[1], -ra[0])) if c else None
+
+    def first_round_reaching(self, target: float) -> int | None:
+        """First round ≥ 1 with accuracy ≥ ``target`` (``None``: never)."""
+        return next((r for r, a in self.curve() if r > 0 and a >= target - 1e-9), None)
+
+    def ensemble_final(self) -> float | None:
+        last = [r for r in self.rows if r.get("round", 0) > 0]
+        v = last[-1].get("ensemble-accuracy") if last else None
+        return float(v) if isinstance(v, (int, float)) else None
+
+    def marked_rounds(self, key: str) -> list[int]:
+        return [int(r["round"]) for r in self.rows if r.get(key)]
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
+    """Markdown table of ``runs`` side by side (columns: module docstring); the reach column is measured
+    against the run labelled ``baseline`` (absent or failed: ``-``)."""
+    ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
+    target = ref.final if ref else None
+    reach_head = f"first round ≥ {baseline}'s final" + (f" ({target:.4f})" if target is not None else "")
+    lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble (final round) | "
+             "fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        name = run.label + (" (baseline)" if run.label == baseline else "")
+        if run.error or run.final is None:
+            why = (run.error or "no rounds").splitlines()[0][:120]
+            lines.append(f"| {name} | {run.engine} | failed: {why} | | | | |")
+            continue
+        best = run.best()
+        reach = "-"
+        if target is not None:
+            k = run.first_round_reaching(target)
+            reach = str(k) if k is not None else "never"
+        counts = " / ".join(str(len(run.marked_rounds(k))) for k in ("fallback", "guard", "skipped"))
+        lines.append(f"| {name} | {run.engine} | {_f(run.final)} | {_f(best[1])} ({best[0]}) | {reach} | "
+                     f"{_f(run.ensemble_final())} | {counts} |")
+    return "\n".join(lines)
+
+
+def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
+    """One sentence: how far each strategy ends above or below the baseline (this seed only)."""
+    ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
+    if ref is None:
+        return None
+    parts = [f"{r.label} {r.final - ref.final:+.4f}" for r in runs
+             if r is not ref and r.final is not None and not r.error]
+    if not parts:
+        return None
+    return (f"final accuracy vs {baseline}: " + ", ".join(parts) + " (one seed; mean ± std over seeds: "
+            "`fedfuse compare` / fedfuse.flower.runner.sweep)")
+
+
+def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
+    """Test accuracy per round of several runs on one axis (the default run: the strategy next to FedAvg).
+
+    Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model) and
+    optional ``fell_back`` / ``guarded`` / ``skipped`` (lists of rounds), marked on the curve (red ×, orange
+    ring, grey diamond). Round ticks are integers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    marks = {"fell_back": dict(marker="x", color="red", markersize=12, markeredgewidth=2.5, ls="none",
+                               label="fusion fell back"),
+             "guarded": dict(marker="o", color="orange", fillstyle="none", markersize=13, markeredgewidth=2, ls="none",
+                             label="guarded (weighted average used)"),
+             "skipped": dict(marker="D", color="gray", fillstyle="none", markersize=10, ls="none",
+                             label="round skipped (too few valid replies)")}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labelled: set[str] = set()
+    for s in series:
+        pts = sorted(s["points"])
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "o-", label=s["label"])
+        acc = dict(pts)
+        for key, style in marks.items():
+            at = [(r, acc[r]) for r in s.get(key, []) if r in acc]
+            if at:
+                style = dict(style)
+                if style["label"] in labelled:
+                    style["label"] = "_nolegend_"
+                labelled.add(style["label"])
+                ax.plot(*zip(*at), zorder=5, **style)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,177 @@
+"""The quiet console of the runners: one line per round, the warnings that matter, everything else in a log file.
+
+A ``flwr run`` of the default config prints ~130 lines (Flower's strategy banner, Ray notices, the
+aggregated-metrics dump); a user wants to see the rounds go by and hear about anything that went wrong.
+``QuietConsole`` is the ``on_line`` handler of both engines (``flwr_runner.run_app``,
+``inprocess.run_app_inprocess``): every line goes to the run's ``run.log``; the console shows
+
+- one line per round (``format_round``), built from the ServerApp's INFO line ``fedfuse round N: ...``
+  (logged after each round's evaluation) and that round's row of ``results.json`` (loss, ensemble, fallback / guard / skipped /
+  rejected / failure marks);
+- every ERROR line, and every WARNING line from fedfuse (fusion fallback, divergence guard, rejected
+  replies, failed or silent nodes: ``is_user_warning``);
+- at the end, how many other (Flower/Ray) warnings the log holds, so nothing disappears unsaid.
+
+``verbose=True`` prints nothing itself (the engine echoes every line) and only writes the log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
+ROUND_LINE = re.compile(r"^fedfuse round (\d+): ")          # the ServerApp's INFO line after each evaluation
+ROUND_ACCURACY = re.compile(r"test-accuracy ([0-9.eE+-]+|nan)")
+# WARNING messages fedfuse itself logs (fedfuse.flower.*, the in-process grid): shown on the console
+USER_PREFIXES = ("fedfuse", "aggregate_train", "strategy ", "LocalGrid", "configure_train", "ClientApp")
+USER_WORDS = ("fell back", "fallback", "guard", "rejected", "failed", "no reply", "diverged", "timed out", "timeout")
+PY_WARNING = re.compile(r"\b[A-Za-z]*Warning: ")
+MAX_WARNING_CHARS = 400
+
+
+def strip_ansi(line: str) -> str:
+    return ANSI.sub("", line)
+
+
+def parse_log_line(line: str) -> tuple[str, str]:
+    """``(level, message)`` of a Flower log line (``"WARNING :   text"``, colours stripped); ``("", line)``
+    for anything else (flwr's own CLI output, Ray or Python warnings, traceback lines)."""
+    text = strip_ansi(line).rstrip("\n")
+    m = LOG_LINE.match(text)
+    return (m.group(1), m.group(2).strip()) if m else ("", text.strip())
+
+
+def is_user_warning(message: str) -> bool:
+    """A WARNING the user must see: one fedfuse logs (prefix) or one about a fallback, the guard, a rejected
+    reply or a failed node (Flower's own start-up notices and Ray's go to the log only)."""
+    low = message.lower()
+    return message.startswith(USER_PREFIXES) or any(w in low for w in USER_WORDS)
+
+
+def classify(line: str) -> tuple[str, str]:
+    """``(kind, text)``: kind ``round`` (text = the round number), ``error``, ``warning`` (shown), or ``log``
+    (log file only; ``hidden-warning`` for a WARNING line that is not shown)."""
+    level, message = parse_log_line(line)
+    if level == "INFO":
+        m = ROUND_LINE.match(message)
+        if m:
+            return "round", m.group(1)
+        return "log", message
+    if level in ("ERROR", "CRITICAL"):
+        return "error", message
+    if level == "WARNING":
+        return ("warning", message) if is_user_warning(message) else ("hidden-warning", message)
+    if not level and PY_WARNING.search(message):  # a Python/Ray warning printed by a Flower process
+        return "hidden-warning", message
+    return "log", message
+
+
+def _num(v: Any, fmt: str = "{:.4f}") -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def round_marks(row: dict[str, Any]) -> list[str]:
+    """The marks of a results row: ``fell back (<kind>)``, ``guarded``, ``skipped``, ``rejected N``, ``failures N``."""
+    marks = []
+    if row.get("fallback"):
+        marks.append(f"FELL BACK ({str(row['fallback']).split(':', 1)[0]})")
+    if row.get("guard"):
+        marks.append("GUARDED (average used)")
+    if row.get("skipped"):
+        marks.append("SKIPPED")
+    for key in ("rejected", "failures"):
+        v = row.get(key)
+        n = len(v) if isinstance(v, (list, tuple)) else v if isinstance(v, int) and not isinstance(v, bool) else 0
+        if n:
+            marks.append(f"{key} {n}")
+    return marks
+
+
+def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str = "") -> str:
+    """One console line of a results row, e.g.
+    ``average  round 2/3  acc 0.5571  loss 1.6934  ensemble 0.3482  [GUARDED (average used)]``."""
+    rnd = row.get("round", "?")
+    where = f"round {rnd}/{num_rounds}" if num_rounds else f"round {rnd}"
+    parts = [f"{label:<10}" if label else "", f"{where:<11}"]
+    if row.get("test-accuracy") is not None or row.get("federated-accuracy") is None:
+        parts += [f"acc {_num(row.get('test-accuracy'))}", f"loss {_num(row.get('test-loss'))}"]
+    if row.get("federated-accuracy") is not None:  # evaluation='federated'/'both': the clients' validation splits
+        parts += [f"federated acc {_num(row.get('federated-accuracy'))}", f"loss {_num(row.get('federated-loss'))}",
+                  f"({row.get('federated-clients')} clients)"]
+    if row.get("ensemble-accuracy") is not None:
+        parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
+    if rnd == 0:
+        parts.append("(initial model)")
+    marks = round_marks(row)
+    if marks:
+        parts.append("[" + ", ".join(marks) + "]")
+    return "  ".join(p for p in parts if p)
+
+
+def results_row(results_path: Path | None, round_number: int) -> dict[str, Any] | None:
+    """Row ``round_number`` of a (possibly still growing) ``results.json``; ``None`` when not readable yet."""
+    if results_path is None:
+        return None
+    try:
+        rows = json.loads(results_path.read_text()).get("rounds", [])
+    except (OSError, ValueError):
+        return None
+    return next((r for r in rows if r.get("round") == round_number), None)
+
+
+class QuietConsole:
+    """``on_line`` handler of a run: every line to ``log``; on ``out`` the round lines, the warnings that matter
+    and the errors (nothing on ``out`` when ``verbose``: the engine echoes everything itself).
+
+    Args:
+        log: the run's log file (text, line-buffered or flushed by the caller).
+        results_path: the run's ``results.json`` (rows are read from it as each round line arrives).
+        num_rounds: rounds of the run (for ``round 2/3``).
+        label: the strategy, first column of each round line.
+        verbose: only log.
+        out: the console (stdout).
+    """
+
+    def __init__(self, log: TextIO, results_path: Path | None, num_rounds: int | None = None, label: str = "",
+                 verbose: bool = False, out: TextIO | None = None) -> None:
+        self.log, self.results_path, self.num_rounds, self.label = log, results_path, num_rounds, label
+        self.verbose, self.out = verbose, out or sys.stdout
+        self.hidden_warnings = 0
+        self.rounds_seen: list[int] = []
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def __call__(self, line: str) -> None:
+        text_line = strip_ansi(line)  # the log file without terminal colour codes
+        self.log.write(text_line if text_line.endswith("\n") else text_line + "\n")
+        kind, text = classify(line)
+        if kind == "hidden-warning":
+            self.hidden_warnings += 1
+        if self.verbose:
+            return
+        if kind == "round":
+            n = int(text)
+            self.rounds_seen.append(n)
+            row = results_row(self.results_path, n)
+            if row is None:  # results.json not readable: the log line's own accuracy
+                m = ROUND_ACCURACY.search(strip_ansi(line))
+                row = {"round": n, "test-accuracy": float(m.group(1)) if m else None}
+            self.say(format_round(row, self.num_rounds, self.label))
+        elif kind in ("warning", "error"):
+            level = "ERROR" if kind == "error" else "WARNING"
+            if len(text) > MAX_WARNING_CHARS:
+                text = text[:MAX_WARNING_CHARS] + " … (full text in run.log)"
+            self.say(f"{'':<10}  {level}: {text}" if self.label else f"{level}: {text}")
+
+    def hidden_note(self, log_path: Path) -> str | None:
+        """``"N other warnings (Flower/Ray) in <log>"`` when the console held some back."""
+        if self.verbose or not self.hidden_warnings:
+            return None
+        return f"{self.hidden_warnings} other warning(s) from Flower/Ray are in {log_path}"

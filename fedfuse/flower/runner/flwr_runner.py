@@ -1,0 +1,279 @@
+"""Run the fedfuse Flower app with ``flwr run`` (local simulation engine, Ray) safely and check it.
+
+What this takes care of:
+- a private ``FLWR_HOME`` per run, runtime dependency installation off, no update check/telemetry;
+- the managed local SuperLink on free ports (``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` /
+  ``FLWR_LOCAL_CONTROL_API_PORT``), so it never reuses someone else's SuperLink, and stopped by PID;
+- ``flwr run --stream`` exits 0 even when the run failed: the status is read with ``flwr list``;
+- one torch thread per process and ``OMP_WAIT_POLICY=PASSIVE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for
+
+# the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
+# shipped in the package (fedfuse.flower.runner.paths)
+ROOT = APP_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flwr_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for ``flwr`` commands: private home, free local-SuperLink ports, quiet and offline."""
+    env = os.environ.copy()
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env.update({
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"),
+        "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        "FEDFUSE_TORCH_THREADS": env.get("FEDFUSE_TORCH_THREADS", "1"),
+        "RAY_DEDUP_LOGS": "0",
+    })
+    if CHECKOUT is not None:  # the Flower processes import fedfuse from the checkout (installed: from the installation)
+        env["PYTHONPATH"] = str(CHECKOUT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    text = str(v)
+    # flwr's --run-config parser takes "..." or '...' without escapes: a value holding double quotes
+    # (e.g. fusion-options='{match="balanced"}') goes as a TOML literal string
+    if '"' in text or "\\" in text:
+        if "'" in text or "\n" in text:
+            raise ValueError(f"run config value {text!r} cannot be passed to flwr run: it holds both quote kinds")
+        return f"'{text}'"
+    return json.dumps(text)  # a TOML basic string
+
+
+def run_config_arg(cfg: dict[str, Any]) -> str:
+    return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())
+
+
+def _superlink_pids(flwr_home: Path) -> list[int]:
+    """PIDs of SuperLinks whose ``--log-file`` lives under ``flwr_home`` (ours, and only ours)."""
+    pids = []
+    needle = str(flwr_home)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [c.decode(errors="replace") for c in cmd]
+        if any("flower-superlink" in a for a in args[:2]) and any(needle in a for a in args):
+            pids.append(int(d.name))
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (children first level first), read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal_and_wait(pids: list[int], sig: int, timeout: float) -> None:
+    """Send ``sig`` to every pid, then wait (bounded) until none is alive."""
+    for q in pids:
+        try:
+            os.kill(q, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(q) for q in pids):
+        time.sleep(0.2)
+
+
+def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
+    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
+    _signal_and_wait([q for p in pids for q in [p, *descendants(p)]], signal.SIGKILL, timeout)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
+    """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind."""
+    pids = _superlink_pids(flwr_home)
+    tree = [q for p in pids for q in [p, *descendants(p)]]
+    _signal_and_wait(pids, signal.SIGTERM, timeout)
+    kill_tree([q for q in tree if _alive(q)], timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and _state(pid) != "Z"
+
+
+def start_local_superlink(flwr_home: Path, env: dict[str, str], timeout: float = 180.0) -> subprocess.Popen:
+    """Start the simulation SuperLink that ``flwr run`` would start, with a longer start-up wait.
+
+    ``flwr`` gives its managed SuperLink 15 s to come up, too little on a loaded 2-core machine; a
+    SuperLink already healthy on the configured port is reused by ``flwr run``.
+    """
+    import urllib.request
+
+    runtime = flwr_home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+    cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
+           "--control-api-address", f"127.0.0.1:{env['FLWR_LOCAL_CONTROL_API_PORT']}", "--host", "127.0.0.1",
+           "--port", port, "--log-file", str(runtime / "superlink.log"), "--database", str(runtime / "state.db")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {runtime / 'superlink.log'}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"flower-superlink not healthy after {timeout:.0f}s")
+
+
+@dataclass
+class RunOutcome:
+    run_id: int | None
+    status: str
+    details: str
+    out_dir: Path
+    log: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "finished:completed"
+
+
+def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | None) -> None:
+    """``fedfuse.config.preflight`` of the full run config before any Flower process starts; by default for
+    the fedfuse app only (a test app with its own keys, e.g. fault injection, checks its own)."""
+    if check_config is None:
+        check_config = is_fedfuse_app(app_dir)
+    if check_config:
+        from fedfuse.config import preflight
+
+        preflight(cfg)
+
+
+def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cpus_per_client: float = 1.0,
+            gpus_per_client: float = 0.0, timeout: float = 900.0, echo: bool = True,
+            app_dir: Path = ROOT, keep_home: bool = False, check_config: bool | None = None,
+            on_line: Callable[[str], None] | None = None) -> RunOutcome:
+    """``flwr run <app_dir>`` with ``run_config`` overrides; returns the run status and results dir.
+
+    Every line ``flwr run --stream`` prints is kept (``RunOutcome.log``), echoed when ``echo``, and handed to
+    ``on_line`` when given (the runners' quiet console: ``fedfuse.flower.runner.console``).
+
+    ``run_config`` should hold ``output-dir`` (absolute) and ``run-name``; both are filled in when
+    missing (``paths.results_dir_for(app_dir)``, a timestamped name). The whole config is checked first
+    (``check_app_config``): a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
+    """
+    cfg = dict(run_config)
+    cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
+    cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = num_supernodes or int(cfg.get("num-clients", 4))
+    cfg.setdefault("num-clients", n)
+    check_app_config(cfg, app_dir, check_config)
+    out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
+    home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
+    env = flwr_env(home)
+    cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
+    fed = f"num-supernodes={n} client-resources-num-cpus={cpus} client-resources-num-gpus={gpus_per_client}"
+    cmd = ["flwr", "run", str(app_dir), "--run-config", run_config_arg(cfg), "--federation-config", fed, "--stream"]
+    t0 = time.perf_counter()
+    lines: list[str] = []
+    run_id = None
+    try:
+        start_local_superlink(home, env)
+        proc = subprocess.Popen(cmd, env=env, cwd=str(app_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if on_line is not None:
+                on_line(line)
+            if run_id is None:
+                m = re.search(r"run (\d+)", line)
+                if m and "start" in line.lower():
+                    run_id = int(m.group(1))
+            if time.monotonic() > deadline:
+                proc.kill()
+                lines.append(f"fedfuse: timed out after {timeout:.0f}s\n")
+                break
+        proc.wait(timeout=30)
+        status, details = "unknown", ""
+        if run_id is not None:
+            res = subprocess.run(["flwr", "list", "--run-id", str(run_id), "--format", "json"], env=env,
+                                 cwd=str(app_dir), capture_output=True, text=True, timeout=60)
+            try:
+                info = json.loads(res.stdout)
+                runs = info.get("runs") or []
+                if runs:
+                    status = str(runs[0].get("status", "unknown"))
+                    details = str(runs[0].get("status-details", runs[0].get("sub-status", "")))
+            except json.JSONDecodeError:
+                details = res.stdout[-2000:] + res.stderr[-2000:]
+        else:
+            details = "no run id in the output of flwr run: " + "".join(lines)[-1500:]
+    finally:
+        stop_superlink(home)
+        if not keep_home:
+            shutil.rmtree(home, ignore_errors=True)
+    return RunOutcome(run_id=run_id, status=status, details=details, out_dir=out_dir, log="".join(lines),
+                      seconds=time.perf_counter() - t0)

@@ -1,0 +1,224 @@
+"""The default run: fedfuse's strategy through ``flwr run``, then FedAvg on the same split and seed, side by side.
+
+    fedfuse run                                   # the app's run-config defaults + FedAvg baseline
+    fedfuse run --no-compare                      # the strategy only
+    fedfuse run --engine inprocess                # same apps in this process, no Ray
+    fedfuse run --run-config "strategy='kf-linear' num-server-rounds=5" --num-supernodes 4
+    fedfuse run --run-config 'fusion-options="{head_weights=true, ridge=1e-3}"'
+    fedfuse run --verbose                         # every Flower/Ray line on the console
+
+(``python -m fedfuse.flower.runner.run`` is the same command.) The Flower app is the checkout's ``pyproject.toml``
+in a checkout, else the one shipped in the package (``fedfuse.flower.runner.paths``). The whole run config is checked first (``fedfuse.config.preflight``, a
+few seconds, no Flower), the baseline's too: a bad key or value exits with status 2 and one line
+``fedfuse: config error: ...`` naming the key, before any SuperLink or Ray process starts.
+
+Then the configured strategy runs with ``--engine`` (default: a real ``flwr run``, SuperLink + Ray simulation)
+into ``<output-dir>/<run-name>/``, and, unless ``--no-compare`` or the strategy is the baseline itself, the
+``--baseline`` strategy (FedAvg; HeteroFL when ``client-tiers`` is set) runs with the same run config (same data, split, seed and training; the
+strategy-only keys dropped, ``fedfuse.flower.runner.compare.baseline_config``) with ``--compare-engine``
+(default ``inprocess``: the same ServerApp and ClientApp bodies on a Flower Grid in this process, identical
+numbers, seconds instead of a minute) into ``<output-dir>/<run-name>/baseline-<baseline>/``.
+
+Console (quiet by default, ``fedfuse.flower.runner.console``): one line per round (accuracy, loss, ensemble,
+fallback / guard / skipped / rejected / failure marks), fedfuse's warnings and every error, then the
+side-by-side table (``fedfuse.flower.runner.compare.comparison_table``). Every line of every run (Flower's and
+Ray's logs, the per-round results dump) goes to ``run.log`` in the run's folder; ``--verbose`` shows it all.
+Written next to the run's own results: ``comparison.md`` (the table) and ``comparison.png`` (both accuracy
+curves). Exit status 1 when a run did not complete (``flwr`` reports it failed or ``results.json`` says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fedfuse.flower.runner.cli import ENGINE_HELP, ENGINES, overrides_or_exit, preflight_or_exit, run_with_engine
+from fedfuse.flower.runner.compare import BASELINE, RunSummary, baseline_config, comparison_table, round_curves, verdict
+from fedfuse.flower.runner.console import QuietConsole
+from fedfuse.flower.runner.paths import default_results_dir
+
+_FALLBACK_WIDTH = 40
+
+
+def summary_table(rounds: list[dict[str, Any]]) -> str:
+    """One line per round: accuracies, timings and the fusion fallback (``-`` when the fusion succeeded)."""
+    head = (f"{'round':>5} {'test-acc':>9} {'ensemble':>9} {'best-client':>11} {'train-s':>8} {'score-s':>8} "
+            f"{'fusion-s':>9} {'round-s':>8}  fallback")
+    lines = [head]
+    for r in rounds:
+        def f(k: str, w: int, fmt: str = "{:.4f}") -> str:
+            v = r.get(k)
+            return (fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-").rjust(w)
+
+        fallback = r.get("fallback")
+        fb = "-" if not fallback else str(fallback).splitlines()[0]
+        if len(fb) > _FALLBACK_WIDTH:
+            fb = fb[: _FALLBACK_WIDTH - 1] + "…"
+        lines.append(f"{r['round']:>5} {f('test-accuracy', 9)} {f('ensemble-accuracy', 9)} "
+                     f"{f('best-client-accuracy', 11)} {f('client-train-seconds-mean', 8, '{:.2f}')} "
+                     f"{f('client-score-seconds-mean', 8, '{:.2f}')} {f('fusion-seconds', 9, '{:.3f}')} "
+                     f"{f('round-seconds', 8, '{:.2f}')}  {fb}")
+    return "\n".join(lines)
+
+
+def run_failure(results: dict[str, Any]) -> str | None:
+    """The reason ``results.json`` gives for a failed run (``status`` other than ``completed`` or an
+    ``error``), else ``None``."""
+    status, error = results.get("status"), results.get("error")
+    if error:
+        return str(error)
+    if status is not None and status != "completed":
+        return f"status {status!r}"
+    return None
+
+
+def report(out_dir: Path, flwr_ok: bool, flwr_status: str, *, table: bool = True) -> int:
+    """Print the summary of a finished run (the per-round table unless ``table=False``: the quiet console
+    has shown the rounds already); 0 when it completed, 1 with the reason otherwise."""
+    res = out_dir / "results.json"
+    results = json.loads(res.read_text()) if res.exists() else None
+    if results is None:
+        print(f"fedfuse: run failed ({flwr_status}); no results at {out_dir}", file=sys.stderr)
+        return 1
+    rounds = results.get("rounds", [])
+    if table:
+        print(summary_table(rounds))
+        for r in rounds:
+            if r.get("fallback"):
+                print(f"fedfuse: round {r['round']}: fusion fell back: {r['fallback']}")
+    fallbacks = results.get("fallbacks")
+    if fallbacks:
+        count = fallbacks if isinstance(fallbacks, int) else len(fallbacks)
+        print(f"fedfuse: {count} of {sum(1 for r in rounds if r.get('round', 0) > 0)} rounds fell back")
+    failure = run_failure(results)
+    if failure or not flwr_ok:
+        print(f"fedfuse: run failed: {failure or flwr_status}; results at {out_dir}", file=sys.stderr)
+        return 1
+    if table:
+        print(f"fedfuse: results in {out_dir} (results.json, rounds.csv, accuracy.png)")
+    return 0
+
+
+ENGINE_NAMES = {"flwr": "flwr run", "inprocess": "in-process"}
+
+
+def default_run_name(checked: Any) -> str:
+    return (f"{checked.strategy}-{checked.dataset}-{checked.model}-{checked.partitioning}-"
+            f"s{checked.seed}-{time.strftime('%Y%m%d-%H%M%S')}").replace(":", "_").replace("/", "_")
+
+
+def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int, num_rounds: int, timeout: float,
+            verbose: bool) -> tuple[Any, int, Path]:
+    """One run with its quiet console: every line to ``<out>/run.log``; returns (outcome, exit status, out dir)."""
+    out = Path(cfg["output-dir"]) / cfg["run-name"]
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "run.log"
+    with log_path.open("a" if cfg.get("resume") else "w", buffering=1) as log:
+        console = QuietConsole(log, out / "results.json", num_rounds, label, verbose)
+        what = ("a real `flwr run`: SuperLink + Ray simulation, about a minute to start on 2 cores" if engine == "flwr"
+                else "in-process engine: the same ServerApp/ClientApp on a Flower Grid, no Ray")
+        print(f"{label}: {num_rounds} rounds, {num_supernodes} clients ({what})", flush=True)
+        outcome = run_with_engine(engine, cfg, num_supernodes=num_supernodes, timeout=timeout, echo=verbose,
+                                  check_config=False, on_line=console)
+        status_line = (f"fedfuse: {label}: run {outcome.run_id} ({engine}) {outcome.status} in {outcome.seconds:.1f}s "
+                       f"{outcome.details}").rstrip()
+        log.write("\n" + status_line + "\n")
+        res = out / "results.json"
+        if res.exists():  # the full per-round results, for the log (and the console with --verbose)
+            log.write(summary_table(json.loads(res.read_text()).get("rounds", [])) + "\n")
+        if verbose:
+            print("\n" + status_line)
+        code = report(out, outcome.ok, f"{outcome.status} {outcome.details}".strip(), table=verbose)
+        note = console.hidden_note(log_path)
+        if note:
+            print(f"{'':<10}  ({note})")
+    return outcome, code, out
+
+
+def default_baseline(checked: Any) -> str:
+    """FedAvg, or HeteroFL (sub-model averaging, FedAvg's counterpart for clients of different widths) when the
+    run declares capacity tiers (``client-tiers``): FedAvg cannot aggregate them."""
+    return "heterofl" if checked.client_tiers else BASELINE
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='kf-linear' num-server-rounds=3\", "
+                    "or a .toml file of keys (fedfuse config lists them)")
+    ap.add_argument("--num-supernodes", type=int, default=None, help="default: num-clients")
+    ap.add_argument("--output-dir", default=str(default_results_dir()),
+                    help="default: results/ of the checkout; installed without one: ./results")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for the flwr run (engine flwr)")
+    ap.add_argument("--engine", choices=ENGINES, default="flwr", help=ENGINE_HELP)
+    ap.add_argument("--baseline", default=None, help="strategy to compare with (default: fedavg; heterofl when "
+                    "client-tiers is set: FedAvg cannot aggregate clients of different widths)")
+    ap.add_argument("--compare-engine", choices=ENGINES, default="inprocess",
+                    help="engine of the baseline run (default inprocess: identical numbers to flwr run, no Ray)")
+    ap.add_argument("--no-compare", action="store_true", help="run the configured strategy only, no baseline")
+    ap.add_argument("--verbose", action="store_true", help="print every Flower/Ray log line and the results dump")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    cfg = overrides_or_exit(args.run_config)
+    cfg.setdefault("output-dir", str(Path(args.output_dir).resolve()))
+    checked = preflight_or_exit(cfg)  # everything knowable from the config, before Flower starts
+    if "run-name" not in cfg:
+        cfg["run-name"] = default_run_name(checked)
+    out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
+    n = args.num_supernodes or checked.num_clients
+    default = args.baseline or default_baseline(checked)
+    baseline = None if args.no_compare or checked.strategy == default else default
+    bcfg = None
+    if baseline:
+        bcfg = baseline_config(cfg, baseline, output_dir=str(out_dir), run_name=f"baseline-{baseline}")
+        try:
+            preflight_or_exit(bcfg)
+        except SystemExit:
+            print(f"fedfuse: (that is the baseline {baseline!r}'s config; --no-compare skips it)", file=sys.stderr)
+            raise
+    print(f"fedfuse: {checked.strategy}" + (f" vs {baseline}" if baseline else "") +
+          f" on {checked.dataset}/{checked.model}, {checked.partitioning} split, {checked.num_clients} clients, "
+          f"seed {checked.seed}; results in {out_dir}", flush=True)
+    outcome, code, _ = execute(checked.strategy, args.engine, cfg, num_supernodes=n,
+                               num_rounds=checked.num_server_rounds, timeout=args.timeout, verbose=args.verbose)
+    runs = [RunSummary.load(checked.strategy, ENGINE_NAMES[args.engine], out_dir,
+                            error=None if outcome.ok else f"{outcome.status} {outcome.details}".strip())]
+    if baseline and bcfg is not None:
+        if code != 0:
+            print(f"fedfuse: {checked.strategy} did not complete; {baseline} baseline not run", file=sys.stderr)
+            return code
+        b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
+                                           num_rounds=checked.num_server_rounds, timeout=args.timeout,
+                                           verbose=args.verbose)
+        runs.append(RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
+                                    error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()))
+        code = code or b_code
+    write_comparison(runs, out_dir, baseline or default, title=(
+        f"{checked.dataset}/{checked.model} · {checked.partitioning} · {checked.num_clients} clients · "
+        f"seed {checked.seed}"))
+    return code
+
+
+def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title: str) -> None:
+    """Print the side-by-side table; write ``comparison.md`` and ``comparison.png`` (both curves) in ``out_dir``."""
+    table = comparison_table(runs, baseline)
+    line = verdict(runs, baseline)
+    print("\n" + table)
+    if line:
+        print(line)
+    (out_dir / "comparison.md").write_text(f"{title}\n\n{table}\n" + (f"\n{line}\n" if line else ""))
+    series = [{"label": f"{r.label} ({r.engine})", "points": r.curve(), "fell_back": r.marked_rounds("fallback"),
+               "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped")} for r in runs]
+    round_curves(series, out_dir / "comparison.png", title=title)
+    print(f"fedfuse: results in {out_dir}: comparison.png (accuracy per round), comparison.md, run.log, "
+          f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The installed product works without the repository: the wheel is built, installed into a fresh virtual
+environment, and ``fedfuse`` is run from a folder outside the checkout with ``PYTHONPATH`` unset.
+
+The fresh environment gets the wheel only (``--no-deps``); its dependencies (torch, flwr, ...) come from the test's
+own environment through a ``.pth`` line, which adds that ``site-packages`` as a plain path: the editable install of
+fedfuse there (a ``.pth`` of its own) is not processed, so neither the checkout's ``fedfuse`` nor its
+``simulations`` package is importable; the test asserts both. The wheel is built with the project's build backend
+(hatchling; from the package index through pip's build isolation when it is not installed).
+
+Checked: the wheel's files (the Flower app configuration shipped in the package, no experiments), ``fedfuse --help``,
+``fedfuse run`` (in-process engine, one round, default results folder ``./results``), ``fedfuse compare`` (one
+strategy, one seed, one round) and ``fedfuse bench`` (a clear "repository only" error); slow: ``fedfuse run`` on
+the real ``flwr run`` engine, whose Flower processes (SuperLink, ServerApp, Ray workers) run on the fresh
+environment's interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ("num-clients=2 num-server-rounds=1 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
+        "importance='uniform'")
+# Flower's console scripts the `flwr run` engine starts by name (flwr_runner.flwr_env puts the interpreter's bin/
+# first on PATH); copied into the fresh environment with its interpreter in the shebang
+FLOWER_SCRIPTS = ("flwr", "flower-superlink", "flower-superexec", "flower-supernode", "flwr-serverapp",
+                  "flwr-clientapp", "flwr-simulation")
+
+
+def _build_wheel(out: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)]
+    if importlib.util.find_spec("hatchling") is not None:
+        cmd.insert(4, "--no-build-isolation")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        text = res.stdout + res.stderr
+        if "--no-build-isolation" not in cmd and ("No matching distribution" in text or "Could not find a version"
+                                                  in text) and "hatchling" in text:
+            pytest.skip(f"the build backend (hatchling) is neither installed nor reachable: {text[-500:]}")
+        raise AssertionError(f"pip wheel failed:\n{text[-4000:]}")
+    wheels = list(out.glob("fedfuse-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """``(wheel, venv, env, cwd)``: the wheel installed into a fresh venv, an environment without PYTHONPATH and
+    with that venv first on PATH, and an empty working folder outside the repository."""
+    work = tmp_path_factory.mktemp("wheel")
+    assert not work.resolve().is_relative_to(ROOT)
+    wheel = _build_wheel(work / "dist")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    shared = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (site / "zz_fedfuse_test_dependencies.pth").write_text("".join(f"{p}\n" for p in shared))
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
+                          "--quiet", str(wheel)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    here_bin = Path(sys.executable).parent
+    for name in FLOWER_SCRIPTS:
+        src = here_bin / name
+        if src.exists():
+            body = src.read_text().split("\n", 1)[1]
+            (venv / "bin" / name).write_text(f"#!{py}\n{body}")
+            (venv / "bin" / name).chmod(0o755)
+    drop = {here_bin.resolve()}
+    path = [str(venv / "bin")] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                  if p and Path(p).resolve() not in drop]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    (work / "tmp").mkdir()
+    env.update({"PATH": os.pathsep.join(path), "TMPDIR": str(work / "tmp"), "FEDFUSE_PROGRESS": "0",
+                "OMP_WAIT_POLICY": "PASSIVE", "FEDFUSE_TORCH_THREADS": "1", "MPLBACKEND": "Agg",
+                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0",
+                "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"})
+    cwd = work / "user"
+    cwd.mkdir()
+    return wheel, venv, env, cwd
+
+
+def _fedfuse(installed, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    _, venv, env, cwd = installed
+    return subprocess.run([str(venv / "bin" / "fedfuse"), *args], cwd=str(cwd), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_wheel_ships_the_product_and_its_flower_app_config_only(installed):
+    wheel = installed[0]
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+        shipped = zf.read("fedfuse/flower/runner/app/pyproject.toml")
+    assert shipped == (ROOT / "fedfuse" / "flower" / "runner" / "app" / "pyproject.toml").read_bytes()
+    for module in ("run", "sweep", "flwr_runner", "inprocess", "cli", "compare", "console", "progress", "paths"):
+        assert f"fedfuse/flower/runner/{module}.py" in names, module
+    assert "fedfuse/cli.py" in names and "server/strategies/__init__.py" in names
+    assert not [n for n in names if n.startswith(("simulations/", "tests/", "scripts/", "results/"))]
+    assert "fedfuse = fedfuse.cli:main" in entry_points
+
+
+def test_installed_fedfuse_runs_and_compares_outside_the_repository(installed):
+    _, venv, env, cwd = installed
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import importlib.util, fedfuse; print(fedfuse.__file__); "
+                            "print(importlib.util.find_spec('simulations'))"],
+                           cwd=str(cwd), env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    where, simulations = probe.stdout.split()
+    assert Path(where).resolve().is_relative_to(venv.resolve()), where   # the wheel's fedfuse, not the checkout's
+    assert simulations == "None"                                        # the experiments are not there
+
+    res = _fedfuse(installed, "--help")
+    assert res.returncode == 0 and "compare" in res.stdout and "run" in res.stdout, res.stderr
+
+    res = _fedfuse(installed, "run", "--engine", "inprocess", "--no-compare", "--run-config", f"{TINY} run-name='solo'")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = cwd / "results" / "solo"                                       # default results folder: ./results
+    for name in ("results.json", "rounds.csv", "run.log", "comparison.md", "comparison.png"):
+        assert (out / name).exists(), name
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1]
+    assert results["config"]["strategy"] == "average"                   # the shipped app config's default
+    assert not list(venv.rglob("results.json"))                         # nothing written into the installation
+
+    res = _fedfuse(installed, "compare", "--strategies", "fedavg", "--partitions", "iid", "--seeds", "0",
+                   "--engine", "inprocess", "--run-config", TINY, "--out", "sweep")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((cwd / "sweep" / "sweep.json").read_text())
+    assert [(r["strategy"], r["partitioning"], r["seed"], r["status"]) for r in rows] == [
+        ("fedavg", "iid", 0, "finished:completed")]
+    assert (cwd / "sweep" / "table.md").exists() and (cwd / "sweep" / "accuracy.png").exists()
+
+    res = _fedfuse(installed, "bench", "one-shot")
+    assert res.returncode == 2 and "repository" in res.stderr and "python -m simulations.bench.one_shot" in res.stderr
+
+
+@pytest.mark.slow
+def test_installed_fedfuse_run_on_the_flwr_engine_outside_the_repository(installed):
+    """A real ``flwr run`` (SuperLink + Ray) of the packaged app directory, from the wheel alone."""
+    _, venv, env, cwd = installed
+    if not (venv / "bin" / "flower-superlink").exists():
+        pytest.skip("Flower's console scripts are not next to this interpreter")
+    res = _fedfuse(installed, "run", "--no-compare", "--timeout", "600", "--run-config", f"{TINY} run-name='flwr'",
+                   timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads((cwd / "results" / "flwr" / "results.json").read_text())
+    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1]
+    assert shutil.which("fedfuse", path=env["PATH"]) == str(venv / "bin" / "fedfuse")
