@@ -8,7 +8,7 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.flower.tier_client import OD_KEY, tier_forward, tier_model
+from fedfuse.flower.client_tiers import OD_KEY, tier_forward, tier_model
 from fedfuse.hetero import slice_state, submodel
 from fedfuse.hetero.ordered_dropout import OrderedDropout
 from fedfuse.hetero.tiers import resolve_ordered_dropout
@@ -71,8 +71,8 @@ def test_client_forward_from_the_train_config():
 def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfuse.flower.strategy import state_to_record
-    from fedfuse.flower.tiers import build_tier_strategy
+    from fedfuse.flower.protocol import state_to_record
+    from fedfuse.flower.tiered import build_tier_strategy
 
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)

@@ -6,7 +6,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.flower.tier_client import node_tier, tier_model
+from fedfuse.flower.client_tiers import node_tier, tier_model
 from fedfuse.models import build_model, levels
 
 TINY = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
@@ -98,7 +98,7 @@ def test_flwr_run_two_round_tiers(tmp_path):
 def _strategy(name, model="mlp", model_kw=None, **kw):
     import torch
 
-    from fedfuse.flower.tiers import build_tier_strategy
+    from fedfuse.flower.tiered import build_tier_strategy
 
     shape = (40,) if model == "mlp" else (1, 40)
     return build_tier_strategy(name, tiers=(1.0, 0.5, 0.25), input_shape=shape,
@@ -143,7 +143,7 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
     import torch
 
     from fedfuse.flower.replies import ClientUpdate
-    from fedfuse.flower.strategy import state_to_record
+    from fedfuse.flower.protocol import state_to_record
     from fedfuse.hetero import slice_state
 
     s = _strategy("kf-linear", tier_models="fuse")
@@ -175,7 +175,7 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     import torch
 
     from fedfuse.flower.replies import ClientUpdate
-    from fedfuse.flower.strategy import state_to_record
+    from fedfuse.flower.protocol import state_to_record
 
     s = _strategy("kf-linear")
     s._node_tier = {0: 1.0, 1: 0.5, 2: 0.25}

@@ -107,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
     one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
     model = global_model(cfg, node.num_classes, node.input_shape,
                          seed=client_init_seed(cfg, node.pid) if one_shot else None)
-    # capacity tiers: the width the strategy sends (fedfuse.flower.tier_client); unchanged without tiers
+    # capacity tiers: the width the strategy sends (fedfuse.flower.client_tiers); unchanged without tiers
     base = model
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
     if not one_shot:
