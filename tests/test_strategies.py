@@ -85,7 +85,7 @@ def test_registry_and_errors():
 def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     methods = {n for n, spec in METHOD_SPECS.items() if spec.same_architecture and not n.startswith("test-")}
     from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
-    from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiers)
+    from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
 
     assert set(STRATEGIES) - set(TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
     for name, cls in STRATEGIES.items():

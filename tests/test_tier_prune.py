@@ -91,7 +91,7 @@ def _updates(s):
 
 def _mock_round(s, ups, fused):
     """aggregate_train of a round whose fusion returned ``fused`` (the base aggregation mocked)."""
-    import fedfuse.flower.strategy as base
+    import fedfuse.flower.fusion_strategy as base
 
     s.history.append({"round": 1})
     s.last_updates = ups

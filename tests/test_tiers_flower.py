@@ -127,7 +127,7 @@ def test_tiered_average_is_the_heterofl_average_of_the_replies():
 
     s = _strategy("average", server_momentum=0.0)
     g = s.skeleton(1.0).state_dict()
-    s._global = __import__("fedfuse.flower.strategy", fromlist=["state_to_record"]).state_to_record(g)
+    s._global = __import__("fedfuse.flower.protocol", fromlist=["state_to_record"]).state_to_record(g)
     ups = []
     for i, r in enumerate((1.0, 0.5, 0.25)):
         state = {k: torch.full_like(v, float(i + 1)) for k, v in s.skeleton(r).state_dict().items()}
@@ -190,7 +190,7 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     s.last_updates = ups
     s.derive_tier_models(1, ups)
     assert s._tier_guarded and s._tier_fallback is not None
-    import fedfuse.flower.strategy as base
+    import fedfuse.flower.fusion_strategy as base
 
     orig = base.FusionStrategy.aggregate_train
     base.FusionStrategy.aggregate_train = lambda self, rnd, replies: (self._global, None)
