@@ -298,9 +298,9 @@ class FusionStrategy(RoundProtocol):
         t_start = time.perf_counter()
         ensemble = (self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None)
         streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
-        record["valid"] = len(streamed.light)
+        record["valid"] = len(streamed.metrics_only)
         self.last_updates = []
-        if self._stop_or_skip(server_round, len(streamed.light), record):
+        if self._stop_or_skip(server_round, len(streamed.metrics_only), record):
             return None, None
         t0 = time.perf_counter()
         reference = self._reference()
@@ -309,11 +309,11 @@ class FusionStrategy(RoundProtocol):
             return self._stream_ensemble(streamed.members, reference)
 
         state, fallback, info = self.with_fallback(
-            server_round, len(streamed.light),
-            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.light),
+            server_round, len(streamed.metrics_only),
+            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.metrics_only),
             lambda: streamed.average, streamed=True)
         seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
-        metrics = self._close_round(record, seconds, fallback, info, streamed.light, ok, failures)
+        metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
         return (None if state is None else state_to_record(state)), metrics
 
     def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
@@ -323,11 +323,11 @@ class FusionStrategy(RoundProtocol):
         return stream_ensemble(self._probe, members, reference, self.arrayrecord_key, self.fusion_inputs)
 
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
-                       probs: Callable[[], torch.Tensor] | None, light: list[ClientUpdate]):
+                       probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
         """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
         if self._work is None:   # one model object reused every round (its state is copied out right away)
             self._work = copy.deepcopy(self._model_template())
-        return finish_stream(self._work, average, self.round_data(server_round, light), self.momentum_step,
+        return finish_stream(self._work, average, self.round_data(server_round, updates), self.momentum_step,
                              self.refinement, probs)
 
 

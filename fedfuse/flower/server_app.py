@@ -48,7 +48,7 @@ from fedfuse.config import ConfigError, RunConfig, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
-from fedfuse.flower.tiered import strategy_builder  # noqa: E402
+from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
@@ -113,7 +113,7 @@ def setup(cfg: RunConfig):
     def model_fn() -> torch.nn.Module:
         return global_model(cfg, data.num_classes, data.input_shape)
 
-    make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiers
+    make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiered
     strategy = make(cfg.strategy, model_fn=model_fn, fusion_options=dict(cfg.fusion_options_table), **tier_options,
                               fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,

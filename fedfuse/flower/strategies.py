@@ -23,7 +23,7 @@ from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES
+from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.strategy_specs import strategy_names, strategy_spec
 
 
@@ -140,7 +140,16 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
     return STRATEGIES[name](**options)
 
 
-__all__ = ["STRATEGIES", "build_strategy", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",
+def strategy_builder(cfg, input_shape: tuple[int, ...]):
+    """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
+    tiers are set or the strategy needs them, else ``build_strategy``."""
+    if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
+        return build_strategy, {}
+    return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,
+                                 "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout}
+
+
+__all__ = ["STRATEGIES", "build_strategy", "strategy_builder", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",
            "LpStrategy", "HfLinearStrategy", "KfLinearStrategy", "HfGradientStrategy", "KfGradientStrategy",
            "OtStrategy", "RebasinStrategy", "TransfusionStrategy", "FsMergeStrategy", "FsMergeSeqStrategy",
            "FedDfStrategy"]

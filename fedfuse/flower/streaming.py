@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class StreamedRound:
     """The outcome of one streamed pass: the average (``None`` without valid replies), the valid replies' metrics
-    (``light``: no arrays), the members of the clients' ensemble and the seconds spent in the update observer."""
+    (``metrics_only``: no arrays), the members of the clients' ensemble and the seconds spent in the update observer."""
 
     average: dict[str, torch.Tensor] | None
-    light: list[ClientUpdate]
+    metrics_only: list[ClientUpdate]
     members: list[tuple[Message, float]]
     observer_seconds: float
 
@@ -55,7 +55,7 @@ def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message]
     members: list[tuple[Message, float]] = []
     acc: dict[str, torch.Tensor] | None = None
     dtypes: dict[str, torch.dtype] = {}
-    light: list[ClientUpdate] = []
+    metrics_only: list[ClientUpdate] = []
     valid_total, observer_seconds = 0, 0.0
     for msg in ordered:
         u = strategy.check_reply(server_round, msg, record, level_widths=False, copy=False)
@@ -77,17 +77,17 @@ def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message]
             t_obs = time.perf_counter()
             strategy.update_observer(u)
             observer_seconds += time.perf_counter() - t_obs
-        light.append(dataclasses.replace(u, state={}, scores=None))
+        metrics_only.append(dataclasses.replace(u, state={}, scores=None))
         del u
     if acc is None:
-        return StreamedRound(None, light, members, observer_seconds)
+        return StreamedRound(None, metrics_only, members, observer_seconds)
     if valid_total != total:  # a rejected reply: renormalise over the valid ones
         scale = total / valid_total
         for v in acc.values():
             if v.is_floating_point():
                 v.mul_(scale)
         members = [(m, w * scale) for m, w in members]
-    return StreamedRound({k: v.to(dtypes[k]) for k, v in acc.items()}, light, members, observer_seconds)
+    return StreamedRound({k: v.to(dtypes[k]) for k, v in acc.items()}, metrics_only, members, observer_seconds)
 
 
 def stream_ensemble(probe: torch.nn.Module, members: list[tuple[Message, float]], reference: Reference,

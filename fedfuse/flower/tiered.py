@@ -176,8 +176,8 @@ class TieredFusionStrategy(FusionStrategy):
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
             narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
-            od = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
-            if narrower and (od == "all" or od == "narrow" and r < max(self.tiers, default=1.0)):
+            dropout = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
+            if narrower and (dropout == "all" or dropout == "narrow" and r < max(self.tiers, default=1.0)):
                 cfg[OD_KEY] = [float(t) for t in narrower]
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
@@ -370,16 +370,5 @@ def build_tier_strategy(name: str, *, tiers: tuple[float, ...], tier_models: str
     return TieredFusionStrategy(name, tiers=tiers, tier_models=tier_models, input_shape=input_shape, **options)
 
 
-def strategy_builder(cfg, input_shape: tuple[int, ...]):
-    """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
-    tiers are set or the strategy needs them, else ``build_strategy``."""
-    from fedfuse.flower.strategies import build_strategy
-
-    if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
-        return build_strategy, {}
-    return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,
-                                 "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout}
-
-
 __all__ = ["TieredFusionStrategy", "HeteroFLStrategy", "FedRolexStrategy", "TIER_STRATEGY_CLASSES",
-           "build_tier_strategy", "strategy_builder"]
+           "build_tier_strategy"]
