@@ -40,37 +40,14 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
-                                    collect_activations, marginal_from_scores, solve_group, standardize,
-                                    weight_features)
+from fedfuse.fusion.permute import (Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
+                                    build_spec, check_compatible, collect_activations, marginal_from_scores,
+                                    solve_group, standardize, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
-from fedfuse.fusion.selective import adapter_block_paths as block_paths
 from fedfuse.fusion.selective import fuse_selective
 
 ResidualPolicy = Literal["tied", "mean", "no_resid", "only_resid"]
 POLICIES = typing.get_args(ResidualPolicy)
-
-
-def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> torch.Tensor:
-    """Ground cost ``[m_A, m_B]``: Euclidean distance between unit activation vectors ``x [S, m]``."""
-    if xa.shape[0] != xb.shape[0]:
-        raise IncompatibleModelsError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens "
-                                      "must match")
-    if std:
-        xa, xb = standardize(xa), standardize(xb)
-    xa, xb = xa.double(), xb.double()
-    sq = (xa * xa).sum(0)[:, None] + (xb * xb).sum(0)[None, :] - 2.0 * (xa.t() @ xb)  # Gram form: one matmul
-    return sq.clamp_min(0).sqrt().cpu()
-
-
-def weight_cost(fa: torch.Tensor, fb: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-    """Ground cost ``[m_A, m_B]``: Euclidean distance between (unit-normalised) weight rows ``f [m, F]``."""
-    if fa.shape[1] == 0:
-        return torch.zeros(fa.shape[0], fb.shape[0], dtype=torch.float64)
-    if normalize:
-        fa = fa / fa.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        fb = fb / fb.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return torch.cdist(fa, fb)
 
 
 def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost: str = "activations",

@@ -20,7 +20,7 @@ Modules:
     activations  unit activations per group on the fusion set
     sinkhorn     batched entropic OT iterations
     solvers      assignment, exact / entropic OT plans, head-preserving per-group solve
-    features     weight features, standardisation, costs, OT marginals from importance scores
+    features     weight features, standardisation, ground costs, OT marginals from importance scores
     averaging    (importance-weighted) averaging of aligned states
     batchnorm    BatchNorm statistics re-estimation
 """
@@ -28,16 +28,17 @@ Modules:
 from fedfuse.fusion.permute.activations import collect_activations
 from fedfuse.fusion.permute.averaging import average_aligned
 from fedfuse.fusion.permute.batchnorm import has_batchnorm, reset_bn_stats
-from fedfuse.fusion.permute.features import marginal_from_scores, score_cost, standardize, weight_features
+from fedfuse.fusion.permute.features import (activation_cost, marginal_from_scores, score_cost, standardize,
+                                             weight_cost, weight_features)
 from fedfuse.fusion.permute.maps import (Map, apply_maps, entry_view, map_axis, map_entry, permute_model,
                                          random_perms)
 from fedfuse.fusion.permute.sinkhorn import sinkhorn_batch, sinkhorn_log_batch
 from fedfuse.fusion.permute.solvers import (assignment, blocked_plan, exact_block_costs, ot_plan, ot_plans,
                                             solve_group)
-from fedfuse.fusion.permute.spec import Axis, Entry, Group, PermSpec, build_spec, check_compatible
+from fedfuse.fusion.permute.spec import Axis, Entry, Group, PermSpec, block_paths, build_spec, check_compatible
 
-__all__ = ["Axis", "Entry", "Group", "PermSpec", "build_spec", "check_compatible", "Map", "apply_maps", "entry_view",
+__all__ = ["Axis", "Entry", "Group", "PermSpec", "block_paths", "build_spec", "check_compatible", "Map", "apply_maps", "entry_view",
            "map_axis", "map_entry", "permute_model", "random_perms", "collect_activations", "sinkhorn_batch",
            "sinkhorn_log_batch", "assignment", "blocked_plan", "exact_block_costs", "ot_plan", "ot_plans",
-           "solve_group", "marginal_from_scores", "score_cost", "standardize", "weight_features", "average_aligned",
+           "solve_group", "activation_cost", "weight_cost", "marginal_from_scores", "score_cost", "standardize", "weight_features", "average_aligned",
            "has_batchnorm", "reset_bn_stats"]
