@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedfuse.models.adapters import AFFINE_LAYERS, BATCHNORMS, Level, adapter_for, model_family
+from fedfuse.tofu import suspended
 
 
 def levels(model: nn.Module) -> list[Level]:
@@ -52,8 +53,6 @@ def level_outputs(model: nn.Module, x: torch.Tensor, upto: int | None = None) ->
     same token count to be matched.
     """
     if getattr(model, "_tofu_state", None) is not None:
-        from fedfuse.tofu import suspended
-
         with suspended(model):
             return _level_outputs(model, x, upto)
     return _level_outputs(model, x, upto)

@@ -48,8 +48,9 @@ model k's own (tempered) mean prediction on the fusion set — so each client co
 classes *it* knows — while a proximity penalty keeps them near the data. These inputs get every client's
 features as targets like any other input.
 
-Modules: ``matrices`` (M/U matrices, folding one slot), ``supernet`` (the SuperNet; the per-family layouts are
-the adapters' FS-Merge structures in ``fedfuse.models.adapters``), ``heads`` (§6), ``data`` (augmentation,
+Modules: ``matrices`` (M/U matrices, folding one slot), ``structure`` (``structure_for(models)``: the per-family
+SuperNet layout, ``structure_sequential`` for MLPs and ``structure_vit`` for ViTs, picked by the adapter family),
+``supernet`` (the SuperNet), ``heads`` (§6), ``data`` (augmentation,
 synthesised inputs, targets), ``training`` (§1.5), ``options`` (``FSMergeOptions``), ``method`` (the registered
 methods; diagnostics go to ``fuse_result(...).info``).
 
@@ -64,11 +65,13 @@ from fedfuse.fusion.fs_merge.heads import fold_heads, heads_of
 from fedfuse.fusion.fs_merge.matrices import INITS, MergeMatrix, fold_linear, split_blocks, unmerge, wide_linear
 from fedfuse.fusion.fs_merge.method import fuse_fs_merge, fuse_fs_merge_seq
 from fedfuse.fusion.fs_merge.options import FSMergeOptions, resolve_defaults
+from fedfuse.fusion.fs_merge.structure import STRUCTURES, SequentialMergeStructure, ViTMergeStructure, structure_for
 from fedfuse.fusion.fs_merge.supernet import Features, SuperNet, merge_structure
 from fedfuse.fusion.fs_merge.training import (TrainResult, epochs_to_steps, objective, reconstruction_loss,
                                               train_supernet)
 
 __all__ = ["FSMergeOptions", "resolve_defaults", "fuse_fs_merge", "fuse_fs_merge_seq", "MergeMatrix", "INITS",
            "split_blocks", "fold_linear", "wide_linear", "unmerge", "SuperNet", "Features", "merge_structure",
+           "structure_for", "STRUCTURES", "SequentialMergeStructure", "ViTMergeStructure",
            "fold_heads", "heads_of", "augment_inputs", "synthesize_inputs", "target_features", "prepare_data",
            "train_supernet", "TrainResult", "objective", "reconstruction_loss", "epochs_to_steps"]

@@ -11,7 +11,8 @@ from torch import nn
 from fedfuse.fusion.fs_merge.data import prepare_data
 from fedfuse.fusion.fs_merge.heads import fold_heads, heads_of
 from fedfuse.fusion.fs_merge.options import FSMergeOptions, resolve_defaults
-from fedfuse.fusion.fs_merge.supernet import SuperNet, merge_structure
+from fedfuse.fusion.fs_merge.structure import structure_for
+from fedfuse.fusion.fs_merge.supernet import SuperNet
 from fedfuse.fusion.fs_merge.training import epochs_to_steps, reconstruction_loss, train_supernet
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError,
                                      NumericalFusionError, register)
@@ -88,7 +89,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
     ``pool`` (training inputs), ``seconds`` and ``trainable`` (parameter count).
     """
     _check_inputs(models, fusion_inputs)
-    cfg = resolve_defaults(options, merge_structure(models).kind)
+    cfg = resolve_defaults(options, structure_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
@@ -138,7 +139,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         raise FusionOptionError("fs-merge-seq: stages are initialised from the previous merge; only init='first' "
                                 f"applies, got init={options.init!r}")
     _check_inputs(models, fusion_inputs)
-    cfg = resolve_defaults(options, merge_structure(models).kind)
+    cfg = resolve_defaults(options, structure_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)

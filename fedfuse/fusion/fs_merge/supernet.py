@@ -1,7 +1,8 @@
 """The Foldable SuperNet around n frozen models (spec ``fs-merge.md`` §1.1–1.2, §1.6).
 
-The family-specific layout (which slots get which M/U, the wide forward pass) is the family adapter's
-FS-Merge structure (``fedfuse.models.adapters``: ``SequentialMergeStructure``, ``ViTMergeStructure``).
+The family-specific layout (which slots get which M/U, the wide forward pass) is the FS-Merge structure that
+``fedfuse.fusion.fs_merge.structure.structure_for`` picks by the models' adapter family
+(``SequentialMergeStructure``, ``ViTMergeStructure``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 from fedfuse.fusion.fs_merge.matrices import MergeMatrix
-from fedfuse.fusion.registry import IncompatibleModelsError
-from fedfuse.models.adapters import UnsupportedModelError, adapter_for
+from fedfuse.fusion.fs_merge.structure import structure_for
+from fedfuse.models.adapters import adapter_for
 
 
 class Features(nn.Module):
@@ -29,18 +30,7 @@ class Features(nn.Module):
         return self.adapter.pre_logits(self.m, x)
 
 
-def merge_structure(models: list[nn.Module]):
-    """The FS-Merge structure of ``models`` (one family, model 0's layout) from the family's adapter;
-    ``IncompatibleModelsError`` naming the unsupported part otherwise."""
-    try:
-        adapters = [adapter_for(m) for m in models]
-        if len({a.family for a in adapters}) != 1:
-            raise UnsupportedModelError("fs-merge: supports nn.Sequential MLPs and timm VisionTransformers (all models "
-                                        f"of one family); got {sorted({type(m).__name__ for m in models})}")
-        return adapters[0].fs_merge_structure(models)
-    except UnsupportedModelError as exc:
-        msg = str(exc) if str(exc).startswith("fs-merge") else f"fs-merge: {exc}"
-        raise IncompatibleModelsError(msg) from None
+merge_structure = structure_for  # the former name
 
 
 class SuperNet(nn.Module):
@@ -67,7 +57,7 @@ class SuperNet(nn.Module):
                  target_scales: torch.Tensor | list[float] | None = None, target_means: torch.Tensor | None = None,
                  offset_init: torch.Tensor | None = None):
         super().__init__()
-        self.arch = merge_structure(models)
+        self.arch = structure_for(models)
         self.n = len(models)
         gen = torch.Generator().manual_seed(seed)
         # frozen weight sets, detached copies (inputs are never modified)
