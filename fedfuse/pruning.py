@@ -66,8 +66,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.fusion import normalise_weights
+from fedfuse.fusion.distillation import teacher_probs
+from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
 from fedfuse.fusion.registry import FusionOptionError, MissingInputError, parse_options, require
 from fedfuse.models.adapters import PruningSpec, UnsupportedModelError, adapter_for
+from fedfuse.training import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +217,6 @@ def score_importance(DG, scores: Mapping[str, torch.Tensor], score_levels: Mappi
 @torch.no_grad()
 def _targets(model: nn.Module, x: torch.Tensor, teachers: list[nn.Module] | None, weights: list[float] | None,
              batch_size: int) -> torch.Tensor:
-    from fedfuse.fusion.distillation import teacher_probs
-
     if teachers:
         return teacher_probs(teachers, x, weights, batch_size=batch_size)
     out = torch.cat([model(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
@@ -458,9 +460,6 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
                  weights: list[float] | None = None, device: str | torch.device = "cpu", seed: int = 0,
                  **options) -> PruneResult:
     """Like ``prune`` but returns a ``PruneResult`` (model + achieved params/MACs and diagnostics + seconds)."""
-    from fedfuse.fusion import normalise_weights
-    from fedfuse.training import resolve_device
-
     t0 = time.perf_counter()
     given = [n for n, v in (("params_ratio", params_ratio), ("macs_ratio", macs_ratio), ("target", target))
              if v is not None]
@@ -643,8 +642,6 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
 
         # ---- 4. recovery
         if recover is not False:
-            from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
-
             ropts = parse_options("prune", DistillRefineOptions, recover if isinstance(recover, Mapping) else {},
                                   what="prune: recover")
             tch = teachers if teachers else [copy.deepcopy(model).to(dev).eval()]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute import Map, apply_maps, build_spec, check_compatible
+from fedfuse.fusion.rebasin import weight_matching
 from fedfuse.fusion.registry import IncompatibleModelsError
 from fedfuse.fusion.transfusion import transfusion_match
 
@@ -47,8 +48,6 @@ def match_bases(from_base: nn.Module, to_base: nn.Module, *, residual: str = "un
     ``method``: ``"transfusion"`` (spectral head pairing + intra-head matching) or ``"rebasin"``
     (brute-force head pairing, Git Re-Basin weight matching). Returns ``(maps, spec_a, spec_b)``.
     """
-    from fedfuse.fusion.rebasin import weight_matching
-
     spec_a, spec_b = build_spec(from_base, residual), build_spec(to_base, residual)
     sa, sb = from_base.state_dict(), to_base.state_dict()
     check_compatible(spec_a, spec_b, sa, sb, same_width=True)

@@ -42,7 +42,6 @@ classes, and a level's training only keeps an epoch that improves the validation
 
 from __future__ import annotations
 
-from fedfuse.choices import OPTIMIZERS
 import copy
 import math
 from dataclasses import dataclass
@@ -52,10 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.choices import OPTIMIZERS
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError, register,
                                      require)
 from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
                                      projected_coordinates, weighted_kmeans)
+from fedfuse.importance import neuron_importance
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
 from fedfuse.training import make_optimizer
 
@@ -405,7 +406,6 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
         if opts.fusion_labels is None:
             raise MissingInputError(f"neuron interpolation: importance={opts.importance!r} computed on the server "
                                     "needs fusion_labels")
-        from fedfuse.importance import neuron_importance
         y = torch.as_tensor(opts.fusion_labels).long()
         dicts = [neuron_importance(copy.deepcopy(m), fusion_inputs, y, method=opts.importance,
                                    batch_size=opts.importance_batch_size, device=device) for m in models]

@@ -33,8 +33,8 @@ from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
-                                    collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
+from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
+                                    check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, weight_features)
 
 
@@ -74,7 +74,6 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
         ga, gb = spec_a.groups[g], spec_b.groups[g]
         if g in head_costs and not intra:
             d = ga.size // ga.blocks
-            from fedfuse.fusion.permute import assignment
             hp = assignment(head_costs[g], maximize=False)
             perm = torch.cat([hp[j] * d + torch.arange(d) for j in range(ga.blocks)])
             return Map.from_perm(perm), score

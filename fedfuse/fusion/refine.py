@@ -35,6 +35,7 @@ from torch import nn
 
 from fedfuse.fusion.distillation import _distill, teacher_probs
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, require
+from fedfuse.models import levels
 from fedfuse.training import predict_logits
 
 REFINE_STEPS = ("calibrate", "distill")
@@ -66,8 +67,6 @@ def classifier_bias(model: nn.Module) -> torch.nn.Parameter:
 
     Raises ``IncompatibleModelsError`` when the classifier has no bias (nothing to calibrate).
     """
-    from fedfuse.models import levels
-
     head = levels(model)[-1]
     named = dict(model.named_parameters())
     biases = [named[n] for n in head.param_names if n.endswith("bias") and named[n].dim() == 1]

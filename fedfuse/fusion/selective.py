@@ -195,7 +195,6 @@ def monotone_match(sim: np.ndarray) -> list[tuple[int, int]]:
     """Order-preserving matching of ``min(L_A, L_B)`` pairs ``(i, j)`` maximising ``Σ sim[i, j]``
     (``sim [L_A, L_B]``; both indices strictly increasing)."""
     la, lb = sim.shape
-    k = min(la, lb)
     neg = -1e18
     # dp[i][j][n] is too big in general; with k = min(la, lb) one side is matched completely, so a
     # 2-D DP over (i, j) with "every row of the shorter side used" is enough

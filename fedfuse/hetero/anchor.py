@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute import apply_maps, build_spec, check_compatible
+from fedfuse.fusion.rebasin import weight_matching
 
 
 def align_to_anchor(model: nn.Module, anchor: nn.Module, *, seed: int = 0, max_iter: int = 30) -> tuple[nn.Module, dict]:
@@ -31,8 +32,6 @@ def align_to_anchor(model: nn.Module, anchor: nn.Module, *, seed: int = 0, max_i
     The permuted model computes the same function as ``model``. ``info``: ``anchor-objective`` (weight-matching
     objective ⟨anchor, permuted⟩), ``anchor-moved`` (fraction of units that changed position).
     """
-    from fedfuse.fusion.rebasin import weight_matching
-
     spec_m, spec_a = build_spec(model), build_spec(anchor)
     sm, sa = model.state_dict(), anchor.state_dict()
     check_compatible(spec_m, spec_a, sm, sa, same_width=True)
