@@ -43,7 +43,6 @@ classes, and a level's training only keeps an epoch that improves the validation
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -598,6 +597,187 @@ def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Te
 # the algorithm
 # ----------------------------------------------------------------------------------------------------
 
+def _check_parents(name: str, grouping: str, fit: str, plv: list[list[Level]], opts: InterpolationOptions,
+                   target: nn.Module | None) -> dict[int, int]:
+    """Check that the parents (levels ``plv``) and ``target`` can be fused by this variant; returns the
+    fused width of every hidden level (``fused_width``, the target's widths or model 0's)."""
+    n, n_levels = len(plv), len(plv[0])
+    for m, lv in enumerate(plv):
+        if len(lv) != n_levels:
+            raise IncompatibleModelsError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
+        if lv[-1].width != plv[0][-1].width:
+            raise IncompatibleModelsError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has "
+                                          f"{plv[0][-1].width}")
+    if grouping == "hf":
+        if n != 2:
+            raise IncompatibleModelsError(f"{name} fuses exactly two models (Hungarian matching), got {n}; "
+                                          f"use kf-{fit}")
+        for a, b in zip(plv[0][:-1], plv[1][:-1]):
+            if a.width != b.width:
+                raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
+                                              f"{b.width}")
+    tlv = None
+    if target is not None:
+        if grouping != "kf":
+            raise IncompatibleModelsError(f"{name} cannot build into another architecture (target=); use kf-{fit}")
+        if opts.fused_width is not None:
+            raise FusionOptionError(f"{name}: give either target= or option 'fused_width', not both")
+        tlv = model_levels(target)
+        if len(tlv) != n_levels or tlv[-1].width != plv[0][-1].width:
+            raise IncompatibleModelsError(f"{name}: target has {len(tlv)} levels and {tlv[-1].width} classes, the "
+                                          f"models {n_levels} levels and {plv[0][-1].width} classes; a target may "
+                                          "change widths only")
+    widths_f = _fused_widths(opts, plv[0]) if tlv is None else {i: tlv[i].width for i in range(n_levels - 1)}
+    if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
+        raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
+                                "matching")
+    return widths_f
+
+
+def _fused_start(name: str, models: list[nn.Module], plv: list[list[Level]], widths_f: dict[int, int],
+                 target: nn.Module | None, device: torch.device) -> nn.Module:
+    """The model that becomes the fused one: ``target``, or a copy of model 0 (resized to ``widths_f`` when
+    they differ from model 0's widths)."""
+    if target is not None:
+        return target.to(device).eval()
+    if any(widths_f[i] != plv[0][i].width for i in widths_f):
+        if not isinstance(models[0], nn.Sequential):
+            raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
+                                          f"nn.Sequential models only, not {type(models[0]).__name__}")
+        return _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
+    return copy.deepcopy(models[0]).to(device).eval()
+
+
+@dataclass
+class _LevelStep:
+    """One level ``index`` of Algorithm 1: the parents' outputs at this level and the fused model's input."""
+
+    index: int
+    last: bool                    # the classifier level
+    parents: list[Level]          # the parents' level ``index``
+    fused: Level                  # the fused model's level ``index``
+    widths: list[int]             # the parents' widths
+    k: int                        # the fused width
+    s: torch.Tensor               # importance of every parent neuron, concatenated [Σ widths]
+    h_par: list[torch.Tensor]     # each parent's level outputs on the fusion set
+    h_fus: torch.Tensor           # the fused model's level input on the fusion set
+    head_a: torch.Tensor | None   # classifier: the class assignment (_head_assignment)
+    chunk: int
+
+    @property
+    def layout(self) -> str:
+        return self.parents[0].layout
+
+    @property
+    def rows(self) -> int:
+        return self.h_fus.shape[0]
+
+    def zcat(self, i: int, j: int) -> torch.Tensor:
+        """``[rows, Σ widths]``: the parents' neurons of samples ``i:j`` side by side."""
+        return torch.cat([neurons_last(h[i:j], self.layout) for h in self.h_par], 1).double()
+
+
+def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: list[torch.Tensor | None],
+                   k_prev: int, device: torch.device):
+    """Closed-form fit of an affine level (spec §2.3a): the least-squares coefficients of every parent
+    neuron on the fused level's inputs, as a deviation from the parents' own (grouped) weights with
+    ``prior="parents"``; returns ``(ls, head_coef)`` — ``ls.coef`` ``[d, Σ widths]`` and ``ls.coords`` (the
+    projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``)."""
+    lvf, widths, k, n = step.fused, step.widths, step.k, len(step.widths)
+    nonlinear_head = step.last and opts.head_target != "logits"
+    bias = _folded_has_bias(lvf)
+    d = lvf.layer.weight[0].numel() + int(bias)
+    xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
+    xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
+    # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
+    xtt = torch.zeros(d, k, dtype=torch.float64, device=device) if nonlinear_head else None
+    with torch.no_grad():
+        for i in range(0, step.rows, step.chunk):
+            dm = design_matrix(lvf.layer, lvf.pre(step.h_fus[i:i + step.chunk]), bias).double()
+            z = step.zcat(i, i + step.chunk)
+            xtx += dm.T @ dm
+            xtz += dm.T @ z
+            if nonlinear_head:
+                xtt += dm.T @ head_targets(z, step.head_a, n, opts.head_target, opts.head_temperature,
+                                           opts.head_floor)
+    rel = opts.head_ridge if (step.last and opts.head_ridge is not None) else opts.ridge
+    ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
+    ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
+    if opts.prior == "parents":
+        pri = [aligned_parent_weights(step.parents[m], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
+        pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
+               for m, p in enumerate(pri)]
+        prior = torch.cat(pri, 1).to(device)
+        # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
+        dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
+        ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
+    else:  # prior == "zero": the min-norm fit itself
+        prior = None
+    head_coef = None
+    if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
+        base = prior @ step.head_a if prior is not None else torch.zeros_like(xtt)
+        head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
+    return ls, head_coef
+
+
+def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts: InterpolationOptions, seed: int,
+                 level_info: dict, device: torch.device) -> torch.Tensor:
+    """Group label ``[Σ widths]`` of every parent neuron: identity for the classifier (class ``c`` ↔ class
+    ``c``), else HF/KF grouping of the neurons' coordinates (projected outputs for the linear fit, the Gram
+    matrix of the outputs for the gradient fit)."""
+    widths, k = step.widths, step.k
+    if step.last:
+        return torch.cat([torch.arange(w, device=device) for w in widths])
+    if fit == "linear":
+        coords = ls.coords  # projected outputs P z_j (spec §2.3a)
+    else:
+        gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
+        for i in range(0, step.rows, step.chunk):
+            z = step.zcat(i, i + step.chunk)
+            gram += z.T @ z
+        coords = gram_coordinates(gram)
+    lv_name = step.parents[0].name
+    if k > sum(widths):
+        raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
+                                f"{lv_name!r} but the models have {sum(widths)} in all")
+    return _group(grouping, coords, step.s, widths, k, opts, seed + step.index, lv_name,
+                  level_info.setdefault(lv_name, {}))
+
+
+def _gradient_targets(step: _LevelStep, a: torch.Tensor, opts: InterpolationOptions) -> torch.Tensor:
+    """The gradient fit's targets on the fusion set: the head regresses the averaged raw logits (spec §2.3b)
+    or ``head_target``; hidden levels the importance-weighted centroids ``Z @ a``."""
+    n = len(step.widths)
+    return torch.cat([neurons_restore(
+        (head_targets(step.zcat(i, i + step.chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
+         if step.last else step.zcat(i, i + step.chunk) @ a).float(), step.layout, step.h_par[0][i:i + step.chunk])
+        for i in range(0, step.rows, step.chunk)])
+
+
+def _fit_gradient_level(fused: nn.Module, step: _LevelStep, a: torch.Tensor, closed_form: torch.Tensor | None,
+                        opts: GradientInterpolationOptions, seed: int, device: torch.device) -> dict:
+    """Gradient fit of one level (spec §2.3b) to ``_gradient_targets``, starting from the closed-form weights
+    ``closed_form`` (``init="auto"`` on an affine level) or from the current weights perturbed by ``eps``
+    towards a fresh initialisation; returns the fit's diagnostics."""
+    lvf = step.fused
+    target = _gradient_targets(step, a, opts)
+    if opts.align_residual and not step.last and step.layout == "tokens" and lvf.kind == "block":
+        target = _align_residual(step.h_fus, target, a, step.s, step.layout)
+    if closed_form is not None:
+        # closed-form start: defence against collapse
+        write_affine(lvf, closed_form)
+    elif opts.eps > 0:
+        fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + step.index)
+        named = dict(fused.named_parameters())
+        with torch.no_grad():
+            for pn, v in fresh.items():
+                named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
+    hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if step.last else \
+         (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
+    return _fit_level(fused, lvf, step.h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
+                      weight_decay=hp[3], opts=opts, seed=seed * 7919 + step.index, device=device)
+
+
 def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
                          scores=None, weights: list[float] | None = None, device: torch.device = torch.device("cpu"),
                          seed: int = 0, options: InterpolationOptions | None = None,
@@ -637,46 +817,8 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     parents = [copy.deepcopy(m).to(device).eval() for m in models]
     plv = [model_levels(p) for p in parents]
     n_levels = len(plv[0])
-    for m, lv in enumerate(plv):
-        if len(lv) != n_levels:
-            raise IncompatibleModelsError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
-        if lv[-1].width != plv[0][-1].width:
-            raise IncompatibleModelsError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has "
-                                          f"{plv[0][-1].width}")
-    if grouping == "hf":
-        if n != 2:
-            raise IncompatibleModelsError(f"{name} fuses exactly two models (Hungarian matching), got {n}; "
-                                          f"use kf-{fit}")
-        for a, b in zip(plv[0][:-1], plv[1][:-1]):
-            if a.width != b.width:
-                raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
-                                              f"{b.width}")
-    tlv = None
-    if target is not None:
-        if grouping != "kf":
-            raise IncompatibleModelsError(f"{name} cannot build into another architecture (target=); use kf-{fit}")
-        if opts.fused_width is not None:
-            raise FusionOptionError(f"{name}: give either target= or option 'fused_width', not both")
-        tlv = model_levels(target)
-        if len(tlv) != n_levels or tlv[-1].width != plv[0][-1].width:
-            raise IncompatibleModelsError(f"{name}: target has {len(tlv)} levels and {tlv[-1].width} classes, the "
-                                          f"models {n_levels} levels and {plv[0][-1].width} classes; a target may "
-                                          "change widths only")
-    widths_f = _fused_widths(opts, plv[0]) if tlv is None else {i: tlv[i].width for i in range(n_levels - 1)}
-    if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
-        raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
-                                "matching")
-
-    # the fused model: the target, or a copy of model 0, resized when another fused width is asked for
-    if target is not None:
-        fused = target.to(device).eval()
-    elif any(widths_f[i] != plv[0][i].width for i in widths_f):
-        if not isinstance(models[0], nn.Sequential):
-            raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
-                                          f"nn.Sequential models only, not {type(models[0]).__name__}")
-        fused = _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
-    else:
-        fused = copy.deepcopy(models[0]).to(device).eval()
+    widths_f = _check_parents(name, grouping, fit, plv, opts, target)
+    fused = _fused_start(name, models, plv, widths_f, target, device)
     flv = model_levels(fused)
 
     if fit == "linear":
@@ -694,108 +836,30 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     for l in range(n_levels):
         last = l == n_levels - 1
         widths = [plv[m][l].width for m in range(n)]
-        k = plv[0][l].width if last else widths_f[l]
-        lvf = flv[l]
         s = torch.cat([s_all[m][l] for m in range(n)])
         # parents' level-l outputs on the raw fusion set (their own forward passes)
         h_par = [_chunked(plv[m][l].run, h_par[m], chunk) for m in range(n)]
-        layout = plv[0][l].layout
-
-        def zcat(i: int, j: int) -> torch.Tensor:  # [rows, d^M] concatenated neurons of samples i:j
-            return torch.cat([neurons_last(h_par[m][i:j], layout) for m in range(n)], 1).double()
-
         # classifier: class c ↔ class c in every model, weighted by _head_assignment
         head_a = _head_assignment(opts, widths, s, weights, fit, device) if last else None
-        nonlinear_head = last and opts.head_target != "logits"
-        if fit == "linear" or (opts.init != "model0" and lvf.affine):
-            bias = _folded_has_bias(lvf)
-            d = lvf.layer.weight[0].numel() + int(bias)
-            xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
-            xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
-            # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
-            xtt = torch.zeros(d, k, dtype=torch.float64, device=device) if nonlinear_head else None
-            with torch.no_grad():
-                for i in range(0, x.shape[0], chunk):
-                    dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
-                    z = zcat(i, i + chunk)
-                    xtx += dm.T @ dm
-                    xtz += dm.T @ z
-                    if nonlinear_head:
-                        xtt += dm.T @ head_targets(z, head_a, n, opts.head_target, opts.head_temperature,
-                                                   opts.head_floor)
-            rel = opts.head_ridge if (last and opts.head_ridge is not None) else opts.ridge
-            ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
-            ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
-            if opts.prior == "parents":
-                pri = [aligned_parent_weights(plv[m][l], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
-                pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
-                       for m, p in enumerate(pri)]
-                prior = torch.cat(pri, 1).to(device)
-                # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
-                dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
-                ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
-            else:  # prior == "zero": the min-norm fit itself
-                prior = None
-            if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
-                base = prior @ head_a if prior is not None else torch.zeros_like(xtt)
-                head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
+        step = _LevelStep(index=l, last=last, parents=[plv[m][l] for m in range(n)], fused=flv[l], widths=widths,
+                          k=plv[0][l].width if last else widths_f[l], s=s, h_par=h_par, h_fus=h_fus, head_a=head_a,
+                          chunk=chunk)
+        ls, head_coef = (_least_squares(step, opts, prev_labels, k_prev, device)
+                         if fit == "linear" or (opts.init != "model0" and step.fused.affine) else (None, None))
+        labels = _group_level(step, name, grouping, fit, ls, opts, seed, level_info, device)
+        # importance-weighted targets (Theorem 1); the head optionally by class counts
+        a = head_a if last else assignment_matrix(labels, s, step.k)
+        closed_form = None if ls is None else (head_coef if head_coef is not None else ls.coef @ a)
+        if fit == "linear":  # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+            write_affine(step.fused, closed_form)
         else:
-            ls = None
-
-        # ---- grouping -------------------------------------------------------------------------
-        if last:  # classifier: class c ↔ class c in every model (identity grouping)
-            labels = torch.cat([torch.arange(w, device=device) for w in widths])
-        else:
-            if fit == "linear":
-                coords = ls.coords  # projected outputs P z_j (spec §2.3a)
-            else:
-                gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
-                for i in range(0, x.shape[0], chunk):
-                    z = zcat(i, i + chunk)
-                    gram += z.T @ z
-                coords = gram_coordinates(gram)
-            if k > sum(widths):
-                raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
-                                        f"{plv[0][l].name!r} but the models have {sum(widths)} in all")
-            labels = _group(grouping, coords, s, widths, k, opts, seed + l, plv[0][l].name,
-                            level_info.setdefault(plv[0][l].name, {}))
-
-        # ---- fit ----------------------------------------------------------------------------------
-        if fit == "linear":
-            # importance-weighted targets (Theorem 1); the head optionally by class counts
-            a = head_a if last else assignment_matrix(labels, s, k)
-            # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
-            write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
-        else:
-            # the head regresses the `weights`-averaged raw logits (spec §2.3b) or head_target; hidden
-            # levels plain importance-weighted centroids (importance acts through grouping and targets)
-            a = head_a if last else assignment_matrix(labels, s, k)
-            target = torch.cat([neurons_restore(
-                (head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
-                 if last else zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
-                for i in range(0, x.shape[0], chunk)])
-            if opts.align_residual and not last and layout == "tokens" and lvf.kind == "block":
-                target = _align_residual(h_fus, target, a, s, layout)
-            if opts.init != "model0" and lvf.affine:
-                # closed-form start: defence against collapse
-                write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
-            elif opts.eps > 0:
-                fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + l)
-                named = dict(fused.named_parameters())
-                with torch.no_grad():
-                    for pn, v in fresh.items():
-                        named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
-            hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if last else \
-                 (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
-            fit_info = _fit_level(fused, lvf, h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
-                                  weight_decay=hp[3], opts=opts, seed=seed * 7919 + l, device=device)
+            fit_info = _fit_gradient_level(fused, step, a, closed_form, opts, seed, device)
             level_info.setdefault(plv[0][l].name, {}).update(fit_info)
-            del target
         if not last:
-            h_fus = _chunked(lvf.run, h_fus, chunk)
+            h_fus = _chunked(step.fused.run, h_fus, chunk)
             offs = [sum(widths[:m]) for m in range(n)]
             prev_labels = [labels[offs[m]:offs[m] + widths[m]] for m in range(n)]
-            k_prev = k
+            k_prev = step.k
     for p in fused.parameters():
         p.requires_grad_(True)
     return fused.eval()
