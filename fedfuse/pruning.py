@@ -1,14 +1,13 @@
 """Structured pruning: a new, physically smaller model of the same family (fewer heads, head dimensions, MLP
 hidden units, channels and, where asked, whole residual blocks).
 
-Paper: seed 000 (``../shared/seeds/000_8e78aac31e48d1b4.txt``; the seed document is an abstract without a
-title: multi-ViT fusion, conditional optimal transport for selective alignment, then structured pruning): after
-fusing heterogeneous ViTs, prune redundant heads, neurons and layers. Its pruning step has no public code;
-this follows the derived design of spec ``ot-transfusion-tofu.md`` §1.9 (3): drop the heads and units of
+The idea comes from a paper abstract without a title or public code (multi-ViT fusion, conditional optimal
+transport for selective alignment, then structured pruning): after fusing heterogeneous ViTs, prune redundant
+heads, neurons and layers. This is fedfuse's own design of that pruning step: drop the heads and units of
 lowest importance, drop whole blocks whose residual update is negligible on the fusion set (highest cosine
 similarity between block input and output), then briefly fine-tune (here: distil on the fusion set). The
 dependency tracking is Torch-Pruning's (``torch-pruning``, DepGraph: Fang et al., "DepGraph: Towards Any
-Structural Pruning", CVPR 2023, arXiv 2301.12900), used as spec ``heterogeneous-fl.md`` §5 describes its
+Structural Pruning", CVPR 2023, arXiv 2301.12900), used with its
 timm ViT recipe (heads as units via ``num_heads={qkv: heads}``, the classifier ignored, timm ``Attention``'s
 stored sizes fixed after pruning).
 
@@ -33,8 +32,8 @@ How it works:
    labels; without teachers or when they agree with the model, cross-entropy to the teachers' / the model's
    own hard predictions, since the KL gradient vanishes there) or ``scores`` (the clients' ``neuron_importance``
    dicts, ``ScoreImportance``; groups that no level scores, e.g. ViT heads and MLP units, use magnitude);
-   ``auto`` is the family's measured best (``Adapter.pruning_criterion``; ``results/pruning/criteria.md``:
-   magnitude for MLP/CNN/ResNet, Taylor for ViT).
+   ``auto`` is the family's best measured criterion (``Adapter.pruning_criterion``: magnitude for
+   MLP/CNN/ResNet, Taylor for ViT; ``docs/measurements-fusion.md``).
    Attention groups are cut from the output projection's inputs: whole heads (``attention="heads"``, the
    default; head score = mean over its dims, the head dim kept) or head dimensions (``"head_dims"``, the same
    number in every head, each head its own best).
@@ -746,10 +745,9 @@ def prune(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: fl
             weights ignored), e.g. ``build_model(..., width_mult=0.5)`` or a shallower ViT. Exactly one of the three.
         scores: optional client importance (``neuron_importance`` dict, level name → scores).
         fusion_inputs: unlabeled server data ``[B, *input_shape]`` (Taylor importance, block redundancy, recovery).
-        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (the family's measured best,
-            ``Adapter.pruning_criterion``: Taylor for ViTs when there are fusion inputs, magnitude otherwise;
-            ``results/pruning/criteria.md``: on digits, magnitude was best for MLP/CNN/ResNet, Taylor for ViT,
-            client DeepLIFT scores in between).
+        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (the family's best measured
+            criterion, ``Adapter.pruning_criterion``: Taylor for ViTs when there are fusion inputs, magnitude
+            otherwise; ``docs/measurements-fusion.md``).
         prune_blocks: ``True`` drops the most redundant residual blocks (input/output cosine similarity on the
             fusion set ≥ ``block_similarity``) while the model stays at or above the requested size; an int drops
             exactly that many; ``False`` none.

@@ -1,11 +1,10 @@
 """Task-vector transport between base releases (TransFusion use (b), data-free).
 
 Paper: "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors" (TransFusion, arXiv
-2505.22697); spec ``ot-transfusion-tofu.md`` §2.1
-(``θ̃_B^ft = θ_B + α·π(τ)``), §2.4 (untied residual permutations are allowed here because only π(τ) is
-added to the plain θ_B), §2.5/§2.8 (every task-vector tensor is permuted along its axes; the classifier
-head's input axis follows the last stream permutation), §2.9 (re-basing a client's update or the global
-model's onto a new backbone release without data).
+2505.22697): ``θ̃_B^ft = θ_B + α·π(τ)``; untied residual permutations are allowed here because only π(τ) is
+added to the plain θ_B; every task-vector tensor is permuted along its axes (the classifier head's input axis
+follows the last stream permutation). Use: re-basing a client's update or the global model's onto a new
+backbone release without data.
 
     from fedfuse.rebase import transport, task_vector
     tau = task_vector(finetuned, base_a)                    # θ_A^ft − θ_A
@@ -83,7 +82,7 @@ def transport(task_vector: dict[str, torch.Tensor], from_base: nn.Module, to_bas
         residual: ``"untied"`` (per-position stream permutations, the paper's choice) or ``"tied"``.
         method: ``"transfusion"`` or ``"rebasin"`` matching.
         head: ``"delta"`` (the class head moves like any tensor: θ_B.head + α·π(τ.head)) or
-            ``"absolute"`` (the head is carried over: π(θ_A.head + τ.head), spec §2.8 note).
+            ``"absolute"`` (the head is carried over: π(θ_A.head + τ.head)).
         maps: reuse permutations from an earlier call (``return_maps=True``); one π serves every task
             vector fine-tuned from θ_A.
     Returns:

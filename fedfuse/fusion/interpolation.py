@@ -1,20 +1,19 @@
 """Neuron Interpolation fusion: ``hf-linear``, ``kf-linear``, ``hf-gradient``, ``kf-gradient``.
 
-Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037).
-Implements spec ``neuron-interpolation.md``:
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037). Implemented:
 
-- §2.1 Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;
+- Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;
   targets come from the parents' own forward passes, inputs from ``F``'s already fused levels.
-- §1.3 / §2.2 grouping (``fedfuse.fusion.grouping``): HF = Hungarian matching of two equal-width
+- grouping (``fedfuse.fusion.grouping``): HF = Hungarian matching of two equal-width
   models; KF = importance-weighted k-means over the neurons of any number of models and widths; the
   classifier level is grouped by identity (class ``c`` ↔ class ``c``).
-- §1.4 importance scores enter the grouping (k-means weights / HF cost) and the targets (weighted mean).
-- §2.3a linear variants: closed-form least squares per affine level on the fused model's own inputs,
+- importance scores enter the grouping (k-means weights / HF cost) and the targets (weighted mean).
+- linear variants: closed-form least squares per affine level on the fused model's own inputs,
   with the parents' outputs projected onto the span of the fused inputs before grouping; eval-mode
   BatchNorm is folded into the fit and written back as an identity BatchNorm, so the result is exact.
-- §2.3b gradient variants: each level (any differentiable block) fitted by Adam/AdamW/SGD on plain MSE
+- gradient variants: each level (any differentiable block) fitted by Adam/AdamW/SGD on plain MSE
   to the targets, with validation early stopping; the classifier regresses the averaged raw logits.
-- §3.1 hyperparameters (``setting=1|2``, Table 9), every one overridable.
+- the paper's hyperparameters (``setting=1|2``, its Table 9), every one overridable.
 
 Options beyond the paper (defaults keep the paper's behaviour):
 
@@ -22,8 +21,8 @@ Options beyond the paper (defaults keep the paper's behaviour):
   (floored at ``head_floor``, centred) instead of the averaged raw logits (``head_targets``). With
   class-disjoint clients a client's logit for a class it never saw is just "low", and averaging it in
   drags that class down; the probability ensemble is what the ensemble reference actually predicts.
-  MNIST-1D shards2 (``results/one_shot/goal2``): hf-gradient 37.4 → 45.8 (with ``head_weights``,
-  ``ridge=0.01``); on digits it costs ~5 points, so it is chosen per task on federated validation.
+  It helps on class-sharded splits and costs accuracy on others, so it is an option chosen per task on
+  federated validation, not the default (measurements: ``docs/measurements-fusion.md``).
 - ``match="identity"``: neuron ``j`` ↔ neuron ``j`` in every model (parents that share an
   initialisation, as in multi-round FL); with uniform scores and an overwhelming ``ridge`` the result
   is exactly the weighted average (FedAvg), the least-squares fit being a deviation from it.
@@ -33,7 +32,7 @@ Memory: only one level's outputs per model are held at a time; the Gram / normal
 that the grouping and the least-squares fit need are accumulated in chunks of ``chunk_size`` samples,
 so neither the full neuron matrix ``Z`` nor the full design matrix is ever materialised.
 
-Failure mode #1 of ``FINDINGS.md`` (a gradient fit on a skewed fusion set collapses to client 0) is
+A known failure mode (a gradient fit on a skewed fusion set collapses to client 0) is
 defended by ``init="auto"``: affine levels start from their closed-form (linear-variant) solution, whose
 weights are importance-weighted averages of the parents' refitted weights and so carry every client's
 classes, and a level's training only keeps an epoch that improves the validation MSE over that start.
@@ -59,7 +58,7 @@ from fedfuse.importance import neuron_importance
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
 from fedfuse.training import make_optimizer
 
-# spec §3.1, Table 9 (Setting 1: far from the initialisation; Setting 2: small steps from model 0)
+# the paper's Table 9 (Setting 1: far from the initialisation; Setting 2: small steps from model 0)
 SETTINGS: dict[int, dict[str, Any]] = {
     1: dict(optimizer="adamw", lr=1e-3, epochs=100, weight_decay=1e-4, eps=1.0,
             head_optimizer="adamw", head_lr=1e-3, head_epochs=100),
@@ -271,15 +270,15 @@ class InterpolationOptions:
         fusion_labels: data, not a setting: ``[B]`` labels of the fusion set for server-side importance.
         normalize_scores: sum-normalise each model's scores per level.
         ridge: relative Tikhonov ridge of the least-squares fits (× mean diagonal of XᵀX). 1e-3 keeps
-            multi-round fusion stable (the min-norm pseudo-inverse grew a hidden layer's weights ~10⁴×
-            in 10 rounds of digits/Dirichlet FL; one-shot accuracy moved by < 0.3 points).
+            multi-round fusion stable (the min-norm pseudo-inverse lets hidden weights grow round after
+            round) at a negligible one-shot cost (``docs/measurements-fusion.md``).
         rcond: eigenvalue cut-off of the pseudo-inverse when ``ridge == 0``.
         prior: ``"parents"`` (min-norm deviation from the parents' interpolated weights) | ``"zero"``.
         kmeans_init: KF seeding ``"farthest"`` | ``"kmeans++"`` | ``"model0"`` (model 0's neurons).
         kmeans_restarts: seeded k-means runs per level (the lowest cost is kept).
         hf_cost: HF matching cost ``"exact"`` (two-member grouping cost) | ``"distance"``.
         head_weights: weight each model's class-``c`` logit by its share of class ``c``'s training
-            samples (spec §2.3b "Head Weights"; needs ``class_counts``).
+            samples (needs ``class_counts``).
         class_counts: data, not a setting: ``[n models][classes]`` training-sample counts per class
             (the Flower strategy fills it from the clients' metrics).
         head_target: classifier target ``"logits"`` (averaged raw logits, the paper) | ``"probs"``
@@ -339,16 +338,16 @@ class GradientInterpolationOptions(InterpolationOptions):
     """Options of ``hf-gradient`` / ``kf-gradient``: the linear variants' options plus the level fits.
 
     Attributes:
-        setting: hyperparameter setting of spec §3.1 Table 9 (1: AdamW, far from the initialisation;
+        setting: hyperparameter setting of the paper's Table 9 (1: AdamW, far from the initialisation;
             2: SGD, small steps from model 0); fills every optimiser option left ``None``.
         optimizer, lr, epochs, weight_decay: hidden levels' fit (``None`` = the setting's).
         eps: hidden levels start from ``(1 − eps)·model 0 + eps·fresh init`` when ``init="model0"``.
         head_optimizer, head_lr, head_epochs, head_weight_decay: the classifier level's fit
             (``None`` = the setting's; ``head_weight_decay`` = the setting's ``weight_decay``).
         batch_size, val_fraction, patience: minibatches, validation split and early stopping.
-        align_residual: reorder ViT residual-stream targets to the closest input dimensions (spec §2.4).
+        align_residual: reorder ViT residual-stream targets to the closest input dimensions.
         init: ``"auto"`` / ``"closed-form"`` (affine levels start from their closed-form fit: defence
-            against collapse, FINDINGS.md #1) | ``"model0"`` (the paper: model 0 perturbed by ``eps``).
+            against collapsing to client 0 on a skewed fusion set) | ``"model0"`` (the paper: model 0 perturbed by ``eps``).
         prox: weight of an L2 pull towards each level's starting point.
         kmeans_init: as for the linear variants, default ``"model0"`` (keeps model 0's neuron order).
     """
@@ -432,8 +431,8 @@ def _head_assignment(opts: InterpolationOptions, widths: list[int], s: torch.Ten
     """``A [n·C, C]`` of the classifier level: class ``c`` ↔ class ``c`` in every model (identity grouping).
 
     Default: linear = importance-weighted mean of the parents' class-``c`` outputs (Theorem 1 with the
-    head's scores); gradient = the ``weights``-weighted average of the raw logits (spec §2.3b).
-    ``head_weights=True`` (spec §2.3b "Head Weights"): model ``m``'s class-``c`` output is weighted by
+    head's scores); gradient = the ``weights``-weighted average of the raw logits.
+    ``head_weights=True``: model ``m``'s class-``c`` output is weighted by
     the fraction of all training samples of class ``c`` that model ``m`` held (``class_counts``), so a
     class's target logit comes from the clients that trained on it (a class nobody held falls back to
     the default weights).
@@ -518,7 +517,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
         return balanced_kmeans(coords, s, widths)
     init: str | torch.Tensor = opts.kmeans_init
     if init == "model0":
-        # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
+        # centres seeded with model 0's neurons keep model 0's neuron order
         init = torch.arange(k) if widths[0] == k else "farthest"
     res = weighted_kmeans(coords, s, k, init=init, restarts=opts.kmeans_restarts, seed=seed)
     diag.update(kmeans_cost=res.cost, kmeans_iterations=res.iterations)
@@ -531,7 +530,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
 
 def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Tensor, *, optimizer: str, lr: float,
                epochs: int, weight_decay: float, opts: InterpolationOptions, seed: int, device: torch.device) -> dict[str, float]:
-    """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE, spec §2.3b).
+    """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE).
 
     ``x_in [B, ...]`` level input, ``target [B, ...]`` level-shaped targets. Eval mode (no dropout;
     BatchNorm keeps its running statistics, its affine parameters train). Early stopping on the
@@ -679,7 +678,7 @@ class _LevelStep:
 
 def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: list[torch.Tensor | None],
                    k_prev: int, device: torch.device):
-    """Closed-form fit of an affine level (spec §2.3a): the least-squares coefficients of every parent
+    """Closed-form fit of an affine level: the least-squares coefficients of every parent
     neuron on the fused level's inputs, as a deviation from the parents' own (grouped) weights with
     ``prior="parents"``; returns ``(ls, head_coef)`` — ``ls.coef`` ``[d, Σ widths]`` and ``ls.coords`` (the
     projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``)."""
@@ -729,7 +728,7 @@ def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts:
     if step.last:
         return torch.cat([torch.arange(w, device=device) for w in widths])
     if fit == "linear":
-        coords = ls.coords  # projected outputs P z_j (spec §2.3a)
+        coords = ls.coords  # projected outputs P z_j
     else:
         gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
         for i in range(0, step.rows, step.chunk):
@@ -745,7 +744,7 @@ def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts:
 
 
 def _gradient_targets(step: _LevelStep, a: torch.Tensor, opts: InterpolationOptions) -> torch.Tensor:
-    """The gradient fit's targets on the fusion set: the head regresses the averaged raw logits (spec §2.3b)
+    """The gradient fit's targets on the fusion set: the head regresses the averaged raw logits
     or ``head_target``; hidden levels the importance-weighted centroids ``Z @ a``."""
     n = len(step.widths)
     return torch.cat([neurons_restore(
@@ -756,7 +755,7 @@ def _gradient_targets(step: _LevelStep, a: torch.Tensor, opts: InterpolationOpti
 
 def _fit_gradient_level(fused: nn.Module, step: _LevelStep, a: torch.Tensor, closed_form: torch.Tensor | None,
                         opts: GradientInterpolationOptions, seed: int, device: torch.device) -> dict:
-    """Gradient fit of one level (spec §2.3b) to ``_gradient_targets``, starting from the closed-form weights
+    """Gradient fit of one level to ``_gradient_targets``, starting from the closed-form weights
     ``closed_form`` (``init="auto"`` on an affine level) or from the current weights perturbed by ``eps``
     towards a fresh initialisation; returns the fit's diagnostics."""
     lvf = step.fused
@@ -782,7 +781,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
                          scores=None, weights: list[float] | None = None, device: torch.device = torch.device("cpu"),
                          seed: int = 0, options: InterpolationOptions | None = None,
                          info: dict | None = None, target: nn.Module | None = None) -> nn.Module:
-    """Algorithm 1 of the paper (spec §2.1) with HF/KF grouping and linear/gradient fitting.
+    """Algorithm 1 of the paper with HF/KF grouping and linear/gradient fitting.
 
     Args:
         models: parents (model 0 = reference architecture and initialisation); not modified.
@@ -868,7 +867,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
 def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
                     layout: str) -> torch.Tensor:
     """Reorder the target columns so column ``i`` is the cluster closest to input dimension ``i``
-    (ViT residual stream, spec §2.4), Hungarian on ``importance(cluster) · ‖x_i − T_k‖²``.
+    (ViT residual stream), Hungarian on ``importance(cluster) · ‖x_i − T_k‖²``.
     ``h_in [B, T, D]``, ``target [B, T, D]``; returns the permuted target."""
     xi = neurons_last(h_in, layout).double()
     tk = neurons_last(target, layout).double()
@@ -896,7 +895,7 @@ def _make(grouping: str, fit: str, any_target: bool = False):
                                         scores=scores, weights=weights, device=device, seed=seed, options=options,
                                         info=info)
     fn.__name__ = f"fuse_{grouping}_{fit}"
-    fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting (spec §2). "
+    fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting. "
                   "See ``neuron_interpolation``; options: "
                   f"``{'GradientInterpolationOptions' if fit == 'gradient' else 'InterpolationOptions'}``.")
     return fn

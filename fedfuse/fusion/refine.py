@@ -12,10 +12,10 @@ the strategies' ``refine`` option):
   Computation 2002) with a known target prior, i.e. the logit adjustment of Menon et al., "Long-tail
   learning via logit adjustment" (arXiv 2007.07314) estimated on unlabeled data. Why it matters in FL:
   under label skew every client pushes the logits of the classes it does not hold down, so the average's
-  classifier bias encodes a prior that no client and no test set has (measured: ``simulations/README.md``,
-  the multi-round section). Only the classifier bias changes; the features are untouched.
+  classifier bias encodes a prior that no client and no test set has (see the multi-round section of
+  ``simulations/README.md``). Only the classifier bias changes; the features are untouched.
 - ``distill``: FedDF's server step (Lin et al., "Ensemble Distillation for Robust Model Fusion in
-  Federated Learning", arXiv 2006.07242; spec ``heterogeneous-fl.md`` §3.1): the model (the student,
+  Federated Learning", arXiv 2006.07242): the model (the student,
   initialised from the fused model) learns the teachers' weighted mean softmax on ``X`` with Adam,
   early-stopped on a held-out part of ``X`` by the KL to the ensemble. The best state *including the
   start* is kept, so distillation never returns a student that agrees less with the ensemble on the

@@ -1,9 +1,8 @@
 """Selective (conditional) OT fusion: importance-conditioned transport, heads as units, depth matching.
 
-Seed 000's abstract (``000_8e78aac31e48d1b4``: conditional OT aligns only the informative components —
-crucial heads, key normalisation parameters — and bypasses the rest; heterogeneous ViTs of different
-sizes) has no public code; this is the **[derived]** design of spec ``ot-transfusion-tofu.md`` §1.9
-written fresh on fedfuse's OT machinery (``fedfuse.fusion.permute``: permutation specs from the
+The idea (conditional OT aligns only the informative components — crucial heads, key normalisation
+parameters — and bypasses the rest, so heterogeneous ViTs of different sizes can be fused) comes from a
+paper abstract without public code; this is fedfuse's own design of it, written on fedfuse's OT machinery (``fedfuse.fusion.permute``: permutation specs from the
 adapters, activation collection, maps; POT for the unbalanced / partial solvers). It is ``ot``'s
 ``selective=True`` mode (``fuse("ot", models, fusion_inputs=X, selective=True)``); ``ot`` also routes
 models of different depths here (vanilla transport with block matching).

@@ -1,6 +1,6 @@
 """Fusion levels: the ordered blocks of a model whose output neurons are matched.
 
-The Neuron Interpolation paper (seed 001, spec ``neuron-interpolation.md`` §1.1, §2.4) writes a model
+The Neuron Interpolation paper ("Model Fusion via Neuron Interpolation", arXiv 2507.00037) writes a model
 as ``f = f^L ∘ … ∘ f^1``; each ``f^l`` is a *level*. ``levels(model)`` returns that decomposition with
 stable names, output widths and a ``run`` callable per level so that fusion code can feed a level the
 output of the (fused) previous level:

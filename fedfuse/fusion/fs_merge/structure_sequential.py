@@ -19,7 +19,7 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.S
 
 
 class SequentialMergeStructure:
-    """Global FS-Merge for ``nn.Sequential`` MLPs: ``[Flatten] (Linear, elementwise*)+ Linear(head)`` (spec §1.1).
+    """Global FS-Merge for ``nn.Sequential`` MLPs: ``[Flatten] (Linear, elementwise*)+ Linear(head)``.
 
     Hidden linear layer l gets ``M_l [n·d_l, d_l]``; the unmerge after it is ``U_l [d_l, n·d_l]`` for inner
     layers and ``U_final`` (the reconstruction of each model's features) after the last one.

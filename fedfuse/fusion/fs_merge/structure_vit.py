@@ -38,7 +38,7 @@ def _vit_embed_with(v: nn.Module, params: dict[str, torch.Tensor], x: torch.Tens
 
 
 class ViTMergeStructure:
-    """FS-Merge for timm ``VisionTransformer`` (pre-LN blocks, fused qkv, CLS or average pooling; spec §1.2)."""
+    """FS-Merge for timm ``VisionTransformer`` (pre-LN blocks, fused qkv, CLS or average pooling)."""
 
     kind = "vit"
 
@@ -112,7 +112,7 @@ class ViTMergeStructure:
         return list(t.chunk(3, dim=0))
 
     def fold(self, ws: list[dict[str, torch.Tensor]], mus: nn.ModuleDict, lns: nn.ParameterDict) -> dict[str, torch.Tensor]:
-        """Folded ViT parameters (template names ``m.*``), differentiable in M/U/LN (spec §1.2, §1.6)."""
+        """Folded ViT parameters (template names ``m.*``), differentiable in M/U/LN."""
         n = len(ws)
         out: dict[str, torch.Tensor] = {}
         m_in = split_blocks(mus["M_in"].dense(), "M", n)

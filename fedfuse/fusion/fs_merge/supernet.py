@@ -1,4 +1,4 @@
-"""The Foldable SuperNet around n frozen models (spec ``fs-merge.md`` §1.1–1.2, §1.6).
+"""The Foldable SuperNet around n frozen models (Foldable SuperNets, arXiv 2410.19251).
 
 The family-specific layout (which slots get which M/U, the wide forward pass) is the FS-Merge structure that
 ``fedfuse.fusion.fs_merge.structure.structure_for`` picks by the models' adapter family
@@ -34,7 +34,7 @@ merge_structure = structure_for  # the former name
 
 
 class SuperNet(nn.Module):
-    """Foldable SuperNet around n frozen models (spec §1.1–1.2): trainable M/U, merged LNs and ``U_final``.
+    """Foldable SuperNet around n frozen models: trainable M/U, merged LNs and ``U_final``.
 
     ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
     reconstruction per target model, T = number of ``U_final`` blocks); ``fold_body()`` → a standard model.
@@ -48,7 +48,7 @@ class SuperNet(nn.Module):
     init, from ``U_final^(k) = I``, ``c = 0``. ``exact_start_()`` sets the identity-initialised ("fresh") blocks to
     ``U^(k) = s_k I``, ``c_k = −s_k μ_k``: ``r_k = s_k (f − μ_k)``, an exact reconstruction of every model that
     agrees with the body (model 0 for "first", the average for "average"), i.e. objective 0 for copies of one
-    model. ``train_supernet`` keeps that state as a candidate (issue 12: fixed point). Head k folds
+    model. ``train_supernet`` keeps that state as a candidate (the fixed point: copies of a model fuse back to it). Head k folds
     ``f_k ≈ r_k / s_k + μ_k`` (``method._fold``).
     """
 

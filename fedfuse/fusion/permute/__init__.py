@@ -1,17 +1,17 @@
 """Neuron permutations and transport maps applied to the weights of each model family.
 
 Shared machinery of ``ot`` (OTFusion, Singh & Jaggi, NeurIPS 2020, arXiv 1910.05653, and its
-transformer extension, seed 000 / Imfeld et al., ICLR 2024, arXiv 2310.05719: spec
-``ot-transfusion-tofu.md`` §1.1, §1.4, §1.6), ``rebasin`` (Git Re-Basin, Ainsworth et al., ICLR 2023,
-arXiv 2209.04836: spec ``flower.md`` §5) and ``transfusion`` (seed 003, spec §2.3–§2.5, §2.8).
-Written from the specification, not from any reference repository.
+transformer extension, Imfeld et al., "Transformer Fusion with Optimal Transport", ICLR 2024, arXiv
+2310.05719), ``rebasin`` (Git Re-Basin, Ainsworth et al., ICLR 2023, arXiv 2209.04836) and ``transfusion``
+(Rinaldi et al., "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors", ICML 2025,
+arXiv 2505.22697). Written from the papers, not from any reference repository.
 
 A model's symmetries are a ``PermSpec`` built by its family's adapter (``fedfuse.models.adapters``):
 groups of interchangeable units and, per state-dict tensor, which axes they index in which role
 (``"out"`` produces the units, ``"in"`` consumes them). Class outputs and the model input are never
 grouped. Residual constraints: ResNet blocks with an identity shortcut share the stream group of their
 input; a shortcut conv starts a new stream group. timm ViTs have one stream group (``residual="tied"``,
-exact) or one per residual position (``residual="untied"``, spec §2.4: the permuted model is then only
+exact) or one per residual position (``residual="untied"``: the permuted model is then only
 equivalent with explicit permuted skips, used for task-vector transport and OT residual policies).
 
 Modules:

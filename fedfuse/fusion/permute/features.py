@@ -67,7 +67,7 @@ def score_cost(score: torch.Tensor) -> torch.Tensor:
     return score.max() - score
 
 def standardize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """z-score each column (unit) of ``x`` ``[S, m]`` (spec §1.2 ``std: True``)."""
+    """z-score each column (unit) of ``x`` ``[S, m]``."""
     std, mean = torch.std_mean(x, dim=0, keepdim=True)  # one pass over x
     return (x - mean) / (std + eps)
 

@@ -4,7 +4,7 @@ An adapter (one per architecture family: ``sequential`` MLP/CNN stacks, fedfuse 
 ``VisionTransformer``) is the only place that knows how a family's modules are laid out. Fusion code
 asks it for
 
-- ``levels(model)``: the fusion levels (``fedfuse.models.levels``; Neuron Interpolation spec §1.1),
+- ``levels(model)``: the fusion levels (``fedfuse.models.levels``; Neuron Interpolation),
 - ``perm_spec(model, residual)``: the permutation symmetries (``fedfuse.models.adapters.permspec``)
   that OT fusion, Git Re-Basin and TransFusion align,
 - ``pre_logits(model, x)`` / ``classifier(model)`` / ``set_classifier(model, linear)``: the features
@@ -154,8 +154,8 @@ class Adapter:
     """Base class of the architecture adapters (see the module docstring); subclasses set ``family``."""
 
     family: str = ""
-    # the importance criterion ``fedfuse.pruning``'s ``criterion="auto"`` uses for this family (measured:
-    # results/pruning/criteria.md; "taylor" falls back to "magnitude" without fusion inputs)
+    # the importance criterion ``fedfuse.pruning``'s ``criterion="auto"`` uses for this family: the best
+    # measured one (docs/measurements-fusion.md); "taylor" falls back to "magnitude" without fusion inputs
     pruning_criterion: str = "magnitude"
 
     def matches(self, model: nn.Module) -> bool:

@@ -23,7 +23,7 @@ class ViTAdapter(Adapter):
     attention block (heads as blocks) and the hidden units of each MLP."""
 
     family = "vit"
-    pruning_criterion = "taylor"  # measured best on digits ViTs (results/pruning/criteria.md)
+    pruning_criterion = "taylor"  # the best measured criterion for ViTs (docs/measurements-fusion.md)
 
     def matches(self, model: nn.Module) -> bool:
         try:
@@ -59,7 +59,7 @@ class ViTAdapter(Adapter):
     # ---------------------------------------------------------------------------------- permutation spec
     def perm_spec(self, model: nn.Module, residual: str = "tied") -> PermSpec:
         """``residual="tied"``: one stream group (exact symmetry); ``"untied"``: one per residual position
-        (spec ``ot-transfusion-tofu.md`` §2.4: equivalent only with explicitly permuted skips)."""
+        (equivalent only with explicitly permuted skips, as TransFusion transports task vectors)."""
         if residual not in ("tied", "untied"):
             raise UnsupportedModelError(f"permute: residual must be 'tied' or 'untied', got {residual!r}")
         if getattr(model, "attn_pool", None) is not None:
