@@ -1,7 +1,6 @@
 """Neuron importance scores per fusion level (captum), as used by Neuron Interpolation.
 
-Paper: seed 001 ("Model Fusion via Neuron Interpolation"); spec ``neuron-interpolation.md`` §1.4 and
-§6.2. A score is the absolute attribution of a level's output neuron, summed over positions/tokens and
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037), its importance scores. A score is the absolute attribution of a level's output neuron, summed over positions/tokens and
 averaged over samples, plus 1e-8 so that none is exactly zero:
 
     s_j = (1/N) Σ_n Σ_p |A[n, j, p]| + 1e-8

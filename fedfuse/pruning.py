@@ -1,14 +1,13 @@
 """Structured pruning: a new, physically smaller model of the same family (fewer heads, head dimensions, MLP
 hidden units, channels and, where asked, whole residual blocks).
 
-Paper: seed 000 (``../shared/seeds/000_8e78aac31e48d1b4.txt``; the seed document is an abstract without a
-title: multi-ViT fusion, conditional optimal transport for selective alignment, then structured pruning): after
-fusing heterogeneous ViTs, prune redundant heads, neurons and layers. Its pruning step has no public code;
-this follows the derived design of spec ``ot-transfusion-tofu.md`` §1.9 (3): drop the heads and units of
+The idea comes from a paper abstract without a title or public code (multi-ViT fusion, conditional optimal
+transport for selective alignment, then structured pruning): after fusing heterogeneous ViTs, prune redundant
+heads, neurons and layers. This is fedfuse's own design of that pruning step: drop the heads and units of
 lowest importance, drop whole blocks whose residual update is negligible on the fusion set (highest cosine
 similarity between block input and output), then briefly fine-tune (here: distil on the fusion set). The
 dependency tracking is Torch-Pruning's (``torch-pruning``, DepGraph: Fang et al., "DepGraph: Towards Any
-Structural Pruning", CVPR 2023, arXiv 2301.12900), used as spec ``heterogeneous-fl.md`` §5 describes its
+Structural Pruning", CVPR 2023, arXiv 2301.12900), used with its
 timm ViT recipe (heads as units via ``num_heads={qkv: heads}``, the classifier ignored, timm ``Attention``'s
 stored sizes fixed after pruning).
 
@@ -33,8 +32,8 @@ How it works:
    labels; without teachers or when they agree with the model, cross-entropy to the teachers' / the model's
    own hard predictions, since the KL gradient vanishes there) or ``scores`` (the clients' ``neuron_importance``
    dicts, ``ScoreImportance``; groups that no level scores, e.g. ViT heads and MLP units, use magnitude);
-   ``auto`` is the family's measured best (``Adapter.pruning_criterion``; ``results/pruning/criteria.md``:
-   magnitude for MLP/CNN/ResNet, Taylor for ViT).
+   ``auto`` is the family's best measured criterion (``Adapter.pruning_criterion``: magnitude for
+   MLP/CNN/ResNet, Taylor for ViT; ``docs/measurements-fusion.md``).
    Attention groups are cut from the output projection's inputs: whole heads (``attention="heads"``, the
    default; head score = mean over its dims, the head dim kept) or head dimensions (``"head_dims"``, the same
    number in every head, each head its own best).
@@ -66,8 +65,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.fusion import normalise_weights
+from fedfuse.fusion.distillation import teacher_probs
+from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
 from fedfuse.fusion.registry import FusionOptionError, MissingInputError, parse_options, require
 from fedfuse.models.adapters import PruningSpec, UnsupportedModelError, adapter_for
+from fedfuse.training import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +216,6 @@ def score_importance(DG, scores: Mapping[str, torch.Tensor], score_levels: Mappi
 @torch.no_grad()
 def _targets(model: nn.Module, x: torch.Tensor, teachers: list[nn.Module] | None, weights: list[float] | None,
              batch_size: int) -> torch.Tensor:
-    from fedfuse.fusion.distillation import teacher_probs
-
     if teachers:
         return teacher_probs(teachers, x, weights, batch_size=batch_size)
     out = torch.cat([model(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
@@ -451,17 +452,56 @@ def _plan_target(model: nn.Module, units: list[_Unit], target: nn.Module) -> dic
 
 
 # ---------------------------------------------------------------------------------------------- pruning
-def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: float | None = None,
-                 target: nn.Module | None = None, scores: Mapping[str, torch.Tensor] | None = None,
-                 fusion_inputs: torch.Tensor | None = None, criterion: str = "auto", prune_blocks: bool | int = False,
-                 recover: bool | Mapping[str, Any] = False, teachers: list[nn.Module] | None = None,
-                 weights: list[float] | None = None, device: str | torch.device = "cpu", seed: int = 0,
-                 **options) -> PruneResult:
-    """Like ``prune`` but returns a ``PruneResult`` (model + achieved params/MACs and diagnostics + seconds)."""
-    from fedfuse.fusion import normalise_weights
-    from fedfuse.training import resolve_device
+@dataclass
+class _Request:
+    """The validated arguments of one ``prune_result`` call."""
 
-    t0 = time.perf_counter()
+    goal_name: str                       # "params_ratio" | "macs_ratio" | "target"
+    params_ratio: float | None
+    macs_ratio: float | None
+    criterion: str                       # resolved: never "auto"
+    n_blocks: int | None                 # prune_blocks given as a number of blocks
+    wants_blocks: bool                   # prune_blocks asked for (True or a positive number)
+    fusion_inputs: torch.Tensor | None   # float, None when empty
+    options: PruneOptions
+
+    @property
+    def goal(self) -> float | None:
+        """The requested params or MACs ratio (``None`` for ``target=``)."""
+        return self.params_ratio if self.params_ratio is not None else self.macs_ratio
+
+
+def _check_target(adapter, target: nn.Module) -> None:
+    """``target`` must be a module of the model's family."""
+    if not isinstance(target, nn.Module):
+        raise ValueError(f"prune: target must be an nn.Module (an architecture of the model's family), got "
+                         f"{type(target).__name__}")
+    try:
+        t_family = adapter_for(target).family
+    except UnsupportedModelError:
+        t_family = type(target).__name__
+    if t_family != adapter.family:
+        raise ValueError(f"prune: target is a {t_family!r} model, the model a {adapter.family!r} one; target must "
+                         "be of the model's family")
+
+
+def _check_scores(adapter, model: nn.Module, scores) -> None:
+    """``scores`` must be a ``{level name: [width]}`` dict of ``model``'s levels."""
+    if not isinstance(scores, Mapping):
+        raise ValueError(f"prune: scores must be a dict (level name -> scores), got {type(scores).__name__}")
+    widths = {lv.name: lv.width for lv in adapter.levels(model)}
+    for name, s in scores.items():
+        if name not in widths:
+            raise ValueError(f"prune: scores has level {name!r}, not a level of this model ({list(widths)})")
+        if torch.as_tensor(s).numel() != widths[name]:
+            raise ValueError(f"prune: scores[{name!r}] has {torch.as_tensor(s).numel()} entries for "
+                             f"{widths[name]} neurons")
+
+
+def _check_request(model: nn.Module, params_ratio, macs_ratio, target, scores, fusion_inputs, criterion: str,
+                   prune_blocks, recover, teachers, weights, options: Mapping[str, Any]) -> tuple[_Request, Any]:
+    """Validate ``prune_result``'s arguments (``ValueError`` / ``FusionOptionError`` / ``MissingInputError``
+    naming the argument) and resolve ``criterion="auto"``; returns the request and the model's adapter."""
     given = [n for n, v in (("params_ratio", params_ratio), ("macs_ratio", macs_ratio), ("target", target))
              if v is not None]
     if len(given) != 1:
@@ -486,16 +526,7 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
         raise ValueError(f"prune: model must be an nn.Module, got {type(model).__name__}")
     adapter = adapter_for(model)
     if target is not None:
-        if not isinstance(target, nn.Module):
-            raise ValueError(f"prune: target must be an nn.Module (an architecture of the model's family), got "
-                             f"{type(target).__name__}")
-        try:
-            t_family = adapter_for(target).family
-        except UnsupportedModelError:
-            t_family = type(target).__name__
-        if t_family != adapter.family:
-            raise ValueError(f"prune: target is a {t_family!r} model, the model a {adapter.family!r} one; target must "
-                             "be of the model's family")
+        _check_target(adapter, target)
     if fusion_inputs is not None:
         fusion_inputs = torch.as_tensor(fusion_inputs).float()
         if len(fusion_inputs) == 0:
@@ -510,16 +541,8 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
     if wants_blocks and fusion_inputs is None:
         raise MissingInputError("prune: prune_blocks needs fusion_inputs (block redundancy is measured on them)")
     if scores is not None:
-        if not isinstance(scores, Mapping):
-            raise ValueError(f"prune: scores must be a dict (level name -> scores), got {type(scores).__name__}")
-        widths = {lv.name: lv.width for lv in adapter.levels(model)}
-        for name, s in scores.items():
-            if name not in widths:
-                raise ValueError(f"prune: scores has level {name!r}, not a level of this model ({list(widths)})")
-            if torch.as_tensor(s).numel() != widths[name]:
-                raise ValueError(f"prune: scores[{name!r}] has {torch.as_tensor(s).numel()} entries for "
-                                 f"{widths[name]} neurons")
-    if criterion == "auto":  # the family's measured best (Adapter.pruning_criterion); Taylor needs data
+        _check_scores(adapter, model, scores)
+    if criterion == "auto":  # the family's best criterion (Adapter.pruning_criterion); Taylor needs data
         criterion = adapter.pruning_criterion
         if criterion == "taylor" and fusion_inputs is None or criterion == "scores" and scores is None:
             criterion = "magnitude"
@@ -528,68 +551,143 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
         raise ValueError("prune: teachers must be a non-empty list of nn.Modules (the ensemble)")
     if weights is not None and (teachers is None or len(weights) != len(teachers)):
         raise ValueError(f"prune: weights must give one weight per teacher ({len(teachers or [])}), got {weights!r}")
+    req = _Request(goal_name=given[0], params_ratio=params_ratio, macs_ratio=macs_ratio, criterion=criterion,
+                   n_blocks=n_blocks, wants_blocks=wants_blocks, fusion_inputs=fusion_inputs, options=o)
+    return req, adapter
+
+
+def _blocks_to_drop(work: nn.Module, adapter, target: nn.Module | None, x: torch.Tensor | None, req: _Request,
+                    measure, info: dict) -> list[int]:
+    """Step 1: the blocks to remove, most redundant first (highest input/output cosine similarity on the
+    fusion set): down to ``target``'s depth, ``prune_blocks`` of them, or (``prune_blocks=True``) as many as
+    ``block_similarity``, ``max_blocks`` and the requested ratio allow."""
+    o = req.options
+    depth = len(adapter.blocks(work))
+    drop: list[int] = []
+    if target is not None:
+        t_depth = len(adapter.blocks(target))
+        if t_depth > depth:
+            raise ValueError(f"prune: target is deeper than the model ({t_depth} > {depth} blocks)")
+        if t_depth < depth:
+            if x is None:
+                raise MissingInputError("prune: a shallower target needs fusion_inputs (the blocks to drop are "
+                                        "chosen by redundancy on them)")
+            sim = block_similarity(work, x, o.batch_size)
+            if len(sim) < depth - t_depth or len(sim) != depth:
+                raise ValueError(f"prune: target has {t_depth} blocks, the model {depth}, and this family's "
+                                 "blocks cannot all be dropped (shape-changing blocks)")
+            drop = sorted(sim, key=lambda i: -sim[i])[:depth - t_depth]
+            info["block_similarity"] = sim
+    elif req.wants_blocks:
+        sim = block_similarity(work, x, o.batch_size)
+        info["block_similarity"] = sim
+        ranked = sorted(sim, key=lambda i: -sim[i])
+        cap = max(depth - 1, 0)
+        if req.n_blocks is not None:
+            if req.n_blocks > min(len(ranked), cap):
+                raise ValueError(f"prune: prune_blocks={req.n_blocks} but only {min(len(ranked), cap)} blocks can "
+                                 "be dropped")
+            drop = ranked[:req.n_blocks]
+        else:
+            limit = cap if o.max_blocks is None else min(cap, o.max_blocks)
+            for i in ranked:
+                if len(drop) >= limit or sim[i] < o.block_similarity:
+                    break
+                trial = copy.deepcopy(work)
+                adapter.remove_blocks(trial, drop + [i])
+                if measure(trial) < req.goal * (1 - o.tolerance):
+                    break
+                drop.append(i)
+    return drop
+
+
+def _search_fraction(build, measure, units: list[_Unit], goal: float, o: PruneOptions) -> tuple[float, nn.Module, dict]:
+    """Step 3: bisection on the kept fraction ``k`` (every group keeps the same fraction of its units) for the
+    requested ratio ``goal``; returns ``(k, pruned model, plan)`` of the closest ratio reached (the larger
+    ``k`` on a tie). Plans that round to the same widths are built once."""
+    seen: dict[tuple, float] = {}  # plan → achieved ratio
+    best: tuple[float, float, nn.Module, dict] | None = None  # (|error|, k, model, plan)
+
+    def evaluate(k: float) -> float:
+        nonlocal best
+        plan = _plan_fraction(units, k, o)
+        sig = tuple(sorted((key, v) for key, v in plan.items()))
+        if sig in seen:
+            return seen[sig]
+        m = build(plan)
+        r = measure(m)
+        seen[sig] = r
+        err = abs(r - goal)
+        if best is None or err < best[0] - 1e-12 or (abs(err - best[0]) <= 1e-12 and k > best[1]):
+            best = (err, k, m, plan)
+        return r
+
+    lo, hi = 0.0, 1.0
+    if evaluate(1.0) > goal:
+        for _ in range(o.search_steps):
+            mid = (lo + hi) / 2
+            if evaluate(mid) >= goal:
+                hi = mid
+            else:
+                lo = mid
+            if best[0] <= 1e-3 * goal:
+                break
+    _, k, pruned, plan = best
+    return k, pruned, plan
+
+
+def _check_reached(info: dict, req: _Request, target: nn.Module | None, pruned: nn.Module) -> None:
+    """Whether the achieved ratio is within ``tolerance`` (``info["within_tolerance"]``, a warning otherwise),
+    or, for ``target=``, that the pruned model has exactly the target's shapes (``ValueError`` otherwise)."""
+    if target is None:
+        goal, o = req.goal, req.options
+        got = info["params_ratio"] if req.params_ratio is not None else info["macs_ratio"]
+        info["within_tolerance"] = abs(got - goal) <= o.tolerance * goal
+        if not info["within_tolerance"]:
+            what = "params_ratio" if req.params_ratio is not None else "macs_ratio"
+            log.warning("prune: %s %.3f requested, %.3f reached (the closest the channel/head granularity allows)",
+                        what, goal, got)
+    else:
+        mismatch = [k for k, v in target.state_dict().items()
+                    if k not in pruned.state_dict() or pruned.state_dict()[k].shape != v.shape]
+        if mismatch:
+            raise ValueError(f"prune: could not reproduce the target architecture (differs at {mismatch[:3]})")
+
+
+def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: float | None = None,
+                 target: nn.Module | None = None, scores: Mapping[str, torch.Tensor] | None = None,
+                 fusion_inputs: torch.Tensor | None = None, criterion: str = "auto", prune_blocks: bool | int = False,
+                 recover: bool | Mapping[str, Any] = False, teachers: list[nn.Module] | None = None,
+                 weights: list[float] | None = None, device: str | torch.device = "cpu", seed: int = 0,
+                 **options) -> PruneResult:
+    """Like ``prune`` but returns a ``PruneResult`` (model + achieved params/MACs and diagnostics + seconds)."""
+    t0 = time.perf_counter()
+    req, adapter = _check_request(model, params_ratio, macs_ratio, target, scores, fusion_inputs, criterion,
+                                  prune_blocks, recover, teachers, weights, options)
+    o, criterion = req.options, req.criterion
     dev = resolve_device(device)
     if teachers is not None:
         teachers = [copy.deepcopy(t).to(dev).eval() for t in teachers]
     w = normalise_weights(weights, len(teachers)) if teachers else None
-    info: dict[str, Any] = {"criterion": criterion, "requested": {given[0]: (params_ratio if params_ratio is not None
-                                                                            else macs_ratio if macs_ratio is not None
-                                                                            else "target")}}
+    info: dict[str, Any] = {"criterion": criterion,
+                            "requested": {req.goal_name: req.goal if req.goal is not None else "target"}}
 
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         work = copy.deepcopy(model).to(dev).eval()
-        x = fusion_inputs.to(dev) if fusion_inputs is not None else None
+        x = req.fusion_inputs.to(dev) if req.fusion_inputs is not None else None
         example = _example(work, adapter, x, o.input_shape).to(dev)
         params0, macs0 = count_params(work), count_macs(work, example)
         score_levels = dict(adapter.pruning_spec(work).score_levels)  # before any block is renumbered
 
         def measure(m: nn.Module) -> float:
-            return count_params(m) / params0 if macs_ratio is None else count_macs(m, example) / macs0
+            return count_params(m) / params0 if req.macs_ratio is None else count_macs(m, example) / macs0
 
         # ---- 1. blocks
-        removed: list[int] = []
-        depth = len(adapter.blocks(work))
-        drop: list[int] = []
-        if target is not None:
-            t_depth = len(adapter.blocks(target))
-            if t_depth > depth:
-                raise ValueError(f"prune: target is deeper than the model ({t_depth} > {depth} blocks)")
-            if t_depth < depth:
-                if x is None:
-                    raise MissingInputError("prune: a shallower target needs fusion_inputs (the blocks to drop are "
-                                            "chosen by redundancy on them)")
-                sim = block_similarity(work, x, o.batch_size)
-                if len(sim) < depth - t_depth or len(sim) != depth:
-                    raise ValueError(f"prune: target has {t_depth} blocks, the model {depth}, and this family's "
-                                     "blocks cannot all be dropped (shape-changing blocks)")
-                drop = sorted(sim, key=lambda i: -sim[i])[:depth - t_depth]
-                info["block_similarity"] = sim
-        elif wants_blocks:
-            sim = block_similarity(work, x, o.batch_size)
-            info["block_similarity"] = sim
-            ranked = sorted(sim, key=lambda i: -sim[i])
-            cap = max(depth - 1, 0)
-            if n_blocks is not None:
-                if n_blocks > min(len(ranked), cap):
-                    raise ValueError(f"prune: prune_blocks={n_blocks} but only {min(len(ranked), cap)} blocks can "
-                                     "be dropped")
-                drop = ranked[:n_blocks]
-            else:
-                goal = params_ratio if params_ratio is not None else macs_ratio
-                limit = cap if o.max_blocks is None else min(cap, o.max_blocks)
-                for i in ranked:
-                    if len(drop) >= limit or sim[i] < o.block_similarity:
-                        break
-                    trial = copy.deepcopy(work)
-                    adapter.remove_blocks(trial, drop + [i])
-                    if measure(trial) < goal * (1 - o.tolerance):
-                        break
-                    drop.append(i)
+        drop = _blocks_to_drop(work, adapter, target, x, req, measure, info)
         if drop:
             adapter.remove_blocks(work, drop)
-            removed = sorted(drop)
-        info["blocks_removed"] = removed
+        info["blocks_removed"] = sorted(drop)
 
         # ---- 2. importance
         spec = adapter.pruning_spec(work)
@@ -608,43 +706,13 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
             plan = _plan_target(work, units, target)
             pruned, k = build(plan), None
         else:
-            goal = params_ratio if params_ratio is not None else macs_ratio
-            seen: dict[tuple, float] = {}  # plan → achieved ratio
-            best: tuple[float, float, nn.Module, dict] | None = None  # (|error|, k, model, plan)
-
-            def evaluate(k: float) -> float:
-                nonlocal best
-                plan = _plan_fraction(units, k, o)
-                sig = tuple(sorted((key, v) for key, v in plan.items()))
-                if sig in seen:
-                    return seen[sig]
-                m = build(plan)
-                r = measure(m)
-                seen[sig] = r
-                err = abs(r - goal)
-                if best is None or err < best[0] - 1e-12 or (abs(err - best[0]) <= 1e-12 and k > best[1]):
-                    best = (err, k, m, plan)
-                return r
-
-            lo, hi = 0.0, 1.0
-            if evaluate(1.0) > goal:
-                for _ in range(o.search_steps):
-                    mid = (lo + hi) / 2
-                    if evaluate(mid) >= goal:
-                        hi = mid
-                    else:
-                        lo = mid
-                    if best[0] <= 1e-3 * goal:
-                        break
-            _, k, pruned, plan = best
+            k, pruned, plan = _search_fraction(build, measure, units, req.goal, o)
         pruned = pruned.eval()
         info["keep_fraction"] = k
         info["widths"] = {key: (list(v) if isinstance(v, tuple) else v) for key, v in plan.items()}
 
         # ---- 4. recovery
         if recover is not False:
-            from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
-
             ropts = parse_options("prune", DistillRefineOptions, recover if isinstance(recover, Mapping) else {},
                                   what="prune: recover")
             tch = teachers if teachers else [copy.deepcopy(model).to(dev).eval()]
@@ -654,18 +722,7 @@ def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ra
         params1, macs1 = count_params(pruned), count_macs(pruned, example)
     info.update(params_before=params0, params=params1, params_ratio=params1 / params0, macs_before=macs0, macs=macs1,
                 macs_ratio=macs1 / macs0)
-    if target is None:
-        got = info["params_ratio"] if params_ratio is not None else info["macs_ratio"]
-        info["within_tolerance"] = abs(got - goal) <= o.tolerance * goal
-        if not info["within_tolerance"]:
-            what = "params_ratio" if params_ratio is not None else "macs_ratio"
-            log.warning("prune: %s %.3f requested, %.3f reached (the closest the channel/head granularity allows)",
-                        what, goal, got)
-    else:
-        mismatch = [k for k, v in target.state_dict().items()
-                    if k not in pruned.state_dict() or pruned.state_dict()[k].shape != v.shape]
-        if mismatch:
-            raise ValueError(f"prune: could not reproduce the target architecture (differs at {mismatch[:3]})")
+    _check_reached(info, req, target, pruned)
     pruned = pruned.cpu().eval()
     for p in pruned.parameters():
         p.requires_grad_(True)
@@ -688,10 +745,9 @@ def prune(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: fl
             weights ignored), e.g. ``build_model(..., width_mult=0.5)`` or a shallower ViT. Exactly one of the three.
         scores: optional client importance (``neuron_importance`` dict, level name → scores).
         fusion_inputs: unlabeled server data ``[B, *input_shape]`` (Taylor importance, block redundancy, recovery).
-        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (the family's measured best,
-            ``Adapter.pruning_criterion``: Taylor for ViTs when there are fusion inputs, magnitude otherwise;
-            ``results/pruning/criteria.md``: on digits, magnitude was best for MLP/CNN/ResNet, Taylor for ViT,
-            client DeepLIFT scores in between).
+        criterion: ``"magnitude"`` | ``"taylor"`` | ``"scores"`` | ``"auto"`` (the family's best measured
+            criterion, ``Adapter.pruning_criterion``: Taylor for ViTs when there are fusion inputs, magnitude
+            otherwise; ``docs/measurements-fusion.md``).
         prune_blocks: ``True`` drops the most redundant residual blocks (input/output cosine similarity on the
             fusion set ≥ ``block_similarity``) while the model stays at or above the requested size; an int drops
             exactly that many; ``False`` none.

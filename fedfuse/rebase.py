@@ -1,11 +1,10 @@
 """Task-vector transport between base releases (TransFusion use (b), data-free).
 
 Paper: "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors" (TransFusion, arXiv
-2505.22697); spec ``ot-transfusion-tofu.md`` §2.1
-(``θ̃_B^ft = θ_B + α·π(τ)``), §2.4 (untied residual permutations are allowed here because only π(τ) is
-added to the plain θ_B), §2.5/§2.8 (every task-vector tensor is permuted along its axes; the classifier
-head's input axis follows the last stream permutation), §2.9 (re-basing a client's update or the global
-model's onto a new backbone release without data).
+2505.22697): ``θ̃_B^ft = θ_B + α·π(τ)``; untied residual permutations are allowed here because only π(τ) is
+added to the plain θ_B; every task-vector tensor is permuted along its axes (the classifier head's input axis
+follows the last stream permutation). Use: re-basing a client's update or the global model's onto a new
+backbone release without data.
 
     from fedfuse.rebase import transport, task_vector
     tau = task_vector(finetuned, base_a)                    # θ_A^ft − θ_A
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute import Map, apply_maps, build_spec, check_compatible
+from fedfuse.fusion.rebasin import weight_matching
 from fedfuse.fusion.registry import IncompatibleModelsError
 from fedfuse.fusion.transfusion import transfusion_match
 
@@ -47,8 +47,6 @@ def match_bases(from_base: nn.Module, to_base: nn.Module, *, residual: str = "un
     ``method``: ``"transfusion"`` (spectral head pairing + intra-head matching) or ``"rebasin"``
     (brute-force head pairing, Git Re-Basin weight matching). Returns ``(maps, spec_a, spec_b)``.
     """
-    from fedfuse.fusion.rebasin import weight_matching
-
     spec_a, spec_b = build_spec(from_base, residual), build_spec(to_base, residual)
     sa, sb = from_base.state_dict(), to_base.state_dict()
     check_compatible(spec_a, spec_b, sa, sb, same_width=True)
@@ -84,7 +82,7 @@ def transport(task_vector: dict[str, torch.Tensor], from_base: nn.Module, to_bas
         residual: ``"untied"`` (per-position stream permutations, the paper's choice) or ``"tied"``.
         method: ``"transfusion"`` or ``"rebasin"`` matching.
         head: ``"delta"`` (the class head moves like any tensor: θ_B.head + α·π(τ.head)) or
-            ``"absolute"`` (the head is carried over: π(θ_A.head + τ.head), spec §2.8 note).
+            ``"absolute"`` (the head is carried over: π(θ_A.head + τ.head)).
         maps: reuse permutations from an earlier call (``return_maps=True``); one π serves every task
             vector fine-tuned from θ_A.
     Returns:

@@ -1,11 +1,10 @@
 """Token Fusion (ToFu) for timm ``VisionTransformer``s: prune early, MLERP-merge late.
 
 Paper: "Token Fusion: Bridging the Gap between Token Pruning and Token Merging" (Kim, Gao, Hsu, Shen,
-Jin; WACV 2024, arXiv 2312.01026); working spec ``ot-transfusion-tofu.md`` §3
-("Seed 004 — Token Fusion (ToFu)", §3.1–§3.8). Written from the paper's Algorithm 1 and the spec;
+Jin; WACV 2024, arXiv 2312.01026). Written from the paper's Algorithm 1;
 no code is taken from the authors' or ToMe's repositories.
 
-What it does, per transformer block ``l`` (spec §3.1, §3.7)::
+What it does, per transformer block ``l``::
 
     y, k̄ = attention(norm1(x), log_size)      # keys averaged over heads = similarity metric
     x = x + ls1(drop_path(y))
@@ -19,7 +18,7 @@ tokens are *sources* and disappear. PRUNE drops them; AVERAGE scatter-means them
 ``x̄/‖x̄‖ · max_k ‖x_k‖`` (norm preserving, paper Eq. 9–10). Protected tokens (CLS and register
 tokens, i.e. timm's ``num_prefix_tokens`` leading tokens) never take part and stay in front.
 
-Open choices of the paper, settled as the spec recommends (§3.3) and switchable:
+Open choices of the paper, settled as recommended for fusion and switchable:
 - means are size-weighted (a token standing for ``s`` patches counts ``s`` times), ``size_weighted``;
 - pruned sources hand their size to their partner, ``prune_passes_size``;
 - proportional attention adds ``log(size)`` to the attention logits, ``proportional_attention``
@@ -34,7 +33,7 @@ Usage::
 
 Token counts depend on the input and the model once ToFu is on, so every code path that collects
 per-token activations across models (OT / neuron-interpolation fusion, captum importance, FS-Merge)
-must run under ``suspended(model)`` (spec §3.8).
+must run under ``suspended(model)``.
 """
 
 from __future__ import annotations
@@ -306,7 +305,7 @@ def _check_model(model: nn.Module) -> None:
 
 
 def default_prune_until(depth: int) -> int:
-    """Spec §3.5: d = 6 for 12 blocks, i.e. the first half of the blocks prune."""
+    """The paper's setting, d = 6 for 12 blocks, i.e. the first half of the blocks prune."""
     return depth // 2
 
 
@@ -330,7 +329,7 @@ def apply(model: nn.Module, r: int | Sequence[int] = 8, prune_until: int | None 
         merge: ``"mlerp"`` (ToFu), ``"average"`` (ToFu-AVG / ToMe) or ``"prune"`` (pure pruning).
         proportional_attention: add ``log(token size)`` to attention logits.
         protect: leading tokens never reduced; default ``model.num_prefix_tokens`` (CLS + registers).
-        size_weighted: size-weighted merge means (spec recommendation) vs the paper's plain mean.
+        size_weighted: size-weighted merge means (recommended) vs the paper's plain mean.
         prune_passes_size: pruned tokens' sizes accumulate in their partner.
     Re-applying replaces the previous configuration.
     """
@@ -404,7 +403,7 @@ def suspended(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily switch ToFu off (no-op for unpatched models); re-entrant.
 
     Inside, every block runs its original forward, so token counts equal the unpatched model's.
-    Used wherever activations are collected across models (fusion, importance; spec §3.8).
+    Used wherever activations are collected across models (fusion, importance).
     """
     st = state(model)
     if st is None:

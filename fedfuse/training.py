@@ -24,7 +24,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def limit_threads(n: int | None = None) -> None:
-    """Cap torch CPU threads (several torch processes share few cores under Ray; see FINDINGS.md)."""
+    """Cap torch CPU threads (several torch processes share few cores under Ray, and oversubscribed threads slow every one down)."""
     n = n or int(os.environ.get("FEDFUSE_TORCH_THREADS", "1"))
     torch.set_num_threads(max(1, n))
 

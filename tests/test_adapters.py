@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion.fs_merge import Features, SuperNet
+from fedfuse.fusion import IncompatibleModelsError
+from fedfuse.fusion.fs_merge import Features, SequentialMergeStructure, SuperNet, ViTMergeStructure, structure_for
 from fedfuse.fusion.permute import build_spec, permute_model, random_perms
 from fedfuse.models import (ADAPTERS, UnsupportedModelError, adapter_for, build_model, levels, model_family)
-from fedfuse.models.adapters import SequentialMergeStructure, ViTMergeStructure
 
 # (name, input_shape, options) → reference [(level name, width)] (the listing before the adapters existed)
 REFERENCE_LEVELS = [
@@ -122,7 +122,7 @@ def test_perm_spec_round_trip_preserves_outputs(name, shape, kw):
                                                   ("vit", (1, 40), ViTMergeStructure)])
 def test_fs_merge_structure_found(name, shape, structure):
     models = [build_model(name, 10, shape, seed=s) for s in range(2)]
-    st = adapter_for(models[0]).fs_merge_structure(models)
+    st = structure_for(models)
     assert isinstance(st, structure)
     assert st.d == (32 if name == "vit" else 64)       # merged feature width = the model's pre-head width
     net = SuperNet(models, rank=2, init="first")
@@ -133,11 +133,11 @@ def test_fs_merge_structure_found(name, shape, structure):
 
 def test_fs_merge_structure_missing_for_resnet_and_cnn():
     r = build_model("resnet", 10, (1, 8, 8))
-    with pytest.raises(UnsupportedModelError, match="no Foldable SuperNet for 'resnet'"):
-        adapter_for(r).fs_merge_structure([r, r])
+    with pytest.raises(IncompatibleModelsError, match="no Foldable SuperNet for 'resnet'"):
+        structure_for([r, r])
     c = build_model("cnn", 10, (1, 8, 8))
-    with pytest.raises(UnsupportedModelError, match="MLP"):
-        adapter_for(c).fs_merge_structure([c, c])
+    with pytest.raises(IncompatibleModelsError, match="MLP"):
+        structure_for([c, c])
 
 
 def test_outside_timm_vit_is_handled():

@@ -31,6 +31,8 @@ from torch import nn
 from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, FusionError, FusionOptionError, FusionResult,
                                      IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
                                      NumericalFusionError, get_spec, option_table, register)
+from fedfuse.fusion.refine import parse_refine, refine_model
+from fedfuse.models import levels, model_family
 from fedfuse.training import resolve_device
 
 
@@ -51,8 +53,6 @@ def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None, str |
     """``(family, affine_levels, problem)`` of ``models``: the adapter family of model 0, whether every
     fusion level of every model is affine, and why the models cannot be decomposed (``None`` if they
     can; family and affine_levels are then ``None`` where unknown)."""
-    from fedfuse.models import levels, model_family
-
     try:
         family = model_family(models[0])
     except ValueError as exc:  # UnsupportedModelError: no adapter describes this model type
@@ -107,8 +107,6 @@ def resolve_target(spec: MethodSpec, models: list[nn.Module], target: nn.Module 
         raise IncompatibleModelsError(f"fusion method {spec.name!r} cannot produce another architecture than model "
                                       f"0's (target= is a {type(target).__name__} with other shapes); methods that "
                                       f"can: {able}")
-    from fedfuse.models import model_family
-
     try:
         same_family = model_family(target) == model_family(models[0])
     except ValueError:
@@ -132,8 +130,6 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
                 prior: torch.Tensor | None = None, target: nn.Module | None = None, **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
-    from fedfuse.fusion.refine import parse_refine, refine_model
-
     try:
         steps = parse_refine(refine)
     except ValueError as exc:

@@ -1,8 +1,8 @@
 """Vanilla weight averaging (FedAvg's aggregation) and the prediction ensemble reference.
 
 FedAvg: McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data" (arXiv
-1602.05629). No paper section: these are the baselines every seed paper compares against (spec
-``neuron-interpolation.md`` §6.6: vanilla averaging, ensemble).
+1602.05629). No paper section: these are the baselines every fusion paper here compares against (vanilla
+averaging, ensemble).
 """
 
 from __future__ import annotations

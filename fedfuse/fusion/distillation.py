@@ -2,7 +2,7 @@
 
 The KD and LP baselines of "Model Fusion via Neuron Interpolation" (arXiv 2507.00037); multi-teacher
 distillation after Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network" (arXiv 1503.02531).
-Spec ``neuron-interpolation.md`` §2.5 (the paper's KD and LP baselines) and §6.6:
+As baselines:
 
 - ``kd``: the whole model is one level. A student (a copy of model 0, or a fresh initialisation of its
   architecture) is trained on the fusion set to match the parents' averaged softmax at temperature
@@ -12,7 +12,7 @@ Spec ``neuron-interpolation.md`` §2.5 (the paper's KD and LP baselines) and §6
 
 Both need only unlabeled fusion inputs. Both keep the best state on the fusion-set KL, the start included
 (``keep_best``, default on; see ``_distill``): never worse there than model 0, and copies of one model are a
-fixed point (issue 12).
+fixed point.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _fusion_tensor(method: str, fusion_inputs) -> torch.Tensor:
 @register("kd", options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True, any_target=True)
 def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict,
             target: nn.Module | None = None) -> nn.Module:
-    """Multi-teacher knowledge distillation on the fusion set (spec §2.5): the student (model 0's copy or
+    """Multi-teacher knowledge distillation on the fusion set: the student (model 0's copy or
     a fresh initialisation of its architecture) learns the teachers' weighted mean softmax at τ.
     Teachers may have any architecture. With ``keep_best`` (default) the student ends at its best state on
     the fusion-set KL, its start included, so it is never worse there than model 0 (``student="model0"``).
@@ -241,7 +241,7 @@ def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LP
     """Linear probing: refit only model 0's classifier level against the ensemble's averaged softmax.
 
     The classifier level's inputs (model 0's penultimate features ``[B, ...]``) are computed once; only
-    the parameters of ``levels(model)[-1]`` train (KL, τ = 1 by default, spec §2.5). Teachers may have
+    the parameters of ``levels(model)[-1]`` train (KL, τ = 1 by default). Teachers may have
     any architecture; model 0 must be a ``fedfuse.models`` family (its levels are needed). With ``keep_best``
     (default) the head ends at its best state on the fusion-set KL, the start included: copies of one model
     give that model back unchanged (fixed point).

@@ -1,7 +1,7 @@
 """FedDF: weighted averaging, then ensemble distillation into the average on the server's fusion set.
 
 Lin, Kong, Stich & Jaggi, "Ensemble Distillation for Robust Model Fusion in Federated Learning"
-(NeurIPS 2020, arXiv 2006.07242); spec ``heterogeneous-fl.md`` §3.1. The round's client models are
+(NeurIPS 2020, arXiv 2006.07242). The round's client models are
 averaged (sample-count weights), and the average (the student) learns the clients' weighted mean softmax
 on the unlabeled fusion set with Adam (lr 1e-3), early-stopped on a held-out part of the fusion set by the
 KL to the ensemble (the paper stops on the ensemble agreement). The step itself is

@@ -1,10 +1,10 @@
 """Optional short server-side fine-tuning after fusion (off by default; reported separately).
 
-The OT papers (seed 000 / Imfeld et al.; OTFusion, Singh & Jaggi 2020) recover accuracy after fusion
-with "a surprisingly short finetuning" (spec ``ot-transfusion-tofu.md`` §1.8, §1.11, §5). The server's
+The OT papers (Imfeld et al., "Transformer Fusion with Optimal Transport", arXiv 2310.05719; OTFusion,
+Singh & Jaggi 2020, arXiv 1910.05653) recover accuracy after fusion with "a surprisingly short finetuning". The server's
 fusion set is *unlabeled*, so the targets here are the **ensemble's soft labels**: the weighted mean
-of the client models' softmax outputs (FedDF-style distillation, ``flower.md`` §5), at temperature
-``temperature``. Defence against collapsing to the fusion set's classes (FINDINGS.md failure mode #1):
+of the client models' softmax outputs (FedDF-style distillation), at temperature
+``temperature``. Defence against collapsing to the fusion set's classes (a known failure mode on a skewed fusion set):
 the soft targets cover every class the clients predict, and an L2 pull towards the fused weights
 (``anchor``) keeps the closed-form fusion as the prior. Used through the ``finetune=dict(...)`` option
 of ``ot``, ``rebasin`` and ``transfusion``; not registered as a method.

@@ -1,14 +1,14 @@
 """Grouping of neurons for Neuron Interpolation: weighted k-means, Hungarian matching, weighted targets.
 
-Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037); spec ``neuron-interpolation.md`` §1.3
-(representation cost, Theorem 1), §2.2 (HF / KF grouping) and §3.2 (k-means settings).
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037): its representation cost (Theorem 1),
+HF / KF grouping and k-means settings.
 
 Every neuron of every parent is a data point. Its feature vector is its value at every fusion sample
 and position (a column of ``Z [B*P, d^M]``). Those vectors are long (``B*P``), so the functions here
 work on *coordinates*: any ``[M, r]`` matrix whose pairwise Euclidean distances equal the neurons'
 distances. ``gram_coordinates`` builds them from the ``d^M × d^M`` Gram matrix ``Z^T Z`` (which can be
 accumulated chunk by chunk over the fusion set, so ``Z`` is never held whole) and
-``projected_coordinates`` builds them for the linear variants' projected outputs ``P z_j`` (spec §2.3a).
+``projected_coordinates`` builds them for the linear variants' projected outputs ``P z_j``.
 
 All functions are pure (inputs are not modified), run on the tensors' device and take a ``seed``
 where they make random choices.
@@ -64,7 +64,7 @@ def projected_coordinates(xtx: torch.Tensor, xtz: torch.Tensor, ridge: float = 0
 
     With ``G = X^T X = V Λ V^T`` the min-norm solution is ``a_j = V Λ^+ V^T X^T z_j`` and the projected
     output ``P z_j = X a_j`` has ``‖X a‖² = a^T G a``, so ``C = (Λ^{1/2} V^T A)^T`` are exact coordinates
-    (spec §2.3a: cluster the projections ``P z_j``; the residual ``‖(I−P) z_j‖`` does not depend on the
+    (clustering the projections ``P z_j`` is enough: the residual ``‖(I−P) z_j‖`` does not depend on the
     cluster and so never changes an assignment).
 
     Args:
@@ -116,7 +116,7 @@ def _sq_dists(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
 
 def farthest_first_init(points: torch.Tensor, k: int, generator: torch.Generator,
                         dists: torch.Tensor | None = None) -> torch.Tensor:
-    """Farthest-first seeding (spec §2.2b, reference linear KF): a random point, then repeatedly the
+    """Farthest-first seeding (as the paper's reference linear KF code): a random point, then repeatedly the
     point farthest from the chosen centres. ``dists`` = optional precomputed ``[M, M]`` squared
     distances (shared across restarts). Returns ``[k]`` point indices."""
     m = points.shape[0]
@@ -163,7 +163,7 @@ def weighted_centroids(points: torch.Tensor, weights: torch.Tensor, labels: torc
 
 def repair_empty(labels: torch.Tensor, point_cost: torch.Tensor, k: int) -> torch.Tensor:
     """Give every empty cluster one point: the point with the largest weighted distance to its centre
-    among clusters with more than one member (spec §2.2b). ``labels [M]``, ``point_cost [M]``; returns
+    among clusters with more than one member. ``labels [M]``, ``point_cost [M]``; returns
     new ``[M]`` labels."""
     labels = labels.clone()
     cost = point_cost.clone()
@@ -200,7 +200,7 @@ def _lloyd(points: torch.Tensor, weights: torch.Tensor, centres: torch.Tensor, m
         history.append(cost)
         converged = labels is not None and torch.equal(new_labels, labels)
         labels = new_labels
-        # early stop (spec §3.2): cost fell less than `tol` (relative) over the last `patience` iterations
+        # early stop: cost fell less than `tol` (relative) over the last `patience` iterations
         if converged or (len(history) > patience and history[-1 - patience] - cost <= tol * abs(history[-1 - patience])):
             break
     return KMeansResult(labels=labels, centres=centres, cost=history[-1], iterations=it)
@@ -209,7 +209,7 @@ def _lloyd(points: torch.Tensor, weights: torch.Tensor, centres: torch.Tensor, m
 def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, *, init: str | torch.Tensor = "farthest",
                     restarts: int = 10, max_iter: int = 100, tol: float = 0.05, patience: int = 3,
                     seed: int = 0) -> KMeansResult:
-    """Importance-weighted Lloyd k-means of neurons (KF grouping, spec §2.2b).
+    """Importance-weighted Lloyd k-means of neurons (KF grouping).
 
     Minimises ``Σ_j s_j ‖x_j − c_{k(j)}‖²`` with every cluster non-empty.
 
@@ -264,7 +264,7 @@ def weighted_kmeans(points: torch.Tensor, weights: torch.Tensor, k: int, *, init
 
 def hungarian_match(points_a: torch.Tensor, points_b: torch.Tensor, weights_a: torch.Tensor | None = None,
                     weights_b: torch.Tensor | None = None, cost: str = "exact") -> torch.Tensor:
-    """One-to-one matching of two equal-width sets of neurons (HF grouping, spec §2.2a).
+    """One-to-one matching of two equal-width sets of neurons (HF grouping).
 
     Args:
         points_a: ``[W, D]`` coordinates of model A's neurons.

@@ -1,20 +1,19 @@
 """Neuron Interpolation fusion: ``hf-linear``, ``kf-linear``, ``hf-gradient``, ``kf-gradient``.
 
-Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037).
-Implements spec ``neuron-interpolation.md``:
+Paper: "Model Fusion via Neuron Interpolation" (arXiv 2507.00037). Implemented:
 
-- §2.1 Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;
+- Algorithm 1: the fused model ``F`` starts as a copy of model 0 and is built level by level;
   targets come from the parents' own forward passes, inputs from ``F``'s already fused levels.
-- §1.3 / §2.2 grouping (``fedfuse.fusion.grouping``): HF = Hungarian matching of two equal-width
+- grouping (``fedfuse.fusion.grouping``): HF = Hungarian matching of two equal-width
   models; KF = importance-weighted k-means over the neurons of any number of models and widths; the
   classifier level is grouped by identity (class ``c`` ↔ class ``c``).
-- §1.4 importance scores enter the grouping (k-means weights / HF cost) and the targets (weighted mean).
-- §2.3a linear variants: closed-form least squares per affine level on the fused model's own inputs,
+- importance scores enter the grouping (k-means weights / HF cost) and the targets (weighted mean).
+- linear variants: closed-form least squares per affine level on the fused model's own inputs,
   with the parents' outputs projected onto the span of the fused inputs before grouping; eval-mode
   BatchNorm is folded into the fit and written back as an identity BatchNorm, so the result is exact.
-- §2.3b gradient variants: each level (any differentiable block) fitted by Adam/AdamW/SGD on plain MSE
+- gradient variants: each level (any differentiable block) fitted by Adam/AdamW/SGD on plain MSE
   to the targets, with validation early stopping; the classifier regresses the averaged raw logits.
-- §3.1 hyperparameters (``setting=1|2``, Table 9), every one overridable.
+- the paper's hyperparameters (``setting=1|2``, its Table 9), every one overridable.
 
 Options beyond the paper (defaults keep the paper's behaviour):
 
@@ -22,8 +21,8 @@ Options beyond the paper (defaults keep the paper's behaviour):
   (floored at ``head_floor``, centred) instead of the averaged raw logits (``head_targets``). With
   class-disjoint clients a client's logit for a class it never saw is just "low", and averaging it in
   drags that class down; the probability ensemble is what the ensemble reference actually predicts.
-  MNIST-1D shards2 (``results/one_shot/goal2``): hf-gradient 37.4 → 45.8 (with ``head_weights``,
-  ``ridge=0.01``); on digits it costs ~5 points, so it is chosen per task on federated validation.
+  It helps on class-sharded splits and costs accuracy on others, so it is an option chosen per task on
+  federated validation, not the default (measurements: ``docs/measurements-fusion.md``).
 - ``match="identity"``: neuron ``j`` ↔ neuron ``j`` in every model (parents that share an
   initialisation, as in multi-round FL); with uniform scores and an overwhelming ``ridge`` the result
   is exactly the weighted average (FedAvg), the least-squares fit being a deviation from it.
@@ -33,7 +32,7 @@ Memory: only one level's outputs per model are held at a time; the Gram / normal
 that the grouping and the least-squares fit need are accumulated in chunks of ``chunk_size`` samples,
 so neither the full neuron matrix ``Z`` nor the full design matrix is ever materialised.
 
-Failure mode #1 of ``FINDINGS.md`` (a gradient fit on a skewed fusion set collapses to client 0) is
+A known failure mode (a gradient fit on a skewed fusion set collapses to client 0) is
 defended by ``init="auto"``: affine levels start from their closed-form (linear-variant) solution, whose
 weights are importance-weighted averages of the parents' refitted weights and so carry every client's
 classes, and a level's training only keeps an epoch that improves the validation MSE over that start.
@@ -42,9 +41,7 @@ classes, and a level's training only keeps an epoch that improves the validation
 
 from __future__ import annotations
 
-from fedfuse.choices import OPTIMIZERS
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,14 +49,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.choices import OPTIMIZERS
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError, register,
                                      require)
 from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
                                      projected_coordinates, weighted_kmeans)
+from fedfuse.importance import neuron_importance
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
 from fedfuse.training import make_optimizer
 
-# spec §3.1, Table 9 (Setting 1: far from the initialisation; Setting 2: small steps from model 0)
+# the paper's Table 9 (Setting 1: far from the initialisation; Setting 2: small steps from model 0)
 SETTINGS: dict[int, dict[str, Any]] = {
     1: dict(optimizer="adamw", lr=1e-3, epochs=100, weight_decay=1e-4, eps=1.0,
             head_optimizer="adamw", head_lr=1e-3, head_epochs=100),
@@ -271,15 +270,15 @@ class InterpolationOptions:
         fusion_labels: data, not a setting: ``[B]`` labels of the fusion set for server-side importance.
         normalize_scores: sum-normalise each model's scores per level.
         ridge: relative Tikhonov ridge of the least-squares fits (× mean diagonal of XᵀX). 1e-3 keeps
-            multi-round fusion stable (the min-norm pseudo-inverse grew a hidden layer's weights ~10⁴×
-            in 10 rounds of digits/Dirichlet FL; one-shot accuracy moved by < 0.3 points).
+            multi-round fusion stable (the min-norm pseudo-inverse lets hidden weights grow round after
+            round) at a negligible one-shot cost (``docs/measurements-fusion.md``).
         rcond: eigenvalue cut-off of the pseudo-inverse when ``ridge == 0``.
         prior: ``"parents"`` (min-norm deviation from the parents' interpolated weights) | ``"zero"``.
         kmeans_init: KF seeding ``"farthest"`` | ``"kmeans++"`` | ``"model0"`` (model 0's neurons).
         kmeans_restarts: seeded k-means runs per level (the lowest cost is kept).
         hf_cost: HF matching cost ``"exact"`` (two-member grouping cost) | ``"distance"``.
         head_weights: weight each model's class-``c`` logit by its share of class ``c``'s training
-            samples (spec §2.3b "Head Weights"; needs ``class_counts``).
+            samples (needs ``class_counts``).
         class_counts: data, not a setting: ``[n models][classes]`` training-sample counts per class
             (the Flower strategy fills it from the clients' metrics).
         head_target: classifier target ``"logits"`` (averaged raw logits, the paper) | ``"probs"``
@@ -339,16 +338,16 @@ class GradientInterpolationOptions(InterpolationOptions):
     """Options of ``hf-gradient`` / ``kf-gradient``: the linear variants' options plus the level fits.
 
     Attributes:
-        setting: hyperparameter setting of spec §3.1 Table 9 (1: AdamW, far from the initialisation;
+        setting: hyperparameter setting of the paper's Table 9 (1: AdamW, far from the initialisation;
             2: SGD, small steps from model 0); fills every optimiser option left ``None``.
         optimizer, lr, epochs, weight_decay: hidden levels' fit (``None`` = the setting's).
         eps: hidden levels start from ``(1 − eps)·model 0 + eps·fresh init`` when ``init="model0"``.
         head_optimizer, head_lr, head_epochs, head_weight_decay: the classifier level's fit
             (``None`` = the setting's; ``head_weight_decay`` = the setting's ``weight_decay``).
         batch_size, val_fraction, patience: minibatches, validation split and early stopping.
-        align_residual: reorder ViT residual-stream targets to the closest input dimensions (spec §2.4).
+        align_residual: reorder ViT residual-stream targets to the closest input dimensions.
         init: ``"auto"`` / ``"closed-form"`` (affine levels start from their closed-form fit: defence
-            against collapse, FINDINGS.md #1) | ``"model0"`` (the paper: model 0 perturbed by ``eps``).
+            against collapsing to client 0 on a skewed fusion set) | ``"model0"`` (the paper: model 0 perturbed by ``eps``).
         prox: weight of an L2 pull towards each level's starting point.
         kmeans_init: as for the linear variants, default ``"model0"`` (keeps model 0's neuron order).
     """
@@ -405,7 +404,6 @@ def _resolve_scores(models: list[nn.Module], parents_levels: list[list[Level]], 
         if opts.fusion_labels is None:
             raise MissingInputError(f"neuron interpolation: importance={opts.importance!r} computed on the server "
                                     "needs fusion_labels")
-        from fedfuse.importance import neuron_importance
         y = torch.as_tensor(opts.fusion_labels).long()
         dicts = [neuron_importance(copy.deepcopy(m), fusion_inputs, y, method=opts.importance,
                                    batch_size=opts.importance_batch_size, device=device) for m in models]
@@ -433,8 +431,8 @@ def _head_assignment(opts: InterpolationOptions, widths: list[int], s: torch.Ten
     """``A [n·C, C]`` of the classifier level: class ``c`` ↔ class ``c`` in every model (identity grouping).
 
     Default: linear = importance-weighted mean of the parents' class-``c`` outputs (Theorem 1 with the
-    head's scores); gradient = the ``weights``-weighted average of the raw logits (spec §2.3b).
-    ``head_weights=True`` (spec §2.3b "Head Weights"): model ``m``'s class-``c`` output is weighted by
+    head's scores); gradient = the ``weights``-weighted average of the raw logits.
+    ``head_weights=True``: model ``m``'s class-``c`` output is weighted by
     the fraction of all training samples of class ``c`` that model ``m`` held (``class_counts``), so a
     class's target logit comes from the clients that trained on it (a class nobody held falls back to
     the default weights).
@@ -519,7 +517,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
         return balanced_kmeans(coords, s, widths)
     init: str | torch.Tensor = opts.kmeans_init
     if init == "model0":
-        # centres seeded with model 0's neurons keep model 0's neuron order (spec §2.2b, gradient KF)
+        # centres seeded with model 0's neurons keep model 0's neuron order
         init = torch.arange(k) if widths[0] == k else "farthest"
     res = weighted_kmeans(coords, s, k, init=init, restarts=opts.kmeans_restarts, seed=seed)
     diag.update(kmeans_cost=res.cost, kmeans_iterations=res.iterations)
@@ -532,7 +530,7 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
 
 def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Tensor, *, optimizer: str, lr: float,
                epochs: int, weight_decay: float, opts: InterpolationOptions, seed: int, device: torch.device) -> dict[str, float]:
-    """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE, spec §2.3b).
+    """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE).
 
     ``x_in [B, ...]`` level input, ``target [B, ...]`` level-shaped targets. Eval mode (no dropout;
     BatchNorm keeps its running statistics, its affine parameters train). Early stopping on the
@@ -598,11 +596,192 @@ def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Te
 # the algorithm
 # ----------------------------------------------------------------------------------------------------
 
+def _check_parents(name: str, grouping: str, fit: str, plv: list[list[Level]], opts: InterpolationOptions,
+                   target: nn.Module | None) -> dict[int, int]:
+    """Check that the parents (levels ``plv``) and ``target`` can be fused by this variant; returns the
+    fused width of every hidden level (``fused_width``, the target's widths or model 0's)."""
+    n, n_levels = len(plv), len(plv[0])
+    for m, lv in enumerate(plv):
+        if len(lv) != n_levels:
+            raise IncompatibleModelsError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
+        if lv[-1].width != plv[0][-1].width:
+            raise IncompatibleModelsError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has "
+                                          f"{plv[0][-1].width}")
+    if grouping == "hf":
+        if n != 2:
+            raise IncompatibleModelsError(f"{name} fuses exactly two models (Hungarian matching), got {n}; "
+                                          f"use kf-{fit}")
+        for a, b in zip(plv[0][:-1], plv[1][:-1]):
+            if a.width != b.width:
+                raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
+                                              f"{b.width}")
+    tlv = None
+    if target is not None:
+        if grouping != "kf":
+            raise IncompatibleModelsError(f"{name} cannot build into another architecture (target=); use kf-{fit}")
+        if opts.fused_width is not None:
+            raise FusionOptionError(f"{name}: give either target= or option 'fused_width', not both")
+        tlv = model_levels(target)
+        if len(tlv) != n_levels or tlv[-1].width != plv[0][-1].width:
+            raise IncompatibleModelsError(f"{name}: target has {len(tlv)} levels and {tlv[-1].width} classes, the "
+                                          f"models {n_levels} levels and {plv[0][-1].width} classes; a target may "
+                                          "change widths only")
+    widths_f = _fused_widths(opts, plv[0]) if tlv is None else {i: tlv[i].width for i in range(n_levels - 1)}
+    if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
+        raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
+                                "matching")
+    return widths_f
+
+
+def _fused_start(name: str, models: list[nn.Module], plv: list[list[Level]], widths_f: dict[int, int],
+                 target: nn.Module | None, device: torch.device) -> nn.Module:
+    """The model that becomes the fused one: ``target``, or a copy of model 0 (resized to ``widths_f`` when
+    they differ from model 0's widths)."""
+    if target is not None:
+        return target.to(device).eval()
+    if any(widths_f[i] != plv[0][i].width for i in widths_f):
+        if not isinstance(models[0], nn.Sequential):
+            raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
+                                          f"nn.Sequential models only, not {type(models[0]).__name__}")
+        return _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
+    return copy.deepcopy(models[0]).to(device).eval()
+
+
+@dataclass
+class _LevelStep:
+    """One level ``index`` of Algorithm 1: the parents' outputs at this level and the fused model's input."""
+
+    index: int
+    last: bool                    # the classifier level
+    parents: list[Level]          # the parents' level ``index``
+    fused: Level                  # the fused model's level ``index``
+    widths: list[int]             # the parents' widths
+    k: int                        # the fused width
+    s: torch.Tensor               # importance of every parent neuron, concatenated [Σ widths]
+    h_par: list[torch.Tensor]     # each parent's level outputs on the fusion set
+    h_fus: torch.Tensor           # the fused model's level input on the fusion set
+    head_a: torch.Tensor | None   # classifier: the class assignment (_head_assignment)
+    chunk: int
+
+    @property
+    def layout(self) -> str:
+        return self.parents[0].layout
+
+    @property
+    def rows(self) -> int:
+        return self.h_fus.shape[0]
+
+    def zcat(self, i: int, j: int) -> torch.Tensor:
+        """``[rows, Σ widths]``: the parents' neurons of samples ``i:j`` side by side."""
+        return torch.cat([neurons_last(h[i:j], self.layout) for h in self.h_par], 1).double()
+
+
+def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: list[torch.Tensor | None],
+                   k_prev: int, device: torch.device):
+    """Closed-form fit of an affine level: the least-squares coefficients of every parent
+    neuron on the fused level's inputs, as a deviation from the parents' own (grouped) weights with
+    ``prior="parents"``; returns ``(ls, head_coef)`` — ``ls.coef`` ``[d, Σ widths]`` and ``ls.coords`` (the
+    projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``)."""
+    lvf, widths, k, n = step.fused, step.widths, step.k, len(step.widths)
+    nonlinear_head = step.last and opts.head_target != "logits"
+    bias = _folded_has_bias(lvf)
+    d = lvf.layer.weight[0].numel() + int(bias)
+    xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
+    xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
+    # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
+    xtt = torch.zeros(d, k, dtype=torch.float64, device=device) if nonlinear_head else None
+    with torch.no_grad():
+        for i in range(0, step.rows, step.chunk):
+            dm = design_matrix(lvf.layer, lvf.pre(step.h_fus[i:i + step.chunk]), bias).double()
+            z = step.zcat(i, i + step.chunk)
+            xtx += dm.T @ dm
+            xtz += dm.T @ z
+            if nonlinear_head:
+                xtt += dm.T @ head_targets(z, step.head_a, n, opts.head_target, opts.head_temperature,
+                                           opts.head_floor)
+    rel = opts.head_ridge if (step.last and opts.head_ridge is not None) else opts.ridge
+    ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
+    ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
+    if opts.prior == "parents":
+        pri = [aligned_parent_weights(step.parents[m], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
+        pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
+               for m, p in enumerate(pri)]
+        prior = torch.cat(pri, 1).to(device)
+        # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
+        dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
+        ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
+    else:  # prior == "zero": the min-norm fit itself
+        prior = None
+    head_coef = None
+    if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
+        base = prior @ step.head_a if prior is not None else torch.zeros_like(xtt)
+        head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
+    return ls, head_coef
+
+
+def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts: InterpolationOptions, seed: int,
+                 level_info: dict, device: torch.device) -> torch.Tensor:
+    """Group label ``[Σ widths]`` of every parent neuron: identity for the classifier (class ``c`` ↔ class
+    ``c``), else HF/KF grouping of the neurons' coordinates (projected outputs for the linear fit, the Gram
+    matrix of the outputs for the gradient fit)."""
+    widths, k = step.widths, step.k
+    if step.last:
+        return torch.cat([torch.arange(w, device=device) for w in widths])
+    if fit == "linear":
+        coords = ls.coords  # projected outputs P z_j
+    else:
+        gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
+        for i in range(0, step.rows, step.chunk):
+            z = step.zcat(i, i + step.chunk)
+            gram += z.T @ z
+        coords = gram_coordinates(gram)
+    lv_name = step.parents[0].name
+    if k > sum(widths):
+        raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
+                                f"{lv_name!r} but the models have {sum(widths)} in all")
+    return _group(grouping, coords, step.s, widths, k, opts, seed + step.index, lv_name,
+                  level_info.setdefault(lv_name, {}))
+
+
+def _gradient_targets(step: _LevelStep, a: torch.Tensor, opts: InterpolationOptions) -> torch.Tensor:
+    """The gradient fit's targets on the fusion set: the head regresses the averaged raw logits
+    or ``head_target``; hidden levels the importance-weighted centroids ``Z @ a``."""
+    n = len(step.widths)
+    return torch.cat([neurons_restore(
+        (head_targets(step.zcat(i, i + step.chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
+         if step.last else step.zcat(i, i + step.chunk) @ a).float(), step.layout, step.h_par[0][i:i + step.chunk])
+        for i in range(0, step.rows, step.chunk)])
+
+
+def _fit_gradient_level(fused: nn.Module, step: _LevelStep, a: torch.Tensor, closed_form: torch.Tensor | None,
+                        opts: GradientInterpolationOptions, seed: int, device: torch.device) -> dict:
+    """Gradient fit of one level to ``_gradient_targets``, starting from the closed-form weights
+    ``closed_form`` (``init="auto"`` on an affine level) or from the current weights perturbed by ``eps``
+    towards a fresh initialisation; returns the fit's diagnostics."""
+    lvf = step.fused
+    target = _gradient_targets(step, a, opts)
+    if opts.align_residual and not step.last and step.layout == "tokens" and lvf.kind == "block":
+        target = _align_residual(step.h_fus, target, a, step.s, step.layout)
+    if closed_form is not None:
+        # closed-form start: defence against collapse
+        write_affine(lvf, closed_form)
+    elif opts.eps > 0:
+        fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + step.index)
+        named = dict(fused.named_parameters())
+        with torch.no_grad():
+            for pn, v in fresh.items():
+                named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
+    hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if step.last else \
+         (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
+    return _fit_level(fused, lvf, step.h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
+                      weight_decay=hp[3], opts=opts, seed=seed * 7919 + step.index, device=device)
+
+
 def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
                          scores=None, weights: list[float] | None = None, device: torch.device = torch.device("cpu"),
                          seed: int = 0, options: InterpolationOptions | None = None,
                          info: dict | None = None, target: nn.Module | None = None) -> nn.Module:
-    """Algorithm 1 of the paper (spec §2.1) with HF/KF grouping and linear/gradient fitting.
+    """Algorithm 1 of the paper with HF/KF grouping and linear/gradient fitting.
 
     Args:
         models: parents (model 0 = reference architecture and initialisation); not modified.
@@ -637,46 +816,8 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     parents = [copy.deepcopy(m).to(device).eval() for m in models]
     plv = [model_levels(p) for p in parents]
     n_levels = len(plv[0])
-    for m, lv in enumerate(plv):
-        if len(lv) != n_levels:
-            raise IncompatibleModelsError(f"{name}: model {m} has {len(lv)} levels but model 0 has {n_levels}")
-        if lv[-1].width != plv[0][-1].width:
-            raise IncompatibleModelsError(f"{name}: model {m} has {lv[-1].width} classes but model 0 has "
-                                          f"{plv[0][-1].width}")
-    if grouping == "hf":
-        if n != 2:
-            raise IncompatibleModelsError(f"{name} fuses exactly two models (Hungarian matching), got {n}; "
-                                          f"use kf-{fit}")
-        for a, b in zip(plv[0][:-1], plv[1][:-1]):
-            if a.width != b.width:
-                raise IncompatibleModelsError(f"{name} needs equal widths; level {a.name!r} has {a.width} vs "
-                                              f"{b.width}")
-    tlv = None
-    if target is not None:
-        if grouping != "kf":
-            raise IncompatibleModelsError(f"{name} cannot build into another architecture (target=); use kf-{fit}")
-        if opts.fused_width is not None:
-            raise FusionOptionError(f"{name}: give either target= or option 'fused_width', not both")
-        tlv = model_levels(target)
-        if len(tlv) != n_levels or tlv[-1].width != plv[0][-1].width:
-            raise IncompatibleModelsError(f"{name}: target has {len(tlv)} levels and {tlv[-1].width} classes, the "
-                                          f"models {n_levels} levels and {plv[0][-1].width} classes; a target may "
-                                          "change widths only")
-    widths_f = _fused_widths(opts, plv[0]) if tlv is None else {i: tlv[i].width for i in range(n_levels - 1)}
-    if grouping == "hf" and any(widths_f[i] != plv[0][i].width for i in widths_f):
-        raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
-                                "matching")
-
-    # the fused model: the target, or a copy of model 0, resized when another fused width is asked for
-    if target is not None:
-        fused = target.to(device).eval()
-    elif any(widths_f[i] != plv[0][i].width for i in widths_f):
-        if not isinstance(models[0], nn.Sequential):
-            raise IncompatibleModelsError(f"{name}: fused_width different from model 0's width is supported for "
-                                          f"nn.Sequential models only, not {type(models[0]).__name__}")
-        fused = _resize_sequential(copy.deepcopy(models[0]), widths_f).to(device).eval()
-    else:
-        fused = copy.deepcopy(models[0]).to(device).eval()
+    widths_f = _check_parents(name, grouping, fit, plv, opts, target)
+    fused = _fused_start(name, models, plv, widths_f, target, device)
     flv = model_levels(fused)
 
     if fit == "linear":
@@ -694,108 +835,30 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     for l in range(n_levels):
         last = l == n_levels - 1
         widths = [plv[m][l].width for m in range(n)]
-        k = plv[0][l].width if last else widths_f[l]
-        lvf = flv[l]
         s = torch.cat([s_all[m][l] for m in range(n)])
         # parents' level-l outputs on the raw fusion set (their own forward passes)
         h_par = [_chunked(plv[m][l].run, h_par[m], chunk) for m in range(n)]
-        layout = plv[0][l].layout
-
-        def zcat(i: int, j: int) -> torch.Tensor:  # [rows, d^M] concatenated neurons of samples i:j
-            return torch.cat([neurons_last(h_par[m][i:j], layout) for m in range(n)], 1).double()
-
         # classifier: class c ↔ class c in every model, weighted by _head_assignment
         head_a = _head_assignment(opts, widths, s, weights, fit, device) if last else None
-        nonlinear_head = last and opts.head_target != "logits"
-        if fit == "linear" or (opts.init != "model0" and lvf.affine):
-            bias = _folded_has_bias(lvf)
-            d = lvf.layer.weight[0].numel() + int(bias)
-            xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
-            xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
-            # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
-            xtt = torch.zeros(d, k, dtype=torch.float64, device=device) if nonlinear_head else None
-            with torch.no_grad():
-                for i in range(0, x.shape[0], chunk):
-                    dm = design_matrix(lvf.layer, lvf.pre(h_fus[i:i + chunk]), bias).double()
-                    z = zcat(i, i + chunk)
-                    xtx += dm.T @ dm
-                    xtz += dm.T @ z
-                    if nonlinear_head:
-                        xtt += dm.T @ head_targets(z, head_a, n, opts.head_target, opts.head_temperature,
-                                                   opts.head_floor)
-            rel = opts.head_ridge if (last and opts.head_ridge is not None) else opts.ridge
-            ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
-            ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
-            if opts.prior == "parents":
-                pri = [aligned_parent_weights(plv[m][l], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
-                pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
-                       for m, p in enumerate(pri)]
-                prior = torch.cat(pri, 1).to(device)
-                # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
-                dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
-                ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
-            else:  # prior == "zero": the min-norm fit itself
-                prior = None
-            if nonlinear_head:  # same least squares, as a deviation from the a-averaged parents' head
-                base = prior @ head_a if prior is not None else torch.zeros_like(xtt)
-                head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
+        step = _LevelStep(index=l, last=last, parents=[plv[m][l] for m in range(n)], fused=flv[l], widths=widths,
+                          k=plv[0][l].width if last else widths_f[l], s=s, h_par=h_par, h_fus=h_fus, head_a=head_a,
+                          chunk=chunk)
+        ls, head_coef = (_least_squares(step, opts, prev_labels, k_prev, device)
+                         if fit == "linear" or (opts.init != "model0" and step.fused.affine) else (None, None))
+        labels = _group_level(step, name, grouping, fit, ls, opts, seed, level_info, device)
+        # importance-weighted targets (Theorem 1); the head optionally by class counts
+        a = head_a if last else assignment_matrix(labels, s, step.k)
+        closed_form = None if ls is None else (head_coef if head_coef is not None else ls.coef @ a)
+        if fit == "linear":  # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
+            write_affine(step.fused, closed_form)
         else:
-            ls = None
-
-        # ---- grouping -------------------------------------------------------------------------
-        if last:  # classifier: class c ↔ class c in every model (identity grouping)
-            labels = torch.cat([torch.arange(w, device=device) for w in widths])
-        else:
-            if fit == "linear":
-                coords = ls.coords  # projected outputs P z_j (spec §2.3a)
-            else:
-                gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
-                for i in range(0, x.shape[0], chunk):
-                    z = zcat(i, i + chunk)
-                    gram += z.T @ z
-                coords = gram_coordinates(gram)
-            if k > sum(widths):
-                raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
-                                        f"{plv[0][l].name!r} but the models have {sum(widths)} in all")
-            labels = _group(grouping, coords, s, widths, k, opts, seed + l, plv[0][l].name,
-                            level_info.setdefault(plv[0][l].name, {}))
-
-        # ---- fit ----------------------------------------------------------------------------------
-        if fit == "linear":
-            # importance-weighted targets (Theorem 1); the head optionally by class counts
-            a = head_a if last else assignment_matrix(labels, s, k)
-            # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
-            write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
-        else:
-            # the head regresses the `weights`-averaged raw logits (spec §2.3b) or head_target; hidden
-            # levels plain importance-weighted centroids (importance acts through grouping and targets)
-            a = head_a if last else assignment_matrix(labels, s, k)
-            target = torch.cat([neurons_restore(
-                (head_targets(zcat(i, i + chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
-                 if last else zcat(i, i + chunk) @ a).float(), layout, h_par[0][i:i + chunk])
-                for i in range(0, x.shape[0], chunk)])
-            if opts.align_residual and not last and layout == "tokens" and lvf.kind == "block":
-                target = _align_residual(h_fus, target, a, s, layout)
-            if opts.init != "model0" and lvf.affine:
-                # closed-form start: defence against collapse
-                write_affine(lvf, head_coef if nonlinear_head else ls.coef @ a)
-            elif opts.eps > 0:
-                fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + l)
-                named = dict(fused.named_parameters())
-                with torch.no_grad():
-                    for pn, v in fresh.items():
-                        named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
-            hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if last else \
-                 (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
-            fit_info = _fit_level(fused, lvf, h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
-                                  weight_decay=hp[3], opts=opts, seed=seed * 7919 + l, device=device)
+            fit_info = _fit_gradient_level(fused, step, a, closed_form, opts, seed, device)
             level_info.setdefault(plv[0][l].name, {}).update(fit_info)
-            del target
         if not last:
-            h_fus = _chunked(lvf.run, h_fus, chunk)
+            h_fus = _chunked(step.fused.run, h_fus, chunk)
             offs = [sum(widths[:m]) for m in range(n)]
             prev_labels = [labels[offs[m]:offs[m] + widths[m]] for m in range(n)]
-            k_prev = k
+            k_prev = step.k
     for p in fused.parameters():
         p.requires_grad_(True)
     return fused.eval()
@@ -804,7 +867,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
 def _align_residual(h_in: torch.Tensor, target: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
                     layout: str) -> torch.Tensor:
     """Reorder the target columns so column ``i`` is the cluster closest to input dimension ``i``
-    (ViT residual stream, spec §2.4), Hungarian on ``importance(cluster) · ‖x_i − T_k‖²``.
+    (ViT residual stream), Hungarian on ``importance(cluster) · ‖x_i − T_k‖²``.
     ``h_in [B, T, D]``, ``target [B, T, D]``; returns the permuted target."""
     xi = neurons_last(h_in, layout).double()
     tk = neurons_last(target, layout).double()
@@ -832,7 +895,7 @@ def _make(grouping: str, fit: str, any_target: bool = False):
                                         scores=scores, weights=weights, device=device, seed=seed, options=options,
                                         info=info)
     fn.__name__ = f"fuse_{grouping}_{fit}"
-    fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting (spec §2). "
+    fn.__doc__ = (f"Neuron Interpolation, {grouping.upper()} grouping with {fit} fitting. "
                   "See ``neuron_interpolation``; options: "
                   f"``{'GradientInterpolationOptions' if fit == 'gradient' else 'InterpolationOptions'}``.")
     return fn

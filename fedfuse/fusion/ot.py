@@ -1,13 +1,12 @@
 """OT fusion: align every client to the reference with layer-wise optimal transport, then average.
 
-Papers: OTFusion (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020, arXiv 1910.05653;
-external, spec ``flower.md`` §5) and its transformer extension, seed 000 (``000_8e78aac31e48d1b4``;
-Imfeld et al., "Transformer Fusion with Optimal Transport", ICLR 2024). Implements spec
-``ot-transfusion-tofu.md`` §1.1 (layer-wise primitive), §1.2 (ground cost from activations or weights),
-§1.3 (exact EMD or Sinkhorn), §1.4 (transport-map flow through LayerNorm, Q/K/V/out projections, MLP and
-residual connections with the residual policies), §1.5 (n > 2 models against one anchor, with the
-α bug fixed: every tensor uses the same model weights), §1.6 (different widths fused into the anchor's
-width with column-normalised maps). Written fresh from the specification (POT for the solvers).
+Papers: OTFusion (Singh & Jaggi, "Model Fusion via Optimal Transport", NeurIPS 2020, arXiv 1910.05653) and
+its transformer extension (Imfeld et al., "Transformer Fusion with Optimal Transport", ICLR 2024, arXiv 2310.05719). Implemented: the layer-wise transport primitive, the ground
+cost from activations or weights, exact EMD or Sinkhorn plans, the transport-map flow through LayerNorm,
+Q/K/V/out projections, MLP and residual connections (with the residual policies), n > 2 models against one
+anchor (every tensor with the same model weights, unlike the reference code's α) and different widths
+fused into the anchor's width with column-normalised maps. Written fresh from the papers (POT for the
+solvers).
 
 For each model ``k ≥ 1`` (A) and the anchor model 0 (B), groups are visited in forward order; each
 gets a ground cost between A's and B's units,
@@ -21,9 +20,10 @@ and a plan ``P`` (``solver="emd"`` exact, ``"sinkhorn"`` entropic with ``reg`` o
 cost) with uniform marginals or, with ``marginals="importance"``, the clients' importance scores.
 Attention groups are head-preserving by default (head pairing by the units' OT cost, plans inside
 matched heads); ``head_preserving=False`` gives the reference code's cross-head plans. The class layer
-is aligned on its inputs only (FINDINGS.md #3). Residual streams of timm ViTs: ``residual="tied"``
+is aligned on its inputs only (transporting its outputs would permute the classes of clients that saw
+different classes). Residual streams of timm ViTs: ``residual="tied"``
 (one plan for the whole stream, exact under permutations) or the reference policies ``"mean"``,
-``"no_resid"``, ``"only_resid"`` over per-position plans (§1.4 table). Finally the aligned models are
+``"no_resid"``, ``"only_resid"`` over per-position plans (the transformer paper's residual policies). Finally the aligned models are
 averaged with ``weights``, BN statistics are re-estimated on the fusion set, and an optional short
 fine-tuning stage runs (off by default).
 """
@@ -40,37 +40,14 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
-                                    collect_activations, marginal_from_scores, solve_group, standardize,
-                                    weight_features)
+from fedfuse.fusion.permute import (Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
+                                    build_spec, check_compatible, collect_activations, marginal_from_scores,
+                                    solve_group, standardize, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
-from fedfuse.fusion.selective import adapter_block_paths as block_paths
 from fedfuse.fusion.selective import fuse_selective
 
 ResidualPolicy = Literal["tied", "mean", "no_resid", "only_resid"]
 POLICIES = typing.get_args(ResidualPolicy)
-
-
-def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> torch.Tensor:
-    """Ground cost ``[m_A, m_B]``: Euclidean distance between unit activation vectors ``x [S, m]``."""
-    if xa.shape[0] != xb.shape[0]:
-        raise IncompatibleModelsError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens "
-                                      "must match")
-    if std:
-        xa, xb = standardize(xa), standardize(xb)
-    xa, xb = xa.double(), xb.double()
-    sq = (xa * xa).sum(0)[:, None] + (xb * xb).sum(0)[None, :] - 2.0 * (xa.t() @ xb)  # Gram form: one matmul
-    return sq.clamp_min(0).sqrt().cpu()
-
-
-def weight_cost(fa: torch.Tensor, fb: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-    """Ground cost ``[m_A, m_B]``: Euclidean distance between (unit-normalised) weight rows ``f [m, F]``."""
-    if fa.shape[1] == 0:
-        return torch.zeros(fa.shape[0], fb.shape[0], dtype=torch.float64)
-    if normalize:
-        fa = fa / fa.norm(dim=1, keepdim=True).clamp_min(1e-12)
-        fb = fb / fb.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return torch.cdist(fa, fb)
 
 
 def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost: str = "activations",
@@ -123,7 +100,7 @@ class OTOptions(AlignOptions):
     Attributes:
         cost: ``"activations"`` | ``"weights"`` (``None`` = activations when a fusion set is given).
         solver: ``"emd"`` (exact; permutations for equal widths) | ``"sinkhorn"`` (entropic, soft plans).
-        reg: Sinkhorn ε on the max-normalised cost (spec: 0.05–0.1); must be > 0 for ``"sinkhorn"``.
+        reg: Sinkhorn ε on the max-normalised cost (0.05–0.1 works); must be > 0 for ``"sinkhorn"``.
         marginals: ``"uniform"`` | ``"importance"`` (the clients' per-unit scores as OT marginals).
         residual: ViT residual policy ``"tied"`` | ``"mean"`` | ``"no_resid"`` | ``"only_resid"``.
         head_preserving: head-structured attention plans (default) or cross-head (reference code).
@@ -132,7 +109,7 @@ class OTOptions(AlignOptions):
         anchor: index of the model whose architecture the fused model takes (the OT reference B; default
             model 0). Another anchor, and models of different depths (ViTs: blocks matched by CKA on the
             fusion set), run through ``fedfuse.fusion.selective`` (``residual="tied"``, activation cost).
-        selective: importance-conditioned ("selective", seed 000 §1.9) transport, ``fedfuse.fusion.selective``:
+        selective: importance-conditioned ("selective" / conditional) transport, ``fedfuse.fusion.selective``:
             mass ∝ unit importance, heads as units, low-importance / unmatched units keep the anchor's
             values. The options below apply only with ``selective=true``.
         importance: ``"auto"`` (the clients' scores where they cover a group, else a Taylor score

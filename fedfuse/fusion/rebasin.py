@@ -1,24 +1,24 @@
 """Git Re-Basin fusion: permutation matching of every client to the reference, then averaging.
 
 Paper: Ainsworth, Hayase & Srinivasa, "Git Re-Basin: Merging Models modulo Permutation Symmetries",
-ICLR 2023, arXiv 2209.04836 (external; spec ``flower.md`` §5 "Git Re-Basin" anchor, and ``ot-transfusion-tofu.md`` §2.2
-for the weight-matching core that TransFusion reuses). Written fresh from those descriptions.
+ICLR 2023, arXiv 2209.04836 (and its weight-matching core as TransFusion reuses it). Written fresh from
+the papers.
 
 - *Weight matching*: maximise ``Σ_ℓ ⟨W_ℓ^B, P_ℓ W_ℓ^A P_{ℓ-1}ᵀ⟩`` by coordinate descent over the
   permutation groups (each step a linear assignment, ``scipy.optimize.linear_sum_assignment``, summing
   every tensor the group touches: its rows, the next layer's columns, biases, norm parameters), until a
   sweep improves nothing (≤ ``max_iter`` sweeps). Groups are visited in random order (seeded).
-  Initialisation: the paper's identity, or (default, [derived]) one sequential forward pass that
+  Initialisation: the paper's identity, or (default, not in the paper) one sequential forward pass that
   matches each group on its rows given the inputs already matched.
 - *Activation matching*: per group, maximise the cross-correlation of the units' activations on the
   fusion set (one assignment per group, no iteration).
 - Attention heads (timm ViT) are matched head-preservingly: the head pairing minimises the best
-  within-head assignment cost ("brute-force" head matching, TransFusion's ablation baseline, §2.3),
+  within-head assignment cost ("brute-force" head matching, TransFusion's ablation baseline),
   so permutations never mix heads and the permuted model computes the same function.
 - Then (importance-)weighted averaging: model weights ``weights`` (e.g. client sample counts), and
   per-unit importance weights when ``scores`` are given.
 - BatchNorm running statistics are re-estimated on the fusion set after fusion (the known failure of
-  averaged BN statistics, ``flower.md`` §5 / themrzmaster/git-re-basin-pytorch#3).
+  averaged BN statistics, themrzmaster/git-re-basin-pytorch#3).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
-                                    collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
+from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
+                                    check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, weight_features)
 
 
@@ -74,7 +74,6 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
         ga, gb = spec_a.groups[g], spec_b.groups[g]
         if g in head_costs and not intra:
             d = ga.size // ga.blocks
-            from fedfuse.fusion.permute import assignment
             hp = assignment(head_costs[g], maximize=False)
             perm = torch.cat([hp[j] * d + torch.arange(d) for j in range(ga.blocks)])
             return Map.from_perm(perm), score

@@ -12,10 +12,10 @@ the strategies' ``refine`` option):
   Computation 2002) with a known target prior, i.e. the logit adjustment of Menon et al., "Long-tail
   learning via logit adjustment" (arXiv 2007.07314) estimated on unlabeled data. Why it matters in FL:
   under label skew every client pushes the logits of the classes it does not hold down, so the average's
-  classifier bias encodes a prior that no client and no test set has (measured: ``simulations/README.md``,
-  the multi-round section). Only the classifier bias changes; the features are untouched.
+  classifier bias encodes a prior that no client and no test set has (see the multi-round section of
+  ``simulations/README.md``). Only the classifier bias changes; the features are untouched.
 - ``distill``: FedDF's server step (Lin et al., "Ensemble Distillation for Robust Model Fusion in
-  Federated Learning", arXiv 2006.07242; spec ``heterogeneous-fl.md`` §3.1): the model (the student,
+  Federated Learning", arXiv 2006.07242): the model (the student,
   initialised from the fused model) learns the teachers' weighted mean softmax on ``X`` with Adam,
   early-stopped on a held-out part of ``X`` by the KL to the ensemble. The best state *including the
   start* is kept, so distillation never returns a student that agrees less with the ensemble on the
@@ -35,6 +35,7 @@ from torch import nn
 
 from fedfuse.fusion.distillation import _distill, teacher_probs
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, require
+from fedfuse.models import levels
 from fedfuse.training import predict_logits
 
 REFINE_STEPS = ("calibrate", "distill")
@@ -66,8 +67,6 @@ def classifier_bias(model: nn.Module) -> torch.nn.Parameter:
 
     Raises ``IncompatibleModelsError`` when the classifier has no bias (nothing to calibrate).
     """
-    from fedfuse.models import levels
-
     head = levels(model)[-1]
     named = dict(model.named_parameters())
     biases = [named[n] for n in head.param_names if n.endswith("bias") and named[n].dim() == 1]

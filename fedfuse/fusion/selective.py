@@ -1,9 +1,8 @@
 """Selective (conditional) OT fusion: importance-conditioned transport, heads as units, depth matching.
 
-Seed 000's abstract (``000_8e78aac31e48d1b4``: conditional OT aligns only the informative components —
-crucial heads, key normalisation parameters — and bypasses the rest; heterogeneous ViTs of different
-sizes) has no public code; this is the **[derived]** design of spec ``ot-transfusion-tofu.md`` §1.9
-written fresh on fedfuse's OT machinery (``fedfuse.fusion.permute``: permutation specs from the
+The idea (conditional OT aligns only the informative components — crucial heads, key normalisation
+parameters — and bypasses the rest, so heterogeneous ViTs of different sizes can be fused) comes from a
+paper abstract without public code; this is fedfuse's own design of it, written on fedfuse's OT machinery (``fedfuse.fusion.permute``: permutation specs from the
 adapters, activation collection, maps; POT for the unbalanced / partial solvers). It is ``ot``'s
 ``selective=True`` mode (``fuse("ot", models, fusion_inputs=X, selective=True)``); ``ot`` also routes
 models of different depths here (vanilla transport with block matching).
@@ -48,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.permute import (Map, apply_maps, assignment, build_spec, exact_block_costs, ot_plan, solve_group,
-                                    standardize)
+from fedfuse.fusion.permute import (Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
+                                    exact_block_costs, ot_plan, solve_group, standardize)
 from fedfuse.fusion.permute.activations import _rows, _subsample
 from fedfuse.fusion.permute.features import marginal_from_scores
 from fedfuse.fusion.permute.spec import Group, PermSpec
@@ -195,7 +194,6 @@ def monotone_match(sim: np.ndarray) -> list[tuple[int, int]]:
     """Order-preserving matching of ``min(L_A, L_B)`` pairs ``(i, j)`` maximising ``Σ sim[i, j]``
     (``sim [L_A, L_B]``; both indices strictly increasing)."""
     la, lb = sim.shape
-    k = min(la, lb)
     neg = -1e18
     # dp[i][j][n] is too big in general; with k = min(la, lb) one side is matched completely, so a
     # 2-D DP over (i, j) with "every row of the shorter side used" is enough
@@ -219,7 +217,7 @@ def monotone_match(sim: np.ndarray) -> list[tuple[int, int]]:
 def match_depth(model_a: nn.Module, model_b: nn.Module, x: torch.Tensor, *, device, max_rows: int,
                 seed: int) -> tuple[list[int | None], np.ndarray]:
     """For each block of B, the matched block of A (``None`` = unmatched) and the CKA matrix ``[L_A, L_B]``."""
-    pa, pb = adapter_block_paths(model_a), adapter_block_paths(model_b)
+    pa, pb = block_paths(model_a), block_paths(model_b)
     if len(pa) == len(pb):
         return list(range(len(pb))), np.eye(len(pb))
     if not pa or not pb:
@@ -237,18 +235,10 @@ def match_depth(model_a: nn.Module, model_b: nn.Module, x: torch.Tensor, *, devi
     return match, sim
 
 
-def adapter_block_paths(model: nn.Module) -> list[str]:
-    """Block paths of ``model`` (``[]`` for families without interchangeable blocks)."""
-    try:
-        return adapter_for(model).block_paths(model)
-    except UnsupportedModelError:
-        return []
-
-
 def depth_view(model_a: nn.Module, match: list[int | None]) -> tuple[nn.Module, list[int]]:
     """A's view with B's depth (blocks ``match``; an unmatched B block borrows A's nearest matched block as a
     placeholder that fusion gives weight 0) and the list of unmatched B block positions."""
-    if all(m == i for i, m in enumerate(match)) and len(match) == len(adapter_block_paths(model_a)):
+    if all(m == i for i, m in enumerate(match)) and len(match) == len(block_paths(model_a)):
         return model_a, []
     matched = [i for i, m in enumerate(match) if m is not None]
     idx, missing = [], []
@@ -429,8 +419,6 @@ def fuse_selective(models: list[nn.Module], *, fusion_inputs, scores, weights, d
     """Fuse ``models`` into ``models[opts.anchor]``'s architecture (see the module docstring). With
     ``opts.selective`` False: vanilla OT (uniform marginals, everything matched) with depth matching.
     Returns ``(fused model, whether any aligned state differs from the anchor's)``."""
-    from fedfuse.fusion.ot import activation_cost
-
     o = opts if opts.selective else dataclasses.replace(opts, transport="balanced", min_importance=0.0)
     k0 = o.anchor
     if not 0 <= k0 < len(models):
@@ -475,7 +463,7 @@ def fuse_selective(models: list[nn.Module], *, fusion_inputs, scores, weights, d
         acts_a = {g: standardize(v) for g, v in acts_a.items()}
         if need_imp:
             tay_a, act_a = taylor_importance(model, view, spec_a, x, target, device=device)
-        pa, pb = adapter_block_paths(model), adapter_block_paths(ref)
+        pa, pb = block_paths(model), block_paths(ref)
         renamed = match != list(range(len(pa)))
         sc_a = scores[k] if scores is not None else None
         if sc_a is not None and renamed:  # A's block levels under the names of the B blocks they match

@@ -2,13 +2,12 @@
 
 Paper: "Update Your Transformer to the Latest Release: Re-Basin of Task Vectors" (TransFusion; Rinaldi et
 al., ICML 2025, arXiv 2505.22697): transporting task vectors across pretrained releases with head-aware
-permutations. Implements spec
-``ot-transfusion-tofu.md`` §2.2 (weight-matching core, coordinate ascent with Hungarian steps), §2.3
-(two-level attention alignment: inter-head spectral distance on singular values of the Q/K/V rows and
-the output projection's column blocks, then intra-head assignment), §2.4 (residual connections:
-untied per-position stream permutations for transport, tied for a valid plain ViT), §2.5/§2.8
-(transport of every task-vector tensor), §2.9 (use (a): align clients before averaging). Written from
-the specification, not from the authors' code.
+permutations. Implemented: the weight-matching core (coordinate ascent with Hungarian steps), the
+two-level attention alignment (inter-head spectral distance on singular values of the Q/K/V rows and
+the output projection's column blocks, then intra-head assignment), residual connections (untied
+per-position stream permutations for transport, tied for a valid plain ViT), the transport of every
+task-vector tensor, and its use for fusion (align clients before averaging). Written from the paper,
+not from the authors' code.
 
 Use (a) is the fusion method ``transfusion`` here; use (b), moving a task vector onto a new base
 release, is :func:`fedfuse.rebase.transport`, built on :func:`transfusion_match`.
@@ -39,7 +38,7 @@ def head_blocks(t: torch.Tensor, axis: int, n_heads: int) -> list[torch.Tensor]:
 
 def spectral_head_cost(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
                        top_k: int | None = None, include_proj: bool = True) -> torch.Tensor:
-    """Inter-head distance ``D [H_A, H_B]`` (spec §2.3 step 1).
+    """Inter-head distance ``D [H_A, H_B]``.
 
     ``D_ij = Σ_W ‖σ(W_i^A) − σ(W_j^B)‖₂`` over the head blocks of Q, K, V rows (``[d_k, d_in]``) and,
     with ``include_proj``, the output projection's column blocks; ``σ`` are the top ``top_k`` singular

@@ -4,9 +4,9 @@ Tier models are index slices of the global model (HeteroFL's top-left slices, Fe
 of tier ``r`` trains *units* ``0..⌈r·C⌉-1`` of every hidden group. Neuron-interpolation fusion (kf-linear,
 kf-gradient: "Model Fusion via Neuron Interpolation", arXiv 2507.00037) builds the fused model's units from
 k-means clusters in an arbitrary order, so after fusion unit ``i`` of the global model is no longer the unit
-the narrow tiers trained: measured on MNIST-1D (MLP 256×2, tiers 1/0.5/0.25), the first quarter of the fused
-first layer has mean row cosine 0.03 to the previous global model's (the HeteroFL average: 0.99), and every
-round sends the narrow tiers an unrelated sub-network (accuracy drifts from 0.21 to 0.16 over 15 rounds).
+the narrow tiers trained: the narrow tiers' slice of the fused model is barely related to the one they trained,
+so every round sends them an unrelated sub-network and their accuracy drifts down
+(``docs/measurements-fusion.md``).
 
 ``align_to_anchor`` permutes the fused model's units onto an *anchor* of the global architecture whose
 units do correspond to the tiers' (the HeteroFL sub-model average of the same replies): Git Re-Basin weight
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute import apply_maps, build_spec, check_compatible
+from fedfuse.fusion.rebasin import weight_matching
 
 
 def align_to_anchor(model: nn.Module, anchor: nn.Module, *, seed: int = 0, max_iter: int = 30) -> tuple[nn.Module, dict]:
@@ -31,8 +32,6 @@ def align_to_anchor(model: nn.Module, anchor: nn.Module, *, seed: int = 0, max_i
     The permuted model computes the same function as ``model``. ``info``: ``anchor-objective`` (weight-matching
     objective ⟨anchor, permuted⟩), ``anchor-moved`` (fraction of units that changed position).
     """
-    from fedfuse.fusion.rebasin import weight_matching
-
     spec_m, spec_a = build_spec(model), build_spec(anchor)
     sm, sa = model.state_dict(), anchor.state_dict()
     check_compatible(spec_m, spec_a, sm, sa, same_width=True)

@@ -1,8 +1,8 @@
 """FjORD's ordered dropout in local training: a client of tier ``r`` trains, batch by batch, the nested
 sub-model of a width ``p`` drawn uniformly from the federation's tiers ``p <= r``, so every tier's model is
 trained by every client that can hold it, in its own context (Horváth et al., "FjORD: Fair and Accurate
-Federated Learning under heterogeneous targets with Ordered Dropout", arXiv 2102.13460, §3 "Ordered Dropout";
-spec ``heterogeneous-fl.md`` §2.3). Without self-distillation.
+Federated Learning under heterogeneous targets with Ordered Dropout", arXiv 2102.13460, §3 "Ordered
+Dropout"). Without self-distillation.
 
 The sub-model of width ``p`` is the tier model the server would send a ``p`` client: the same nested layout
 (``fedfuse.hetero.submodel``, top-left inside the client's own model, which is itself the global model's

@@ -27,6 +27,7 @@ from torch import nn
 
 from fedfuse.hetero.submodel import SubModel, slice_state, submodel
 from fedfuse.models import adapter_for
+from fedfuse.pruning import prune_result
 
 
 def _moved_to_front(view: torch.Tensor, axis: int) -> torch.Tensor:
@@ -152,8 +153,6 @@ def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[n
         ``{tier name (list: its index): {"kept-moved": fraction of the tier's units that were not already in its slice,
         "criterion": ..., "seconds": ...}}``.
     """
-    from fedfuse.pruning import prune_result
-
     adapter = adapter_for(global_model)
     spec = adapter.perm_spec(global_model)
     sizes = {g: grp.size for g, grp in spec.groups.items()}

@@ -1,6 +1,6 @@
 """Fusion levels: the ordered blocks of a model whose output neurons are matched.
 
-The Neuron Interpolation paper (seed 001, spec ``neuron-interpolation.md`` §1.1, §2.4) writes a model
+The Neuron Interpolation paper ("Model Fusion via Neuron Interpolation", arXiv 2507.00037) writes a model
 as ``f = f^L ∘ … ∘ f^1``; each ``f^l`` is a *level*. ``levels(model)`` returns that decomposition with
 stable names, output widths and a ``run`` callable per level so that fusion code can feed a level the
 output of the (fused) previous level:
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fedfuse.models.adapters import AFFINE_LAYERS, BATCHNORMS, Level, adapter_for, model_family
+from fedfuse.tofu import suspended
 
 
 def levels(model: nn.Module) -> list[Level]:
@@ -52,8 +53,6 @@ def level_outputs(model: nn.Module, x: torch.Tensor, upto: int | None = None) ->
     same token count to be matched.
     """
     if getattr(model, "_tofu_state", None) is not None:
-        from fedfuse.tofu import suspended
-
         with suspended(model):
             return _level_outputs(model, x, upto)
     return _level_outputs(model, x, upto)

@@ -1,4 +1,4 @@
-"""FS-Merge training data: augmented copies of the fusion set (spec ``fs-merge.md`` §1.5), the opt-in
+"""FS-Merge training data: augmented copies of the fusion set (as the paper trains), the opt-in
 synthesised inputs of the collapse defence, and the scaled feature targets."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def prepare_data(models: list[nn.Module], x: torch.Tensor, cfg: FSMergeOptions, 
                  gen: torch.Generator) -> _Prepared:
     """Fusion pool = originals + ``augment`` fixed copies (+ ``synth`` inverted inputs per client), targets and
     centred, per-model scaled targets ``s_k (f_k − μ_k)`` with ``s_k = 1 / std(f_k)``, so every model's features count
-    equally (spec §1.5, MLP setting) and the loss measures the feature *variation* (uncentred post-ReLU features
+    equally and the loss measures the feature *variation* (uncentred post-ReLU features
     let a constant output score a low loss; the centre is folded back into the head bias)."""
     x = x.detach().float().cpu()
     tid = None

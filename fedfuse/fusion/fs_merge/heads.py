@@ -1,4 +1,4 @@
-"""Folding the class heads onto the merged features (spec ``fs-merge.md`` §6)."""
+"""Folding the class heads onto the merged features (Foldable SuperNets, arXiv 2410.19251: one shared head or one per model)."""
 
 from __future__ import annotations
 

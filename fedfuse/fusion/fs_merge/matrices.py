@@ -1,5 +1,5 @@
-"""FS-Merge merge / unmerge matrices and folding of one linear slot (Foldable SuperNets, arXiv 2410.19251;
-spec ``fs-merge.md`` §1.3, §1.4, §1.6)."""
+"""FS-Merge merge / unmerge matrices and folding of one linear slot (Foldable SuperNets,
+arXiv 2410.19251)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class MergeMatrix(nn.Module):
             if r < 0:
                 raise ValueError(f"fs-merge: rank must be >= 0 or 'full', got {rank!r}")
             self.rank = r
-            # A = 0 keeps the init exact; B small random so A gets a gradient (spec §1.4, [reference code])
+            # A = 0 keeps the init exact; B small random so A gets a gradient
             self.A = nn.Parameter(torch.zeros(rows, r))
             self.B = nn.Parameter(0.1 * d ** -0.5 * torch.randn(r, cols, generator=generator) / max(r, 1))
             if init == "random" and base is None and r > 0:
@@ -76,7 +76,7 @@ def split_blocks(mat: torch.Tensor, kind: str, n: int) -> list[torch.Tensor]:
 
 def fold_linear(u_blocks: list[torch.Tensor] | None, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                 m_blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fold one frozen linear slot (spec §1.6), PyTorch storage in and out.
+    """Fold one frozen linear slot, PyTorch storage in and out.
 
     ``weights[k]``: ``[d_out, d_in]`` (``nn.Linear.weight``); ``u_blocks[k]``: ``[d_in', d_in]`` (None = identity,
     the raw-input ``U_0``); ``m_blocks[k]``: ``[d_out, d_out']``. Returns ``(W* [d_out', d_in'], b* [d_out'] | None)``

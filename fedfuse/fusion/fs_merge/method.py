@@ -1,4 +1,4 @@
-"""The registered methods ``fs-merge`` (global) and ``fs-merge-seq`` (sequential, spec ``fs-merge.md`` §2)."""
+"""The registered methods ``fs-merge`` (global) and ``fs-merge-seq`` (sequential)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from fedfuse.fusion.fs_merge.data import prepare_data
 from fedfuse.fusion.fs_merge.heads import fold_heads, heads_of
 from fedfuse.fusion.fs_merge.options import FSMergeOptions, resolve_defaults
-from fedfuse.fusion.fs_merge.supernet import SuperNet, merge_structure
+from fedfuse.fusion.fs_merge.structure import structure_for
+from fedfuse.fusion.fs_merge.supernet import SuperNet
 from fedfuse.fusion.fs_merge.training import epochs_to_steps, reconstruction_loss, train_supernet
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError,
                                      NumericalFusionError, register)
@@ -72,7 +73,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
                   info: dict) -> nn.Module:
     """Global FS-Merge of all ``models`` at once; returns one model of model 0's size (``FSMergeOptions``).
 
-    Fixed point (issue 12): with ``keep_best`` (default) the result is the state with the lowest reconstruction
+    Fixed point (copies of a model fuse back to it): with ``keep_best`` (default) the result is the state with the lowest reconstruction
     objective among the training start, the exact start (body as initialised — model 0 for ``init="first"`` —
     with an exact reconstruction of every model that agrees with it: objective 0 for copies) and the training
     checkpoints. So ``fuse("fs-merge", [a, a, ...], weights=w)`` is ``a`` (the shared head is ``Σ_k w_k W_k =
@@ -88,7 +89,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
     ``pool`` (training inputs), ``seconds`` and ``trainable`` (parameter count).
     """
     _check_inputs(models, fusion_inputs)
-    cfg = resolve_defaults(options, merge_structure(models).kind)
+    cfg = resolve_defaults(options, structure_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)
@@ -116,7 +117,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
 @register("fs-merge-seq", options=FSMergeOptions, needs_data=True, min_models=2, families=("sequential", "vit"))
 def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, options: FSMergeOptions,
                       info: dict) -> nn.Module:
-    """FS-Merge seq. (spec §2): merge models 0 and 1, then the result with model 2, ...
+    """FS-Merge seq.: merge models 0 and 1, then the result with model 2, ...
 
     Stage t is a 2-model SuperNet ``(merged_{t-1}, model_{t+1})`` with "first" init (it starts exactly at the
     previous stage's model) and a ``U_final`` of t+2 blocks whose first t+1 start at the previous stage's,
@@ -128,17 +129,16 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
     the state kept; 0 = a start), ``stage_kept_exact`` (per stage, whether the exact start was kept), ``seconds``
     and ``pool``.
 
-    Default schedule (600 + 150 per intermediate stage, lr 1e-3 for MLPs) works out of the box with 3-4 clients:
-    the earlier collapse to chance was the old MLP lr 1e-2 (dead ReLUs), not the stage length. Chosen on a held-out
-    quarter of the fusion set (300 samples from client 0, results/fs_merge/tune/seq.jsonl): longer intermediate
-    stages (300 or 600) were not better on validation (digits Dirichlet-4: val acc 0.933 default vs 0.920 / 0.920;
-    digits shards-4: 0.507 vs 0.467) and cost 1.5-2x the time.
+    Default schedule (600 + 150 per intermediate stage, lr 1e-3 for MLPs) works out of the box with 3-4 clients
+    (a too large MLP lr, not the stage length, makes ReLUs die and the merge collapse). It was the best measured
+    setting on held-out fusion data: longer intermediate stages were not better and cost more time (figures:
+    ``docs/measurements-fusion.md``).
     """
     if options.init != "first":
         raise FusionOptionError("fs-merge-seq: stages are initialised from the previous merge; only init='first' "
                                 f"applies, got init={options.init!r}")
     _check_inputs(models, fusion_inputs)
-    cfg = resolve_defaults(options, merge_structure(models).kind)
+    cfg = resolve_defaults(options, structure_for(models).kind)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     data = prepare_data(models, fusion_inputs, cfg, device, gen)

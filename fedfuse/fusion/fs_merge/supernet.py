@@ -1,7 +1,8 @@
-"""The Foldable SuperNet around n frozen models (spec ``fs-merge.md`` §1.1–1.2, §1.6).
+"""The Foldable SuperNet around n frozen models (Foldable SuperNets, arXiv 2410.19251).
 
-The family-specific layout (which slots get which M/U, the wide forward pass) is the family adapter's
-FS-Merge structure (``fedfuse.models.adapters``: ``SequentialMergeStructure``, ``ViTMergeStructure``).
+The family-specific layout (which slots get which M/U, the wide forward pass) is the FS-Merge structure that
+``fedfuse.fusion.fs_merge.structure.structure_for`` picks by the models' adapter family
+(``SequentialMergeStructure``, ``ViTMergeStructure``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from torch import nn
 from torch.func import functional_call
 
 from fedfuse.fusion.fs_merge.matrices import MergeMatrix
-from fedfuse.fusion.registry import IncompatibleModelsError
-from fedfuse.models.adapters import UnsupportedModelError, adapter_for
+from fedfuse.fusion.fs_merge.structure import structure_for
+from fedfuse.models.adapters import adapter_for
 
 
 class Features(nn.Module):
@@ -29,22 +30,11 @@ class Features(nn.Module):
         return self.adapter.pre_logits(self.m, x)
 
 
-def merge_structure(models: list[nn.Module]):
-    """The FS-Merge structure of ``models`` (one family, model 0's layout) from the family's adapter;
-    ``IncompatibleModelsError`` naming the unsupported part otherwise."""
-    try:
-        adapters = [adapter_for(m) for m in models]
-        if len({a.family for a in adapters}) != 1:
-            raise UnsupportedModelError("fs-merge: supports nn.Sequential MLPs and timm VisionTransformers (all models "
-                                        f"of one family); got {sorted({type(m).__name__ for m in models})}")
-        return adapters[0].fs_merge_structure(models)
-    except UnsupportedModelError as exc:
-        msg = str(exc) if str(exc).startswith("fs-merge") else f"fs-merge: {exc}"
-        raise IncompatibleModelsError(msg) from None
+merge_structure = structure_for  # the former name
 
 
 class SuperNet(nn.Module):
-    """Foldable SuperNet around n frozen models (spec §1.1–1.2): trainable M/U, merged LNs and ``U_final``.
+    """Foldable SuperNet around n frozen models: trainable M/U, merged LNs and ``U_final``.
 
     ``features(x, route)`` → merged pre-head features ``[N, d]``; ``reconstruct(x)`` → ``[N, T, d]`` (one
     reconstruction per target model, T = number of ``U_final`` blocks); ``fold_body()`` → a standard model.
@@ -58,7 +48,7 @@ class SuperNet(nn.Module):
     init, from ``U_final^(k) = I``, ``c = 0``. ``exact_start_()`` sets the identity-initialised ("fresh") blocks to
     ``U^(k) = s_k I``, ``c_k = −s_k μ_k``: ``r_k = s_k (f − μ_k)``, an exact reconstruction of every model that
     agrees with the body (model 0 for "first", the average for "average"), i.e. objective 0 for copies of one
-    model. ``train_supernet`` keeps that state as a candidate (issue 12: fixed point). Head k folds
+    model. ``train_supernet`` keeps that state as a candidate (the fixed point: copies of a model fuse back to it). Head k folds
     ``f_k ≈ r_k / s_k + μ_k`` (``method._fold``).
     """
 
@@ -67,7 +57,7 @@ class SuperNet(nn.Module):
                  target_scales: torch.Tensor | list[float] | None = None, target_means: torch.Tensor | None = None,
                  offset_init: torch.Tensor | None = None):
         super().__init__()
-        self.arch = merge_structure(models)
+        self.arch = structure_for(models)
         self.n = len(models)
         gen = torch.Generator().manual_seed(seed)
         # frozen weight sets, detached copies (inputs are never modified)

@@ -1,5 +1,5 @@
-"""Training the SuperNet: AdamW with a one-cycle schedule on the feature-reconstruction MSE (spec
-``fs-merge.md`` §1.5)."""
+"""Training the SuperNet: AdamW with a one-cycle schedule on the feature-reconstruction MSE (Foldable
+SuperNets, arXiv 2410.19251)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
     of every model that agrees with it; when the net has one) and at ~10 checkpoints (the last step included);
     ``net`` ends at the state with the lowest one (a decrease within float round-off, ``_min_improvement``, keeps
     the earlier state). So the result is never worse on the reconstruction objective than either start; copies
-    of one model give objective 0 at the exact start, which is returned unchanged (issue 12: fixed point), not a
+    of one model give objective 0 at the exact start, which is returned unchanged (the fixed point: copies of a model fuse back to it), not a
     state AdamW's normalised steps on round-off gradients moved away. Training stops once the kept objective is
     within ``_min_improvement`` of its lower bound 0 (no later state could be kept: an exact shortcut, no step
     at all for agreeing models). Training itself runs from the paper's start (``U_final = I``), as without

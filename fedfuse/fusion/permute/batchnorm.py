@@ -17,7 +17,7 @@ def reset_bn_stats(model: nn.Module, inputs: torch.Tensor, *, batch_size: int = 
     """Re-estimate every BatchNorm's running mean/var on ``inputs`` ``[N, *input_shape]`` (in place).
 
     Statistics are reset and accumulated as a cumulative average over the batches (momentum ``None``),
-    as REPAIR / Git Re-Basin recommend after permutation fusion (``flower.md`` §5). Returns the model
+    as REPAIR / Git Re-Basin recommend after permutation fusion. Returns the model
     in eval mode.
     """
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -1,5 +1,8 @@
-"""Per-unit features and costs for matching: weight features, standardisation, similarity → cost,
-and OT marginals from importance scores."""
+"""Per-unit features and costs for matching: weight features, standardisation, ground costs between two
+models' units (activations or weights), similarity → cost, and OT marginals from importance scores.
+
+The ground costs are shared by ``ot`` and its selective variant (``fedfuse.fusion.selective``), so both
+import them from here rather than from each other."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import torch
 
 from fedfuse.fusion.permute.maps import Map, entry_view, map_entry
 from fedfuse.fusion.permute.spec import Group, PermSpec
+from fedfuse.fusion.registry import IncompatibleModelsError
 
 
 def weight_features(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
@@ -35,13 +39,35 @@ def weight_features(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
                 torch.zeros(spec_b.groups[group].size, 0, dtype=torch.float64))
     return torch.cat(fa, 1), torch.cat(fb, 1)
 
+def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> torch.Tensor:
+    """Ground cost ``[m_A, m_B]``: Euclidean distance between unit activation vectors ``x [S, m]``."""
+    if xa.shape[0] != xb.shape[0]:
+        raise IncompatibleModelsError(f"activation rows differ ({xa.shape[0]} vs {xb.shape[0]}); inputs/tokens "
+                                      "must match")
+    if std:
+        xa, xb = standardize(xa), standardize(xb)
+    xa, xb = xa.double(), xb.double()
+    sq = (xa * xa).sum(0)[:, None] + (xb * xb).sum(0)[None, :] - 2.0 * (xa.t() @ xb)  # Gram form: one matmul
+    return sq.clamp_min(0).sqrt().cpu()
+
+
+def weight_cost(fa: torch.Tensor, fb: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """Ground cost ``[m_A, m_B]``: Euclidean distance between (unit-normalised) weight rows ``f [m, F]``."""
+    if fa.shape[1] == 0:
+        return torch.zeros(fa.shape[0], fb.shape[0], dtype=torch.float64)
+    if normalize:
+        fa = fa / fa.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        fb = fb / fb.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return torch.cdist(fa, fb)
+
+
 def score_cost(score: torch.Tensor) -> torch.Tensor:
     """Similarity ``[m_A, m_B]`` → non-negative cost (``max - score``) for solvers that minimise."""
     score = score.double()
     return score.max() - score
 
 def standardize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """z-score each column (unit) of ``x`` ``[S, m]`` (spec §1.2 ``std: True``)."""
+    """z-score each column (unit) of ``x`` ``[S, m]``."""
     std, mean = torch.std_mean(x, dim=0, keepdim=True)  # one pass over x
     return (x - mean) / (std + eps)
 

@@ -3,10 +3,10 @@
 A :class:`Map` for a permutation group (``fedfuse.models.adapters.permspec``) is a transport plan ``P``
 ``[m_A, m_B]`` from the units of a model A to those of the reference model B (a permutation is the
 special case of a 0/1 plan). Applying it moves A's weights into B's unit order and width (OTFusion,
-arXiv 1910.05653; spec ``ot-transfusion-tofu.md`` §1.1 steps 1 and 5):
+arXiv 1910.05653):
 
 - out role: aligned unit ``j`` is the convex combination ``Σ_i P[i, j] / Σ_i' P[i', j] · unit_i``
-  (column-normalised plan, the "proper marginals" rule for different widths, §1.6);
+  (column-normalised plan, the "proper marginals" rule for different widths);
 - in role: ``W_new[:, j] = Σ_i W[:, i] · P[i, j] / Σ_j' P[i, j']`` (row-normalised: every A unit's
   contribution is delivered in full, so a consumer sees the same total input).
 
@@ -76,7 +76,7 @@ class Map:
         return Map(self.plan.t().contiguous(), None)
 
     def trace_ratio(self) -> float:
-        """Diagnostic (spec §1.11): mass on the diagonal / total mass (1 = identity alignment)."""
+        """Diagnostic: mass on the diagonal / total mass (1 = identity alignment)."""
         if self.plan.shape[0] != self.plan.shape[1]:
             return float("nan")
         return float(torch.diagonal(self.plan).sum() / self.plan.sum())
@@ -109,7 +109,7 @@ def map_entry(t: torch.Tensor, e: Entry, maps: dict[str, Map], spec_a: PermSpec,
     if e.qkv and skip is None:
         a_grp = next(ax.group for ax in e.axes if spec_a.groups[ax.group].kind == "attn")
         ga, gb = spec_a.groups[a_grp], spec_b.groups[a_grp]
-        if ga.size != gb.size:  # keep q·k / sqrt(head_dim) on scale when head dims differ (§1.6)
+        if ga.size != gb.size:  # keep q·k / sqrt(head_dim) on scale when head dims differ
             x = x.clone()
             x[0] = x[0] * math.sqrt((ga.size / ga.blocks) / (gb.size / gb.blocks))
     return x
@@ -157,7 +157,7 @@ def permute_model(model: nn.Module, perms: dict[str, torch.Tensor], residual: st
 
 def random_perms(spec: PermSpec, seed: int = 0, heads: bool = True) -> dict[str, torch.Tensor]:
     """Random permutation per group; block-structured groups get a random block order composed with
-    random within-block orders (TransFusion's P_attn structure, spec §2.3) when ``heads``."""
+    random within-block orders (TransFusion's P_attn structure) when ``heads``."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, g in spec.groups.items():

@@ -1,6 +1,23 @@
 """Batched entropic OT (Sinkhorn–Knopp and its log-domain variant) in numpy / torch.
 
 Sinkhorn distances, Cuturi, NeurIPS 2013 (arXiv 1306.0895); the iterations follow POT's ``ot.sinkhorn``.
+
+Why not POT's own batched solver (``ot.batch.solve_batch(method="sinkhorn" | "log_sinkhorn")``, POT 0.9.6+):
+it solves the same entropic problem but not with the same numbers, and OT fusion with ``solver="sinkhorn"``
+must keep giving the same fused weights. The differences (``tests/test_ot_sinkhorn.py`` shows each one):
+
+- iteration: POT's batch solver scales the rows first and starts from ones; ``ot.sinkhorn`` and this module
+  scale the columns first and start from ``1/m``, ``1/n`` (log domain: zeros, columns first);
+- stopping rule: POT's batch solver stops when the *row*-marginal error ``‖P 1 − a‖`` of the *worst* problem
+  of the batch is below ``tol`` (checked every 10 iterations), so every problem iterates as long as the
+  slowest one and a problem's plan depends on the other problems in its batch; here (as in ``ot.sinkhorn``)
+  each problem stops on its own *column*-marginal error ``‖P^T 1 − b‖ < stop_thr`` and is frozen there, so
+  a batched plan equals the plan of the problem solved alone;
+- tolerance / cap defaults: ``tol=1e-5``, ``max_iter=10000`` there; ``stop_thr=1e-6``, ``num_iter=1000`` here;
+- overflow: the plain-scaling batch solver has no fallback; here problems whose scalings under/overflow are
+  re-solved in the log domain.
+
+The plans agree to about the tolerance (1e-6) but are not bit-identical.
 """
 
 from __future__ import annotations

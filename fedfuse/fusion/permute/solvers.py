@@ -1,5 +1,5 @@
 """Matching solvers: linear assignment (scipy), exact OT (POT) and batched Sinkhorn plans, and the
-per-group solve (with head-preserving block plans, spec ``ot-transfusion-tofu.md`` §2.3) shared by
+per-group solve (with head-preserving block plans, as in TransFusion) shared by
 ``ot``, ``rebasin`` and ``transfusion``."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def ot_plan(cost: torch.Tensor, a: torch.Tensor | None = None, b: torch.Tensor |
 
     ``a``/``b``: marginals (uniform when ``None``), each summing to 1. ``solver``: ``"emd"`` (exact,
     POT ``ot.emd``) or ``"sinkhorn"`` (entropic, with ``reg`` on the cost divided by its max when
-    ``normalize``, spec §1.2–§1.3; :func:`sinkhorn_batch`, POT's Sinkhorn–Knopp iteration in numpy,
+    ``normalize``; :func:`sinkhorn_batch`, POT's Sinkhorn–Knopp iteration in numpy,
     log domain for ``reg < 0.02`` or on overflow).
     """
     c = cost.detach().double().cpu().numpy()
@@ -90,7 +90,7 @@ def ot_plan(cost: torch.Tensor, a: torch.Tensor | None = None, b: torch.Tensor |
 
 def blocked_plan(n_blocks: int, size_a: int, size_b: int, head_cost: torch.Tensor | None,
                  intra: "callable") -> tuple[torch.Tensor, torch.Tensor]:
-    """Head-preserving plan ``[size_a, size_b]`` built from block matches (spec §2.3).
+    """Head-preserving plan ``[size_a, size_b]`` built from block matches.
 
     ``intra(a, b)`` returns ``(plan [d_a, d_b] summing to 1, cost float)`` for A block ``a`` and B block
     ``b``. When ``head_cost`` ``[H, H]`` is ``None`` the block cost is the intra cost of every pair

@@ -33,6 +33,16 @@ def build_spec(model: nn.Module, residual: str = "tied") -> PermSpec:
         raise IncompatibleModelsError(str(exc)) from None
 
 
+def block_paths(model: nn.Module) -> list[str]:
+    """Paths of ``model``'s interchangeable residual blocks (its adapter's ``block_paths``; ``[]`` for a model
+    no adapter describes or a family without such blocks). ``ot`` and selective OT use them to tell models
+    of different depths apart and to block-match them."""
+    try:
+        return adapter_for(model).block_paths(model)
+    except UnsupportedModelError:
+        return []
+
+
 def check_compatible(spec_a: PermSpec, spec_b: PermSpec, state_a: dict, state_b: dict,
                      same_width: bool = False) -> None:
     """Raise ``IncompatibleModelsError`` (a ``ValueError``) unless A can be mapped onto B (same family, tensors, group structure).

@@ -3,7 +3,6 @@
     adapter = adapter_for(model)          # SequentialAdapter | ResNetAdapter | ViTAdapter
     adapter.levels(model)                 # fusion levels (NI)
     adapter.perm_spec(model, "tied")      # permutation groups (OT, Re-Basin, TransFusion)
-    adapter.fs_merge_structure(models)    # FS-Merge SuperNet layout
     adapter.config(model); adapter.resize(model, width=..., depth=...)
     adapter.at_width_mult(model, 0.5)     # a capacity tier (heterogeneous clients)
     adapter.pruning_spec(model)           # what structured pruning must know (fedfuse.pruning)
@@ -20,8 +19,8 @@ from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Le
                                           UnsupportedModelError, check_width_mult)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 from fedfuse.models.adapters.resnet import ResNetAdapter
-from fedfuse.models.adapters.sequential import SequentialAdapter, SequentialMergeStructure
-from fedfuse.models.adapters.vit import ViTAdapter, ViTMergeStructure
+from fedfuse.models.adapters.sequential import SequentialAdapter
+from fedfuse.models.adapters.vit import ViTAdapter
 
 ADAPTERS: dict[str, Adapter] = {}
 
@@ -57,5 +56,5 @@ def model_family(model: nn.Module) -> str:
 __all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "PruningSpec",
            "UnsupportedModelError",
            "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter",
-           "SequentialMergeStructure", "ViTMergeStructure", "adapter_for", "model_family", "register_adapter",
+           "adapter_for", "model_family", "register_adapter",
            "check_width_mult"]

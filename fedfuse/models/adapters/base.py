@@ -4,10 +4,9 @@ An adapter (one per architecture family: ``sequential`` MLP/CNN stacks, fedfuse 
 ``VisionTransformer``) is the only place that knows how a family's modules are laid out. Fusion code
 asks it for
 
-- ``levels(model)``: the fusion levels (``fedfuse.models.levels``; Neuron Interpolation spec §1.1),
+- ``levels(model)``: the fusion levels (``fedfuse.models.levels``; Neuron Interpolation),
 - ``perm_spec(model, residual)``: the permutation symmetries (``fedfuse.models.adapters.permspec``)
   that OT fusion, Git Re-Basin and TransFusion align,
-- ``fs_merge_structure(models)``: the Foldable SuperNet layout of FS-Merge (``fs-merge.md`` §1.1–1.2),
 - ``pre_logits(model, x)`` / ``classifier(model)`` / ``set_classifier(model, linear)``: the features
   before the class layer and the class layer itself,
 - ``config(model)`` / ``build(config, seed)`` / ``resize(model, width, depth, seed)``: the model's
@@ -155,8 +154,8 @@ class Adapter:
     """Base class of the architecture adapters (see the module docstring); subclasses set ``family``."""
 
     family: str = ""
-    # the importance criterion ``fedfuse.pruning``'s ``criterion="auto"`` uses for this family (measured:
-    # results/pruning/criteria.md; "taylor" falls back to "magnitude" without fusion inputs)
+    # the importance criterion ``fedfuse.pruning``'s ``criterion="auto"`` uses for this family: the best
+    # measured one (docs/measurements-fusion.md); "taylor" falls back to "magnitude" without fusion inputs
     pruning_criterion: str = "magnitude"
 
     def matches(self, model: nn.Module) -> bool:
@@ -171,12 +170,6 @@ class Adapter:
     def perm_spec(self, model: nn.Module, residual: str = "tied"):
         """The ``PermSpec`` (permutation groups and tensor axes) of ``model``."""
         raise NotImplementedError
-
-    def fs_merge_structure(self, models: list[nn.Module]):
-        """The FS-Merge SuperNet layout for ``models`` (same architecture); raises
-        ``UnsupportedModelError`` when FS-Merge has no SuperNet for this family."""
-        raise UnsupportedModelError(f"fs-merge: no Foldable SuperNet for {self.family!r} models "
-                                    "(supports nn.Sequential MLPs and timm VisionTransformers)")
 
     def pre_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Features before the class layer: ``[N, *input_shape]`` → ``[N, d]``."""

@@ -12,11 +12,6 @@ from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Le
                                           UnsupportedModelError, compose, has_params)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
 
-# parameter-free, element-wise modules an FS-Merge MLP may have between its Linear layers
-ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.Dropout, nn.Identity,
-               nn.Softplus)
-
-
 def _layout_of(layer: nn.Module) -> str:
     return "flat" if isinstance(layer, nn.Linear) else "channels"
 
@@ -131,10 +126,6 @@ class SequentialAdapter(Adapter):
             prev = g
         return PermSpec("sequential", groups, entries, classifier)
 
-    # ------------------------------------------------------------------------------------------ FS-Merge
-    def fs_merge_structure(self, models: list[nn.Module]) -> "SequentialMergeStructure":
-        return SequentialMergeStructure(models)
-
     def pre_logits(self, model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         for mod in list(model)[:-1]:
             x = mod(x)
@@ -243,93 +234,3 @@ def _cnn_config(c: list[nn.Module]) -> ModelConfig | None:
     spatial = (size,) if conv_t is nn.Conv1d else (size, size)
     return ModelConfig("sequential", "cnn", head.out_features, (c[0].in_channels, *spatial), widths[0], len(widths),
                        {"bias": biases[0], "batchnorm": bns[0]})
-
-
-# ------------------------------------------------------------------------------------------------------
-# FS-Merge structure (Foldable SuperNets, arXiv 2410.19251, spec fs-merge.md §1.1)
-# ------------------------------------------------------------------------------------------------------
-class SequentialMergeStructure:
-    """Global FS-Merge for ``nn.Sequential`` MLPs: ``[Flatten] (Linear, elementwise*)+ Linear(head)`` (spec §1.1).
-
-    Hidden linear layer l gets ``M_l [n·d_l, d_l]``; the unmerge after it is ``U_l [d_l, n·d_l]`` for inner
-    layers and ``U_final`` (the reconstruction of each model's features) after the last one.
-    """
-
-    kind = "mlp"
-
-    def __init__(self, models: list[nn.Module]):
-        seq = models[0]
-        lin = [i for i, m in enumerate(seq) if isinstance(m, nn.Linear)]
-        if len(lin) < 2:
-            raise UnsupportedModelError("fs-merge: the MLP needs at least one hidden Linear layer before the head")
-        if lin[-1] != len(seq) - 1:
-            raise UnsupportedModelError("fs-merge: the MLP must end with its Linear classifier")
-        for i, m in enumerate(seq):
-            if i in lin:
-                continue
-            if isinstance(m, nn.Flatten) and i < lin[0]:
-                continue
-            if isinstance(m, (nn.BatchNorm1d, nn.LayerNorm)):
-                raise UnsupportedModelError(f"fs-merge: MLP layer {i} ({type(m).__name__}) is not supported; fold "
-                                            "BatchNorm into the Linear layers first")
-            if not isinstance(m, ELEMENTWISE) or (i < lin[0] and not isinstance(m, nn.Flatten)):
-                raise UnsupportedModelError(f"fs-merge: MLP layer {i} ({type(m).__name__}) is neither Linear nor an "
-                                            "element-wise activation")
-        self.lin = lin
-        self.widths = [seq[i].out_features for i in lin[:-1]]
-        self.d = self.widths[-1]
-
-    def make(self, n: int, rank, init: str, gen: torch.Generator) -> tuple[nn.ModuleDict, nn.ParameterDict]:
-        """Merge matrices ``{M0, U0, M1, ...}`` (no U after the last hidden layer: that is U_final) and no LNs."""
-        from fedfuse.fusion.fs_merge.matrices import MergeMatrix
-
-        mus = nn.ModuleDict()
-        for l, d in enumerate(self.widths):
-            r = "full" if rank == "full" else min(int(rank), d)
-            mus[f"M{l}"] = MergeMatrix("M", n, d, r, init, generator=gen)
-            if l < len(self.widths) - 1:
-                mus[f"U{l}"] = MergeMatrix("U", n, d, r, init, generator=gen)
-        return mus, nn.ParameterDict()
-
-    def init_norms(self, lns: nn.ParameterDict, ws: list[dict[str, torch.Tensor]], init: str) -> None:
-        """MLPs have no normalisation layers to merge."""
-
-    def fold(self, ws: list[dict[str, torch.Tensor]], mus: nn.ModuleDict, lns) -> dict[str, torch.Tensor]:
-        """Folded parameters of the body (template names ``m.<i>.weight``); differentiable in M/U."""
-        from fedfuse.fusion.fs_merge.matrices import fold_linear, split_blocks
-
-        n = len(ws)
-        out = {}
-        u_blocks = None
-        for l, i in enumerate(self.lin[:-1]):
-            m_blocks = split_blocks(mus[f"M{l}"].dense(), "M", n)
-            w, b = fold_linear(u_blocks, [s[f"{i}.weight"] for s in ws], [s.get(f"{i}.bias") for s in ws], m_blocks)
-            out[f"m.{i}.weight"] = w
-            if b is not None:
-                out[f"m.{i}.bias"] = b
-            if f"U{l}" in mus:
-                u_blocks = split_blocks(mus[f"U{l}"].dense(), "U", n)
-        return out
-
-    def wide(self, ws: list[dict[str, torch.Tensor]], template: nn.Module, mus: nn.ModuleDict, lns,
-             x: torch.Tensor) -> torch.Tensor:
-        """The unfolded SuperNet: merged pre-head features ``[N, d]`` from input ``[N, *input_shape]``."""
-        from fedfuse.fusion.fs_merge.matrices import unmerge, wide_linear
-
-        n = len(ws)
-        seq = template.m
-        h = x
-        for mod in list(seq)[:self.lin[0]]:
-            h = mod(h)
-        hs = [h] * n                                                           # U_0 = (I .. I)
-        bounds = self.lin[1:]
-        z = h
-        for l, i in enumerate(self.lin[:-1]):
-            z = wide_linear(hs, [s[f"{i}.weight"] for s in ws], [s.get(f"{i}.bias") for s in ws], mus[f"M{l}"].dense())
-            for mod in list(seq)[i + 1:bounds[l]]:                            # activations at merged width
-                z = mod(z)
-            if f"U{l}" in mus:
-                hs = unmerge(z, mus[f"U{l}"].dense(), n)
-        return z
-
-
