@@ -325,9 +325,12 @@ class FusionStrategy(RoundProtocol):
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
                        probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
         """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
-        if self._work is None:   # one model object reused every round (its state is copied out right away)
-            self._work = copy.deepcopy(self._model_template())
-        return finish_stream(self._work, average, self.round_data(server_round, updates), self.momentum_step,
+        def work() -> nn.Module:   # one model object reused every round (its state is copied out right away)
+            if self._work is None:
+                self._work = copy.deepcopy(self._model_template())
+            return self._work
+
+        return finish_stream(work, average, self.round_data(server_round, updates), self.momentum_step,
                              self.refinement, probs)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -109,16 +109,16 @@ def stream_ensemble(probe: torch.nn.Module, members: list[tuple[Message, float]]
     return probs
 
 
-def finish_stream(work: torch.nn.Module, average: dict[str, torch.Tensor], rd: RoundData, momentum: ServerMomentum,
+def finish_stream(work: Callable[[], torch.nn.Module], average: dict[str, torch.Tensor], rd: RoundData, momentum: ServerMomentum,
                   refinement: Refinement, ensemble) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
     """``(state, info, seconds)``: the streamed average, then the server step and the refinement (checked with
-    ``Refinement.streamed``) on ``work``, a model object the strategy reuses every round. Without either step the
-    average's arrays are the result (FedAvg: no model built)."""
+    ``Refinement.streamed``) on ``work()``, a model object the strategy reuses every round. Without either step the
+    average's arrays are the result (FedAvg: no model built, so no ``model_fn`` needed)."""
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
     if not momentum.active and not refinement.steps:
         return average, info, time.perf_counter() - t0
-    model = work.cpu()
+    model = work().cpu()
     model.load_state_dict(average)
     model.eval()
     if momentum.active:
