@@ -92,6 +92,10 @@ class RunConfig:
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
     fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
+    partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
+                                "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
+                                "y_val]); client p trains on exactly that file; the server uses test-set-path and "
+                                "draws fusion-set-size samples (seeded) from the pool in fusion-set-path")
     test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y; the fusion-set format); "
                               "with fusion-set-path the server loads no dataset (clients hold the data: data-path)")
     evaluation: str = _key("central", "how the global model is evaluated every round: central (the server, on "
@@ -304,6 +308,8 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.evaluation != "central" and cfg.val_fraction == 0:
         raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} evaluates on the clients' validation "
                           "splits, but val-fraction=0 holds none out; set val-fraction > 0 or evaluation='central'")
+    if cfg.partition_files:
+        _check_partition_rules(cfg)
     fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
     _check_tiers(cfg)
     info = dataset_info(cfg.dataset)
@@ -315,6 +321,31 @@ def _check_rules(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key 'num-clients': class-disjoint 'shards' gives each client whole "
                               f"classes, but {cfg.num_clients} clients > {info.num_classes} classes of "
                               f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
+
+
+PARTITION_ID = "{partition-id}"
+
+
+def partition_file(cfg: RunConfig, partition_id: int) -> str:
+    """The file of client ``partition_id`` under ``partition-files``."""
+    return cfg.partition_files.replace(PARTITION_ID, str(int(partition_id)))
+
+
+def _check_partition_rules(cfg: RunConfig) -> None:
+    """``partition-files``: the pattern names each client's file, the dataset's shape is known without loading it,
+    and the server has its own test set (central evaluation)."""
+    if PARTITION_ID not in cfg.partition_files:
+        raise ConfigError(f"run-config key 'partition-files': {cfg.partition_files!r} has no {PARTITION_ID} "
+                          f"placeholder; write e.g. '/abs/dir/node-{PARTITION_ID}.npz'")
+    if dataset_info(cfg.dataset) is None:
+        raise ConfigError(f"run-config key 'partition-files' needs a dataset whose input shape and classes are known "
+                          f"without loading it (the files' preprocessing); {cfg.dataset!r} is not one")
+    if cfg.evaluation != "federated" and not cfg.test_set_path:
+        raise ConfigError("run-config key 'partition-files': the clients' files are all the training data, so central "
+                          "evaluation needs test-set-path (or evaluation='federated')")
+    if cfg.fusion_set_source != "public":
+        raise ConfigError("run-config key 'fusion-set-source': with partition-files the fusion set is drawn from "
+                          "fusion-set-path (a public pool); leave fusion-set-source='public'")
 
 
 def _check_tiers(cfg: RunConfig) -> None:
@@ -388,6 +419,9 @@ def fusion_set_problem(cfg: RunConfig) -> str | None:
     """Why the server will have no fusion set under ``cfg`` (``None`` when it will have one)."""
     if cfg.fusion_set_path or cfg.fusion_set_source == "client0":
         return None
+    if cfg.partition_files:
+        return ("with partition-files the server's fusion set comes only from fusion-set-path, which is not set; "
+                "give it a public pool (e.g. ../shared/anchors/splits/mnist1d-public.npz)")
     if cfg.public_fraction <= 0:
         return ("fusion-set-source='public' with public-fraction=0 holds no samples and no fusion-set-path is "
                 "given; set public-fraction > 0, fusion-set-source='client0' or fusion-set-path")
@@ -470,6 +504,7 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
       input tensor ``[B, *input_shape]`` with finite values on the dataset's scale (and, when present,
       labels ``[B]`` in ``[0, num_classes)``).
     - ``data-root``: an existing directory when set; required by the torchvision datasets.
+    - ``partition-files``: every client's file exists and is valid node-local data for the dataset.
 
     ``input_shape`` / ``num_classes`` override the dataset metadata (the ServerApp passes the loaded
     data's; needed for ``hf:<name>``, whose shape is unknown before loading).
@@ -489,6 +524,17 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
     if cfg.test_set_path:
         read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=input_shape, num_classes=num_classes,
                         key="test-set-path")
+    if cfg.partition_files:
+        from fedfuse.data.node_data import load_node_data
+
+        info = dataset_info(cfg.dataset)
+        for pid in range(cfg.num_clients):
+            path = partition_file(cfg, pid)
+            try:
+                load_node_data(path, num_classes=info.num_classes, info=info, dataset=cfg.dataset,
+                               val_fraction=cfg.val_fraction, seed=0)
+            except ValueError as exc:
+                raise ConfigError(f"run-config key 'partition-files': client {pid}'s file {path!r}: {exc}") from None
 
 
 def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...] | None = None,

@@ -34,7 +34,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import RunConfig, parse_run_config  # noqa: E402
+from fedfuse.config import RunConfig, parse_run_config, partition_file  # noqa: E402
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.client_tiers import query as tier_query, tier_forward, tier_model  # noqa: E402
@@ -68,20 +68,21 @@ def _node(context: Context, cfg: RunConfig) -> tuple[int, int]:
     return pid, n
 
 
-def _node_local_data(cfg: RunConfig, pid: int, path: str) -> NodeData:
-    """The node's own file (node-config ``data-path``), checked against the run's dataset."""
+def _node_local_data(cfg: RunConfig, pid: int, path: str, key: str = "node-config 'data-path'") -> NodeData:
+    """The node's own file (node-config ``data-path`` or run-config ``partition-files``), checked against the run's
+    dataset; a ``ValueError`` naming ``key``."""
     from fedfuse.config import dataset_info
     from fedfuse.data.node_data import load_node_data
 
     info = dataset_info(cfg.dataset)
     if info is None:
-        raise ValueError(f"node-config 'data-path' needs a dataset whose classes and input shape are known without "
+        raise ValueError(f"{key} needs a dataset whose classes and input shape are known without "
                          f"loading it; run-config dataset={cfg.dataset!r} is not one (use a named dataset)")
     try:
         train_set, val_set = load_node_data(path, num_classes=info.num_classes, info=info, dataset=cfg.dataset,
                                             val_fraction=cfg.val_fraction, seed=cfg.seed * 1009 + pid)
     except ValueError as exc:
-        raise ValueError(f"node-config 'data-path' ({path}): {exc}") from None
+        raise ValueError(f"{key} ({path}): {exc}") from None
     return NodeData(pid, info.num_classes, tuple(info.input_shape), train_set, val_set)
 
 
@@ -95,6 +96,8 @@ def _setup(context: Context) -> tuple[RunConfig, NodeData]:
     pid, n = _node(context, cfg)
     if context.node_config.get("data-path"):  # deployment with private data: this node's own file only
         return cfg, _node_local_data(cfg, pid, str(context.node_config["data-path"]))
+    if cfg.partition_files:  # simulation from given splits: exactly this client's file
+        return cfg, _node_local_data(cfg, pid, partition_file(cfg, pid), key="run-config key 'partition-files'")
     data = federated_data(cfg, num_clients=n)
     train_set, val_set = data.client_data(pid, cfg.val_fraction, cfg.seed)
     return cfg, NodeData(pid, data.num_classes, tuple(data.input_shape), train_set, val_set)

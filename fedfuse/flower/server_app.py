@@ -79,7 +79,13 @@ def server_files(cfg: RunConfig):
         raise ConfigError(f"run-config key 'test-set-path': dataset {cfg.dataset!r} has no known input shape and "
                           "classes before loading; use a named dataset or leave test-set-path empty")
     shape, classes = tuple(info.input_shape), info.num_classes
-    fx, fy = read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes)
+    fx = fy = None
+    if cfg.fusion_set_path:
+        fx, fy = read_fusion_set(cfg.fusion_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes)
+        if cfg.partition_files and len(fx) > cfg.fusion_set_size:
+            # a public pool: the fusion set is fusion-set-size samples drawn from it (seeded by the run seed)
+            idx = torch.randperm(len(fx), generator=torch.Generator().manual_seed(cfg.seed))[:cfg.fusion_set_size]
+            fx, fy = fx[idx], (fy[idx] if fy is not None else None)
     test = None
     if cfg.test_set_path:
         tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=shape, num_classes=classes,
@@ -93,9 +99,9 @@ def setup(cfg: RunConfig):
     """Data, fusion set, architecture and strategy for a validated config (no Flower messaging)."""
     # with the server's files (fusion set, and a test set unless evaluation is federated only) the server needs no
     # dataset (the clients hold theirs); else the dataset's splits
-    own_files = cfg.fusion_set_path and (cfg.test_set_path or cfg.evaluation == "federated")
+    own_files = (cfg.fusion_set_path or cfg.partition_files) and (cfg.test_set_path or cfg.evaluation == "federated")
     data = server_files(cfg) if own_files else federated_data(cfg)
-    if cfg.test_set_path and not cfg.fusion_set_path:
+    if cfg.test_set_path and not own_files:
         from dataclasses import replace
 
         from fedfuse.config import read_fusion_set
@@ -105,7 +111,7 @@ def setup(cfg: RunConfig):
                                  num_classes=data.num_classes, key="test-set-path")
         data = replace(data, test=ArrayDataset(tx, ty, data.num_classes))
     fusion_x, fusion_y = data.fusion_x, getattr(data, "fusion_y", None)
-    if cfg.fusion_set_path:
+    if cfg.fusion_set_path and not own_files:
         # the same checks as the preflight, now against the loaded data's shape (hf:<name> is only known here)
         fusion_x, fusion_y = load_fusion_inputs(cfg.fusion_set_path, dataset=cfg.dataset,
                                                 input_shape=tuple(data.input_shape), num_classes=data.num_classes)

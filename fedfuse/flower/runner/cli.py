@@ -147,7 +147,7 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
     """Relative ``output-dir`` / ``fusion-set-path`` / ``data-root`` taken from the caller's directory: the
     Flower processes run elsewhere."""
     out = dict(cfg)
-    for key in ("output-dir", "fusion-set-path", "test-set-path", "data-root"):
+    for key in ("output-dir", "fusion-set-path", "test-set-path", "data-root", "partition-files"):
         value = out.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             out[key] = str(Path(value).expanduser().resolve())

@@ -1,0 +1,152 @@
+"""The anchor cell: fedfuse strategies on stock Flower FedAvg's own client splits, with the anchor's client recipe.
+
+``../shared/anchors`` holds byte-exact client partitions (MNIST-1D and digits, Dirichlet α 0.1 / 0.5, seeds 0-2) on
+which stock ``flwr.serverapp.strategy.FedAvg`` was measured, and its numbers (``README.md``). This runs fedfuse's
+ServerApp and ClientApp (in-process engine) on the same files through ``partition-files``:
+
+- clients: MLP 256×2, SGD momentum 0.9, lr 0.2, batch 32, 1 local epoch, all 10 clients every round, 30 rounds,
+  ``val-fraction=0`` (all of a client's data trains, as in plain Flower);
+- server: central evaluation on the split's ``test.npz``; the fusion set is ``fusion-set-size`` samples drawn
+  (seeded) from the public pool ``mnist1d-public.npz`` (3,000 unlabeled samples disjoint from every client).
+
+and writes ``table.md`` (final test accuracy, mean ± sample std over seeds, next to stock Flower's per-seed numbers
+read from the anchors' README) and ``runs.json``.
+
+    .venv/bin/python -m simulations.bench.anchor_cell --out results/anchor
+    .venv/bin/python -m simulations.bench.anchor_cell --strategies fedavg,average --alphas 0.5 --seeds 0 --rounds 5
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ANCHORS = ROOT.parent / "shared" / "anchors"
+DATASET = {"mnist1d": "mnist1d-flat", "digits": "digits-flat"}
+
+
+def anchor_recipe(split_dir: Path, public: Path, dataset: str, seed: int, rounds: int) -> dict:
+    """The run config of the anchor's client recipe on one split folder."""
+    return {"dataset": DATASET[dataset], "partition-files": str(split_dir / "node-{partition-id}.npz"),
+            "test-set-path": str(split_dir / "test.npz"), "fusion-set-path": str(public), "fusion-set-size": 300,
+            "num-clients": 10, "min-train-nodes": 10, "fraction-train": 1.0, "model": "mlp", "model-width": 256,
+            "model-depth": 2, "optimizer": "sgd", "lr": 0.2, "batch-size": 32, "local-epochs": 1,
+            "weight-decay": 0.0, "val-fraction": 0.0, "num-server-rounds": rounds, "seed": seed}
+
+
+def stock_flower(readme: Path) -> dict[tuple[str, float], list[float]]:
+    """Stock Flower FedAvg's per-seed final accuracies from the anchors' README table."""
+    out = {}
+    for line in readme.read_text().splitlines():
+        m = re.match(r"\|\s*(\w+) α=([\d.]+)\s*\|\s*([\d.]+) / ([\d.]+) / ([\d.]+)\s*\|", line)
+        if m:
+            out[(m.group(1), float(m.group(2)))] = [float(m.group(i)) for i in (3, 4, 5)]
+    return out
+
+
+def _strategy(label: str) -> tuple[str, dict]:
+    """``"average[server-momentum=0.9]"`` → ``("average", {"server-momentum": 0.9})``."""
+    m = re.match(r"([\w-]+)(?:\[(.*)\])?$", label.strip())
+    if not m:
+        raise SystemExit(f"anchor_cell: bad strategy label {label!r}")
+    extra = {}
+    for pair in (m.group(2) or "").split():
+        k, v = pair.split("=", 1)
+        try:
+            extra[k] = json.loads(v)
+        except json.JSONDecodeError:
+            extra[k] = v.strip("'\"")
+    return m.group(1), extra
+
+
+def _run(job: dict) -> dict:
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    out = run_inprocess(job["config"], echo=False)
+    res = json.loads((out / "results.json").read_text())
+    accs = [r["test-accuracy"] for r in res["rounds"]]
+    hist = res.get("strategy-history", [])
+    return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed")}, "final": accs[-1], "best": max(accs),
+            "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
+            "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback"))}
+
+
+def _mean_std(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "—"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
+    lines = ["| split | strategy | per seed | mean ± std | vs stock Flower FedAvg (mean) |", "|---|---|---|---|---|"]
+    cells = sorted({(r["dataset"], r["alpha"]) for r in rows})
+    for ds, alpha in cells:
+        ref = stock.get((ds, alpha))
+        if ref is not None:
+            lines.append(f"| {ds} α={alpha} | stock Flower FedAvg (anchors) | {' / '.join(f'{v:.3f}' for v in ref)} | "
+                         f"{_mean_std(ref)} | |")
+        for label in strategies:
+            got = sorted((r for r in rows if (r["dataset"], r["alpha"], r["label"]) == (ds, alpha, label)),
+                         key=lambda r: r["seed"])
+            if not got:
+                continue
+            finals = [r["final"] for r in got]
+            diff = f"{100 * (statistics.mean(finals) - statistics.mean(ref)):+.1f} points" if ref else ""
+            lines.append(f"| {ds} α={alpha} | fedfuse `{label}` | {' / '.join(f'{v:.3f}' for v in finals)} | "
+                         f"{_mean_std(finals)} | {diff} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", default="fedavg,average,fedavgm")
+    ap.add_argument("--dataset", default="mnist1d", choices=sorted(DATASET))
+    ap.add_argument("--alphas", default="0.1,0.5")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--anchors", default=str(ANCHORS))
+    ap.add_argument("--out", default=str(ROOT / "results" / "anchor"))
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    anchors, out = Path(args.anchors), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    public = anchors / "splits" / f"{args.dataset}-public.npz"
+    strategies = [s for s in args.strategies.split(",") if s]
+    jobs = []
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            split = anchors / "splits" / f"{args.dataset}-a{alpha:g}-s{seed}"
+            for label in strategies:
+                name, extra = _strategy(label)
+                cfg = {**anchor_recipe(split, public, args.dataset, seed, args.rounds), "strategy": name, **extra,
+                       "output-dir": str(out / "runs"), "run-name": f"{label}-{args.dataset}-a{alpha:g}-s{seed}"}
+                jobs.append({"label": label, "dataset": args.dataset, "alpha": alpha, "seed": seed, "config": cfg})
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = []
+        for row in pool.map(_run, jobs):
+            rows.append(row)
+            print(f"{row['label']:>24} {row['dataset']} α={row['alpha']} s{row['seed']}: final {row['final']:.3f} "
+                  f"best {row['best']:.3f}", flush=True)
+    previous = json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists() else []
+    keep = [r for r in previous if (r["label"], r["dataset"], r["alpha"], r["seed"])
+            not in {(j["label"], j["dataset"], j["alpha"], j["seed"]) for j in jobs}]
+    rows = keep + rows
+    (out / "runs.json").write_text(json.dumps(rows, indent=1))
+    labels = list(dict.fromkeys([r["label"] for r in rows]))
+    text = table(rows, stock_flower(anchors / "README.md"), labels)
+    (out / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
