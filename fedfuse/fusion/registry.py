@@ -83,7 +83,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Whether ``value`` fits type hint ``tp``; returns ``(ok, coerced value)`` (int → float only)."""
+    """Whether ``value`` fits type hint ``tp``; returns ``(ok, coerced value)`` (int → float, list → tuple)."""
     if tp is Any:
         return True, value
     origin = typing.get_origin(tp)
@@ -107,6 +107,8 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
         return False, value
     if tp is str:
         return isinstance(value, str), value
+    if origin is tuple and isinstance(value, list):  # a TOML / JSON array for a tuple option
+        value = tuple(value)
     if origin is not None:  # list[int], dict[str, Any], tuple[...]: container type only
         return isinstance(value, origin), value
     if isinstance(tp, type):

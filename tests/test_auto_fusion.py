@@ -1,0 +1,109 @@
+"""``fuse("auto", ...)`` and the ``auto`` strategy: the average at once when the clients agree; otherwise the
+candidate that agrees best with the clients' ensemble on a held-out part of the fusion set, with what was tried in
+``info``."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fedfuse.fusion import FusionOptionError, fuse_result, register
+from fedfuse.fusion.auto import split_fusion_set
+from fedfuse.fusion.distillation import teacher_probs
+from fedfuse.fusion.refine import kl_to
+from fedfuse.models import build_model
+from fedfuse.training import train
+
+X = torch.randn(200, 20, generator=torch.Generator().manual_seed(3))
+
+
+def _client(seed, classes, init_seed=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(300, 20, generator=g)
+    y = (x @ torch.randn(20, 4, generator=torch.Generator().manual_seed(99))).argmax(1)
+    keep = torch.isin(y, torch.tensor(classes))
+    m = build_model("mlp", num_classes=4, input_shape=(20,), width=32, depth=1,
+                    seed=seed if init_seed is None else init_seed)
+    train(m, x[keep], y[keep], epochs=15, lr=0.01, optimizer="adam", seed=seed)
+    return m.eval()
+
+
+@register("test-auto-broken", needs_data=False, any_module=True)
+def _broken(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
+    out = copy.deepcopy(models[0])
+    with torch.no_grad():
+        for p in out.parameters():
+            p.mul_(-30.0)
+    return out
+
+
+def test_agreeing_clients_get_the_average_without_trying_the_candidates():
+    a = _client(0, [0, 1, 2, 3])
+    res = fuse_result("auto", [a, copy.deepcopy(a)], fusion_inputs=X, seed=0)
+    assert res.info["auto-choice"] == "average" and res.info["auto-seconds"] == {}
+    assert res.info["auto-disagreement"] < 1e-6
+    assert all(torch.allclose(v, a.state_dict()[k]) for k, v in res.model.state_dict().items())
+
+
+def test_drifted_clients_get_the_candidate_with_the_best_held_out_agreement():
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0,
+                      candidates=["average", "kd", "test-auto-broken"])
+    scores = res.info["auto-scores"]
+    assert set(scores) == {"average", "kd", "test-auto-broken"}
+    assert res.info["auto-choice"] == min(scores, key=scores.get) != "test-auto-broken"
+    _, held = split_fusion_set(X, 0.3, 5)
+    target = teacher_probs(models, held, [0.5, 0.5])
+    with torch.no_grad():
+        assert kl_to(target, res.model(held)) == pytest.approx(scores[res.info["auto-choice"]], rel=1e-5)
+
+
+def test_candidates_that_cannot_take_the_models_are_skipped_and_reported():
+    models = [_client(1, [0, 1]), _client(2, [2, 3])]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=0, agree_kl=0.0, candidates=("average", "hf-linear"),
+                      max_seconds=0.0)
+    assert "auto-choice" in res.info
+    three = models + [_client(3, [1, 2])]
+    res3 = fuse_result("auto", three, fusion_inputs=X, seed=0, agree_kl=0.0, candidates=("average", "hf-linear"))
+    assert "hf-linear" in res3.info["auto-skipped"] and res3.info["auto-choice"] == "average"
+
+
+@pytest.mark.parametrize("options, match", [({"candidates": ["auto"]}, "candidates"),
+                                            ({"candidates": ["kf-linaer"]}, "candidates"),
+                                            ({"candidates": ["ensemble"]}, "candidates"),
+                                            ({"holdout": 1.0}, "holdout")])
+def test_bad_options_name_the_key(options, match):
+    with pytest.raises(FusionOptionError, match=match):
+        fuse_result("auto", [_client(0, [0, 1])] * 2, fusion_inputs=X, **options)
+
+
+def test_the_auto_strategy_records_its_choice_every_round():
+    from unittest.mock import Mock
+
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    from fedfuse.flower import build_strategy
+
+    def reply(node, model):
+        msg = Mock(spec=Message)
+        msg.metadata = Mock(src_node_id=node)
+        msg.has_error.return_value = False
+        msg.content = RecordDict({"arrays": ArrayRecord({k: Array(v.numpy().copy())
+                                                         for k, v in model.state_dict().items()}),
+                                  "metrics": MetricRecord({"num-examples": 50, "partition-id": node})})
+        return msg
+
+    def model_fn():
+        return build_model("mlp", num_classes=4, input_shape=(20,), width=32, depth=1, seed=0)
+
+    a = _client(0, [0, 1, 2, 3], init_seed=0)
+    s = build_strategy("auto", model_fn=model_fn, fusion_inputs=X, refine="none", guard=False,
+                       fusion_options={"candidates": ["average", "kd"]})
+    s.aggregate_train(1, [reply(1, a), reply(2, copy.deepcopy(a))])
+    assert s.history[-1]["fusion-info"]["auto-choice"] == "average"
+    drift = [_client(1, [0, 1], init_seed=0), _client(2, [2, 3], init_seed=0)]
+    s.aggregate_train(2, [reply(1, drift[0]), reply(2, drift[1])])
+    info = s.history[-1]["fusion-info"]
+    assert info["auto-disagreement"] > 0.02 and set(info["auto-scores"]) == {"average", "kd"}
+    assert info["auto-choice"] == min(info["auto-scores"], key=info["auto-scores"].get)
