@@ -107,3 +107,21 @@ def test_the_auto_strategy_records_its_choice_every_round():
     info = s.history[-1]["fusion-info"]
     assert info["auto-disagreement"] > 0.02 and set(info["auto-scores"]) == {"average", "kd"}
     assert info["auto-choice"] == min(info["auto-scores"], key=info["auto-scores"].get)
+
+
+def test_with_validation_sets_it_chooses_by_validation_accuracy():
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    g = torch.Generator().manual_seed(7)
+    xv = torch.randn(200, 20, generator=g)
+    yv = (xv @ torch.randn(20, 4, generator=torch.Generator().manual_seed(99))).argmax(1)
+    val = [(xv[:100], yv[:100]), (xv[100:], yv[100:])]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=0, validation=val,
+                      candidates=("average", "kd", "test-auto-broken"))
+    acc = res.info["auto-accuracy"]
+    assert set(acc) == {"average", "kd", "test-auto-broken"}
+    assert res.info["auto-choice"] == max(acc, key=acc.get) != "test-auto-broken"
+    with torch.no_grad():
+        got = float((res.model(xv).argmax(-1) == yv).float().mean())
+    assert got == pytest.approx(acc[res.info["auto-choice"]])
+    with pytest.raises(FusionOptionError, match="validation"):
+        fuse_result("auto", models, fusion_inputs=X, validation=[xv])

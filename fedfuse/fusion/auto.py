@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,18 +50,27 @@ class AutoOptions:
             is taken without trying the other candidates.
         max_seconds: time budget for the candidates after the average (0 = none); candidates not started within it
             are skipped and reported.
+        validation: optional labelled validation sets ``[(x_i [N_i, ...], y_i [N_i]), ...]`` (e.g. one per client:
+            federated validation). With them every candidate is tried (no agreement shortcut), fitted on the whole
+            fusion set, and the one with the highest sample-weighted validation accuracy is kept (``auto-accuracy``).
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     holdout: float = 0.3
     agree_kl: float = 0.02
     max_seconds: float = 0.0
+    validation: Any = None
 
     def __post_init__(self) -> None:
         require(0 < self.holdout < 1, "holdout", "in (0, 1)", self.holdout)
         require(self.agree_kl >= 0, "agree_kl", ">= 0", self.agree_kl)
         require(self.max_seconds >= 0, "max_seconds", ">= 0", self.max_seconds)
         require(len(self.candidates) > 0, "candidates", "at least one method", self.candidates)
+        if self.validation is not None:
+            ok = isinstance(self.validation, (list, tuple)) and len(self.validation) > 0 and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and torch.is_tensor(p[0]) and torch.is_tensor(p[1])
+                and p[0].shape[0] == p[1].shape[0] > 0 for p in self.validation)
+            require(ok, "validation", "a non-empty list of (x [N, ...], y [N]) tensor pairs", type(self.validation))
         for name in self.candidates:
             if name == "auto":
                 raise FusionOptionError("auto: option 'candidates' cannot contain 'auto'")
@@ -93,6 +103,8 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
     from fedfuse.fusion import fuse_result
 
     x = torch.as_tensor(fusion_inputs).float()
+    if options.validation is not None:
+        return _by_validation(models, x, scores, weights, device, seed, options, info)
     fit, held = split_fusion_set(x, options.holdout, seed)
     members = [m.cpu().eval() for m in models]
     with torch.no_grad():
@@ -135,6 +147,49 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
     if best is None:
         raise FusionError(f"auto: no candidate could fuse these models ({skipped})")
     info.update({"auto-choice": best[1], "auto-scores": scores_kl, "auto-seconds": seconds})
+    if skipped:
+        info["auto-skipped"] = skipped
+    return best[2]
+
+
+def validation_accuracy(model: nn.Module, validation) -> float:
+    """Sample-weighted accuracy of ``model`` over the ``(x, y)`` validation sets."""
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in validation:
+            pred = model(torch.as_tensor(x).float()).argmax(-1)
+            correct += int((pred == torch.as_tensor(y)).sum())
+            total += int(len(y))
+    return correct / total
+
+
+def _by_validation(models, x, scores, weights, device, seed, options: AutoOptions, info: dict) -> nn.Module:
+    """Every candidate fitted on the whole fusion set, kept by validation accuracy (labels: no ensemble proxy)."""
+    from fedfuse.fusion import fuse_result
+
+    members = [m.cpu().eval() for m in models]
+    accuracy: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    best: tuple[float, str, nn.Module] | None = None
+    t_start = time.perf_counter()
+    for name in options.candidates:
+        if options.max_seconds and time.perf_counter() - t_start > options.max_seconds:
+            skipped[name] = f"time budget of {options.max_seconds:g} s spent"
+            continue
+        try:
+            res = fuse_result(name, members, fusion_inputs=x, scores=scores, weights=weights, device=device, seed=seed)
+        except FusionError as exc:
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        seconds[name] = res.seconds
+        acc = validation_accuracy(res.model, options.validation)
+        accuracy[name] = acc
+        if best is None or acc > best[0]:
+            best = (acc, name, res.model)
+    if best is None:
+        raise FusionError(f"auto: no candidate could fuse these models ({skipped})")
+    info.update({"auto-choice": best[1], "auto-accuracy": accuracy, "auto-seconds": seconds})
     if skipped:
         info["auto-skipped"] = skipped
     return best[2]
