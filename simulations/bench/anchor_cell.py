@@ -14,6 +14,7 @@ read from the anchors' README) and ``runs.json``.
 
     .venv/bin/python -m simulations.bench.anchor_cell --out results/anchor
     .venv/bin/python -m simulations.bench.anchor_cell --strategies fedavg,average --alphas 0.5 --seeds 0 --rounds 5
+    .venv/bin/python -m simulations.bench.anchor_cell --summary results/anchor results/anchor-e20 results/anchor-e40
 """
 
 from __future__ import annotations
@@ -107,6 +108,33 @@ def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
+    """Gain over ``reference`` (same split, same seed, same E and R), mean ± sample std in points, per (α, E, R) cell
+    and strategy, from the ``runs.json`` of several anchor-cell output folders."""
+    rows = [r for d in dirs for r in json.loads((Path(d) / "runs.json").read_text())]
+    for r in rows:
+        name, extra = _strategy(r["label"])
+        rest = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("local-epochs", "lr"))
+        r["name"] = f"{name}[{rest}]" if rest else name
+        r["E"], r["R"] = int(extra.get("local-epochs", 1)), len(r["curve"]) - 1
+    cells = sorted({(r["alpha"], r["E"], r["R"]) for r in rows})
+    names = sorted({r["name"] for r in rows} - {reference})
+    lines = [f"| α | E × R | {reference} (final) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for alpha, e, rr in cells:
+        ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, reference)}
+        if not ref:
+            continue
+        cols = []
+        for n in names:
+            gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
+                     if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n) and r["seed"] in ref]
+            cols.append(f"{statistics.mean(gains):+.1f} ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else
+                        (f"{gains[0]:+.1f}" if gains else "—"))
+        lines.append(f"| {alpha:g} | {e} × {rr} | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategies", default="fedavg,average,fedavgm")
@@ -117,7 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--anchors", default=str(ANCHORS))
     ap.add_argument("--out", default=str(ROOT / "results" / "anchor"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--summary", nargs="+", help="only print the gain-over-FedAvg table of these output folders")
     args = ap.parse_args(argv)
+    if args.summary:
+        print(regime_summary([Path(d) for d in args.summary]))
+        return
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     public = anchors / "splits" / f"{args.dataset}-public.npz"
