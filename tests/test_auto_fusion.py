@@ -29,13 +29,22 @@ def _client(seed, classes, init_seed=None):
     return m.eval()
 
 
-@register("test-auto-broken", needs_data=False, any_module=True)
 def _broken(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
     out = copy.deepcopy(models[0])
     with torch.no_grad():
         for p in out.parameters():
             p.mul_(-30.0)
     return out
+
+
+@pytest.fixture(autouse=True)
+def broken_method():
+    """A deliberately bad candidate, registered when a test runs (not at import: the contract suite parametrizes
+    over every registered method when it is collected)."""
+    from fedfuse.fusion import METHOD_SPECS
+
+    if "test-auto-broken" not in METHOD_SPECS:
+        register("test-auto-broken", needs_data=False, any_module=True)(_broken)
 
 
 def test_agreeing_clients_get_the_average_without_trying_the_candidates():

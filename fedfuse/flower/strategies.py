@@ -115,8 +115,8 @@ def _implementation(name: str) -> type[RoundProtocol]:
         return FLOWER_BASELINES.get(name) or flower_baseline_class(name, spec.flower_class)
     if spec.aggregation == "submodel":
         return TIER_STRATEGY_CLASSES[name]
-    if name not in _NAMED:
-        _NAMED[name] = _named(name)
+    if name not in _NAMED:   # a fusion method without a written alias: its class is importable by name too
+        _NAMED[name] = globals()[_class_name(name)] = _named(name)
     return _NAMED[name]
 
 
