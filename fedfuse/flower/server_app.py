@@ -229,6 +229,139 @@ def check_run_config(context: Context) -> RunConfig:
     return preflight(context.run_config, known_strategies=tuple(STRATEGIES))
 
 
+class RoundEvaluation:
+    """The run's ``evaluate_fn``: every round, the global model on the server's test set (central evaluation), the
+    clients' federated evaluation, the strategy's record of the round, the round's client models as references
+    (ensemble, each client, best client), timings; then the round's row, checkpoint and log line."""
+
+    def __init__(self, cfg: RunConfig, data, model_fn: Callable[[], torch.nn.Module], strategy: RoundProtocol,
+                 recorder: RunRecorder, out: Path, done: int, initial: dict) -> None:
+        self.cfg, self.data, self.model_fn, self.strategy = cfg, data, model_fn, strategy
+        self.recorder, self.out, self.done = recorder, out, done
+        self.device = resolve_device(cfg.device)
+        self.central = cfg.evaluation != "federated"
+        self.test_x, self.test_y = (data.test.x, data.test.y) if self.central else (None, None)
+        federated = getattr(strategy, "evaluate_metrics_aggr_fn", None)
+        self.federated = federated if isinstance(federated, FederatedEvaluation) else None
+        self.reference = MemberReference(strategy.build_model, self.test_x, self.device)
+        strategy.update_observer = self.reference
+        self.last_arrays = ArrayRecord(initial)
+        self._clock = time.perf_counter()
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        server_round += self.done  # true round number when resuming
+        self.last_arrays = arrays
+        if self.done and server_round == self.done:  # the resumed-from model: its row is in the checkpoint already
+            return None
+        row: dict[str, Any] = {"round": server_round}
+        m = self._central(arrays, row)
+        if self.federated is not None and server_round > 0:  # this round's Flower evaluate round
+            row.update(self.federated.take())
+        if self.central and hasattr(self.strategy, "evaluate_tiers"):  # capacity tiers: each tier model
+            row.update(self.strategy.evaluate_tiers(server_round, self.test_x, self.test_y, self.device))
+        now = time.perf_counter()
+        row["round-seconds"] = now - self._clock
+        self._clock = t_eval = now
+        if server_round > 0:
+            row.update(self._strategy_columns(server_round))
+            row.update(self._member_columns())
+        row["eval-seconds"] = time.perf_counter() - t_eval
+        row["server-peak-rss-mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.recorder.add_round(row)
+        if server_round > 0:
+            save_checkpoint(self.out, server_round, arrays.to_torch_state_dict(),
+                            {"num-server-rounds": self.cfg.num_server_rounds, "config": self.cfg.to_dict(),
+                             "rows": self.recorder.rows, "strategy-history": self.strategy.history,
+                             "resumed-from-rounds": self.recorder.extra.get("resumed-from-rounds", [])})
+        _log_round(server_round, row)
+        if m is None:
+            return None
+        return MetricRecord({"test-accuracy": float(m["accuracy"]), "test-loss": float(m["loss"])})
+
+    def _central(self, arrays: ArrayRecord, row: dict[str, Any]) -> dict | None:
+        """The global model's test metrics (central evaluation), added to ``row``; ``None`` when federated only."""
+        if not self.central:
+            return None
+        model = self.model_fn()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        m = evaluate(model, self.test_x, self.test_y, num_classes=self.data.num_classes, device=self.device)
+        row.update({"test-accuracy": m["accuracy"], "test-loss": m["loss"],
+                    "per-class-accuracy": m["per-class-accuracy"]})
+        return m
+
+    def _strategy_columns(self, server_round: int) -> dict[str, Any]:
+        """The strategy's record of the round (replies, rejects, failures, fallback, guard, fusion info)."""
+        hist = next((h for h in reversed(self.strategy.history) if h["round"] == server_round), None)
+        if hist is None:
+            return {}
+        return {"valid-replies": hist.get("valid"), "rejected": hist["rejected"], "failures": hist["failures"],
+                "fallback": hist.get("fallback"), "skipped": hist.get("skipped"), "guard": hist.get("guard"),
+                "fusion-seconds": hist.get("fusion-seconds"), "fusion-info": hist.get("fusion-info")}
+
+    def _member_columns(self) -> dict[str, Any]:
+        """The round's client models as references: their ensemble's, each one's and the best one's test accuracy
+        (central evaluation) and the means of their reported metrics. The members come from the update observer
+        (as the strategy validated them), else from the strategy's kept replies."""
+        members = self.reference.take()
+        if not members and self.strategy.last_updates:
+            members = [(u.partition_id, predict_logits(self.strategy.build_model(u.state), self.test_x,
+                                                       device=self.device) if self.central else None, u.metrics)
+                       for u in self.strategy.last_updates]
+        out: dict[str, Any] = {}
+        if members and self.central:
+            member_logits = [lg for _, lg, _ in members]
+            w = torch.full((len(members),), 1.0 / len(members))  # the uniform Ensemble's weights
+            probs = sum(wi * lg.softmax(-1) for wi, lg in zip((w / w.sum()).tolist(), member_logits))
+            out["ensemble-accuracy"] = metrics_from_logits(probs, self.test_y, probabilities=True)["accuracy"]
+            out["client-test-accuracy"] = [metrics_from_logits(lg, self.test_y)["accuracy"] for lg in member_logits]
+            out["client-partition-ids"] = [pid for pid, _, _ in members]  # rounds.csv client-<p>-... columns
+            out["best-client-accuracy"] = max(out["client-test-accuracy"])
+        for key in ("train-seconds", "score-seconds", "train-accuracy", "val-accuracy"):
+            vals = [m.get(key) for _, _, m in members if isinstance(m.get(key), (int, float))]
+            if vals:
+                out[f"client-{key}-mean"] = sum(vals) / len(vals)
+        return out
+
+
+def _log_round(server_round: int, row: dict[str, Any]) -> None:
+    log(INFO, "fedfuse round %d: %s%s%s", server_round, ", ".join(
+        f"{k} {row[k]:.4f}" for k in ("test-accuracy", "federated-accuracy") if row.get(k) is not None)
+        + (f" ({row['federated-clients']} clients)" if "federated-clients" in row else "") or "no evaluation yet",
+        f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
+        f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
+    if row.get("fallback"):
+        log(WARNING, "fedfuse round %d: fusion fell back: %s", server_round, row["fallback"])
+
+
+def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder: RunRecorder,
+                   last_arrays: ArrayRecord, crash: BaseException | None) -> None:
+    """``results.json`` (with the run's outcome and the strategy's history), the last global model, the plot and
+    ``DONE``; a failed run is logged and raised after its results are written."""
+    outcome = fusion_outcome(strategy.history)
+    if crash is not None:
+        outcome = {**outcome, "status": "failed", "error": f"{type(crash).__name__}: {crash}"}
+    recorder.extra.update(outcome)
+    recorder.extra["strategy-history"] = strategy.history
+    recorder.extra["failures"] = [{"round": h["round"], **f} for h in strategy.history for f in h.get("failures", [])]
+    recorder.extra["rejected"] = [{"round": h["round"], **r} for h in strategy.history for r in h.get("rejected", [])]
+    recorder.extra["skipped-rounds"] = [h["round"] for h in strategy.history if h.get("skipped")]
+    recorder.write()
+    # the last global model (Result.arrays stays empty when every round was skipped)
+    recorder.save_model(last_arrays.to_torch_state_dict())
+    recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
+    if crash is not None:
+        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
+        raise crash
+    if outcome["fallbacks"]:
+        log(WARNING, "fedfuse: fusion fell back in %d of %d rounds: %s", outcome["fallbacks"],
+            len(strategy.history), outcome["fallback-rounds"])
+    if outcome["status"] == "failed":
+        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
+        raise RuntimeError(f"fedfuse: {outcome['error']}")
+    (out / "DONE").write_text("ok\n")
+    log(INFO, "fedfuse: results written to %s", out)
+
+
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
     """The ServerApp's body: validate the config, build data and strategy, run the rounds, write results.
 
@@ -255,118 +388,19 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         strategy.history = list(run_state.get("strategy-history", []))
         recorder.extra["resumed-from-rounds"] = list(run_state.get("resumed-from-rounds", [])) + [done]
         log(INFO, "fedfuse: resuming %s after round %d of %d", out, done, cfg.num_server_rounds)
-    last = {"arrays": ArrayRecord(initial)}
-    device = resolve_device(cfg.device)
-    central = cfg.evaluation != "federated"
-    test_x, test_y = (data.test.x, data.test.y) if central else (None, None)
-    federated = getattr(strategy, "evaluate_metrics_aggr_fn", None)
-    federated = federated if isinstance(federated, FederatedEvaluation) else None
-    if not central:
+    evaluation = RoundEvaluation(cfg, data, model_fn, strategy, recorder, out, done, initial)
+    if not evaluation.central:
         log(INFO, "fedfuse: evaluation='federated': the clients evaluate the global model on their validation "
             "splits every round; the server holds no test set")
-    clock = {"t": time.perf_counter()}
-    reference = MemberReference(strategy.build_model, test_x if central else None, device)
-    strategy.update_observer = reference
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        server_round += done  # true round number when resuming
-        last["arrays"] = arrays
-        if done and server_round == done:  # the resumed-from model: its row is in the checkpoint already
-            return None
-        row = {"round": server_round}
-        m = None
-        if central:
-            model = model_fn()
-            model.load_state_dict(arrays.to_torch_state_dict())
-            m = evaluate(model, test_x, test_y, num_classes=data.num_classes, device=device)
-            row.update({"test-accuracy": m["accuracy"], "test-loss": m["loss"],
-                        "per-class-accuracy": m["per-class-accuracy"]})
-        if federated is not None and server_round > 0:  # this round's Flower evaluate round (clients' val splits)
-            row.update(federated.take())
-        if central and hasattr(strategy, "evaluate_tiers"):  # capacity tiers: each tier model's test accuracy, bytes
-            row.update(strategy.evaluate_tiers(server_round, test_x, test_y, device))
-        now = time.perf_counter()
-        row["round-seconds"] = now - clock["t"]
-        clock["t"] = now
-        t_eval = now
-        if server_round > 0:
-            hist = next((h for h in reversed(strategy.history) if h["round"] == server_round), None)
-            if hist is not None:
-                row.update({"valid-replies": hist.get("valid"), "rejected": hist["rejected"],
-                            "failures": hist["failures"], "fallback": hist.get("fallback"),
-                            "skipped": hist.get("skipped"), "guard": hist.get("guard"),
-                            "fusion-seconds": hist.get("fusion-seconds"),
-                            "fusion-info": hist.get("fusion-info")})
-            # the round's members as the strategy validated them (observer), else its kept replies (strategies
-            # that validate their own way, e.g. capacity tiers)
-            members = reference.take()
-            if not members and strategy.last_updates:
-                members = [(u.partition_id, predict_logits(strategy.build_model(u.state), test_x, device=device)
-                            if central else None, u.metrics) for u in strategy.last_updates]
-            if members and central:
-                member_logits = [lg for _, lg, _ in members]
-                w = torch.full((len(members),), 1.0 / len(members))  # the uniform Ensemble's weights
-                probs = sum(wi * lg.softmax(-1) for wi, lg in zip((w / w.sum()).tolist(), member_logits))
-                row["ensemble-accuracy"] = metrics_from_logits(probs, test_y, probabilities=True)["accuracy"]
-                row["client-test-accuracy"] = [metrics_from_logits(lg, test_y)["accuracy"] for lg in member_logits]
-                row["client-partition-ids"] = [pid for pid, _, _ in members]  # rounds.csv client-<p>-... columns
-                row["best-client-accuracy"] = max(row["client-test-accuracy"])
-            if members:
-                for key in ("train-seconds", "score-seconds", "train-accuracy", "val-accuracy"):
-                    vals = [m.get(key) for _, _, m in members if isinstance(m.get(key), (int, float))]
-                    if vals:
-                        row[f"client-{key}-mean"] = sum(vals) / len(vals)
-        # central evaluation (the per-client reference logits are computed as the strategy validates each reply)
-        row["eval-seconds"] = time.perf_counter() - t_eval
-        row["server-peak-rss-mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        recorder.add_round(row)
-        if server_round > 0:
-            save_checkpoint(out, server_round, arrays.to_torch_state_dict(),
-                            {"num-server-rounds": cfg.num_server_rounds, "config": cfg.to_dict(), "rows": recorder.rows,
-                             "strategy-history": strategy.history,
-                             "resumed-from-rounds": recorder.extra.get("resumed-from-rounds", [])})
-        log(INFO, "fedfuse round %d: %s%s%s", server_round, ", ".join(
-            f"{k} {row[k]:.4f}" for k in ("test-accuracy", "federated-accuracy") if row.get(k) is not None)
-            + (f" ({row['federated-clients']} clients)" if "federated-clients" in row else "") or "no evaluation yet",
-            f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
-            f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
-        if row.get("fallback"):
-            log(WARNING, "fedfuse round %d: fusion fell back: %s", server_round, row["fallback"])
-        if m is None:
-            return None
-        return MetricRecord({"test-accuracy": float(m["accuracy"]), "test-loss": float(m["loss"])})
-
     train_config = ConfigRecord({"mode": cfg.mode, "local-epochs": cfg.local_epochs, "lr": cfg.lr})
     crash: BaseException | None = None
     try:
         if cfg.num_server_rounds > done:
-            runner.start(grid=grid, initial_arrays=last["arrays"], num_rounds=cfg.num_server_rounds - done,
-                         timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluate_fn)
-    except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised below
+            runner.start(grid=grid, initial_arrays=evaluation.last_arrays, num_rounds=cfg.num_server_rounds - done,
+                         timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluation)
+    except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised by _write_results
         crash = exc
-    outcome = fusion_outcome(strategy.history)
-    if crash is not None:
-        outcome = {**outcome, "status": "failed", "error": f"{type(crash).__name__}: {crash}"}
-    recorder.extra.update(outcome)
-    recorder.extra["strategy-history"] = strategy.history
-    recorder.extra["failures"] = [{"round": h["round"], **f} for h in strategy.history for f in h.get("failures", [])]
-    recorder.extra["rejected"] = [{"round": h["round"], **r} for h in strategy.history for r in h.get("rejected", [])]
-    recorder.extra["skipped-rounds"] = [h["round"] for h in strategy.history if h.get("skipped")]
-    recorder.write()
-    # the last global model (Result.arrays stays empty when every round was skipped)
-    recorder.save_model(last["arrays"].to_torch_state_dict())
-    recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
-    if crash is not None:
-        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
-        raise crash
-    if outcome["fallbacks"]:
-        log(WARNING, "fedfuse: fusion fell back in %d of %d rounds: %s", outcome["fallbacks"],
-            len(strategy.history), outcome["fallback-rounds"])
-    if outcome["status"] == "failed":
-        log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
-        raise RuntimeError(f"fedfuse: {outcome['error']}")
-    (out / "DONE").write_text("ok\n")
-    log(INFO, "fedfuse: results written to %s", out)
+    _write_results(cfg, out, strategy, recorder, evaluation.last_arrays, crash)
 
 
 def make_server_app(*, wrap_strategy: StrategyWrapper | None = None) -> ServerApp:
