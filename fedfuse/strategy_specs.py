@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 AGGREGATIONS = ("fusion", "arrays", "flower", "submodel")
+FUSION_RUN_KEYS = ("server-lr", "server-momentum")   # what fedfuse's server step reads
 SERVER_STEPS = ("fedfuse", "paper", "flower")
 
 
@@ -75,7 +76,7 @@ class StrategySpec:
     window_rolls: bool = False
     static_bn: bool = False
     needs_tiers: bool = False
-    run_keys: tuple[str, ...] = ("server-lr", "server-momentum")
+    run_keys: tuple[str, ...] = FUSION_RUN_KEYS
     tier_models_auto: str | None = None
     ordered_dropout_auto: str = "all"
     paper: str = ""
@@ -175,7 +176,7 @@ def key_applies(key: str, strategy: str) -> bool:
 def key_users(key: str) -> tuple[str, ...]:
     """The strategies that read run-config ``key`` (fusion methods summed up as ``<fusion strategies>``)."""
     special = tuple(n for n, s in SPECIAL_SPECS.items() if key in s.run_keys and s.aggregation != "fusion")
-    return special + (("<fusion strategies>",) if key in fusion_spec("x").run_keys else ())
+    return special + (("<fusion strategies>",) if key in FUSION_RUN_KEYS else ())
 
 
 def with_tiers(spec: StrategySpec) -> StrategySpec:

@@ -281,7 +281,6 @@ class FusionStrategy(RoundProtocol):
             info.update(step_info)
         return model.state_dict(), info, time.perf_counter() - t0
 
-    aggregate_state = aggregate   # the name tests and plug-ins use
 
     # ---------------------------------------------------------------- streamed average rounds
     def streaming_round(self, server_round: int) -> bool:

@@ -19,7 +19,7 @@ overriding that method. The steps:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, Callable
 
@@ -66,7 +66,6 @@ class RoundData:
     method: str = ""
     seed: int = 0
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def client_models(self) -> list[nn.Module]:
         if self.teachers is None:
@@ -250,11 +249,6 @@ class StaticBatchNorm:
         if reestimate_batchnorm(model, rd.fusion_inputs, device=resolve_device(rd.device)):
             return model, {"static-bn": True}
         return model, {}
-
-
-def normalised(weights: list[float]) -> list[float]:
-    total = float(np.sum(weights))
-    return [w / total for w in weights]
 
 
 __all__ = ["RoundData", "DivergenceGuard", "ServerMomentum", "Refinement", "StaticBatchNorm", "class_prior"]

@@ -16,9 +16,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
-import torch
-
 from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
@@ -42,14 +39,7 @@ class FedAvgStrategy(FusionStrategy):
         super().__init__(method, **options)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]):
-        w = np.array([u.num_examples for u in updates], dtype=float)
-        w = w / w.sum()
-        ref = updates[0].state
-        state = {k: (sum(float(wi) * u.state[k].double() for wi, u in zip(w, updates)).to(ref[k].dtype)
-                     if ref[k].is_floating_point() else ref[k].clone()) for k in ref}
-        return state, {}, 0.0
-
-    aggregate_state = aggregate
+        return self.average(updates), {}, 0.0   # the arrays only: no model built, no step
 
 
 FlowerFedAvg = FedAvgStrategy  # an earlier name

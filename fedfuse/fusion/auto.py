@@ -22,15 +22,13 @@ run), the disagreement and the choice (``auto-choice``).
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import kl_to
 from fedfuse.fusion.registry import FusionError, FusionOptionError, get_spec, register, require
@@ -96,60 +94,76 @@ def split_fusion_set(x: torch.Tensor, holdout: float, seed: int) -> tuple[torch.
 @register("auto", options=AutoOptions, mixed_widths=True)
 def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: AutoOptions,
               info: dict) -> nn.Module:
-    """The candidate that agrees best with the clients' ensemble on a held-out part of the fusion set (see the
-    module docstring). Fusing copies of one model returns it (their disagreement is 0: the average)."""
-    # the package entry point runs each candidate (its checks, seeding, finite check); imported here because the
-    # package imports this module while it registers the methods
-    from fedfuse.fusion import fuse_result
-
+    """The candidate that agrees best with the clients' ensemble on a held-out part of the fusion set, or with
+    ``validation`` the most accurate one (see the module docstring). Fusing copies of one model returns it (their
+    disagreement is 0: the average)."""
     x = torch.as_tensor(fusion_inputs).float()
-    if options.validation is not None:
-        return _by_validation(models, x, scores, weights, device, seed, options, info)
-    fit, held = split_fusion_set(x, options.holdout, seed)
     members = [m.cpu().eval() for m in models]
-    with torch.no_grad():
-        target = teacher_probs(members, held, weights)
-    scores_kl: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    seconds: dict[str, float] = {}
-    best: tuple[float, str, nn.Module] | None = None
-    t_start = time.perf_counter()
-    try:
-        average = _average(members, weights)
-        with torch.no_grad():
-            disagreement = kl_to(target, average(held))
-        scores_kl["average"] = disagreement
-        best = (disagreement, "average", average)
-    except FusionError as exc:   # e.g. clients of different widths: no average to measure against
-        disagreement = float("inf")
-        skipped["average"] = str(exc)
-    info["auto-disagreement"] = disagreement
-    if disagreement > options.agree_kl:
+    trial = _Trial(members, scores, weights, device, seed, options.max_seconds)
+    if options.validation is not None:   # labels: every candidate fitted on the whole fusion set, most accurate kept
         for name in options.candidates:
-            if name == "average" or name in skipped:
-                continue
-            if options.max_seconds and time.perf_counter() - t_start > options.max_seconds:
-                skipped[name] = f"time budget of {options.max_seconds:g} s spent"
-                continue
-            try:
-                res = fuse_result(name, members, fusion_inputs=fit, scores=scores, weights=weights, device=device,
-                                  seed=seed)
-            except FusionError as exc:
-                skipped[name] = f"{type(exc).__name__}: {exc}"
-                continue
-            seconds[name] = res.seconds
+            trial.run(name, x, lambda model: validation_accuracy(model, options.validation))
+        info["auto-accuracy"] = trial.values
+    else:   # label-free: agreement with the ensemble on the held-out part, the average first (and alone if agreeing)
+        fit, held = split_fusion_set(x, options.holdout, seed)
+        with torch.no_grad():
+            target = teacher_probs(members, held, weights)
+
+        def agreement(model: nn.Module) -> float:
             with torch.no_grad():
-                logits = res.model(held)
-            kl = kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("inf")
-            scores_kl[name] = kl
-            if best is None or kl < best[0]:
-                best = (kl, name, res.model)
-    if best is None:
-        raise FusionError(f"auto: no candidate could fuse these models ({skipped})")
-    info.update({"auto-choice": best[1], "auto-scores": scores_kl, "auto-seconds": seconds})
-    if skipped:
-        info["auto-skipped"] = skipped
-    return best[2]
+                logits = model(held)
+            return -kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("-inf")
+
+        trial.run("average", fit, agreement, timed=False)
+        disagreement = -trial.values["average"] if "average" in trial.values else float("inf")
+        info["auto-disagreement"] = disagreement
+        if disagreement > options.agree_kl:
+            for name in options.candidates:
+                if name != "average":
+                    trial.run(name, fit, agreement)
+        info["auto-scores"] = {k: -v for k, v in trial.values.items()}   # held-out KL (lower is better)
+    if trial.best is None:
+        raise FusionError(f"auto: no candidate could fuse these models ({trial.skipped})")
+    info.update({"auto-choice": trial.best[1], "auto-seconds": trial.seconds})
+    if trial.skipped:
+        info["auto-skipped"] = trial.skipped
+    return trial.best[2]
+
+
+class _Trial:
+    """The candidates tried so far: each one's value (higher is better), seconds and why one was skipped, and the
+    best (value, name, model)."""
+
+    def __init__(self, members, scores, weights, device, seed, max_seconds: float) -> None:
+        self.members, self.scores, self.weights, self.device, self.seed = members, scores, weights, device, seed
+        self.max_seconds = max_seconds
+        self.t_start = time.perf_counter()
+        self.values: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+        self.skipped: dict[str, str] = {}
+        self.best: tuple[float, str, nn.Module] | None = None
+
+    def run(self, name: str, inputs: torch.Tensor, value: Callable[[nn.Module], float], timed: bool = True) -> None:
+        """Fuse with ``name`` on ``inputs`` (the package entry point: its checks, seeding and finite check) and
+        score the result; a method that cannot take the models, or the spent time budget, skips it."""
+        # imported here: the package imports this module while it registers the methods
+        from fedfuse.fusion import fuse_result
+
+        if timed and self.max_seconds and time.perf_counter() - self.t_start > self.max_seconds:
+            self.skipped[name] = f"time budget of {self.max_seconds:g} s spent"
+            return
+        try:
+            res = fuse_result(name, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
+                              device=self.device, seed=self.seed)
+        except FusionError as exc:
+            self.skipped[name] = f"{type(exc).__name__}: {exc}"
+            return
+        if timed:
+            self.seconds[name] = res.seconds
+        v = value(res.model)
+        self.values[name] = v
+        if self.best is None or v > self.best[0]:
+            self.best = (v, name, res.model)
 
 
 def validation_accuracy(model: nn.Module, validation) -> float:
@@ -163,42 +177,4 @@ def validation_accuracy(model: nn.Module, validation) -> float:
     return correct / total
 
 
-def _by_validation(models, x, scores, weights, device, seed, options: AutoOptions, info: dict) -> nn.Module:
-    """Every candidate fitted on the whole fusion set, kept by validation accuracy (labels: no ensemble proxy)."""
-    from fedfuse.fusion import fuse_result
-
-    members = [m.cpu().eval() for m in models]
-    accuracy: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    seconds: dict[str, float] = {}
-    best: tuple[float, str, nn.Module] | None = None
-    t_start = time.perf_counter()
-    for name in options.candidates:
-        if options.max_seconds and time.perf_counter() - t_start > options.max_seconds:
-            skipped[name] = f"time budget of {options.max_seconds:g} s spent"
-            continue
-        try:
-            res = fuse_result(name, members, fusion_inputs=x, scores=scores, weights=weights, device=device, seed=seed)
-        except FusionError as exc:
-            skipped[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        seconds[name] = res.seconds
-        acc = validation_accuracy(res.model, options.validation)
-        accuracy[name] = acc
-        if best is None or acc > best[0]:
-            best = (acc, name, res.model)
-    if best is None:
-        raise FusionError(f"auto: no candidate could fuse these models ({skipped})")
-    info.update({"auto-choice": best[1], "auto-accuracy": accuracy, "auto-seconds": seconds})
-    if skipped:
-        info["auto-skipped"] = skipped
-    return best[2]
-
-
-def _average(models: list[nn.Module], weights: list[float]) -> nn.Module:
-    out = copy.deepcopy(models[0])
-    out.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights))
-    return out.eval()
-
-
-__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "DEFAULT_CANDIDATES"]
+__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "validation_accuracy", "DEFAULT_CANDIDATES"]

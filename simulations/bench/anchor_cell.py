@@ -31,6 +31,9 @@ import statistics  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from fedfuse.flower.runner.stats import format_mean_std, mean_std  # noqa: E402
+from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS = ROOT.parent / "shared" / "anchors"
 DATASET = {"mnist1d": "mnist1d-flat", "digits": "digits-flat"}
@@ -55,21 +58,6 @@ def stock_flower(readme: Path) -> dict[tuple[str, float], list[float]]:
     return out
 
 
-def _strategy(label: str) -> tuple[str, dict]:
-    """``"average[server-momentum=0.9]"`` → ``("average", {"server-momentum": 0.9})``."""
-    m = re.match(r"([\w-]+)(?:\[(.*)\])?$", label.strip())
-    if not m:
-        raise SystemExit(f"anchor_cell: bad strategy label {label!r}")
-    extra = {}
-    for pair in (m.group(2) or "").split():
-        k, v = pair.split("=", 1)
-        try:
-            extra[k] = json.loads(v)
-        except json.JSONDecodeError:
-            extra[k] = v.strip("'\"")
-    return m.group(1), extra
-
-
 def _run(job: dict) -> dict:
     from fedfuse.flower.runner.inprocess import run_inprocess
 
@@ -83,9 +71,13 @@ def _run(job: dict) -> dict:
 
 
 def _mean_std(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f}" if values else "—"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return format_mean_std(values, digits=3)
+
+
+def _gain(points: list[float]) -> str:
+    """Points of gain, signed: ``"+m ± s"`` (sample std), ``"+m"`` for one seed, ``"—"`` for none."""
+    m, sd, n = mean_std(points)
+    return "—" if n == 0 else f"{m:+.1f}" if n < 2 else f"{m:+.1f} ± {sd:.1f}"
 
 
 def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
@@ -113,7 +105,7 @@ def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
     and strategy, from the ``runs.json`` of several anchor-cell output folders."""
     rows = [r for d in dirs for r in json.loads((Path(d) / "runs.json").read_text())]
     for r in rows:
-        name, extra = _strategy(r["label"])
+        name, extra = parse_strategy(r["label"])
         rest = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("local-epochs", "lr"))
         r["name"] = f"{name}[{rest}]" if rest else name
         r["E"], r["R"] = int(extra.get("local-epochs", 1)), len(r["curve"]) - 1
@@ -129,8 +121,7 @@ def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
         for n in names:
             gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
                      if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n) and r["seed"] in ref]
-            cols.append(f"{statistics.mean(gains):+.1f} ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else
-                        (f"{gains[0]:+.1f}" if gains else "—"))
+            cols.append(_gain(gains))
         lines.append(f"| {alpha:g} | {e} × {rr} | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n"
 
@@ -153,13 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     public = anchors / "splits" / f"{args.dataset}-public.npz"
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = split_strategies(args.strategies)
     jobs = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         for seed in [int(s) for s in args.seeds.split(",")]:
             split = anchors / "splits" / f"{args.dataset}-a{alpha:g}-s{seed}"
             for label in strategies:
-                name, extra = _strategy(label)
+                name, extra = parse_strategy(label)
                 cfg = {**anchor_recipe(split, public, args.dataset, seed, args.rounds), "strategy": name, **extra,
                        "output-dir": str(out / "runs"), "run-name": f"{label}-{args.dataset}-a{alpha:g}-s{seed}"}
                 jobs.append({"label": label, "dataset": args.dataset, "alpha": alpha, "seed": seed, "config": cfg})
