@@ -42,7 +42,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
-from fedfuse.strategy_specs import SUBMODEL_METHODS  # noqa: E402
+from fedfuse.strategy_specs import SUBMODEL_METHODS, check_candidates  # noqa: E402
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   parse_tiers, resolve_tier_models)
 
@@ -127,6 +127,10 @@ class RunConfig:
                                   "pseudo-gradient (Flower's FedAvgM; fusion strategies apply the same step to their "
                                   "fused aggregate before refining); 0 = none; -1 = the strategy's measured default "
                                   "(fedavgm and average 0.5, other fusion strategies 0)", ge=-1, lt=1)
+    auto_candidates: str = _key("average,fedavg,feddf", "auto: the candidate aggregations of every round, comma-"
+                                "separated, first preferred on a tie: average (with server momentum) | fedavg (plain "
+                                "average) | a fusion method (feddf, kf-gradient, ...); the clients' accuracy on their "
+                                "own data picks one per round")
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
@@ -165,6 +169,11 @@ class RunConfig:
     def fusion_options_table(self) -> dict[str, Any]:
         """``fusion-options`` parsed from its TOML inline table; ``ConfigError`` naming the key."""
         return _parse_fusion_options(self.fusion_options)
+
+    @cached_property
+    def auto_candidate_names(self) -> tuple[str, ...]:
+        """``auto-candidates`` split on commas (checked by ``validate``)."""
+        return tuple(c.strip() for c in self.auto_candidates.split(","))
 
 
 @dataclass(frozen=True)
@@ -482,6 +491,16 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
+    if cfg.auto_candidates != SCHEMA["auto-candidates"].default and cfg.strategy != "auto":
+        raise ConfigError(f"run-config key 'auto-candidates' applies to strategy 'auto' only, not {cfg.strategy!r}")
+    if cfg.strategy == "auto":
+        try:
+            check_candidates(cfg.auto_candidate_names)
+        except ValueError as exc:
+            raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
+        if cfg.tiers:
+            raise ConfigError("run-config key 'client-tiers': strategy 'auto' scores candidates of one architecture; "
+                              "capacity tiers are not supported with it")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
         raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
                           "method; set fusion-rounds=0")

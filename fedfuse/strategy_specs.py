@@ -24,6 +24,7 @@ strategy of its own (``strategy_spec`` builds its entry on first use).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 AGGREGATIONS = ("fusion", "arrays", "flower", "submodel")
@@ -58,6 +59,8 @@ class StrategySpec:
             ``proximal-mu``); setting one of those keys for another strategy is a config error.
         tier_models_auto / ordered_dropout_auto: what ``tier-models='auto'`` / ``ordered-dropout='auto'`` mean
             (``tier_models_auto`` ``None``: ``prune``, or ``slice`` for ViTs).
+        selects: the round chooses between candidate aggregations by the clients' scores
+            (``fedfuse.flower.selection``).
         paper: the paper (title and arXiv id) the strategy follows, for the docs.
     """
 
@@ -79,6 +82,7 @@ class StrategySpec:
     run_keys: tuple[str, ...] = FUSION_RUN_KEYS
     tier_models_auto: str | None = None
     ordered_dropout_auto: str = "all"
+    selects: bool = False
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -112,6 +116,10 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  paper="Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
                  submodel_tiers=True, tier_refine="none"),
+    StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
+                 can_refine=False, selects=True, run_keys=("server-momentum",),
+                 paper="fedfuse: per round, the candidate (average with server momentum, plain average, FedDF) "
+                       "with the best accuracy on the clients' own data"),
     StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
                  submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
                  paper="Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv 2006.07242"),
@@ -164,6 +172,28 @@ def strategy_spec(name: str) -> StrategySpec:
     return fusion_spec(name)
 
 
+#: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.selection``)
+DEFAULT_CANDIDATES = ("average", "fedavg", "feddf")
+ARRAY_CANDIDATES = ("average", "fedavg")
+
+
+def check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
+    """The candidate names, checked: ``average``, ``fedavg`` or a same-architecture fusion method
+    (``ValueError`` naming the bad entry)."""
+    names = tuple(str(c).strip() for c in candidates)
+    if not names or any(not n for n in names):
+        raise ValueError(f"strategy 'auto': candidates must be a non-empty list of names, got {list(names)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"strategy 'auto': candidates {list(names)} repeat a name")
+    for name in names:
+        if name in ARRAY_CANDIDATES:
+            continue
+        spec = strategy_spec(name)   # ValueError with the closest name for an unknown one
+        if spec.aggregation != "fusion" or spec.name == "auto":
+            raise ValueError(f"strategy 'auto': candidate {name!r} is not 'average', 'fedavg' or a fusion method")
+    return names
+
+
 def key_applies(key: str, strategy: str) -> bool:
     """Whether the strategy-specific run-config ``key`` (``server-lr``, ``server-momentum``, ``proximal-mu``) is
     read by ``strategy``."""
@@ -186,4 +216,4 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
 
 __all__ = ["StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
-           "strategy_spec", "strategy_names", "fusion_spec", "key_applies", "key_users", "with_tiers"]
+           "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

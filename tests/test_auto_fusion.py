@@ -87,12 +87,15 @@ def test_bad_options_name_the_key(options, match):
         fuse_result("auto", [_client(0, [0, 1])] * 2, fusion_inputs=X, **options)
 
 
-def test_the_auto_strategy_records_its_choice_every_round():
+def test_the_label_free_auto_method_as_a_round_aggregation_records_its_choice_every_round():
+    """``fuse('auto')`` as a ``FusionStrategy`` method (strategy name ``auto`` is the client-scored selection of
+    ``fedfuse.flower.selection``; the library's label-free ``auto`` stays usable as a round's aggregation)."""
     from unittest.mock import Mock
 
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-    from fedfuse.flower import build_strategy
+    from fedfuse.flower import FusionStrategy
+    from fedfuse.strategy_specs import fusion_spec
 
     def reply(node, model):
         msg = Mock(spec=Message)
@@ -107,8 +110,8 @@ def test_the_auto_strategy_records_its_choice_every_round():
         return build_model("mlp", num_classes=4, input_shape=(20,), width=32, depth=1, seed=0)
 
     a = _client(0, [0, 1, 2, 3], init_seed=0)
-    s = build_strategy("auto", model_fn=model_fn, fusion_inputs=X, refine="none", guard=False,
-                       fusion_options={"candidates": ["average", "kd"]})
+    s = FusionStrategy(method="auto", registry_entry=fusion_spec("auto"), model_fn=model_fn, fusion_inputs=X,
+                       refine="none", guard=False, fusion_options={"candidates": ["average", "kd"]})
     s.aggregate_train(1, [reply(1, a), reply(2, copy.deepcopy(a))])
     assert s.history[-1]["fusion-info"]["auto-choice"] == "average"
     drift = [_client(1, [0, 1], init_seed=0), _client(2, [2, 3], init_seed=0)]

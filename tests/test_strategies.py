@@ -91,7 +91,8 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     for name, cls in STRATEGIES.items():
         assert issubclass(cls, RoundProtocol) and issubclass(cls, FedAvg)
         assert cls.method == name and cls.__name__.endswith("Strategy") and cls.__doc__
-        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiered")
+        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiered",
+                                  "fedfuse.flower.selection")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
     from server.strategies import STRATEGIES as legacy, build_strategy as legacy_build  # public API contract

@@ -35,6 +35,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
 from fedfuse.config import RunConfig, parse_run_config, partition_file  # noqa: E402
+from fedfuse.flower.candidates import ACTION as SCORE_ACTION, read_score_query, score_reply_content  # noqa: E402
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.client_tiers import query as tier_query, tier_forward, tier_model  # noqa: E402
@@ -146,12 +147,30 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({METRICS_KEY: metrics}), reply_to=msg)
 
 
+def score_handler(msg: Message, context: Context) -> Message:
+    """Score the candidate global models of a ``strategy='auto'`` round (``fedfuse.flower.candidates``): each one's
+    accuracy and loss on this node's validation split, or its training data when it keeps none."""
+    cfg, node = _setup(context)
+    states = read_score_query(msg)
+    model = global_model(cfg, node.num_classes, node.input_shape)
+    data = node.val if len(node.val) > 0 else node.train
+    device = resolve_device(cfg.device)
+    accs, losses = [], []
+    for state in states:
+        model.load_state_dict(state)
+        m = evaluate(model, data.x, data.y, num_classes=node.num_classes, device=device)
+        accs.append(float(m["accuracy"]))
+        losses.append(float(m["loss"]))
+    return Message(content=score_reply_content(len(data), accs, losses), reply_to=msg)
+
+
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers."""
     client_app = ClientApp(mods=list(mods))
     client_app.train()(train)
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier
+    client_app.query(SCORE_ACTION)(score_handler)   # strategy 'auto': the round's candidates on this node's data
     return client_app
 
 

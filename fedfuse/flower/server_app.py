@@ -131,7 +131,7 @@ def setup(cfg: RunConfig):
                               # the guard falls back to is no model (it would replace a good fused model by one at
                               # chance); the guard is a multi-round safeguard
                               guard=cfg.divergence_guard and cfg.mode != "one-shot",
-                              **federated_evaluation_options(cfg),
+                              **federated_evaluation_options(cfg), **selection_options(cfg),
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
                                                  server_momentum=None if cfg.server_momentum < 0 else cfg.server_momentum,
                                                  proximal_mu=cfg.proximal_mu))
@@ -190,6 +190,11 @@ class MemberReference:
     def take(self) -> list[tuple[int, Any, dict]]:
         out, self.members = self.members, []
         return out
+
+
+def selection_options(cfg: RunConfig) -> dict:
+    """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
+    return {"candidates": cfg.auto_candidate_names} if cfg.strategy == "auto" else {}
 
 
 def federated_evaluation_options(cfg: RunConfig) -> dict:
@@ -294,9 +299,15 @@ class RoundEvaluation:
         hist = next((h for h in reversed(self.strategy.history) if h["round"] == server_round), None)
         if hist is None:
             return {}
-        return {"valid-replies": hist.get("valid"), "rejected": hist["rejected"], "failures": hist["failures"],
-                "fallback": hist.get("fallback"), "skipped": hist.get("skipped"), "guard": hist.get("guard"),
-                "fusion-seconds": hist.get("fusion-seconds"), "fusion-info": hist.get("fusion-info")}
+        out = {"valid-replies": hist.get("valid"), "rejected": hist["rejected"], "failures": hist["failures"],
+               "fallback": hist.get("fallback"), "skipped": hist.get("skipped"), "guard": hist.get("guard"),
+               "fusion-seconds": hist.get("fusion-seconds"), "fusion-info": hist.get("fusion-info")}
+        info = hist.get("fusion-info") or {}
+        if info.get("select-choice"):   # strategy 'auto': the round's choice and the clients' scores
+            out["choice"] = info["select-choice"]
+            scores = info.get("select-accuracy") or {}
+            out["choice-scores"] = " ".join(f"{n}={a:.4f}" for n, a in scores.items()) or None
+        return out
 
     def _member_columns(self) -> dict[str, Any]:
         """The round's client models as references: their ensemble's, each one's and the best one's test accuracy
@@ -328,7 +339,8 @@ def _log_round(server_round: int, row: dict[str, Any]) -> None:
         f"{k} {row[k]:.4f}" for k in ("test-accuracy", "federated-accuracy") if row.get(k) is not None)
         + (f" ({row['federated-clients']} clients)" if "federated-clients" in row else "") or "no evaluation yet",
         f", ensemble {row['ensemble-accuracy']:.4f}" if "ensemble-accuracy" in row else "",
-        f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
+        (f", fusion {row['fusion-seconds']:.2f}s" if row.get("fusion-seconds") is not None else "")
+        + (f", auto chose {row['choice']} ({row.get('choice-scores')})" if row.get("choice") else ""))
     if row.get("fallback"):
         log(WARNING, "fedfuse round %d: fusion fell back: %s", server_round, row["fallback"])
 

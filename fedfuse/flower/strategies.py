@@ -20,6 +20,7 @@ from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.strategy_specs import strategy_names, strategy_spec
 
@@ -105,6 +106,8 @@ def _implementation(name: str) -> type[RoundProtocol]:
         return FLOWER_BASELINES.get(name) or flower_baseline_class(name, spec.flower_class)
     if spec.aggregation == "submodel":
         return TIER_STRATEGY_CLASSES[name]
+    if spec.selects:
+        return SelectionStrategy
     if name not in _NAMED:   # a fusion method without a written alias: its class is importable by name too
         _NAMED[name] = globals()[_class_name(name)] = _named(name)
     return _NAMED[name]
@@ -142,4 +145,4 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]):
 __all__ = ["STRATEGIES", "build_strategy", "strategy_builder", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",
            "LpStrategy", "HfLinearStrategy", "KfLinearStrategy", "HfGradientStrategy", "KfGradientStrategy",
            "OtStrategy", "RebasinStrategy", "TransfusionStrategy", "FsMergeStrategy", "FsMergeSeqStrategy",
-           "FedDfStrategy"]
+           "FedDfStrategy", "SelectionStrategy"]

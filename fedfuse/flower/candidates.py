@@ -1,0 +1,75 @@
+"""The wire format of a candidate-scoring query: the server sends a round's candidate global models, every node
+answers with each candidate's accuracy on its own data.
+
+``strategy='auto'`` (``fedfuse.flower.selection``) chooses each round between aggregations (the average with
+server momentum, the plain average, a fusion) by how well they do on the clients' data. The server has no labels;
+the union of the clients' data is the federation's distribution, so the sample-weighted accuracy of a candidate over
+the nodes estimates its accuracy on that distribution (the federated evaluation of Flower's ``evaluate`` round,
+run on several models at once). A node scores on its validation split when it has one, else on its training data
+(plain Flower's recipe keeps no hold-out); the candidates are aggregates, not trained on any one node's data.
+
+Query ``message_type``: ``"query.score_candidates"``; content: ``ArrayRecord`` ``"candidate-<i>"`` for ``i < k`` and
+``ConfigRecord`` ``"config"`` with ``{"candidates": k}``. Reply: ``MetricRecord`` ``"metrics"`` with
+``num-examples``, ``accuracy-<i>`` and ``loss-<i>`` for every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+ACTION = "score_candidates"
+MESSAGE_TYPE = f"query.{ACTION}"
+
+
+def score_query_content(states: list[dict[str, torch.Tensor]]) -> RecordDict:
+    """The content of a scoring query for the candidate ``states`` (state dicts of the global architecture)."""
+    if not states:
+        raise ValueError("a scoring query needs at least one candidate")
+    records = {f"candidate-{i}": ArrayRecord(s) for i, s in enumerate(states)}
+    return RecordDict({**records, "config": ConfigRecord({"candidates": len(states)})})
+
+
+def read_score_query(msg: Message) -> list[dict[str, torch.Tensor]]:
+    """The candidate state dicts of a scoring query (``ValueError`` when it is malformed)."""
+    config = msg.content.config_records.get("config")
+    if config is None or "candidates" not in config:
+        raise ValueError("scoring query: no 'config' record with 'candidates'")
+    k = int(config["candidates"])
+    missing = [i for i in range(k) if f"candidate-{i}" not in msg.content.array_records]
+    if k < 1 or missing:
+        raise ValueError(f"scoring query: {k} candidates announced, arrays missing for {missing}")
+    return [msg.content.array_records[f"candidate-{i}"].to_torch_state_dict() for i in range(k)]
+
+
+def score_reply_content(num_examples: int, accuracies: list[float], losses: list[float]) -> RecordDict:
+    """A node's answer: its sample count and each candidate's accuracy and loss on its data."""
+    metrics = {"num-examples": int(num_examples)}
+    for i, (a, l) in enumerate(zip(accuracies, losses)):
+        metrics[f"accuracy-{i}"] = float(a)
+        metrics[f"loss-{i}"] = float(l)
+    return RecordDict({"metrics": MetricRecord(metrics)})
+
+
+def read_score_reply(msg: Message, k: int) -> tuple[int, list[float]]:
+    """``(num_examples, accuracies)`` of one node's answer; ``ValueError`` saying why when it is malformed."""
+    if msg.has_error():
+        raise ValueError(f"error reply: {msg.error.reason}")
+    rec = msg.content.metric_records.get("metrics")
+    if rec is None:
+        raise ValueError("no 'metrics' record")
+    keys = ["num-examples"] + [f"accuracy-{i}" for i in range(k)]
+    missing = [key for key in keys if key not in rec]
+    if missing:
+        raise ValueError(f"missing {missing}")
+    n = int(rec["num-examples"])
+    accs = [float(rec[f"accuracy-{i}"]) for i in range(k)]
+    if n < 1 or not all(math.isfinite(a) and 0 <= a <= 1 for a in accs):
+        raise ValueError(f"num-examples {n} < 1 or an accuracy outside [0, 1]: {accs}")
+    return n, accs
+
+
+__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "score_reply_content",
+           "read_score_reply"]

@@ -1,0 +1,186 @@
+"""``strategy='auto'``: every round, build a few candidate aggregations and keep the one the clients score best.
+
+Why: which aggregation wins depends on the regime, and the regime moves within a run. Measured on stock Flower's
+own MNIST-1D splits (``docs/multi-round.md``): with long local training the round's clients drift apart and a
+fusion (FedDF's ensemble distillation into the average, arXiv 2006.07242) beats their average by 5–10 points in the
+first rounds, while a few rounds later the clients start from a good global model, their ensemble is no better
+than their average and the same fusion loses; FedAvgM's server momentum (arXiv 1909.06335) speeds up some runs
+and stalls others. None of the label-free signals we measured (disagreement ``KL(ensemble ‖ average)``, entropies)
+tells these cases apart; the clients' own data does: the sample-weighted accuracy of a candidate over the nodes
+tracked its test accuracy in every measured round. So each round:
+
+1. the clients train and reply as usual (validated by ``RoundProtocol``);
+2. the server builds ``candidates`` (names, in order of preference on a tie):
+   ``"average"`` — the weighted average with the server momentum step (the default strategy's round),
+   ``"fedavg"`` — the plain weighted average (momentum restarted when it is chosen),
+   any same-architecture ``fedfuse.fusion`` method (``"feddf"``, ``"kf-gradient"``, ...) with its default options;
+   a candidate that cannot be built is skipped and recorded;
+3. one ``query.score_candidates`` message (``fedfuse.flower.candidates``) to the round's valid clients asks each for
+   every candidate's accuracy on its own data; the server keeps the highest sample-weighted accuracy.
+
+Cost: the candidates' fusions, plus one extra message carrying ``k`` models to each of the round's clients and
+``k`` forward passes over each client's data. When no client answers, the first candidate is kept with a WARNING
+and the round records it (``select-fallback``). ``info``: ``select-choice``, ``select-accuracy`` (per candidate),
+``select-clients``, ``select-skipped``.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from typing import Any, Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from torch import nn
+
+from fedfuse.flower.candidates import MESSAGE_TYPE, read_score_reply, score_query_content
+from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.fusion import FusionError, fuse_result
+from fedfuse.strategy_specs import ARRAY_CANDIDATES, DEFAULT_CANDIDATES, check_candidates
+
+QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's clients
+
+
+class SelectionStrategy(FusionStrategy):
+    """Per round, the candidate aggregation with the best sample-weighted accuracy on the clients' own data.
+
+    Args:
+        candidates: the aggregations tried every round (see the module docstring), first = preferred on a tie and
+            kept when no client scores.
+        query_timeout: seconds the scoring query waits.
+        Everything else: ``FusionStrategy``'s options (``server_momentum`` is the ``"average"`` candidate's).
+    """
+
+    method = "auto"
+
+    def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
+                 query_timeout: float = QUERY_TIMEOUT, **options: Any) -> None:
+        from fedfuse.strategy_specs import SPECIAL_SPECS
+
+        options.setdefault("registry_entry", SPECIAL_SPECS["auto"])
+        options.setdefault("guard", False)   # the clients' scores replace the guard
+        super().__init__(method, **options)
+        self.candidates = check_candidates(candidates)
+        needs_data = [c for c in self.candidates if c not in ARRAY_CANDIDATES and self._method_spec(c).needs_data]
+        if needs_data and self.fusion_inputs is None:
+            raise ValueError(f"strategy 'auto': candidates {needs_data} need fusion_inputs (the server fusion set)")
+        if self.model_fn is None:
+            raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
+        self.query_timeout = float(query_timeout)
+        self._grid: Grid | None = None
+
+    def summary(self) -> None:
+        log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data",
+            ", ".join(self.candidates))
+        super().summary()
+
+    def round_summary(self, server_round: int) -> str:
+        return "auto(" + "|".join(self.candidates) + ")"
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self._grid = grid   # the scoring query of this round goes through the same grid
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def streaming_round(self, server_round: int) -> bool:
+        return False   # every client model is needed (fusion candidates)
+
+    # ---------------------------------------------------------------- the round
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]):
+        t0 = time.perf_counter()
+        teachers = [self.build_model(u.state) for u in updates]
+        rd = self.round_data(server_round, updates, teachers)
+        velocity = self._velocity_copy()
+        built, skipped, after = {}, {}, None
+        for name in self.candidates:
+            try:
+                built[name] = self._candidate(name, server_round, updates, teachers, rd)
+            except FusionError as exc:
+                skipped[name] = str(exc)
+                log(WARNING, "auto: round %d: candidate %r skipped: %s", server_round, name, exc)
+            if name == "average":
+                after, self.momentum_step.velocity = self.momentum_step.velocity, velocity
+        if not built:
+            raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
+        names = list(built)
+        accuracy, clients = self._score(server_round, updates, [built[n] for n in names])
+        if accuracy is None:
+            choice = names[0]
+            log(WARNING, "auto: round %d: no client scored the candidates; keeping %r", server_round, choice)
+        else:
+            choice = max(names, key=lambda n: (accuracy[names.index(n)], -names.index(n)))
+        state = built[choice]
+        self._set_velocity(choice, after, state)
+        info = {"select-choice": choice, "select-clients": clients,
+                "select-accuracy": None if accuracy is None else dict(zip(names, accuracy)),
+                "select-skipped": skipped or None, "select-fallback": accuracy is None}
+        log(INFO, "auto: round %d: %s (client-scored accuracy %s)", server_round, choice,
+            "none" if accuracy is None else ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
+        return state, info, time.perf_counter() - t0
+
+    def _candidate(self, name: str, server_round: int, updates: list[ClientUpdate], teachers: list[nn.Module],
+                   rd) -> dict[str, torch.Tensor]:
+        """The state dict of candidate ``name``."""
+        if name in ARRAY_CANDIDATES:
+            average = self.weighted_average(updates)
+            if name == "fedavg" or not self.momentum_step.active:
+                return average
+            model, _ = self.momentum_step(self.build_model(average), rd)
+            return model.state_dict()
+        result = fuse_result(name, teachers, fusion_inputs=self.fusion_inputs,
+                             weights=[u.num_examples for u in updates], device=self.device,
+                             seed=self.seed + server_round)
+        return result.model.state_dict()
+
+    def _velocity_copy(self):
+        v = self.momentum_step.velocity
+        return None if v is None else {k: t.clone() for k, t in v.items()}
+
+    def _set_velocity(self, choice: str, after, state: dict[str, torch.Tensor]) -> None:
+        """Momentum follows the chosen step: the ``average`` candidate's velocity, else restarted at the step
+        just taken (``v = x_new − x``)."""
+        if not self.momentum_step.active:
+            return
+        if choice == "average":
+            self.momentum_step.velocity = after
+            return
+        if self._global is None:
+            self.momentum_step.velocity = None
+            return
+        prev = self._global.to_torch_state_dict()
+        self.momentum_step.velocity = {k: (v.to(torch.float64) - prev[k].to(torch.float64))
+                                       for k, v in state.items() if v.is_floating_point()}
+
+    def _score(self, server_round: int, updates: list[ClientUpdate], states: list[dict[str, torch.Tensor]]
+               ) -> tuple[list[float] | None, int]:
+        """``(sample-weighted accuracy per candidate or None, clients that answered)``."""
+        if self._grid is None:
+            return None, 0
+        content = score_query_content(states)
+        msgs = [Message(content=content, dst_node_id=u.node_id, message_type=MESSAGE_TYPE) for u in updates]
+        try:
+            replies = list(self._grid.send_and_receive(msgs, timeout=self.query_timeout))
+        except Exception as exc:   # a grid that cannot send the query: the round goes on, loudly
+            log(WARNING, "auto: round %d: the scoring query failed: %s: %s", server_round, type(exc).__name__, exc)
+            return None, 0
+        total, sums, bad = 0, [0.0] * len(states), []
+        for reply in replies:
+            try:
+                n, accs = read_score_reply(reply, len(states))
+            except ValueError as exc:
+                bad.append(f"node {reply.metadata.src_node_id}: {exc}")
+                continue
+            total += n
+            sums = [s + n * a for s, a in zip(sums, accs)]
+        if bad:
+            log(WARNING, "auto: round %d: scoring replies rejected: %s", server_round, "; ".join(bad))
+        if total == 0:
+            return None, 0
+        return [s / total for s in sums], len(replies) - len(bad)
+
+
+__all__ = ["SelectionStrategy", "DEFAULT_CANDIDATES", "check_candidates"]

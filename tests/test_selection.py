@@ -1,0 +1,146 @@
+"""``strategy='auto'`` (``fedfuse.flower.selection``): candidates checked naming the key, the scoring query through
+fedfuse's real ClientApp, the choice is the candidate with the best client-scored accuracy, malformed or missing
+scores are rejected with a logged reason, and momentum follows the chosen step."""
+
+from unittest.mock import Mock
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedfuse.config import ConfigError, parse_run_config
+from fedfuse.flower import build_strategy
+from fedfuse.flower.candidates import read_score_query, score_query_content
+from fedfuse.flower.client_app import make_client_app
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.selection import SelectionStrategy
+from fedfuse.models import build_model
+from fedfuse.strategy_specs import check_candidates
+from fedfuse.flower.runner.inprocess import (SERVER_TASK_ID, SUPERLINK_NODE_ID, LocalGrid, fused_run_config,
+                                             task_identity)
+
+SHAPE = (1, 8, 8)
+RUN = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 2,
+       "local-epochs": 1, "importance-samples": 32}
+
+
+def model_fn(seed=0):
+    return build_model("mlp", num_classes=10, input_shape=SHAPE, width=16, depth=1, seed=seed)
+
+
+def test_candidates_are_checked_naming_the_bad_entry():
+    assert check_candidates(["average", "fedavg", "kf-gradient"]) == ("average", "fedavg", "kf-gradient")
+    with pytest.raises(ValueError, match="did you mean 'feddf'"):
+        check_candidates(["average", "fedff"])
+    with pytest.raises(ValueError, match="repeat"):
+        check_candidates(["average", "average"])
+    with pytest.raises(ValueError, match="not 'average', 'fedavg' or a fusion method"):
+        check_candidates(["fedprox"])
+    with pytest.raises(ValueError, match="not 'average', 'fedavg' or a fusion method"):
+        check_candidates(["auto"])
+
+
+def test_run_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="'auto-candidates'.*did you mean"):
+        parse_run_config({"strategy": "auto", "auto-candidates": "average,kf-gradiant"})
+    with pytest.raises(ConfigError, match="'auto-candidates' applies to strategy 'auto' only"):
+        parse_run_config({"strategy": "average", "auto-candidates": "average,feddf"})
+    with pytest.raises(ConfigError, match="'client-tiers'"):
+        parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"})
+    cfg = parse_run_config({"strategy": "auto", "auto-candidates": "fedavg, kf-gradient"})
+    assert cfg.auto_candidate_names == ("fedavg", "kf-gradient")
+
+
+def test_score_query_round_trip():
+    states = [model_fn(s).state_dict() for s in (0, 1)]
+    msg = Mock(spec=Message)
+    msg.content = score_query_content(states)
+    back = read_score_query(msg)
+    assert len(back) == 2 and all(torch.equal(back[i][k], states[i][k]) for i in range(2) for k in states[i])
+    msg.content = RecordDict({"config": ConfigRecord({"candidates": 3}), "candidate-0": ArrayRecord(states[0])})
+    with pytest.raises(ValueError, match="arrays missing"):
+        read_score_query(msg)
+
+
+def _strategy(**kw):
+    return build_strategy("auto", model_fn=model_fn, fusion_inputs=torch.rand(40, *SHAPE), min_train_nodes=2,
+                          min_available_nodes=2, **kw)
+
+
+def test_auto_round_through_fedfuse_client_app_keeps_the_best_client_scored_candidate():
+    s = _strategy(candidates=("average", "fedavg", "kd"))
+    assert isinstance(s, SelectionStrategy)
+    grid = LocalGrid(make_client_app(), fused_run_config(RUN), 2)
+    with task_identity(grid.run.run_id, SUPERLINK_NODE_ID, SERVER_TASK_ID):
+        msgs = list(s.configure_train(1, ArrayRecord(model_fn().state_dict()), ConfigRecord({}), grid))
+        replies = list(grid.send_and_receive(msgs))
+        arrays, _ = s.aggregate_train(1, replies)
+    info = s.history[-1]["fusion-info"]
+    assert arrays is not None and info["select-clients"] == 2 and info["select-fallback"] is False, info
+    acc = info["select-accuracy"]
+    assert set(acc) == {"average", "fedavg", "kd"} and all(0 <= a <= 1 for a in acc.values())
+    best = max(acc.values())
+    assert acc[info["select-choice"]] == best
+    # first on a tie: round 1 has no momentum yet, so 'average' == 'fedavg' and 'fedavg' is never chosen
+    assert info["select-choice"] != "fedavg"
+
+
+class ScoringGrid:
+    """Answers a scoring query with fixed accuracies per node (``None``: a malformed reply)."""
+
+    def __init__(self, accs: dict[int, list[float] | None]):
+        self.accs = accs
+        self.sent = []
+
+    def send_and_receive(self, msgs, timeout=None):
+        out = []
+        for m in msgs:
+            self.sent.append(m)
+            reply = Mock(spec=Message)
+            reply.metadata = Mock(src_node_id=m.metadata.dst_node_id)
+            reply.has_error.return_value = False
+            accs = self.accs.get(m.metadata.dst_node_id)
+            rec = {"num-examples": 10} if accs is None else {
+                "num-examples": 10 * m.metadata.dst_node_id, **{f"accuracy-{i}": a for i, a in enumerate(accs)}}
+            reply.content = RecordDict({"metrics": MetricRecord(rec)})
+            out.append(reply)
+        return out
+
+
+def _updates():
+    return [ClientUpdate(n, n, model_fn(n).state_dict(), None, 20, {}) for n in (1, 2, 3)]
+
+
+@pytest.fixture
+def identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):   # Message() needs a run identity
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+def test_choice_is_the_sample_weighted_best_and_malformed_scores_are_rejected(identity, caplog):
+    s = _strategy(candidates=("average", "fedavg", "kd"))
+    s._global = ArrayRecord(model_fn(9).state_dict())
+    # node 1 (weight 10) prefers kd, node 2 (weight 20) prefers fedavg, node 3's reply is malformed
+    s._grid = ScoringGrid({1: [0.1, 0.2, 0.9], 2: [0.1, 0.5, 0.3], 3: None})
+    state, info, _ = s.aggregate(1, _updates())
+    assert info["select-clients"] == 2
+    assert info["select-accuracy"]["kd"] == pytest.approx((0.9 * 10 + 0.3 * 20) / 30)
+    assert info["select-choice"] == "kd"
+    assert "scoring replies rejected" in caplog.text and "node 3" in caplog.text
+    # momentum restarts at the step taken: v = x_new - x
+    prev = s._global.to_torch_state_dict()
+    for k, v in s.momentum_step.velocity.items():
+        assert torch.allclose(v, state[k].double() - prev[k].double())
+
+
+def test_no_scores_keeps_the_first_candidate_loudly(identity, caplog):
+    s = _strategy(candidates=("fedavg", "kd"))
+    s._grid = ScoringGrid({1: None, 2: None, 3: None})
+    ups = _updates()
+    state, info, _ = s.aggregate(1, ups)
+    assert info["select-choice"] == "fedavg" and info["select-fallback"] is True
+    assert "no client scored the candidates" in caplog.text
+    avg = s.weighted_average(ups)
+    assert all(torch.equal(state[k], avg[k]) for k in avg)
