@@ -67,7 +67,10 @@ def _run(job: dict) -> dict:
     hist = res.get("strategy-history", [])
     return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed")}, "final": accs[-1], "best": max(accs),
             "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
-            "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback"))}
+            "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback")),
+            "round-seconds": [r.get("round-seconds") for r in res["rounds"][1:]],
+            # strategy 'auto': the aggregation each round chose
+            "choices": [(h.get("fusion-info") or {}).get("select-choice") for h in hist]}
 
 
 def _mean_std(values: list[float]) -> str:
@@ -123,6 +126,37 @@ def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
                      if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n) and r["seed"] in ref]
             cols.append(_gain(gains))
         lines.append(f"| {alpha:g} | {e} × {rr} | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n\n" + _speed_table(rows, cells, names, reference)
+
+
+def _rounds_to(curve: list[float], target: float) -> int | None:
+    """The first round (1-based; the curve's entry 0 is the initial model) at or above ``target``."""
+    return next((i for i, a in enumerate(curve) if i > 0 and a >= target - 1e-9), None)
+
+
+def _speed_table(rows: list[dict], cells, names: list[str], reference: str) -> str:
+    """Per cell and strategy: rounds to reach ``reference``'s final accuracy (same seed; ``>R`` when never; mean
+    over the seeds that reach it) and the aggregation time as a fraction of the round's local training (runs that
+    recorded round times)."""
+    lines = ["| α | E × R | strategy | rounds to reach FedAvg's final (per seed) | aggregation / local training |",
+             "|---|---|---|---|---|"]
+    for alpha, e, rr in cells:
+        ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, reference)}
+        for n in [reference] + names:
+            got = sorted((r for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n)
+                          and r["seed"] in ref), key=lambda r: r["seed"])
+            if not got:
+                continue
+            reach = [_rounds_to(r["curve"], ref[r["seed"]]) for r in got]
+            fracs = []
+            for r in got:
+                rs = [x for x in r.get("round-seconds") or [] if x is not None]
+                fs = r.get("fusion-seconds") or []
+                if rs and len(rs) == len(fs) and sum(rs) > sum(fs):
+                    fracs.append(sum(fs) / (sum(rs) - sum(fs)))
+            frac = f"{100 * statistics.mean(fracs):.0f} %" if fracs else "not recorded"
+            lines.append(f"| {alpha:g} | {e} × {rr} | `{n}` | {' / '.join(str(x) if x else f'>{rr}' for x in reach)} "
+                         f"| {frac} |")
     return "\n".join(lines) + "\n"
 
 
