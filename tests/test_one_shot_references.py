@@ -110,6 +110,24 @@ def test_a_one_shot_run_prints_and_writes_the_references(tmp_path, capsys):
     assert "One-shot references" in md and (tmp_path / "r" / "comparison.png").exists()
 
 
+def test_reference_bars_draw_the_fused_model_and_every_reference(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from simulations.runners.compare import RunSummary, reference_bars
+
+    drawn = {}
+    real = matplotlib.axes.Axes.barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda self, y, w, **kw: drawn.update(zip(y, w)) or
+                        real(self, y, w, **kw))
+    refs = {"rows": [{"key": "best-client", "accuracy": 0.7, "partition-id": 2}, {"key": "ensemble", "accuracy": 0.8},
+                     {"key": "kd", "unavailable": "no fusion set"}]}
+    run = RunSummary("kf-linear", "in-process", rows=[{"round": 0, "test-accuracy": 0.1},
+                                                      {"round": 1, "test-accuracy": 0.75}], references=refs)
+    reference_bars(run, tmp_path / "c.png", "t")
+    assert drawn == {"kf-linear (fused)": 0.75, "best client (client 2)": 0.7, "ensemble (weighted by samples)": 0.8}
+    assert (tmp_path / "c.png").exists()
+
+
 def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_path, capsys):
     """``--baseline fedavg`` trains the same clients again: its one round equals the 'one-shot FedAvg' reference."""
     from simulations.runners.run import main

@@ -15,7 +15,7 @@ plots the runs' accuracy per round (``comparison.png``):
 
 A one-shot run adds ``references_table``: its fused model next to the references the server computed from the same
 client models (``fedfuse.references``: best and mean client, weighted ensemble, one-shot FedAvg, KD, FedDF), drawn
-as horizontal lines on ``comparison.png`` (``reference_points``).
+as bars on ``comparison.png`` instead of the one-round curves (``reference_bars``).
 """
 
 from __future__ import annotations
@@ -189,14 +189,12 @@ def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
             "`fedfuse compare` / fedfuse.flower.runner.sweep)")
 
 
-def round_curves(series: list[dict], path: Path, title: str = "",
-                 references: list[tuple[str, float]] | None = None) -> Path:
+def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
     """Test accuracy per round of several runs on one axis (the default run: the strategy next to FedAvg).
 
     Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model) and
     optional ``fell_back`` / ``guarded`` / ``skipped`` (lists of rounds), marked on the curve (red ×, orange
-    ring, grey diamond). Round ticks are integers. ``references`` (``[(label, accuracy)]``: a one-shot run's
-    best client, ensemble, one-shot FedAvg, KD, FedDF) are horizontal lines."""
+    ring, grey diamond). Round ticks are integers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -225,10 +223,6 @@ def round_curves(series: list[dict], path: Path, title: str = "",
                     style["label"] = "_nolegend_"
                 labelled.add(style["label"])
                 ax.plot(*zip(*at), zorder=5, **style)
-    styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1)), (0, (3, 1, 1, 1)), (0, (5, 3))]
-    for i, (label, acc) in enumerate(references or []):   # one-shot references: one horizontal line each
-        ax.axhline(acc, ls=styles[i % len(styles)], color=f"C{(i + len(series)) % 10}", lw=1.2,
-                   label=f"{label}: {acc:.3f}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
@@ -237,6 +231,31 @@ def round_curves(series: list[dict], path: Path, title: str = "",
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def reference_bars(run: RunSummary, path: Path, title: str = "") -> Path:
+    """``comparison.png`` of a one-shot run: one horizontal bar per model, the fused one (highlighted) and its
+    references (``reference_points``), sorted by test accuracy, each labelled with its accuracy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [(f"{run.label} (fused)", run.final)] if run.final is not None else []
+    items = sorted(items + reference_points(run), key=lambda kv: kv[1])
+    fig, ax = plt.subplots(figsize=(6.8, 0.45 * len(items) + 1.2))
+    colors = ["C3" if label.endswith("(fused)") else "C0" for label, _ in items]
+    bars = ax.barh([label for label, _ in items], [acc for _, acc in items], color=colors)
+    for bar, (_, acc) in zip(bars, items):
+        ax.text(acc + 0.01, bar.get_y() + bar.get_height() / 2, f"{acc:.3f}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.08)
+    ax.set_xlabel("test accuracy (server test set)")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title((title + "\n" if title else "") + "one-shot: the fused model and its references", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

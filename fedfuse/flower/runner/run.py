@@ -24,7 +24,10 @@ fallback / guard / skipped / rejected / failure marks), fedfuse's warnings and e
 side-by-side table (``fedfuse.flower.runner.compare.comparison_table``). Every line of every run (Flower's and
 Ray's logs, the per-round results dump) goes to ``run.log`` in the run's folder; ``--verbose`` shows it all.
 Written next to the run's own results: ``comparison.md`` (the table) and ``comparison.png`` (both accuracy
-curves). Exit status 1 when a run did not complete (``flwr`` reports it failed or ``results.json`` says so).
+curves). A one-shot run (``mode='one-shot'``) prints and writes its one-shot references too (``fedfuse.references``:
+best and mean client, ensembles, one-shot FedAvg, KD, FedDF from the same client models; ``comparison.png`` shows
+them as bars), and skips the default FedAvg run, whose one round is the 'one-shot FedAvg' reference.
+Exit status 1 when a run did not complete (``flwr`` reports it failed or ``results.json`` says so).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.flower.runner.cli import ENGINE_HELP, ENGINES, overrides_or_exit, preflight_or_exit, run_with_engine
-from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_points,
-                                           references_table, round_curves, verdict)
+from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
+                                           reference_points, references_table, round_curves, verdict)
 from fedfuse.flower.runner.console import QuietConsole
 from fedfuse.flower.runner.paths import default_results_dir
 
@@ -235,7 +238,10 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
                                            + (f"\n{refs}\n" if refs else ""))
     series = [{"label": f"{r.label} ({r.engine})", "points": r.curve(), "fell_back": r.marked_rounds("fallback"),
                "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped")} for r in runs]
-    round_curves(series, out_dir / "comparison.png", title=title, references=reference_points(runs[0]))
+    if reference_points(runs[0]):   # one-shot: the fused model next to its references, as bars
+        reference_bars(runs[0], out_dir / "comparison.png", title=title)
+    else:
+        round_curves(series, out_dir / "comparison.png", title=title)
     print(f"fedfuse: results in {out_dir}: comparison.png (accuracy per round), comparison.md, run.log, "
           f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
 
