@@ -87,6 +87,8 @@ def variants(clients: list[dict], skewed: torch.Tensor, balanced: torch.Tensor, 
                                                                         for d in scores]),
         "kf-linear, client scores at the classifier only": kf(skewed, sc=[{k: v for k, v in d.items() if k == head}
                                                                          for d in scores]),
+        "kf-linear, classifier scores rescaled to mean 1 per client": kf(skewed, sc=[{**d, head: d[head] / d[head].mean()}
+                                                                                 for d in scores]),
         "kf-linear, head_scores=false (the option)": kf(skewed, head_scores=False),
         "kf-linear, head_scores=false, refine='distill'": kf(skewed, head_scores=False, refine="distill"),
         "kf-linear, normalize_scores": kf(skewed, normalize_scores=True),
