@@ -317,10 +317,10 @@ class RoundEvaluation:
         members = self.reference.take()
         kept = self.reference.take_models()
         if not members and self.strategy.last_updates:
-            models = [self.strategy.build_model(u.state) for u in self.strategy.last_updates]
+            models = [self.strategy.build_model(u.state) if self.central else None for u in self.strategy.last_updates]
             members = [(u.partition_id, predict_logits(m, self.test_x, device=self.device) if self.central else None,
                         u.metrics) for u, m in zip(self.strategy.last_updates, models)]
-            kept = [(m, int(u.num_examples)) for u, m in zip(self.strategy.last_updates, models)]
+            kept = [(m, int(u.num_examples)) for u, m in zip(self.strategy.last_updates, models) if m is not None]
         if self.references != "none" and members:
             self._one_shot_references(members, kept)
         out: dict[str, Any] = {}
