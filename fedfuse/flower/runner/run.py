@@ -242,7 +242,8 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
         reference_bars(runs[0], out_dir / "comparison.png", title=title)
     else:
         round_curves(series, out_dir / "comparison.png", title=title)
-    print(f"fedfuse: results in {out_dir}: comparison.png (accuracy per round), comparison.md, run.log, "
+    png = "the fused model and its references" if refs and reference_points(runs[0]) else "accuracy per round"
+    print(f"fedfuse: results in {out_dir}: comparison.png ({png}), comparison.md, run.log, "
           f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
 
 
