@@ -21,6 +21,9 @@ FALLBACKS = ("previous", "average", "raise")
 REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill+calibrate")
 # how the global model is evaluated: by the server on its test set, by the clients on their validation splits, or both
 EVALUATIONS = ("central", "federated", "both")
+# one-shot mode: the reference rows the server computes from the round's client models (fedfuse.references): all
+# (clients, ensemble, average, KD and FedDF), models (no distillation), none
+ONE_SHOT_REFERENCES = ("all", "models", "none")
 # class prior of the "calibrate" refinement
 PRIORS = ("auto", "class-counts", "uniform")
 # strategy names and what they read: one registry entry per strategy (fedfuse.strategy_specs)

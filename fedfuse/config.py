@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
-from fedfuse.choices import EVALUATIONS, PRIORS, REFINES  # noqa: E402
+from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import SUBMODEL_METHODS, check_candidates  # noqa: E402
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   parse_tiers, resolve_tier_models)
@@ -102,6 +102,12 @@ class RunConfig:
                            "test-set-path or the dataset's test split) | federated (Flower's evaluate round: every "
                            "client on its validation split, weighted by its samples; the server needs no test set, and "
                            "with fusion-set-path it loads no dataset) | both", choices=EVALUATIONS)
+    one_shot_references: str = _key("all", "mode='one-shot': reference rows from the same client models, on the "
+                                    "server's test set (central evaluation): all = each client, best and mean client, "
+                                    "the weighted ensemble, the weighted average (one-shot FedAvg), KD and FedDF "
+                                    "distilled on the fusion set (some seconds for an MLP: fuse's default 50 epochs) | "
+                                    "models = all but KD and FedDF (test passes only) | none",
+                                    choices=ONE_SHOT_REFERENCES)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
@@ -311,6 +317,9 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
+    if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
+        raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "
+                          f"mode='one-shot' only, not {cfg.mode!r}; leave it unset")
     if cfg.evaluation == "federated" and cfg.test_set_path:
         raise ConfigError("run-config key 'test-set-path' is read by central evaluation only, but evaluation="
                           "'federated'; use evaluation='both' or leave test-set-path empty")

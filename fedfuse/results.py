@@ -14,7 +14,8 @@ else its position), ``rejected``/``failures`` → their count plus ``rejected-re
 evaluation) → ``client-<p>-federated-accuracy``; capacity tiers' ``tier-accuracy`` / ``tier-val-accuracy`` /
 ``tier-bytes-sent`` / ``tier-clients`` / ``tier-train-seconds`` (``{tier: value}``) → ``tier-<t>-test-accuracy``,
 ``tier-<t>-val-accuracy``, ``tier-<t>-bytes-sent``, ``tier-<t>-clients``, ``tier-<t>-train-seconds``. Other dicts
-such as ``fusion-info`` stay in ``results.json`` only. The plot has one line per narrower tier's model.
+such as ``fusion-info`` stay in ``results.json`` only. The plot has one line per narrower tier's model, and in a
+one-shot run one horizontal line per reference of ``"one-shot-references"`` (``fedfuse.references``).
 """
 
 from __future__ import annotations
@@ -184,18 +185,28 @@ class RunRecorder:
         if guarded:
             ax.plot(*zip(*guarded), "o", color="orange", fillstyle="none", markersize=12, markeredgewidth=2,
                     label="guarded (weighted average used)", zorder=5)
+        for i, (label, acc) in enumerate(self._reference_lines()):  # one-shot references: horizontal lines
+            ax.axhline(acc, ls=("--", ":", "-.")[i % 3], color=f"C{(i + 2) % 10}", lw=1.1, label=f"{label}: {acc:.3f}")
         integer_round_ticks(ax)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy" if key == "test-accuracy" else "federated (validation) accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7 if self._reference_lines() else None)
         ax.set_title(title)
         path = self.dir / "accuracy.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+    def _reference_lines(self) -> list[tuple[str, float]]:
+        """``[(label, accuracy)]`` of the one-shot references in ``extra`` (``fedfuse.references``), else ``[]``."""
+        from fedfuse.references import REFERENCE_LABELS
+
+        rows = (self.extra.get("one-shot-references") or {}).get("rows", [])
+        return [(REFERENCE_LABELS.get(r["key"], r["key"]), float(r["accuracy"])) for r in rows
+                if isinstance(r.get("accuracy"), (int, float))]
 
     def save_model(self, state: dict[str, torch.Tensor]) -> Path:
         path = self.dir / "global_model.pt"

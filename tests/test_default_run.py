@@ -45,7 +45,7 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     fedavg = RunSummary("fedavg", "in-process", _rows([0.1, 0.2, 0.3, 0.4]))
     never = RunSummary("kf-linear", "flwr run", _rows([0.1, 0.2, 0.2, 0.3], fallback=[1, 3]))
     table = comparison_table([avg, fedavg, never], "fedavg").splitlines()
-    assert "first round ≥ fedavg's final (0.4000)" in table[0] and "client ensemble (final round)" in table[0]
+    assert "first round ≥ fedavg's final (0.4000)" in table[0] and "client ensemble, uniform (final round)" in table[0]
     assert table[2] == "| average | flwr run | 0.6000 | 0.6000 (3) | 1 | 0.7000 | 0 / 1 / 0 |"
     assert table[3] == "| fedavg (baseline) | in-process | 0.4000 | 0.4000 (3) | 3 | 0.7000 | 0 / 0 / 0 |"
     assert table[4] == "| kf-linear | flwr run | 0.3000 | 0.3000 (3) | never | 0.7000 | 2 / 0 / 0 |"

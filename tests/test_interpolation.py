@@ -331,3 +331,24 @@ def test_balanced_match_fuses_permuted_copies_exactly():
     fused = fuse("kf-linear", copies, fusion_inputs=x, match="balanced")
     xt = torch.randn(64, 1, 8, 8)
     assert torch.allclose(fused(xt), m(xt), atol=1e-4)
+
+
+def test_head_scores_false_weights_the_classifier_by_the_model_weights_only():
+    """``head_scores=False``: the classifier's target ignores the output neurons' scores (as if the scores had no
+    classifier entry), the hidden levels still use them; with uniform scores it changes nothing."""
+    g = torch.Generator().manual_seed(0)
+    models = [build_model("mlp", 4, (6,), width=8, depth=1, seed=s) for s in (1, 2)]
+    x = torch.randn(64, 6, generator=g)
+    scores = [{lv.name: torch.rand(lv.width, generator=g) * (5 if i else 1) for lv in levels(m)}
+              for i, m in enumerate(models)]
+    head = levels(models[0])[-1].name
+    no_head = [{k: v for k, v in s.items() if k != head} for s in scores]
+    kw = dict(fusion_inputs=x, weights=[3, 1], seed=0)
+    off = fuse("kf-linear", models, scores=scores, head_scores=False, **kw)
+    same = fuse("kf-linear", models, scores=no_head, **kw)
+    on = fuse("kf-linear", models, scores=scores, **kw)
+    with torch.no_grad():
+        assert torch.allclose(off(x), same(x), atol=1e-5)
+        assert not torch.allclose(off(x), on(x), atol=1e-3)
+        assert torch.allclose(fuse("kf-linear", models, head_scores=False, **kw)(x),
+                              fuse("kf-linear", models, **kw)(x), atol=1e-5)

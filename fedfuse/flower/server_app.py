@@ -178,17 +178,27 @@ class MemberReference:
     member's test logits are computed then and its weights dropped, so a streaming aggregation (``average``,
     ``fedavg``) need not keep the round's client models for this reference."""
 
-    def __init__(self, build_model: Callable[[dict], Any], test_x: Any, device: Any) -> None:
+    def __init__(self, build_model: Callable[[dict], Any], test_x: Any, device: Any, keep_models: bool = False) -> None:
         self.build_model, self.test_x, self.device = build_model, test_x, device
         self.members: list[tuple[int, Any, dict]] = []   # (partition id, test logits or None, metrics)
+        # one-shot references (fedfuse.references): the round's client models and sample counts, kept only then
+        self.keep_models = keep_models
+        self.models: list[tuple[Any, int]] = []
 
     def __call__(self, update: Any) -> None:
-        logits = (predict_logits(self.build_model(update.state), self.test_x, device=self.device)
-                  if self.test_x is not None else None)
+        model = self.build_model(update.state) if self.test_x is not None or self.keep_models else None
+        logits = predict_logits(model, self.test_x, device=self.device) if self.test_x is not None else None
         self.members.append((update.partition_id, logits, dict(update.metrics)))
+        if self.keep_models:
+            self.models.append((model, int(update.num_examples)))
 
     def take(self) -> list[tuple[int, Any, dict]]:
         out, self.members = self.members, []
+        return out
+
+    def take_models(self) -> list[tuple[Any, int]]:
+        """The kept ``(model, sample count)`` of the members taken last (``keep_models``), in the same order."""
+        out, self.models = self.models, []
         return out
 
 
@@ -248,7 +258,9 @@ class RoundEvaluation:
         self.test_x, self.test_y = (data.test.x, data.test.y) if self.central else (None, None)
         federated = getattr(strategy, "evaluate_metrics_aggr_fn", None)
         self.federated = federated if isinstance(federated, FederatedEvaluation) else None
-        self.reference = MemberReference(strategy.build_model, self.test_x, self.device)
+        self.references = cfg.one_shot_references if cfg.mode == "one-shot" else "none"
+        self.reference = MemberReference(strategy.build_model, self.test_x, self.device,
+                                         keep_models=self.references != "none" and self.central)
         strategy.update_observer = self.reference
         self.last_arrays = ArrayRecord(initial)
         self._clock = time.perf_counter()
@@ -314,10 +326,14 @@ class RoundEvaluation:
         (central evaluation) and the means of their reported metrics. The members come from the update observer
         (as the strategy validated them), else from the strategy's kept replies."""
         members = self.reference.take()
+        kept = self.reference.take_models()
         if not members and self.strategy.last_updates:
-            members = [(u.partition_id, predict_logits(self.strategy.build_model(u.state), self.test_x,
-                                                       device=self.device) if self.central else None, u.metrics)
-                       for u in self.strategy.last_updates]
+            models = [self.strategy.build_model(u.state) if self.central else None for u in self.strategy.last_updates]
+            members = [(u.partition_id, predict_logits(m, self.test_x, device=self.device) if self.central else None,
+                        u.metrics) for u, m in zip(self.strategy.last_updates, models)]
+            kept = [(m, int(u.num_examples)) for u, m in zip(self.strategy.last_updates, models) if m is not None]
+        if self.references != "none" and members:
+            self._one_shot_references(members, kept)
         out: dict[str, Any] = {}
         if members and self.central:
             member_logits = [lg for _, lg, _ in members]
@@ -332,6 +348,29 @@ class RoundEvaluation:
             if vals:
                 out[f"client-{key}-mean"] = sum(vals) / len(vals)
         return out
+
+    def _one_shot_references(self, members: list[tuple[int, Any, dict]], kept: list[tuple[Any, int]]) -> None:
+        """One-shot mode: ``results.json`` ``"one-shot-references"`` (``fedfuse.references``: best and mean client,
+        weighted ensemble, weighted average, KD, FedDF) from the round's client models, logged; without a server test
+        set (``evaluation='federated'``) the entry says they are unavailable, with a WARNING naming the key."""
+        from fedfuse.references import REFERENCE_LABELS, one_shot_references
+
+        if not self.central:
+            reason = ("evaluation='federated': the server holds no test set to evaluate the client models on; use "
+                      "evaluation='both' (or 'central') for the one-shot references")
+            log(WARNING, "fedfuse: run-config key 'one-shot-references': unavailable: %s", reason)
+            self.recorder.extra["one-shot-references"] = {"unavailable": reason}
+            return
+        refs = one_shot_references([m for m, _ in kept], [n for _, n in kept], [p for p, _, _ in members],
+                                   test_x=self.test_x, test_y=self.test_y, fusion_inputs=self.strategy.fusion_inputs,
+                                   device=self.device, seed=self.strategy.seed + 1,
+                                   distill=self.references == "all", logits=[lg for _, lg, _ in members])
+        self.recorder.extra["one-shot-references"] = refs
+        for row in refs["rows"]:
+            if "unavailable" in row:
+                log(WARNING, "fedfuse: one-shot reference %r unavailable: %s", row["key"], row["unavailable"])
+        log(INFO, "fedfuse: one-shot references (%.1fs): %s", refs["seconds"], ", ".join(
+            f"{REFERENCE_LABELS[r['key']]} {r['accuracy']:.4f}" for r in refs["rows"] if "accuracy" in r))
 
 
 def _log_round(server_round: int, row: dict[str, Any]) -> None:

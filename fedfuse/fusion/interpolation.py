@@ -286,6 +286,12 @@ class InterpolationOptions:
         match: KF grouping ``"auto"`` (k-means) | ``"balanced"`` (one neuron of every model per
             cluster) | ``"identity"`` (neuron j ↔ j: parents sharing an initialisation).
         head_ridge: the classifier level's relative ridge (``None`` = ``ridge``).
+        head_scores: linear variants: the classifier's target for class ``c`` is the mean of the parents'
+            class-``c`` logits weighted by their output neurons' importance scores (the paper's Theorem 1;
+            default); ``False`` weights them by the models' ``weights`` only (importance still groups and weights
+            the hidden levels). Scores of independently trained clients are on different scales (DeepLIFT on each
+            client's own validation split), and on MNIST-1D Dirichlet-4 weighting the head by them costs 3.4
+            points (``docs/one-shot.md``, "Below the best client").
         head_temperature: τ of ``head_target="probs"``.
         head_floor: probability floor of ``head_target="probs"``, in (0, 1).
         chunk_size: fusion samples per chunk of the accumulated statistics (memory bound).
@@ -307,6 +313,7 @@ class InterpolationOptions:
     head_target: Literal["logits", "probs"] = "logits"
     match: Literal["auto", "balanced", "identity"] = "auto"
     head_ridge: float | None = None
+    head_scores: bool = True
     head_temperature: float = 1.0
     head_floor: float = 1e-4
     chunk_size: int = 1024
@@ -431,7 +438,7 @@ def _head_assignment(opts: InterpolationOptions, widths: list[int], s: torch.Ten
     """``A [n·C, C]`` of the classifier level: class ``c`` ↔ class ``c`` in every model (identity grouping).
 
     Default: linear = importance-weighted mean of the parents' class-``c`` outputs (Theorem 1 with the
-    head's scores); gradient = the ``weights``-weighted average of the raw logits.
+    head's scores; ``head_scores=False``: weighted by ``weights`` only); gradient = the ``weights``-weighted average of the raw logits.
     ``head_weights=True``: model ``m``'s class-``c`` output is weighted by
     the fraction of all training samples of class ``c`` that model ``m`` held (``class_counts``), so a
     class's target logit comes from the clients that trained on it (a class nobody held falls back to
@@ -439,6 +446,9 @@ def _head_assignment(opts: InterpolationOptions, widths: list[int], s: torch.Ten
     """
     n, k = len(widths), widths[0]
     if fit == "linear":
+        if not opts.head_scores:   # the models' weights alone (as _resolve_scores scales uniform scores)
+            s = torch.cat([torch.full((w,), n * weights[m], dtype=torch.float64, device=device)
+                           for m, w in enumerate(widths)])
         base = assignment_matrix(torch.cat([torch.arange(w, device=device) for w in widths]), s, k)
     else:
         base = torch.cat([torch.eye(k, dtype=torch.float64, device=device) * weights[m] for m in range(n)])

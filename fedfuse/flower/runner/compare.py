@@ -10,8 +10,12 @@ plots the runs' accuracy per round (``comparison.png``):
 | final accuracy | central test accuracy of the global model after the last round |
 | best (round) | the highest test accuracy over rounds 1.., and its round |
 | first round ≥ <baseline>'s final | first round (1..) whose accuracy reaches the baseline's final accuracy; ``never`` |
-| client ensemble (final round) | the reference: averaged softmax of that round's client models (if recorded) |
+| client ensemble, uniform (final round) | the reference: averaged softmax of that round's client models (if recorded) |
 | fallback / guarded / skipped | rounds whose fusion fell back / the divergence guard used the average / skipped |
+
+A one-shot run adds ``references_table``: its fused model next to the references the server computed from the same
+client models (``fedfuse.references``: best and mean client, weighted ensemble, one-shot FedAvg, KD, FedDF), drawn
+as bars on ``comparison.png`` instead of the one-round curves (``reference_bars``).
 """
 
 from __future__ import annotations
@@ -50,19 +54,23 @@ class RunSummary:
     rows: list[dict[str, Any]] = field(default_factory=list)  # results.json rounds (round 0 = initial model)
     error: str | None = None        # why the run has no usable result
     out_dir: Path | None = None
+    # one-shot mode: results.json "one-shot-references" (fedfuse.references), or None
+    references: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, label: str, engine: str, out_dir: Path, error: str | None = None) -> "RunSummary":
         path = Path(out_dir) / "results.json"
         rows: list[dict[str, Any]] = []
+        references = None
         if path.exists():
             res = json.loads(path.read_text())
             rows = list(res.get("rounds", []))
+            references = res.get("one-shot-references")
             if error is None and (res.get("error") or res.get("status") not in (None, "completed")):
                 error = str(res.get("error") or f"status {res.get('status')!r}")
         elif error is None:
             error = f"no results.json in {out_dir}"
-        return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir))
+        return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir), references=references)
 
     def curve(self) -> list[tuple[int, float]]:
         """``[(round, test accuracy)]`` of rounds with an accuracy, round 0 (initial model) included."""
@@ -101,7 +109,7 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     target = ref.final if ref else None
     reach_head = f"first round ≥ {baseline}'s final" + (f" ({target:.4f})" if target is not None else "")
-    lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble (final round) | "
+    lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble, uniform (final round) | "
              "fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|"]
     for run in runs:
         name = run.label + (" (baseline)" if run.label == baseline else "")
@@ -117,6 +125,54 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
         counts = " / ".join(str(len(run.marked_rounds(k))) for k in ("fallback", "guard", "skipped"))
         lines.append(f"| {name} | {run.engine} | {_f(run.final)} | {_f(best[1])} ({best[0]}) | {reach} | "
                      f"{_f(run.ensemble_final())} | {counts} |")
+    return "\n".join(lines)
+
+
+def reference_points(run: RunSummary) -> list[tuple[str, float]]:
+    """``[(label, test accuracy)]`` of a one-shot run's computed references (``fedfuse.references``), in their
+    order; ``[]`` without any."""
+    from fedfuse.references import REFERENCE_LABELS
+
+    rows = (run.references or {}).get("rows", [])
+    return [(REFERENCE_LABELS.get(r["key"], r["key"]) + (f" (client {r['partition-id']})" if "partition-id" in r
+                                                         else ""), float(r["accuracy"]))
+            for r in rows if isinstance(r.get("accuracy"), (int, float))]
+
+
+def references_table(run: RunSummary) -> str | None:
+    """A one-shot run's fused model next to its references (``fedfuse.references``: best and mean client, weighted
+    ensemble, one-shot FedAvg, KD, FedDF) on the same test set, with the share of the best-client-to-ensemble gap
+    the fused model recovers; a line saying why when they are unavailable; ``None`` when the run has none."""
+    from fedfuse.references import REFERENCE_LABELS, gap_recovered
+
+    refs = run.references
+    if not refs:
+        return None
+    if "unavailable" in refs:
+        return f"one-shot references unavailable: {refs['unavailable']}"
+    final = run.final
+    n = len(refs.get("client-accuracy", {}))
+    fused_s = (run.rows[-1].get("fusion-seconds") if run.rows else None)
+    lines = [f"One-shot references: the same {n} client models on the server's test set (no extra client "
+             f"training; {refs.get('seconds', 0.0):.1f}s on the server)", "",
+             f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
+             f"| **{run.label}** (this run's fused model) | {_f(final)} | | "
+             f"{'-' if fused_s is None else f'{fused_s:.2f}'} |"]
+    for r in refs.get("rows", []):
+        label = REFERENCE_LABELS.get(r["key"], r["key"]) + (f" (client {r['partition-id']})" if "partition-id" in r
+                                                            else "")
+        if "accuracy" not in r:
+            lines.append(f"| {label} | unavailable: {str(r.get('unavailable'))[:100]} | | |")
+            continue
+        diff = "-" if final is None else f"{final - r['accuracy']:+.4f}"
+        sec = f"{r['seconds']:.2f}" if isinstance(r.get("seconds"), (int, float)) else "-"
+        lines.append(f"| {label} | {_f(r['accuracy'])} | {diff} | {sec} |")
+    acc = {r["key"]: r["accuracy"] for r in refs.get("rows", []) if "accuracy" in r}
+    if final is not None and "best-client" in acc and "ensemble" in acc:
+        share = gap_recovered(final, acc["best-client"], acc["ensemble"])
+        lines += ["", f"{run.label} recovers " + ("- (the ensemble is not above the best client)" if share is None
+                                                  else f"{100 * share:.0f}%") +
+                  " of the gap between the best client and the ensemble (one seed)"]
     return "\n".join(lines)
 
 
@@ -175,6 +231,31 @@ def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def reference_bars(run: RunSummary, path: Path, title: str = "") -> Path:
+    """``comparison.png`` of a one-shot run: one horizontal bar per model, the fused one (highlighted) and its
+    references (``reference_points``), sorted by test accuracy, each labelled with its accuracy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = [(f"{run.label} (fused)", run.final)] if run.final is not None else []
+    items = sorted(items + reference_points(run), key=lambda kv: kv[1])
+    fig, ax = plt.subplots(figsize=(6.8, 0.45 * len(items) + 1.2))
+    colors = ["C3" if label.endswith("(fused)") else "C0" for label, _ in items]
+    bars = ax.barh([label for label, _ in items], [acc for _, acc in items], color=colors)
+    for bar, (_, acc) in zip(bars, items):
+        ax.text(acc + 0.01, bar.get_y() + bar.get_height() / 2, f"{acc:.3f}", va="center", fontsize=8)
+    ax.set_xlim(0, 1.08)
+    ax.set_xlabel("test accuracy (server test set)")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title((title + "\n" if title else "") + "one-shot: the fused model and its references", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

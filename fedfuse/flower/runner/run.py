@@ -24,7 +24,10 @@ fallback / guard / skipped / rejected / failure marks), fedfuse's warnings and e
 side-by-side table (``fedfuse.flower.runner.compare.comparison_table``). Every line of every run (Flower's and
 Ray's logs, the per-round results dump) goes to ``run.log`` in the run's folder; ``--verbose`` shows it all.
 Written next to the run's own results: ``comparison.md`` (the table) and ``comparison.png`` (both accuracy
-curves). Exit status 1 when a run did not complete (``flwr`` reports it failed or ``results.json`` says so).
+curves). A one-shot run (``mode='one-shot'``) prints and writes its one-shot references too (``fedfuse.references``:
+best and mean client, ensembles, one-shot FedAvg, KD, FedDF from the same client models; ``comparison.png`` shows
+them as bars), and skips the default FedAvg run, whose one round is the 'one-shot FedAvg' reference.
+Exit status 1 when a run did not complete (``flwr`` reports it failed or ``results.json`` says so).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.flower.runner.cli import ENGINE_HELP, ENGINES, overrides_or_exit, preflight_or_exit, run_with_engine
-from fedfuse.flower.runner.compare import BASELINE, RunSummary, baseline_config, comparison_table, round_curves, verdict
+from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
+                                           reference_points, references_table, round_curves, verdict)
 from fedfuse.flower.runner.console import QuietConsole
 from fedfuse.flower.runner.paths import default_results_dir
 
@@ -145,6 +149,14 @@ def default_baseline(checked: Any) -> str:
     return "heterofl" if checked.client_tiers else BASELINE
 
 
+def one_shot_references_replace_baseline(checked: Any) -> bool:
+    """Whether the default FedAvg baseline run is redundant: a one-shot run without capacity tiers whose server
+    computes the one-shot references (``one-shot-references`` not ``none``, a server test set), among them one-shot
+    FedAvg (the weighted average of the same replies; a FedAvg run would train the same clients again)."""
+    return (checked.mode == "one-shot" and checked.one_shot_references != "none" and not checked.client_tiers
+            and checked.evaluation != "federated")
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='kf-linear' num-server-rounds=3\", "
@@ -174,9 +186,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     n = args.num_supernodes or checked.num_clients
     default = args.baseline or default_baseline(checked)
     baseline = None if args.no_compare or checked.strategy == default else default
+    if baseline and args.baseline is None and one_shot_references_replace_baseline(checked):
+        print(f"fedfuse: one-shot: {baseline}'s one round is the weighted average of the same client models, the "
+              "'one-shot FedAvg' row of the references printed at the end: no second training run "
+              f"(--baseline {baseline} runs it anyway)", flush=True)
+        baseline = None
     bcfg = None
     if baseline:
         bcfg = baseline_config(cfg, baseline, output_dir=str(out_dir), run_name=f"baseline-{baseline}")
+        if checked.mode == "one-shot":   # the strategy's run computes the references already
+            bcfg["one-shot-references"] = "none"
         try:
             preflight_or_exit(bcfg)
         except SystemExit:
@@ -209,14 +228,22 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
     """Print the side-by-side table; write ``comparison.md`` and ``comparison.png`` (both curves) in ``out_dir``."""
     table = comparison_table(runs, baseline)
     line = verdict(runs, baseline)
+    refs = references_table(runs[0])   # a one-shot run's references (None otherwise)
     print("\n" + table)
     if line:
         print(line)
-    (out_dir / "comparison.md").write_text(f"{title}\n\n{table}\n" + (f"\n{line}\n" if line else ""))
+    if refs:
+        print("\n" + refs)
+    (out_dir / "comparison.md").write_text(f"{title}\n\n{table}\n" + (f"\n{line}\n" if line else "")
+                                           + (f"\n{refs}\n" if refs else ""))
     series = [{"label": f"{r.label} ({r.engine})", "points": r.curve(), "fell_back": r.marked_rounds("fallback"),
                "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped")} for r in runs]
-    round_curves(series, out_dir / "comparison.png", title=title)
-    print(f"fedfuse: results in {out_dir}: comparison.png (accuracy per round), comparison.md, run.log, "
+    if reference_points(runs[0]):   # one-shot: the fused model next to its references, as bars
+        reference_bars(runs[0], out_dir / "comparison.png", title=title)
+    else:
+        round_curves(series, out_dir / "comparison.png", title=title)
+    png = "the fused model and its references" if refs and reference_points(runs[0]) else "accuracy per round"
+    print(f"fedfuse: results in {out_dir}: comparison.png ({png}), comparison.md, run.log, "
           f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
 
 
