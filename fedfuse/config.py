@@ -137,6 +137,9 @@ class RunConfig:
                                 "separated, first preferred on a tie: average (with server momentum) | fedavg (plain "
                                 "average) | a fusion method (feddf, kf-gradient, ...); the clients' accuracy on their "
                                 "own data picks one per round")
+    auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
+                                   "always); below it auto chooses between the average with and without server "
+                                   "momentum", ge=0)
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
@@ -500,13 +503,18 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
-    if cfg.auto_candidates != SCHEMA["auto-candidates"].default and cfg.strategy != "auto":
-        raise ConfigError(f"run-config key 'auto-candidates' applies to strategy 'auto' only, not {cfg.strategy!r}")
+    for key in ("auto-candidates", "auto-fusion-epochs"):
+        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy != "auto":
+            raise ConfigError(f"run-config key {key!r} applies to strategy 'auto' only, not {cfg.strategy!r}")
     if cfg.strategy == "auto":
         try:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
+        if cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ("average", "fedavg")
+                                                             for c in cfg.auto_candidate_names):
+            raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
+                              f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")
         if cfg.tiers:
             raise ConfigError("run-config key 'client-tiers': strategy 'auto' scores candidates of one architecture; "
                               "capacity tiers are not supported with it")

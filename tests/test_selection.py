@@ -47,6 +47,10 @@ def test_run_config_errors_name_the_key():
         parse_run_config({"strategy": "average", "auto-candidates": "average,feddf"})
     with pytest.raises(ConfigError, match="'client-tiers'"):
         parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"})
+    with pytest.raises(ConfigError, match="'auto-fusion-epochs' applies to strategy 'auto' only"):
+        parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
+    with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):
+        parse_run_config({"strategy": "auto", "auto-candidates": "feddf", "local-epochs": 1})
     cfg = parse_run_config({"strategy": "auto", "auto-candidates": "fedavg, kf-gradient"})
     assert cfg.auto_candidate_names == ("fedavg", "kf-gradient")
 
@@ -144,3 +148,15 @@ def test_no_scores_keeps_the_first_candidate_loudly(identity, caplog):
     assert "no client scored the candidates" in caplog.text
     avg = s.weighted_average(ups)
     assert all(torch.equal(state[k], avg[k]) for k in avg)
+
+
+def test_fusion_candidates_are_off_below_the_local_epochs_threshold(identity):
+    s = _strategy(candidates=("average", "fedavg", "kd"), local_epochs=1, fusion_min_epochs=10)
+    s._grid = ScoringGrid({1: [0.1, 0.2], 2: [0.1, 0.2], 3: [0.1, 0.2]})
+    state, info, _ = s.aggregate(1, _updates())
+    assert set(info["select-accuracy"]) == {"average", "fedavg"} and "local epochs 1 < 10" in info["select-skipped"]["kd"]
+    assert all(len(m.content.array_records) == 2 for m in s._grid.sent)   # only the built candidates travel
+    on = _strategy(candidates=("average", "kd"), local_epochs=10, fusion_min_epochs=10)
+    assert on.fusion_off is None
+    with pytest.raises(ValueError, match="every candidate is a fusion"):
+        _strategy(candidates=("kd",), local_epochs=1)

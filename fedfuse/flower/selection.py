@@ -14,7 +14,11 @@ tracked its test accuracy in every measured round. So each round:
    ``"average"`` — the weighted average with the server momentum step (the default strategy's round),
    ``"fedavg"`` — the plain weighted average (momentum restarted when it is chosen),
    any same-architecture ``fedfuse.fusion`` method (``"feddf"``, ``"kf-gradient"``, ...) with its default options;
-   a candidate that cannot be built is skipped and recorded;
+   a candidate that cannot be built is skipped and recorded. Fusion candidates are built only when the clients
+   train at least ``fusion_min_epochs`` local epochs a round (``local_epochs`` given; 10 by default): with 1 local
+   epoch FedDF wins the clients' vote for ~17 of 30 rounds and the run ends 10 points below FedAvg on the anchor
+   splits at α = 0.1 (each chosen model is better that round, but a worse start for the next one), while from
+   10 local epochs its early-round wins carry to the end;
 3. one ``query.score_candidates`` message (``fedfuse.flower.candidates``) to the round's valid clients asks each for
    every candidate's accuracy on its own data; the server keeps the highest sample-weighted accuracy.
 
@@ -43,6 +47,7 @@ from fedfuse.fusion import FusionError, fuse_result
 from fedfuse.strategy_specs import ARRAY_CANDIDATES, DEFAULT_CANDIDATES, check_candidates
 
 QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's clients
+FUSION_MIN_EPOCHS = 10  # fusion candidates only when the clients train at least this many local epochs a round
 
 
 class SelectionStrategy(FusionStrategy):
@@ -58,6 +63,7 @@ class SelectionStrategy(FusionStrategy):
     method = "auto"
 
     def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
+                 local_epochs: int | None = None, fusion_min_epochs: int = FUSION_MIN_EPOCHS,
                  query_timeout: float = QUERY_TIMEOUT, **options: Any) -> None:
         from fedfuse.strategy_specs import SPECIAL_SPECS
 
@@ -72,10 +78,17 @@ class SelectionStrategy(FusionStrategy):
             raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
         self.query_timeout = float(query_timeout)
         self._grid: Grid | None = None
+        if int(fusion_min_epochs) < 0:
+            raise ValueError(f"strategy 'auto': fusion_min_epochs must be >= 0, got {fusion_min_epochs}")
+        # fusion candidates only after long local training (see the module docstring); None: always
+        self.fusion_off = (None if local_epochs is None or int(local_epochs) >= int(fusion_min_epochs) else
+                           f"local epochs {local_epochs} < {fusion_min_epochs} (auto-fusion-epochs)")
+        if self.fusion_off and all(c not in ARRAY_CANDIDATES for c in self.candidates):
+            raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
 
     def summary(self) -> None:
-        log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data",
-            ", ".join(self.candidates))
+        log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data%s",
+            ", ".join(self.candidates), f" (fusion candidates off: {self.fusion_off})" if self.fusion_off else "")
         super().summary()
 
     def round_summary(self, server_round: int) -> str:
@@ -97,6 +110,9 @@ class SelectionStrategy(FusionStrategy):
         velocity = self._velocity_copy()
         built, skipped, after = {}, {}, None
         for name in self.candidates:
+            if self.fusion_off and name not in ARRAY_CANDIDATES:
+                skipped[name] = self.fusion_off
+                continue
             try:
                 built[name] = self._candidate(name, server_round, updates, teachers, rd)
             except FusionError as exc:

@@ -204,7 +204,10 @@ class MemberReference:
 
 def selection_options(cfg: RunConfig) -> dict:
     """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
-    return {"candidates": cfg.auto_candidate_names} if cfg.strategy == "auto" else {}
+    if cfg.strategy != "auto":
+        return {}
+    return {"candidates": cfg.auto_candidate_names, "local_epochs": cfg.local_epochs,
+            "fusion_min_epochs": cfg.auto_fusion_epochs}
 
 
 def federated_evaluation_options(cfg: RunConfig) -> dict:

@@ -103,15 +103,50 @@ def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
-    """Gain over ``reference`` (same split, same seed, same E and R), mean ± sample std in points, per (α, E, R) cell
-    and strategy, from the ``runs.json`` of several anchor-cell output folders."""
+def _regime_rows(dirs: list[Path]) -> list[dict]:
     rows = [r for d in dirs for r in json.loads((Path(d) / "runs.json").read_text())]
     for r in rows:
         name, extra = parse_strategy(r["label"])
         rest = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("local-epochs", "lr"))
         r["name"] = f"{name}[{rest}]" if rest else name
         r["E"], r["R"] = int(extra.get("local-epochs", 1)), len(r["curve"]) - 1
+    return rows
+
+
+def regime_heatmap(dirs: list[Path], path: Path, names: list[str], reference: str = "fedavg") -> None:
+    """One panel per strategy in ``names``: mean gain over ``reference`` (points, same split and seed) by local
+    epochs E (columns) and α (rows)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = _regime_rows(dirs)
+    es, alphas = sorted({r["E"] for r in rows}), sorted({r["alpha"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.6), squeeze=False)
+    for ax, n in zip(axes[0], names):
+        grid = np.full((len(alphas), len(es)), np.nan)
+        for i, a in enumerate(alphas):
+            for j, e in enumerate(es):
+                ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["name"]) == (a, e, reference)}
+                gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
+                         if (r["alpha"], r["E"], r["name"]) == (a, e, n) and r["seed"] in ref]
+                if gains:
+                    grid[i, j] = statistics.mean(gains)
+                    ax.text(j, i, f"{grid[i, j]:+.1f}", ha="center", va="center", fontsize=9)
+        ax.imshow(grid, cmap="RdYlGn", vmin=-10, vmax=10, aspect="auto")
+        ax.set_xticks(range(len(es)), [f"E={e}" for e in es])
+        ax.set_yticks(range(len(alphas)), [f"α={a:g}" for a in alphas])
+        ax.set_title(f"{n} − {reference} (points)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
+    """Gain over ``reference`` (same split, same seed, same E and R), mean ± sample std in points, per (α, E, R) cell
+    and strategy, from the ``runs.json`` of several anchor-cell output folders."""
+    rows = _regime_rows(dirs)
     cells = sorted({(r["alpha"], r["E"], r["R"]) for r in rows})
     names = sorted({r["name"] for r in rows} - {reference})
     lines = [f"| α | E × R | {reference} (final) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
@@ -171,9 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "anchor"))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", nargs="+", help="only print the gain-over-FedAvg table of these output folders")
+    ap.add_argument("--plot", help="with --summary: write the gain heat map (one panel per --plot-strategies) here")
+    ap.add_argument("--plot-strategies", default="average,feddf,auto")
     args = ap.parse_args(argv)
     if args.summary:
         print(regime_summary([Path(d) for d in args.summary]))
+        if args.plot:
+            regime_heatmap([Path(d) for d in args.summary], Path(args.plot), split_strategies(args.plot_strategies))
         return
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
