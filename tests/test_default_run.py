@@ -163,10 +163,10 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     lines = out.splitlines()
     rounds = [ln for ln in lines if " round " in ln and " acc " in ln]
     assert [ln.split()[0] + " " + ln.split()[2] for ln in rounds] == [
-        "average 0/2", "average 1/2", "average 2/2", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
+        "auto 0/2", "auto 1/2", "auto 2/2", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
     assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
     table = [ln for ln in lines if ln.startswith("|")]
-    assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| average | in-process")
+    assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| auto | in-process")
     assert table[3].startswith("| fedavg (baseline) | in-process") and len(table) == 4
     run = tmp_path / "r"
     for name in ("comparison.png", "comparison.md", "run.log", "results.json", "rounds.csv", "accuracy.png",
@@ -176,7 +176,8 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     assert "Aggregated MetricRecord" in log and "fedfuse round 2: test-accuracy" in log and "test-acc" in log
     b = json.loads((run / "baseline-fedavg" / "results.json").read_text())["config"]
     a = json.loads((run / "results.json").read_text())["config"]
-    assert b["strategy"] == "fedavg" and a["strategy"] == "average"
+    assert b["strategy"] == "fedavg" and a["strategy"] == "auto"
+    assert "auto chose" in log   # the round line names the default's per-round choice
     assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir")} == \
         {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir")}
 

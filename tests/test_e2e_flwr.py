@@ -36,7 +36,10 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     assert last["test-accuracy"] > 0.3                            # chance is 0.1 on 10 digits
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
     assert last["ensemble-accuracy"] > 0.3 and len(last["client-test-accuracy"]) == 3
-    assert last["fusion-info"]["refine"] == "calibrate" and last["fusion-info"]["prior"] == "class-counts"
+    # the default 'auto': the round's clients scored its candidates through Flower's simulation engine
+    assert strategy == "auto" and last["fusion-info"]["select-clients"] == 3
+    assert last["fusion-info"]["select-choice"] in ("average", "fedavg")   # 1 local epoch: no fusion candidate
+    assert last["choice"] == last["fusion-info"]["select-choice"]
     for name in ("rounds.csv", "accuracy.png", "global_model.pt", "config.json", "DONE"):
         assert (outcome.out_dir / name).exists(), name
     assert res["status"] == "completed" and res["error"] is None

@@ -45,8 +45,8 @@ def test_run_config_errors_name_the_key():
         parse_run_config({"strategy": "auto", "auto-candidates": "average,kf-gradiant"})
     with pytest.raises(ConfigError, match="'auto-candidates' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-candidates": "average,feddf"})
-    with pytest.raises(ConfigError, match="'client-tiers'"):
-        parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"})
+    with pytest.warns(UserWarning, match="no capacity-tier form"):
+        assert parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"}).strategy == "average"
     with pytest.raises(ConfigError, match="'auto-fusion-epochs' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
     with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):
