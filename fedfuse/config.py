@@ -158,6 +158,10 @@ class RunConfig:
                                   "fusion method of fedfuse.fusion.METHODS that keeps the architecture (auto, average "
                                   "= their plain weighted average, kf-linear, ot, kd, ...) or best-client (the client "
                                   "model with the best accuracy on the server's labelled fusion set)")
+    warm_start_fusion_options: str = _key("{importance='uniform'}", "mode='warm-start': options of warm-start-fusion "
+                                          "as a TOML inline table (the default is kf-linear's measured best: uniform "
+                                          "neuron importance, so the clients compute no scores; '' = the method's "
+                                          "defaults)")
     initial_model_path: str = _key("", "a .pt state dict of the global architecture the run starts from instead of a "
                                    "fresh initialisation (e.g. a client's model; absolute path on the server)")
 
@@ -177,6 +181,11 @@ class RunConfig:
     def fusion_options_table(self) -> dict[str, Any]:
         """``fusion-options`` parsed from its TOML inline table; ``ConfigError`` naming the key."""
         return _parse_fusion_options(self.fusion_options)
+
+    @cached_property
+    def warm_start_fusion_options_table(self) -> dict[str, Any]:
+        """``warm-start-fusion-options`` parsed from its TOML inline table; ``ConfigError`` naming the key."""
+        return _parse_fusion_options(self.warm_start_fusion_options, key="warm-start-fusion-options")
 
 
 @dataclass(frozen=True)
@@ -336,7 +345,7 @@ def _check_rules(cfg: RunConfig) -> None:
                               f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
 
 
-WARM_START_KEYS = ("warm-start-epochs", "warm-start-lr", "warm-start-fusion")
+WARM_START_KEYS = ("warm-start-epochs", "warm-start-lr", "warm-start-fusion", "warm-start-fusion-options")
 
 
 def _check_warm_start(cfg: RunConfig) -> None:
@@ -375,8 +384,11 @@ def warm_start_fusions() -> tuple[str, ...]:
 
 def _check_warm_start_fusion(cfg: RunConfig) -> None:
     """``warm-start-fusion`` names a method that can fuse this run's clients (count, model family, fusion set)."""
-    fusion = cfg.warm_start_fusion
+    fusion, options = cfg.warm_start_fusion, cfg.warm_start_fusion_options_table
     if fusion == BEST_CLIENT:   # needs fusion labels: checked by the ServerApp once the fusion set is loaded
+        if options:
+            raise ConfigError("run-config key 'warm-start-fusion-options': warm-start-fusion='best-client' fuses "
+                              f"nothing and takes no options, got {options}; set warm-start-fusion-options=''")
         return
     from fedfuse.fusion import METHOD_SPECS, FusionError
 
@@ -386,6 +398,14 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"run-config key 'warm-start-fusion': {fusion!r} is not a fusion method that returns one "
                           f"model of the clients' architecture{hint}; choose one of {list(names)}")
+    try:
+        METHOD_SPECS[fusion].parse_options(options)
+    except FusionError as exc:
+        default = SCHEMA["warm-start-fusion-options"].default
+        hint = (f" (the default {default!r} is for {SCHEMA['warm-start-fusion'].default!r}; set "
+                "warm-start-fusion-options='' for the method's defaults)"
+                if cfg.warm_start_fusion_options == default else "")
+        raise ConfigError(f"run-config key 'warm-start-fusion-options': {exc}{hint}") from None
     family = MODEL_FAMILIES[cfg.model]
     problem = fusion_set_problem(cfg)
     try:
@@ -457,7 +477,7 @@ def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
     return dict(cfg.fusion_options_table)
 
 
-def _parse_fusion_options(text: str) -> dict[str, Any]:
+def _parse_fusion_options(text: str, key: str = "fusion-options") -> dict[str, Any]:
     import tomllib
 
     text = text.strip()
@@ -466,10 +486,10 @@ def _parse_fusion_options(text: str) -> dict[str, Any]:
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"run-config key 'fusion-options': not a TOML inline table ({exc}): {text!r}; "
+        raise ConfigError(f"run-config key {key!r}: not a TOML inline table ({exc}): {text!r}; "
                           "write e.g. \"{ridge=1e-3, solver='sinkhorn'}\"") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"run-config key 'fusion-options': expected an inline table like '{{ridge=1e-3}}', "
+        raise ConfigError(f"run-config key {key!r}: expected an inline table like '{{ridge=1e-3}}', "
                           f"got {text!r}")
     return value
 

@@ -227,7 +227,8 @@ def _resume_state(cfg: RunConfig, out: Path):
 def warm_start(cfg: RunConfig, strategy: RoundProtocol, out: Path) -> WarmStart:
     """The ``WarmStart`` of a ``mode='warm-start'`` run (its clients' round-1 models go to ``<out>/warm-start``);
     ``ConfigError`` naming the key when the server lacks what its fusion needs."""
-    warm = WarmStart(fusion=cfg.warm_start_fusion, epochs=cfg.warm_start_epochs,
+    warm = WarmStart(fusion=cfg.warm_start_fusion, options=dict(cfg.warm_start_fusion_options_table),
+                     epochs=cfg.warm_start_epochs,
                      lr=cfg.warm_start_lr if cfg.warm_start_lr > 0 else None, save_dir=out / "warm-start")
     try:
         warm.check_server(strategy.fusion_inputs, strategy.fusion_labels)

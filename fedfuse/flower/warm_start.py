@@ -23,7 +23,7 @@ starts (the best client's model, their average) can be compared on the same mode
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,12 +50,14 @@ class WarmStart:
     Attributes:
         fusion: a ``fedfuse.fusion`` method that returns one model of the clients' architecture, or ``best-client``
             (the client model with the highest accuracy on the server's labelled fusion set).
+        options: the fusion method's options (validated now against its options schema).
         epochs: the clients' local epochs in round 1.
         lr: the clients' learning rate in round 1 (``None``: the run's).
         save_dir: where the clients' round-1 models are written (``None``: not written).
     """
 
     fusion: str = "kf-linear"
+    options: dict[str, Any] = field(default_factory=dict)
     epochs: int = 20
     lr: float | None = None
     save_dir: Path | None = None
@@ -65,9 +67,15 @@ class WarmStart:
             raise ValueError(f"warm start: epochs must be >= 1, got {self.epochs}")
         if self.lr is not None and not float(self.lr) > 0:
             raise ValueError(f"warm start: lr must be > 0 or None, got {self.lr}")
-        if self.fusion != BEST_CLIENT and not get_spec(self.fusion).same_architecture:
+        if self.fusion == BEST_CLIENT:
+            if self.options:
+                raise ValueError(f"warm start: best-client takes no options, got {sorted(self.options)}")
+            return
+        spec = get_spec(self.fusion)
+        if not spec.same_architecture:
             raise ValueError(f"warm start: fusion method {self.fusion!r} does not return one model of the clients' "
                              "architecture")
+        spec.parse_options(self.options)
 
     def check_server(self, fusion_inputs: torch.Tensor | None, fusion_labels: torch.Tensor | None) -> None:
         """What the server must hold for this fusion: labels for ``best-client``; ``ValueError`` naming the key."""
@@ -86,8 +94,8 @@ class WarmStart:
 
     @property
     def needs_scores(self) -> bool:
-        """Whether the clients must send importance scores (the method reads them under its default options)."""
-        return self.fusion != BEST_CLIENT and get_spec(self.fusion).reads_client_scores({})
+        """Whether the clients must send importance scores (the method reads them under ``options``)."""
+        return self.fusion != BEST_CLIENT and get_spec(self.fusion).reads_client_scores(self.options)
 
     def round_config(self) -> dict[str, Any]:
         """Round 1's train-config keys: the one-shot signal, the warm-start epochs (and lr)."""
@@ -116,7 +124,7 @@ class WarmStart:
             result = fuse_result(self.fusion, models, fusion_inputs=protocol.fusion_inputs,
                                  scores=[u.scores for u in updates] if self.needs_scores else None,
                                  weights=[u.num_examples for u in updates], device=protocol.device,
-                                 seed=protocol.seed + server_round)
+                                 seed=protocol.seed + server_round, **self.options)
             model, info = result.model, dict(result.info or {})
         info["warm-start"] = self.fusion
         return model.state_dict(), info, time.perf_counter() - t0
