@@ -674,26 +674,27 @@ def check_model(cfg: RunConfig) -> None:
         load_initial_model(cfg.initial_model_path, model)
 
 
-def load_initial_model(path: str, model: Any) -> dict[str, Any]:
-    """The state dict in ``initial-model-path`` (a ``.pt`` state dict), loaded into ``model`` (strictly: same names
-    and shapes) and returned; ``ConfigError`` naming the key and the path."""
+def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'initial-model-path'") -> dict[str, Any]:
+    """The state dict in ``path`` (a ``.pt`` state dict: ``initial-model-path``, or a node's ``model-path``), loaded
+    into ``model`` (strictly: same names and shapes, finite values) and returned; ``ConfigError`` naming ``key`` and
+    the path."""
     import torch
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError, EOFError) as exc:
-        raise ConfigError(f"run-config key 'initial-model-path' ({path}): cannot read a torch state dict: {exc}") from None
+        raise ConfigError(f"{key} ({path}): cannot read a torch state dict: {exc}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"run-config key 'initial-model-path' ({path}): expected a state dict (name -> tensor), got "
+        raise ConfigError(f"{key} ({path}): expected a state dict (name -> tensor), got "
                           f"{type(state).__name__}")
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise ConfigError(f"run-config key 'initial-model-path' ({path}): does not fit the run's model "
+        raise ConfigError(f"{key} ({path}): does not fit the run's model "
                           f"{type(model).__name__}: {str(exc).splitlines()[0]}") from None
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        raise ConfigError(f"run-config key 'initial-model-path' ({path}): non-finite values in {bad[:3]}")
+        raise ConfigError(f"{key} ({path}): non-finite values in {bad[:3]}")
     return model.state_dict()
 
 

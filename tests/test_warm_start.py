@@ -188,3 +188,52 @@ def test_flwr_run_warm_start(tmp_path):
     assert [h["method"] for h in res["strategy-history"]] == ["warm-start:kf-linear", "average"]
     assert res["rounds"][1]["test-accuracy"] > 0.3 and res["status"] == "completed"
     assert len(list((outcome.out_dir / "warm-start").glob("client-*.pt"))) == 3
+
+
+def _given_models(cfg, folder, epochs=2):
+    """Each client's own model, trained outside the federation from its own seed on its own data (an institution's
+    model); ``[path]`` by partition id."""
+    from fedfuse.task import federated_data, global_model
+    from fedfuse.training import train
+
+    data = federated_data(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for p in range(cfg.num_clients):
+        tr, _ = data.client_data(p, cfg.val_fraction, cfg.seed)
+        model = global_model(cfg, data.num_classes, data.input_shape, seed=100 + p)
+        train(model, tr.x, tr.y, epochs=epochs, optimizer="adam", lr=0.01, seed=p)
+        torch.save(model.state_dict(), folder / f"own-{p}.pt")
+        paths.append(folder / f"own-{p}.pt")
+    return paths
+
+
+def test_warm_start_from_given_models_inprocess(tmp_path):
+    """Clients that arrive with their own models (node-config model-path): round 1 replies them untrained, the server
+    fuses exactly those; a model that does not fit fails naming the node-config key."""
+    from fedfuse.flower.client_app import make_client_app
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    cfg = {**TINY, "mode": "warm-start", "strategy": "fedavg", "warm-start-fusion": "average",
+           "warm-start-fusion-options": "", "output-dir": str(tmp_path), "run-name": "given"}
+    paths = _given_models(parse_run_config(cfg), tmp_path / "own")
+
+    def given(msg, context, call_next):   # the node-config a SuperNode would be started with
+        context.node_config["model-path"] = str(paths[int(context.node_config["partition-id"])])
+        return call_next(msg, context)
+
+    out = run_inprocess(cfg, num_supernodes=3, echo=False, client_app=make_client_app(mods=[given]))
+    for p, path in enumerate(paths):
+        sent = torch.load(out / "warm-start" / f"client-{p}.pt", weights_only=True)
+        own = torch.load(path, weights_only=True)
+        assert all(torch.equal(sent[k], own[k]) for k in own)       # untrained in round 1
+    res = json.loads((out / "results.json").read_text())
+    assert res["strategy-history"][0]["method"] == "warm-start:average" and res["status"] == "completed"
+
+    from fedfuse.models import build_model
+
+    torch.save(build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=8, depth=1, seed=0).state_dict(),
+               paths[1])
+    with pytest.raises(RuntimeError, match="(?s)WarmStartFailed.*node-config key 'model-path'"):
+        run_inprocess({**cfg, "run-name": "misfit"}, num_supernodes=3, echo=False,
+                      client_app=make_client_app(mods=[given]))

@@ -18,6 +18,11 @@ The round's record (``history``, ``rounds.csv``) names the aggregation ``warm-st
 ``fusion-info`` holds the method's diagnostics (``auto-choice`` for ``auto``, ``best-client`` for best-client).
 With ``save_dir`` the clients' round-1 models are written there (``client-<partition-id>.pt``), so that other
 starts (the best client's model, their average) can be compared on the same models (``initial-model-path``).
+
+Nothing fails silently: a round 1 with too few valid replies, or whose fusion failed under ``fusion-fallback=
+'previous'`` (the global model would stay the fresh initialisation), stops the run with ``WarmStartFailed`` (in
+``results.json`` as the run's error); under ``fusion-fallback='average'`` a failed fusion takes the clients' plain
+average (WARNING, recorded as the round's fallback).
 """
 
 from __future__ import annotations
@@ -139,6 +144,17 @@ def best_client(models: list[nn.Module], updates: list[ClientUpdate], x: torch.T
     return models[best], {"best-client": updates[best].partition_id, "best-client-fusion-accuracy": accs[best]}
 
 
+class WarmStartFailed(RuntimeError):
+    """Round 1 of a warm start produced no model from the clients' models (too few valid replies, or the fusion failed
+    under ``fusion-fallback='previous'``): the run stops instead of continuing from a fresh initialisation."""
+
+
+def _why(record: dict[str, Any]) -> str:
+    """The first failure or rejection of the round, for the error message."""
+    first = (record["failures"] or record["rejected"] or [None])[0]
+    return f" (e.g. node {first['node-id']}: {first['reason'][-300:]})" if first else ""
+
+
 def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Message], failures: list[dict],
                      record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """Round 1 of a warm-start run: validate, combine with ``protocol.warm_start``, reset the server state, record."""
@@ -148,12 +164,19 @@ def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Mess
     record["valid"] = len(updates)
     protocol.last_updates = updates
     if protocol._stop_or_skip(server_round, len(updates), record):
-        return None, None
+        raise WarmStartFailed(f"{record['skipped']}{_why(record)}; a warm start without the "
+                              "clients' models would be FL from a fresh initialisation, so the run stops")
     t0 = time.perf_counter()
     average = (lambda: protocol.average(updates)) if warm.fusion != "average" else None
     state, fallback, info = protocol.with_fallback(server_round, len(updates),
                                                    lambda: warm.combine(protocol, server_round, updates), average,
                                                    label=warm.label)
+    if state is None:   # fallback 'previous': the initial model, not the clients' models
+        protocol.history.append({**record, "fallback": fallback})
+        raise WarmStartFailed(f"round {server_round}: {warm.fusion!r} could not combine the clients' models "
+                              f"({fallback}); a warm start from the initial model would be FL from a fresh "
+                              "initialisation, so the run stops (fusion-fallback='average' takes their plain average "
+                              "instead, or choose another warm-start-fusion)")
     # round 2's server step starts from this model: no momentum / optimiser state from "initial → fused"
     protocol.restart_server_state()
     log(INFO, "aggregate_train: round %d: warm start from %d client models (%s); server state reset", server_round,
@@ -162,4 +185,4 @@ def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Mess
     return (None if state is None else state_to_record(state)), metrics
 
 
-__all__ = ["WarmStart", "best_client", "warm_start_round"]
+__all__ = ["WarmStart", "WarmStartFailed", "best_client", "warm_start_round"]
