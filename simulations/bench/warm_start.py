@@ -67,13 +67,18 @@ def rows(lr: float, warm_epochs: int, warm_lr: float) -> list[Row]:
         Row("warm feddf → fedavg", "warm", {**warm, "strategy": "fedavg", "warm-start-fusion": "feddf",
                                            "warm-start-fusion-options": ""}),
         Row("fedavg scratch (anchor lr 0.2)", "scratch", {"strategy": "fedavg"}),
-        Row(f"fedavg scratch (lr {lr:g})", "scratch", {"strategy": "fedavg", "lr": lr}),
+        Row(same_lr_reference(lr), "scratch", {"strategy": "fedavg", "lr": lr}),
         Row("fedavg from best client (oracle)", "best-client", {"strategy": "fedavg", "lr": lr}),
         Row("fedavg from average", "average", {"strategy": "fedavg", "lr": lr}),
     ]
 
 
 REFERENCE = "fedavg scratch (anchor lr 0.2)"
+
+
+def same_lr_reference(lr: float) -> str:
+    """The FedAvg-from-scratch row at the lr of the other rows (the fair target: same client recipe)."""
+    return f"fedavg scratch (lr {lr:g})"
 
 
 def start_models(warm_run: Path, split: Path, out: Path) -> dict[str, Path]:
@@ -130,29 +135,34 @@ def reach(curve: list[float], target: float) -> int | None:
     return next((r for r, a in enumerate(curve) if a >= target), None)
 
 
-def table(runs: list[dict], rounds: int) -> str:
-    """Per α and row: accuracy at rounds 1, 5, 10 and the last (mean ± sample std over seeds), rounds to reach the
-    reference's final accuracy of the same seed (never = rounds + 1, counted in the mean and said how often), the
-    cumulative local epochs there."""
+def _reach_cells(got: list[dict], target: dict[int, float], rounds: int) -> str:
+    """``reach (rounds) | never | epochs at reach`` of ``got`` against per-seed ``target`` accuracies."""
+    hits = [reach(r["curve"], target[r["seed"]]) if r["seed"] in target else None for r in got]
+    reached = [h if h is not None else rounds + 1 for h in hits]
+    epochs = [r["epochs"][h] for r, h in zip(got, hits) if h is not None]
+    return (f"{format_mean_std(reached, digits=1)} | {sum(h is None for h in hits)} | "
+            f"{format_mean_std(epochs, digits=1) if epochs else '—'}")
+
+
+def table(runs: list[dict], rounds: int, lr: float) -> str:
+    """Per α and row: accuracy at rounds 1, 5, 10 and the last (mean ± sample std over seeds); rounds to reach the
+    final accuracy of FedAvg from scratch of the same seed, at the anchor's lr (``REFERENCE``) and at the rows' lr
+    (never = rounds + 1, counted in the mean and said how often), and the cumulative local epochs there."""
     marks = [r for r in (1, 5, 10, rounds) if r <= rounds]
-    head = "| α | row | seeds | " + " | ".join(f"round {r}" for r in marks) + \
-        " | reach (rounds) | never | epochs at reach |"
-    lines = [head, "|---|---|---|" + "---|" * (len(marks) + 3)]
+    head = ("| α | row | seeds | " + " | ".join(f"round {r}" for r in marks) +
+            " | reach anchor-lr FedAvg | never | epochs there | reach same-lr FedAvg | never | epochs there |")
+    lines = [head, "|---|---|---|" + "---|" * (len(marks) + 6)]
     labels = list(dict.fromkeys(r["label"] for r in runs))
     for alpha in sorted({r["alpha"] for r in runs}):
-        target = {r["seed"]: r["curve"][-1] for r in runs if r["alpha"] == alpha and r["label"] == REFERENCE}
+        targets = [{r["seed"]: r["curve"][-1] for r in runs if r["alpha"] == alpha and r["label"] == ref}
+                   for ref in (REFERENCE, same_lr_reference(lr))]
         for label in labels:
             got = sorted((r for r in runs if r["alpha"] == alpha and r["label"] == label), key=lambda r: r["seed"])
             if not got:
                 continue
             accs = [format_mean_std([r["curve"][m] for r in got if len(r["curve"]) > m], digits=3) for m in marks]
-            hits = [reach(r["curve"], target[r["seed"]]) if r["seed"] in target else None for r in got]
-            never = sum(h is None for h in hits)
-            reached = [h if h is not None else rounds + 1 for h in hits]
-            epochs = [r["epochs"][h] for r, h in zip(got, hits) if h is not None]
-            lines.append(f"| {alpha:g} | {label} | {len(got)} | " + " | ".join(accs) +
-                         f" | {format_mean_std(reached, digits=1)} | {never} | "
-                         f"{format_mean_std(epochs, digits=1) if epochs else '—'} |")
+            lines.append(f"| {alpha:g} | {label} | {len(got)} | " + " | ".join(accs) + " | " +
+                         " | ".join(_reach_cells(got, t, rounds) for t in targets) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -192,11 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="", help="comma-separated labels to run (default: all)")
     ap.add_argument("--anchors", default=str(ANCHORS))
     ap.add_argument("--out", default=str(ROOT / "results" / "warm-start"))
+    ap.add_argument("--table", action="store_true", help="only rewrite table.md and accuracy.png from runs.json")
     args = ap.parse_args(argv)
     out, splits = Path(args.out).resolve(), Path(args.anchors) / "splits"
     out.mkdir(parents=True, exist_ok=True)
     store = out / "runs.json"
     runs = json.loads(store.read_text()) if store.exists() else []
+    if args.table:
+        return _write(runs, out, args)
     chosen = [r for r in rows(args.lr, args.warm_epochs, args.warm_lr)
               if not args.rows or r.label in args.rows.split(",")]
     for alpha in [float(a) for a in args.alphas.split(",")]:
@@ -220,9 +233,16 @@ def main(argv: list[str] | None = None) -> None:
                 store.write_text(json.dumps(runs, indent=1))
                 print(f"α={alpha:g} seed={seed} {row.label}: round 1 {rec['curve'][1]:.3f}, final {rec['curve'][-1]:.3f}",
                       flush=True)
-    (out / "table.md").write_text(table(runs, args.rounds))
+    _write(runs, out, args)
+
+
+def _write(runs: list[dict], out: Path, args: argparse.Namespace) -> None:
+    if not runs:
+        raise SystemExit(f"no runs in {out / 'runs.json'}: nothing to tabulate")
+    text = table(runs, args.rounds, args.lr)
+    (out / "table.md").write_text(text)
     plot(runs, out / "accuracy.png")
-    print(table(runs, args.rounds))
+    print(text)
 
 
 if __name__ == "__main__":
