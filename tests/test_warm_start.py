@@ -61,6 +61,14 @@ def test_initial_model_path_is_checked_before_the_run(tmp_path):
         preflight({**base, "initial-model-path": str(tmp_path / "wrong.pt")})
 
 
+def test_baseline_of_a_warm_start_is_fedavg_from_scratch():
+    from fedfuse.flower.runner.compare import baseline_config
+
+    cfg = baseline_config({**WARM, "warm-start-epochs": 5, "warm-start-fusion": "ot", "strategy": "average"})
+    assert cfg == {"mode": "multi-round", "num-server-rounds": 3, "strategy": "fedavg"}
+    parse_run_config(cfg)
+
+
 def test_warm_start_options_and_best_client():
     with pytest.raises(ValueError, match="best-client takes no options"):
         WarmStart(fusion="best-client", options={"ridge": 1.0})
