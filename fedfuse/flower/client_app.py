@@ -129,8 +129,9 @@ def train(msg: Message, context: Context) -> Message:
                        device=device, seed=round_seed, forward=forward,
                        epochs=0 if own_model else int(config["local-epochs"]) if "local-epochs" in config else None,
                        lr=float(config["lr"]) if "lr" in config else None,
-                       # FedProx (Flower's strategy sends only mu): proximal term to the received global model
-                       proximal_mu=float(config.get("proximal-mu", 0.0)))
+                       # FedProx (Flower's strategy sends only mu): proximal term to the received global model, which
+                       # a one-shot client (warm start's round 1) does not start from
+                       proximal_mu=0.0 if one_shot else float(config.get("proximal-mu", 0.0)))
     metrics = dict(out["metrics"])
     class_counts = metrics.pop("class-counts")   # sent only when the strategy asks (privacy by default)
     num_examples = metrics.pop("num-examples")
