@@ -129,6 +129,31 @@ def test_round_1_fuses_and_restarts_the_server_state(name, tmp_path):
     assert strategy.round_label(2) == name
 
 
+@pytest.mark.parametrize("fallback", ["previous", "average"])
+def test_a_failed_warm_fusion_never_continues_from_the_initial_model(fallback, monkeypatch):
+    from fedfuse.fusion import NumericalFusionError, fuse
+    from fedfuse.flower import warm_start as module
+
+    def broken(*args, **kwargs):
+        raise NumericalFusionError("injected")
+
+    monkeypatch.setattr(module, "fuse_result", broken)
+    strategy = build_strategy("fedavg", model_fn=model_fn, fusion_inputs=torch.randn(64, 1, 8, 8), fallback=fallback)
+    strategy.warm_start = WarmStart(fusion="kf-linear", options={"importance": "uniform"})
+    configure(strategy, 1, ArrayRecord(model_fn().state_dict()))
+    replies = [reply(n, seed=10 + n) for n in (1, 2)]
+    if fallback == "previous":
+        with pytest.raises(module.WarmStartFailed, match="could not combine.*injected"):
+            strategy.aggregate_train(1, replies)
+        return
+    new, _ = strategy.aggregate_train(1, replies)
+    models = [strategy.build_model({k: torch.from_numpy(a.numpy().copy()) for k, a in r.content["arrays"].items()})
+              for r in replies]
+    average = fuse("average", models).state_dict()
+    assert all(torch.allclose(torch.from_numpy(new[k].numpy()), average[k]) for k in average)
+    assert strategy.history[0]["fallback"].startswith("average: NumericalFusionError")
+
+
 def _spy(seen):
     def mod(msg, context, call_next):
         if msg.metadata.message_type == "train":

@@ -182,7 +182,7 @@ def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Mess
     log(INFO, "aggregate_train: round %d: warm start from %d client models (%s); server state reset", server_round,
         len(updates), warm.fusion)
     metrics = protocol._close_round(record, time.perf_counter() - t0, fallback, info, updates, ok, failures)
-    return (None if state is None else state_to_record(state)), metrics
+    return state_to_record(state), metrics
 
 
 __all__ = ["WarmStart", "WarmStartFailed", "best_client", "warm_start_round"]
