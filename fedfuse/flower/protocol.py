@@ -26,7 +26,7 @@ import copy
 import random
 import time
 from logging import INFO, WARNING
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from fedfuse.choices import FALLBACKS
 from fedfuse.fusion import FusionError
 from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
                                     _npy_view, validate_reply)
+
+if TYPE_CHECKING:
+    from fedfuse.flower.warm_start import WarmStart
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -104,7 +107,7 @@ class RoundProtocol(FedAvg):
         self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
         # mode='warm-start' (``fedfuse.flower.warm_start.WarmStart``): round 1 combines the clients' own models
-        self.warm_start: Any = None
+        self.warm_start: WarmStart | None = None
 
     # ---------------------------------------------------------------- hooks
     def round_config(self, server_round: int) -> dict[str, Any]:
