@@ -149,10 +149,10 @@ def _reach_cells(got: list[dict], target: dict[int, float], rounds: int) -> str:
 
 
 def table(runs: list[dict], rounds: int, lr: float) -> str:
-    """Per α and row: accuracy at rounds 1, 5, 10 and the last (mean ± sample std over seeds); rounds to reach the
-    final accuracy of FedAvg from scratch of the same seed, at the anchor's lr (``REFERENCE``) and at the rows' lr
-    (never = rounds + 1, counted in the mean and said how often), and the cumulative local epochs there."""
-    marks = [r for r in (1, 5, 10, rounds) if r <= rounds]
+    """Per α and row: accuracy at rounds 0 (the start), 1, 5, 10 and the last (mean ± sample std over seeds); rounds to
+    reach the final accuracy of FedAvg from scratch of the same seed, at the anchor's lr (``REFERENCE``) and at the
+    rows' lr (never = rounds + 1, counted in the mean and said how often), and the cumulative local epochs there."""
+    marks = [r for r in (0, 1, 5, 10, rounds) if r <= rounds]
     head = ("| α | row | seeds | " + " | ".join(f"round {r}" for r in marks) +
             " | reach anchor-lr FedAvg | never | epochs there | reach same-lr FedAvg | never | epochs there |")
     lines = [head, "|---|---|---|" + "---|" * (len(marks) + 6)]
