@@ -71,7 +71,7 @@ def rows(lr: float, warm_epochs: int, warm_lr: float) -> list[Row]:
         Row("fedavg from best client (oracle)", "best-client", {"strategy": "fedavg", "lr": lr}),
         Row("fedavg from average", "average", {"strategy": "fedavg", "lr": lr}),
         # the lr checks: the anchor's lr from a trained start, and a warm start at twice the rows' lr
-        Row("fedavg from best client (oracle, anchor lr 0.2)", "best-client", {"strategy": "fedavg"}),
+        Row("fedavg from best client (oracle; anchor lr 0.2)", "best-client", {"strategy": "fedavg"}),
         Row(f"warm kf-linear → average (lr {2 * lr:g})", "warm", {**warm, "lr": 2 * lr, "strategy": "average",
                                                                    "warm-start-fusion": "kf-linear"}),
     ]
