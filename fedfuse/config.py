@@ -716,6 +716,8 @@ def describe() -> str:
             allowed += f" \\| {HF_PREFIX}<name>"
         if s.key == "strategy":
             allowed = " \\| ".join(strategy_names())
+        if s.key == "warm-start-fusion":
+            allowed = " \\| ".join(warm_start_fusions())
         rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
 
