@@ -5,7 +5,9 @@ import these lists; they live in this leaf module so that ``config`` can call in
 checks without an import cycle.
 """
 
-MODES = ("multi-round", "one-shot")
+MODES = ("multi-round", "one-shot", "warm-start")
+# warm-start-fusion value that keeps the best client model instead of fusing (mode="warm-start")
+BEST_CLIENT = "best-client"
 DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100", "mnist",
             "fashion-mnist")
 HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"

@@ -41,6 +41,7 @@ from typing import Any, Mapping
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
+from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import SUBMODEL_METHODS, check_candidates  # noqa: E402
@@ -63,7 +64,9 @@ class RunConfig:
     """Validated run configuration (field ``foo_bar`` is run-config key ``foo-bar``)."""
 
     mode: str = _key("multi-round", "multi-round: clients start each round from the global model; one-shot: one "
-                     "round, independently initialised clients, the server fuses once", choices=MODES)
+                     "round, independently initialised clients, the server fuses once; warm-start: round 1 is a "
+                     "one-shot round (warm-start-epochs, fused with warm-start-fusion), multi-round FL with "
+                     "'strategy' continues from the fused model (docs/warm-start.md)", choices=MODES)
     dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
     data_root: str = _key("", "torchvision root / save_to_disk folder (offline loaders)")
     model: str = _key("mlp", "architecture", choices=MODELS)
@@ -164,6 +167,19 @@ class RunConfig:
                                 "one width drawn per batch (FjORD's ordered dropout): auto (measured best: all for average and "
                                 "fusion methods in multi-round; off for heterofl/fedrolex/feddf and one-shot) | all (every client) | narrow (every client but the widest "
                                 "tier's) | off", choices=ORDERED_DROPOUT)
+    warm_start_epochs: int = _key(20, "mode='warm-start': local epochs of round 1, in which every client trains its own "
+                                  "independently initialised model (institutions that already have models)", ge=1)
+    warm_start_lr: float = _key(0.0, "mode='warm-start': the clients' learning rate in round 1 (0 = lr)", ge=0)
+    warm_start_fusion: str = _key("kf-linear", "mode='warm-start': how round 1 combines the clients' own models: a "
+                                  "fusion method of fedfuse.fusion.METHODS that keeps the architecture (auto, average "
+                                  "= their plain weighted average, kf-linear, ot, kd, ...) or best-client (the client "
+                                  "model with the best accuracy on the server's labelled fusion set)")
+    warm_start_fusion_options: str = _key("{importance='uniform'}", "mode='warm-start': options of warm-start-fusion "
+                                          "as a TOML inline table (the default is kf-linear's measured best: uniform "
+                                          "neuron importance, so the clients compute no scores; '' = the method's "
+                                          "defaults)")
+    initial_model_path: str = _key("", "a .pt state dict of the global architecture the run starts from instead of a "
+                                   "fresh initialisation (e.g. a client's model; absolute path on the server)")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -186,6 +202,11 @@ class RunConfig:
     def auto_candidate_names(self) -> tuple[str, ...]:
         """``auto-candidates`` split on commas (checked by ``validate``)."""
         return tuple(c.strip() for c in self.auto_candidates.split(","))
+
+    @cached_property
+    def warm_start_fusion_options_table(self) -> dict[str, Any]:
+        """``warm-start-fusion-options`` parsed from its TOML inline table; ``ConfigError`` naming the key."""
+        return _parse_fusion_options(self.warm_start_fusion_options, key="warm-start-fusion-options")
 
 
 @dataclass(frozen=True)
@@ -341,6 +362,7 @@ def _check_rules(cfg: RunConfig) -> None:
                           "splits, but val-fraction=0 holds none out; set val-fraction > 0 or evaluation='central'")
     if cfg.partition_files:
         _check_partition_rules(cfg)
+    _check_warm_start(cfg)
     fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
     _check_tiers(cfg)
     info = dataset_info(cfg.dataset)
@@ -352,6 +374,77 @@ def _check_rules(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key 'num-clients': class-disjoint 'shards' gives each client whole "
                               f"classes, but {cfg.num_clients} clients > {info.num_classes} classes of "
                               f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
+
+
+WARM_START_KEYS = ("warm-start-epochs", "warm-start-lr", "warm-start-fusion", "warm-start-fusion-options")
+
+
+def _check_warm_start(cfg: RunConfig) -> None:
+    """``mode='warm-start'``: at least one round after the fused one, a ``warm-start-fusion`` that returns one model of
+    the global architecture and can run on this setup, no capacity tiers; the warm-start keys are not set for another
+    mode, and ``initial-model-path`` is not set where round 1 ignores the global model."""
+    if cfg.mode != "warm-start":
+        for key in WARM_START_KEYS:
+            if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default:
+                raise ConfigError(f"run-config key {key!r} applies to mode='warm-start' only, not {cfg.mode!r}; "
+                                  "remove it or set mode='warm-start'")
+        if cfg.mode == "one-shot" and cfg.initial_model_path:
+            raise ConfigError("run-config key 'initial-model-path': one-shot clients train independently initialised "
+                              "models and ignore the global model; remove it or use mode='multi-round'")
+        return
+    if cfg.num_server_rounds < 2:
+        raise ConfigError("run-config key 'num-server-rounds' must be >= 2 when 'mode' is 'warm-start' (round 1 fuses "
+                          "the clients' own models, multi-round FL continues from round 2); for a single fused round "
+                          "use mode='one-shot'")
+    if cfg.initial_model_path:
+        raise ConfigError("run-config key 'initial-model-path': with mode='warm-start' round 1 starts from the clients' "
+                          "own models and ignores the global model; remove it or use mode='multi-round'")
+    if cfg.client_tiers:
+        raise ConfigError("run-config key 'client-tiers': mode='warm-start' fuses models of the global architecture "
+                          "only; remove client-tiers")
+    _check_warm_start_fusion(cfg)
+
+
+def warm_start_fusions() -> tuple[str, ...]:
+    """The values of ``warm-start-fusion``: every fusion method whose result is one model of the models'
+    architecture, and ``best-client``."""
+    from fedfuse.fusion import METHOD_SPECS
+
+    return tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture)) + (BEST_CLIENT,)
+
+
+def _check_warm_start_fusion(cfg: RunConfig) -> None:
+    """``warm-start-fusion`` names a method that can fuse this run's clients (count, model family, fusion set)."""
+    fusion, options = cfg.warm_start_fusion, cfg.warm_start_fusion_options_table
+    if fusion == BEST_CLIENT:   # needs fusion labels: checked by the ServerApp once the fusion set is loaded
+        if options:
+            raise ConfigError("run-config key 'warm-start-fusion-options': warm-start-fusion='best-client' fuses "
+                              f"nothing and takes no options, got {options}; set warm-start-fusion-options=''")
+        return
+    from fedfuse.fusion import METHOD_SPECS, FusionError
+
+    names = warm_start_fusions()
+    if fusion not in names:
+        close = difflib.get_close_matches(fusion, list(names), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"run-config key 'warm-start-fusion': {fusion!r} is not a fusion method that returns one "
+                          f"model of the clients' architecture{hint}; choose one of {list(names)}")
+    try:
+        METHOD_SPECS[fusion].parse_options(options)
+    except FusionError as exc:
+        default = SCHEMA["warm-start-fusion-options"].default
+        hint = (f" (the default {default!r} is for {SCHEMA['warm-start-fusion'].default!r}; set "
+                "warm-start-fusion-options='' for the method's defaults)"
+                if cfg.warm_start_fusion_options == default else "")
+        raise ConfigError(f"run-config key 'warm-start-fusion-options': {exc}{hint}") from None
+    family = MODEL_FAMILIES[cfg.model]
+    problem = fusion_set_problem(cfg)
+    try:
+        METHOD_SPECS[fusion].check_setup(num_models=clients_per_round(cfg), family=family,
+                                         has_fusion_set=problem is None, affine_levels=family == "sequential")
+    except FusionError as exc:
+        raise ConfigError(f"run-config key 'warm-start-fusion': {exc}" + (f", but {problem}" if problem else "")
+                          ) from None
 
 
 PARTITION_ID = "{partition-id}"
@@ -415,7 +508,7 @@ def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
     return dict(cfg.fusion_options_table)
 
 
-def _parse_fusion_options(text: str) -> dict[str, Any]:
+def _parse_fusion_options(text: str, key: str = "fusion-options") -> dict[str, Any]:
     import tomllib
 
     text = text.strip()
@@ -424,10 +517,10 @@ def _parse_fusion_options(text: str) -> dict[str, Any]:
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"run-config key 'fusion-options': not a TOML inline table ({exc}): {text!r}; "
+        raise ConfigError(f"run-config key {key!r}: not a TOML inline table ({exc}): {text!r}; "
                           "write e.g. \"{ridge=1e-3, solver='sinkhorn'}\"") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"run-config key 'fusion-options': expected an inline table like '{{ridge=1e-3}}', "
+        raise ConfigError(f"run-config key {key!r}: expected an inline table like '{{ridge=1e-3}}', "
                           f"got {text!r}")
     return value
 
@@ -623,6 +716,32 @@ def check_model(cfg: RunConfig) -> None:
     if tuple(out.shape) != (2, info.num_classes):
         raise ConfigError(f"run-config key 'model': {cfg.model!r} maps inputs {info.input_shape} to "
                           f"{tuple(out.shape[1:])}, expected {info.num_classes} logits")
+    if cfg.initial_model_path:
+        load_initial_model(cfg.initial_model_path, model)
+
+
+def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'initial-model-path'") -> dict[str, Any]:
+    """The state dict in ``path`` (a ``.pt`` state dict: ``initial-model-path``, or a node's ``model-path``), loaded
+    into ``model`` (strictly: same names and shapes, finite values) and returned; ``ConfigError`` naming ``key`` and
+    the path."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError) as exc:
+        raise ConfigError(f"{key} ({path}): cannot read a torch state dict: {exc}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{key} ({path}): expected a state dict (name -> tensor), got "
+                          f"{type(state).__name__}")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ConfigError(f"{key} ({path}): does not fit the run's model "
+                          f"{type(model).__name__}: {str(exc).splitlines()[0]}") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(f"{key} ({path}): non-finite values in {bad[:3]}")
+    return model.state_dict()
 
 
 def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[str, ...] | None = None) -> RunConfig:
@@ -643,6 +762,8 @@ def describe() -> str:
             allowed += f" \\| {HF_PREFIX}<name>"
         if s.key == "strategy":
             allowed = " \\| ".join(strategy_names())
+        if s.key == "warm-start-fusion":
+            allowed = " \\| ".join(warm_start_fusions())
         rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
 
@@ -650,7 +771,7 @@ def describe() -> str:
 __all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
            "check_model", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
-           "describe", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
+           "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
            "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ def load_fusion_inputs(path: str, *, dataset: str = "", input_shape: tuple[int, 
 def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_importance: bool,
                  device: torch.device, seed: int, epochs: int | None = None, lr: float | None = None,
                  proximal_mu: float = 0.0, forward=None) -> dict[str, Any]:
-    """One client's local work: train, evaluate, score neurons.
+    """One client's local work: train (``epochs``: ``None`` = ``local-epochs``; 0 = not at all), evaluate, score
+    neurons.
 
     ``forward``: the training forward (``fedfuse.training.train``'s; capacity tiers' ordered dropout).
 
@@ -68,10 +69,13 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
         from fedfuse import tofu
 
         tofu.apply(model, r=cfg.tofu_r)
-    stats = train(model, train_set.x, train_set.y, epochs=epochs or cfg.local_epochs, batch_size=cfg.batch_size,
+    epochs = cfg.local_epochs if epochs is None else int(epochs)
+    stats = train(model, train_set.x, train_set.y, epochs=epochs, batch_size=cfg.batch_size,
                   optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed,
                   proximal_mu=proximal_mu, forward=forward)
     train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
+    if epochs == 0:   # a model that arrives trained (a node's own model-path): its loss as it is
+        stats["train-loss"] = float(train_metrics["loss"])
     eval_set = val_set if len(val_set) > 0 else train_set
     val_metrics = evaluate(model, eval_set.x, eval_set.y, num_classes=eval_set.num_classes, device=device)
     t0 = time.perf_counter()

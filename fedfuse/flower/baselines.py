@@ -167,10 +167,14 @@ class FlowerBaselineStrategy(RoundProtocol):
 
     def on_fallback(self) -> None:
         """The global model did not come from Flower's step: its anchor / momentum / moments are stale."""
+        self.restart_server_state()
+        log(WARNING, "aggregate_train: Flower %s state reset after the fallback", self.flower_class.__name__)
+
+    def restart_server_state(self) -> None:
+        """Forget Flower's anchor / momentum / moments: the next round's step starts from the model it is sent."""
         for attr in _SERVER_OPT_STATE:
             if getattr(self.flower, attr, None) is not None:
                 setattr(self.flower, attr, None)
-        log(WARNING, "aggregate_train: Flower %s state reset after the fallback", self.flower_class.__name__)
 
 
 class FedAvgMStrategy(FlowerBaselineStrategy):

@@ -17,8 +17,10 @@ Where the data comes from (node-config):
 - otherwise partition ``partition-id`` of ``num-partitions`` of the run's public ``dataset``
   (``data-root`` may point at this node's copy); ``num-partitions`` must equal the run's ``num-clients``.
 
-In ``one-shot`` mode the client ignores the received weights and trains its own independently
-initialised model (the papers' setting: fuse once, models from different initialisations).
+In ``one-shot`` mode (and round 1 of ``warm-start``, whose train config says ``mode='one-shot'``) the client ignores
+the received weights and trains its own independently initialised model (the papers' setting: fuse once, models from
+different initialisations), or, with node-config ``model-path`` (a ``.pt`` state dict of the run's architecture),
+replies with that model as it is, untrained: an institution that arrives with its own model.
 
 ``make_client_app(mods=[...])`` builds the same app with Flower mods around every handler.
 """
@@ -34,7 +36,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import RunConfig, parse_run_config, partition_file  # noqa: E402
+from fedfuse.config import RunConfig, load_initial_model, parse_run_config, partition_file  # noqa: E402
 from fedfuse.flower.candidates import ACTION as SCORE_ACTION, read_score_query, score_reply_content  # noqa: E402
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
@@ -116,15 +118,21 @@ def train(msg: Message, context: Context) -> Message:
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
     if not one_shot:
         model.load_state_dict(request.state_dict())
+    # one-shot / warm start at an institution that already has its model (node-config model-path): reply with it as it
+    # is, untrained here
+    own_model = str(context.node_config.get("model-path", "")) if one_shot else ""
+    if own_model:
+        load_initial_model(own_model, model, key="node-config key 'model-path'")
     round_seed = cfg.seed * 7919 + node.pid * 131 + request.server_round
     forward = tier_forward(base, model, config, seed=round_seed, input_shape=node.input_shape)
     device = resolve_device(cfg.device)
     out = client_round(cfg, model, node.train, node.val, need_importance=request.need_importance,
                        device=device, seed=round_seed, forward=forward,
-                       epochs=int(config["local-epochs"]) if "local-epochs" in config else None,
+                       epochs=0 if own_model else int(config["local-epochs"]) if "local-epochs" in config else None,
                        lr=float(config["lr"]) if "lr" in config else None,
-                       # FedProx (Flower's strategy sends only mu): proximal term to the received global model
-                       proximal_mu=float(config.get("proximal-mu", 0.0)))
+                       # FedProx (Flower's strategy sends only mu): proximal term to the received global model, which
+                       # a one-shot client (warm start's round 1) does not start from
+                       proximal_mu=0.0 if one_shot else float(config.get("proximal-mu", 0.0)))
     metrics = dict(out["metrics"])
     class_counts = metrics.pop("class-counts")   # sent only when the strategy asks (privacy by default)
     num_examples = metrics.pop("num-examples")

@@ -26,7 +26,7 @@ import copy
 import random
 import time
 from logging import INFO, WARNING
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from fedfuse.choices import FALLBACKS
 from fedfuse.fusion import FusionError
 from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
                                     _npy_view, validate_reply)
+
+if TYPE_CHECKING:
+    from fedfuse.flower.warm_start import WarmStart
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -103,6 +106,8 @@ class RoundProtocol(FedAvg):
         self.round_offset = 0
         self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
+        # mode='warm-start' (``fedfuse.flower.warm_start.WarmStart``): round 1 combines the clients' own models
+        self.warm_start: WarmStart | None = None
 
     # ---------------------------------------------------------------- hooks
     def round_config(self, server_round: int) -> dict[str, Any]:
@@ -148,6 +153,12 @@ class RoundProtocol(FedAvg):
     def reset_server_state(self) -> None:
         self.on_fallback()
 
+    def restart_server_state(self) -> None:
+        """Forget the server step's state because the global model restarts from a model it did not produce (a warm
+        start's fused model), silently (``on_fallback`` by default; Flower's baselines reset without the fallback's
+        WARNING)."""
+        self.on_fallback()
+
     # ---------------------------------------------------------------- models
     def _model_template(self) -> nn.Module:
         if self._template is None:
@@ -177,6 +188,9 @@ class RoundProtocol(FedAvg):
         self._global = arrays
         for key, value in self.round_config(server_round).items():
             config[key] = value
+        if self.warm_round(server_round):   # the one-shot signal, the warm-start epochs: in a copy (Flower passes
+            # the same train config every round, and rounds >= 2 are the run's own)
+            config = ConfigRecord({**dict(config), **self.warm_start.round_config()})
         rng_state = random.getstate()  # FedAvg samples nodes with `random`: reproducible per round
         random.seed(self.seed * 1_000_003 + server_round)
         try:
@@ -187,6 +201,10 @@ class RoundProtocol(FedAvg):
         return messages
 
     # ---------------------------------------------------------------- replies
+    def warm_round(self, server_round: int) -> bool:
+        """Whether round ``server_round`` is a warm start's round 1 (``fedfuse.flower.warm_start``)."""
+        return self.warm_start is not None and self.warm_start.applies(server_round)
+
     def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
         return failure_record(node_id, reason, code, self._node_partitions.get(node_id))
 
@@ -218,7 +236,10 @@ class RoundProtocol(FedAvg):
                     copy: bool = True) -> ClientUpdate | None:
         """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
         node = int(msg.metadata.src_node_id)
-        reference, widths = self.reply_reference(server_round, node)
+        if self.warm_round(server_round):
+            reference, widths = self._reference(), self.warm_start.level_widths(self._model_template)
+        else:
+            reference, widths = self.reply_reference(server_round, node)
         try:
             return validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
                                   metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
@@ -254,6 +275,10 @@ class RoundProtocol(FedAvg):
         record: dict[str, Any] = {"round": server_round, "method": self.round_label(server_round),
                                   "replies": len(replies), "failures": failures, "rejected": [],
                                   "fallback": None, "skipped": None, "fusion-info": None}
+        if self.warm_round(server_round):
+            from fedfuse.flower.warm_start import warm_start_round
+
+            return warm_start_round(self, server_round, ok, failures, record)
         streamed = self.aggregate_streamed(server_round, ok, failures, record)
         if streamed is not None:
             return streamed
@@ -276,12 +301,15 @@ class RoundProtocol(FedAvg):
 
     def with_fallback(self, server_round: int, num_models: int,
                       run: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any], float]],
-                      average: Callable[[], dict[str, torch.Tensor]] | None, streamed: bool = False
+                      average: Callable[[], dict[str, torch.Tensor]] | None, streamed: bool = False,
+                      label: str | None = None
                       ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
         """``(new global state or None, fallback text or None, info)``: ``run()``, and on a ``FusionError`` the
         fallback policy (``average`` is the weighted average of the round, ``None`` where the round's aggregation
-        is that average already). The one place a round falls back."""
-        label = self.round_label(server_round)
+        is that average already). The one place a round falls back. ``label``: the aggregation as logged (default
+        ``round_summary``)."""
+        summary = label or self.round_summary(server_round)
+        label = label or self.round_label(server_round)
         try:
             state, info, seconds = run()
         except FusionError as exc:
@@ -297,7 +325,7 @@ class RoundProtocol(FedAvg):
                 server_round, label, reason)
             return None, f"previous: {reason}", None
         log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s%s", server_round,
-            self.round_summary(server_round), num_models, seconds, " (streamed)" if streamed else "",
+            summary, num_models, seconds, " (streamed)" if streamed else "",
             f" ({_info_line(info)})" if info else "")
         return state, None, info
 

@@ -44,10 +44,11 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import ConfigError, RunConfig, preflight  # noqa: E402
+from fedfuse.config import ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
+from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
@@ -239,6 +240,19 @@ def _resume_state(cfg: RunConfig, out: Path):
         raise ConfigError(f"run-config keys {differ} differ from the checkpointed run in {out}; resume needs the "
                           "same configuration")
     return int(run_state["round"]), run_state, state
+
+
+def warm_start(cfg: RunConfig, strategy: RoundProtocol, out: Path) -> WarmStart:
+    """The ``WarmStart`` of a ``mode='warm-start'`` run (its clients' round-1 models go to ``<out>/warm-start``);
+    ``ConfigError`` naming the key when the server lacks what its fusion needs."""
+    warm = WarmStart(fusion=cfg.warm_start_fusion, options=dict(cfg.warm_start_fusion_options_table),
+                     epochs=cfg.warm_start_epochs,
+                     lr=cfg.warm_start_lr if cfg.warm_start_lr > 0 else None, save_dir=out / "warm-start")
+    try:
+        warm.check_server(strategy.fusion_inputs, strategy.fusion_labels)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return warm
 
 
 def check_run_config(context: Context) -> RunConfig:
@@ -435,7 +449,10 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
-    initial = model_fn().state_dict()
+    if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
+        strategy.warm_start = warm_start(cfg, strategy, out)
+    initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path
+               else model_fn().state_dict())
     if resumed:
         _, run_state, initial = resumed
         recorder.rows = list(run_state.get("rows", []))
