@@ -110,6 +110,7 @@ def _regime_rows(dirs: list[Path]) -> list[dict]:
         rest = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("local-epochs", "lr"))
         r["name"] = f"{name}[{rest}]" if rest else name
         r["E"], r["R"] = int(extra.get("local-epochs", 1)), len(r["curve"]) - 1
+        r["lr"] = float(extra.get("lr", 0.2))   # the anchor recipe's lr unless overridden
     return rows
 
 
@@ -122,6 +123,14 @@ def regime_heatmap(dirs: list[Path], path: Path, names: list[str], reference: st
     import numpy as np
 
     rows = _regime_rows(dirs)
+    best_lr = {}   # per (α, E): the lr at which the reference scores best (its best honest setting)
+    for a, e in {(r["alpha"], r["E"]) for r in rows}:
+        refs = {}
+        for r in rows:
+            if (r["alpha"], r["E"], r["name"]) == (a, e, reference):
+                refs.setdefault(r["lr"], []).append(r["final"])
+        best_lr[(a, e)] = max(refs, key=lambda lr: statistics.mean(refs[lr]))
+    rows = [r for r in rows if r["lr"] == best_lr.get((r["alpha"], r["E"]))]
     es, alphas = sorted({r["E"] for r in rows}), sorted({r["alpha"] for r in rows})
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.6), squeeze=False)
     for ax, n in zip(axes[0], names):
@@ -147,21 +156,26 @@ def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
     """Gain over ``reference`` (same split, same seed, same E and R), mean ± sample std in points, per (α, E, R) cell
     and strategy, from the ``runs.json`` of several anchor-cell output folders."""
     rows = _regime_rows(dirs)
-    cells = sorted({(r["alpha"], r["E"], r["R"]) for r in rows})
+    cells = sorted({(r["alpha"], r["E"], r["R"], r["lr"]) for r in rows})
     names = sorted({r["name"] for r in rows} - {reference})
-    lines = [f"| α | E × R | {reference} (final) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
+    lines = [f"| α | E × R (lr) | {reference} (final) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
              "|---|---|---|" + "---|" * len(names)]
-    for alpha, e, rr in cells:
-        ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, reference)}
+    for alpha, e, rr, lr in cells:
+        key = (alpha, e, rr, lr)
+        ref = {r["seed"]: r["final"] for r in rows if _cell(r) == key and r["name"] == reference}
         if not ref:
             continue
         cols = []
         for n in names:
             gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
-                     if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n) and r["seed"] in ref]
+                     if _cell(r) == key and r["name"] == n and r["seed"] in ref]
             cols.append(_gain(gains))
-        lines.append(f"| {alpha:g} | {e} × {rr} | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
+        lines.append(f"| {alpha:g} | {e} × {rr} ({lr:g}) | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
     return "\n".join(lines) + "\n\n" + _speed_table(rows, cells, names, reference)
+
+
+def _cell(r: dict) -> tuple:
+    return r["alpha"], r["E"], r["R"], r["lr"]
 
 
 def _rounds_to(curve: list[float], target: float) -> int | None:
@@ -173,13 +187,14 @@ def _speed_table(rows: list[dict], cells, names: list[str], reference: str) -> s
     """Per cell and strategy: rounds to reach ``reference``'s final accuracy (same seed; ``>R`` when never; mean
     over the seeds that reach it) and the aggregation time as a fraction of the round's local training (runs that
     recorded round times)."""
-    lines = ["| α | E × R | strategy | rounds to reach FedAvg's final (per seed) | aggregation / local training |",
+    lines = ["| α | E × R (lr) | strategy | rounds to reach FedAvg's final (per seed) | aggregation / local training |",
              "|---|---|---|---|---|"]
-    for alpha, e, rr in cells:
-        ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, reference)}
+    for alpha, e, rr, lr in cells:
+        key = (alpha, e, rr, lr)
+        ref = {r["seed"]: r["final"] for r in rows if _cell(r) == key and r["name"] == reference}
         for n in [reference] + names:
-            got = sorted((r for r in rows if (r["alpha"], r["E"], r["R"], r["name"]) == (alpha, e, rr, n)
-                          and r["seed"] in ref), key=lambda r: r["seed"])
+            got = sorted((r for r in rows if _cell(r) == key and r["name"] == n and r["seed"] in ref),
+                         key=lambda r: r["seed"])
             if not got:
                 continue
             reach = [_rounds_to(r["curve"], ref[r["seed"]]) for r in got]
@@ -190,7 +205,7 @@ def _speed_table(rows: list[dict], cells, names: list[str], reference: str) -> s
                 if rs and len(rs) == len(fs) and sum(rs) > sum(fs):
                     fracs.append(sum(fs) / (sum(rs) - sum(fs)))
             frac = f"{100 * statistics.mean(fracs):.0f} %" if fracs else "not recorded"
-            lines.append(f"| {alpha:g} | {e} × {rr} | `{n}` | {' / '.join(str(x) if x else f'>{rr}' for x in reach)} "
+            lines.append(f"| {alpha:g} | {e} × {rr} ({lr:g}) | `{n}` | {' / '.join(str(x) if x else f'>{rr}' for x in reach)} "
                          f"| {frac} |")
     return "\n".join(lines) + "\n"
 
