@@ -129,7 +129,7 @@ def test_installed_fedfuse_runs_and_compares_outside_the_repository(installed):
         assert (out / name).exists(), name
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1]
-    assert results["config"]["strategy"] == "average"                   # the shipped app config's default
+    assert results["config"]["strategy"] == "auto"                      # the shipped app config's default
     assert not list(venv.rglob("results.json"))                         # nothing written into the installation
 
     res = _fedfuse(installed, "compare", "--strategies", "fedavg", "--partitions", "iid", "--seeds", "0",
