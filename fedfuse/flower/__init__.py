@@ -16,6 +16,8 @@ Modules:
 - ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the
   named classes; ``baselines``: Flower's own strategies; ``tiered`` (+ ``tier_layout``, ``tier_derivation``):
   capacity tiers, HeteroFL and FedRolex;
+- ``selection`` (+ ``candidates``): ``SelectionStrategy``, strategy ``auto``: each round the candidate aggregation
+  the round's clients score best on their own data (a ``query.score_candidates`` message);
 - ``replies``: the reply contract a ClientApp must follow, and its validation; ``client_replies``:
   ``make_train_reply`` / ``reply_to_train`` for your own ClientApp; ``client_tiers``: the ClientApp's side of
   tiers;
@@ -33,9 +35,10 @@ from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrate
 from fedfuse.choices import FALLBACKS
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import ClientsDivergedError, RoundProtocol, state_to_record
+from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
-__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "RoundProtocol", "TieredFusionStrategy",
+__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
            "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
