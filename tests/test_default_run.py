@@ -178,6 +178,7 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     a = json.loads((run / "results.json").read_text())["config"]
     assert b["strategy"] == "fedavg" and a["strategy"] == "auto"
     assert "auto chose" in log   # the round line names the default's per-round choice
+    assert all(" chose " in ln for ln in rounds[1:3])   # and so does the console's
     assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir")} == \
         {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir")}
 

@@ -105,6 +105,8 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
                   f"({row.get('federated-clients')} clients)"]
     if row.get("ensemble-accuracy") is not None:
         parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
+    if row.get("choice"):   # strategy 'auto': the aggregation the round's clients chose
+        parts.append(f"chose {row['choice']}")
     if rnd == 0:
         parts.append("(initial model)")
     marks = round_marks(row)
