@@ -614,7 +614,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
-        if cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ("average", "fedavg")
+        if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ("average", "fedavg")
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
                               f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")

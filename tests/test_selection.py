@@ -51,6 +51,12 @@ def test_run_config_errors_name_the_key():
         parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
     with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):
         parse_run_config({"strategy": "auto", "auto-candidates": "feddf", "local-epochs": 1})
+    parse_run_config({"strategy": "auto", "auto-candidates": "feddf", "local-epochs": 1, "mode": "one-shot",
+                      "num-server-rounds": 1})   # one round: fusion candidates are always on
+    from fedfuse.flower.server_app import selection_options
+    one = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 2})
+    assert selection_options(one)["local_epochs"] is None
+    assert selection_options(parse_run_config({"local-epochs": 2}))["local_epochs"] == 2
     cfg = parse_run_config({"strategy": "auto", "auto-candidates": "fedavg, kf-gradient"})
     assert cfg.auto_candidate_names == ("fedavg", "kf-gradient")
 

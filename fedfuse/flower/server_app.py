@@ -207,7 +207,8 @@ def selection_options(cfg: RunConfig) -> dict:
     """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
     if cfg.strategy != "auto":
         return {}
-    return {"candidates": cfg.auto_candidate_names, "local_epochs": cfg.local_epochs,
+    # one-shot: a single round, so no later round can suffer from its choice; fusion candidates are always on
+    return {"candidates": cfg.auto_candidate_names, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
             "fusion_min_epochs": cfg.auto_fusion_epochs}
 
 
