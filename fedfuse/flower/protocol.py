@@ -25,21 +25,19 @@ from __future__ import annotations
 import copy
 import random
 import time
-from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.choices import FALLBACKS
-from fedfuse.fusion import FusionError
-from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
-                                    _npy_view, validate_reply)
+from fedfuse.flower.outcome import ClientsDivergedError, RoundOutcome, aggregate_metrics
+from fedfuse.flower.replies import ClientUpdate, _npy_view
+from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
 
 if TYPE_CHECKING:
     from fedfuse.flower.warm_start import WarmStart
@@ -48,12 +46,10 @@ MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
-class ClientsDivergedError(RuntimeError):
-    """Every client of a round returned non-finite weights: local training diverged; the run stops."""
-
-
-class RoundProtocol(FedAvg):
-    """Sampling, per-node messages, reply triage and validation, fallback, history (see the module docstring).
+class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
+    """Sampling, per-node messages and the train round (see the module docstring); reply triage and validation
+    come from ``ReplyTriage`` (``fedfuse.flower.triage``), the fallback policy and the round's record from
+    ``RoundOutcome`` (``fedfuse.flower.outcome``).
 
     Args:
         model_fn: ``() -> nn.Module`` building the global architecture (optional for strategies that
@@ -205,67 +201,6 @@ class RoundProtocol(FedAvg):
         """Whether round ``server_round`` is a warm start's round 1 (``fedfuse.flower.warm_start``)."""
         return self.warm_start is not None and self.warm_start.applies(server_round)
 
-    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
-        return failure_record(node_id, reason, code, self._node_partitions.get(node_id))
-
-    def _reply_node(self, msg: Message) -> int:
-        return reply_node(msg, self._sent_msgs)
-
-    def _split_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[dict]]:
-        """Replies with content, and one failure record per error reply or silent node (all logged)."""
-        ok = [m for m in replies if not m.has_error()]
-        errors = [m for m in replies if m.has_error()]
-        log(INFO, "aggregate_train: round %d: received %d results and %d failures", server_round, len(ok),
-            len(errors))
-        failures = []
-        for m in errors:
-            failure = self._failure(self._reply_node(m), _short(str(m.error.reason)), int(m.error.code))
-            log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
-                failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
-            failures.append(failure)
-        answered = {self._reply_node(m) for m in replies}
-        for node_id in sorted({int(m.metadata.dst_node_id) for m in self._sent_msgs} - answered):
-            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
-                server_round, node_id)
-            failures.append(self._failure(node_id, "no reply within the round timeout "
-                                                   "(timed out, disconnected or died)"))
-        self._sent_msgs = []
-        return ok, failures
-
-    def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], *, level_widths: bool = True,
-                    copy: bool = True) -> ClientUpdate | None:
-        """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
-        node = int(msg.metadata.src_node_id)
-        if self.warm_round(server_round):
-            reference, widths = self._reference(), self.warm_start.level_widths(self._model_template)
-        else:
-            reference, widths = self.reply_reference(server_round, node)
-        try:
-            return validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
-                                  metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
-                                  weight_key=self.weighted_by_key, copy=copy)
-        except ReplyRejected as exc:
-            log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, node, exc)
-            rejected = {"node-id": node, "reason": str(exc), **self.rejected_extra(node)}
-            if isinstance(exc, NonFiniteWeights):
-                rejected["non-finite-weights"] = True
-            record["rejected"].append(rejected)
-            return None
-
-    def rejected_extra(self, node_id: int) -> dict[str, Any]:
-        """Extra fields of a rejected-reply record (capacity tiers add the node's tier)."""
-        return {}
-
-    def validate_replies(self, server_round: int, ok: list[Message], record: dict[str, Any]) -> list[ClientUpdate]:
-        """The valid replies in fusion order (``update_key``), each handed to ``update_observer``."""
-        updates = [u for u in (self.check_reply(server_round, m, record) for m in ok) if u is not None]
-        updates.sort(key=self.update_key)
-        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
-        if self.update_observer is not None:
-            for u in updates:
-                self.update_observer(u)
-        return updates
-
     # ---------------------------------------------------------------- aggregation
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -299,118 +234,6 @@ class RoundProtocol(FedAvg):
         """A round aggregated as a stream over the replies (``None``: this round is not; see ``streaming``)."""
         return None
 
-    def with_fallback(self, server_round: int, num_models: int,
-                      run: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any], float]],
-                      average: Callable[[], dict[str, torch.Tensor]] | None, streamed: bool = False,
-                      label: str | None = None
-                      ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
-        """``(new global state or None, fallback text or None, info)``: ``run()``, and on a ``FusionError`` the
-        fallback policy (``average`` is the weighted average of the round, ``None`` where the round's aggregation
-        is that average already). The one place a round falls back. ``label``: the aggregation as logged (default
-        ``round_summary``)."""
-        summary = label or self.round_summary(server_round)
-        label = label or self.round_label(server_round)
-        try:
-            state, info, seconds = run()
-        except FusionError as exc:
-            if self.fallback == "raise":
-                raise
-            self.reset_server_state()  # the next global model does not come from the server step
-            reason = f"{type(exc).__name__}: {exc}"
-            if self.fallback == "average" and average is not None:
-                log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); fell back to weighted averaging",
-                    server_round, label, reason)
-                return average(), f"average: {reason}", None
-            log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); keeping the previous global model",
-                server_round, label, reason)
-            return None, f"previous: {reason}", None
-        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s%s", server_round,
-            summary, num_models, seconds, " (streamed)" if streamed else "",
-            f" ({_info_line(info)})" if info else "")
-        return state, None, info
-
-    def round_summary(self, server_round: int) -> str:
-        """The aggregation as the round's log line names it."""
-        return self.round_label(server_round)
-
-    def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:
-        """Every reply non-finite → ``ClientsDivergedError``; fewer than ``min_valid_replies`` → the round is
-        skipped (logged, recorded; returns True)."""
-        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
-        if not valid and non_finite and len(non_finite) == len(record["rejected"]):
-            self.history.append({**record, "skipped": "every client returned non-finite weights"})
-            raise ClientsDivergedError(
-                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
-                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
-                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
-                "another 'optimizer'.")
-        if valid < self.min_valid_replies:
-            reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
-                      f"{self.min_valid_replies}; the global model is unchanged")
-            log(WARNING, "aggregate_train: %s", reason)
-            record["skipped"] = reason
-            self.history.append(record)
-            return True
-        return False
-
-    def _close_round(self, record: dict[str, Any], seconds: float, fallback: str | None,
-                     info: dict[str, Any] | None, updates: list[ClientUpdate], ok: list[Message],
-                     failures: list[Any]) -> MetricRecord:
-        """Record the round's outcome in ``history`` and return the train metrics that report it."""
-        record["fusion-seconds"] = seconds
-        record["fallback"] = fallback
-        record["guard"] = (info or {}).pop("guard", None)
-        record["fusion-info"] = info
-        self.history.append(record)
-        metrics = self._train_metrics(updates, ok)
-        metrics["fusion-seconds"] = seconds
-        metrics["num-valid"] = len(updates)
-        metrics["num-rejected"] = len(record["rejected"])
-        metrics["num-failures"] = len(failures)
-        metrics["fell-back"] = int(fallback is not None)
-        metrics["guarded"] = int(record["guard"] is not None)
-        return metrics
-
-    def _train_metrics(self, updates: list[ClientUpdate], ok: list[Message]) -> MetricRecord:
-        if self._user_train_metrics_aggr_fn is not None:
-            valid_nodes = {u.node_id for u in updates}
-            contents = [m.content for m in ok if int(m.metadata.src_node_id) in valid_nodes]
-            return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
-        return aggregate_metrics(updates)
-
-
-def failure_record(node_id: int, reason: str, code: int | None, partition_id: int | None) -> dict[str, Any]:
-    """The history record of a failed or silent node."""
-    out: dict[str, Any] = {"node-id": node_id, "reason": reason}
-    if code is not None:
-        out["code"] = code
-    if partition_id is not None:
-        out["partition-id"] = partition_id
-    return out
-
-
-def reply_node(msg: Message, sent: list[Message]) -> int:
-    """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the SuperLink's id as
-    source, so map them back through the message they reply to."""
-    by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
-    return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
-
-
-def aggregate_metrics(updates: list[ClientUpdate]) -> MetricRecord:
-    """Sample-weighted mean of the clients' scalar metrics (lists such as class counts are summed)."""
-    total = sum(u.num_examples for u in updates)
-    out: dict[str, Any] = {"num-examples": total}
-    keys = sorted({k for u in updates for k in u.metrics} - {"num-examples", "partition-id"})
-    for k in keys:
-        vals = [(u.metrics.get(k), u.num_examples) for u in updates]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
-            out[k] = float(sum(v * n for v, n in vals) / total)
-        elif k == "class-counts" and all(isinstance(v, list) for v, _ in vals):
-            lens = {len(v) for v, _ in vals}
-            if len(lens) == 1:
-                out[k] = [int(sum(col)) for col in zip(*(v for v, _ in vals))]
-    return MetricRecord(out)
-
 
 def array_copy(array, like: torch.Tensor) -> np.ndarray:
     """A writable numpy copy of a Flower ``Array`` (the fast ``.npy`` view when its header is the expected one)."""
@@ -418,27 +241,10 @@ def array_copy(array, like: torch.Tensor) -> np.ndarray:
     return np.array(view if view is not None else array.numpy(), copy=True)
 
 
-def _short(reason: str, head: int = 150, tail: int = 350) -> str:
-    """A long error reason (e.g. a Ray traceback) cut to its start and its end (where the exception is)."""
-    return reason if len(reason) <= head + tail else f"{reason[:head]} ... {reason[-tail:]}"
-
-
-def _info_line(info: dict[str, Any], limit: int = 6) -> str:
-    """The scalar entries of an info dict as ``k=v`` pairs (the log's one-line summary)."""
-    parts = []
-    for k, v in info.items():
-        if isinstance(v, bool) or isinstance(v, (int, str)):
-            parts.append(f"{k}={v}")
-        elif isinstance(v, float):
-            parts.append(f"{k}={v:.4g}")
-        if len(parts) == limit:
-            break
-    return ", ".join(parts)
-
-
 def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
     """A torch state dict → ``ArrayRecord`` (CPU, contiguous)."""
     return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
-__all__ = ["RoundProtocol", "ClientsDivergedError", "aggregate_metrics", "state_to_record", "array_copy"]
+__all__ = ["RoundProtocol", "ClientsDivergedError", "aggregate_metrics", "state_to_record", "array_copy",
+           "failure_record", "reply_node"]
