@@ -26,8 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fedfuse.fusion import fuse_result  # noqa: E402
-
-SPLITS = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "splits"
+from simulations.bench.anchor_lr_screen import SPLITS, load_split, mlp, train_local  # noqa: E402
 
 
 def _acc(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -37,33 +36,17 @@ def _acc(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def cell(alpha: float, seed: int, epochs: int, rounds: int, lr: float, fusion_size: int = 300) -> list[dict]:
     """One row per round (see the module docstring)."""
-    split = SPLITS / f"mnist1d-a{alpha:g}-s{seed}"
-    nodes = [np.load(split / f"node-{i}.npz") for i in range(10)]
-    xs = [torch.tensor(n["x_train"]) for n in nodes]
-    ys = [torch.tensor(n["y_train"]) for n in nodes]
-    test = np.load(split / "test.npz")
-    xt, yt = torch.tensor(test["x"]), torch.tensor(test["y"])
+    xs, ys, xt, yt = load_split(SPLITS / f"mnist1d-a{alpha:g}-s{seed}")
     pool = torch.tensor(np.load(SPLITS / "mnist1d-public.npz")["x"])
     fx = pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))[:fusion_size]]
     torch.manual_seed(seed)
-    g = nn.Sequential(nn.Linear(xs[0].shape[1], 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    g = mlp(xs[0].shape[1])
     n = [len(y) for y in ys]
     w = [v / sum(n) for v in n]
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for r in range(1, rounds + 1):
-        clients = []
-        for x, y in zip(xs, ys):
-            m = copy.deepcopy(g)
-            opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
-            for _ in range(epochs):
-                perm = torch.randperm(len(y), generator=gen)
-                for b in range(0, len(perm), 32):
-                    idx = perm[b:b + 32]
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
-                    opt.step()
-            clients.append(m.eval())
+        clients = [train_local(copy.deepcopy(g), x, y, epochs, lr, gen).eval() for x, y in zip(xs, ys)]
         avg = fuse_result("average", clients, weights=n).model
         fd = fuse_result("feddf", clients, fusion_inputs=fx, weights=n, seed=seed + r).model
         with torch.no_grad():

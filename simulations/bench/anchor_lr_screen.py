@@ -26,37 +26,46 @@ from torch import nn  # noqa: E402
 SPLITS = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "splits"
 
 
-def _mlp(d: int) -> nn.Module:
+def mlp(d: int) -> nn.Module:
+    """The anchor's MLP: ``d``-256-256-10 with ReLU."""
     return nn.Sequential(nn.Linear(d, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def load_split(split: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``(xs, ys, x_test, y_test)`` of one anchor split folder (10 node files and ``test.npz``)."""
+    nodes = [np.load(split / f"node-{i}.npz") for i in range(10)]
+    test = np.load(split / "test.npz")
+    return ([torch.tensor(n["x_train"]) for n in nodes], [torch.tensor(n["y_train"]) for n in nodes],
+            torch.tensor(test["x"]), torch.tensor(test["y"]))
+
+
+def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float,
+                gen: torch.Generator) -> nn.Module:
+    """The anchor's client step: ``epochs`` of SGD (momentum 0.9, batch 32, fresh optimizer) on ``(x, y)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for _ in range(epochs):
+        perm = torch.randperm(len(y), generator=gen)
+        for b in range(0, len(perm), 32):
+            idx = perm[b:b + 32]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return model
 
 
 def fedavg(split: Path, seed: int, epochs: int, rounds: int, lr: float) -> float:
     """Final test accuracy of FedAvg (all 10 clients every round) with the anchor's client recipe at ``lr``."""
-    nodes = [np.load(split / f"node-{i}.npz") for i in range(10)]
-    xs = [torch.tensor(n["x_train"]) for n in nodes]
-    ys = [torch.tensor(n["y_train"]) for n in nodes]
-    test = np.load(split / "test.npz")
+    xs, ys, xt, yt = load_split(split)
     torch.manual_seed(seed)
-    g = _mlp(xs[0].shape[1])
+    g = mlp(xs[0].shape[1])
     w = torch.tensor([len(y) for y in ys], dtype=torch.float64)
     w = w / w.sum()
     gen = torch.Generator().manual_seed(seed)
     for _ in range(rounds):
-        states = []
-        for x, y in zip(xs, ys):
-            m = copy.deepcopy(g)
-            opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
-            for _ in range(epochs):
-                perm = torch.randperm(len(y), generator=gen)
-                for b in range(0, len(perm), 32):
-                    idx = perm[b:b + 32]
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
-                    opt.step()
-            states.append(m.state_dict())
+        states = [train_local(copy.deepcopy(g), x, y, epochs, lr, gen).state_dict() for x, y in zip(xs, ys)]
         g.load_state_dict({k: sum(float(wi) * s[k] for wi, s in zip(w, states)) for k in states[0]})
     with torch.no_grad():
-        return float((g(torch.tensor(test["x"])).argmax(1) == torch.tensor(test["y"])).float().mean())
+        return float((g(xt).argmax(1) == yt).float().mean())
 
 
 def main(argv: list[str] | None = None) -> None:
