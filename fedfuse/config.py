@@ -618,9 +618,6 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
                               f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")
-        if cfg.tiers:
-            raise ConfigError("run-config key 'client-tiers': strategy 'auto' scores candidates of one architecture; "
-                              "capacity tiers are not supported with it")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
         raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
                           "method; set fusion-rounds=0")

@@ -105,16 +105,19 @@ class SelectionStrategy(FusionStrategy):
     # ---------------------------------------------------------------- the round
     def aggregate(self, server_round: int, updates: list[ClientUpdate]):
         t0 = time.perf_counter()
-        teachers = [self.build_model(u.state) for u in updates]
-        rd = self.round_data(server_round, updates, teachers)
+        rd = self.round_data(server_round, updates)
+        average = self.weighted_average(updates)   # once: the base of both array candidates
+        teachers: list[nn.Module] = []              # the client models, built when a fusion candidate needs them
         velocity = self._velocity_copy()
         built, skipped, after = {}, {}, None
         for name in self.candidates:
             if self.fusion_off and name not in ARRAY_CANDIDATES:
                 skipped[name] = self.fusion_off
                 continue
+            if name not in ARRAY_CANDIDATES and not teachers:
+                teachers = [self.build_model(u.state) for u in updates]
             try:
-                built[name] = self._candidate(name, server_round, updates, teachers, rd)
+                built[name] = self._candidate(name, server_round, updates, average, teachers, rd)
             except FusionError as exc:
                 skipped[name] = str(exc)
                 log(WARNING, "auto: round %d: candidate %r skipped: %s", server_round, name, exc)
@@ -127,8 +130,8 @@ class SelectionStrategy(FusionStrategy):
         if accuracy is None:
             choice = names[0]
             log(WARNING, "auto: round %d: no client scored the candidates; keeping %r", server_round, choice)
-        else:
-            choice = max(names, key=lambda n: (accuracy[names.index(n)], -names.index(n)))
+        else:   # the best score; the earlier candidate on a tie
+            choice = names[max(range(len(names)), key=lambda i: (accuracy[i], -i))]
         state = built[choice]
         self._set_velocity(choice, after, state)
         info = {"select-choice": choice, "select-clients": clients,
@@ -138,11 +141,10 @@ class SelectionStrategy(FusionStrategy):
             "none" if accuracy is None else ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
         return state, info, time.perf_counter() - t0
 
-    def _candidate(self, name: str, server_round: int, updates: list[ClientUpdate], teachers: list[nn.Module],
-                   rd) -> dict[str, torch.Tensor]:
-        """The state dict of candidate ``name``."""
+    def _candidate(self, name: str, server_round: int, updates: list[ClientUpdate],
+                   average: dict[str, torch.Tensor], teachers: list[nn.Module], rd) -> dict[str, torch.Tensor]:
+        """The state dict of candidate ``name`` (``average``: the round's weighted average)."""
         if name in ARRAY_CANDIDATES:
-            average = self.weighted_average(updates)
             if name == "fedavg" or not self.momentum_step.active:
                 return average
             model, _ = self.momentum_step(self.build_model(average), rd)
