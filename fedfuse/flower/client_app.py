@@ -40,6 +40,8 @@ from fedfuse.config import RunConfig, load_initial_model, parse_run_config, part
 from fedfuse.flower.candidates import ACTION as SCORE_ACTION, read_score_query, score_reply_content  # noqa: E402
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
+from fedfuse.flower.head_round import ACTION as HEAD_ACTION, head_reply_content, read_head_query  # noqa: E402
+from fedfuse.progressive import head_statistics  # noqa: E402
 from fedfuse.flower.client_tiers import query as tier_query, tier_forward, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
@@ -172,13 +174,24 @@ def score_handler(msg: Message, context: Context) -> Message:
     return Message(content=score_reply_content(len(data), accs, losses), reply_to=msg)
 
 
+def head_handler(msg: Message, context: Context) -> Message:
+    """The head round of ``progressive-rounds=2`` (``fedfuse.flower.head_round``): this node's ridge statistics on
+    the fused model's frozen pre-logit features (its training data; no training, no weights sent)."""
+    cfg, node = _setup(context)
+    model = global_model(cfg, node.num_classes, node.input_shape)
+    model.load_state_dict(read_head_query(msg))
+    stats = head_statistics(model, node.train.x, node.train.y, node.num_classes, device=resolve_device(cfg.device))
+    return Message(content=head_reply_content(stats), reply_to=msg)
+
+
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers."""
     client_app = ClientApp(mods=list(mods))
     client_app.train()(train)
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier
-    client_app.query(SCORE_ACTION)(score_handler)   # strategy 'auto': the round's candidates on this node's data
+    client_app.query(SCORE_ACTION)(score_handler)
+    client_app.query(HEAD_ACTION)(head_handler)   # progressive-rounds=2: ridge statistics for the closed-form head   # strategy 'auto': the round's candidates on this node's data
     return client_app
 
 

@@ -431,6 +431,21 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     log(INFO, "fedfuse: results written to %s", out)
 
 
+def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
+               num_classes: int) -> None:
+    """Round 2 of ``progressive-rounds=2`` (``fedfuse.flower.head_round``): the one-shot model's classifier solved
+    from every node's ridge statistics; recorded and evaluated as round 2 (the one-shot references are not redone)."""
+    from fedfuse.flower.head_round import HeadRound
+
+    model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
+    model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes)
+    strategy.history.append({"round": 2, "valid": record["valid"], "rejected": record["rejected"], "failures": [],
+                             "fallback": record["fallback"], "skipped": None, "guard": None,
+                             "fusion-seconds": record["seconds"], "fusion-info": {"head-round": record}})
+    strategy.last_updates = []   # round 2 has no client models: the references stay round 1's
+    evaluation(2, ArrayRecord(model.state_dict()))
+
+
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
     """The ServerApp's body: validate the config, build data and strategy, run the rounds, write results.
 
@@ -470,6 +485,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         if cfg.num_server_rounds > done:
             runner.start(grid=grid, initial_arrays=evaluation.last_arrays, num_rounds=cfg.num_server_rounds - done,
                          timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluation)
+        if cfg.progressive_rounds == 2 and done < 2:
+            head_round(cfg, grid, strategy, evaluation, data.num_classes)
     except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised by _write_results
         crash = exc
     _write_results(cfg, out, strategy, recorder, evaluation.last_arrays, crash)

@@ -157,11 +157,19 @@ def references_table(run: RunSummary) -> str | None:
     final = run.final
     n = len(refs.get("client-accuracy", {}))
     fused_s = (run.rows[-1].get("fusion-seconds") if run.rows else None)
+    last_info = (run.rows[-1].get("fusion-info") if run.rows else None) or {}
+    head = ", then the head round" if isinstance(last_info, dict) and "head-round" in last_info else ""
     lines = [f"One-shot references: the same {n} client models on the server's test set (no extra client "
              f"training; {refs.get('seconds', 0.0):.1f}s on the server)", "",
              f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
-             f"| **{run.label}** (this run's fused model) | {_f(final)} | | "
+             f"| **{run.label}** (this run's fused model{head}) | {_f(final)} | | "
              f"{'-' if fused_s is None else f'{fused_s:.2f}'} |"]
+    if head:   # progressive-rounds=2: the one-shot round's model too
+        r1 = next((r for r in run.rows if r.get("round") == 1), {})
+        one, one_s = r1.get("test-accuracy"), r1.get("fusion-seconds")
+        diff = "-" if final is None or one is None else f"{final - one:+.4f}"
+        lines.append(f"| {run.label}, one-shot round (round 1) | {_f(one)} | {diff} | "
+                     f"{'-' if one_s is None else f'{one_s:.2f}'} |")
     for r in refs.get("rows", []):
         label = REFERENCE_LABELS.get(r["key"], r["key"]) + (f" (client {r['partition-id']})" if "partition-id" in r
                                                             else "")

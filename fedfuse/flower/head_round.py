@@ -1,0 +1,126 @@
+"""The head round of progressive few-round fusion (``progressive-rounds=2``; ``fedfuse.progressive``).
+
+After the one-shot round has fused the clients' independently trained models, the server sends the fused model to
+every node once more; each node answers with the sufficient statistics of a ridge regression from the model's
+pre-logit features to its one-hot labels (no training, no weights); the server adds them up and solves the
+classifier in closed form: the ridge head centralised training on the frozen fused features would give, whatever the
+label skew (Fed3R, arXiv 2406.01116; progressive fusion after FuseFL, arXiv 2410.20380).
+
+Query ``message_type``: ``"query.head_statistics"``; content: ``ArrayRecord`` ``"model"`` (the fused global model's
+state dict). Reply: ``ArrayRecord`` ``"head-statistics"`` with ``gram-upper`` (the upper triangle of the
+``[d+1, d+1]`` Gram matrix of the features with a constant 1 appended, row-major) and ``cross`` (``[d+1, C]``, the
+features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-examples``.
+
+A malformed reply (wrong shapes, non-finite numbers, a Gram matrix that does not match its sample count) is rejected
+with a logged reason and the head is solved from the others; with no valid reply the one-shot model stays the global
+model, with a WARNING and the reason in the round's record (``fallback``).
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+from torch import nn
+
+from fedfuse.progressive import HeadStatistics, solve_head, with_head
+
+ACTION = "head_statistics"
+MESSAGE_TYPE = f"query.{ACTION}"
+
+
+def head_query_content(state: dict[str, torch.Tensor]) -> RecordDict:
+    """The query: the fused model whose features the nodes summarise."""
+    return RecordDict({"model": ArrayRecord(state)})
+
+
+def read_head_query(msg: Message) -> dict[str, torch.Tensor]:
+    if "model" not in msg.content.array_records:
+        raise ValueError("head-statistics query: no 'model' array record")
+    return msg.content.array_records["model"].to_torch_state_dict()
+
+
+def head_reply_content(stats: HeadStatistics) -> RecordDict:
+    """A node's answer (the packed statistics, half the Gram matrix)."""
+    return RecordDict({"head-statistics": ArrayRecord({"gram-upper": stats.pack(), "cross": stats.cross}),
+                       "metrics": MetricRecord({"num-examples": int(stats.num_examples)})})
+
+
+def read_head_reply(msg: Message, features: int, num_classes: int) -> HeadStatistics:
+    """The statistics of one node's answer; ``ValueError`` saying why when it is malformed or does not fit a model
+    with ``features`` pre-logit features and ``num_classes`` classes."""
+    if msg.has_error():
+        raise ValueError(f"error reply: {msg.error.reason}")
+    arrays = msg.content.array_records.get("head-statistics")
+    metrics = msg.content.metric_records.get("metrics")
+    if arrays is None or metrics is None or "num-examples" not in metrics:
+        raise ValueError("no 'head-statistics' arrays or no 'metrics' record with 'num-examples'")
+    state = arrays.to_torch_state_dict()
+    if set(state) != {"gram-upper", "cross"}:
+        raise ValueError(f"'head-statistics' must hold gram-upper and cross, holds {sorted(state)}")
+    if tuple(state["cross"].shape) != (features + 1, num_classes):
+        raise ValueError(f"cross has shape {tuple(state['cross'].shape)}, expected {(features + 1, num_classes)}")
+    return HeadStatistics.unpack(state["gram-upper"], state["cross"], int(metrics["num-examples"]))
+
+
+class HeadRound:
+    """Server side of the head round (see the module docstring).
+
+    Attributes:
+        ridge: the closed-form head's ridge, per sample (``head-ridge``).
+        timeout: seconds to wait for the nodes' answers.
+    """
+
+    def __init__(self, ridge: float = 1e-3, timeout: float | None = None) -> None:
+        if not ridge >= 0:
+            raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
+        self.ridge, self.timeout = float(ridge), timeout
+
+    def run(self, grid, model: nn.Module, num_classes: int) -> tuple[nn.Module, dict[str, Any]]:
+        """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
+        replaced when no node gave valid statistics (the model is then returned unchanged)."""
+        from fedfuse.models import adapter_for
+
+        t0 = time.perf_counter()
+        features = adapter_for(model).classifier(model).in_features
+        nodes = list(grid.get_node_ids())
+        content = head_query_content(model.state_dict())
+        msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in nodes]
+        record: dict[str, Any] = {"queried": len(nodes), "rejected": [], "fallback": None}
+        stats: list[HeadStatistics] = []
+        try:
+            replies = list(grid.send_and_receive(msgs, timeout=self.timeout))
+        except Exception as exc:  # noqa: BLE001 - a grid that cannot send: the one-shot model stays, loudly
+            replies = []
+            record["fallback"] = f"the head-statistics query failed: {type(exc).__name__}: {exc}"
+        for reply in replies:
+            try:
+                stats.append(read_head_reply(reply, features, num_classes))
+            except ValueError as exc:
+                record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": str(exc)})
+        if record["rejected"]:
+            log(WARNING, "fedfuse head round: replies rejected: %s",
+                "; ".join(f"node {r['node']}: {r['reason']}" for r in record["rejected"]))
+        record.update({"valid": len(stats), "num-examples": sum(s.num_examples for s in stats),
+                       "numbers-per-reply": stats[0].numbers_sent if stats else None})
+        if not stats:
+            record["fallback"] = record["fallback"] or (
+                f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the one-shot "
+                "model is kept")
+            log(WARNING, "fedfuse head round: %s", record["fallback"])
+            record["seconds"] = time.perf_counter() - t0
+            return model, record
+        head = solve_head(stats, self.ridge)
+        out = with_head(model, head)
+        record["seconds"] = time.perf_counter() - t0
+        log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)", len(stats),
+            record["num-examples"], record["seconds"])
+        return out, record
+
+
+__all__ = ["ACTION", "MESSAGE_TYPE", "HeadRound", "head_query_content", "read_head_query", "head_reply_content",
+           "read_head_reply"]

@@ -1,0 +1,244 @@
+"""Progressive few-round fusion: fuse the clients' feature levels, then fit what is above them on the clients' data.
+
+One-shot fusion (``fuse``) has to build the whole fused model from the server's unlabeled fusion set; its last
+level, the classifier, is fitted to the clients' (averaged) logits, which under label skew are each right only on
+the client's own classes. FuseFL (Tang et al., "FuseFL: One-Shot Federated Learning through the Lens of Causality
+with Progressive Model Fusion", arXiv 2410.20380) goes past the clients' ensemble by fusing the models block by
+block over a few rounds: after each fused block is frozen and sent back, the clients train what lies above it on
+their own data, so the upper levels learn to read the fused features instead of their own.
+
+fedfuse's version (K rounds; K = 1 is plain one-shot fusion):
+
+- **round 1**: the clients train independently; the server fuses their models (any ``fuse`` method);
+- **rounds 2 … K−1** (level-wise, ``nn.Sequential`` MLPs): the fused levels up to cut k are frozen and sent back;
+  each client lifts its own upper levels onto them (``lift_suffix``: its first upper layer refitted by ridge
+  regression so that, on its data, it reproduces its own pre-activations from the fused features), trains the upper
+  levels (the frozen prefix stays bit-identical) and replies; the server fuses the upper parts on the fusion set
+  passed through the frozen prefix (``fuse_suffixes``) and freezes one more level;
+- **round K** (the head round): every client sends the sufficient statistics of a ridge regression from the fused
+  model's pre-logit features to its one-hot labels (``head_statistics``: the Gram matrix of the features and their
+  class sums, O(d²) numbers, no model); the server adds them up and solves (``solve_head``). The sum of the clients'
+  statistics is the statistics of the pooled data, so the classifier is the one centralised training of a ridge
+  head on the frozen features would give, whatever the label skew (the closed-form federated linear head of
+  Fed3R, Fanì et al., "Accelerating Heterogeneous Federated Learning with Closed-form Classifiers",
+  arXiv 2406.01116).
+
+What a client reveals in the head round: the Gram matrix of its features and the per-class feature sums, hence its
+class counts (the bias column). That is label information of the kind ``class_counts`` already carries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedfuse.models import adapter_for
+from fedfuse.models.adapters.base import AFFINE_LAYERS
+
+DEFAULT_HEAD_RIDGE = 1e-3
+
+
+@dataclass(frozen=True)
+class HeadStatistics:
+    """One client's sufficient statistics of the ridge head (features ``f`` with a constant 1 appended).
+
+    Attributes:
+        gram: ``[d+1, d+1]`` float64, ``Σ f fᵀ`` over the client's samples.
+        cross: ``[d+1, C]`` float64, ``Σ f onehot(y)ᵀ``.
+        num_examples: the number of samples summed.
+    """
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+    num_examples: int
+
+    def __post_init__(self) -> None:
+        g, c = self.gram, self.cross
+        if not (torch.is_tensor(g) and torch.is_tensor(c) and g.dim() == 2 and c.dim() == 2
+                and g.shape[0] == g.shape[1] == c.shape[0] and g.shape[0] >= 2 and c.shape[1] >= 2):
+            raise ValueError("head statistics: gram must be [d+1, d+1] and cross [d+1, C] with d >= 1, C >= 2, got "
+                             f"{tuple(getattr(g, 'shape', ()))} and {tuple(getattr(c, 'shape', ()))}")
+        if int(self.num_examples) < 1:
+            raise ValueError(f"head statistics: num_examples must be >= 1, got {self.num_examples}")
+        if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(c).all())):
+            raise ValueError("head statistics: non-finite values")
+        if abs(float(g[-1, -1]) - int(self.num_examples)) > 1e-6 * max(1, int(self.num_examples)):
+            raise ValueError(f"head statistics: gram[-1, -1] = {float(g[-1, -1]):g} must equal num_examples "
+                             f"{self.num_examples} (the constant feature's sum of squares)")
+
+    def pack(self) -> torch.Tensor:
+        """The Gram matrix's upper triangle (it is symmetric: half the numbers on the wire), flattened."""
+        i, j = torch.triu_indices(self.gram.shape[0], self.gram.shape[0])
+        return self.gram[i, j]
+
+    @staticmethod
+    def unpack(upper: torch.Tensor, cross: torch.Tensor, num_examples: int) -> "HeadStatistics":
+        """The inverse of ``pack`` (``ValueError`` when ``upper`` does not fit ``cross``'s row count)."""
+        d1 = int(cross.shape[0]) if torch.is_tensor(cross) and cross.dim() == 2 else -1
+        if d1 < 2 or not torch.is_tensor(upper) or upper.dim() != 1 or upper.numel() != d1 * (d1 + 1) // 2:
+            raise ValueError(f"head statistics: a packed Gram matrix of {getattr(upper, 'shape', None)} numbers does "
+                             f"not fit cross of shape {tuple(getattr(cross, 'shape', ()))}")
+        i, j = torch.triu_indices(d1, d1)
+        gram = torch.zeros(d1, d1, dtype=torch.float64)
+        gram[i, j] = upper.double()
+        gram[j, i] = upper.double()
+        return HeadStatistics(gram, cross.double(), int(num_examples))
+
+    @property
+    def numbers_sent(self) -> int:
+        """How many numbers a packed reply carries (the communication of the head round)."""
+        d1 = self.gram.shape[0]
+        return d1 * (d1 + 1) // 2 + self.cross.numel()
+
+
+def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+    """The model's pre-logit features ``[N, d]`` (its family adapter's ``pre_logits``), in eval mode, on CPU."""
+    adapter = adapter_for(model)
+    was_training = model.training
+    model.eval().to(device)
+    out = []
+    with torch.no_grad():
+        for b in range(0, len(x), batch_size):
+            out.append(adapter.pre_logits(model, x[b:b + batch_size].to(device)).flatten(1).double().cpu())
+    model.train(was_training)
+    return torch.cat(out)
+
+
+def head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+                    batch_size: int = 512, device: str | torch.device = "cpu") -> HeadStatistics:
+    """A client's statistics for the federated ridge head on ``model``'s frozen pre-logit features.
+
+    Args:
+        model: the fused model the server sent (not modified).
+        x: the client's inputs ``[N, *input_shape]``; y: its labels ``[N]`` in ``[0, num_classes)``.
+    """
+    y = torch.as_tensor(y).long()
+    if len(x) != len(y) or len(y) == 0:
+        raise ValueError(f"head statistics: need as many labels as inputs (> 0), got {len(x)} inputs, {len(y)} labels")
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise ValueError(f"head statistics: labels must be in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
+    f = features(model, x, batch_size, device)
+    f = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    return HeadStatistics(f.T @ f, f.T @ nn.functional.one_hot(y, num_classes).double(), len(y))
+
+
+def solve_head(stats: list[HeadStatistics], ridge: float = DEFAULT_HEAD_RIDGE) -> nn.Linear:
+    """The ridge classifier of the pooled statistics: ``argmin_W Σ_i ‖F_i W − Y_i‖² + ridge · N · ‖W_features‖²``
+    (the bias is not penalised), as an ``nn.Linear(d, C)``.
+
+    ``ridge`` is per sample (scaled by the total sample count ``N``), so it means the same for any federation size.
+    """
+    if not stats:
+        raise ValueError("solve_head: no client statistics")
+    if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"solve_head: ridge must be a number >= 0, got {ridge!r}")
+    shapes = {(tuple(s.gram.shape), tuple(s.cross.shape)) for s in stats}
+    if len(shapes) != 1:
+        raise ValueError(f"solve_head: the clients' statistics have different shapes {sorted(shapes)}")
+    gram = sum(s.gram for s in stats)
+    cross = sum(s.cross for s in stats)
+    n = sum(s.num_examples for s in stats)
+    d1 = gram.shape[0]
+    reg = torch.eye(d1, dtype=gram.dtype) * (ridge * n)
+    reg[-1, -1] = 0.0
+    # a tiny jitter keeps the system solvable when features are constant (dead ReLUs) and ridge = 0
+    jitter = 1e-10 * float(gram.diagonal().abs().max()) * torch.eye(d1, dtype=gram.dtype)
+    wb = torch.linalg.solve(gram + reg + jitter, cross)
+    head = nn.Linear(d1 - 1, cross.shape[1])
+    with torch.no_grad():
+        head.weight.copy_(wb[:-1].T.float())
+        head.bias.copy_(wb[-1].float())
+    return head
+
+
+def with_head(model: nn.Module, head: nn.Linear) -> nn.Module:
+    """``model`` with its classifier replaced by ``head`` (in place; returned for chaining); ``ValueError`` when the
+    head does not take the model's feature width."""
+    adapter = adapter_for(model)
+    old = adapter.classifier(model)
+    if old.in_features != head.in_features:
+        raise ValueError(f"with_head: the head takes {head.in_features} features, the model's classifier "
+                         f"{old.in_features}")
+    adapter.set_classifier(model, head.to(old.weight.device))
+    return model
+
+
+# ------------------------------------------------------------------------------------------- level-wise rounds
+def cut_points(model: nn.Module) -> list[int]:
+    """The positions in an MLP ``nn.Sequential`` where a fused prefix can end: the index of every ``nn.Linear`` but
+    the first (the prefix ``model[:c]`` holds whole hidden levels with their activations). ``ValueError`` for other
+    models (level-wise rounds need a chain whose upper part starts with a Linear layer)."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"level-wise progressive fusion takes nn.Sequential MLPs, got {type(model).__name__}; "
+                         "the head round (K = 2) takes any model family")
+    affine = [i for i, m in enumerate(model) if isinstance(m, AFFINE_LAYERS)]
+    if any(not isinstance(model[i], nn.Linear) for i in affine):
+        raise ValueError("level-wise progressive fusion takes MLPs (Linear layers only); the head round (K = 2) "
+                         "takes any model family")
+    return affine[1:]
+
+
+def split(model: nn.Sequential, cut: int) -> tuple[nn.Sequential, nn.Sequential]:
+    """``(model[:cut], model[cut:])``, sharing the modules."""
+    return model[:cut], model[cut:]
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """``module`` with ``requires_grad=False`` on every parameter (in place)."""
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def lift_suffix(prefix: nn.Module, own_prefix: nn.Module, suffix: nn.Sequential, x: torch.Tensor,
+                ridge: float = DEFAULT_HEAD_RIDGE) -> nn.Sequential:
+    """A client's upper levels moved onto the fused ``prefix``: a copy of ``suffix`` whose first Linear layer is
+    refitted (ridge regression on the client's inputs ``x``) to map ``prefix(x)`` to what it computed from
+    ``own_prefix(x)``, the client's own lower levels. Without it the client's upper levels would read the fused
+    features as if they were its own neurons."""
+    import copy
+
+    first = suffix[0]
+    if not isinstance(first, nn.Linear):
+        raise ValueError(f"lift_suffix: the upper part must start with nn.Linear, starts with {type(first).__name__}")
+    with torch.no_grad():
+        f = prefix(x).flatten(1).double()
+        target = first(own_prefix(x)).double()
+    if f.shape[1] != first.in_features:
+        raise ValueError(f"lift_suffix: the fused prefix gives {f.shape[1]} features, the upper part takes "
+                         f"{first.in_features}")
+    f1 = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    reg = torch.eye(f1.shape[1], dtype=f.dtype) * (ridge * len(f))
+    reg[-1, -1] = 0.0
+    jitter = 1e-10 * float((f1 * f1).sum(0).max()) * torch.eye(f1.shape[1], dtype=f.dtype)
+    wb = torch.linalg.solve(f1.T @ f1 + reg + jitter, f1.T @ target)
+    lifted = copy.deepcopy(suffix)
+    with torch.no_grad():
+        lifted[0].weight.copy_(wb[:-1].T.float())
+        lifted[0].bias.copy_(wb[-1].float())
+    return lifted
+
+
+def fuse_suffixes(method: str, prefix: nn.Module, suffixes: list[nn.Module], fusion_inputs: torch.Tensor,
+                  weights=None, seed: int = 0, device: str | torch.device = "cpu", **options) -> nn.Sequential:
+    """The fused model ``prefix → fuse(method, suffixes)``: the clients' upper parts (all trained on the same frozen
+    ``prefix``) fused on the fusion set passed through the prefix. The prefix is shared, not copied."""
+    from fedfuse.fusion import fuse
+
+    with torch.no_grad():
+        inner = prefix.eval()(fusion_inputs)
+    upper = fuse(method, suffixes, fusion_inputs=inner, weights=weights, seed=seed, device=device, **options)
+    return nn.Sequential(*prefix, *upper)
+
+
+def model_equivalents(numbers: int, model: nn.Module) -> float:
+    """``numbers`` as a fraction of ``model``'s parameter count (communication in model-equivalents)."""
+    return numbers / sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["HeadStatistics", "head_statistics", "solve_head", "with_head", "features", "cut_points", "split",
+           "freeze", "lift_suffix", "fuse_suffixes", "model_equivalents", "DEFAULT_HEAD_RIDGE"]

@@ -1,0 +1,264 @@
+"""One-shot and progressive few-round fusion on MNIST-1D at the anchor data size (issue 27, items 1–2).
+
+Cells: MNIST-1D, 12,000 samples (the anchors' generation: ``mnist1d`` ``make_dataset``, ``num_samples=12000``,
+``seed=11``, its 80/20 split), Dirichlet α ∈ {0.1, 0.3, 0.5} over 5 or 10 clients. The 10-client α = 0.1 / 0.5
+cells are the anchors' own files (``../shared/anchors/splits``, the data stock Flower FedAvg was measured on); the
+others are cut with the anchors' recipe (per class, Dirichlet proportions, ``numpy.random.default_rng(seed)``,
+redrawn until every client has ≥ 20 samples). The server's fusion set: 300 samples of the anchors' public pool
+(``--fusion-source public``), 300 of client 0's data (``client0``), or both (``mixed``, 600).
+
+Clients: the anchors' MLP 40-256-256-10, each from its own initialisation (one-shot), ``--epochs`` (20) of SGD
+(momentum 0.9, lr ``--lr`` 0.05, batch 32) on its data. Rows, all from the same client models:
+
+- each client (best, mean), the sample-weighted ensemble, one-shot FedAvg (weighted average of the weights), KD
+  and FedDF (``fuse("kd")`` / ``fuse("feddf")``), ``kf-linear`` (``fuse`` defaults: K = 1, today's one-shot),
+  ``auto`` (label-free, ``fuse("auto")`` defaults) and ``auto[validation]`` (the clients' training data as
+  federated validation sets);
+- K = 2 (``fedfuse.progressive``: the fused model's feature levels frozen, the head refitted in closed form from
+  the clients' ridge statistics) on top of kf-linear, FedDF and auto[validation];
+- K = 3 (level-wise): kf-linear's first hidden level frozen, the clients lift and retrain their upper levels on it
+  (``--suffix-epochs``), the upper parts fused by kf-linear on the fusion set through the frozen level, then the
+  head round.
+
+Each row records its uplink communication per client in model-equivalents (the numbers a client sends over the
+run, divided by the model's parameter count). Test accuracy on the cell's 2,400 test samples. ::
+
+    .venv/bin/python -m simulations.bench.progressive --alphas 0.1,0.3,0.5 --clients 5,10 --seeds 0,1,2 \
+        --out results/progressive
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fedfuse.fusion import fuse_result  # noqa: E402
+from fedfuse.progressive import (cut_points, freeze, fuse_suffixes, head_statistics, lift_suffix,  # noqa: E402
+                                 model_equivalents, solve_head, split, with_head)
+from simulations.bench.anchor_lr_screen import SPLITS, load_split, mlp, train_local  # noqa: E402
+from simulations.bench.stats import format_mean_std, std_note  # noqa: E402
+from simulations.bench.tables import markdown_table  # noqa: E402
+
+ROWS = ["best client", "mean client", "ensemble", "one-shot FedAvg", "KD", "FedDF", "kf-linear (K=1)", "auto",
+        "auto[validation]", "K=2 kf-linear+head", "K=2 FedDF+head", "K=2 auto[validation]+head",
+        "K=3 kf-linear level-wise+head"]
+
+
+def generated_cell(alpha: float, clients: int, seed: int):
+    """``(xs, ys, x_test, y_test)``: the anchors' MNIST-1D cut with their Dirichlet recipe for other α / counts."""
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples, args.seed = 12000, 11
+    d = make_dataset(args)
+    x, y = np.asarray(d["x"], np.float32), np.asarray(d["y"], np.int64)
+    rng = np.random.default_rng(seed)
+    while True:
+        parts: list[list[int]] = [[] for _ in range(clients)]
+        for c in range(10):
+            idx = np.flatnonzero(y == c)
+            rng.shuffle(idx)
+            p = rng.dirichlet(alpha * np.ones(clients))
+            cuts = np.floor(np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for i, part in enumerate(np.split(idx, cuts)):
+                parts[i].extend(part.tolist())
+        if min(len(p) for p in parts) >= 20:
+            break
+    xs = [torch.tensor(x[p]) for p in parts]
+    ys = [torch.tensor(y[p]) for p in parts]
+    return xs, ys, torch.tensor(np.asarray(d["x_test"], np.float32)), torch.tensor(np.asarray(d["y_test"]))
+
+
+def load_cell(alpha: float, clients: int, seed: int):
+    anchor = SPLITS / f"mnist1d-a{alpha:g}-s{seed}"
+    if clients == 10 and anchor.is_dir():
+        return (*load_split(anchor), "anchor")
+    return (*generated_cell(alpha, clients, seed), "generated")
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model.eval()(x).argmax(1) == y).float().mean())
+
+
+def head_round(model: nn.Module, xs, ys, ridge: float) -> tuple[nn.Module, int]:
+    """The K-th round: every client's ridge statistics on ``model``'s frozen features, the head solved on the
+    server. Returns the model with the new head and the numbers one client sends."""
+    stats = [head_statistics(model, x, y, 10) for x, y in zip(xs, ys)]
+    return with_head(copy.deepcopy(model), solve_head(stats, ridge)), stats[0].numbers_sent
+
+
+def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
+    xs, ys, xt, yt, source = load_cell(alpha, clients, seed)
+    gen = torch.Generator().manual_seed(seed)
+    pub = torch.tensor(np.load(SPLITS / "mnist1d-public.npz")["x"])
+    fs = {"public": lambda: pub[torch.randperm(len(pub), generator=gen)[:300]],
+          "client0": lambda: xs[0][torch.randperm(len(xs[0]), generator=gen)[:300]]}
+    X = (torch.cat([fs["public"](), fs["client0"]()]) if args.fusion_source == "mixed"
+         else fs[args.fusion_source]())
+    n = [float(len(y)) for y in ys]
+    t0 = time.perf_counter()
+    models = []
+    for i in range(clients):
+        torch.manual_seed(1000 * seed + i)
+        m = mlp(xs[0].shape[1])
+        train_local(m, xs[i], ys[i], args.epochs, args.lr, torch.Generator().manual_seed(100 * seed + i))
+        models.append(m.eval())
+    train_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in models[0].parameters())
+    acc: dict[str, float] = {}
+    comm: dict[str, float] = {}
+    secs: dict[str, float] = {}
+    info: dict[str, object] = {}
+    client_acc = [accuracy(m, xt, yt) for m in models]
+    acc["best client"], acc["mean client"] = max(client_acc), sum(client_acc) / clients
+    w = torch.tensor(n) / sum(n)
+    with torch.no_grad():
+        ens = sum(w[i] * models[i](xt).softmax(1) for i in range(clients))
+    acc["ensemble"] = float((ens.argmax(1) == yt).float().mean())
+    comm.update({"best client": 1.0, "mean client": 1.0, "ensemble": 1.0})
+    validation = list(zip(xs, ys))
+
+    def run(row: str, method: str, **kw):
+        res = fuse_result(method, models, fusion_inputs=X, weights=n, seed=seed, **kw)
+        acc[row], comm[row], secs[row] = accuracy(res.model, xt, yt), 1.0, res.seconds
+        return res
+
+    run("one-shot FedAvg", "average")
+    run("KD", "kd")
+    feddf = run("FedDF", "feddf").model
+    kf = run("kf-linear (K=1)", "kf-linear").model
+    info["auto"] = run("auto", "auto").info.get("auto-choice")
+    auto_val = run("auto[validation]", "auto", validation=validation)
+    info["auto[validation]"] = auto_val.info.get("auto-choice")
+    for row, base, base_row in (("K=2 kf-linear+head", kf, "kf-linear (K=1)"), ("K=2 FedDF+head", feddf, "FedDF"),
+                                ("K=2 auto[validation]+head", auto_val.model, "auto[validation]")):
+        t = time.perf_counter()
+        model, numbers = head_round(base, xs, ys, args.ridge)
+        acc[row], secs[row] = accuracy(model, xt, yt), secs[base_row] + time.perf_counter() - t
+        comm[row] = 1.0 + model_equivalents(numbers, models[0])
+    # K = 3, level-wise: the first hidden level of kf-linear frozen, the clients lift and retrain the rest on it
+    t = time.perf_counter()
+    cut = cut_points(kf)[0]
+    prefix = freeze(copy.deepcopy(split(kf, cut)[0]))
+    before = {k: v.clone() for k, v in prefix.state_dict().items()}
+    suffixes = []
+    for i, m in enumerate(models):
+        own_prefix, own_suffix = split(m, cut)
+        upper = lift_suffix(prefix, own_prefix, own_suffix, xs[i], args.ridge)
+        train_local(nn.Sequential(*prefix, *upper).train(), xs[i], ys[i], args.suffix_epochs, args.lr,
+                    torch.Generator().manual_seed(100 * seed + i + 50))
+        suffixes.append(upper.eval())
+    assert all(torch.equal(before[k], v) for k, v in prefix.state_dict().items()), "the frozen level moved"
+    fused = fuse_suffixes("kf-linear", prefix, suffixes, X, weights=n, seed=seed)
+    model, numbers = head_round(fused, xs, ys, args.ridge)
+    row = "K=3 kf-linear level-wise+head"
+    acc[row], secs[row] = accuracy(model, xt, yt), secs["kf-linear (K=1)"] + time.perf_counter() - t
+    suffix_numbers = sum(p.numel() for p in suffixes[0].parameters())
+    comm[row] = 1.0 + model_equivalents(suffix_numbers + numbers, models[0])
+    info["K=3 upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
+    return {"alpha": alpha, "clients": clients, "seed": seed, "source": source, "fusion-source": args.fusion_source,
+            "fusion-samples": len(X), "train-seconds": train_s, "params": params, "accuracy": acc,
+            "uplink-model-equivalents": comm, "seconds": secs, "client-accuracy": client_acc, "info": info}
+
+
+def summarise(results: list[dict], out: Path) -> None:
+    cells = sorted({(r["clients"], r["alpha"]) for r in results})
+    seeds = sorted({r["seed"] for r in results})
+    header = ["row", "uplink (model-eq.)"] + [f"{c} clients α={a:g}" for c, a in cells]
+    lines = []
+    for row in ROWS:
+        vals = []
+        for c, a in cells:
+            v = [100 * r["accuracy"][row] for r in results if (r["clients"], r["alpha"]) == (c, a)]
+            vals.append(format_mean_std(v, 1))
+        ups = sorted({round(r["uplink-model-equivalents"][row], 2) for r in results})
+        lines.append([row, "/".join(f"{u:g}" for u in ups)] + vals)
+    gaps = []
+    for row in ROWS[3:]:
+        v = []
+        for c, a in cells:
+            rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
+            v.append(format_mean_std([100 * (r["accuracy"][row] - r["accuracy"]["ensemble"]) for r in rs], 1))
+        gaps.append([row] + v)
+    text = (f"# Progressive few-round fusion, MNIST-1D (12,000 samples), fusion set: {results[0]['fusion-source']} "
+            f"({results[0]['fusion-samples']} samples)\n\nTest accuracy %, {std_note(len(seeds))} "
+            f"({', '.join(map(str, seeds))}). Uplink: numbers one client sends over the run / the model's "
+            f"{results[0]['params']:,} parameters (10-client cells; the 5-client ones are the same).\n\n"
+            + markdown_table(header, lines)
+            + "\n\n## Minus the ensemble (points)\n\n" + markdown_table(["row"] + header[2:], gaps) + "\n")
+    (out / "table.md").write_text(text)
+    print(text)
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["clients"], r["alpha"]) for r in results})
+    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False)
+    for ax, (c, a) in zip(axes[0], cells):
+        rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
+        for row in ROWS[2:]:
+            y = np.mean([100 * r["accuracy"][row] for r in rs])
+            x = np.mean([r["uplink-model-equivalents"][row] for r in rs])
+            ax.scatter(x, y, s=20)
+            ax.annotate(row.replace(" level-wise", ""), (x, y), fontsize=6)
+        ax.set_title(f"{c} clients, α={a:g}", fontsize=9)
+        ax.set_xlabel("uplink per client (model-equivalents)")
+        ax.set_ylabel("test accuracy %")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_communication.png", dpi=130)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--alphas", default="0.1,0.3,0.5")
+    p.add_argument("--clients", default="10")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--suffix-epochs", type=int, default=5)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--ridge", type=float, default=1e-3)
+    p.add_argument("--fusion-source", choices=["public", "client0", "mixed"], default="public")
+    p.add_argument("--out", type=Path, default=Path("results/progressive"))
+    p.add_argument("--summary-only", action="store_true", help="rebuild table.md and the plot from results.jsonl")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.jsonl"
+    if not args.summary_only:
+        done = set()
+        if path.exists():
+            done = {(r["clients"], r["alpha"], r["seed"]) for r in map(json.loads, path.read_text().splitlines())}
+        for c in map(int, args.clients.split(",")):
+            for a in map(float, args.alphas.split(",")):
+                for s in map(int, args.seeds.split(",")):
+                    if (c, a, s) in done:
+                        continue
+                    t = time.perf_counter()
+                    r = run_cell(a, c, s, args)
+                    with path.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
+                    print(f"{c} clients α={a:g} seed {s} ({time.perf_counter() - t:.0f}s): " + ", ".join(
+                        f"{k} {v:.3f}" for k, v in r["accuracy"].items()), flush=True)
+    results = [json.loads(line) for line in path.read_text().splitlines()]
+    summarise(results, args.out)
+    plot(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

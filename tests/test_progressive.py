@@ -1,0 +1,193 @@
+"""Progressive few-round fusion (``fedfuse.progressive``, issue 27 item 2): the closed-form head equals centralised
+ridge regression on the pooled data whatever the split; malformed statistics are refused; level-wise rounds keep the
+frozen levels bit-identical; ``progressive-rounds=2`` runs the head round through fedfuse's ClientApp, rejecting a
+malformed reply and keeping the others."""
+
+import json
+from unittest.mock import Mock
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message
+
+from fedfuse.config import ConfigError, preflight
+from fedfuse.flower.head_round import HeadRound, head_reply_content, read_head_reply
+from fedfuse.models import build_model
+from fedfuse.progressive import (HeadStatistics, cut_points, features, freeze, fuse_suffixes, head_statistics,
+                                 lift_suffix, model_equivalents, solve_head, split, with_head)
+from fedfuse.training import train
+
+
+def _data(n=300, d=8, c=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(c, d, generator=g) * 2
+    y = torch.randint(0, c, (n,), generator=g)
+    return centers[y] + torch.randn(n, d, generator=g), y
+
+
+def _ridge_direct(f, y, c, ridge):
+    f1 = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    reg = torch.eye(f1.shape[1], dtype=f.dtype) * ridge * len(f)
+    reg[-1, -1] = 0
+    return torch.linalg.solve(f1.T @ f1 + reg, f1.T @ torch.nn.functional.one_hot(y, c).double())
+
+
+@pytest.mark.parametrize("ridge", [1e-3, 0.1])
+def test_head_from_split_statistics_equals_centralised_ridge_on_the_pooled_data(ridge):
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=2, seed=1)
+    # label-skewed split into 3 clients: each client's own statistics, summed by solve_head
+    parts = [y % 3 == i for i in range(3)]
+    head = solve_head([head_statistics(model, x[p], y[p], 4) for p in parts], ridge)
+    wb = _ridge_direct(features(model, x), y, 4, ridge)
+    assert torch.allclose(head.weight.double(), wb[:-1].T, atol=1e-5)
+    assert torch.allclose(head.bias.double(), wb[-1], atol=1e-5)
+    # another split of the same data gives the same head
+    other = solve_head([head_statistics(model, x[:50], y[:50], 4), head_statistics(model, x[50:], y[50:], 4)], ridge)
+    assert torch.allclose(other.weight, head.weight, atol=1e-5) and torch.allclose(other.bias, head.bias, atol=1e-5)
+    fitted = with_head(model, head)
+    assert fitted[-1] is head
+
+
+def test_statistics_pack_round_trip_and_size():
+    x, y = _data(50)
+    s = head_statistics(build_model("mlp", 4, (8,), width=16, depth=1), x, y, 4)
+    back = HeadStatistics.unpack(s.pack(), s.cross, s.num_examples)
+    assert torch.equal(back.gram, s.gram) and torch.equal(back.cross, s.cross)
+    assert s.numbers_sent == 17 * 18 // 2 + 17 * 4 == s.pack().numel() + s.cross.numel()
+    assert model_equivalents(s.numbers_sent, build_model("mlp", 4, (8,), width=16, depth=1)) == pytest.approx(
+        s.numbers_sent / (8 * 16 + 16 + 16 * 4 + 4))
+
+
+def test_malformed_statistics_and_inputs_raise_value_errors():
+    x, y = _data(40)
+    s = head_statistics(build_model("mlp", 4, (8,), width=16, depth=1), x, y, 4)
+    with pytest.raises(ValueError, match="non-finite"):
+        HeadStatistics(s.gram, torch.full_like(s.cross, float("nan")), s.num_examples)
+    with pytest.raises(ValueError, match="must equal num_examples"):
+        HeadStatistics(s.gram, s.cross, s.num_examples + 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        HeadStatistics.unpack(s.pack()[:-1], s.cross, s.num_examples)
+    with pytest.raises(ValueError, match="different shapes"):
+        solve_head([s, head_statistics(build_model("mlp", 4, (8,), width=8, depth=1), x, y, 4)])
+    with pytest.raises(ValueError, match="labels must be in"):
+        head_statistics(build_model("mlp", 4, (8,), width=16, depth=1), x, y + 4, 4)
+    with pytest.raises(ValueError, match="no client statistics"):
+        solve_head([])
+    with pytest.raises(ValueError, match="takes 8 features"):
+        with_head(build_model("mlp", 4, (8,), width=16, depth=1), torch.nn.Linear(8, 4))
+
+
+def test_level_wise_cut_lift_and_frozen_prefix_stay_bit_identical():
+    x, y = _data()
+    a = build_model("mlp", 4, (8,), width=16, depth=2, seed=1)
+    b = build_model("mlp", 4, (8,), width=16, depth=2, seed=2)
+    for m in (a, b):
+        train(m, x, y, epochs=2, lr=1e-2)
+    cut = cut_points(a)[0]
+    prefix = freeze(split(a, cut)[0])
+    before = {k: v.clone() for k, v in prefix.state_dict().items()}
+    # lifting onto its own lower levels reproduces the client's upper part
+    own_prefix, own_suffix = split(a, cut)
+    same = lift_suffix(prefix, own_prefix, own_suffix, x, ridge=0.0)
+    with torch.no_grad():
+        assert torch.allclose(same(prefix(x)), own_suffix(own_prefix(x)), atol=1e-3)
+    # client b's upper part moved onto a's fused level, then trained: the frozen level does not move
+    bp, bs = split(b, cut)
+    upper = lift_suffix(prefix, bp, bs, x)
+    train(torch.nn.Sequential(*prefix, *upper), x, y, epochs=2, lr=1e-2)
+    assert all(torch.equal(before[k], v) for k, v in prefix.state_dict().items())
+    fused = fuse_suffixes("kf-linear", prefix, [same, upper], x[:100], weights=[1, 1])
+    assert all(torch.equal(before[k], v) for k, v in split(fused, cut)[0].state_dict().items())
+    assert fused(x).shape == (len(x), 4)
+
+
+def test_level_wise_rounds_take_mlps_only():
+    with pytest.raises(ValueError, match="head round"):
+        cut_points(build_model("cnn", 4, (1, 8, 8), width=8, depth=2))
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        cut_points(build_model("resnet", 4, (3, 8, 8), width=8, depth=1))
+
+
+@pytest.fixture
+def identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):   # Message() needs a run identity
+        monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+def _reply(content, node):
+    reply = Mock(spec=Message)
+    reply.metadata = Mock(src_node_id=node)
+    reply.has_error.return_value = False
+    reply.content = content
+    return reply
+
+
+def test_head_reply_round_trip_and_rejections():
+    x, y = _data(40)
+    model = build_model("mlp", 4, (8,), width=16, depth=1)
+    s = head_statistics(model, x, y, 4)
+    msg = _reply(head_reply_content(s), 1)
+    back = read_head_reply(msg, 16, 4)
+    assert torch.allclose(back.gram, s.gram)
+    with pytest.raises(ValueError, match="expected"):
+        read_head_reply(msg, 8, 4)
+
+
+class _Grid:
+    """Answers the head query with the given replies (one per node), as a Grid would."""
+
+    def __init__(self, contents):
+        self.contents = contents
+
+    def get_node_ids(self):
+        return list(range(1, len(self.contents) + 1))
+
+    def send_and_receive(self, msgs, timeout=None):
+        return [_reply(content, m.metadata.dst_node_id) for m, content in zip(msgs, self.contents)]
+
+
+def test_head_round_rejects_a_malformed_reply_and_solves_from_the_others(identity, caplog):
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    good = [head_statistics(model, x[:150], y[:150], 4), head_statistics(model, x[150:], y[150:], 4)]
+    bad = head_reply_content(good[0])
+    bad.array_records["head-statistics"] = ArrayRecord({"gram-upper": good[0].pack(), "cross": good[0].cross[:3]})
+    out, record = HeadRound(1e-3).run(_Grid([head_reply_content(good[0]), bad, head_reply_content(good[1])]),
+                                      model, 4)
+    assert record["valid"] == 2 and len(record["rejected"]) == 1 and "cross has shape" in record["rejected"][0][
+        "reason"] and record["fallback"] is None
+    assert torch.allclose(out[-1].weight, solve_head(good, 1e-3).weight)
+    assert "rejected" in caplog.text
+    # nothing valid: the model is kept, loudly
+    kept = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    w0 = kept[-1].weight.clone()
+    out, record = HeadRound().run(_Grid([bad]), kept, 4)
+    assert torch.equal(out[-1].weight, w0) and "no valid head statistics" in record["fallback"]
+
+
+def test_run_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="'progressive-rounds'.*one-shot"):
+        preflight({"progressive-rounds": 2})
+    with pytest.raises(ConfigError, match="'progressive-rounds'.*library"):
+        preflight({"mode": "one-shot", "num-server-rounds": 1, "progressive-rounds": 3})
+    with pytest.raises(ConfigError, match="'head-ridge'"):
+        preflight({"mode": "one-shot", "num-server-rounds": 1, "head-ridge": 0.1})
+
+
+def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, capsys):
+    from simulations.runners.run import main
+
+    cfg = ("mode='one-shot' num-server-rounds=1 num-clients=3 local-epochs=2 model-width=16 model-depth=1 "
+           "fusion-set-size=60 importance='uniform' strategy='kf-linear' one-shot-references='models' "
+           "progressive-rounds=2 run-name='r'")
+    assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "round 2/2" in out and "head round" in out and "one-shot round (round 1)" in out
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    rounds = {r["round"]: r for r in res["rounds"]}
+    head = rounds[2]["fusion-info"]["head-round"]
+    assert head["valid"] == head["queried"] == 3 and not head["rejected"] and head["fallback"] is None
+    assert rounds[2]["test-accuracy"] != rounds[1]["test-accuracy"]
