@@ -57,7 +57,7 @@ def test_agreeing_clients_get_the_average_without_trying_the_candidates():
 
 def test_drifted_clients_get_the_candidate_with_the_best_held_out_agreement():
     models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
-    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0,
+    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, criterion="kl",
                       candidates=["average", "kd", "test-auto-broken"])
     scores = res.info["auto-scores"]
     assert set(scores) == {"average", "kd", "test-auto-broken"}
@@ -66,6 +66,20 @@ def test_drifted_clients_get_the_candidate_with_the_best_held_out_agreement():
     target = teacher_probs(models, held, [0.5, 0.5])
     with torch.no_grad():
         assert kl_to(target, res.model(held)) == pytest.approx(scores[res.info["auto-choice"]], rel=1e-5)
+
+
+def test_by_default_the_candidate_whose_top_class_agrees_most_with_the_ensemble_is_kept():
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, candidates=["average", "kd", "kf-linear"])
+    agree, kls = res.info["auto-agreement"], res.info["auto-scores"]
+    assert res.info["auto-criterion"] == "agreement" and set(agree) == set(kls) == {"average", "kd", "kf-linear"}
+    best = max(agree.values())
+    # the first candidate (in the given order) with the highest agreement
+    assert res.info["auto-choice"] == next(n for n in ("average", "kd", "kf-linear") if agree[n] == best)
+    _, held = split_fusion_set(X, 0.3, 5)
+    target = teacher_probs(models, held, [0.5, 0.5])
+    with torch.no_grad():
+        assert (res.model(held).argmax(-1) == target.argmax(-1)).float().mean().item() == pytest.approx(best)
 
 
 def test_candidates_that_cannot_take_the_models_are_skipped_and_reported():
@@ -81,7 +95,8 @@ def test_candidates_that_cannot_take_the_models_are_skipped_and_reported():
 @pytest.mark.parametrize("options, match", [({"candidates": ["auto"]}, "candidates"),
                                             ({"candidates": ["kf-linaer"]}, "candidates"),
                                             ({"candidates": ["ensemble"]}, "candidates"),
-                                            ({"holdout": 1.0}, "holdout")])
+                                            ({"holdout": 1.0}, "holdout"),
+                                            ({"criterion": "accuracy"}, "criterion")])
 def test_bad_options_name_the_key(options, match):
     with pytest.raises(FusionOptionError, match=match):
         fuse_result("auto", [_client(0, [0, 1])] * 2, fusion_inputs=X, **options)
@@ -111,7 +126,7 @@ def test_the_label_free_auto_method_as_a_round_aggregation_records_its_choice_ev
 
     a = _client(0, [0, 1, 2, 3], init_seed=0)
     s = FusionStrategy(method="auto", registry_entry=fusion_spec("auto"), model_fn=model_fn, fusion_inputs=X,
-                       refine="none", guard=False, fusion_options={"candidates": ["average", "kd"]})
+                       refine="none", guard=False, fusion_options={"candidates": ["average", "kd"], "criterion": "kl"})
     s.aggregate_train(1, [reply(1, a), reply(2, copy.deepcopy(a))])
     assert s.history[-1]["fusion-info"]["auto-choice"] == "average"
     drift = [_client(1, [0, 1], init_seed=0), _client(2, [2, 3], init_seed=0)]

@@ -10,7 +10,15 @@ arXiv 1910.05653, align to it implicitly). ``auto`` therefore:
    part. When it is at most ``agree_kl`` (clients that stayed in one basin: multi-round FL from a shared model)
    the average is the answer at the cost of the average;
 3. otherwise fuses with every applicable ``candidates`` method on the fit part (within ``max_seconds``), scores
-   each on the held-out part by ``KL(ensemble ‖ candidate)`` and keeps the lowest.
+   each on the held-out part and keeps the best: by default (``criterion="agreement"``) the share of held-out
+   inputs on which the candidate's top class is the ensemble's (ties: the earlier candidate), or with
+   ``criterion="kl"`` the lowest ``KL(ensemble ‖ candidate)``.
+
+Why top-1 agreement and no distillation among the default candidates: the KL is what distillation (``kd``,
+``feddf``) minimises on the fit part, so it ranks the distilled candidates first whatever their accuracy; on the
+MNIST-1D one-shot cells (10 clients, α = 0.1 / 0.5, ``simulations/bench/progressive.py``) the lowest KL picked
+``feddf``/``ot``/``kd`` and lost 5–15 points to ``kf-linear``, which top-1 agreement kept in most seeds
+(docs/one-shot.md).
 
 Scores given to ``fuse`` are passed to the candidates that read them; ``auto`` does not itself depend on them (a
 strategy running it does not ask the clients for scores). Clients of different widths have no average: the
@@ -33,7 +41,8 @@ from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import kl_to
 from fedfuse.fusion.registry import FusionError, FusionOptionError, get_spec, register, require
 
-DEFAULT_CANDIDATES = ("average", "kf-linear", "kf-gradient", "ot", "kd")
+DEFAULT_CANDIDATES = ("average", "kf-linear", "kf-gradient", "ot")
+CRITERIA = ("agreement", "kl")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class AutoOptions:
         holdout: fraction of the fusion set held out to score the candidates (the rest fits them).
         agree_kl: disagreement ``KL(ensemble ‖ average)`` on the held-out part (nats) at or below which the average
             is taken without trying the other candidates.
+        criterion: how the held-out part ranks the candidates: ``"agreement"`` (share of inputs whose top class is
+            the ensemble's) or ``"kl"`` (``KL(ensemble ‖ candidate)``, lower is better).
         max_seconds: time budget for the candidates after the average (0 = none); candidates not started within it
             are skipped and reported.
         validation: optional labelled validation sets ``[(x_i [N_i, ...], y_i [N_i]), ...]`` (e.g. one per client:
@@ -58,11 +69,13 @@ class AutoOptions:
     agree_kl: float = 0.02
     max_seconds: float = 0.0
     validation: Any = None
+    criterion: str = "agreement"
 
     def __post_init__(self) -> None:
         require(0 < self.holdout < 1, "holdout", "in (0, 1)", self.holdout)
         require(self.agree_kl >= 0, "agree_kl", ">= 0", self.agree_kl)
         require(self.max_seconds >= 0, "max_seconds", ">= 0", self.max_seconds)
+        require(self.criterion in CRITERIA, "criterion", f"one of {CRITERIA}", self.criterion)
         require(len(self.candidates) > 0, "candidates", "at least one method", self.candidates)
         if self.validation is not None:
             ok = isinstance(self.validation, (list, tuple)) and len(self.validation) > 0 and all(
@@ -109,19 +122,30 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
         with torch.no_grad():
             target = teacher_probs(members, held, weights)
 
-        def agreement(model: nn.Module) -> float:
+        kls: dict[str, float] = {}
+        agreements: dict[str, float] = {}
+
+        def held_out_score(model: nn.Module) -> float:
             with torch.no_grad():
                 logits = model(held)
-            return -kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("-inf")
+            name = trial.current
+            if not bool(torch.isfinite(logits).all()):
+                kls[name], agreements[name] = float("inf"), 0.0
+                return float("-inf")
+            kls[name] = kl_to(target, logits)
+            agreements[name] = float((logits.argmax(-1) == target.argmax(-1)).float().mean())
+            return -kls[name] if options.criterion == "kl" else agreements[name]
 
-        trial.run("average", fit, agreement, timed=False)
-        disagreement = -trial.values["average"] if "average" in trial.values else float("inf")
+        trial.run("average", fit, held_out_score, timed=False)
+        disagreement = kls.get("average", float("inf"))
         info["auto-disagreement"] = disagreement
         if disagreement > options.agree_kl:
             for name in options.candidates:
                 if name != "average":
-                    trial.run(name, fit, agreement)
-        info["auto-scores"] = {k: -v for k, v in trial.values.items()}   # held-out KL (lower is better)
+                    trial.run(name, fit, held_out_score)
+        info["auto-scores"] = kls   # held-out KL (lower is better)
+        info["auto-agreement"] = agreements   # held-out top-1 agreement with the ensemble (higher is better)
+        info["auto-criterion"] = options.criterion
     if trial.best is None:
         raise FusionError(f"auto: no candidate could fuse these models ({trial.skipped})")
     info.update({"auto-choice": trial.best[1], "auto-seconds": trial.seconds})
@@ -142,6 +166,7 @@ class _Trial:
         self.seconds: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.best: tuple[float, str, nn.Module] | None = None
+        self.current = ""
 
     def run(self, name: str, inputs: torch.Tensor, value: Callable[[nn.Module], float], timed: bool = True) -> None:
         """Fuse with ``name`` on ``inputs`` (the package entry point: its checks, seeding and finite check) and
@@ -160,6 +185,7 @@ class _Trial:
             return
         if timed:
             self.seconds[name] = res.seconds
+        self.current = name
         v = value(res.model)
         self.values[name] = v
         if self.best is None or v > self.best[0]:
@@ -177,4 +203,4 @@ def validation_accuracy(model: nn.Module, validation) -> float:
     return correct / total
 
 
-__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "validation_accuracy", "DEFAULT_CANDIDATES"]
+__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "validation_accuracy", "DEFAULT_CANDIDATES", "CRITERIA"]
