@@ -167,6 +167,27 @@ def with_head(model: nn.Module, head: nn.Linear) -> nn.Module:
     return model
 
 
+def fit_temperature(model: nn.Module, x: torch.Tensor, target_probs: torch.Tensor,
+                    grid: tuple[float, ...] = tuple(2.0 ** (k / 2) for k in range(-2, 15))) -> float:
+    """Scale ``model``'s classifier (weight and bias, in place) by the temperature of ``grid`` whose softmax is closest
+    (``KL(target ‖ model)``) to ``target_probs [N, C]`` on the unlabeled inputs ``x``; returns it.
+
+    A ridge head regresses one-hot labels, so its outputs live on a probability scale (about 0 to 1) and their softmax
+    is nearly uniform: the right classes, a poor loss. Matching the clients' ensemble's confidence on the fusion set
+    sets the scale without labels; the arg-max, hence the accuracy, does not change."""
+    adapter = adapter_for(model)
+    head = adapter.classifier(model)
+    with torch.no_grad():
+        z = (model.eval()(x) - head.bias).double()   # logits without the bias, so that scaling both is exact
+        b = head.bias.double()
+        t = target_probs.double().clamp_min(1e-12)
+        kls = [float((t * (t.log() - torch.log_softmax(tau * (z + b), -1))).sum(-1).mean()) for tau in grid]
+        tau = grid[min(range(len(grid)), key=kls.__getitem__)]
+        head.weight.mul_(tau)
+        head.bias.mul_(tau)
+    return float(tau)
+
+
 # ------------------------------------------------------------------------------------------- level-wise rounds
 def cut_points(model: nn.Module) -> list[int]:
     """The positions in an MLP ``nn.Sequential`` where a fused prefix can end: the index of every ``nn.Linear`` but
@@ -240,5 +261,5 @@ def model_equivalents(numbers: int, model: nn.Module) -> float:
     return numbers / sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["HeadStatistics", "head_statistics", "solve_head", "with_head", "features", "cut_points", "split",
+__all__ = ["HeadStatistics", "head_statistics", "solve_head", "with_head", "features", "fit_temperature", "cut_points", "split",
            "freeze", "lift_suffix", "fuse_suffixes", "model_equivalents", "DEFAULT_HEAD_RIDGE"]

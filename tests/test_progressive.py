@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, Message
 from fedfuse.config import ConfigError, preflight
 from fedfuse.flower.head_round import HeadRound, head_reply_content, read_head_reply
 from fedfuse.models import build_model
-from fedfuse.progressive import (HeadStatistics, cut_points, features, freeze, fuse_suffixes, head_statistics,
+from fedfuse.progressive import (HeadStatistics, cut_points, features, fit_temperature, freeze, fuse_suffixes, head_statistics,
                                  lift_suffix, model_equivalents, solve_head, split, with_head)
 from fedfuse.training import train
 
@@ -47,6 +47,21 @@ def test_head_from_split_statistics_equals_centralised_ridge_on_the_pooled_data(
     assert torch.allclose(other.weight, head.weight, atol=1e-5) and torch.allclose(other.bias, head.bias, atol=1e-5)
     fitted = with_head(model, head)
     assert fitted[-1] is head
+
+
+def test_temperature_keeps_the_predictions_and_matches_the_reference_confidence():
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=1, seed=1)
+    train(model, x, y, epochs=3, lr=1e-2)
+    with_head(model, solve_head([head_statistics(model, x, y, 4)]))
+    with torch.no_grad():
+        before = model(x)
+        target = (before * 8).softmax(-1)   # a reference eight times as confident
+    tau = fit_temperature(model, x, target)
+    with torch.no_grad():
+        after = model(x)
+    assert tau == pytest.approx(8, rel=0.3) and torch.equal(after.argmax(-1), before.argmax(-1))
+    assert torch.allclose(after, before * tau, atol=1e-4)
 
 
 def test_statistics_pack_round_trip_and_size():
@@ -190,4 +205,5 @@ def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, 
     rounds = {r["round"]: r for r in res["rounds"]}
     head = rounds[2]["fusion-info"]["head-round"]
     assert head["valid"] == head["queried"] == 3 and not head["rejected"] and head["fallback"] is None
+    assert head["temperature"] > 0 and head["numbers-per-reply"] == 17 * 18 // 2 + 17 * 10
     assert rounds[2]["test-accuracy"] != rounds[1]["test-accuracy"]

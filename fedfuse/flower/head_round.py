@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.progressive import HeadStatistics, solve_head, with_head
+from fedfuse.progressive import HeadStatistics, fit_temperature, solve_head, with_head
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -80,9 +80,12 @@ class HeadRound:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         self.ridge, self.timeout = float(ridge), timeout
 
-    def run(self, grid, model: nn.Module, num_classes: int) -> tuple[nn.Module, dict[str, Any]]:
+    def run(self, grid, model: nn.Module, num_classes: int,
+            reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[nn.Module, dict[str, Any]]:
         """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
-        replaced when no node gave valid statistics (the model is then returned unchanged)."""
+        replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
+        inputs and the clients' ensemble's probabilities on them, to set the head's temperature
+        (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1."""
         from fedfuse.models import adapter_for
 
         t0 = time.perf_counter()
@@ -116,6 +119,7 @@ class HeadRound:
             return model, record
         head = solve_head(stats, self.ridge)
         out = with_head(model, head)
+        record["temperature"] = fit_temperature(out, *reference) if reference is not None else 1.0
         record["seconds"] = time.perf_counter() - t0
         log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)", len(stats),
             record["num-examples"], record["seconds"])

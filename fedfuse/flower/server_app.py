@@ -437,8 +437,17 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
     from every node's ridge statistics; recorded and evaluated as round 2 (the one-shot references are not redone)."""
     from fedfuse.flower.head_round import HeadRound
 
+    from fedfuse.fusion.distillation import teacher_probs
+
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
-    model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes)
+    reference = None   # the round-1 clients' ensemble on the fusion set sets the head's temperature
+    if strategy.fusion_inputs is not None and strategy.last_updates:
+        members = [strategy.build_model(u.state).eval() for u in strategy.last_updates]
+        total = sum(u.num_examples for u in strategy.last_updates)
+        with torch.no_grad():
+            reference = (strategy.fusion_inputs.float(), teacher_probs(
+                members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
+    model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes, reference)
     strategy.history.append({"round": 2, "valid": record["valid"], "rejected": record["rejected"], "failures": [],
                              "fallback": record["fallback"], "skipped": None, "guard": None,
                              "fusion-seconds": record["seconds"], "fusion-info": {"head-round": record}})
@@ -465,6 +474,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
+    if cfg.progressive_rounds == 2:   # the head round's temperature reads the round-1 client models
+        strategy.keep_updates = True
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
     initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path
