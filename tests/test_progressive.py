@@ -49,6 +49,21 @@ def test_head_from_split_statistics_equals_centralised_ridge_on_the_pooled_data(
     assert fitted[-1] is head
 
 
+@pytest.mark.parametrize("family", ["mlp", "cnn", "resnet", "vit"])
+def test_the_head_round_takes_every_model_family(family):
+    """Registry-driven: K = 2 needs only the adapter's pre-logit features and classifier."""
+    from fedfuse.models import MODELS
+
+    assert family in MODELS
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 3, 8, 8, generator=g), torch.randint(0, 4, (40,), generator=g)
+    model = build_model(family, 4, (3, 8, 8), seed=0)
+    fitted = with_head(model, solve_head([head_statistics(model, x[:20], y[:20], 4),
+                                          head_statistics(model, x[20:], y[20:], 4)]))
+    with torch.no_grad():
+        assert fitted.eval()(x).shape == (40, 4) and torch.isfinite(fitted(x)).all()
+
+
 def test_temperature_keeps_the_predictions_and_matches_the_reference_confidence():
     x, y = _data()
     model = build_model("mlp", 4, (8,), width=16, depth=1, seed=1)

@@ -5,7 +5,8 @@ Cells: MNIST-1D, 12,000 samples (the anchors' generation: ``mnist1d`` ``make_dat
 cells are the anchors' own files (``../shared/anchors/splits``, the data stock Flower FedAvg was measured on); the
 others are cut with the anchors' recipe (per class, Dirichlet proportions, ``numpy.random.default_rng(seed)``,
 redrawn until every client has ≥ 20 samples). The server's fusion set: 300 samples of the anchors' public pool
-(``--fusion-source public``), 300 of client 0's data (``client0``), or both (``mixed``, 600).
+(``--fusion-source public``), 300 of client 0's data (``client0``), or both (``mixed``, 600). ``--dataset digits``:
+the anchors' digits cells (10 clients, α = 0.1 / 0.5, MLP 64-128-128-10; no public pool, so ``client0``).
 
 Clients: the anchors' MLP 40-256-256-10, each from its own initialisation (one-shot), ``--epochs`` (20) of SGD
 (momentum 0.9, lr ``--lr`` 0.05, batch 32) on its data. Rows, all from the same client models:
@@ -25,6 +26,8 @@ run, divided by the model's parameter count). Test accuracy on the cell's 2,400 
 
     .venv/bin/python -m simulations.bench.progressive --alphas 0.1,0.3,0.5 --clients 5,10 --seeds 0,1,2 \
         --out results/progressive
+    .venv/bin/python -m simulations.bench.progressive --dataset digits --alphas 0.1,0.5 --fusion-source client0 \
+        --out results/progressive-digits
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from torch import nn  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.progressive import (cut_points, freeze, fuse_suffixes, head_statistics, lift_suffix,  # noqa: E402
                                  model_equivalents, solve_head, split, with_head)
-from simulations.bench.anchor_lr_screen import SPLITS, load_split, mlp, train_local  # noqa: E402
+from simulations.bench.anchor_lr_screen import SPLITS, load_split, train_local  # noqa: E402
 from simulations.bench.stats import format_mean_std, std_note  # noqa: E402
 from simulations.bench.tables import markdown_table  # noqa: E402
 
@@ -80,11 +83,18 @@ def generated_cell(alpha: float, clients: int, seed: int):
     return xs, ys, torch.tensor(np.asarray(d["x_test"], np.float32)), torch.tensor(np.asarray(d["y_test"]))
 
 
-def load_cell(alpha: float, clients: int, seed: int):
-    anchor = SPLITS / f"mnist1d-a{alpha:g}-s{seed}"
+def load_cell(alpha: float, clients: int, seed: int, dataset: str = "mnist1d"):
+    anchor = SPLITS / f"{dataset}-a{alpha:g}-s{seed}"
     if clients == 10 and anchor.is_dir():
         return (*load_split(anchor), "anchor")
+    if dataset != "mnist1d":
+        raise ValueError(f"{dataset}: only the anchors' own cells (10 clients, α 0.1 / 0.5) are available")
     return (*generated_cell(alpha, clients, seed), "generated")
+
+
+def anchor_mlp(d: int, width: int) -> nn.Module:
+    """The anchors' MLP: ``d``-width-width-10 with ReLU (width 256 for MNIST-1D, 128 for digits)."""
+    return nn.Sequential(nn.Linear(d, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -100,8 +110,10 @@ def head_round(model: nn.Module, xs, ys, ridge: float) -> tuple[nn.Module, int]:
 
 
 def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
-    xs, ys, xt, yt, source = load_cell(alpha, clients, seed)
+    xs, ys, xt, yt, source = load_cell(alpha, clients, seed, args.dataset)
     gen = torch.Generator().manual_seed(seed)
+    if args.dataset != "mnist1d" and args.fusion_source != "client0":
+        raise ValueError(f"{args.dataset}: the anchors have no public pool; use --fusion-source client0")
     pub = torch.tensor(np.load(SPLITS / "mnist1d-public.npz")["x"])
     fs = {"public": lambda: pub[torch.randperm(len(pub), generator=gen)[:300]],
           "client0": lambda: xs[0][torch.randperm(len(xs[0]), generator=gen)[:300]]}
@@ -112,7 +124,7 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     models = []
     for i in range(clients):
         torch.manual_seed(1000 * seed + i)
-        m = mlp(xs[0].shape[1])
+        m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128)
         train_local(m, xs[i], ys[i], args.epochs, args.lr, torch.Generator().manual_seed(100 * seed + i))
         models.append(m.eval())
     train_s = time.perf_counter() - t0
@@ -168,7 +180,7 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     suffix_numbers = sum(p.numel() for p in suffixes[0].parameters())
     comm[row] = 1.0 + model_equivalents(suffix_numbers + numbers, models[0])
     info["K=3 upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
-    return {"alpha": alpha, "clients": clients, "seed": seed, "source": source, "fusion-source": args.fusion_source,
+    return {"dataset": args.dataset, "alpha": alpha, "clients": clients, "seed": seed, "source": source, "fusion-source": args.fusion_source,
             "fusion-samples": len(X), "train-seconds": train_s, "params": params, "accuracy": acc,
             "uplink-model-equivalents": comm, "seconds": secs, "client-accuracy": client_acc, "info": info}
 
@@ -192,7 +204,9 @@ def summarise(results: list[dict], out: Path) -> None:
             rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
             v.append(format_mean_std([100 * (r["accuracy"][row] - r["accuracy"]["ensemble"]) for r in rs], 1))
         gaps.append([row] + v)
-    text = (f"# Progressive few-round fusion, MNIST-1D (12,000 samples), fusion set: {results[0]['fusion-source']} "
+    name = {"mnist1d": "MNIST-1D (12,000 samples)", "digits": "digits (the anchors' splits)"}[results[0].get(
+        "dataset", "mnist1d")]
+    text = (f"# Progressive few-round fusion, {name}, fusion set: {results[0]['fusion-source']} "
             f"({results[0]['fusion-samples']} samples)\n\nTest accuracy %, {std_note(len(seeds))} "
             f"({', '.join(map(str, seeds))}). Uplink: numbers one client sends over the run / the model's "
             f"{results[0]['params']:,} parameters (10-client cells; the 5-client ones are the same).\n\n"
@@ -226,6 +240,7 @@ def plot(results: list[dict], out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=["mnist1d", "digits"], default="mnist1d")
     p.add_argument("--alphas", default="0.1,0.3,0.5")
     p.add_argument("--clients", default="10")
     p.add_argument("--seeds", default="0,1,2")
