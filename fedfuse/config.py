@@ -114,12 +114,12 @@ class RunConfig:
                                     "distilled on the fusion set (some seconds for an MLP: fuse's default 50 epochs) | "
                                     "models = all but KD and FedDF (test passes only) | none",
                                     choices=ONE_SHOT_REFERENCES)
-    progressive_rounds: int = _key(1, "mode='one-shot': K rounds of progressive fusion (fedfuse.progressive): 1 = "
-                                   "plain one-shot fusion; 2 = then a head round: the clients send ridge statistics of "
-                                   "their data on the fused model's frozen features (no training, ~0.45 model-"
-                                   "equivalents for the MLP) and the server refits the classifier in closed form "
-                                   "(docs/one-shot.md); level-wise K >= 3 is library-only", ge=1)
-    head_ridge: float = _key(1e-3, "progressive-rounds=2: ridge of the closed-form head, per sample", ge=0)
+    head_round: bool = _key(False, "after the last round, one more exchange (fedfuse.progressive, docs/one-shot.md): "
+                            "the clients send ridge statistics of their training data on the global model's frozen "
+                            "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
+                            "included) and the server solves the classifier in closed form; with mode='one-shot' this "
+                            "is progressive fusion with K = 2 (level-wise K >= 3 is library-only)")
+    head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
@@ -357,18 +357,11 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
-    if cfg.progressive_rounds > 2:
-        raise ConfigError(f"run-config key 'progressive-rounds' ({cfg.progressive_rounds}): the Flower app runs K = 1 "
-                          "(one-shot fusion) or 2 (plus the head round); level-wise rounds (K >= 3, MLPs) are in the "
-                          "library, fedfuse.progressive (docs/one-shot.md)")
-    if cfg.progressive_rounds > 1 and cfg.mode != "one-shot":
-        raise ConfigError(f"run-config key 'progressive-rounds' ({cfg.progressive_rounds}) applies to mode='one-shot' "
-                          f"only, not {cfg.mode!r}")
-    if cfg.progressive_rounds > 1 and cfg.client_tiers.strip():
-        raise ConfigError("run-config key 'progressive-rounds': the head round refits one global model's classifier; "
-                          "it does not take capacity tiers ('client-tiers')")
-    if cfg.head_ridge != SCHEMA["head-ridge"].default and cfg.progressive_rounds < 2:
-        raise ConfigError("run-config key 'head-ridge' applies to progressive-rounds=2 only")
+    if cfg.head_round and cfg.client_tiers.strip():
+        raise ConfigError("run-config key 'head-round': the head round refits one global model's classifier; it does "
+                          "not take capacity tiers ('client-tiers')")
+    if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
+        raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
         raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "
                           f"mode='one-shot' only, not {cfg.mode!r}; leave it unset")

@@ -1,7 +1,7 @@
 """Progressive few-round fusion (``fedfuse.progressive``, issue 27 item 2): the closed-form head equals centralised
 ridge regression on the pooled data whatever the split; malformed statistics are refused; level-wise rounds keep the
-frozen levels bit-identical; ``progressive-rounds=2`` runs the head round through fedfuse's ClientApp, rejecting a
-malformed reply and keeping the others."""
+frozen levels bit-identical; ``head-round=true`` runs the head round through fedfuse's ClientApp (one-shot: K = 2),
+rejecting a malformed reply and keeping the others."""
 
 import json
 from unittest.mock import Mock
@@ -199,12 +199,12 @@ def test_head_round_rejects_a_malformed_reply_and_solves_from_the_others(identit
 
 
 def test_run_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="'progressive-rounds'.*one-shot"):
-        preflight({"progressive-rounds": 2})
-    with pytest.raises(ConfigError, match="'progressive-rounds'.*library"):
-        preflight({"mode": "one-shot", "num-server-rounds": 1, "progressive-rounds": 3})
+    with pytest.raises(ConfigError, match="'head-round'.*client-tiers"):
+        preflight({"head-round": True, "client-tiers": "1,0.5", "strategy": "average"})
     with pytest.raises(ConfigError, match="'head-ridge'"):
         preflight({"mode": "one-shot", "num-server-rounds": 1, "head-ridge": 0.1})
+    with pytest.raises(ConfigError, match="'head-round'"):
+        preflight({"head-round": "yes"})
 
 
 def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, capsys):
@@ -212,7 +212,7 @@ def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, 
 
     cfg = ("mode='one-shot' num-server-rounds=1 num-clients=3 local-epochs=2 model-width=16 model-depth=1 "
            "fusion-set-size=60 importance='uniform' strategy='kf-linear' one-shot-references='models' "
-           "progressive-rounds=2 run-name='r'")
+           "head-round=true run-name='r'")
     assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config", cfg]) == 0
     out = capsys.readouterr().out
     assert "round 2/2" in out and "head round" in out and "one-shot round (round 1)" in out
@@ -222,3 +222,13 @@ def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, 
     assert head["valid"] == head["queried"] == 3 and not head["rejected"] and head["fallback"] is None
     assert head["temperature"] > 0 and head["numbers-per-reply"] == 17 * 18 // 2 + 17 * 10
     assert rounds[2]["test-accuracy"] != rounds[1]["test-accuracy"]
+
+
+def test_a_multi_round_run_ends_with_the_head_round(tmp_path):
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    out = run_inprocess({"num-clients": 2, "num-server-rounds": 2, "local-epochs": 1, "model-width": 16,
+                         "model-depth": 1, "strategy": "fedavg", "head-round": True, "output-dir": str(tmp_path),
+                         "run-name": "m"}, echo=False)
+    rounds = {r["round"]: r for r in json.loads((out / "results.json").read_text())["rounds"]}
+    assert sorted(rounds) == [0, 1, 2, 3] and rounds[3]["fusion-info"]["head-round"]["valid"] == 2

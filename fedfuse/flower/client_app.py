@@ -175,7 +175,7 @@ def score_handler(msg: Message, context: Context) -> Message:
 
 
 def head_handler(msg: Message, context: Context) -> Message:
-    """The head round of ``progressive-rounds=2`` (``fedfuse.flower.head_round``): this node's ridge statistics on
+    """The head round of ``head-round=true`` (``fedfuse.flower.head_round``): this node's ridge statistics on
     the fused model's frozen pre-logit features (its training data; no training, no weights sent)."""
     cfg, node = _setup(context)
     model = global_model(cfg, node.num_classes, node.input_shape)
@@ -190,8 +190,8 @@ def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     client_app.train()(train)
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier
-    client_app.query(SCORE_ACTION)(score_handler)
-    client_app.query(HEAD_ACTION)(head_handler)   # progressive-rounds=2: ridge statistics for the closed-form head   # strategy 'auto': the round's candidates on this node's data
+    client_app.query(SCORE_ACTION)(score_handler)   # strategy 'auto': the round's candidates on this node's data
+    client_app.query(HEAD_ACTION)(head_handler)   # head-round: ridge statistics for the closed-form head
     return client_app
 
 

@@ -1,10 +1,12 @@
-"""The head round of progressive few-round fusion (``progressive-rounds=2``; ``fedfuse.progressive``).
+"""The head round (``head-round=true``; ``fedfuse.progressive``): after the last round, the global model's classifier
+solved in closed form from the clients' data.
 
-After the one-shot round has fused the clients' independently trained models, the server sends the fused model to
-every node once more; each node answers with the sufficient statistics of a ridge regression from the model's
+In one-shot mode this is progressive few-round fusion with K = 2: after the one-shot round has fused the clients'
+independently trained models, the server sends the fused model to every node once more; each node answers with the sufficient statistics of a ridge regression from the model's
 pre-logit features to its one-hot labels (no training, no weights); the server adds them up and solves the
 classifier in closed form: the ridge head centralised training on the frozen fused features would give, whatever the
-label skew (Fed3R, arXiv 2406.01116; progressive fusion after FuseFL, arXiv 2410.20380).
+label skew (Fed3R, arXiv 2406.01116; progressive fusion after FuseFL, arXiv 2410.20380). In multi-round mode it
+replaces the head that FedAvg-style rounds bias towards each round's local label skew.
 
 Query ``message_type``: ``"query.head_statistics"``; content: ``ArrayRecord`` ``"model"`` (the fused global model's
 state dict). Reply: ``ArrayRecord`` ``"head-statistics"`` with ``gram-upper`` (the upper triangle of the

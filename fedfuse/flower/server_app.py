@@ -433,14 +433,16 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
 
 def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
                num_classes: int) -> None:
-    """Round 2 of ``progressive-rounds=2`` (``fedfuse.flower.head_round``): the one-shot model's classifier solved
-    from every node's ridge statistics; recorded and evaluated as round 2 (the one-shot references are not redone)."""
+    """The round after the last of a ``head-round=true`` run (``fedfuse.flower.head_round``): the global model's
+    classifier solved from every node's ridge statistics, its temperature set from the last round's clients' ensemble
+    on the fusion set; recorded and evaluated as round ``num-server-rounds + 1`` (in one-shot mode: progressive fusion
+    with K = 2; the one-shot references are not redone)."""
     from fedfuse.flower.head_round import HeadRound
 
     from fedfuse.fusion.distillation import teacher_probs
 
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
-    reference = None   # the round-1 clients' ensemble on the fusion set sets the head's temperature
+    reference = None   # the last round's clients' ensemble on the fusion set sets the head's temperature
     if strategy.fusion_inputs is not None and strategy.last_updates:
         members = [strategy.build_model(u.state).eval() for u in strategy.last_updates]
         total = sum(u.num_examples for u in strategy.last_updates)
@@ -448,11 +450,12 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes, reference)
-    strategy.history.append({"round": 2, "valid": record["valid"], "rejected": record["rejected"], "failures": [],
+    head_rnd = cfg.num_server_rounds + 1
+    strategy.history.append({"round": head_rnd, "valid": record["valid"], "rejected": record["rejected"], "failures": [],
                              "fallback": record["fallback"], "skipped": None, "guard": None,
                              "fusion-seconds": record["seconds"], "fusion-info": {"head-round": record}})
-    strategy.last_updates = []   # round 2 has no client models: the references stay round 1's
-    evaluation(2, ArrayRecord(model.state_dict()))
+    strategy.last_updates = []   # the head round has no client models: the references stay the last round's
+    evaluation(head_rnd - evaluation.done, ArrayRecord(model.state_dict()))
 
 
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
@@ -474,7 +477,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
-    if cfg.progressive_rounds == 2:   # the head round's temperature reads the round-1 client models
+    if cfg.head_round:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
@@ -496,7 +499,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         if cfg.num_server_rounds > done:
             runner.start(grid=grid, initial_arrays=evaluation.last_arrays, num_rounds=cfg.num_server_rounds - done,
                          timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluation)
-        if cfg.progressive_rounds == 2 and done < 2:
+        if cfg.head_round and done <= cfg.num_server_rounds:
             head_round(cfg, grid, strategy, evaluation, data.num_classes)
     except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised by _write_results
         crash = exc

@@ -164,7 +164,7 @@ def references_table(run: RunSummary) -> str | None:
              f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
              f"| **{run.label}** (this run's fused model{head}) | {_f(final)} | | "
              f"{'-' if fused_s is None else f'{fused_s:.2f}'} |"]
-    if head:   # progressive-rounds=2: the one-shot round's model too
+    if head:   # head-round: the last training round's model too
         r1 = next((r for r in run.rows if r.get("round") == 1), {})
         one, one_s = r1.get("test-accuracy"), r1.get("fusion-seconds")
         diff = "-" if final is None or one is None else f"{final - one:+.4f}"

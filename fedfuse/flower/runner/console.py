@@ -107,7 +107,7 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
         parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
     if row.get("choice"):   # strategy 'auto': the aggregation the round's clients chose
         parts.append(f"chose {row['choice']}")
-    if isinstance(row.get("fusion-info"), dict) and "head-round" in row["fusion-info"]:   # progressive-rounds=2
+    if isinstance(row.get("fusion-info"), dict) and "head-round" in row["fusion-info"]:   # head-round
         parts.append("head round (classifier solved from the clients' statistics)")
     if rnd == 0:
         parts.append("(initial model)")

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
           f" on {checked.dataset}/{checked.model}, {checked.partitioning} split, {checked.num_clients} clients, "
           f"seed {checked.seed}; results in {out_dir}", flush=True)
     outcome, code, _ = execute(checked.strategy, args.engine, cfg, num_supernodes=n,
-                               num_rounds=checked.num_server_rounds + checked.progressive_rounds - 1, timeout=args.timeout,
+                               num_rounds=checked.num_server_rounds + int(checked.head_round), timeout=args.timeout,
                                verbose=args.verbose)
     runs = [RunSummary.load(checked.strategy, ENGINE_NAMES[args.engine], out_dir,
                             error=None if outcome.ok else f"{outcome.status} {outcome.details}".strip())]
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"fedfuse: {checked.strategy} did not complete; {baseline} baseline not run", file=sys.stderr)
             return code
         b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
-                                           num_rounds=checked.num_server_rounds + checked.progressive_rounds - 1,
+                                           num_rounds=checked.num_server_rounds + int(checked.head_round),
                                            timeout=args.timeout,
                                            verbose=args.verbose)
         runs.append(RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
