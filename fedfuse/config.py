@@ -148,7 +148,9 @@ class RunConfig:
     auto_candidates: str = _key("average,fedavg,feddf", "auto: the candidate aggregations of every round, comma-"
                                 "separated, first preferred on a tie: average (with server momentum) | fedavg (plain "
                                 "average) | a fusion method (feddf, kf-gradient, ...); the clients' accuracy on their "
-                                "own data picks one per round")
+                                "own data picks one per round; mode='one-shot' with this default uses "
+                                "average,feddf,kf-linear (one round: the plain average and the momentum step are the "
+                                "same model, and kf-linear is the best measured one-shot fusion)")
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
                                    "always); below it auto chooses between the average with and without server "
                                    "momentum", ge=0)

@@ -56,6 +56,9 @@ def test_run_config_errors_name_the_key():
     from fedfuse.flower.server_app import selection_options
     one = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 2})
     assert selection_options(one)["local_epochs"] is None
+    assert selection_options(one)["candidates"] == ("average", "feddf", "kf-linear")   # one-shot default list
+    given = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "auto-candidates": "average,feddf"})
+    assert selection_options(given)["candidates"] == ("average", "feddf")   # a user's list is kept
     assert selection_options(parse_run_config({"local-epochs": 2}))["local_epochs"] == 2
     cfg = parse_run_config({"strategy": "auto", "auto-candidates": "fedavg, kf-gradient"})
     assert cfg.auto_candidate_names == ("fedavg", "kf-gradient")

@@ -44,7 +44,7 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
+from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
@@ -203,12 +203,19 @@ class MemberReference:
         return out
 
 
+ONE_SHOT_AUTO_CANDIDATES = ("average", "feddf", "kf-linear")
+
+
 def selection_options(cfg: RunConfig) -> dict:
     """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
     if cfg.strategy != "auto":
         return {}
-    # one-shot: a single round, so no later round can suffer from its choice; fusion candidates are always on
-    return {"candidates": cfg.auto_candidate_names, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
+    # one-shot: a single round, so no later round can suffer from its choice; fusion candidates are always on, and
+    # the default list trades the momentum step (in one round the same model as the average) for kf-linear
+    candidates = cfg.auto_candidate_names
+    if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
+        candidates = ONE_SHOT_AUTO_CANDIDATES
+    return {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
             "fusion_min_epochs": cfg.auto_fusion_epochs}
 
 

@@ -65,7 +65,10 @@ def _run(job: dict) -> dict:
     res = json.loads((out / "results.json").read_text())
     accs = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
+    # head-round=true: the last row is the head round, the one before it the last training round's global model
+    head = bool(hist) and "head-round" in (hist[-1].get("fusion-info") or {})
     return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed")}, "final": accs[-1], "best": max(accs),
+            "before-head": accs[-2] if head else None,
             "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
             "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback")),
             "round-seconds": [r.get("round-seconds") for r in res["rounds"][1:]],
@@ -98,6 +101,11 @@ def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
                 continue
             finals = [r["final"] for r in got]
             diff = f"{100 * (statistics.mean(finals) - statistics.mean(ref)):+.1f} points" if ref else ""
+            if all(r.get("before-head") is not None for r in got):   # head-round=true: the model before it too
+                before = [r["before-head"] for r in got]
+                bdiff = f"{100 * (statistics.mean(before) - statistics.mean(ref)):+.1f} points" if ref else ""
+                lines.append(f"| {ds} α={alpha} | fedfuse `{label}`, before the head round | "
+                             f"{' / '.join(f'{v:.3f}' for v in before)} | {_mean_std(before)} | {bdiff} |")
             lines.append(f"| {ds} α={alpha} | fedfuse `{label}` | {' / '.join(f'{v:.3f}' for v in finals)} | "
                          f"{_mean_std(finals)} | {diff} |")
     return "\n".join(lines) + "\n"
