@@ -217,24 +217,32 @@ def summarise(results: list[dict], out: Path) -> None:
 
 
 def plot(results: list[dict], out: Path) -> None:
+    """Accuracy vs uplink communication, one panel per cell, one marker per row (mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cells = sorted({(r["clients"], r["alpha"]) for r in results})
-    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False)
-    for ax, (c, a) in zip(axes[0], cells):
+    cols = min(3, len(cells))
+    nrows = (len(cells) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows + 1.2), squeeze=False)
+    markers = "os^vD<>pP*Xh"
+    for ax, (c, a) in zip(axes.flat, cells):
         rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
-        for row in ROWS[2:]:
+        for k, row in enumerate(ROWS[2:]):
             y = np.mean([100 * r["accuracy"][row] for r in rs])
             x = np.mean([r["uplink-model-equivalents"][row] for r in rs])
-            ax.scatter(x, y, s=20)
-            ax.annotate(row.replace(" level-wise", ""), (x, y), fontsize=6)
+            ax.scatter(x, y, s=36, marker=markers[k % len(markers)], color=plt.cm.tab20(k), label=row)
         ax.set_title(f"{c} clients, α={a:g}", fontsize=9)
-        ax.set_xlabel("uplink per client (model-equivalents)")
-        ax.set_ylabel("test accuracy %")
-    fig.tight_layout()
+        ax.set_xlabel("uplink per client (model-equivalents)", fontsize=8)
+        ax.set_ylabel("test accuracy %", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(cells):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.12 if nrows == 1 else 0.08, 1, 1))
     fig.savefig(out / "accuracy_vs_communication.png", dpi=130)
 
 
