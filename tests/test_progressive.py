@@ -185,8 +185,8 @@ def test_head_round_rejects_a_malformed_reply_and_solves_from_the_others(identit
     good = [head_statistics(model, x[:150], y[:150], 4), head_statistics(model, x[150:], y[150:], 4)]
     bad = head_reply_content(good[0])
     bad.array_records["head-statistics"] = ArrayRecord({"gram-upper": good[0].pack(), "cross": good[0].cross[:3]})
-    out, record = HeadRound(1e-3).run(_Grid([head_reply_content(good[0]), bad, head_reply_content(good[1])]),
-                                      model, 4)
+    out, record = HeadRound(1e-3, check=False).run(
+        _Grid([head_reply_content(good[0]), bad, head_reply_content(good[1])]), model, 4)
     assert record["valid"] == 2 and len(record["rejected"]) == 1 and "cross has shape" in record["rejected"][0][
         "reason"] and record["fallback"] is None
     assert torch.allclose(out[-1].weight, solve_head(good, 1e-3).weight)
@@ -194,8 +194,37 @@ def test_head_round_rejects_a_malformed_reply_and_solves_from_the_others(identit
     # nothing valid: the model is kept, loudly
     kept = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
     w0 = kept[-1].weight.clone()
-    out, record = HeadRound().run(_Grid([bad]), kept, 4)
+    out, record = HeadRound(check=False).run(_Grid([bad]), kept, 4)
     assert torch.equal(out[-1].weight, w0) and "no valid head statistics" in record["fallback"]
+
+
+class _ScoringGrid(_Grid):
+    """Answers the head query with statistics and the scoring query with fixed accuracies (before, head)."""
+
+    def __init__(self, contents, accuracies):
+        super().__init__(contents)
+        self.accuracies = accuracies
+
+    def send_and_receive(self, msgs, timeout=None):
+        from flwr.app import MetricRecord, RecordDict
+
+        msgs = list(msgs)
+        if msgs[0].metadata.message_type != "query.score_candidates":
+            return super().send_and_receive(msgs, timeout)
+        return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b, "accuracy-1": h})}),
+                       m.metadata.dst_node_id) for m, (b, h) in zip(msgs, self.accuracies)]
+
+
+@pytest.mark.parametrize("accuracies, kept", [([(0.5, 0.7), (0.6, 0.6)], "head"), ([(0.8, 0.7), (0.8, 0.75)], "before")])
+def test_the_clients_score_the_solved_head_against_the_model_before(identity, accuracies, kept):
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    w0 = model[-1].weight.clone()
+    stats = [head_reply_content(head_statistics(model, x[:150], y[:150], 4)),
+             head_reply_content(head_statistics(model, x[150:], y[150:], 4))]
+    out, record = HeadRound(1e-3).run(_ScoringGrid(stats, accuracies), model, 4)
+    assert record["kept"] == kept and set(record["client-accuracy"]) == {"before", "head"}
+    assert torch.equal(out[-1].weight, w0) == (kept == "before")
 
 
 def test_run_config_errors_name_the_key():

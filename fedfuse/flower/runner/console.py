@@ -108,7 +108,9 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
     if row.get("choice"):   # strategy 'auto': the aggregation the round's clients chose
         parts.append(f"chose {row['choice']}")
     if isinstance(row.get("fusion-info"), dict) and "head-round" in row["fusion-info"]:   # head-round
-        parts.append("head round (classifier solved from the clients' statistics)")
+        head = row["fusion-info"]["head-round"] or {}
+        parts.append("head round: the clients scored the model before it higher, kept" if head.get("kept") == "before"
+                     else "head round (classifier solved from the clients' statistics)")
     if rnd == 0:
         parts.append("(initial model)")
     marks = round_marks(row)
