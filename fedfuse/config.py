@@ -114,11 +114,13 @@ class RunConfig:
                                     "distilled on the fusion set (some seconds for an MLP: fuse's default 50 epochs) | "
                                     "models = all but KD and FedDF (test passes only) | none",
                                     choices=ONE_SHOT_REFERENCES)
-    head_round: bool = _key(False, "after the last round, one more exchange (fedfuse.progressive, docs/one-shot.md): "
+    head_round: bool = _key(True, "after the last round, one more exchange (fedfuse.progressive, docs/one-shot.md): "
                             "the clients send ridge statistics of their training data on the global model's frozen "
                             "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
-                            "included) and the server solves the classifier in closed form; with mode='one-shot' this "
-                            "is progressive fusion with K = 2 (level-wise K >= 3 is library-only)")
+                            "included) and the server solves the classifier in closed form, kept unless the clients "
+                            "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
+                            "the strict one-exchange setting); always off with client-tiers (it solves one global "
+                            "classifier; the recorded config says false)")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
@@ -329,6 +331,10 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             continue
         values[key.replace("-", "_")] = _coerce(key, value, spec.type)
     cfg = RunConfig(**values)
+    if cfg.client_tiers.strip() and cfg.head_round:
+        # the head round solves one global classifier; capacity tiers have several (the key's help says so; recorded:
+        # the run's config says false)
+        cfg = replace(cfg, head_round=False)
     if cfg.strategy == "auto" and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md). Loud, and
         # recorded: the run's config (results.json) says 'average'.
@@ -359,10 +365,7 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
-    if cfg.head_round and cfg.client_tiers.strip():
-        raise ConfigError("run-config key 'head-round': the head round refits one global model's classifier; it does "
-                          "not take capacity tiers ('client-tiers')")
-    if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
+    if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round and not cfg.client_tiers.strip():
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
         raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "

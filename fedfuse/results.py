@@ -50,7 +50,9 @@ def _jsonable(v: Any) -> Any:
 def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's fusion outcome from the strategy's per-round history (dicts with ``round``, ``fallback``,
     ``skipped``): fallback count and rounds, and ``status`` ``"failed"`` with an ``error`` when there were
-    aggregation rounds and none of them succeeded (each fell back or was skipped)."""
+    aggregation rounds and none of them succeeded (each fell back or was skipped). Post-steps after the last round
+    (entries with ``post-step``, e.g. the head round) are not aggregation rounds."""
+    history = [h for h in history if not h.get("post-step")]
     fell_back = [h for h in history if h.get("fallback")]
     skipped = [h for h in history if h.get("skipped")]
     out: dict[str, Any] = {"status": "completed", "error": None, "fallbacks": len(fell_back),

@@ -163,7 +163,8 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     lines = out.splitlines()
     rounds = [ln for ln in lines if " round " in ln and " acc " in ln]
     assert [ln.split()[0] + " " + ln.split()[2] for ln in rounds] == [
-        "auto 0/2", "auto 1/2", "auto 2/2", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
+        "auto 0/3", "auto 1/3", "auto 2/3", "auto 3/3", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
+    assert "head round" in rounds[3]   # fedfuse's default ends with the head round; the baseline is plain FedAvg
     assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| auto | in-process")
@@ -179,8 +180,9 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     assert b["strategy"] == "fedavg" and a["strategy"] == "auto"
     assert "auto chose" in log   # the round line names the default's per-round choice
     assert all(" chose " in ln for ln in rounds[1:3])   # and so does the console's
-    assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir")} == \
-        {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir")}
+    assert a["head-round"] is True and b["head-round"] is False
+    assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir", "head-round")} == \
+        {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir", "head-round")}
 
 
 def test_no_compare_runs_the_strategy_only(tmp_path, capsys):

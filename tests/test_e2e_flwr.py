@@ -30,9 +30,10 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     strategy = SCHEMA["strategy"].default   # the default strategy, as a new user runs it
     outcome, res = _run(tmp_path)
     rounds = res["rounds"]
-    assert [r["round"] for r in rounds] == [0, 1, 2]            # one row per round (+ the initial model)
-    assert res["config"]["strategy"] == strategy
-    last = rounds[-1]
+    # one row per round (+ the initial model), then the head round (on by default)
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert res["config"]["strategy"] == strategy and res["config"]["head-round"] is True
+    last = rounds[2]
     assert last["test-accuracy"] > 0.3                            # chance is 0.1 on 10 digits
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
     assert last["ensemble-accuracy"] > 0.3 and len(last["client-test-accuracy"]) == 3
@@ -40,6 +41,12 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     assert strategy == "auto" and last["fusion-info"]["select-clients"] == 3
     assert last["fusion-info"]["select-choice"] in ("average", "fedavg")   # 1 local epoch: no fusion candidate
     assert last["choice"] == last["fusion-info"]["select-choice"]
+    # the head round: every node's statistics and scores reached the server through the simulation engine
+    head = rounds[3]["fusion-info"]["head-round"]
+    assert head["valid"] == head["queried"] == 3 and head["rejected"] == [] and head["fallback"] is None
+    assert head["kept"] in ("head", "before") and set(head["client-accuracy"]) == {"before", "head"}
+    expected = rounds[2]["test-accuracy"] if head["kept"] == "before" else None
+    assert expected is None or rounds[3]["test-accuracy"] == pytest.approx(expected)
     for name in ("rounds.csv", "accuracy.png", "global_model.pt", "config.json", "DONE"):
         assert (outcome.out_dir / name).exists(), name
     assert res["status"] == "completed" and res["error"] is None
@@ -55,6 +62,7 @@ def test_flwr_run_where_fusion_never_succeeds_fails_loudly(tmp_path, capsys):
     outcome = run_app(cfg, num_supernodes=2, timeout=420, echo=False, app_dir=write_fault_app(tmp_path / "app"))
     assert outcome.status == "finished:failed", (outcome.status, outcome.details, outcome.log[-3000:])
     res = json.loads((outcome.out_dir / "results.json").read_text())
+    assert "no head round" in outcome.log and len(res["rounds"]) == 3   # no post-step after failed rounds
     assert res["status"] == "failed" and "fusion never succeeded" in res["error"], res.get("error")
     assert "injected fusion failure" in res["error"]
     assert res["fallbacks"] == 2 and res["fallback-rounds"] == [1, 2]
@@ -67,5 +75,5 @@ def test_flwr_run_where_fusion_never_succeeds_fails_loudly(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_flwr_run_one_shot_fedavg(tmp_path):
-    outcome, res = _run(tmp_path, strategy="fedavg", mode="one-shot", **{"num-server-rounds": 1})
+    outcome, res = _run(tmp_path, strategy="fedavg", mode="one-shot", **{"num-server-rounds": 1, "head-round": False})
     assert [r["round"] for r in res["rounds"]] == [0, 1]

@@ -135,7 +135,7 @@ def test_simulation_with_faulty_clients(tmp_path):
     cfg = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 5,
            "partitioning": "iid", "num-server-rounds": 3, "local-epochs": 1, "fusion-set-size": 80,
            "strategy": "kf-linear", "importance": "uniform", "min-train-nodes": 2, "fusion-fallback": "average",
-           "test-faults": FAULTS, "output-dir": str(tmp_path), "run-name": "faults"}
+           "test-faults": FAULTS, "output-dir": str(tmp_path), "run-name": "faults", "head-round": False}
     outcome = run_app(cfg, num_supernodes=5, timeout=600, echo=False, app_dir=write_fault_app(tmp_path / "app"))
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((outcome.out_dir / "results.json").read_text())

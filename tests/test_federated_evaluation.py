@@ -17,7 +17,7 @@ from simulations.runners.inprocess import run_inprocess
 
 TINY = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
         "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "min-train-nodes": 3,
-        "importance-samples": 32}
+        "importance-samples": 32, "head-round": False}   # the head round's federated row: test_progressive
 
 
 def test_evaluation_key_rules():

@@ -19,7 +19,7 @@ RUN_ID = 7
 # the e2e test's tiny config (tests/test_e2e_flwr.py): digits, 3 class-disjoint clients, 2 rounds
 TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
         "partitioning": "shards", "num-server-rounds": 2, "local-epochs": 3, "lr": 0.01,
-        "fusion-set-size": 120, "min-train-nodes": 3, "importance": "deeplift", "importance-samples": 64}
+        "fusion-set-size": 120, "min-train-nodes": 3, "importance": "deeplift", "importance-samples": 64, "head-round": False}
 
 
 def _echo_app() -> ClientApp:

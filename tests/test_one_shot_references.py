@@ -14,7 +14,7 @@ from fedfuse.models import build_model
 from fedfuse.references import REFERENCE_KEYS, gap_recovered, one_shot_references
 from fedfuse.training import evaluate, train
 
-TINY = ("mode='one-shot' num-server-rounds=1 num-clients=2 local-epochs=1 model-width=16 model-depth=1 "
+TINY = ("mode='one-shot' head-round=false num-server-rounds=1 num-clients=2 local-epochs=1 model-width=16 model-depth=1 "
         "fusion-set-size=60 importance='uniform' strategy='kf-linear' run-name='r'")
 
 

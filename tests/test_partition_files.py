@@ -34,7 +34,8 @@ def _write_splits(tmp_path, n=3, per=60, seed=0):
 def _cfg(tmp_path, **extra):
     return {"dataset": "mnist1d-flat", "partition-files": str(tmp_path / "node-{partition-id}.npz"),
             "test-set-path": str(tmp_path / "test.npz"), "fusion-set-path": str(tmp_path / "pool.npz"),
-            "fusion-set-size": 100, "num-clients": 3, "min-train-nodes": 3, "val-fraction": 0.0, **extra}
+            "fusion-set-size": 100, "num-clients": 3, "min-train-nodes": 3, "val-fraction": 0.0, "head-round": False,
+            **extra}
 
 
 def test_each_client_trains_on_exactly_its_file(tmp_path):

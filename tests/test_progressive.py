@@ -228,10 +228,11 @@ def test_the_clients_score_the_solved_head_against_the_model_before(identity, ac
 
 
 def test_run_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="'head-round'.*client-tiers"):
-        preflight({"head-round": True, "client-tiers": "1,0.5", "strategy": "average"})
     with pytest.raises(ConfigError, match="'head-ridge'"):
-        preflight({"mode": "one-shot", "num-server-rounds": 1, "head-ridge": 0.1})
+        preflight({"head-round": False, "head-ridge": 0.1})
+    from fedfuse.config import parse_run_config
+    assert parse_run_config({}).head_round   # on by default
+    assert not parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).head_round   # off with tiers
     with pytest.raises(ConfigError, match="'head-round'"):
         preflight({"head-round": "yes"})
 
@@ -261,3 +262,17 @@ def test_a_multi_round_run_ends_with_the_head_round(tmp_path):
                          "run-name": "m"}, echo=False)
     rounds = {r["round"]: r for r in json.loads((out / "results.json").read_text())["rounds"]}
     assert sorted(rounds) == [0, 1, 2, 3] and rounds[3]["fusion-info"]["head-round"]["valid"] == 2
+
+
+def test_with_federated_evaluation_the_head_round_row_has_the_clients_scores(tmp_path):
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    out = run_inprocess({"num-clients": 3, "num-server-rounds": 1, "local-epochs": 1, "model-width": 16,
+                         "model-depth": 1, "strategy": "fedavg", "evaluation": "both", "output-dir": str(tmp_path),
+                         "run-name": "f"}, echo=False)
+    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    head = rounds[2]["fusion-info"]["head-round"]
+    assert rounds[2]["federated-clients"] == 3
+    assert rounds[2]["federated-accuracy"] == pytest.approx(head["client-accuracy"][head["kept"]])
+    # the last training round's clients stay the reference columns of the head round's row
+    assert rounds[2]["client-test-accuracy"] == rounds[1]["client-test-accuracy"]

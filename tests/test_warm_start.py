@@ -19,7 +19,7 @@ from tests.test_flower_baselines import configure, model_fn, reply
 WARM = {"mode": "warm-start", "num-server-rounds": 3}
 TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
         "partitioning": "dirichlet", "num-server-rounds": 2, "local-epochs": 1, "lr": 0.01,
-        "fusion-set-size": 120, "min-train-nodes": 3, "importance-samples": 64}
+        "fusion-set-size": 120, "min-train-nodes": 3, "importance-samples": 64, "head-round": False}
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -65,7 +65,7 @@ def test_baseline_of_a_warm_start_is_fedavg_from_scratch():
     from fedfuse.flower.runner.compare import baseline_config
 
     cfg = baseline_config({**WARM, "warm-start-epochs": 5, "warm-start-fusion": "ot", "strategy": "average"})
-    assert cfg == {"mode": "multi-round", "num-server-rounds": 3, "strategy": "fedavg"}
+    assert cfg == {"mode": "multi-round", "num-server-rounds": 3, "strategy": "fedavg", "head-round": False}
     parse_run_config(cfg)
 
 

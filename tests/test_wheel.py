@@ -128,8 +128,9 @@ def test_installed_fedfuse_runs_and_compares_outside_the_repository(installed):
     for name in ("results.json", "rounds.csv", "run.log", "comparison.md", "comparison.png"):
         assert (out / name).exists(), name
     results = json.loads((out / "results.json").read_text())
-    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1]
-    assert results["config"]["strategy"] == "auto"                      # the shipped app config's default
+    # one round, then the head round (the shipped app config's defaults)
+    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1, 2]
+    assert results["config"]["strategy"] == "auto" and results["config"]["head-round"] is True
     assert not list(venv.rglob("results.json"))                         # nothing written into the installation
 
     res = _fedfuse(installed, "compare", "--strategies", "fedavg", "--partitions", "iid", "--seeds", "0",
@@ -152,5 +153,5 @@ def test_installed_fedfuse_run_on_the_flwr_engine_outside_the_repository(install
                    timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((cwd / "results" / "flwr" / "results.json").read_text())
-    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1]
+    assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [0, 1, 2]
     assert shutil.which("fedfuse", path=env["PATH"]) == str(venv / "bin" / "fedfuse")

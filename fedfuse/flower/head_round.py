@@ -140,11 +140,14 @@ class HeadRound:
                 log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
             elif scores[1] < scores[0]:
                 record["kept"] = "before"
+                record["federated"] = record["federated"][0]
                 record["seconds"] = time.perf_counter() - t0
                 log(INFO, "fedfuse head round: the clients score the solved head lower (%.4f < %.4f): the model "
                     "before it stays", scores[1], scores[0])
                 return before, record
         record["kept"] = "head"
+        if isinstance(record.get("federated"), list):
+            record["federated"] = record["federated"][1]
         record["seconds"] = time.perf_counter() - t0
         log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)", len(stats),
             record["num-examples"], record["seconds"])
@@ -160,15 +163,21 @@ class HeadRound:
         except Exception as exc:  # noqa: BLE001 - the solved head is kept unchecked, loudly
             log(WARNING, "fedfuse head round: the scoring query failed: %s: %s", type(exc).__name__, exc)
             return None
-        total, sums = 0, [0.0] * len(states)
+        total, sums, losses, clients = 0, [0.0] * len(states), [0.0] * len(states), 0
         for reply in replies:
             try:
                 n, accs = read_score_reply(reply, len(states))
             except ValueError as exc:
                 record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": f"scoring: {exc}"})
                 continue
-            total += n
+            total, clients = total + n, clients + 1
             sums = [a + n * b for a, b in zip(sums, accs)]
+            metrics = reply.content.metric_records["metrics"]
+            losses = [a + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, a in enumerate(losses)]
+        if total:   # the clients' view of both models: Flower's federated evaluation of this round
+            record["federated"] = [{"federated-accuracy": a / total, "federated-loss": l_ / total,
+                                    "federated-clients": clients, "federated-examples": total}
+                                   for a, l_ in zip(sums, losses)]
         bad = [r for r in record["rejected"] if r["reason"].startswith("scoring: ")]
         if bad:
             log(WARNING, "fedfuse head round: scoring replies rejected: %s",

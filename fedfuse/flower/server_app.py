@@ -442,12 +442,15 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
                num_classes: int) -> None:
     """The round after the last of a ``head-round=true`` run (``fedfuse.flower.head_round``): the global model's
     classifier solved from every node's ridge statistics, its temperature set from the last round's clients' ensemble
-    on the fusion set; recorded and evaluated as round ``num-server-rounds + 1`` (in one-shot mode: progressive fusion
-    with K = 2; the one-shot references are not redone)."""
+    on the fusion set, kept unless the clients score it lower; recorded (``post-step``) and evaluated as round
+    ``num-server-rounds + 1`` (in one-shot mode: progressive fusion with K = 2). Not run when the training rounds
+    failed (the run reports that failure)."""
     from fedfuse.flower.head_round import HeadRound
-
     from fedfuse.fusion.distillation import teacher_probs
 
+    if fusion_outcome(strategy.history)["status"] != "completed" or not strategy.history:
+        log(WARNING, "fedfuse: no head round: the training rounds produced no global model of their own")
+        return
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
     reference = None   # the last round's clients' ensemble on the fusion set sets the head's temperature
     if strategy.fusion_inputs is not None and strategy.last_updates:
@@ -458,11 +461,18 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes, reference)
     head_rnd = cfg.num_server_rounds + 1
-    strategy.history.append({"round": head_rnd, "valid": record["valid"], "rejected": record["rejected"], "failures": [],
-                             "fallback": record["fallback"], "skipped": None, "guard": None,
-                             "fusion-seconds": record["seconds"], "fusion-info": {"head-round": record}})
-    strategy.last_updates = []   # the head round has no client models: the references stay the last round's
-    evaluation(head_rnd - evaluation.done, ArrayRecord(model.state_dict()))
+    strategy.history.append({"round": head_rnd, "post-step": "head-round", "valid": record["valid"],
+                             "rejected": record["rejected"], "failures": [], "fallback": record["fallback"],
+                             "skipped": None, "guard": None, "fusion-seconds": record["seconds"],
+                             "fusion-info": {"head-round": record}})
+    if evaluation.federated is not None:   # the clients' scores of the kept model are this round's federated evaluation
+        evaluation.federated.pending = dict(record.get("federated") or {"federated-clients": 0})
+    # the last round's clients stay the reference columns of this row; the one-shot references are not redone
+    references, evaluation.references = evaluation.references, "none"
+    try:
+        evaluation(head_rnd - evaluation.done, ArrayRecord(model.state_dict()))
+    finally:
+        evaluation.references = references
 
 
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
@@ -486,6 +496,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
+    elif cfg.client_tiers.strip():
+        log(INFO, "fedfuse: no head round with client-tiers (it solves one global classifier)")
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
     initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path

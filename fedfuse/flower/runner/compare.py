@@ -35,10 +35,13 @@ STRATEGY_ONLY_KEYS = ("fusion-options", "fusion-rounds", "refine", "refine-prior
 def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, output_dir: str | None = None,
                     run_name: str | None = None) -> dict[str, Any]:
     """``run_config`` for ``baseline``: the same keys (dataset, split, seed, clients, training) except the
-    strategy and the strategy-only keys (``STRATEGY_ONLY_KEYS``); ``output-dir``/``run-name`` when given. A warm
+    strategy, the strategy-only keys (``STRATEGY_ONLY_KEYS``) and the head round; ``output-dir``/``run-name`` when given. A warm
     start's baseline runs from scratch (``mode='multi-round'``, no warm-start keys)."""
-    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS}
+    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS + ("head-ridge",)}
     cfg["strategy"] = baseline
+    # the baseline is FedAvg as Flower users run it: no head round (fedfuse's post-step; docs/multi-round.md gives
+    # FedAvg with it too)
+    cfg["head-round"] = False
     if cfg.get("mode") == "warm-start":   # the baseline of a warm start is FedAvg from scratch (docs/warm-start.md)
         cfg = {k: v for k, v in cfg.items() if not k.startswith("warm-start-")}
         cfg["mode"] = "multi-round"

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"fedfuse: {checked.strategy} did not complete; {baseline} baseline not run", file=sys.stderr)
             return code
         b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
-                                           num_rounds=checked.num_server_rounds + int(checked.head_round),
+                                           num_rounds=checked.num_server_rounds,   # no head round
                                            timeout=args.timeout,
                                            verbose=args.verbose)
         runs.append(RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
