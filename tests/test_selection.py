@@ -56,7 +56,9 @@ def test_run_config_errors_name_the_key():
     from fedfuse.flower.server_app import selection_options
     one = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 2})
     assert selection_options(one)["local_epochs"] is None
-    assert selection_options(one)["candidates"] == ("average", "feddf", "kf-linear")   # one-shot default list
+    assert selection_options(one)["candidates"] == ("kf-linear",)   # one-shot with the head round (default)
+    strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
+    assert selection_options(strict)["candidates"] == ("average", "feddf", "kf-linear")   # strict one-shot
     given = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "auto-candidates": "average,feddf"})
     assert selection_options(given)["candidates"] == ("average", "feddf")   # a user's list is kept
     assert selection_options(parse_run_config({"local-epochs": 2}))["local_epochs"] == 2

@@ -214,7 +214,9 @@ def selection_options(cfg: RunConfig) -> dict:
     # the default list trades the momentum step (in one round the same model as the average) for kf-linear
     candidates = cfg.auto_candidate_names
     if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
-        candidates = ONE_SHOT_AUTO_CANDIDATES
+        # with the head round kf-linear alone: the clients score the candidates before their head is solved, and
+        # FedDF, often ahead there, ends 8-11 points below kf-linear after it (docs/one-shot.md)
+        candidates = ("kf-linear",) if cfg.head_round else ONE_SHOT_AUTO_CANDIDATES
     return {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
             "fusion_min_epochs": cfg.auto_fusion_epochs}
 
