@@ -185,9 +185,13 @@ def references_table(run: RunSummary) -> str | None:
     acc = {r["key"]: r["accuracy"] for r in refs.get("rows", []) if "accuracy" in r}
     if final is not None and "best-client" in acc and "ensemble" in acc:
         share = gap_recovered(final, acc["best-client"], acc["ensemble"])
-        lines += ["", f"{run.label} recovers " + ("- (the ensemble is not above the best client)" if share is None
-                                                  else f"{100 * share:.0f}%") +
-                  " of the gap between the best client and the ensemble (one seed)"]
+        if share is not None and share > 1:
+            lines += ["", f"{run.label} is {100 * (final - acc['ensemble']):.1f} points above the clients' ensemble "
+                          f"({100 * share:.0f}% of the gap between the best client and the ensemble; one seed)"]
+        else:
+            lines += ["", f"{run.label} recovers " + ("- (the ensemble is not above the best client)" if share is None
+                                                      else f"{100 * share:.0f}%") +
+                      " of the gap between the best client and the ensemble (one seed)"]
     return "\n".join(lines)
 
 
