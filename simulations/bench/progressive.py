@@ -5,7 +5,8 @@ Cells: MNIST-1D, 12,000 samples (the anchors' generation: ``mnist1d`` ``make_dat
 cells are the anchors' own files (``../shared/anchors/splits``, the data stock Flower FedAvg was measured on); the
 others are cut with the anchors' recipe (per class, Dirichlet proportions, ``numpy.random.default_rng(seed)``,
 redrawn until every client has ≥ 20 samples). The server's fusion set: 300 samples of the anchors' public pool
-(``--fusion-source public``), 300 of client 0's data (``client0``), or both (``mixed``, 600). ``--dataset digits``:
+(``--fusion-source public``), 300 of client 0's data (``client0``), or both (``mixed``, 600). ``--alphas 0``: class
+shards (2 shards of the label-sorted data per client). ``--dataset digits``:
 the anchors' digits cells (10 clients, α = 0.1 / 0.5, MLP 64-128-128-10; no public pool, so ``client0``).
 
 Clients: the anchors' MLP 40-256-256-10, each from its own initialisation (one-shot), ``--epochs`` (20) of SGD
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fedfuse.fusion import fuse_result  # noqa: E402
+from fedfuse.models import build_model  # noqa: E402
 from fedfuse.progressive import (cut_points, freeze, fuse_suffixes, head_statistics, lift_suffix,  # noqa: E402
                                  model_equivalents, solve_head, split, with_head)
 from simulations.bench.anchor_lr_screen import SPLITS, load_split, train_local  # noqa: E402
@@ -59,7 +61,9 @@ ROWS = ["best client", "mean client", "ensemble", "one-shot FedAvg", "KD", "FedD
 
 
 def generated_cell(alpha: float, clients: int, seed: int):
-    """``(xs, ys, x_test, y_test)``: the anchors' MNIST-1D cut with their Dirichlet recipe for other α / counts."""
+    """``(xs, ys, x_test, y_test)``: the anchors' MNIST-1D cut with their Dirichlet recipe for other α / counts;
+    ``alpha = 0`` means class shards instead: the training set sorted by label, cut into 2 × ``clients`` shards, two
+    random shards per client (McMahan et al.'s pathological split; most clients hold 2 classes)."""
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -67,6 +71,13 @@ def generated_cell(alpha: float, clients: int, seed: int):
     d = make_dataset(args)
     x, y = np.asarray(d["x"], np.float32), np.asarray(d["y"], np.int64)
     rng = np.random.default_rng(seed)
+    if alpha == 0:
+        order = np.argsort(y, kind="stable")
+        shards = np.array_split(order, 2 * clients)
+        pick = rng.permutation(2 * clients)
+        parts = [np.concatenate([shards[pick[2 * i]], shards[pick[2 * i + 1]]]) for i in range(clients)]
+        return ([torch.tensor(x[p]) for p in parts], [torch.tensor(y[p]) for p in parts],
+                torch.tensor(np.asarray(d["x_test"], np.float32)), torch.tensor(np.asarray(d["y_test"])))
     while True:
         parts: list[list[int]] = [[] for _ in range(clients)]
         for c in range(10):
@@ -84,6 +95,7 @@ def generated_cell(alpha: float, clients: int, seed: int):
 
 
 def load_cell(alpha: float, clients: int, seed: int, dataset: str = "mnist1d"):
+    """One cell's client data and test set; ``alpha = 0``: class shards (``generated_cell``)."""
     anchor = SPLITS / f"{dataset}-a{alpha:g}-s{seed}"
     if clients == 10 and anchor.is_dir():
         return (*load_split(anchor), "anchor")
@@ -111,6 +123,8 @@ def head_round(model: nn.Module, xs, ys, ridge: float) -> tuple[nn.Module, int]:
 
 def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     xs, ys, xt, yt, source = load_cell(alpha, clients, seed, args.dataset)
+    if args.model == "cnn":
+        xs, xt = [x.unsqueeze(1) for x in xs], xt.unsqueeze(1)
     gen = torch.Generator().manual_seed(seed)
     if args.dataset != "mnist1d" and args.fusion_source != "client0":
         raise ValueError(f"{args.dataset}: the anchors have no public pool; use --fusion-source client0")
@@ -119,12 +133,17 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
           "client0": lambda: xs[0][torch.randperm(len(xs[0]), generator=gen)[:300]]}
     X = (torch.cat([fs["public"](), fs["client0"]()]) if args.fusion_source == "mixed"
          else fs[args.fusion_source]())
+    if args.model == "cnn" and X.dim() == 2:
+        X = X.unsqueeze(1)
     n = [float(len(y)) for y in ys]
     t0 = time.perf_counter()
     models = []
     for i in range(clients):
         torch.manual_seed(1000 * seed + i)
-        m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128)
+        if args.model == "cnn":   # fedfuse's VGG-style CNN on the signal as one channel
+            m = build_model("cnn", 10, (1, xs[0].shape[1]), width=32, depth=3, seed=1000 * seed + i)
+        else:
+            m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128)
         train_local(m, xs[i], ys[i], args.epochs, args.lr, torch.Generator().manual_seed(100 * seed + i))
         models.append(m.eval())
     train_s = time.perf_counter() - t0
@@ -160,6 +179,10 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
         model, numbers = head_round(base, xs, ys, args.ridge)
         acc[row], secs[row] = accuracy(model, xt, yt), secs[base_row] + time.perf_counter() - t
         comm[row] = 1.0 + model_equivalents(numbers, models[0])
+    row = "K=3 kf-linear level-wise+head"
+    if args.model != "mlp":   # level-wise rounds take MLPs (fedfuse.progressive.cut_points)
+        acc[row], secs[row], comm[row] = float("nan"), float("nan"), float("nan")
+        return _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info)
     # K = 3, level-wise: the first hidden level of kf-linear frozen, the clients lift and retrain the rest on it
     t = time.perf_counter()
     cut = cut_points(kf)[0]
@@ -175,28 +198,33 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     assert all(torch.equal(before[k], v) for k, v in prefix.state_dict().items()), "the frozen level moved"
     fused = fuse_suffixes("kf-linear", prefix, suffixes, X, weights=n, seed=seed)
     model, numbers = head_round(fused, xs, ys, args.ridge)
-    row = "K=3 kf-linear level-wise+head"
     acc[row], secs[row] = accuracy(model, xt, yt), secs["kf-linear (K=1)"] + time.perf_counter() - t
     suffix_numbers = sum(p.numel() for p in suffixes[0].parameters())
     comm[row] = 1.0 + model_equivalents(suffix_numbers + numbers, models[0])
     info["K=3 upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
-    return {"dataset": args.dataset, "alpha": alpha, "clients": clients, "seed": seed, "source": source, "fusion-source": args.fusion_source,
-            "fusion-samples": len(X), "train-seconds": train_s, "params": params, "accuracy": acc,
-            "uplink-model-equivalents": comm, "seconds": secs, "client-accuracy": client_acc, "info": info}
+    return _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info)
+
+
+def _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info) -> dict:
+    return {"dataset": args.dataset, "model": args.model, "alpha": alpha, "clients": clients, "seed": seed,
+            "source": source, "fusion-source": args.fusion_source, "fusion-samples": len(X), "train-seconds": train_s,
+            "params": params, "accuracy": acc, "uplink-model-equivalents": comm, "seconds": secs,
+            "client-accuracy": client_acc, "info": info}
 
 
 def summarise(results: list[dict], out: Path) -> None:
     cells = sorted({(r["clients"], r["alpha"]) for r in results})
     seeds = sorted({r["seed"] for r in results})
-    header = ["row", "uplink (model-eq.)"] + [f"{c} clients α={a:g}" for c, a in cells]
+    header = ["row", "uplink (model-eq.)"] + [f"{c} clients " + (f"α={a:g}" if a else "shards") for c, a in cells]
     lines = []
     for row in ROWS:
         vals = []
         for c, a in cells:
             v = [100 * r["accuracy"][row] for r in results if (r["clients"], r["alpha"]) == (c, a)]
             vals.append(format_mean_std(v, 1))
-        ups = sorted({round(r["uplink-model-equivalents"][row], 2) for r in results})
-        lines.append([row, "/".join(f"{u:g}" for u in ups)] + vals)
+        ups = sorted({round(r["uplink-model-equivalents"][row], 2) for r in results
+                      if r["uplink-model-equivalents"][row] == r["uplink-model-equivalents"][row]}) or ["n/a"]
+        lines.append([row, "/".join(u if isinstance(u, str) else f"{u:g}" for u in ups)] + vals)
     gaps = []
     for row in ROWS[3:]:
         v = []
@@ -205,7 +233,7 @@ def summarise(results: list[dict], out: Path) -> None:
             v.append(format_mean_std([100 * (r["accuracy"][row] - r["accuracy"]["ensemble"]) for r in rs], 1))
         gaps.append([row] + v)
     name = {"mnist1d": "MNIST-1D (12,000 samples)", "digits": "digits (the anchors' splits)"}[results[0].get(
-        "dataset", "mnist1d")]
+        "dataset", "mnist1d")] + f", {results[0].get('model', 'mlp').upper()}"
     text = (f"# Progressive few-round fusion, {name}, fusion set: {results[0]['fusion-source']} "
             f"({results[0]['fusion-samples']} samples)\n\nTest accuracy %, {std_note(len(seeds))} "
             f"({', '.join(map(str, seeds))}). Uplink: numbers one client sends over the run / the model's "
@@ -234,7 +262,7 @@ def plot(results: list[dict], out: Path) -> None:
             y = np.mean([100 * r["accuracy"][row] for r in rs])
             x = np.mean([r["uplink-model-equivalents"][row] for r in rs])
             ax.scatter(x, y, s=36, marker=markers[k % len(markers)], color=plt.cm.tab20(k), label=row)
-        ax.set_title(f"{c} clients, α={a:g}", fontsize=9)
+        ax.set_title(f"{c} clients, " + (f"α={a:g}" if a else "class shards"), fontsize=9)
         ax.set_xlabel("uplink per client (model-equivalents)", fontsize=8)
         ax.set_ylabel("test accuracy %", fontsize=8)
         ax.grid(alpha=0.3)
@@ -249,6 +277,8 @@ def plot(results: list[dict], out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=["mnist1d", "digits"], default="mnist1d")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp: the anchors' MLP; cnn: fedfuse's CNN (width 32, depth 3) on the signal (MNIST-1D only)")
     p.add_argument("--alphas", default="0.1,0.3,0.5")
     p.add_argument("--clients", default="10")
     p.add_argument("--seeds", default="0,1,2")
