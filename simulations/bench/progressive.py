@@ -55,9 +55,10 @@ from simulations.bench.anchor_lr_screen import SPLITS, load_split, train_local  
 from simulations.bench.stats import format_mean_std, std_note  # noqa: E402
 from simulations.bench.tables import markdown_table  # noqa: E402
 
+NAN = float("nan")
 ROWS = ["best client", "mean client", "ensemble", "one-shot FedAvg", "KD", "FedDF", "kf-linear (K=1)", "auto",
         "auto[validation]", "K=2 kf-linear+head", "K=2 FedDF+head", "K=2 auto[validation]+head",
-        "K=3 kf-linear level-wise+head"]
+        "K=3 kf-linear level-wise+head", "K=4 kf-linear level-wise+head"]
 
 
 def generated_cell(alpha: float, clients: int, seed: int):
@@ -104,9 +105,13 @@ def load_cell(alpha: float, clients: int, seed: int, dataset: str = "mnist1d"):
     return (*generated_cell(alpha, clients, seed), "generated")
 
 
-def anchor_mlp(d: int, width: int) -> nn.Module:
-    """The anchors' MLP: ``d``-width-width-10 with ReLU (width 256 for MNIST-1D, 128 for digits)."""
-    return nn.Sequential(nn.Linear(d, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+def anchor_mlp(d: int, width: int, depth: int = 2) -> nn.Module:
+    """The anchors' MLP: ``d``-width-width-10 with ReLU (width 256 for MNIST-1D, 128 for digits); ``depth`` hidden
+    layers (the anchors' 2; 3 gives K = 4 a level-wise round more)."""
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Linear(d if i == 0 else width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -143,7 +148,7 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
         if args.model == "cnn":   # fedfuse's VGG-style CNN on the signal as one channel
             m = build_model("cnn", 10, (1, xs[0].shape[1]), width=32, depth=3, seed=1000 * seed + i)
         else:
-            m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128)
+            m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128, args.depth)
         train_local(m, xs[i], ys[i], args.epochs, args.lr, torch.Generator().manual_seed(100 * seed + i))
         models.append(m.eval())
     train_s = time.perf_counter() - t0
@@ -179,30 +184,41 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
         model, numbers = head_round(base, xs, ys, args.ridge)
         acc[row], secs[row] = accuracy(model, xt, yt), secs[base_row] + time.perf_counter() - t
         comm[row] = 1.0 + model_equivalents(numbers, models[0])
-    row = "K=3 kf-linear level-wise+head"
-    if args.model != "mlp":   # level-wise rounds take MLPs (fedfuse.progressive.cut_points)
-        acc[row], secs[row], comm[row] = float("nan"), float("nan"), float("nan")
-        return _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info)
-    # K = 3, level-wise: the first hidden level of kf-linear frozen, the clients lift and retrain the rest on it
-    t = time.perf_counter()
-    cut = cut_points(kf)[0]
-    prefix = freeze(copy.deepcopy(split(kf, cut)[0]))
-    before = {k: v.clone() for k, v in prefix.state_dict().items()}
-    suffixes = []
-    for i, m in enumerate(models):
-        own_prefix, own_suffix = split(m, cut)
-        upper = lift_suffix(prefix, own_prefix, own_suffix, xs[i], args.ridge)
-        train_local(nn.Sequential(*prefix, *upper).train(), xs[i], ys[i], args.suffix_epochs, args.lr,
-                    torch.Generator().manual_seed(100 * seed + i + 50))
-        suffixes.append(upper.eval())
-    assert all(torch.equal(before[k], v) for k, v in prefix.state_dict().items()), "the frozen level moved"
-    fused = fuse_suffixes("kf-linear", prefix, suffixes, X, weights=n, seed=seed)
-    model, numbers = head_round(fused, xs, ys, args.ridge)
-    acc[row], secs[row] = accuracy(model, xt, yt), secs["kf-linear (K=1)"] + time.perf_counter() - t
-    suffix_numbers = sum(p.numel() for p in suffixes[0].parameters())
-    comm[row] = 1.0 + model_equivalents(suffix_numbers + numbers, models[0])
-    info["K=3 upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
+    for k in (3, 4):   # level-wise rounds: K - 2 of them, then the head round
+        row = f"K={k} kf-linear level-wise+head"
+        if args.model != "mlp" or k - 2 > len(cut_points(kf)) - 1:   # n/a: level-wise rounds take MLPs that deep
+            acc[row], secs[row], comm[row] = float("nan"), float("nan"), float("nan")
+            continue
+        t = time.perf_counter()
+        fused, sent = levelwise(models, kf, X, xs, ys, n, seed, args, k - 2)
+        model, numbers = head_round(fused, xs, ys, args.ridge)
+        acc[row], secs[row] = accuracy(model, xt, yt), secs["kf-linear (K=1)"] + time.perf_counter() - t
+        comm[row] = 1.0 + model_equivalents(sent + numbers, models[0])
+        info[f"K={k} upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
     return _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info)
+
+
+def levelwise(models, fused: nn.Sequential, X, xs, ys, n, seed: int, args, rounds: int) -> tuple[nn.Sequential, int]:
+    """``rounds`` level-wise rounds after the one-shot fusion ``fused``: round j freezes the fused model's levels up
+    to cut j; each client lifts its current upper part onto them, trains it (``--suffix-epochs``; the frozen levels
+    stay bit-identical) and sends it; the server fuses the upper parts with kf-linear on the fusion set through the
+    frozen levels. Returns the fused model and the numbers one client sent (its upper parts)."""
+    current, clients, sent = fused, list(models), 0
+    for j, cut in enumerate(cut_points(fused)[:-1][:rounds]):   # each leaves a hidden level above the cut
+        prefix = freeze(copy.deepcopy(split(current, cut)[0]))
+        before = {k: v.clone() for k, v in prefix.state_dict().items()}
+        suffixes = []
+        for i, m in enumerate(clients):
+            own_prefix, own_suffix = split(m, cut)
+            upper = lift_suffix(prefix, own_prefix, own_suffix, xs[i], args.ridge)
+            train_local(nn.Sequential(*prefix, *upper).train(), xs[i], ys[i], args.suffix_epochs, args.lr,
+                        torch.Generator().manual_seed(100 * seed + i + 50 + 1000 * j))
+            suffixes.append(upper.eval())
+            clients[i] = nn.Sequential(*prefix, *upper).eval()
+        assert all(torch.equal(before[k], v) for k, v in prefix.state_dict().items()), "a frozen level moved"
+        current = fuse_suffixes("kf-linear", prefix, suffixes, X, weights=n, seed=seed)
+        sent += sum(p.numel() for p in suffixes[0].parameters())
+    return current, sent
 
 
 def _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info) -> dict:
@@ -220,17 +236,18 @@ def summarise(results: list[dict], out: Path) -> None:
     for row in ROWS:
         vals = []
         for c, a in cells:
-            v = [100 * r["accuracy"][row] for r in results if (r["clients"], r["alpha"]) == (c, a)]
+            v = [100 * r["accuracy"].get(row, NAN) for r in results if (r["clients"], r["alpha"]) == (c, a)]
             vals.append(format_mean_std(v, 1))
-        ups = sorted({round(r["uplink-model-equivalents"][row], 2) for r in results
-                      if r["uplink-model-equivalents"][row] == r["uplink-model-equivalents"][row]}) or ["n/a"]
+        ups = sorted({round(r["uplink-model-equivalents"].get(row, NAN), 2) for r in results
+                      if r["uplink-model-equivalents"].get(row, NAN) == r["uplink-model-equivalents"].get(row, NAN)}) \
+            or ["n/a"]
         lines.append([row, "/".join(u if isinstance(u, str) else f"{u:g}" for u in ups)] + vals)
     gaps = []
     for row in ROWS[3:]:
         v = []
         for c, a in cells:
             rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
-            v.append(format_mean_std([100 * (r["accuracy"][row] - r["accuracy"]["ensemble"]) for r in rs], 1))
+            v.append(format_mean_std([100 * (r["accuracy"].get(row, NAN) - r["accuracy"]["ensemble"]) for r in rs], 1))
         gaps.append([row] + v)
     name = {"mnist1d": "MNIST-1D (12,000 samples)", "digits": "digits (the anchors' splits)"}[results[0].get(
         "dataset", "mnist1d")] + f", {results[0].get('model', 'mlp').upper()}"
@@ -259,8 +276,8 @@ def plot(results: list[dict], out: Path) -> None:
     for ax, (c, a) in zip(axes.flat, cells):
         rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
         for k, row in enumerate(ROWS[2:]):
-            y = np.mean([100 * r["accuracy"][row] for r in rs])
-            x = np.mean([r["uplink-model-equivalents"][row] for r in rs])
+            y = np.mean([100 * r["accuracy"].get(row, NAN) for r in rs])
+            x = np.mean([r["uplink-model-equivalents"].get(row, NAN) for r in rs])
             ax.scatter(x, y, s=36, marker=markers[k % len(markers)], color=plt.cm.tab20(k), label=row)
         ax.set_title(f"{c} clients, " + (f"α={a:g}" if a else "class shards"), fontsize=9)
         ax.set_xlabel("uplink per client (model-equivalents)", fontsize=8)
@@ -277,6 +294,7 @@ def plot(results: list[dict], out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=["mnist1d", "digits"], default="mnist1d")
+    p.add_argument("--depth", type=int, default=2, help="hidden layers of the MLP (3: K = 4 is measured too)")
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                    help="mlp: the anchors' MLP; cnn: fedfuse's CNN (width 32, depth 3) on the signal (MNIST-1D only)")
     p.add_argument("--alphas", default="0.1,0.3,0.5")
