@@ -50,6 +50,10 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     assert table[3] == "| fedavg (baseline) | in-process | 0.4000 | 0.4000 (3) | 3 | 0.7000 | 0 / 0 / 0 |"
     assert table[4] == "| kf-linear | flwr run | 0.3000 | 0.3000 (3) | never | 0.7000 | 2 / 0 / 0 |"
     assert verdict([avg, fedavg], "fedavg").startswith("final accuracy vs fedavg: average +0.2000 (one seed")
+    head = RunSummary(label="auto", engine="flwr run", rows=[
+        {"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5},
+        {"round": 2, "test-accuracy": 0.8, "fusion-info": {"head-round": {"kept": "head"}}}])
+    assert "auto +0.4000 (+0.3000 of it from the head round)" in verdict([head, fedavg], "fedavg")
 
 
 def test_comparison_table_reports_a_failed_run_and_a_missing_baseline(tmp_path):

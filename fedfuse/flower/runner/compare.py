@@ -200,12 +200,22 @@ def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     if ref is None:
         return None
-    parts = [f"{r.label} {r.final - ref.final:+.4f}" for r in runs
+    parts = [f"{r.label} {r.final - ref.final:+.4f}" + _head_share(r) for r in runs
              if r is not ref and r.final is not None and not r.error]
     if not parts:
         return None
     return (f"final accuracy vs {baseline}: " + ", ".join(parts) + " (one seed; mean ± std over seeds: "
             "`fedfuse compare` / fedfuse.flower.runner.sweep)")
+
+
+def _head_share(run: RunSummary) -> str:
+    """`` (+x from the head round)`` when the run ended with a head round, so that the aggregation's share and the
+    head round's are not mistaken for each other; empty otherwise."""
+    rows = [r for r in run.rows if isinstance(r.get("test-accuracy"), (int, float))]
+    info = (rows[-1].get("fusion-info") or {}) if rows else {}
+    if len(rows) < 2 or not isinstance(info, dict) or "head-round" not in info:
+        return ""
+    return f" ({rows[-1]['test-accuracy'] - rows[-2]['test-accuracy']:+.4f} of it from the head round)"
 
 
 def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
