@@ -82,6 +82,18 @@ def test_by_default_the_candidate_whose_top_class_agrees_most_with_the_ensemble_
         assert (res.model(held).argmax(-1) == target.argmax(-1)).float().mean().item() == pytest.approx(best)
 
 
+def test_refine_variants_are_candidates_too():
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    val = [(X[:40], models[0](X[:40]).argmax(-1).detach())]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=0, candidates=["average", "kf-linear"],
+                      refines=["none", "calibrate"], validation=val)
+    assert set(res.info["auto-accuracy"]) == {"average", "average+calibrate", "kf-linear", "kf-linear+calibrate"}
+    best = max(res.info["auto-accuracy"].values())
+    assert res.info["auto-accuracy"][res.info["auto-choice"]] == best
+    with pytest.raises(FusionOptionError, match="refines"):
+        fuse_result("auto", models, fusion_inputs=X, refines=["polish"])
+
+
 def test_candidates_that_cannot_take_the_models_are_skipped_and_reported():
     models = [_client(1, [0, 1]), _client(2, [2, 3])]
     res = fuse_result("auto", models, fusion_inputs=X, seed=0, agree_kl=0.0, candidates=("average", "hf-linear"),

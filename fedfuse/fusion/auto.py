@@ -55,6 +55,11 @@ class AutoOptions:
         holdout: fraction of the fusion set held out to score the candidates (the rest fits them).
         agree_kl: disagreement ``KL(ensemble ‖ average)`` on the held-out part (nats) at or below which the average
             is taken without trying the other candidates.
+        refines: the refinements each candidate is tried with (``fedfuse.fusion.refine``: ``"none"``,
+            ``"calibrate"``, ``"distill"``, ``"calibrate+distill"``...): candidates × refines, named
+            ``"<method>+<refine>"`` in ``info`` (plain ``<method>`` for ``"none"``). Default ``("none",)``: distillation
+            minimises the very KL to the ensemble the label-free choice compares, so it is a fair candidate only under
+            ``validation``.
         criterion: how the held-out part ranks the candidates: ``"agreement"`` (share of inputs whose top class is
             the ensemble's) or ``"kl"`` (``KL(ensemble ‖ candidate)``, lower is better).
         max_seconds: time budget for the candidates after the average (0 = none); candidates not started within it
@@ -70,12 +75,18 @@ class AutoOptions:
     max_seconds: float = 0.0
     validation: Any = None
     criterion: str = "agreement"
+    refines: tuple[str, ...] = ("none",)
 
     def __post_init__(self) -> None:
         require(0 < self.holdout < 1, "holdout", "in (0, 1)", self.holdout)
         require(self.agree_kl >= 0, "agree_kl", ">= 0", self.agree_kl)
         require(self.max_seconds >= 0, "max_seconds", ">= 0", self.max_seconds)
         require(self.criterion in CRITERIA, "criterion", f"one of {CRITERIA}", self.criterion)
+        from fedfuse.choices import REFINES
+
+        require(isinstance(self.refines, (list, tuple)) and len(self.refines) > 0
+                and all(r in REFINES and r != "auto" for r in self.refines), "refines",
+                f"a non-empty list of {[r for r in REFINES if r != 'auto']}", self.refines)
         require(len(self.candidates) > 0, "candidates", "at least one method", self.candidates)
         if self.validation is not None:
             ok = isinstance(self.validation, (list, tuple)) and len(self.validation) > 0 and all(
@@ -114,7 +125,7 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
     members = [m.cpu().eval() for m in models]
     trial = _Trial(members, scores, weights, device, seed, options.max_seconds)
     if options.validation is not None:   # labels: every candidate fitted on the whole fusion set, most accurate kept
-        for name in options.candidates:
+        for name in _variants(options):
             trial.run(name, x, lambda model: validation_accuracy(model, options.validation))
         info["auto-accuracy"] = trial.values
     else:   # label-free: agreement with the ensemble on the held-out part, the average first (and alone if agreeing)
@@ -140,7 +151,7 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
         disagreement = kls.get("average", float("inf"))
         info["auto-disagreement"] = disagreement
         if disagreement > options.agree_kl:
-            for name in options.candidates:
+            for name in _variants(options):
                 if name != "average":
                     trial.run(name, fit, held_out_score)
         info["auto-scores"] = kls   # held-out KL (lower is better)
@@ -177,9 +188,10 @@ class _Trial:
         if timed and self.max_seconds and time.perf_counter() - self.t_start > self.max_seconds:
             self.skipped[name] = f"time budget of {self.max_seconds:g} s spent"
             return
+        method, _, refine = name.partition("+")
         try:
-            res = fuse_result(name, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
-                              device=self.device, seed=self.seed)
+            res = fuse_result(method, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
+                              device=self.device, seed=self.seed, refine=refine or None)
         except FusionError as exc:
             self.skipped[name] = f"{type(exc).__name__}: {exc}"
             return
@@ -190,6 +202,11 @@ class _Trial:
         self.values[name] = v
         if self.best is None or v > self.best[0]:
             self.best = (v, name, res.model)
+
+
+def _variants(options: AutoOptions) -> list[str]:
+    """The candidates × refines, as ``"<method>"`` or ``"<method>+<refine>"``."""
+    return [m if r == "none" else f"{m}+{r}" for m in options.candidates for r in options.refines]
 
 
 def validation_accuracy(model: nn.Module, validation) -> float:
