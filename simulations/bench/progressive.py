@@ -56,6 +56,7 @@ from simulations.bench.stats import format_mean_std, std_note  # noqa: E402
 from simulations.bench.tables import markdown_table  # noqa: E402
 
 NAN = float("nan")
+NI_METHOD = {"mlp": "kf-linear", "cnn": "kf-linear", "vit": "kf-gradient"}   # kf-linear takes affine levels only
 ROWS = ["best client", "mean client", "ensemble", "one-shot FedAvg", "KD", "FedDF", "kf-linear (K=1)", "auto",
         "auto[validation]", "K=2 kf-linear+head", "K=2 FedDF+head", "K=2 auto[validation]+head",
         "K=3 kf-linear level-wise+head", "K=4 kf-linear level-wise+head"]
@@ -128,7 +129,7 @@ def head_round(model: nn.Module, xs, ys, ridge: float) -> tuple[nn.Module, int]:
 
 def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     xs, ys, xt, yt, source = load_cell(alpha, clients, seed, args.dataset)
-    if args.model == "cnn":
+    if args.model in ("cnn", "vit"):
         xs, xt = [x.unsqueeze(1) for x in xs], xt.unsqueeze(1)
     gen = torch.Generator().manual_seed(seed)
     if args.dataset != "mnist1d" and args.fusion_source != "client0":
@@ -138,7 +139,7 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
           "client0": lambda: xs[0][torch.randperm(len(xs[0]), generator=gen)[:300]]}
     X = (torch.cat([fs["public"](), fs["client0"]()]) if args.fusion_source == "mixed"
          else fs[args.fusion_source]())
-    if args.model == "cnn" and X.dim() == 2:
+    if args.model in ("cnn", "vit") and X.dim() == 2:
         X = X.unsqueeze(1)
     n = [float(len(y)) for y in ys]
     t0 = time.perf_counter()
@@ -146,7 +147,9 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     for i in range(clients):
         torch.manual_seed(1000 * seed + i)
         if args.model == "cnn":   # fedfuse's VGG-style CNN on the signal as one channel
-            m = build_model("cnn", 10, (1, xs[0].shape[1]), width=32, depth=3, seed=1000 * seed + i)
+            m = build_model("cnn", 10, (1, xs[0].shape[-1]), width=32, depth=3, seed=1000 * seed + i)
+        elif args.model == "vit":   # fedfuse's timm ViT (its default CPU size) on the signal as a 1 × 40 image
+            m = build_model("vit", 10, (1, xs[0].shape[-1]), seed=1000 * seed + i)
         else:
             m = anchor_mlp(xs[0].shape[1], 256 if args.dataset == "mnist1d" else 128, args.depth)
         train_local(m, xs[i], ys[i], args.epochs, args.lr, torch.Generator().manual_seed(100 * seed + i))
@@ -174,25 +177,26 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     run("one-shot FedAvg", "average")
     run("KD", "kd")
     feddf = run("FedDF", "feddf").model
-    kf = run("kf-linear (K=1)", "kf-linear").model
+    ni = NI_METHOD[args.model]   # neuron interpolation: the closed-form variant where the family allows it
+    kf = run(f"{ni} (K=1)", ni).model
     info["auto"] = run("auto", "auto").info.get("auto-choice")
     auto_val = run("auto[validation]", "auto", validation=validation)
     info["auto[validation]"] = auto_val.info.get("auto-choice")
-    for row, base, base_row in (("K=2 kf-linear+head", kf, "kf-linear (K=1)"), ("K=2 FedDF+head", feddf, "FedDF"),
+    for row, base, base_row in ((f"K=2 {ni}+head", kf, f"{ni} (K=1)"), ("K=2 FedDF+head", feddf, "FedDF"),
                                 ("K=2 auto[validation]+head", auto_val.model, "auto[validation]")):
         t = time.perf_counter()
         model, numbers = head_round(base, xs, ys, args.ridge)
         acc[row], secs[row] = accuracy(model, xt, yt), secs[base_row] + time.perf_counter() - t
         comm[row] = 1.0 + model_equivalents(numbers, models[0])
     for k in (3, 4):   # level-wise rounds: K - 2 of them, then the head round
-        row = f"K={k} kf-linear level-wise+head"
+        row = f"K={k} {ni} level-wise+head"
         if args.model != "mlp" or k - 2 > len(cut_points(kf)) - 1:   # n/a: level-wise rounds take MLPs that deep
             acc[row], secs[row], comm[row] = float("nan"), float("nan"), float("nan")
             continue
         t = time.perf_counter()
         fused, sent = levelwise(models, kf, X, xs, ys, n, seed, args, k - 2)
         model, numbers = head_round(fused, xs, ys, args.ridge)
-        acc[row], secs[row] = accuracy(model, xt, yt), secs["kf-linear (K=1)"] + time.perf_counter() - t
+        acc[row], secs[row] = accuracy(model, xt, yt), secs[f"{ni} (K=1)"] + time.perf_counter() - t
         comm[row] = 1.0 + model_equivalents(sent + numbers, models[0])
         info[f"K={k} upper-part accuracy before the head round"] = accuracy(fused, xt, yt)
     return _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info)
@@ -222,10 +226,16 @@ def levelwise(models, fused: nn.Sequential, X, xs, ys, n, seed: int, args, round
 
 
 def _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info) -> dict:
-    return {"dataset": args.dataset, "model": args.model, "alpha": alpha, "clients": clients, "seed": seed,
+    return {"dataset": args.dataset, "model": args.model, "method": NI_METHOD[args.model], "alpha": alpha, "clients": clients, "seed": seed,
             "source": source, "fusion-source": args.fusion_source, "fusion-samples": len(X), "train-seconds": train_s,
             "params": params, "accuracy": acc, "uplink-model-equivalents": comm, "seconds": secs,
             "client-accuracy": client_acc, "info": info}
+
+
+def rows_for(results: list[dict]) -> list[str]:
+    """``ROWS`` with the run's neuron-interpolation method (kf-gradient for ViTs)."""
+    method = results[0].get("method", "kf-linear")
+    return [r.replace("kf-linear", method) for r in ROWS]
 
 
 def summarise(results: list[dict], out: Path) -> None:
@@ -233,7 +243,8 @@ def summarise(results: list[dict], out: Path) -> None:
     seeds = sorted({r["seed"] for r in results})
     header = ["row", "uplink (model-eq.)"] + [f"{c} clients " + (f"α={a:g}" if a else "shards") for c, a in cells]
     lines = []
-    for row in ROWS:
+    rows = rows_for(results)
+    for row in rows:
         vals = []
         for c, a in cells:
             v = [100 * r["accuracy"].get(row, NAN) for r in results if (r["clients"], r["alpha"]) == (c, a)]
@@ -243,7 +254,7 @@ def summarise(results: list[dict], out: Path) -> None:
             or ["n/a"]
         lines.append([row, "/".join(u if isinstance(u, str) else f"{u:g}" for u in ups)] + vals)
     gaps = []
-    for row in ROWS[3:]:
+    for row in rows[3:]:
         v = []
         for c, a in cells:
             rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
@@ -275,7 +286,7 @@ def plot(results: list[dict], out: Path) -> None:
     markers = "os^vD<>pP*Xh"
     for ax, (c, a) in zip(axes.flat, cells):
         rs = [r for r in results if (r["clients"], r["alpha"]) == (c, a)]
-        for k, row in enumerate(ROWS[2:]):
+        for k, row in enumerate(rows_for(results)[2:]):
             y = np.mean([100 * r["accuracy"].get(row, NAN) for r in rs])
             x = np.mean([r["uplink-model-equivalents"].get(row, NAN) for r in rs])
             ax.scatter(x, y, s=36, marker=markers[k % len(markers)], color=plt.cm.tab20(k), label=row)
@@ -295,8 +306,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dataset", choices=["mnist1d", "digits"], default="mnist1d")
     p.add_argument("--depth", type=int, default=2, help="hidden layers of the MLP (3: K = 4 is measured too)")
-    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
-                   help="mlp: the anchors' MLP; cnn: fedfuse's CNN (width 32, depth 3) on the signal (MNIST-1D only)")
+    p.add_argument("--model", choices=["mlp", "cnn", "vit"], default="mlp",
+                   help="mlp: the anchors' MLP; cnn: fedfuse's CNN (width 32, depth 3); vit: fedfuse's ViT (MNIST-1D "
+                        "only; neuron interpolation by kf-gradient, which takes transformer blocks)")
     p.add_argument("--alphas", default="0.1,0.3,0.5")
     p.add_argument("--clients", default="10")
     p.add_argument("--seeds", default="0,1,2")
