@@ -366,6 +366,9 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
+    if cfg.strategy == "bulyan" and cfg.min_train_nodes < 3:
+        raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}): strategy 'bulyan' needs at least "
+                          "4f + 3 = 3 replies a round (Flower's Bulyan, f = 0 malicious nodes)")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round and not cfg.client_tiers.strip():
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:

@@ -114,6 +114,18 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  paper="Adaptive Federated Optimization, arXiv 2003.00295"),
     StrategySpec("fedprox", flower_class="FedProx", **{**_FLOWER, "run_keys": ("proximal-mu",)},
                  paper="Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"),
+    # Byzantine-robust aggregation (Flower's own implementations, behind fedfuse's reply validation; their defaults:
+    # FedTrimmedAvg beta 0.2, Krum / MultiKrum / Bulyan num_malicious_nodes 0)
+    StrategySpec("fedmedian", flower_class="FedMedian", **_FLOWER,
+                 paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
+    StrategySpec("fedtrimmedavg", flower_class="FedTrimmedAvg", **_FLOWER,
+                 paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
+    StrategySpec("krum", flower_class="Krum", **_FLOWER,
+                 paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
+    StrategySpec("multikrum", flower_class="MultiKrum", **_FLOWER,
+                 paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
+    StrategySpec("bulyan", flower_class="Bulyan", **_FLOWER,
+                 paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
                  submodel_tiers=True, tier_refine="none"),
     StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp.strategy import FedAdam, FedAvgM, FedProx, FedYogi
+from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, FedYogi, Krum,
+                                     MultiKrum)
 
 from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.flower import STRATEGIES, build_strategy
@@ -21,10 +22,13 @@ from fedfuse.models import build_model
 from fedfuse.training import train
 
 SHAPE = (1, 8, 8)
-FLOWER = {"fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedprox": FedProx}
+FLOWER = {"fedavgm": FedAvgM, "fedadam": FedAdam, "fedyogi": FedYogi, "fedprox": FedProx, "fedmedian": FedMedian,
+          "fedtrimmedavg": FedTrimmedAvg, "krum": Krum, "multikrum": MultiKrum, "bulyan": Bulyan}
 # non-default options so that the server optimiser visibly acts (FedAvgM with Flower's defaults is FedAvg)
 OPTIONS = {"fedavgm": {"server_learning_rate": 0.7, "server_momentum": 0.9}, "fedadam": {"eta": 0.05},
-           "fedyogi": {"eta": 0.02}, "fedprox": {"proximal_mu": 0.1}}
+           "fedyogi": {"eta": 0.02}, "fedprox": {"proximal_mu": 0.1}, "fedmedian": {}, "fedtrimmedavg": {"beta": 0.34},
+           "krum": {"num_malicious_nodes": 0}, "multikrum": {"num_malicious_nodes": 0, "num_nodes_to_select": 2},
+           "bulyan": {"num_malicious_nodes": 0}}
 
 
 def model_fn():
@@ -68,7 +72,8 @@ def test_registered_as_strategies_and_config_names():
 
     for name, cls in FLOWER_BASELINES.items():
         assert STRATEGIES[name] is cls and name in strategy_names()
-        assert isinstance(build_strategy(name, model_fn=model_fn).flower, FLOWER[name])
+        built = build_strategy(name, model_fn=model_fn, min_train_nodes=3, min_available_nodes=3)
+        assert isinstance(built.flower, FLOWER[name])
 
 
 @pytest.mark.parametrize("name", sorted(FLOWER))
@@ -84,7 +89,8 @@ def test_aggregates_exactly_like_flowers_strategy_alone(name):
         if name == "fedprox":
             assert sent[0][0]["config"]["proximal-mu"] == 0.1  # FedProx's own configure_train ran
         ours_arrays, metrics = ours.aggregate_train(rnd, replies)
-        alone_arrays, _ = alone.aggregate_train(rnd, replies)
+        # fresh copies: some of Flower's robust strategies consume the replies' arrays
+        alone_arrays, _ = alone.aggregate_train(rnd, [reply(i, 10 * rnd + i, n=m) for i, m in ((1, 20), (2, 80), (3, 40))])
         got, want = state_of(ours_arrays), state_of(alone_arrays)
         assert set(got) == set(want)
         for k in got:
@@ -92,9 +98,10 @@ def test_aggregates_exactly_like_flowers_strategy_alone(name):
             torch.testing.assert_close(got[k], want[k].to(got[k].dtype), rtol=1e-5, atol=1e-6)
         assert metrics["num-valid"] == 3 and metrics["class-counts"][0] == 140
         assert ours.history[-1]["fusion-info"]["flower-strategy"] == FLOWER[name].__name__
-    if name != "fedprox":  # a server optimiser: not the plain weighted average
+    if name not in ("fedprox", "multikrum"):  # not the plain weighted average (MultiKrum averages 2 of the 3)
         avg = sum(w * v for w, v in zip((20 / 140, 80 / 140, 40 / 140),
-                                        (state_of(r.content["arrays"])["3.bias"] for r in replies)))
+                                        (state_of(reply(i, 30 + i, n=m).content["arrays"])["3.bias"]
+                                         for i, m in ((1, 20), (2, 80), (3, 40)))))
         assert not torch.allclose(got["3.bias"], avg, atol=1e-4)
 
 
@@ -232,7 +239,7 @@ def test_flwr_run_fedadam_two_rounds(tmp_path):
     outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((outcome.out_dir / "results.json").read_text())
-    assert [r["round"] for r in res["rounds"]] == [0, 1, 2] and res["status"] == "completed"
+    assert [r["round"] for r in res["rounds"]] == [0, 1, 2, 3] and res["status"] == "completed"   # + the head round
     last = res["rounds"][-1]
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["fallback"] is None
     assert last["fusion-info"]["flower-strategy"] == "FedAdam" and last["fusion-info"]["step-norm"] > 0

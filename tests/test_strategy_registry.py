@@ -55,16 +55,16 @@ def _reply(node_id, seed, n, scores=True):
     return msg
 
 
-def _grid():
+def _grid(n=2):
     g = Mock()
-    g.get_node_ids.return_value = [1, 2]
+    g.get_node_ids.return_value = list(range(1, n + 1))
     return g
 
 
 def _build(name, **extra):
+    extra = {"min_train_nodes": 2, "min_available_nodes": 2, **extra}
     return build_strategy(name, model_fn=model_fn, fusion_inputs=_x(), fusion_labels=torch.arange(60) % 10,
-                          arrayrecord_key=ARRAYS, weighted_by_key=WEIGHT, min_train_nodes=2, min_available_nodes=2,
-                          **extra)
+                          arrayrecord_key=ARRAYS, weighted_by_key=WEIGHT, **extra)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -73,18 +73,23 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
 
     for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):   # Message() needs a run identity
         monkeypatch.setattr(TaskIdentity, attr, value)
-    s = _build(name)
+    n = 3 if name == "bulyan" else 2   # Bulyan needs 4f + 3 replies (f = 0)
+    if name == "bulyan":
+        with pytest.raises(ValueError, match="min_train_nodes"):
+            _build(name)
+    s = _build(name, **({"min_train_nodes": 3, "min_available_nodes": 3} if n == 3 else {}))
     assert s.method == name and type(s) is STRATEGIES[name]
     if hasattr(s, "tier_layout"):
         s._node_tier = {1: 1.0, 2: 1.0}   # known nodes: no tier query
     init = model_fn()
-    msgs = list(s.configure_train(1, state_to_record(init.state_dict()), ConfigRecord({}), _grid()))
-    assert len(msgs) == 2 and all(ARRAYS in m.content for m in msgs)
+    msgs = list(s.configure_train(1, state_to_record(init.state_dict()), ConfigRecord({}), _grid(n)))
+    assert len(msgs) == n and all(ARRAYS in m.content for m in msgs)
     scores = bool(msgs[0].content["config"]["need-importance"])
-    arrays, metrics = s.aggregate_train(1, [_reply(1, 1, 30, scores), _reply(2, 2, 90, scores)])
+    replies = [_reply(1, 1, 30, scores), _reply(2, 2, 90, scores)] + ([_reply(3, 3, 60, scores)] if n == 3 else [])
+    arrays, metrics = s.aggregate_train(1, replies)
     record = s.history[-1]
-    assert record["valid"] == 2 and not record["rejected"] and record["fallback"] is None, record
-    assert arrays is not None and metrics["num-examples"] == 120
+    assert record["valid"] == n and not record["rejected"] and record["fallback"] is None, record
+    assert arrays is not None and metrics["num-examples"] == (120 if n == 2 else 180)
     out = {k: torch.from_numpy(np.array(v.numpy())) for k, v in arrays.items()}
     ref = init.state_dict()
     assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in ref.items()}
@@ -108,7 +113,8 @@ def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
     from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES, TIER_STRATEGIES
     from fedfuse.hetero.tiers import SUBMODEL_METHODS
 
-    assert FLOWER_BASELINE_STRATEGIES == ("fedavgm", "fedadam", "fedyogi", "fedprox")
+    assert FLOWER_BASELINE_STRATEGIES == ("fedavgm", "fedadam", "fedyogi", "fedprox", "fedmedian", "fedtrimmedavg", "krum",
+                                          "multikrum", "bulyan")
     assert NON_FUSION_STRATEGIES == ("fedavg",) + FLOWER_BASELINE_STRATEGIES
     assert TIER_STRATEGIES == ("heterofl", "fedrolex") and SUBMODEL_METHODS == ("average", "feddf")
     assert set(STRATEGIES) <= set(strategy_names())   # (+ fusion methods registered later, e.g. by tests)

@@ -24,8 +24,9 @@ Modules:
 - ``server_app`` / ``client_app``: fedfuse's own apps.
 """
 
-from fedfuse.flower.baselines import (FLOWER_BASELINES, FedAdamStrategy, FedAvgMStrategy, FedProxStrategy,
-                                      FedYogiStrategy, FlowerBaselineStrategy)
+from fedfuse.flower.baselines import (FLOWER_BASELINES, BulyanStrategy, FedAdamStrategy, FedAvgMStrategy,
+                                      FedMedianStrategy, FedProxStrategy, FedTrimmedAvgStrategy, FedYogiStrategy,
+                                      FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
 from fedfuse.flower.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
 from fedfuse.flower.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
 from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy, FlowerFedAvg,
@@ -43,6 +44,7 @@ __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy"
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
            "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",
-           "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "ClientsDivergedError",
+           "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "FedMedianStrategy",
+           "FedTrimmedAvgStrategy", "KrumStrategy", "MultiKrumStrategy", "BulyanStrategy", "ClientsDivergedError",
            "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record",
            "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train"]

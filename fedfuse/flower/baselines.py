@@ -31,7 +31,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import AggregationError, InconsistentMessageReplies
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, FedYogi, Krum,
+                                     MultiKrum)
 
 from fedfuse.fusion import FusionError, NumericalFusionError
 from fedfuse.fusion.refine import parse_refine
@@ -93,6 +94,12 @@ class FlowerBaselineStrategy(RoundProtocol):
         for name in _FUSION_ONLY:
             options.pop(name, None)
         super().__init__(**options)
+        # Bulyan (arXiv 1802.07927) needs n >= 4f + 3 replies; with fewer Flower's Bulyan returns nothing every round
+        f = int(dict(flower_options or {}).get("num_malicious_nodes", 0))
+        if self.flower_class.__name__ == "Bulyan" and self.min_train_nodes < 4 * f + 3:
+            raise ValueError(f"strategy {self.method!r}: Bulyan needs at least 4f + 3 = {4 * f + 3} replies a round "
+                             f"(f = {f} malicious nodes); min_train_nodes is {self.min_train_nodes} "
+                             "(run-config key 'min-train-nodes')")
         self.refine_steps: tuple[str, ...] = ()
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
@@ -243,8 +250,82 @@ class FedProxStrategy(FlowerBaselineStrategy):
         super().__init__(method, flower_options={"proximal_mu": float(proximal_mu)}, **options)
 
 
+class FedMedianStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedMedian``: the coordinate-wise median of the clients' weights (Yin et al., "Byzantine-Robust
+    Distributed Learning: Towards Optimal Statistical Rates", arXiv 1803.01498). No options."""
+
+    method = "fedmedian"
+    flower_class = FedMedian
+
+    def __init__(self, method: str | None = None, **options: Any) -> None:
+        super().__init__(method, **options)
+
+
+class FedTrimmedAvgStrategy(FlowerBaselineStrategy):
+    """Flower's ``FedTrimmedAvg``: the coordinate-wise mean after cutting the ``beta`` fraction of largest and of
+    smallest values (Yin et al., arXiv 1803.01498).
+
+    Args:
+        beta: the fraction cut at each end (Flower's default 0.2).
+    """
+
+    method = "fedtrimmedavg"
+    flower_class = FedTrimmedAvg
+
+    def __init__(self, method: str | None = None, *, beta: float = 0.2, **options: Any) -> None:
+        super().__init__(method, flower_options={"beta": float(beta)}, **options)
+
+
+class KrumStrategy(FlowerBaselineStrategy):
+    """Flower's ``Krum``: the client model closest (sum of squared distances to its n − f − 2 nearest) to the others
+    (Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017).
+
+    Args:
+        num_malicious_nodes: f, the number of Byzantine clients tolerated (Flower's default 0).
+    """
+
+    method = "krum"
+    flower_class = Krum
+
+    def __init__(self, method: str | None = None, *, num_malicious_nodes: int = 0, **options: Any) -> None:
+        super().__init__(method, flower_options={"num_malicious_nodes": int(num_malicious_nodes)}, **options)
+
+
+class MultiKrumStrategy(FlowerBaselineStrategy):
+    """Flower's ``MultiKrum``: the average of the ``num_nodes_to_select`` best-scored client models by Krum's score
+    (Blanchard et al., NeurIPS 2017).
+
+    Args:
+        num_malicious_nodes: f (Flower's default 0); num_nodes_to_select: m (Flower's default 1).
+    """
+
+    method = "multikrum"
+    flower_class = MultiKrum
+
+    def __init__(self, method: str | None = None, *, num_malicious_nodes: int = 0, num_nodes_to_select: int = 1,
+                 **options: Any) -> None:
+        super().__init__(method, flower_options={"num_malicious_nodes": int(num_malicious_nodes),
+                                                 "num_nodes_to_select": int(num_nodes_to_select)}, **options)
+
+
+class BulyanStrategy(FlowerBaselineStrategy):
+    """Flower's ``Bulyan``: Krum selection, then a coordinate-wise trimmed mean around the median (El Mhamdi et al.,
+    "The Hidden Vulnerability of Distributed Learning in Byzantium", arXiv 1802.07927); needs 4f + 3 replies.
+
+    Args:
+        num_malicious_nodes: f (Flower's default 0).
+    """
+
+    method = "bulyan"
+    flower_class = Bulyan
+
+    def __init__(self, method: str | None = None, *, num_malicious_nodes: int = 0, **options: Any) -> None:
+        super().__init__(method, flower_options={"num_malicious_nodes": int(num_malicious_nodes)}, **options)
+
+
 FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for cls in (
-    FedAvgMStrategy, FedAdamStrategy, FedYogiStrategy, FedProxStrategy)}
+    FedAvgMStrategy, FedAdamStrategy, FedYogiStrategy, FedProxStrategy, FedMedianStrategy, FedTrimmedAvgStrategy,
+    KrumStrategy, MultiKrumStrategy, BulyanStrategy)}
 
 
 def flower_baseline_class(name: str, flower_class: str) -> type[FlowerBaselineStrategy]:
