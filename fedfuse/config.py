@@ -152,8 +152,9 @@ class RunConfig:
                                 "average) | a fusion method (feddf, kf-gradient, ...); the clients' accuracy on their "
                                 "own data picks one per round; mode='one-shot' with this default uses "
                                 "average,feddf,kf-linear (one round: the plain average and the momentum step are the "
-                                "same model, and kf-linear is the best measured one-shot fusion), and kf-linear alone "
-                                "with head-round (the best features under the solved head)")
+                                "same model, and kf-linear is the best measured one-shot fusion), and with head-round "
+                                "kf-linear alone for mlp/cnn, feddf alone for resnet/vit (the best measured features "
+                                "under the solved head)")
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
                                    "always); below it auto chooses between the average with and without server "
                                    "momentum", ge=0)

@@ -57,6 +57,8 @@ def test_run_config_errors_name_the_key():
     one = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 2})
     assert selection_options(one)["local_epochs"] is None
     assert selection_options(one)["candidates"] == ("kf-linear",)   # one-shot with the head round (default)
+    vit = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "vit"})
+    assert selection_options(vit)["candidates"] == ("feddf",)   # kf-linear takes no transformer blocks
     strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
     assert selection_options(strict)["candidates"] == ("average", "feddf", "kf-linear")   # strict one-shot
     given = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "auto-candidates": "average,feddf"})

@@ -214,9 +214,11 @@ def selection_options(cfg: RunConfig) -> dict:
     # the default list trades the momentum step (in one round the same model as the average) for kf-linear
     candidates = cfg.auto_candidate_names
     if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
-        # with the head round kf-linear alone: the clients score the candidates before their head is solved, and
-        # FedDF, often ahead there, ends 8-11 points below kf-linear after it (docs/one-shot.md)
-        candidates = ("kf-linear",) if cfg.head_round else ONE_SHOT_AUTO_CANDIDATES
+        # with the head round one candidate: the clients score the candidates before their head is solved, which
+        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: 8-11 points above FedDF after the
+        # head round); FedDF for the block families kf-linear cannot take (ViT: 1.8-3.4 points above kf-gradient)
+        candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
+            ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
     return {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
             "fusion_min_epochs": cfg.auto_fusion_epochs}
 
