@@ -215,7 +215,7 @@ def selection_options(cfg: RunConfig) -> dict:
     candidates = cfg.auto_candidate_names
     if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
         # with the head round one candidate: the clients score the candidates before their head is solved, which
-        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: 8-11 points above FedDF after the
+        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: 2-15 points above FedDF after the
         # head round); FedDF for the block families kf-linear cannot take (ViT: 1.8-3.4 points above kf-gradient)
         candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
             ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
