@@ -29,6 +29,7 @@ class counts (the bias column). That is label information of the kind ``class_co
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,22 @@ class HeadStatistics:
         return d1 * (d1 + 1) // 2 + self.cross.numel()
 
 
+def _with_bias(f: torch.Tensor) -> torch.Tensor:
+    """``[N, d]`` features with a constant 1 appended (``[N, d+1]``: the bias's column)."""
+    return torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+
+
+def _ridge_solve(gram: torch.Tensor, cross: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``argmin_W ‖F W − Y‖² + penalty · ‖W[:-1]‖²`` from ``gram = FᵀF`` and ``cross = FᵀY`` (the last row of ``W``,
+    the bias, is not penalised); a tiny jitter keeps the system solvable when features are constant (dead ReLUs)
+    and ``penalty`` is 0."""
+    d1 = gram.shape[0]
+    reg = torch.eye(d1, dtype=gram.dtype) * penalty
+    reg[-1, -1] = 0.0
+    jitter = 1e-10 * float(gram.diagonal().abs().max()) * torch.eye(d1, dtype=gram.dtype)
+    return torch.linalg.solve(gram + reg + jitter, cross)
+
+
 def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
              device: str | torch.device = "cpu") -> torch.Tensor:
     """The model's pre-logit features ``[N, d]`` (its family adapter's ``pre_logits``), in eval mode, on CPU."""
@@ -121,8 +138,7 @@ def head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_clas
         raise ValueError(f"head statistics: need as many labels as inputs (> 0), got {len(x)} inputs, {len(y)} labels")
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ValueError(f"head statistics: labels must be in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
-    f = features(model, x, batch_size, device)
-    f = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    f = _with_bias(features(model, x, batch_size, device))
     return HeadStatistics(f.T @ f, f.T @ nn.functional.one_hot(y, num_classes).double(), len(y))
 
 
@@ -142,13 +158,8 @@ def solve_head(stats: list[HeadStatistics], ridge: float = DEFAULT_HEAD_RIDGE) -
     gram = sum(s.gram for s in stats)
     cross = sum(s.cross for s in stats)
     n = sum(s.num_examples for s in stats)
-    d1 = gram.shape[0]
-    reg = torch.eye(d1, dtype=gram.dtype) * (ridge * n)
-    reg[-1, -1] = 0.0
-    # a tiny jitter keeps the system solvable when features are constant (dead ReLUs) and ridge = 0
-    jitter = 1e-10 * float(gram.diagonal().abs().max()) * torch.eye(d1, dtype=gram.dtype)
-    wb = torch.linalg.solve(gram + reg + jitter, cross)
-    head = nn.Linear(d1 - 1, cross.shape[1])
+    wb = _ridge_solve(gram, cross, ridge * n)
+    head = nn.Linear(gram.shape[0] - 1, cross.shape[1])
     with torch.no_grad():
         head.weight.copy_(wb[:-1].T.float())
         head.bias.copy_(wb[-1].float())
@@ -221,8 +232,6 @@ def lift_suffix(prefix: nn.Module, own_prefix: nn.Module, suffix: nn.Sequential,
     refitted (ridge regression on the client's inputs ``x``) to map ``prefix(x)`` to what it computed from
     ``own_prefix(x)``, the client's own lower levels. Without it the client's upper levels would read the fused
     features as if they were its own neurons."""
-    import copy
-
     first = suffix[0]
     if not isinstance(first, nn.Linear):
         raise ValueError(f"lift_suffix: the upper part must start with nn.Linear, starts with {type(first).__name__}")
@@ -232,11 +241,8 @@ def lift_suffix(prefix: nn.Module, own_prefix: nn.Module, suffix: nn.Sequential,
     if f.shape[1] != first.in_features:
         raise ValueError(f"lift_suffix: the fused prefix gives {f.shape[1]} features, the upper part takes "
                          f"{first.in_features}")
-    f1 = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
-    reg = torch.eye(f1.shape[1], dtype=f.dtype) * (ridge * len(f))
-    reg[-1, -1] = 0.0
-    jitter = 1e-10 * float((f1 * f1).sum(0).max()) * torch.eye(f1.shape[1], dtype=f.dtype)
-    wb = torch.linalg.solve(f1.T @ f1 + reg + jitter, f1.T @ target)
+    f1 = _with_bias(f)
+    wb = _ridge_solve(f1.T @ f1, f1.T @ target, ridge * len(f))
     lifted = copy.deepcopy(suffix)
     with torch.no_grad():
         lifted[0].weight.copy_(wb[:-1].T.float())

@@ -16,6 +16,7 @@ Query ``message_type``: ``"query.score_candidates"``; content: ``ArrayRecord`` `
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -71,5 +72,53 @@ def read_score_reply(msg: Message, k: int) -> tuple[int, list[float]]:
     return n, accs
 
 
+@dataclass
+class Scores:
+    """The nodes' answers to one scoring query, pooled.
+
+    Attributes:
+        accuracy / loss: sample-weighted mean per candidate (``None`` when no node answered validly).
+        clients / examples: the nodes and samples that answered validly.
+        rejected: ``(node id, reason)`` of every malformed answer.
+        error: why the query could not be sent (``None`` when it was).
+    """
+
+    accuracy: list[float] | None = None
+    loss: list[float] | None = None
+    clients: int = 0
+    examples: int = 0
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+    error: str | None = None
+
+
+def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Tensor]],
+                     timeout: float | None = None) -> Scores:
+    """Send one scoring query for ``states`` to ``node_ids`` through ``grid`` and pool the valid answers (the
+    sample-weighted accuracy and loss of each candidate on the nodes' own data); malformed answers are rejected with
+    their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake."""
+    content = score_query_content(states)
+    msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in node_ids]
+    try:
+        replies = list(grid.send_and_receive(msgs, timeout=timeout))
+    except Exception as exc:  # noqa: BLE001 - the caller goes on without scores, loudly
+        return Scores(error=f"{type(exc).__name__}: {exc}")
+    out = Scores()
+    accs, losses = [0.0] * len(states), [0.0] * len(states)
+    for reply in replies:
+        try:
+            n, a = read_score_reply(reply, len(states))
+        except ValueError as exc:
+            out.rejected.append((int(reply.metadata.src_node_id), str(exc)))
+            continue
+        metrics = reply.content.metric_records["metrics"]
+        out.clients, out.examples = out.clients + 1, out.examples + n
+        accs = [s + n * v for s, v in zip(accs, a)]
+        losses = [s + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, s in enumerate(losses)]
+    if out.examples:
+        out.accuracy = [v / out.examples for v in accs]
+        out.loss = [v / out.examples for v in losses]
+    return out
+
+
 __all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "score_reply_content",
-           "read_score_reply"]
+           "read_score_reply", "score_candidates", "Scores"]

@@ -26,6 +26,7 @@ better on the test set (docs/multi-round.md); under label skew or long local tra
 
 from __future__ import annotations
 
+import copy
 import time
 from logging import INFO, WARNING
 from typing import Any
@@ -35,7 +36,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.flower.candidates import MESSAGE_TYPE as SCORE_MESSAGE_TYPE, read_score_reply, score_query_content
+from fedfuse.flower.candidates import score_candidates
 from fedfuse.progressive import HeadStatistics, fit_temperature, solve_head, with_head
 
 ACTION = "head_statistics"
@@ -127,62 +128,35 @@ class HeadRound:
             log(WARNING, "fedfuse head round: %s", record["fallback"])
             record["seconds"] = time.perf_counter() - t0
             return model, record
-        import copy
-
         before = copy.deepcopy(model)
         head = solve_head(stats, self.ridge)
         out = with_head(model, head)
         record["temperature"] = fit_temperature(out, *reference) if reference is not None else 1.0
         if self.check:
-            scores = self._score(grid, nodes, [before.state_dict(), out.state_dict()], record)
-            record["client-accuracy"] = None if scores is None else {"before": scores[0], "head": scores[1]}
-            if scores is None:
+            scores = score_candidates(grid, nodes, [before.state_dict(), out.state_dict()], self.timeout)
+            record["rejected"] += [{"node": n, "reason": f"scoring: {why}"} for n, why in scores.rejected]
+            if scores.rejected or scores.error:
+                log(WARNING, "fedfuse head round: scoring: %s", scores.error or "; ".join(
+                    f"node {n}: {why}" for n, why in scores.rejected))
+            acc = scores.accuracy
+            record["client-accuracy"] = None if acc is None else {"before": acc[0], "head": acc[1]}
+            federated = [] if acc is None else [   # the clients' view of both models: this round's federated row
+                {"federated-accuracy": a, "federated-loss": l_, "federated-clients": scores.clients,
+                 "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
+            if acc is None:
                 log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
-            elif scores[1] < scores[0]:
-                record["kept"] = "before"
-                record["federated"] = record["federated"][0]
-                record["seconds"] = time.perf_counter() - t0
+            elif acc[1] < acc[0]:
+                record.update({"kept": "before", "federated": federated[0], "seconds": time.perf_counter() - t0})
                 log(INFO, "fedfuse head round: the clients score the solved head lower (%.4f < %.4f): the model "
-                    "before it stays", scores[1], scores[0])
+                    "before it stays", acc[1], acc[0])
                 return before, record
+            if federated:
+                record["federated"] = federated[1]
         record["kept"] = "head"
-        if isinstance(record.get("federated"), list):
-            record["federated"] = record["federated"][1]
         record["seconds"] = time.perf_counter() - t0
         log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)", len(stats),
             record["num-examples"], record["seconds"])
         return out, record
-
-    def _score(self, grid, nodes: list[int], states: list[dict[str, torch.Tensor]],
-               record: dict[str, Any]) -> list[float] | None:
-        """Sample-weighted accuracy of each state on the nodes' own data (``None`` when no node answered validly)."""
-        content = score_query_content(states)
-        msgs = [Message(content=content, dst_node_id=n, message_type=SCORE_MESSAGE_TYPE) for n in nodes]
-        try:
-            replies = list(grid.send_and_receive(msgs, timeout=self.timeout))
-        except Exception as exc:  # noqa: BLE001 - the solved head is kept unchecked, loudly
-            log(WARNING, "fedfuse head round: the scoring query failed: %s: %s", type(exc).__name__, exc)
-            return None
-        total, sums, losses, clients = 0, [0.0] * len(states), [0.0] * len(states), 0
-        for reply in replies:
-            try:
-                n, accs = read_score_reply(reply, len(states))
-            except ValueError as exc:
-                record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": f"scoring: {exc}"})
-                continue
-            total, clients = total + n, clients + 1
-            sums = [a + n * b for a, b in zip(sums, accs)]
-            metrics = reply.content.metric_records["metrics"]
-            losses = [a + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, a in enumerate(losses)]
-        if total:   # the clients' view of both models: Flower's federated evaluation of this round
-            record["federated"] = [{"federated-accuracy": a / total, "federated-loss": l_ / total,
-                                    "federated-clients": clients, "federated-examples": total}
-                                   for a, l_ in zip(sums, losses)]
-        bad = [r for r in record["rejected"] if r["reason"].startswith("scoring: ")]
-        if bad:
-            log(WARNING, "fedfuse head round: scoring replies rejected: %s",
-                "; ".join(f"node {r['node']}: {r['reason']}" for r in bad))
-        return [v / total for v in sums] if total else None
 
 
 __all__ = ["ACTION", "MESSAGE_TYPE", "HeadRound", "head_query_content", "read_head_query", "head_reply_content",

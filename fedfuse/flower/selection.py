@@ -40,7 +40,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedfuse.flower.candidates import MESSAGE_TYPE, read_score_reply, score_query_content
+from fedfuse.flower.candidates import score_candidates
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
@@ -178,27 +178,14 @@ class SelectionStrategy(FusionStrategy):
         """``(sample-weighted accuracy per candidate or None, clients that answered)``."""
         if self._grid is None:
             return None, 0
-        content = score_query_content(states)
-        msgs = [Message(content=content, dst_node_id=u.node_id, message_type=MESSAGE_TYPE) for u in updates]
-        try:
-            replies = list(self._grid.send_and_receive(msgs, timeout=self.query_timeout))
-        except Exception as exc:   # a grid that cannot send the query: the round goes on, loudly
-            log(WARNING, "auto: round %d: the scoring query failed: %s: %s", server_round, type(exc).__name__, exc)
+        scores = score_candidates(self._grid, [u.node_id for u in updates], states, self.query_timeout)
+        if scores.error:   # a grid that cannot send the query: the round goes on, loudly
+            log(WARNING, "auto: round %d: the scoring query failed: %s", server_round, scores.error)
             return None, 0
-        total, sums, bad = 0, [0.0] * len(states), []
-        for reply in replies:
-            try:
-                n, accs = read_score_reply(reply, len(states))
-            except ValueError as exc:
-                bad.append(f"node {reply.metadata.src_node_id}: {exc}")
-                continue
-            total += n
-            sums = [s + n * a for s, a in zip(sums, accs)]
-        if bad:
-            log(WARNING, "auto: round %d: scoring replies rejected: %s", server_round, "; ".join(bad))
-        if total == 0:
-            return None, 0
-        return [s / total for s in sums], len(replies) - len(bad)
+        if scores.rejected:
+            log(WARNING, "auto: round %d: scoring replies rejected: %s", server_round,
+                "; ".join(f"node {n}: {why}" for n, why in scores.rejected))
+        return scores.accuracy, scores.clients
 
 
 __all__ = ["SelectionStrategy", "DEFAULT_CANDIDATES", "check_candidates"]

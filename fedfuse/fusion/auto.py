@@ -126,7 +126,7 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
     trial = _Trial(members, scores, weights, device, seed, options.max_seconds)
     if options.validation is not None:   # labels: every candidate fitted on the whole fusion set, most accurate kept
         for name in _variants(options):
-            trial.run(name, x, lambda model: validation_accuracy(model, options.validation))
+            trial.run(name, x, lambda _, model: validation_accuracy(model, options.validation))
         info["auto-accuracy"] = trial.values
     else:   # label-free: agreement with the ensemble on the held-out part, the average first (and alone if agreeing)
         fit, held = split_fusion_set(x, options.holdout, seed)
@@ -136,10 +136,9 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
         kls: dict[str, float] = {}
         agreements: dict[str, float] = {}
 
-        def held_out_score(model: nn.Module) -> float:
+        def held_out_score(name: str, model: nn.Module) -> float:
             with torch.no_grad():
                 logits = model(held)
-            name = trial.current
             if not bool(torch.isfinite(logits).all()):
                 kls[name], agreements[name] = float("inf"), 0.0
                 return float("-inf")
@@ -177,9 +176,9 @@ class _Trial:
         self.seconds: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.best: tuple[float, str, nn.Module] | None = None
-        self.current = ""
 
-    def run(self, name: str, inputs: torch.Tensor, value: Callable[[nn.Module], float], timed: bool = True) -> None:
+    def run(self, name: str, inputs: torch.Tensor, value: Callable[[str, nn.Module], float],
+            timed: bool = True) -> None:
         """Fuse with ``name`` on ``inputs`` (the package entry point: its checks, seeding and finite check) and
         score the result; a method that cannot take the models, or the spent time budget, skips it."""
         # imported here: the package imports this module while it registers the methods
@@ -197,8 +196,7 @@ class _Trial:
             return
         if timed:
             self.seconds[name] = res.seconds
-        self.current = name
-        v = value(res.model)
+        v = value(name, res.model)
         self.values[name] = v
         if self.best is None or v > self.best[0]:
             self.best = (v, name, res.model)

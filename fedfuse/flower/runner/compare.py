@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfuse.flower.runner.console import head_round_record
+
 BASELINE = "fedavg"
 # run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
 # fedfuse.config rejects most of them for fedavg)
@@ -160,8 +162,7 @@ def references_table(run: RunSummary) -> str | None:
     final = run.final
     n = len(refs.get("client-accuracy", {}))
     fused_s = (run.rows[-1].get("fusion-seconds") if run.rows else None)
-    last_info = (run.rows[-1].get("fusion-info") if run.rows else None) or {}
-    head = ", then the head round" if isinstance(last_info, dict) and "head-round" in last_info else ""
+    head = ", then the head round" if run.rows and head_round_record(run.rows[-1]) is not None else ""
     lines = [f"One-shot references: the same {n} client models on the server's test set (no extra client "
              f"training; {refs.get('seconds', 0.0):.1f}s on the server)", "",
              f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
@@ -212,8 +213,7 @@ def _head_share(run: RunSummary) -> str:
     """`` (+x from the head round)`` when the run ended with a head round, so that the aggregation's share and the
     head round's are not mistaken for each other; empty otherwise."""
     rows = [r for r in run.rows if isinstance(r.get("test-accuracy"), (int, float))]
-    info = (rows[-1].get("fusion-info") or {}) if rows else {}
-    if len(rows) < 2 or not isinstance(info, dict) or "head-round" not in info:
+    if len(rows) < 2 or head_round_record(rows[-1]) is None:
         return ""
     return f" ({rows[-1]['test-accuracy'] - rows[-2]['test-accuracy']:+.4f} of it from the head round)"
 

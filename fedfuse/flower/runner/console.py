@@ -92,6 +92,12 @@ def round_marks(row: dict[str, Any]) -> list[str]:
     return marks
 
 
+def head_round_record(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The head round's record when results row ``row`` is the head round (``head-round=true``), else ``None``."""
+    info = (row or {}).get("fusion-info")
+    return (info.get("head-round") or {}) if isinstance(info, dict) and "head-round" in info else None
+
+
 def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str = "") -> str:
     """One console line of a results row, e.g.
     ``average  round 2/3  acc 0.5571  loss 1.6934  ensemble 0.3482  [GUARDED (average used)]``."""
@@ -107,8 +113,8 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
         parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
     if row.get("choice"):   # strategy 'auto': the aggregation the round's clients chose
         parts.append(f"chose {row['choice']}")
-    if isinstance(row.get("fusion-info"), dict) and "head-round" in row["fusion-info"]:   # head-round
-        head = row["fusion-info"]["head-round"] or {}
+    head = head_round_record(row)
+    if head is not None:
         parts.append("head round: the clients scored the model before it higher, kept" if head.get("kept") == "before"
                      else "head round (classifier solved from the clients' statistics)")
     if rnd == 0:
