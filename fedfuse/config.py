@@ -158,6 +158,10 @@ class RunConfig:
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
                                    "always); below it auto chooses between the average with and without server "
                                    "momentum", ge=0)
+    align_to: str = _key("model-0", "rebasin | ot (methods that align units): the units the round's clients are "
+                         "aligned onto: model-0 (the first reply's, averaged in) | global (the round's global model, "
+                         "which every client started from, not averaged in); multi-round only",
+                         choices=("model-0", "global"))
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
@@ -627,6 +631,17 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
+    if cfg.align_to != SCHEMA["align-to"].default:
+        from fedfuse.fusion import METHOD_SPECS
+
+        able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
+        spec = METHOD_SPECS.get(cfg.strategy)
+        if spec is None or not spec.any_reference:
+            raise ConfigError(f"run-config key 'align-to': {cfg.align_to!r} applies to the strategies that align "
+                              f"units ({' | '.join(able)}), not {cfg.strategy!r}")
+        if cfg.mode == "one-shot":
+            raise ConfigError("run-config key 'align-to': 'global' needs a global model the clients trained from; "
+                              "in mode='one-shot' they start from independent initialisations")
     for key in ("auto-candidates", "auto-fusion-epochs"):
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy != "auto":
             raise ConfigError(f"run-config key {key!r} applies to strategy 'auto' only, not {cfg.strategy!r}")

@@ -57,6 +57,10 @@ class FusionStrategy(RoundProtocol):
         prior, refine_check, calibrate_min_gap: the ``Refinement`` step's options.
         guard, guard_ratio: the ``DivergenceGuard`` step (rounds that fuse with a method other than the average).
         server_momentum, server_learning_rate: the ``ServerMomentum`` step (``None``: the entry's default).
+        align_to: the units the clients are aligned onto, for methods that align (``rebasin``, ``ot``: the
+            ``any_reference`` capability): ``"model-0"`` (the first reply's, averaged in) or ``"global"`` (the
+            round's global model, which every client started from and which is not averaged in:
+            ``fuse(..., reference=)``).
         Everything else: ``RoundProtocol``'s options (Flower ``FedAvg``'s included).
     """
 
@@ -67,7 +71,7 @@ class FusionStrategy(RoundProtocol):
                  fuse_fn: Callable[..., FusionResult] = fuse_result, refine: str | None = None,
                  prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
                  server_momentum: float | None = None, server_learning_rate: float = 1.0,
-                 refine_check: bool = True, calibrate_min_gap: float = 0.2,
+                 refine_check: bool = True, calibrate_min_gap: float = 0.2, align_to: str = "model-0",
                  registry_entry: StrategySpec | None = None,
                  model_fn: Callable[[], nn.Module] | None = None, fusion_inputs: torch.Tensor | None = None,
                  fusion_labels: torch.Tensor | None = None, fallback: str = "previous", min_valid_replies: int = 1,
@@ -99,6 +103,15 @@ class FusionStrategy(RoundProtocol):
         self.spec = self._method_spec(method)
         self.fusion_options = dict(fusion_options or {})
         self._check_options(self.fusion_options)
+        if align_to not in ("model-0", "global"):
+            raise ValueError(f"strategy: align_to must be 'model-0' or 'global', got {align_to!r}")
+        if align_to == "global" and not (self.spec is not None and self.spec.any_reference):
+            from fedfuse.fusion import METHOD_SPECS
+
+            able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
+            raise ValueError(f"strategy: align_to='global' needs a method that aligns onto a reference model "
+                             f"({able}), not {method!r}")
+        self.align_to = align_to
         self.importance = importance
         self.fusion_rounds = int(fusion_rounds)
         self.fuse_fn = fuse_fn
@@ -188,8 +201,9 @@ class FusionStrategy(RoundProtocol):
     def summary(self) -> None:
         super().summary()
         log(INFO, "\t└──> fedfuse fusion: method=%s, importance=%s, fallback=%s, refine=%s, guard=%s, device=%s, "
-            "options=%s", self.method, self.importance if self.uses_scores else "unused", self.fallback,
-            "+".join(self.refine_steps) or "none", self.guard, self.device, self.fusion_options or "{}")
+            "options=%s%s", self.method, self.importance if self.uses_scores else "unused", self.fallback,
+            "+".join(self.refine_steps) or "none", self.guard, self.device, self.fusion_options or "{}",
+            ", aligned to the global model" if self.align_to == "global" else "")
 
     # ---------------------------------------------------------------- round hooks
     def round_method(self, server_round: int) -> str:
@@ -236,6 +250,8 @@ class FusionStrategy(RoundProtocol):
         target = self.fuse_target()
         if target is not None:
             options.setdefault("target", target)
+        if self.align_to == "global" and self._global is not None:
+            options.setdefault("reference", self.build_model(self._global.to_torch_state_dict()))
         return self.fuse_fn(method, models, fusion_inputs=self.fusion_inputs, scores=scores,
                             weights=[u.num_examples for u in updates], device=self.device,
                             seed=self.seed + server_round, **options)

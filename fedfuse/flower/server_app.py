@@ -133,6 +133,7 @@ def setup(cfg: RunConfig):
                               # chance); the guard is a multi-round safeguard
                               guard=cfg.divergence_guard and cfg.mode != "one-shot",
                               **federated_evaluation_options(cfg), **selection_options(cfg),
+                              **({"align_to": cfg.align_to} if cfg.align_to != "model-0" else {}),
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
                                                  server_momentum=None if cfg.server_momentum < 0 else cfg.server_momentum,
                                                  proximal_mu=cfg.proximal_mu))

@@ -117,6 +117,23 @@ def resolve_target(spec: MethodSpec, models: list[nn.Module], target: nn.Module 
     return fresh_copy(target, seed)
 
 
+def resolve_reference(spec: MethodSpec, models: list[nn.Module], reference: nn.Module | None) -> nn.Module | None:
+    """The model every model is aligned onto (``fuse(..., reference=)``), checked: ``None`` when not given; an
+    ``nn.Module`` of model 0's architecture for a method with ``any_reference``; anything else raises
+    ``IncompatibleModelsError`` (a ``ValueError``) saying why."""
+    if reference is None:
+        return None
+    if not spec.any_reference:
+        able = sorted(n for n, s in METHOD_SPECS.items() if s.any_reference)
+        raise IncompatibleModelsError(f"fusion method {spec.name!r} does not align to a separate reference model "
+                                      f"(reference=); methods that do: {able}")
+    if not isinstance(reference, nn.Module) or not same_architecture(reference, models[0]):
+        what = type(reference).__name__ if not isinstance(reference, nn.Module) else "a module of other shapes"
+        raise IncompatibleModelsError(f"fuse: reference must be a model of model 0's architecture (the units to "
+                                      f"align onto), got {what}")
+    return reference
+
+
 def check_finite(method: str, model: nn.Module) -> None:
     """Raise ``NumericalFusionError`` naming the first state entry with a NaN or an infinity."""
     for name, value in model.state_dict().items():
@@ -128,7 +145,8 @@ def check_finite(method: str, model: nn.Module) -> None:
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
-                prior: torch.Tensor | None = None, target: nn.Module | None = None, **options) -> FusionResult:
+                prior: torch.Tensor | None = None, target: nn.Module | None = None,
+                reference: nn.Module | None = None, **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
     try:
         steps = parse_refine(refine)
@@ -156,6 +174,9 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
     skeleton = resolve_target(spec, models, target, seed)
     extra = {"target": skeleton} if spec.any_target else {}
+    anchor = resolve_reference(spec, models, reference)
+    if anchor is not None:
+        extra["reference"] = anchor
     dev = resolve_device(device)
     info: dict = {}
     t0 = time.perf_counter()
@@ -185,7 +206,7 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
          scores: list[dict[str, torch.Tensor]] | None = None, weights=None, device: str | torch.device = "cpu",
          seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None,
-         target: nn.Module | None = None, **options) -> nn.Module:
+         target: nn.Module | None = None, reference: nn.Module | None = None, **options) -> nn.Module:
     """Fuse ``models`` (first = reference) into one model mapping ``[N, *input_shape]`` to logits.
 
     Args:
@@ -206,6 +227,10 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
             of model 0's architecture = model 0's. Methods with the ``any_target`` capability
             (``kf-linear``, ``kf-gradient``, ``kd``) build into it; any other method raises
             ``IncompatibleModelsError`` (a ``ValueError``) saying that it cannot.
+        reference: a model of model 0's architecture that every model is aligned onto and that is not itself
+            averaged in (methods with ``any_reference``: ``rebasin``, ``ot``); ``None`` = model 0. In a
+            federation this is the previous global model: after long local training the clients' units drift
+            apart, and the global model is the one coordinate system they all started from.
         **options: the method's options (``METHOD_SPECS[method].options``); unknown or ill-typed options
             raise ``FusionOptionError`` (a ``ValueError``) naming the key.
     Returns:
@@ -214,7 +239,8 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         FusionError (a ``ValueError``) when the method cannot fuse these models or inputs.
     """
     return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
-                       seed=seed, refine=refine, prior=prior, target=target, **options).model
+                       seed=seed, refine=refine, prior=prior, target=target, reference=reference,
+                       **options).model
 
 
 def _import_all() -> None:
@@ -225,6 +251,6 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
            "normalise_weights", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

@@ -154,9 +154,12 @@ class OTOptions(AlignOptions):
         return self.marginals == "importance" or (self.selective and self.importance == "auto")
 
 
-@register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True)
-def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OTOptions, info: dict) -> nn.Module:
-    """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture.
+@register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True, any_reference=True)
+def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OTOptions, info: dict,
+            reference: nn.Module | None = None) -> nn.Module:
+    """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture, or onto ``reference``
+    (model 0's architecture) when given: every model is transported onto its units and the reference itself is
+    not averaged in.
 
     Uses the fusion set when given (activation cost, BN re-estimation); without one, the weight cost.
     Fixed point: copies of one model are transported by the identity plan and average back to it.
@@ -169,7 +172,11 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
     if o.marginals == "importance" and scores is None:
         raise MissingInputError("ot: marginals='importance' needs scores (one dict per model)")
     t0 = time.perf_counter()
-    if o.selective or o.anchor != 0 or len({len(block_paths(m)) for m in models}) > 1:
+    selective = o.selective or o.anchor != 0 or len({len(block_paths(m)) for m in models}) > 1
+    if reference is not None and selective:
+        raise IncompatibleModelsError("ot: reference= aligns onto a separate model; it does not combine with "
+                                      "selective=true, anchor > 0 or models of different depths")
+    if selective:
         if cost != "activations":
             raise MissingInputError("ot: selective=true, anchor > 0 and models of different depths need the "
                                     "activation cost (fusion_inputs)")
@@ -180,24 +187,26 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
         reset = o.reset_bn if o.reset_bn is not None else (fusion_inputs is not None and moved)
         return finish(fused, models, fusion_inputs, reset_bn=reset, finetune=o.finetune, weights=weights,
                       device=device, seed=seed, info=info)
-    ref = models[0]
+    ref = models[0] if reference is None else reference
+    first = 1 if reference is None else 0   # the models transported onto ref (all of them when ref is a reference)
     layout = "tied" if o.residual == "tied" else "untied"
     spec_b = build_spec(ref, layout)
     acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if cost == "activations" else None)
     if acts_b is not None and o.std:
         acts_b = {g: standardize(v) for g, v in acts_b.items()}
-    states = [ref.state_dict()]
-    info.update(cost=cost, solver=o.solver, trace_ratio=[])
-    for k, model in enumerate(models[1:], 1):
+    states = [ref.state_dict()] if first else []
+    info.update(cost=cost, solver=o.solver, trace_ratio=[], reference="model 0" if first else "given")
+    for k, model in list(enumerate(models))[first:]:
         try:
             aligned, maps, _, _ = ot_align(
                 model, ref, fusion_inputs=fusion_inputs, cost=cost, solver=o.solver, reg=o.reg, residual=o.residual,
                 head_preserving=o.head_preserving, std=o.std, max_rows=o.max_rows, acts_b=acts_b, spec_b=spec_b,
                 seed=seed, scores_a=scores[k] if o.marginals == "importance" else None,
-                scores_b=scores[0] if o.marginals == "importance" else None, device=device)
+                scores_b=scores[0] if o.marginals == "importance" and first else None, device=device)
         except ValueError as err:
-            raise IncompatibleModelsError(f"ot: model {k} cannot be aligned to model 0: {err}") from None
+            raise IncompatibleModelsError(f"ot: model {k} cannot be aligned to "
+                                          f"{'model 0' if first else 'the reference'}: {err}") from None
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
         states.append(aligned)
     fused = copy.deepcopy(ref).cpu()

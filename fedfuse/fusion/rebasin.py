@@ -214,10 +214,11 @@ class RebasinOptions(AlignOptions):
         return self.importance_weighted
 
 
-@register("rebasin", options=RebasinOptions, needs_data=False, uses_scores=True)
+@register("rebasin", options=RebasinOptions, needs_data=False, uses_scores=True, any_reference=True)
 def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, options: RebasinOptions,
-                 info: dict) -> nn.Module:
-    """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required).
+                 info: dict, reference: nn.Module | None = None) -> nn.Module:
+    """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required), or into ``reference``'s
+    units when given: then every model is matched onto it and the reference itself is not averaged in.
 
     Uses the fusion set when given (activation matching, BN re-estimation); without one, weight matching.
     Fixed point: copies of one model match by the identity and average back to it.
@@ -228,25 +229,27 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
     if matching == "activations" and fusion_inputs is None:
         raise MissingInputError("rebasin: activation matching needs fusion_inputs")
     t0 = time.perf_counter()
-    ref = models[0]
+    ref = models[0] if reference is None else reference
+    first = 1 if reference is None else 0   # the models matched onto ref (all of them when ref is a reference)
     spec_b = build_spec(ref)
     state_b = ref.state_dict()
     acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if matching == "activations" else None)
-    states: list[dict] = [state_b]
+    states: list[dict] = [state_b] if first else []
     unit_w: list[Any] = []
-    info.update(matching=matching, trace_ratio=[])
+    info.update(matching=matching, trace_ratio=[], reference="model 0" if first else "given")
     maps0 = {g: Map.identity(grp.size) for g, grp in spec_b.groups.items()}
     use_scores = scores is not None and o.importance_weighted
-    if use_scores:
+    if use_scores and first:
         unit_w.append(unit_weights_for(scores[0], spec_b, maps0))
-    for k, model in enumerate(models[1:], 1):
+    for k, model in list(enumerate(models))[first:]:
         spec_a = build_spec(model)
         state_a = model.state_dict()
         try:
             check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
         except ValueError as err:
-            raise IncompatibleModelsError(f"rebasin: model {k} cannot be matched to model 0: {err}") from None
+            raise IncompatibleModelsError(f"rebasin: model {k} cannot be matched to "
+                                          f"{'model 0' if first else 'the reference'}: {err}") from None
         if matching == "weights":
             maps, wm = weight_matching(state_a, state_b, spec_a, spec_b, max_iter=o.max_iter, init=o.init,
                                        order=o.order, seed=seed, head_preserving=o.head_preserving)

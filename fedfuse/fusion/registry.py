@@ -195,6 +195,9 @@ class MethodSpec:
             handles blocks (residual / transformer).
         any_module: also takes models outside ``families`` (any ``nn.Module`` mapping inputs to logits):
             the method never decomposes the models (averaging, ensembling, distillation).
+        any_reference: aligns every model onto a reference model that is not itself fused
+            (``fuse(..., reference=)``; its function then also takes ``reference=``, ``None`` = model 0 is the
+            reference and is averaged in): in a federation, the previous global model.
     """
 
     name: str
@@ -210,6 +213,7 @@ class MethodSpec:
     any_target: bool = False
     affine_only: bool = False
     any_module: bool = False
+    any_reference: bool = False
 
     def parse_options(self, options: Mapping[str, Any] | None) -> Any:
         """Validated options instance (raises ``FusionOptionError`` naming the key)."""
