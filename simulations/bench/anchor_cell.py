@@ -15,6 +15,12 @@ read from the anchors' README) and ``runs.json``.
     .venv/bin/python -m simulations.bench.anchor_cell --out results/anchor
     .venv/bin/python -m simulations.bench.anchor_cell --strategies fedavg,average --alphas 0.5 --seeds 0 --rounds 5
     .venv/bin/python -m simulations.bench.anchor_cell --summary results/anchor results/anchor-e20 results/anchor-e40
+
+Federations the anchors do not ship (20 clients, 8 sampled per round) run on splits made with the anchors' own
+recipe (``simulations.bench.anchor_splits``, byte-identical to the anchors at 10 clients):
+
+    .venv/bin/python -m simulations.bench.anchor_splits --clients 20 --out results/cache/anchor-splits
+    .venv/bin/python -m simulations.bench.anchor_cell --clients 20 --per-round 8 --splits results/cache/anchor-splits ...
 """
 
 from __future__ import annotations
@@ -39,11 +45,15 @@ ANCHORS = ROOT.parent / "shared" / "anchors"
 DATASET = {"mnist1d": "mnist1d-flat", "digits": "digits-flat"}
 
 
-def anchor_recipe(split_dir: Path, public: Path, dataset: str, seed: int, rounds: int) -> dict:
-    """The run config of the anchor's client recipe on one split folder."""
+def anchor_recipe(split_dir: Path, public: Path, dataset: str, seed: int, rounds: int, clients: int = 10,
+                  per_round: int | None = None) -> dict:
+    """The run config of the anchor's client recipe on one split folder (``per_round`` of ``clients`` sampled each
+    round; all by default)."""
+    per_round = per_round or clients
     return {"dataset": DATASET[dataset], "partition-files": str(split_dir / "node-{partition-id}.npz"),
             "test-set-path": str(split_dir / "test.npz"), "fusion-set-path": str(public), "fusion-set-size": 300,
-            "num-clients": 10, "min-train-nodes": 10, "fraction-train": 1.0, "model": "mlp", "model-width": 256,
+            "num-clients": clients, "min-train-nodes": per_round, "fraction-train": per_round / clients,
+            "model": "mlp", "model-width": 256,
             "model-depth": 2, "optimizer": "sgd", "lr": 0.2, "batch-size": 32, "local-epochs": 1,
             "weight-decay": 0.0, "val-fraction": 0.0, "num-server-rounds": rounds, "seed": seed}
 
@@ -67,7 +77,7 @@ def _run(job: dict) -> dict:
     hist = res.get("strategy-history", [])
     # head-round=true: the last row is the head round, the one before it the last training round's global model
     head = bool(hist) and "head-round" in (hist[-1].get("fusion-info") or {})
-    return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed")}, "final": accs[-1], "best": max(accs),
+    return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed", "clients", "per-round")}, "final": accs[-1], "best": max(accs),
             "before-head": accs[-2] if head else None,
             "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
             "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback")),
@@ -88,14 +98,15 @@ def _gain(points: list[float]) -> str:
 
 def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
     lines = ["| split | strategy | per seed | mean ± std | vs stock Flower FedAvg (mean) |", "|---|---|---|---|---|"]
-    cells = sorted({(r["dataset"], r["alpha"]) for r in rows})
-    for ds, alpha in cells:
-        ref = stock.get((ds, alpha))
+    cells = sorted({(r["dataset"], r["alpha"], _fed(r)) for r in rows})
+    for ds, alpha, fed in cells:
+        ref = stock.get((ds, alpha)) if fed == (10, 10) else None   # the anchors: 10 clients, all sampled
+        where = f"{ds} α={alpha}" + ("" if fed == (10, 10) else f", {fed[1]} of {fed[0]} clients per round")
         if ref is not None:
-            lines.append(f"| {ds} α={alpha} | stock Flower FedAvg (anchors) | {' / '.join(f'{v:.3f}' for v in ref)} | "
+            lines.append(f"| {where} | stock Flower FedAvg (anchors) | {' / '.join(f'{v:.3f}' for v in ref)} | "
                          f"{_mean_std(ref)} | |")
         for label in strategies:
-            got = sorted((r for r in rows if (r["dataset"], r["alpha"], r["label"]) == (ds, alpha, label)),
+            got = sorted((r for r in rows if (r["dataset"], r["alpha"], _fed(r), r["label"]) == (ds, alpha, fed, label)),
                          key=lambda r: r["seed"])
             if not got:
                 continue
@@ -104,11 +115,16 @@ def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
             if all(r.get("before-head") is not None for r in got):   # head-round=true: the model before it too
                 before = [r["before-head"] for r in got]
                 bdiff = f"{100 * (statistics.mean(before) - statistics.mean(ref)):+.1f} points" if ref else ""
-                lines.append(f"| {ds} α={alpha} | fedfuse `{label}`, before the head round | "
+                lines.append(f"| {where} | fedfuse `{label}`, before the head round | "
                              f"{' / '.join(f'{v:.3f}' for v in before)} | {_mean_std(before)} | {bdiff} |")
-            lines.append(f"| {ds} α={alpha} | fedfuse `{label}` | {' / '.join(f'{v:.3f}' for v in finals)} | "
+            lines.append(f"| {where} | fedfuse `{label}` | {' / '.join(f'{v:.3f}' for v in finals)} | "
                          f"{_mean_std(finals)} | {diff} |")
     return "\n".join(lines) + "\n"
+
+
+def _fed(r: dict) -> tuple[int, int]:
+    """``(clients, sampled per round)`` of a run (runs recorded before 20-client cells existed: 10 of 10)."""
+    return r.get("clients", 10), r.get("per-round", 10)
 
 
 def _regime_rows(dirs: list[Path]) -> list[dict]:
@@ -117,73 +133,92 @@ def _regime_rows(dirs: list[Path]) -> list[dict]:
         name, extra = parse_strategy(r["label"])
         rest = " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("local-epochs", "lr"))
         r["name"] = f"{name}[{rest}]" if rest else name
-        r["E"], r["R"] = int(extra.get("local-epochs", 1)), len(r["curve"]) - 1
+        r["E"] = int(extra.get("local-epochs", 1))
+        r["R"] = len(r["curve"]) - 1 - (r.get("before-head") is not None)   # training rounds: not the head round
         r["lr"] = float(extra.get("lr", 0.2))   # the anchor recipe's lr unless overridden
     return rows
 
 
-def regime_heatmap(dirs: list[Path], path: Path, names: list[str], reference: str = "fedavg") -> None:
-    """One panel per strategy in ``names``: mean gain over ``reference`` (points, same split and seed) by local
-    epochs E (columns) and α (rows)."""
+def regime_heatmap(dirs: list[Path], path: Path, names: list[str], reference: str = "fedavg",
+                   metric: str = "final") -> None:
+    """One panel per strategy in ``names``: mean gain over ``reference`` (points, same split, seed and cell) by
+    E × R (columns) and α / federation (rows), at the client lr where ``reference`` scores best (its best honest
+    setting) when a cell was run at several."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
     rows = _regime_rows(dirs)
-    best_lr = {}   # per (α, E): the lr at which the reference scores best (its best honest setting)
-    for a, e in {(r["alpha"], r["E"]) for r in rows}:
+    best_lr = {}
+    for key in {_cell(r)[:3] + _cell(r)[4:] for r in rows}:   # (α, E, R, federation) without the lr
         refs = {}
         for r in rows:
-            if (r["alpha"], r["E"], r["name"]) == (a, e, reference):
-                refs.setdefault(r["lr"], []).append(r["final"])
-        best_lr[(a, e)] = max(refs, key=lambda lr: statistics.mean(refs[lr]))
-    rows = [r for r in rows if r["lr"] == best_lr.get((r["alpha"], r["E"]))]
-    es, alphas = sorted({r["E"] for r in rows}), sorted({r["alpha"] for r in rows})
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.6), squeeze=False)
+            c = _cell(r)
+            if c[:3] + c[4:] == key and r["name"] == reference:
+                refs.setdefault(c[3], []).append(_score(r, metric))
+        if refs:
+            best_lr[key] = max(refs, key=lambda lr: statistics.mean(refs[lr]))
+    rows = [r for r in rows if best_lr.get(_cell(r)[:3] + _cell(r)[4:]) == r["lr"]]
+    budgets = sorted({(r["E"], r["R"]) for r in rows})
+    ys = sorted({(r["alpha"], _fed(r)) for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(1.0 + 0.9 * len(budgets) * len(names), 0.6 + 0.45 * len(ys)),
+                             squeeze=False)
     for ax, n in zip(axes[0], names):
-        grid = np.full((len(alphas), len(es)), np.nan)
-        for i, a in enumerate(alphas):
-            for j, e in enumerate(es):
-                ref = {r["seed"]: r["final"] for r in rows if (r["alpha"], r["E"], r["name"]) == (a, e, reference)}
-                gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
-                         if (r["alpha"], r["E"], r["name"]) == (a, e, n) and r["seed"] in ref]
+        grid = np.full((len(ys), len(budgets)), np.nan)
+        for i, (a, fed) in enumerate(ys):
+            for j, (e, rr) in enumerate(budgets):
+                here = [r for r in rows if (r["alpha"], _fed(r), r["E"], r["R"]) == (a, fed, e, rr)]
+                ref = {r["seed"]: _score(r, metric) for r in here if r["name"] == reference}
+                gains = [100 * (_score(r, metric) - ref[r["seed"]]) for r in here if r["name"] == n and r["seed"] in ref]
                 if gains:
                     grid[i, j] = statistics.mean(gains)
-                    ax.text(j, i, f"{grid[i, j]:+.1f}", ha="center", va="center", fontsize=9)
+                    ax.text(j, i, f"{grid[i, j]:+.1f}", ha="center", va="center", fontsize=8)
         ax.imshow(grid, cmap="RdYlGn", vmin=-10, vmax=10, aspect="auto")
-        ax.set_xticks(range(len(es)), [f"E={e}" for e in es])
-        ax.set_yticks(range(len(alphas)), [f"α={a:g}" for a in alphas])
-        ax.set_title(f"{n} − {reference} (points)", fontsize=9)
+        ax.set_xticks(range(len(budgets)), [f"{e}×{rr}" for e, rr in budgets], fontsize=7)
+        ax.set_yticks(range(len(ys)), [f"α={a:g} {m}/{k}" for a, (k, m) in ys], fontsize=7)
+        ax.set_title(f"{n} − {reference}", fontsize=8)
+    fig.suptitle(f"gain over {reference} in points ({metric}; E × R local epochs × rounds)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def regime_summary(dirs: list[Path], reference: str = "fedavg") -> str:
-    """Gain over ``reference`` (same split, same seed, same E and R), mean ± sample std in points, per (α, E, R) cell
-    and strategy, from the ``runs.json`` of several anchor-cell output folders."""
+def _score(r: dict, metric: str) -> float:
+    """A run's final test accuracy: ``"final"`` = after the head round when it ran, ``"trained"`` = the last
+    training round's global model (before the head round)."""
+    return r["before-head"] if metric == "trained" and r.get("before-head") is not None else r["final"]
+
+
+def _where(cell: tuple) -> str:
+    alpha, e, rr, lr, (k, m) = cell
+    return f"| {alpha:g} | {m}/{k} | {e} × {rr} ({lr:g}) |"
+
+
+def regime_summary(dirs: list[Path], reference: str = "fedavg", metric: str = "final") -> str:
+    """Gain over ``reference`` (same split, seed, federation, E and R), mean ± sample std in points, per
+    (α, clients sampled/total, E, R) cell and strategy, from the ``runs.json`` of several anchor-cell output folders;
+    ``metric`` as in ``_score``."""
     rows = _regime_rows(dirs)
-    cells = sorted({(r["alpha"], r["E"], r["R"], r["lr"]) for r in rows})
+    cells = sorted({_cell(r) for r in rows})
     names = sorted({r["name"] for r in rows} - {reference})
-    lines = [f"| α | E × R (lr) | {reference} (final) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
-    for alpha, e, rr, lr in cells:
-        key = (alpha, e, rr, lr)
-        ref = {r["seed"]: r["final"] for r in rows if _cell(r) == key and r["name"] == reference}
+    lines = [f"| α | clients | E × R (lr) | {reference} ({metric}) | " + " | ".join(f"`{n}` gain" for n in names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for key in cells:
+        ref = {r["seed"]: _score(r, metric) for r in rows if _cell(r) == key and r["name"] == reference}
         if not ref:
             continue
         cols = []
         for n in names:
-            gains = [100 * (r["final"] - ref[r["seed"]]) for r in rows
+            gains = [100 * (_score(r, metric) - ref[r["seed"]]) for r in rows
                      if _cell(r) == key and r["name"] == n and r["seed"] in ref]
             cols.append(_gain(gains))
-        lines.append(f"| {alpha:g} | {e} × {rr} ({lr:g}) | {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
-    return "\n".join(lines) + "\n\n" + _speed_table(rows, cells, names, reference)
+        lines.append(f"{_where(key)} {_mean_std(list(ref.values()))} | " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n\n" + _speed_table(rows, cells, names, reference, metric)
 
 
 def _cell(r: dict) -> tuple:
-    return r["alpha"], r["E"], r["R"], r["lr"]
+    return r["alpha"], r["E"], r["R"], r["lr"], _fed(r)
 
 
 def _rounds_to(curve: list[float], target: float) -> int | None:
@@ -191,30 +226,29 @@ def _rounds_to(curve: list[float], target: float) -> int | None:
     return next((i for i, a in enumerate(curve) if i > 0 and a >= target - 1e-9), None)
 
 
-def _speed_table(rows: list[dict], cells, names: list[str], reference: str) -> str:
-    """Per cell and strategy: rounds to reach ``reference``'s final accuracy (same seed; ``>R`` when never; mean
-    over the seeds that reach it) and the aggregation time as a fraction of the round's local training (runs that
-    recorded round times)."""
-    lines = ["| α | E × R (lr) | strategy | rounds to reach FedAvg's final (per seed) | aggregation / local training |",
-             "|---|---|---|---|---|"]
-    for alpha, e, rr, lr in cells:
-        key = (alpha, e, rr, lr)
-        ref = {r["seed"]: r["final"] for r in rows if _cell(r) == key and r["name"] == reference}
+def _speed_table(rows: list[dict], cells, names: list[str], reference: str, metric: str = "final") -> str:
+    """Per cell and strategy: rounds to reach ``reference``'s final accuracy (same seed; ``>R`` when never; the
+    training rounds' curve) and the aggregation time as a fraction of the round's local training (runs that recorded
+    round times; the head round excluded)."""
+    lines = ["| α | clients | E × R (lr) | strategy | rounds to reach FedAvg's final (per seed) | "
+             "aggregation / local training |", "|---|---|---|---|---|---|"]
+    for key in cells:
+        rr = key[2]
+        ref = {r["seed"]: _score(r, metric) for r in rows if _cell(r) == key and r["name"] == reference}
         for n in [reference] + names:
             got = sorted((r for r in rows if _cell(r) == key and r["name"] == n and r["seed"] in ref),
                          key=lambda r: r["seed"])
             if not got:
                 continue
-            reach = [_rounds_to(r["curve"], ref[r["seed"]]) for r in got]
+            reach = [_rounds_to(r["curve"][:rr + 1], ref[r["seed"]]) for r in got]
             fracs = []
             for r in got:
-                rs = [x for x in r.get("round-seconds") or [] if x is not None]
-                fs = r.get("fusion-seconds") or []
+                rs = [x for x in (r.get("round-seconds") or [])[:rr] if x is not None]
+                fs = (r.get("fusion-seconds") or [])[:rr]
                 if rs and len(rs) == len(fs) and sum(rs) > sum(fs):
                     fracs.append(sum(fs) / (sum(rs) - sum(fs)))
             frac = f"{100 * statistics.mean(fracs):.0f} %" if fracs else "not recorded"
-            lines.append(f"| {alpha:g} | {e} × {rr} ({lr:g}) | `{n}` | {' / '.join(str(x) if x else f'>{rr}' for x in reach)} "
-                         f"| {frac} |")
+            lines.append(f"{_where(key)} `{n}` | {' / '.join(str(x) if x else f'>{rr}' for x in reach)} | {frac} |")
     return "\n".join(lines) + "\n"
 
 
@@ -226,6 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--anchors", default=str(ANCHORS))
+    ap.add_argument("--clients", type=int, default=10, help="clients in the federation (10: the anchors' splits)")
+    ap.add_argument("--per-round", type=int, default=0, help="clients sampled per round (0: all)")
+    ap.add_argument("--splits", help="folder of anchor_splits output (<dataset>-c<K>-a<α>-s<seed>) for --clients != 10")
+    ap.add_argument("--metric", default="final", choices=("final", "trained"),
+                    help="with --summary: after the head round (final) or the last training round's model (trained)")
     ap.add_argument("--out", default=str(ROOT / "results" / "anchor"))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", nargs="+", help="only print the gain-over-FedAvg table of these output folders")
@@ -233,10 +272,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot-strategies", default="average,feddf,auto")
     args = ap.parse_args(argv)
     if args.summary:
-        print(regime_summary([Path(d) for d in args.summary]))
+        print(regime_summary([Path(d) for d in args.summary], metric=args.metric))
         if args.plot:
-            regime_heatmap([Path(d) for d in args.summary], Path(args.plot), split_strategies(args.plot_strategies))
+            regime_heatmap([Path(d) for d in args.summary], Path(args.plot), split_strategies(args.plot_strategies),
+                           metric=args.metric)
         return
+    if args.clients != 10 and not args.splits:
+        ap.error("--clients other than 10 needs --splits (made by simulations.bench.anchor_splits)")
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     public = anchors / "splits" / f"{args.dataset}-public.npz"
@@ -244,12 +286,16 @@ def main(argv: list[str] | None = None) -> None:
     jobs = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         for seed in [int(s) for s in args.seeds.split(",")]:
-            split = anchors / "splits" / f"{args.dataset}-a{alpha:g}-s{seed}"
+            split = (Path(args.splits) / f"{args.dataset}-c{args.clients}-a{alpha:g}-s{seed}" if args.splits
+                     else anchors / "splits" / f"{args.dataset}-a{alpha:g}-s{seed}")
+            per_round = args.per_round or args.clients
             for label in strategies:
                 name, extra = parse_strategy(label)
-                cfg = {**anchor_recipe(split, public, args.dataset, seed, args.rounds), "strategy": name, **extra,
-                       "output-dir": str(out / "runs"), "run-name": f"{label}-{args.dataset}-a{alpha:g}-s{seed}"}
-                jobs.append({"label": label, "dataset": args.dataset, "alpha": alpha, "seed": seed, "config": cfg})
+                cfg = {**anchor_recipe(split, public, args.dataset, seed, args.rounds, args.clients, per_round),
+                       "strategy": name, **extra, "output-dir": str(out / "runs"),
+                       "run-name": f"{label}-{args.dataset}-c{args.clients}-a{alpha:g}-s{seed}"}
+                jobs.append({"label": label, "dataset": args.dataset, "alpha": alpha, "seed": seed,
+                             "clients": args.clients, "per-round": per_round, "config": cfg})
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         rows = []
         for row in pool.map(_run, jobs):
@@ -257,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{row['label']:>24} {row['dataset']} α={row['alpha']} s{row['seed']}: final {row['final']:.3f} "
                   f"best {row['best']:.3f}", flush=True)
     previous = json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists() else []
-    keep = [r for r in previous if (r["label"], r["dataset"], r["alpha"], r["seed"])
-            not in {(j["label"], j["dataset"], j["alpha"], j["seed"]) for j in jobs}]
+    keep = [r for r in previous if (r["label"], r["dataset"], r["alpha"], r["seed"], _fed(r))
+            not in {(j["label"], j["dataset"], j["alpha"], j["seed"], (j["clients"], j["per-round"])) for j in jobs}]
     rows = keep + rows
     (out / "runs.json").write_text(json.dumps(rows, indent=1))
     labels = list(dict.fromkeys([r["label"] for r in rows]))
