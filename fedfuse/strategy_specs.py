@@ -185,7 +185,7 @@ def strategy_spec(name: str) -> StrategySpec:
 
 
 #: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.selection``)
-DEFAULT_CANDIDATES = ("average", "fedavg", "feddf")
+DEFAULT_CANDIDATES = ("fedavg", "average", "feddf")
 ARRAY_CANDIDATES = ("average", "fedavg")
 
 

@@ -164,11 +164,22 @@ def test_no_scores_keeps_the_first_candidate_loudly(identity, caplog):
 
 
 def test_fusion_candidates_are_off_below_the_local_epochs_threshold(identity):
-    s = _strategy(candidates=("average", "fedavg", "kd"), local_epochs=1, fusion_min_epochs=10)
-    s._grid = ScoringGrid({1: [0.1, 0.2], 2: [0.1, 0.2], 3: [0.1, 0.2]})
-    state, info, _ = s.aggregate(1, _updates())
-    assert set(info["select-accuracy"]) == {"average", "fedavg"} and "local epochs 1 < 10" in info["select-skipped"]["kd"]
-    assert all(len(m.content.array_records) == 2 for m in s._grid.sent)   # only the built candidates travel
+    """Short local training: the clients agree, so no fusion candidate and no vote; the first array candidate is
+    taken at the cost of the average (no query message)."""
+    s = _strategy(candidates=("fedavg", "average", "kd"), local_epochs=1, fusion_min_epochs=10)
+    s._grid = ScoringGrid({1: [0.1, 0.9], 2: [0.1, 0.9], 3: [0.1, 0.9]})
+    ups = _updates()
+    state, info, _ = s.aggregate(1, ups)
+    assert info["select-choice"] == "fedavg" and info["select-query"] is False and info["select-accuracy"] is None
+    assert "local epochs 1 < 10" in info["select-skipped"]["kd"] and info["select-fallback"] is False
+    assert s._grid.sent == []
+    avg = s.weighted_average(ups)
+    assert all(torch.equal(state[k], avg[k]) for k in avg)
+    # with the momentum candidate first it is that step, still without a query
+    m = _strategy(candidates=("average", "fedavg"), local_epochs=1, fusion_min_epochs=10)
+    m._grid = ScoringGrid({1: [0.1, 0.9], 2: [0.1, 0.9], 3: [0.1, 0.9]})
+    _, info, _ = m.aggregate(1, _updates())
+    assert info["select-choice"] == "average" and m._grid.sent == []
     on = _strategy(candidates=("average", "kd"), local_epochs=10, fusion_min_epochs=10)
     assert on.fusion_off is None
     with pytest.raises(ValueError, match="every candidate is a fusion"):

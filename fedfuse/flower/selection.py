@@ -11,21 +11,26 @@ tracked its test accuracy in every measured round. So each round:
 
 1. the clients train and reply as usual (validated by ``RoundProtocol``);
 2. the server builds ``candidates`` (names, in order of preference on a tie):
-   ``"average"`` — the weighted average with the server momentum step (the default strategy's round),
    ``"fedavg"`` — the plain weighted average (momentum restarted when it is chosen),
+   ``"average"`` — the weighted average with the server momentum step,
    any same-architecture ``fedfuse.fusion`` method (``"feddf"``, ``"kf-gradient"``, ...) with its default options;
    a candidate that cannot be built is skipped and recorded. Fusion candidates are built only when the clients
    train at least ``fusion_min_epochs`` local epochs a round (``local_epochs`` given; 10 by default): with 1 local
    epoch FedDF wins the clients' vote for ~17 of 30 rounds and the run ends 10 points below FedAvg on the anchor
    splits at α = 0.1 (each chosen model is better that round, but a worse start for the next one), while from
    10 local epochs its early-round wins carry to the end;
-3. one ``query.score_candidates`` message (``fedfuse.flower.candidates``) to the round's valid clients asks each for
-   every candidate's accuracy on its own data; the server keeps the highest sample-weighted accuracy.
+3. when a fusion candidate was built, one ``query.score_candidates`` message (``fedfuse.flower.candidates``) to the
+   round's valid clients asks each for every candidate's accuracy on its own data; the server keeps the highest
+   sample-weighted accuracy. A round without a fusion candidate (short local training: the clients agree) takes
+   the first array candidate at the cost of the average, with no query: on the anchor splits at 1 local epoch the
+   per-round vote between the average with and without momentum tied plain FedAvg at α = 0.5 and stalled one seed
+   of three at α = 0.1 (7 points below FedAvg after the head round), and the query cost 60 × the average
+   (``docs/multi-round.md``).
 
-Cost: the candidates' fusions, plus one extra message carrying ``k`` models to each of the round's clients and
+Cost: in rounds with a fusion candidate, the candidates' fusions, plus one extra message carrying ``k`` models to each of the round's clients and
 ``k`` forward passes over each client's data. When no client answers, the first candidate is kept with a WARNING
 and the round records it (``select-fallback``). ``info``: ``select-choice``, ``select-accuracy`` (per candidate),
-``select-clients``, ``select-skipped``.
+``select-clients``, ``select-skipped``, ``select-query`` (whether the clients were asked).
 """
 
 from __future__ import annotations
@@ -87,9 +92,14 @@ class SelectionStrategy(FusionStrategy):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
 
     def summary(self) -> None:
-        log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data%s",
-            ", ".join(self.candidates), f" (fusion candidates off: {self.fusion_off})" if self.fusion_off else "")
+        log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data when a "
+            "fusion candidate is built%s", ", ".join(self.candidates),
+            f" (fusion candidates off: {self.fusion_off}; every round takes {self._first_array()!r})"
+            if self.fusion_off else "")
         super().summary()
+
+    def _first_array(self) -> str | None:
+        return next((c for c in self.candidates if c in ARRAY_CANDIDATES), None)
 
     def round_summary(self, server_round: int) -> str:
         return "auto(" + "|".join(self.candidates) + ")"
@@ -109,11 +119,10 @@ class SelectionStrategy(FusionStrategy):
         average = self.weighted_average(updates)   # once: the base of both array candidates
         teachers: list[nn.Module] = []              # the client models, built when a fusion candidate needs them
         velocity = self._velocity_copy()
-        built, skipped, after = {}, {}, None
-        for name in self.candidates:
-            if self.fusion_off and name not in ARRAY_CANDIDATES:
-                skipped[name] = self.fusion_off
-                continue
+        built, after = {}, None
+        # fusion off: no vote, so only the first array candidate is built
+        skipped = {c: self.fusion_off for c in self.candidates if self.fusion_off and c not in ARRAY_CANDIDATES}
+        for name in [self._first_array()] if self.fusion_off else self.candidates:
             if name not in ARRAY_CANDIDATES and not teachers:
                 teachers = [self.build_model(u.state) for u in updates]
             try:
@@ -126,19 +135,23 @@ class SelectionStrategy(FusionStrategy):
         if not built:
             raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
         names = list(built)
-        accuracy, clients = self._score(server_round, updates, [built[n] for n in names])
+        query = any(n not in ARRAY_CANDIDATES for n in names)   # the clients agree: no fusion, no vote
+        accuracy, clients = (self._score(server_round, updates, [built[n] for n in names]) if query
+                             else (None, 0))
         if accuracy is None:
             choice = names[0]
-            log(WARNING, "auto: round %d: no client scored the candidates; keeping %r", server_round, choice)
+            if query:
+                log(WARNING, "auto: round %d: no client scored the candidates; keeping %r", server_round, choice)
         else:   # the best score; the earlier candidate on a tie
             choice = names[max(range(len(names)), key=lambda i: (accuracy[i], -i))]
         state = built[choice]
         self._set_velocity(choice, after, state)
-        info = {"select-choice": choice, "select-clients": clients,
+        info = {"select-choice": choice, "select-clients": clients, "select-query": query,
                 "select-accuracy": None if accuracy is None else dict(zip(names, accuracy)),
-                "select-skipped": skipped or None, "select-fallback": accuracy is None}
-        log(INFO, "auto: round %d: %s (client-scored accuracy %s)", server_round, choice,
-            "none" if accuracy is None else ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
+                "select-skipped": skipped or None, "select-fallback": query and accuracy is None}
+        log(INFO, "auto: round %d: %s (%s)", server_round, choice,
+            "no fusion candidate: no query" if not query else "no client scored" if accuracy is None else
+            "client-scored accuracy " + ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
         return state, info, time.perf_counter() - t0
 
     def _candidate(self, name: str, server_round: int, updates: list[ClientUpdate],
