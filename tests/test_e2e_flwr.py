@@ -37,11 +37,12 @@ def test_flwr_run_multi_round_simulation(tmp_path):
     assert last["test-accuracy"] > 0.3                            # chance is 0.1 on 10 digits
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
     assert last["ensemble-accuracy"] > 0.3 and len(last["client-test-accuracy"]) == 3
-    # the default 'auto': the round's clients scored its candidates through Flower's simulation engine
-    assert strategy == "auto" and last["fusion-info"]["select-clients"] == 3
-    assert last["fusion-info"]["select-choice"] in ("average", "fedavg")   # 1 local epoch: no fusion candidate
+    # the default 'auto': 3 local epochs < auto-fusion-epochs, so no fusion candidate, no vote: FedAvg's average
+    assert strategy == "auto" and last["fusion-info"]["select-query"] is False
+    assert last["fusion-info"]["select-choice"] == "fedavg" and last["fusion-info"]["select-clients"] == 0
     assert last["choice"] == last["fusion-info"]["select-choice"]
-    # the head round: every node's statistics and scores reached the server through the simulation engine
+    # the head round: every node's statistics and its query.score_candidates scores reached the server through the
+    # simulation engine
     head = rounds[3]["fusion-info"]["head-round"]
     assert head["valid"] == head["queried"] == 3 and head["rejected"] == [] and head["fallback"] is None
     assert head["kept"] in ("head", "before") and set(head["client-accuracy"]) == {"before", "head"}
