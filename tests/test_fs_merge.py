@@ -244,7 +244,7 @@ def test_options_defaults_and_types():
     ("one-model", "at least 2 models"),
     ("no-data", "fusion_inputs"),
     ("nan", "NaN"),
-    ("shape", "cannot run on fusion_inputs"),
+    ("shape", "cannot take fusion_inputs"),
     ("widths", "architecture/widths"),
     ("init", "init"),
     ("heads", "heads"),

@@ -121,8 +121,10 @@ def test_registration_is_typed_and_has_the_one_signature(method):
     assert dataclasses.is_dataclass(spec.options) and spec.options.__dataclass_params__.frozen
     spec.parse_options({})  # the defaults are valid
     params = inspect.signature(spec.fn).parameters
-    # methods that build into another architecture (fuse(..., target=)) take one more keyword: target
-    assert list(params) == SIGNATURE + (["target"] if spec.any_target else []), f"{method}: {list(params)}"
+    # methods that build into another architecture (fuse(..., target=)) take one more keyword: target; methods that
+    # align onto a separate reference model (fuse(..., reference=)): reference
+    assert list(params) == (SIGNATURE + (["target"] if spec.any_target else [])
+                            + (["reference"] if spec.any_reference else [])), f"{method}: {list(params)}"
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())  # no **_
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[1:])
     assert set(spec.families) <= {"sequential", "resnet", "vit"} and spec.families
@@ -149,7 +151,10 @@ def test_contract(method, arch):
             fuse(method, models, fusion_inputs=x, **_fast(method))
         assert str(err.value)
         return
+    for m in models:   # as a caller may hold them: in training mode; fuse must leave the flags as they are
+        m.train()
     r1 = fuse_result(method, models, fusion_inputs=x, seed=3, **_fast(method))
+    assert all(mod.training for m in models for mod in m.modules()), "fuse changed its inputs' train/eval mode"
     fused = r1.model
     assert isinstance(fused, nn.Module) and all(fused is not m for m in models)
     assert not fused.training and not any(m.training for m in fused.modules())
@@ -354,6 +359,17 @@ def test_non_finite_result_is_a_numerical_fusion_error_naming_the_parameter():
         b[1].weight[0, 0] = float("nan")
     with pytest.raises(NumericalFusionError, match="'1.weight'"):
         fuse("average", [a, b])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_non_finite_input_model_is_named_before_any_method_runs(method):
+    """A NaN teacher is an error for every method, named with its index and parameter (``kd`` and ``lp`` used to
+    distill around it and return a finite model silently)."""
+    models = _models("mlp", n=max(2, _spec(method).min_models))
+    with torch.no_grad():
+        models[1].state_dict()["1.weight"][0, 0] = float("nan")
+    with pytest.raises(NumericalFusionError, match=r"model 1 has non-finite values in '1.weight'"):
+        fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
 def test_unknown_method_suggests_a_name():

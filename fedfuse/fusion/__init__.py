@@ -20,6 +20,7 @@ Inputs are never modified; every failure a method reports is a ``FusionError``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import pkgutil
@@ -57,6 +58,18 @@ def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None, str |
         family = model_family(models[0])
     except ValueError as exc:  # UnsupportedModelError: no adapter describes this model type
         return None, None, f"model 0: {exc}"
+    ref = models[0].state_dict()
+    for i, m in enumerate(models[1:], 1):
+        try:
+            fam = model_family(m)
+        except ValueError as exc:
+            return family, None, f"model {i}: {exc}"
+        if fam != family:
+            return family, None, f"model {i} is a {fam!r} model and model 0 a {family!r} one"
+        for k, v in m.state_dict().items():   # the same layer kinds where the models share a layer (e.g. no
+            if k in ref and v.dim() != ref[k].dim():   # Linear where model 0 has a Conv)
+                return family, None, (f"model {i}'s {k!r} is a {v.dim()}-d tensor and model 0's a {ref[k].dim()}-d "
+                                      f"one: the models have different layer types")
     try:
         affine = all(lv.affine for m in models for lv in levels(m))
     except ValueError as exc:
@@ -142,6 +155,58 @@ def check_finite(method: str, model: nn.Module) -> None:
                                        f"({int((~torch.isfinite(value)).sum())} of {value.numel()} entries)")
 
 
+def check_dtypes(models: list[nn.Module]) -> None:
+    """Every model's floating-point weights in one dtype (``IncompatibleModelsError`` naming the odd model)."""
+    def dtype(m: nn.Module):
+        return next((t.dtype for t in m.state_dict().values() if t.is_floating_point()), None)
+
+    d0 = dtype(models[0])
+    for i, m in enumerate(models[1:], 1):
+        if dtype(m) != d0:
+            raise IncompatibleModelsError(f"fuse: model {i}'s weights are {dtype(m)} and model 0's {d0}; convert them "
+                                          f"to one dtype first (e.g. model.float())")
+
+
+def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
+    """The fusion set must be a floating-point tensor that model 0 can take (a forward pass of two samples on a copy,
+    so the model's BatchNorm statistics stay untouched); ``MissingInputError`` saying why otherwise."""
+    if not isinstance(fusion_inputs, torch.Tensor) or not fusion_inputs.is_floating_point():
+        what = fusion_inputs.dtype if isinstance(fusion_inputs, torch.Tensor) else type(fusion_inputs).__name__
+        raise MissingInputError(f"fuse: fusion_inputs must be a floating-point tensor [B, *input_shape], got {what}")
+    bad = int((~torch.isfinite(fusion_inputs)).sum())
+    if bad:
+        raise MissingInputError(f"fuse: fusion_inputs has NaN or infinite values ({bad} of {fusion_inputs.numel()} "
+                                f"entries)")
+    probe = copy.deepcopy(model).eval()
+    first = next((t for t in probe.state_dict().values() if t.is_floating_point()), None)
+    x = fusion_inputs[:2]
+    if first is not None:
+        x = x.to(device=first.device, dtype=first.dtype)
+    try:
+        with torch.no_grad():
+            probe(x)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise MissingInputError(f"fuse: model 0 cannot take fusion_inputs of shape {list(fusion_inputs.shape)} "
+                                f"(samples of shape {list(fusion_inputs.shape[1:])}): {str(exc).splitlines()[0]}") from None
+
+
+@contextlib.contextmanager
+def _inputs_kept(models: list[nn.Module]):
+    """Restore every input model's device and train/eval flags (of each submodule) after the method ran: fusion
+    methods put models in eval mode and move them to the fusion device to read their activations, and ``fuse`` must
+    leave its inputs as it got them."""
+    flags = [[(mod, mod.training) for mod in m.modules()] for m in models]
+    devices = [next((t.device for t in m.state_dict().values()), None) for m in models]
+    try:
+        yield
+    finally:
+        for m, fl, dev in zip(models, flags, devices):
+            for mod, training in fl:
+                mod.training = training
+            if dev is not None and any(t.device != dev for t in m.state_dict().values()):
+                m.to(dev)
+
+
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
@@ -166,12 +231,21 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     if fusion_inputs is not None and len(fusion_inputs) == 0:
         fusion_inputs = None  # an empty fusion set is no fusion set
     opts = spec.parse_options(options)
+    check_dtypes(models)
+    for i, m in enumerate(models):   # a NaN teacher would otherwise be distilled for every epoch, silently
+        bad = next((k for k, v in m.state_dict().items()
+                    if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+        if bad is not None:
+            raise NumericalFusionError(f"fuse: model {i} has non-finite values in {bad!r}; fusing it cannot give a "
+                                       f"finite model (method {method!r})")
     family, affine, problem = model_setup(models)
     if problem is not None and not spec.any_module:
         raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models into fusion levels "
                                       f"({list(spec.families)} families) and cannot take these: {problem}")
     spec.check_setup(num_models=len(models), family=family,
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
+    if fusion_inputs is not None:
+        check_fusion_inputs(models[0], fusion_inputs)
     skeleton = resolve_target(spec, models, target, seed)
     extra = {"target": skeleton} if spec.any_target else {}
     anchor = resolve_reference(spec, models, reference)
@@ -180,7 +254,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     dev = resolve_device(device)
     info: dict = {}
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), \
+            _inputs_kept(models + ([anchor] if anchor is not None else [])):
         torch.manual_seed(seed)
         try:
             fused = spec.fn(models, fusion_inputs=fusion_inputs, scores=scores,
@@ -252,5 +327,5 @@ def _import_all() -> None:
 _import_all()
 
 __all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
-           "normalise_weights", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "normalise_weights", "check_dtypes", "check_fusion_inputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]
