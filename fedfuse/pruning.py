@@ -53,6 +53,8 @@ CPU fused attention too), multiply-accumulates = FLOPs / 2.
 
 from __future__ import annotations
 
+import functools
+
 import copy
 import logging
 import math
@@ -654,6 +656,21 @@ def _check_reached(info: dict, req: _Request, target: nn.Module | None, pruned: 
             raise ValueError(f"prune: could not reproduce the target architecture (differs at {mismatch[:3]})")
 
 
+def _with_autograd(fn):
+    """Run ``fn`` with autograd on, also when the caller is inside ``torch.no_grad()`` or ``torch.inference_mode()``
+    (a common inference context): Torch-Pruning traces its dependency graph with autograd, and Taylor scores and
+    recovery take gradients. Inference-mode tensors given as inputs are cloned into normal tensors."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
+            kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v)
+                      for k, v in kwargs.items()}
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_with_autograd
 def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: float | None = None,
                  target: nn.Module | None = None, scores: Mapping[str, torch.Tensor] | None = None,
                  fusion_inputs: torch.Tensor | None = None, criterion: str = "auto", prune_blocks: bool | int = False,

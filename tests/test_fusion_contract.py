@@ -375,3 +375,21 @@ def test_a_non_finite_input_model_is_named_before_any_method_runs(method):
 def test_unknown_method_suggests_a_name():
     with pytest.raises(FusionOptionError, match="did you mean 'kf-linear'"):
         fuse("kf-linaer", _models("mlp"), fusion_inputs=_inputs())
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if _spec(m).uses_scores])
+@pytest.mark.parametrize("case,match", [("key", r"scores\[1\] has level 'nope'.*levels are"),
+                                        ("length", r"scores\[0\]\[.1.\] has 19 values for the level.s 12 units"),
+                                        ("nan", r"scores\[0\]\['1'\] has NaN")])
+def test_scores_that_do_not_match_the_model_are_named(method, case, match):
+    """Misspelled levels and wrong lengths used to fall back to uniform scores silently (kf-*, hf-*, ot)."""
+    models = _models("mlp", n=max(2, _spec(method).min_models))
+    scores = [{lv.name: torch.rand(lv.width) for lv in levels(m)} for m in models]
+    if case == "key":
+        scores[1]["nope"] = torch.rand(3)
+    elif case == "length":
+        scores[0]["1"] = torch.rand(19)
+    else:
+        scores[0]["1"][0] = float("nan")
+    with pytest.raises(FusionOptionError, match=match):
+        fuse(method, models, fusion_inputs=_inputs(), scores=scores, **_fast(method))

@@ -402,3 +402,15 @@ def test_groupnorm_resnet_keeps_valid_groups(mult, X):
         [(n, mod.num_groups) for n, mod in tier.named_modules() if isinstance(mod, nn.GroupNorm)]
     with torch.no_grad():
         assert torch.isfinite(small(X)).all()
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_prune_works_inside_an_inference_context(context):
+    """Torch-Pruning traces with autograd; ``prune`` turns it on itself rather than asserting on the caller's
+    ``torch.no_grad()`` / ``torch.inference_mode()`` (inputs made inside inference mode are cloned)."""
+    m = build_model("mlp", 4, (1, 8, 8), width=16, seed=1)
+    with context():
+        x = torch.randn(32, 1, 8, 8)
+        pruned = prune(m, 0.5, fusion_inputs=x, criterion="taylor")
+    assert count_params(pruned) < count_params(m)
+    assert torch.isfinite(pruned(torch.randn(4, 1, 8, 8))).all()

@@ -190,6 +190,29 @@ def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
                                 f"(samples of shape {list(fusion_inputs.shape[1:])}): {str(exc).splitlines()[0]}") from None
 
 
+def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] | None]) -> None:
+    """Importance scores must name the models' fusion levels (``fedfuse.models.levels``) with one finite value per
+    unit; a level a dict leaves out is scored uniformly by the method. ``FusionOptionError`` naming the model, the
+    key and the valid levels otherwise (silently ignoring a misspelled key would fuse with uniform scores)."""
+    for i, (m, sc) in enumerate(zip(models, scores)):
+        if sc is None:
+            continue
+        if not isinstance(sc, dict):
+            raise FusionOptionError(f"fuse: scores[{i}] must be a dict level name -> [width] tensor, got "
+                                    f"{type(sc).__name__}")
+        widths = {lv.name: lv.width for lv in levels(m)}
+        for key, v in sc.items():
+            if key not in widths:
+                raise FusionOptionError(f"fuse: scores[{i}] has level {key!r}, which model {i} does not have; its "
+                                        f"levels are {list(widths)}")
+            t = torch.as_tensor(v)
+            if t.numel() != widths[key]:
+                raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has {t.numel()} values for the level's "
+                                        f"{widths[key]} units")
+            if not bool(torch.isfinite(t).all()):
+                raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has NaN or infinite values")
+
+
 @contextlib.contextmanager
 def _inputs_kept(models: list[nn.Module]):
     """Restore every input model's device and train/eval flags (of each submodule) after the method ran: fusion
@@ -246,6 +269,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
     if fusion_inputs is not None:
         check_fusion_inputs(models[0], fusion_inputs)
+    if scores is not None and spec.uses_scores and problem is None:
+        check_scores(models, scores)
     skeleton = resolve_target(spec, models, target, seed)
     extra = {"target": skeleton} if spec.any_target else {}
     anchor = resolve_reference(spec, models, reference)
@@ -327,5 +352,5 @@ def _import_all() -> None:
 _import_all()
 
 __all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
-           "normalise_weights", "check_dtypes", "check_fusion_inputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "normalise_weights", "check_dtypes", "check_fusion_inputs", "check_scores", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]
