@@ -94,7 +94,8 @@ class RunConfig:
                          "(auto-candidates: the average with server momentum, the plain average, FedDF from "
                          "auto-fusion-epochs local epochs) the clients score best on their own data (the best "
                          "measured across the regime cells: docs/multi-round.md)")
-    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set", ge=1)
+    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2: distillation holds "
+                                "part out, alignment standardises activations over samples)", ge=2)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
     fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")

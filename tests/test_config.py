@@ -120,6 +120,7 @@ def test_wrong_type_names_the_key(override, key):
     ({"num-clients": 12, "partitioning": "shards"}, "num-clients"),             # class-disjoint shards: 12 clients > 10 digit classes
     ({"classes-per-client": 11, "partitioning": "shards"}, "classes-per-client"),
     ({"strategy": "kf-linaer"}, "strategy"),
+    ({"strategy": "feddf", "fusion-set-size": 1}, "fusion-set-size"),   # before any client trains, not after 48 s
 ])
 def test_bad_value_or_range_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
