@@ -71,7 +71,9 @@ def stock_flower(readme: Path) -> dict[tuple[str, float], list[float]]:
 def _run(job: dict) -> dict:
     from fedfuse.flower.runner.inprocess import run_inprocess
 
-    out = run_inprocess(job["config"], echo=False)
+    out = Path(job["config"]["output-dir"]) / job["config"]["run-name"]
+    if not ((out / "DONE").exists() and (out / "results.json").exists()):   # a finished run is read, not rerun
+        out = run_inprocess(job["config"], echo=False)
     res = json.loads((out / "results.json").read_text())
     accs = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
