@@ -103,7 +103,7 @@ def test_the_wheel_ships_the_product_and_its_flower_app_config_only(installed):
     assert shipped == (ROOT / "fedfuse" / "flower" / "runner" / "app" / "pyproject.toml").read_bytes()
     for module in ("run", "sweep", "flwr_runner", "inprocess", "cli", "compare", "console", "progress", "paths"):
         assert f"fedfuse/flower/runner/{module}.py" in names, module
-    assert "fedfuse/cli.py" in names and "server/strategies/__init__.py" in names
+    assert "fedfuse/cli.py" in names and "fedfuse/flower/strategies.py" in names
     assert not [n for n in names if n.startswith(("simulations/", "tests/", "scripts/", "results/"))]
     assert not [n for n in names if n.startswith("server/")], "the wheel installs a top-level 'server' package"
     assert "fedfuse = fedfuse.cli:main" in entry_points
