@@ -780,12 +780,42 @@ def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'ini
     return model.state_dict()
 
 
+#: datasets generated or shipped in-process: their partitions are cheap to check before Flower starts
+LOCAL_DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic")
+
+
+def check_partitions(cfg: RunConfig) -> None:
+    """Every client's partition holds enough samples to train (and to keep a validation split when ``val-fraction``
+    is set): ``ConfigError`` naming ``num-clients`` / ``partitioning`` and the smallest clients otherwise. Checked
+    on the partitions the clients will build (``fedfuse.task.federated_data``, deterministic) for the in-process
+    datasets; ``partition-files`` are checked by ``check_files``, and remote datasets when the server loads them."""
+    if cfg.partition_files or cfg.dataset not in LOCAL_DATASETS:
+        return
+    from fedfuse.task import federated_data
+
+    try:
+        data = federated_data(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"run-config key 'partitioning': {cfg.partitioning!r} over num-clients={cfg.num_clients} "
+                          f"cannot be built: {exc}") from None
+    need = 2 if cfg.val_fraction > 0 else 1   # a validation sample needs a training sample beside it
+    sizes = [len(p) for p in data.partitions]
+    small = [i for i, n in enumerate(sizes) if n < need]
+    if small:
+        shown = ", ".join(f"client {i}: {sizes[i]}" for i in small[:5]) + (" ..." if len(small) > 5 else "")
+        raise ConfigError(f"run-config key 'num-clients': {cfg.num_clients} clients over {sum(sizes)} training "
+                          f"samples with partitioning={cfg.partitioning!r} leaves {len(small)} client(s) with fewer "
+                          f"than {need} samples ({shown}); use fewer clients or another partitioning "
+                          f"(e.g. a larger dirichlet-alpha)")
+
+
 def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[str, ...] | None = None) -> RunConfig:
     """Everything knowable from the config, before any Flower process: ``parse_run_config``, ``check_files``,
-    ``check_model``. Raises ``ConfigError`` naming the key."""
+    ``check_model``, ``check_partitions``. Raises ``ConfigError`` naming the key."""
     cfg = parse_run_config(run_config, known_strategies=known_strategies)
     check_files(cfg)
     check_model(cfg)
+    check_partitions(cfg)
     return cfg
 
 
@@ -806,7 +836,7 @@ def describe() -> str:
 
 __all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
-           "check_model", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
+           "check_model", "check_partitions", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
            "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
 

@@ -407,3 +407,13 @@ def test_summary_marks_fallbacks_and_failed_runs(tmp_path, capsys):
     assert report(tmp_path, True, "finished:completed") == 0
     assert report(tmp_path, False, "finished:failed") == 1
     assert report(tmp_path / "none", True, "finished:completed") == 1
+
+
+def test_preflight_rejects_partitionings_that_leave_a_client_empty():
+    """``num-clients=1000`` on digits used to start Flower, fail hundreds of clients with raw Ray tracebacks and
+    still end 'completed'; the preflight now names the key and the smallest clients before anything starts."""
+    from fedfuse.config import preflight
+
+    with pytest.raises(ConfigError, match=r"'num-clients': 1000 clients over \d+ training samples.*fewer than 2"):
+        preflight({"num-clients": 1000})
+    assert preflight({"num-clients": 4}).num_clients == 4
