@@ -20,6 +20,8 @@ one-shot run one horizontal line per reference of ``"one-shot-references"`` (``f
 
 from __future__ import annotations
 
+import math
+
 import csv
 import json
 import os
@@ -45,6 +47,28 @@ def _jsonable(v: Any) -> Any:
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         return v.item()
     return v
+
+
+def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.02) -> str | None:
+    """Why the run's last evaluated global model is dead (``None`` when it is not): after training it sits at chance
+    level, accuracy at most ``1/C + margin`` with a loss that is non-finite or at least ``0.95·ln C`` (a model that
+    has learned anything has a lower loss). This catches a run that trains itself to chance (e.g. a diverging lr),
+    which the divergence guard cannot see while the weights stay finite. Reads the central test columns, else the
+    federated ones; rows without either are not judged."""
+    trained = [r for r in rows if (r.get("round") or 0) > 0]
+    if not trained or num_classes < 2:
+        return None
+    last = trained[-1]
+    for acc_key, loss_key in (("test-accuracy", "test-loss"), ("federated-accuracy", "federated-loss")):
+        acc, loss = last.get(acc_key), last.get(loss_key)
+        if acc is None or loss is None:
+            continue
+        if acc <= 1.0 / num_classes + margin and (not math.isfinite(loss) or loss >= 0.95 * math.log(num_classes)):
+            return (f"the global model ended at chance level after round {last['round']} ({acc_key} {acc:.4f} <= "
+                    f"1/{num_classes} + {margin}, {loss_key} {loss:.4g} >= 0.95·ln {num_classes}): the run trained "
+                    f"itself to a dead model (a learning rate far too high is the usual cause: lower lr)")
+        return None
+    return None
 
 
 def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:

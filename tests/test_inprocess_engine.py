@@ -177,3 +177,15 @@ def test_local_grid_hosts_a_subset_of_the_partitions():
     for bad in ([], [0, 0], [10]):
         with pytest.raises(ValueError, match="partitions"):
             LocalGrid(_echo_app(), {}, num_nodes=10, run_id=RUN_ID, partitions=bad)
+
+
+def test_a_run_that_trains_itself_to_chance_fails_loudly(tmp_path):
+    """lr=50 drives the model to chance level while its weights stay finite: the run is a failure with the reason,
+    not a 'completed' run at 0.098 (the divergence guard only sees non-finite or far-off fused models)."""
+    cfg = {**TINY, "strategy": "fedavg", "lr": 50.0, "optimizer": "sgd", "num-server-rounds": 2, "head-round": False,
+           "output-dir": str(tmp_path), "run-name": "dead"}
+    with pytest.raises(RuntimeError, match="chance level.*dead model.*lower lr"):
+        run_inprocess(cfg, 3, echo=False)
+    res = json.loads((tmp_path / "dead" / "results.json").read_text())
+    assert res["status"] == "failed" and "chance level" in res["error"]
+    assert not (tmp_path / "dead" / "DONE").exists()

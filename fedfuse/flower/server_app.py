@@ -50,7 +50,7 @@ from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
-from fedfuse.results import RunRecorder, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
+from fedfuse.results import RunRecorder, dead_model, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
 
@@ -421,6 +421,10 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     outcome = fusion_outcome(strategy.history)
     if crash is not None:
         outcome = {**outcome, "status": "failed", "error": f"{type(crash).__name__}: {crash}"}
+    elif outcome["status"] == "completed":
+        dead = dead_model(recorder.rows, int(recorder.config.get("num-classes", 0)))
+        if dead:
+            outcome = {**outcome, "status": "failed", "error": dead}
     recorder.extra.update(outcome)
     recorder.extra["strategy-history"] = strategy.history
     recorder.extra["failures"] = [{"round": h["round"], **f} for h in strategy.history for f in h.get("failures", [])]
