@@ -275,3 +275,39 @@ def test_server_with_fusion_and_test_files_loads_no_dataset(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="'test-set-path'.*labels"):
         server_app.setup(parse_run_config({**RUN, "fusion-set-path": str(fusion),
                                            "test-set-path": str(tmp_path / "nolabels.npz")}))
+
+
+def test_the_train_config_names_the_weight_key_and_reply_to_train_follows_it():
+    """A strategy built with ``weighted_by_key='n-samples'``: its train message says so, and the two-line ClientApp
+    (``reply_to_train``) replies with that key without being told; the reply validates."""
+    s = build_strategy("average", model_fn=model_fn, weighted_by_key="n-samples", refine="none")
+    cfg = _config_of(s)
+    assert cfg["weight-key"] == "n-samples"
+    msg = _train_message(RecordDict({"arrays": ArrayRecord(model_fn(0).state_dict()), "config": cfg}))
+    assert read_train_message(msg).weight_key == "n-samples"
+    with task_identity(1, 11, 2):
+        reply = reply_to_train(msg, model_fn(1), num_examples=9)
+    assert reply.content["metrics"]["n-samples"] == 9 and "num-examples" not in reply.content["metrics"]
+    upd = validate_reply(_as_reply(reply.content), _reference(model_fn()), None, weight_key="n-samples")
+    assert upd.num_examples == 9
+
+
+def test_every_reply_breaking_the_contract_stops_the_run(caplog):
+    """Replies that all lack the strategy's weight key (a ClientApp that ignores the train config) used to skip every
+    round and leave a user's own ServerApp run 'completed' with the model unchanged; now the strategy raises."""
+    from fedfuse.flower import ReplyContractError
+
+    s = build_strategy("average", model_fn=model_fn, weighted_by_key="n-samples", refine="none",
+                       min_train_nodes=2, min_available_nodes=2)
+    _config_of(s)   # the round's global model
+    replies = [_as_reply(make_train_reply(model_fn(k), num_examples=9), node_id=n) for k, n in ((1, 11), (2, 12))]
+    with pytest.raises(ReplyContractError, match=r"every reply \(2\).*'n-samples'.*train message's config"):
+        s.aggregate_train(1, replies)
+    assert s.history[-1]["skipped"] == "every reply broke the reply contract"
+    # one valid reply among them: the round goes on with it (bad input loses nothing)
+    s2 = build_strategy("average", model_fn=model_fn, weighted_by_key="n-samples", refine="none",
+                        min_train_nodes=1, min_available_nodes=1, min_valid_replies=1)
+    _config_of(s2)
+    good = _as_reply(make_train_reply(model_fn(3), num_examples=9, weight_key="n-samples"), node_id=13)
+    arrays, _ = s2.aggregate_train(1, replies + [good])
+    assert arrays is not None and len(s2.history[-1]["rejected"]) == 2

@@ -35,7 +35,7 @@ from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrate
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
 from fedfuse.choices import FALLBACKS
 from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.protocol import ClientsDivergedError, RoundProtocol, state_to_record
+from fedfuse.flower.protocol import ClientsDivergedError, ReplyContractError, RoundProtocol, state_to_record
 from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
@@ -45,6 +45,6 @@ __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy"
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
            "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",
            "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "FedMedianStrategy",
-           "FedTrimmedAvgStrategy", "KrumStrategy", "MultiKrumStrategy", "BulyanStrategy", "ClientsDivergedError",
+           "FedTrimmedAvgStrategy", "KrumStrategy", "MultiKrumStrategy", "BulyanStrategy", "ClientsDivergedError", "ReplyContractError",
            "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record",
            "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train"]

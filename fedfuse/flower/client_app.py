@@ -141,7 +141,7 @@ def train(msg: Message, context: Context) -> Message:
     content = make_train_reply(out["state"], num_examples=num_examples, train_metrics=metrics,
                                need_importance=request.need_importance, scores=out["scores"],
                                class_counts=class_counts if request.need_class_counts else None,
-                               partition_id=node.pid, arrays_key=request.arrays_key)
+                               partition_id=node.pid, arrays_key=request.arrays_key, weight_key=request.weight_key)
     return Message(content=content, reply_to=msg)
 
 

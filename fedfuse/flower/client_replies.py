@@ -39,6 +39,7 @@ from fedfuse.flower.replies import (ARRAYS_KEY, IMPORTANCE_KEY, MAX_NUM_EXAMPLES
 
 NEED_IMPORTANCE = "need-importance"
 NEED_CLASS_COUNTS = "need-class-counts"
+WEIGHT_KEY = "weight-key"   # train config: the metric the strategy reads the sample count from (weighted_by_key)
 CONFIG_KEY = "config"
 
 
@@ -52,6 +53,8 @@ class TrainRequest:
         config: the train ``ConfigRecord`` as a dict (``server-round``, ``fusion-method``, ``need-importance``,
             ``need-class-counts`` and the ServerApp's own keys, e.g. fedfuse's ``mode``/``local-epochs``/``lr``).
         server_round / fusion_method / need_importance / need_class_counts: read from ``config``.
+        weight_key: the metric the strategy reads the sample count from (train config ``weight-key``, the
+            strategy's ``weighted_by_key``; ``num-examples`` when the message does not say).
     """
 
     arrays_key: str
@@ -61,6 +64,7 @@ class TrainRequest:
     fusion_method: str = ""
     need_importance: bool = False
     need_class_counts: bool = False
+    weight_key: str = NUM_EXAMPLES_KEY
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The received global weights as a torch state dict (``model.load_state_dict(...)``)."""
@@ -82,7 +86,8 @@ def read_train_message(msg: Message, *, config_key: str = CONFIG_KEY) -> TrainRe
     return TrainRequest(arrays_key=key, arrays=record, config=cfg, server_round=int(cfg.get("server-round", 1)),
                         fusion_method=str(cfg.get("fusion-method", "")),
                         need_importance=bool(cfg.get(NEED_IMPORTANCE, False)),
-                        need_class_counts=bool(cfg.get(NEED_CLASS_COUNTS, False)))
+                        need_class_counts=bool(cfg.get(NEED_CLASS_COUNTS, False)),
+                        weight_key=str(cfg.get(WEIGHT_KEY) or NUM_EXAMPLES_KEY))
 
 
 def _scores(model: nn.Module, val_data, importance: str, importance_samples: int,
@@ -163,13 +168,14 @@ def reply_to_train(msg: Message, model: nn.Module, *, num_examples: int,
                    train_metrics: Mapping[str, Any] | None = None, val_data: Sequence | None = None,
                    importance: str = "deeplift", importance_samples: int = 256,
                    scores: Mapping[str, torch.Tensor] | None = None, class_counts: Sequence[int] | None = None,
-                   partition_id: int | None = None, weight_key: str = NUM_EXAMPLES_KEY,
+                   partition_id: int | None = None, weight_key: str | None = None,
                    device: str | torch.device = "cpu") -> Message:
     """The reply ``Message`` to a fedfuse ``train`` message ``msg``, doing what its config asks.
 
     Scores only when ``need-importance`` is true; ``class_counts`` only when ``need-class-counts`` is true (a
-    ``ValueError`` when asked for and not given); the weights under the received record's name. Other
-    arguments as ``make_train_reply``.
+    ``ValueError`` when asked for and not given); the weights under the received record's name and the sample
+    count under the key the message names (``weight-key``: the strategy's ``weighted_by_key``) unless
+    ``weight_key`` is given. Other arguments as ``make_train_reply``.
     """
     request = read_train_message(msg)
     if request.need_class_counts and class_counts is None:
@@ -179,10 +185,11 @@ def reply_to_train(msg: Message, model: nn.Module, *, num_examples: int,
                                need_importance=request.need_importance, importance=importance,
                                importance_samples=importance_samples, scores=scores,
                                class_counts=class_counts if request.need_class_counts else None,
-                               partition_id=partition_id, arrays_key=request.arrays_key, weight_key=weight_key,
+                               partition_id=partition_id, arrays_key=request.arrays_key,
+                               weight_key=weight_key or request.weight_key,
                                device=device)
     return Message(content=content, reply_to=msg)
 
 
 __all__ = ["TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "NEED_IMPORTANCE",
-           "NEED_CLASS_COUNTS"]
+           "NEED_CLASS_COUNTS", "WEIGHT_KEY"]

@@ -24,6 +24,12 @@ class ClientsDivergedError(RuntimeError):
     """Every client of a round returned non-finite weights: local training diverged; the run stops."""
 
 
+class ReplyContractError(RuntimeError):
+    """Every reply of a round lacked a record or key the strategy reads (``ContractMismatch``): the ClientApps and
+    the strategy disagree on the reply contract, so no round can aggregate; the run stops (also in a user's own
+    ServerApp, which would otherwise end normally with the model unchanged)."""
+
+
 class RoundOutcome:
     """Fallback, stop/skip and the round's record (see the module docstring)."""
 
@@ -72,6 +78,15 @@ class RoundOutcome:
                 f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
                 "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
                 "another 'optimizer'.")
+        contract = [r for r in record["rejected"] if r.get("contract")]
+        if not valid and contract and len(contract) == len(record["rejected"]):
+            self.history.append({**record, "skipped": "every reply broke the reply contract"})
+            raise ReplyContractError(
+                f"round {server_round}: every reply ({len(contract)}) was rejected for a missing record or key (e.g. "
+                f"node {contract[0]['node-id']}: {contract[0]['reason']}); the strategy reads arrays from "
+                f"{self.arrayrecord_key!r} and the sample count from metrics {self.weighted_by_key!r}: make the "
+                f"ClientApp reply with these keys (the train message's config names them) or build the strategy with "
+                f"the ClientApp's keys")
         if valid < self.min_valid_replies:
             reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
                       f"{self.min_valid_replies}; the global model is unchanged")

@@ -35,7 +35,8 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.choices import FALLBACKS
-from fedfuse.flower.outcome import ClientsDivergedError, RoundOutcome, aggregate_metrics
+from fedfuse.flower.client_replies import WEIGHT_KEY
+from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
 from fedfuse.flower.replies import ClientUpdate, _npy_view
 from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
 
@@ -184,6 +185,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         self._global = arrays
         for key, value in self.round_config(server_round).items():
             config[key] = value
+        config[WEIGHT_KEY] = self.weighted_by_key   # what the replies must name their sample count by
         if self.warm_round(server_round):   # the one-shot signal, the warm-start epochs: in a copy (Flower passes
             # the same train config every round, and rounds >= 2 are the run's own)
             config = ConfigRecord({**dict(config), **self.warm_start.round_config()})
@@ -246,5 +248,5 @@ def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
-__all__ = ["RoundProtocol", "ClientsDivergedError", "aggregate_metrics", "state_to_record", "array_copy",
+__all__ = ["RoundProtocol", "ClientsDivergedError", "ReplyContractError", "aggregate_metrics", "state_to_record", "array_copy",
            "failure_record", "reply_node"]

@@ -41,6 +41,12 @@ class ReplyRejected(ValueError):
     """A client reply that must not be fused; ``str(exc)`` is the reason."""
 
 
+class ContractMismatch(ReplyRejected):
+    """A reply that lacks a record or key the strategy was built to read (its ``arrayrecord_key``,
+    ``weighted_by_key``, the importance record): the ClientApp and the strategy disagree on the reply contract,
+    which no later round fixes."""
+
+
 class NonFiniteWeights(ReplyRejected):
     """A reply whose weights contain NaN or Inf: the client's local training diverged."""
 
@@ -119,12 +125,15 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
     content = msg.content
     arrays = _record(content, arrays_key, ArrayRecord)
     if arrays is None:
-        raise ReplyRejected(f"no ArrayRecord {arrays_key!r} in reply")
+        raise ContractMismatch(f"no ArrayRecord {arrays_key!r} in reply (records: {list(content.keys())})")
     metrics = _metric_record(content, metrics_key)
     if metrics is None:
-        raise ReplyRejected(f"no MetricRecord {metrics_key!r} in reply")
+        raise ContractMismatch(f"no MetricRecord {metrics_key!r} in reply")
 
     n = metrics.get(weight_key)
+    if n is None:
+        raise ContractMismatch(f"no {weight_key!r} in the reply's metrics (the strategy's weighted_by_key; the reply "
+                               f"has {sorted(metrics)})")
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not float(n).is_integer():
         raise ReplyRejected(f"{weight_key} must be an integer, got {n!r}")
     if not 0 < n <= MAX_NUM_EXAMPLES:
@@ -151,7 +160,7 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
     if level_widths is not None:
         imp = _record(content, importance_key, ArrayRecord)
         if imp is None:
-            raise ReplyRejected(f"importance scores required but no ArrayRecord {importance_key!r} in reply")
+            raise ContractMismatch(f"importance scores required but no ArrayRecord {importance_key!r} in reply")
         scores = {}
         for name, width in level_widths.items():
             if name not in imp:

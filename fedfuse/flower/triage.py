@@ -14,7 +14,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.common.logger import log
 
-from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, NonFiniteWeights, ReplyRejected,
+from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
                                     validate_reply)
 
 
@@ -65,6 +65,8 @@ class ReplyTriage:
             rejected = {"node-id": node, "reason": str(exc), **self.rejected_extra(node)}
             if isinstance(exc, NonFiniteWeights):
                 rejected["non-finite-weights"] = True
+            if isinstance(exc, ContractMismatch):
+                rejected["contract"] = True
             record["rejected"].append(rejected)
             return None
 
