@@ -16,7 +16,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedfuse.flower import STRATEGIES, FusionStrategy, KfLinearStrategy, RoundProtocol, build_strategy
+from fedfuse.flower import (STRATEGIES, FusionStrategy, KfLinearStrategy, ReplyContractError, RoundProtocol,
+                            build_strategy)
 from fedfuse.fusion import METHOD_SPECS, METHODS, FusionError, IncompatibleModelsError, NoOptions, register
 from fedfuse.fusion.average import fuse_average
 from fedfuse.importance import uniform_importance
@@ -140,7 +141,9 @@ def test_reply_keys_follow_arrayrecord_key_and_weighted_by_key():
     m1 = build_model("mlp", 10, SHAPE, width=16, depth=1, seed=1).state_dict()
     m2 = build_model("mlp", 10, SHAPE, width=16, depth=1, seed=2).state_dict()
     torch.testing.assert_close(state_of(arrays)["3.bias"], 0.2 * m1["3.bias"] + 0.8 * m2["3.bias"])
-    _, _ = s.aggregate_train(2, [reply(1, 1), reply(2, 2)])  # "arrays"/"num-examples": not this contract
+    # "arrays"/"num-examples": not this contract; every reply breaking it stops the run with the keys named
+    with pytest.raises(ReplyContractError, match="reads arrays from 'weights' and the sample count from metrics 'samples'"):
+        s.aggregate_train(2, [reply(1, 1), reply(2, 2)])
     assert s.history[-1]["skipped"] and "no ArrayRecord 'weights'" in s.history[-1]["rejected"][0]["reason"]
 
 
@@ -399,3 +402,24 @@ def test_only_fedfuse_flower_imports_flower_and_no_product_module_imports_test_s
         assert not any("faults" in m for m in mods), f"{rel} imports fault injection"
         if not rel.startswith(("fedfuse/flower/", "server/", "clients/")):
             assert not any(m == "flwr" or m.startswith("flwr.") for m in mods), f"{rel} imports Flower"
+
+
+@pytest.mark.parametrize("name", ["average", "fedavg", "kf-linear"])
+def test_a_free_rider_claiming_100x_its_samples_is_capped(name):
+    """One client claims num-examples × 100: weighted as 10 × the round's median instead (default weight_cap), on the
+    streamed and the validated path alike; recorded in the round's ``capped``. weight_cap=0 turns the cap off."""
+    replies = [reply(1, 1, n=20), reply(2, 2, n=30), reply(3, 3, n=3000)]
+    s = build_strategy(name, model_fn=model_fn, fusion_inputs=torch.randn(40, *SHAPE), refine="none", guard=False,
+                       importance="server" if name == "kf-linear" else "client",
+                       fusion_labels=torch.randint(0, 10, (40,)) if name == "kf-linear" else None)
+    arrays, metrics = s.aggregate_train(1, replies)
+    assert s.history[-1]["capped"] == [{"node-id": 3, "claimed": 3000, "used": 300}]
+    if name != "kf-linear":
+        m = {k: build_model("mlp", 10, SHAPE, width=16, depth=1, seed=k).state_dict() for k in (1, 2, 3)}
+        expected = (20 * m[1]["3.bias"] + 30 * m[2]["3.bias"] + 300 * m[3]["3.bias"]) / 350
+        torch.testing.assert_close(state_of(arrays)["3.bias"], expected, rtol=1e-5, atol=1e-6)
+    off = build_strategy("fedavg", model_fn=model_fn, weight_cap=0)
+    off.aggregate_train(1, replies)
+    assert "capped" not in off.history[-1]
+    with pytest.raises(ValueError, match="weight_cap must be >= 0"):
+        build_strategy("fedavg", model_fn=model_fn, weight_cap=-1)

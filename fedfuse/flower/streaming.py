@@ -31,9 +31,9 @@ class StreamedRound:
     observer_seconds: float
 
 
-def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], float]:
-    """The replies sorted by (partition id, node id) from their metrics alone, and the sum of their plausible
-    sample counts (the weights' denominator)."""
+def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], list[float]]:
+    """The replies sorted by (partition id, node id) from their metrics alone, and their plausible sample counts
+    (the weights' denominator and the weight cap's median)."""
     keyed = []
     for msg in ok:
         metrics = _metric_record(msg.content, METRICS_KEY)
@@ -44,14 +44,18 @@ def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], flo
     keyed.sort(key=lambda t: t[0])
     plausible = [float(n) for _, n, _ in keyed
                  if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n <= MAX_NUM_EXAMPLES]
-    total = float(np.array(plausible, dtype=float).sum()) if plausible else 1.0
-    return [m for _, _, m in keyed], total
+    return [m for _, _, m in keyed], plausible
 
 
 def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message], record: dict[str, Any],
                    keep_members: bool) -> StreamedRound:
     """One pass over the replies: validate (``strategy.check_reply``), accumulate, observe, drop."""
-    ordered, total = fusion_order(ok, strategy.weighted_by_key)
+    from fedfuse.flower.protocol import cap_update, weight_limit
+
+    ordered, counts = fusion_order(ok, strategy.weighted_by_key)
+    limit = weight_limit(counts, strategy.weight_cap)   # the weight cap, from the metrics before any array
+    total = float(np.minimum(np.array(counts, dtype=float), limit if limit is not None else np.inf).sum()) \
+        if counts else 1.0
     members: list[tuple[Message, float]] = []
     acc: dict[str, torch.Tensor] | None = None
     dtypes: dict[str, torch.dtype] = {}
@@ -61,6 +65,8 @@ def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message]
         u = strategy.check_reply(server_round, msg, record, level_widths=False, copy=False)
         if u is None:
             continue
+        if limit is not None:
+            u = cap_update(u, limit, strategy.weight_cap, record)
         w = u.num_examples / total
         valid_total += u.num_examples
         if acc is None:  # integer buffers (BatchNorm counters) from the first reply, as average_state_dicts
