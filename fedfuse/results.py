@@ -50,11 +50,13 @@ def _jsonable(v: Any) -> Any:
 
 
 def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.02) -> str | None:
-    """Why the run's last evaluated global model is dead (``None`` when it is not): after training it sits at chance
-    level, accuracy at most ``1/C + margin`` with a loss that is non-finite or at least ``0.95·ln C`` (a model that
-    has learned anything has a lower loss). This catches a run that trains itself to chance (e.g. a diverging lr),
-    which the divergence guard cannot see while the weights stay finite. Reads the central test columns, else the
-    federated ones; rows without either are not judged."""
+    """Why the run's last evaluated global model is dead (``None`` when it is not): after training, its loss is
+    non-finite, or it sits at chance level (accuracy at most ``1/C + margin``, loss at least ``0.95·ln C``) while
+    getting at most one class right (it has collapsed to one prediction: a model that merely has not learned yet
+    still spreads its predictions). This catches a run that trains itself to a dead model (e.g. a diverging lr),
+    which the divergence guard cannot see while the weights stay finite. Reads the central test columns (the
+    collapse from ``per-class-accuracy``), else the federated ones (only a non-finite loss); rows without either
+    are not judged."""
     trained = [r for r in rows if (r.get("round") or 0) > 0]
     if not trained or num_classes < 2:
         return None
@@ -63,10 +65,13 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
         acc, loss = last.get(acc_key), last.get(loss_key)
         if acc is None or loss is None:
             continue
-        if acc <= 1.0 / num_classes + margin and (not math.isfinite(loss) or loss >= 0.95 * math.log(num_classes)):
-            return (f"the global model ended at chance level after round {last['round']} ({acc_key} {acc:.4f} <= "
-                    f"1/{num_classes} + {margin}, {loss_key} {loss:.4g} >= 0.95·ln {num_classes}): the run trained "
-                    f"itself to a dead model (a learning rate far too high is the usual cause: lower lr)")
+        per_class = last.get("per-class-accuracy") if acc_key == "test-accuracy" else None
+        collapsed = per_class is not None and sum(1 for a in per_class if a and a > 0) <= 1
+        at_chance = acc <= 1.0 / num_classes + margin and loss >= 0.95 * math.log(num_classes)
+        if not math.isfinite(loss) or (at_chance and collapsed):
+            return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
+                    f"{loss:.4g}, at most one class predicted right): the run trained itself to chance level (a "
+                    f"learning rate far too high is the usual cause: lower lr)")
         return None
     return None
 

@@ -184,7 +184,7 @@ def test_a_run_that_trains_itself_to_chance_fails_loudly(tmp_path):
     not a 'completed' run at 0.098 (the divergence guard only sees non-finite or far-off fused models)."""
     cfg = {**TINY, "strategy": "fedavg", "lr": 50.0, "optimizer": "sgd", "num-server-rounds": 2, "head-round": False,
            "output-dir": str(tmp_path), "run-name": "dead"}
-    with pytest.raises(RuntimeError, match="chance level.*dead model.*lower lr"):
+    with pytest.raises(RuntimeError, match="dead after round.*chance level.*lower lr"):
         run_inprocess(cfg, 3, echo=False)
     res = json.loads((tmp_path / "dead" / "results.json").read_text())
     assert res["status"] == "failed" and "chance level" in res["error"]

@@ -22,11 +22,11 @@ def _write_splits(tmp_path, n=3, per=60, seed=0):
     files = []
     for i in range(n):
         x = rng.standard_normal((per + 7 * i, SHAPE)).astype(np.float32)
-        y = rng.integers(0, 10, per + 7 * i).astype(np.int64)
+        y = x[:, :10].argmax(1).astype(np.int64)   # learnable: a run at chance level fails (dead-model check)
         np.savez(tmp_path / f"node-{i}.npz", x_train=x, y_train=y)
         files.append((x, y))
-    np.savez(tmp_path / "test.npz", x=rng.standard_normal((50, SHAPE)).astype(np.float32),
-             y=rng.integers(0, 10, 50).astype(np.int64))
+    xt = rng.standard_normal((50, SHAPE)).astype(np.float32)
+    np.savez(tmp_path / "test.npz", x=xt, y=xt[:, :10].argmax(1).astype(np.int64))
     np.savez(tmp_path / "pool.npz", x=rng.standard_normal((500, SHAPE)).astype(np.float32))
     return files
 

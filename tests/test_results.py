@@ -91,3 +91,17 @@ def test_accuracy_plot_has_integer_round_ticks(tmp_path):
         plt.Figure.savefig = real
     assert ticks["x"] and all(float(t).is_integer() for t in ticks["x"]), ticks["x"]
     assert "guarded (weighted average used)" in ticks["labels"]
+
+
+def test_dead_model_is_a_collapse_to_chance_not_a_slow_start():
+    from fedfuse.results import dead_model
+
+    init = {"round": 0, "test-accuracy": 0.1, "test-loss": 2.30}
+    dead = {"round": 3, "test-accuracy": 0.098, "test-loss": 2.3026, "per-class-accuracy": [0, 0, 1.0] + [0] * 7}
+    slow = {"round": 2, "test-accuracy": 0.10, "test-loss": 2.31, "per-class-accuracy": [0.2, 0.1, 0, 0.3] + [0] * 6}
+    assert "dead after round 3" in dead_model([init, dead], 10)
+    assert dead_model([init, slow], 10) is None                      # still spreads its predictions: not dead
+    assert dead_model([init, {**slow, "test-loss": float("nan")}], 10)   # a non-finite loss always is
+    assert dead_model([init, {"round": 1, "test-accuracy": 0.6, "test-loss": 1.1,
+                              "per-class-accuracy": [1.0] + [0] * 9}], 10) is None
+    assert dead_model([init], 10) is None and dead_model([{"round": 1}], 10) is None
