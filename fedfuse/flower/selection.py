@@ -90,6 +90,9 @@ class SelectionStrategy(FusionStrategy):
                            f"local epochs {local_epochs} < {fusion_min_epochs} (auto-fusion-epochs)")
         if self.fusion_off and all(c not in ARRAY_CANDIDATES for c in self.candidates):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
+        # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the
+        # round then costs what the average does)
+        self._tracks_momentum = not (self.fusion_off and self._first_array() == "fedavg")
 
     def summary(self) -> None:
         log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data when a "
@@ -174,7 +177,7 @@ class SelectionStrategy(FusionStrategy):
     def _set_velocity(self, choice: str, after, state: dict[str, torch.Tensor]) -> None:
         """Momentum follows the chosen step: the ``average`` candidate's velocity, else restarted at the step
         just taken (``v = x_new − x``)."""
-        if not self.momentum_step.active:
+        if not self.momentum_step.active or not self._tracks_momentum:
             return
         if choice == "average":
             self.momentum_step.velocity = after
