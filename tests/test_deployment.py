@@ -28,15 +28,19 @@ from tests.support.fault_app import write_fault_app
 def _cfg(tmp_path, name, **kw):
     return {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "partitioning": "shards",
             "num-server-rounds": 2, "local-epochs": 2, "fusion-set-size": 100, "strategy": "kf-linear",
-            "importance": "deeplift", "importance-samples": 64, "output-dir": str(tmp_path), "run-name": name, **kw}
+            "importance": "deeplift", "importance-samples": 64, "head-round": False, "output-dir": str(tmp_path),
+            "run-name": name, **kw}
 
 
-def _check_two_rounds(outcome, n):
+def _check_two_rounds(outcome, n, head_round=False):
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((outcome.out_dir / "results.json").read_text())
     rows = res["rounds"]
-    assert [r["round"] for r in rows] == [0, 1, 2]
-    last = rows[-1]
+    assert [r["round"] for r in rows] == [0, 1, 2] + ([3] if head_round else [])
+    if head_round:   # every SuperNode sent its statistics and scores through the deployment
+        head = rows[3]["fusion-info"]["head-round"]
+        assert head["valid"] == head["queried"] == n and head["rejected"] == [] and head["fallback"] is None
+    last = rows[2]
     assert last["valid-replies"] == n and last["failures"] == [] and last["rejected"] == []
     assert last["test-accuracy"] > 0.3 and len(last["client-test-accuracy"]) == n
     assert last["client-score-seconds-mean"] > 0                  # scores computed on the SuperNodes
@@ -66,8 +70,8 @@ def test_deployment_tls_and_node_auth(tmp_path):
     with Deployment(3, tls=True, auth=True) as dep:
         assert "--enable-supernode-auth" in " ".join(dep.superlink.args)
         assert all("--insecure" not in " ".join(p.args) for p in [dep.superlink, *dep.supernodes])
-        outcome = dep.run(_cfg(tmp_path, "deploy-tls", **{"min-train-nodes": 3}), timeout=480)
-        _check_two_rounds(outcome, 3)
+        outcome = dep.run(_cfg(tmp_path, "deploy-tls", **{"min-train-nodes": 3, "head-round": True}), timeout=480)
+        _check_two_rounds(outcome, 3, head_round=True)
         nodes = json.loads(dep.flwr("supernode", "list", "fedfuse-deploy", "--format", "json").stdout)["nodes"]
         assert len(nodes) == 3
 
@@ -79,7 +83,8 @@ def test_deployment_timeout_and_disconnect(tmp_path):
     node_configs = [{}, {"fault": "sleep:900@2"}, {"fault": "sleep:900@2"}]
     app = write_fault_app(tmp_path / "app")
     with Deployment(3, tls=False, auth=False, node_configs=node_configs, app_dir=app) as dep:
-        cfg = _cfg(tmp_path, "deploy-faults", **{"min-train-nodes": 1, "round-timeout": timeout,
+        # dep.submit sends the config as given: the federation's size must match the SuperNodes' num-partitions
+        cfg = _cfg(tmp_path, "deploy-faults", **{"num-clients": 3, "min-train-nodes": 1, "round-timeout": timeout,
                                                  "importance": "uniform"})
         dep.wait_for_nodes()
         run_id = dep.submit(cfg)
