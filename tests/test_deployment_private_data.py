@@ -19,7 +19,7 @@ def test_three_supernodes_with_node_local_files(tmp_path):
     cfg = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
            "num-server-rounds": 2, "local-epochs": 2, "importance-samples": 64, "min-train-nodes": 3,
            "fusion-set-path": str(fusion), "test-set-path": str(test), "output-dir": str(tmp_path / "results"),
-           "run-name": "private"}
+           "run-name": "private", "head-round": False}
     with Deployment(3, tls=False, auth=False, node_configs=[{"data-path": str(p)} for p in nodes]) as dep:
         outcome = dep.run(cfg, timeout=480)
         assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"

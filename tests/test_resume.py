@@ -24,7 +24,7 @@ from tests.support.fault_app import write_fault_app
 
 BASE = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
         "partitioning": "shards", "num-server-rounds": 3, "local-epochs": 1, "fusion-set-size": 80,
-        "strategy": "kf-linear", "importance": "uniform", "min-train-nodes": 3}
+        "strategy": "kf-linear", "importance": "uniform", "min-train-nodes": 3, "head-round": False}
 
 
 def test_checkpoint_is_atomic_and_picks_the_committed_model(tmp_path):
