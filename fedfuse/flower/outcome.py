@@ -68,25 +68,16 @@ class RoundOutcome:
         return self.round_label(server_round)
 
     def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:
-        """Every reply non-finite → ``ClientsDivergedError``; fewer than ``min_valid_replies`` → the round is
-        skipped (logged, recorded; returns True)."""
-        non_finite = [r for r in record["rejected"] if r.get("non-finite-weights")]
-        if not valid and non_finite and len(non_finite) == len(record["rejected"]):
-            self.history.append({**record, "skipped": "every client returned non-finite weights"})
-            raise ClientsDivergedError(
-                f"round {server_round}: every client that replied ({len(non_finite)}) returned non-finite "
-                f"weights (e.g. node {non_finite[0]['node-id']}: {non_finite[0]['reason']}); local training "
-                "diverged, so the run stops here with the last global model. Lower the clients' 'lr' or use "
-                "another 'optimizer'.")
-        contract = [r for r in record["rejected"] if r.get("contract")]
-        if not valid and contract and len(contract) == len(record["rejected"]):
-            self.history.append({**record, "skipped": "every reply broke the reply contract"})
-            raise ReplyContractError(
-                f"round {server_round}: every reply ({len(contract)}) was rejected for a missing record or key (e.g. "
-                f"node {contract[0]['node-id']}: {contract[0]['reason']}); the strategy reads arrays from "
-                f"{self.arrayrecord_key!r} and the sample count from metrics {self.weighted_by_key!r}: make the "
-                f"ClientApp reply with these keys (the train message's config names them) or build the strategy with "
-                f"the ClientApp's keys")
+        """Every reply non-finite → ``ClientsDivergedError``; every reply missing a record or key the strategy reads →
+        ``ReplyContractError``; fewer than ``min_valid_replies`` → the round is skipped (logged, recorded; returns
+        True)."""
+        # a round whose every reply was rejected for one run-stopping reason: no later round can differ
+        for flag, what, error in (("non-finite-weights", "every client returned non-finite weights", self._diverged),
+                                  ("contract", "every reply broke the reply contract", self._contract_broken)):
+            hits = [r for r in record["rejected"] if r.get(flag)]
+            if not valid and hits and len(hits) == len(record["rejected"]):
+                self.history.append({**record, "skipped": what})
+                raise error(server_round, hits)
         if valid < self.min_valid_replies:
             reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
                       f"{self.min_valid_replies}; the global model is unchanged")
@@ -95,6 +86,19 @@ class RoundOutcome:
             self.history.append(record)
             return True
         return False
+
+    def _diverged(self, server_round: int, hits: list[dict[str, Any]]) -> ClientsDivergedError:
+        return ClientsDivergedError(
+            f"round {server_round}: every client that replied ({len(hits)}) returned non-finite weights (e.g. node "
+            f"{hits[0]['node-id']}: {hits[0]['reason']}); local training diverged, so the run stops here with the "
+            "last global model. Lower the clients' 'lr' or use another 'optimizer'.")
+
+    def _contract_broken(self, server_round: int, hits: list[dict[str, Any]]) -> ReplyContractError:
+        return ReplyContractError(
+            f"round {server_round}: every reply ({len(hits)}) was rejected for a missing record or key (e.g. node "
+            f"{hits[0]['node-id']}: {hits[0]['reason']}); the strategy reads arrays from {self.arrayrecord_key!r} "
+            f"and the sample count from metrics {self.weighted_by_key!r}: make the ClientApp reply with these keys "
+            f"(the train message's config names them) or build the strategy with the ClientApp's keys")
 
     def _close_round(self, record: dict[str, Any], seconds: float, fallback: str | None,
                      info: dict[str, Any] | None, updates: list[ClientUpdate], ok: list[Message],
