@@ -30,8 +30,10 @@ ANCHORS = ROOT.parent / "shared" / "anchors" / "splits"
 MIN_SAMPLES = 20
 
 
-def dirichlet_parts(y: np.ndarray, num_clients: int, alpha: float, seed: int) -> list[np.ndarray]:
-    """The anchors' Dirichlet label split: per client its train indices, sorted."""
+def dirichlet_parts(y: np.ndarray, num_clients: int, alpha: float, seed: int, *,
+                    sort: bool = True) -> list[np.ndarray]:
+    """The anchors' Dirichlet label split: per client its train indices, sorted (the anchors' files), or in the
+    order the draw assigns them (``sort=False``, as the progressive bench's cells were made)."""
     rng = np.random.default_rng(seed)
     classes = np.unique(y)
     while True:
@@ -44,7 +46,8 @@ def dirichlet_parts(y: np.ndarray, num_clients: int, alpha: float, seed: int) ->
             for k, chunk in enumerate(np.split(idx, cuts)):
                 parts[k].extend(chunk.tolist())
         if min(len(p) for p in parts) >= MIN_SAMPLES:
-            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+            out = [np.asarray(p, dtype=np.int64) for p in parts]
+            return [np.sort(p) for p in out] if sort else out
 
 
 def write_split(out: Path, num_clients: int, alpha: float, seed: int) -> Path:

@@ -80,17 +80,9 @@ def generated_cell(alpha: float, clients: int, seed: int):
         parts = [np.concatenate([shards[pick[2 * i]], shards[pick[2 * i + 1]]]) for i in range(clients)]
         return ([torch.tensor(x[p]) for p in parts], [torch.tensor(y[p]) for p in parts],
                 torch.tensor(np.asarray(d["x_test"], np.float32)), torch.tensor(np.asarray(d["y_test"])))
-    while True:
-        parts: list[list[int]] = [[] for _ in range(clients)]
-        for c in range(10):
-            idx = np.flatnonzero(y == c)
-            rng.shuffle(idx)
-            p = rng.dirichlet(alpha * np.ones(clients))
-            cuts = np.floor(np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for i, part in enumerate(np.split(idx, cuts)):
-                parts[i].extend(part.tolist())
-        if min(len(p) for p in parts) >= 20:
-            break
+    from simulations.bench.anchor_splits import dirichlet_parts
+
+    parts = dirichlet_parts(y, clients, alpha, seed, sort=False)
     xs = [torch.tensor(x[p]) for p in parts]
     ys = [torch.tensor(y[p]) for p in parts]
     return xs, ys, torch.tensor(np.asarray(d["x_test"], np.float32)), torch.tensor(np.asarray(d["y_test"]))
