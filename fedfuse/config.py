@@ -90,10 +90,10 @@ class RunConfig:
     tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
                        ge=0)
     strategy: str = _key("auto", "auto, fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
-                         "that keeps the architecture; the default 'auto' = every round the candidate aggregation "
-                         "(auto-candidates: the average with server momentum, the plain average, FedDF from "
-                         "auto-fusion-epochs local epochs) the clients score best on their own data (the best "
-                         "measured across the regime cells: docs/multi-round.md)")
+                         "that keeps the architecture; the default 'auto' = FedAvg's average below auto-fusion-epochs "
+                         "local epochs, and from there every round the candidate aggregation (auto-candidates: the "
+                         "plain average, the average with server momentum, FedDF) the clients score best on their "
+                         "own data (measured across the regime cells: docs/multi-round.md)")
     fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2: distillation holds "
                                 "part out, alignment standardises activations over samples)", ge=2)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "

@@ -130,8 +130,9 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  submodel_tiers=True, tier_refine="none"),
     StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
                  can_refine=False, selects=True, run_keys=("server-momentum",),
-                 paper="fedfuse: per round, the candidate (average with server momentum, plain average, FedDF) "
-                       "with the best accuracy on the clients' own data"),
+                 paper="fedfuse: FedAvg's average while the clients train few local epochs; from auto-fusion-epochs, "
+                       "per round the candidate (plain average, average with server momentum, FedDF) with the best "
+                       "accuracy on the clients' own data"),
     StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
                  submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
                  paper="Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv 2006.07242"),
