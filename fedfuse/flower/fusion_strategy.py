@@ -29,7 +29,7 @@ from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol, st
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
-from fedfuse.flower.streaming import finish_stream, stream_average, stream_ensemble
+from fedfuse.flower.streaming import StreamedRounds
 from fedfuse.flower.server_importance import server_importance_options
 
 
@@ -39,7 +39,7 @@ def delegate(part: str, name: str) -> property:
                     lambda self, value: setattr(getattr(self, part), name, value))
 
 
-class FusionStrategy(RoundProtocol):
+class FusionStrategy(StreamedRounds, RoundProtocol):
     """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``.
 
     Use ``build_strategy(name)``, a named class (``KfLinearStrategy``, ...) or ``FusionStrategy(method=...)``.
@@ -297,57 +297,6 @@ class FusionStrategy(RoundProtocol):
             model, step_info = step(model, rd)
             info.update(step_info)
         return model.state_dict(), info, time.perf_counter() - t0
-
-
-    # ---------------------------------------------------------------- streamed average rounds
-    def streaming_round(self, server_round: int) -> bool:
-        """A plain weighted-average round of a streaming entry (``average``/``fedavg``) with the default ``fuse_fn``,
-        no ``distill`` (it reads every client model), no static BN and ``keep_updates`` off."""
-        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result
-                and self.static_bn_step is None
-                and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
-
-    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
-                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
-        if not self.streaming_round(server_round):
-            return None
-        t_start = time.perf_counter()
-        ensemble = (self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None)
-        streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
-        record["valid"] = len(streamed.metrics_only)
-        self.last_updates = []
-        if self._stop_or_skip(server_round, len(streamed.metrics_only), record):
-            return None, None
-        t0 = time.perf_counter()
-        reference = self._reference()
-
-        def probs() -> torch.Tensor:
-            return self._stream_ensemble(streamed.members, reference)
-
-        state, fallback, info = self.with_fallback(
-            server_round, len(streamed.metrics_only),
-            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.metrics_only),
-            lambda: streamed.average, streamed=True)
-        seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
-        metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
-        return (None if state is None else state_to_record(state)), metrics
-
-    def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
-        """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""
-        if self._probe is None:
-            self._probe = self.model_fn().eval()
-        return stream_ensemble(self._probe, members, reference, self.arrayrecord_key, self.fusion_inputs)
-
-    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
-                       probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
-        """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
-        def work() -> nn.Module:   # one model object reused every round (its state is copied out right away)
-            if self._work is None:
-                self._work = copy.deepcopy(self._model_template())
-            return self._work
-
-        return finish_stream(work, average, self.round_data(server_round, updates), self.momentum_step,
-                             self.refinement, probs)
 
 
 __all__ = ["FusionStrategy"]

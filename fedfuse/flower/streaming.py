@@ -5,14 +5,17 @@ counts read from the metrics before any array is deserialised)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message, MetricRecord
+from torch import nn
 
+from fedfuse.fusion import fuse_result
 from fedfuse.flower.steps import Refinement, RoundData, ServerMomentum
 from fedfuse.flower.replies import MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view
 
@@ -136,4 +139,60 @@ def finish_stream(work: Callable[[], torch.nn.Module], average: dict[str, torch.
     return model.state_dict(), info, time.perf_counter() - t0
 
 
-__all__ = ["StreamedRound", "fusion_order", "stream_average", "stream_ensemble", "finish_stream"]
+class StreamedRounds:
+    """The streamed plain-average rounds of a ``FusionStrategy`` (a mixin: it reads the strategy's steps, record
+    keys and ``model_fn``): which rounds stream, and the round as one pass over the replies."""
+
+    def streaming_round(self, server_round: int) -> bool:
+        """A plain weighted-average round of a streaming entry (``average``/``fedavg``) with the default ``fuse_fn``,
+        no ``distill`` (it reads every client model), no static BN and ``keep_updates`` off."""
+        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result
+                and self.static_bn_step is None
+                and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
+
+    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
+                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        if not self.streaming_round(server_round):
+            return None
+        t_start = time.perf_counter()
+        ensemble = (self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None)
+        streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
+        record["valid"] = len(streamed.metrics_only)
+        self.last_updates = []
+        if self._stop_or_skip(server_round, len(streamed.metrics_only), record):
+            return None, None
+        t0 = time.perf_counter()
+        reference = self._reference()
+
+        def probs() -> torch.Tensor:
+            return self._stream_ensemble(streamed.members, reference)
+
+        state, fallback, info = self.with_fallback(
+            server_round, len(streamed.metrics_only),
+            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.metrics_only),
+            lambda: streamed.average, streamed=True)
+        seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
+        metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
+        from fedfuse.flower.protocol import state_to_record
+
+        return (None if state is None else state_to_record(state)), metrics
+
+    def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
+        """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""
+        if self._probe is None:
+            self._probe = self.model_fn().eval()
+        return stream_ensemble(self._probe, members, reference, self.arrayrecord_key, self.fusion_inputs)
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
+                       probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
+        """The streamed average → server step → ``calibrate`` checked against the streamed ensemble."""
+        def work() -> nn.Module:   # one model object reused every round (its state is copied out right away)
+            if self._work is None:
+                self._work = copy.deepcopy(self._model_template())
+            return self._work
+
+        return finish_stream(work, average, self.round_data(server_round, updates), self.momentum_step,
+                             self.refinement, probs)
+
+
+__all__ = ["StreamedRounds", "StreamedRound", "fusion_order", "stream_average", "stream_ensemble", "finish_stream"]
