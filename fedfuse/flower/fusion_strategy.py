@@ -10,14 +10,12 @@ What each strategy name aggregates and its defaults come from its registry entry
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from logging import INFO
 from typing import Any, Callable
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from torch import nn
 
@@ -25,7 +23,7 @@ from fedfuse.fusion import FusionError, FusionResult, MissingInputError, fuse_re
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
-from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol, state_to_record
+from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
