@@ -166,6 +166,16 @@ class RunConfig:
                          "which every client started from, not averaged in); multi-round only",
                          choices=("model-0", "global"))
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
+    trim_beta: float = _key(0.2, "fedtrimmedavg: the fraction of largest and of smallest values cut per coordinate "
+                            "(Flower's beta)", ge=0, lt=0.5)
+    num_malicious_nodes: int = _key(0, "krum | multikrum | bulyan: f, the number of malicious clients tolerated "
+                                    "(Flower's num_malicious_nodes)", ge=0)
+    num_nodes_to_select: int = _key(1, "multikrum: the number of best-scored client models averaged (Flower's "
+                                    "num_nodes_to_select)", ge=1)
+    robust: bool = _key(False, "the robust setting of fedfuse's own strategies: each round drops free riders and "
+                        "models that disagree with the clients' majority vote on the fusion set, and bounds every "
+                        "update's norm to 2 x the round's median (fedfuse.flower.screen; docs/trust.md); one-shot: "
+                        "the fusion-set check only")
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
@@ -374,9 +384,25 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.mode == "one-shot" and cfg.num_server_rounds != 1:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
-    if cfg.strategy == "bulyan" and cfg.min_train_nodes < 3:
+    f = cfg.num_malicious_nodes
+    if cfg.strategy == "bulyan" and cfg.min_train_nodes < 4 * f + 3:
         raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}): strategy 'bulyan' needs at least "
-                          "4f + 3 = 3 replies a round (Flower's Bulyan, f = 0 malicious nodes)")
+                          f"4f + 3 = {4 * f + 3} replies a round (Flower's Bulyan, f = {f}: 'num-malicious-nodes')")
+    if cfg.strategy in ("krum", "multikrum") and cfg.min_train_nodes < f + 3:
+        raise ConfigError(f"run-config key 'num-malicious-nodes' ({f}): Krum scores each model by its n - f - 2 nearest "
+                          f"others, so it needs at least f + 3 = {f + 3} replies a round; 'min-train-nodes' is "
+                          f"{cfg.min_train_nodes}")
+    if cfg.strategy == "multikrum" and cfg.num_nodes_to_select > cfg.min_train_nodes:
+        raise ConfigError(f"run-config key 'num-nodes-to-select' ({cfg.num_nodes_to_select}) is more than the "
+                          f"{cfg.min_train_nodes} replies a round ('min-train-nodes')")
+    if cfg.robust:
+        if cfg.strategy in FLOWER_BASELINE_STRATEGIES:
+            raise ConfigError(f"run-config key 'robust' applies to fedfuse's own strategies, not Flower's "
+                              f"{cfg.strategy!r} (which aggregates the replies with its own code); choose a robust "
+                              "Flower strategy (fedmedian, fedtrimmedavg, krum, multikrum, bulyan) instead")
+        if cfg.client_tiers.strip():
+            raise ConfigError("run-config key 'robust' does not take 'client-tiers' yet: the screen compares "
+                              "every reply with the global model, and tier replies have other widths")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round and not cfg.client_tiers.strip():
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:

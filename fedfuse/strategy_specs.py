@@ -118,13 +118,14 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     # FedTrimmedAvg beta 0.2, Krum / MultiKrum / Bulyan num_malicious_nodes 0)
     StrategySpec("fedmedian", flower_class="FedMedian", **_FLOWER,
                  paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
-    StrategySpec("fedtrimmedavg", flower_class="FedTrimmedAvg", **_FLOWER,
+    StrategySpec("fedtrimmedavg", flower_class="FedTrimmedAvg", **{**_FLOWER, "run_keys": ("trim-beta",)},
                  paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
-    StrategySpec("krum", flower_class="Krum", **_FLOWER,
+    StrategySpec("krum", flower_class="Krum", **{**_FLOWER, "run_keys": ("num-malicious-nodes",)},
                  paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
-    StrategySpec("multikrum", flower_class="MultiKrum", **_FLOWER,
+    StrategySpec("multikrum", flower_class="MultiKrum",
+                 **{**_FLOWER, "run_keys": ("num-malicious-nodes", "num-nodes-to-select")},
                  paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
-    StrategySpec("bulyan", flower_class="Bulyan", **_FLOWER,
+    StrategySpec("bulyan", flower_class="Bulyan", **{**_FLOWER, "run_keys": ("num-malicious-nodes",)},
                  paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
                  submodel_tiers=True, tier_refine="none"),
@@ -150,7 +151,8 @@ FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggr
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
 PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
-STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu")
+STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
+                     "num-nodes-to-select")
 
 
 def fusion_spec(method: str) -> StrategySpec:

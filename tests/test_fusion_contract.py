@@ -353,6 +353,32 @@ def test_score_using_methods_take_per_level_scores(method):
     assert not _same_state(plain.state_dict(), scored.state_dict()), "scores were ignored"
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS if METHOD_SPECS[m].uses_scores])
+def test_scaling_one_models_scores_changes_nothing(method):
+    """Issue 25: a client that multiplies its importance scores (by 1e3, or 1e-3) gets no more say in the fused model:
+    ``fuse`` divides every level's scores by their mean, so every score-reading method is scale-invariant."""
+    spec = _spec(method)
+    models = _models("mlp", n=min(3, spec.max_models or 3))
+    gen = torch.Generator().manual_seed(1)
+    scores = [{lv.name: torch.rand(lv.width, generator=gen) + 0.1 for lv in levels(m)} for m in models]
+    x = _inputs()
+    kw = {**_fast(method), **SCORE_OPTIONS.get(method, {})}
+    honest = fuse(method, models, fusion_inputs=x, scores=scores, **kw)
+    for factor in (1e3, 1e-3):
+        lying = [dict(sc) for sc in scores]
+        lying[1] = {k: v * factor for k, v in scores[1].items()}
+        inflated = fuse(method, models, fusion_inputs=x, scores=lying, **kw)
+        torch.testing.assert_close(inflated(x), honest(x), rtol=1e-4, atol=1e-5)
+
+
+def test_normalised_scores_keep_uniform_scores_and_zero_levels():
+    from fedfuse.fusion import normalise_scores
+
+    out = normalise_scores([{"a": torch.ones(4), "b": torch.zeros(3)}, None, {"a": torch.tensor([1.0, 3.0])}])
+    assert torch.equal(out[0]["a"], torch.ones(4)) and torch.equal(out[0]["b"], torch.zeros(3))
+    assert out[1] is None and torch.allclose(out[2]["a"], torch.tensor([0.5, 1.5]))
+
+
 def test_non_finite_result_is_a_numerical_fusion_error_naming_the_parameter():
     a, b = _models("mlp")
     with torch.no_grad():

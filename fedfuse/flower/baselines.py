@@ -342,9 +342,18 @@ def flower_baseline_class(name: str, flower_class: str) -> type[FlowerBaselineSt
 
 
 def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: float | None = None,
-                     proximal_mu: float | None = None) -> dict[str, Any]:
+                     proximal_mu: float | None = None, trim_beta: float | None = None,
+                     num_malicious_nodes: int | None = None, num_nodes_to_select: int | None = None) -> dict[str, Any]:
     """The typed options of Flower baseline ``strategy`` from the run-config keys ``server-lr`` (0 = the
-    strategy's default), ``server-momentum`` and ``proximal-mu``; ``{}`` for any other strategy."""
+    strategy's default), ``server-momentum``, ``proximal-mu``, ``trim-beta``, ``num-malicious-nodes`` and
+    ``num-nodes-to-select``; ``{}`` for any other strategy."""
+    if strategy == "fedtrimmedavg":
+        return {} if trim_beta is None else {"beta": trim_beta}
+    if strategy in ("krum", "multikrum", "bulyan"):
+        out = {} if num_malicious_nodes is None else {"num_malicious_nodes": num_malicious_nodes}
+        if strategy == "multikrum" and num_nodes_to_select is not None:
+            out["num_nodes_to_select"] = num_nodes_to_select
+        return out
     if strategy == "fedavgm":
         out: dict[str, Any] = {} if server_momentum is None else {"server_momentum": server_momentum}
         if server_lr > 0:

@@ -25,6 +25,7 @@ from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
 from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
 from fedfuse.flower.streaming import StreamedRounds
@@ -73,7 +74,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
                  registry_entry: StrategySpec | None = None,
                  model_fn: Callable[[], nn.Module] | None = None, fusion_inputs: torch.Tensor | None = None,
                  fusion_labels: torch.Tensor | None = None, fallback: str = "previous", min_valid_replies: int = 1,
-                 device: str = "cpu", seed: int = 0, weight_cap: float = WEIGHT_CAP,
+                 device: str = "cpu", seed: int = 0, weight_cap: float = WEIGHT_CAP, screen: ClientScreen | None = None,
                  fraction_train: float = 1.0, fraction_evaluate: float = 0.0,
                  min_train_nodes: int = 2, min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
@@ -81,7 +82,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
                  evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
         super().__init__(model_fn=model_fn, fusion_inputs=fusion_inputs, fusion_labels=fusion_labels,
                          fallback=fallback, min_valid_replies=min_valid_replies, device=device, seed=seed,
-                         weight_cap=weight_cap, fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         weight_cap=weight_cap, screen=screen, fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
                          min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
                          arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,

@@ -41,6 +41,8 @@ from fedfuse.choices import FALLBACKS
 from fedfuse.flower.client_replies import WEIGHT_KEY
 from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
 from fedfuse.flower.replies import ClientUpdate, _npy_view
+from fedfuse.flower.screen import ClientScreen
+from fedfuse.training import resolve_device
 from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
 
 WEIGHT_CAP = 10.0   # × the round's median sample count (RoundProtocol's weight_cap)
@@ -71,6 +73,9 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
             cannot take over the average or the fusion; 0 = no cap. The default 10 leaves every honest split measured
             untouched (largest/median ≤ 7.7 on the anchors' and 20-client Dirichlet splits); clipped replies are
             recorded in the round's ``capped``.
+        screen: the robust setting (``fedfuse.flower.screen.ClientScreen``): free riders and models that disagree
+            with the clients' majority on the fusion set are dropped, updates bounded in norm, before aggregation;
+            recorded in the round's ``screened``. ``None`` (default): every valid reply is aggregated.
         Flower ``FedAvg``'s options keep their meaning (``fraction_evaluate`` defaults to 0: fedfuse evaluates
             centrally; without ``train_metrics_aggr_fn`` scalar metrics are sample-weighted means and
             ``class-counts`` lists are summed).
@@ -79,7 +84,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
     def __init__(self, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
                  fallback: str = "previous", min_valid_replies: int = 1, device: str = "cpu", seed: int = 0,
-                 weight_cap: float = WEIGHT_CAP, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
+                 weight_cap: float = WEIGHT_CAP, screen: ClientScreen | None = None, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
                  min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
@@ -100,6 +105,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         if not weight_cap >= 0:
             raise ValueError(f"strategy: weight_cap must be >= 0 (0 = no cap), got {weight_cap}")
         self.weight_cap = float(weight_cap)
+        self.screen = screen
         self.device = device
         self.seed = seed
         self._user_train_metrics_aggr_fn = train_metrics_aggr_fn
@@ -237,6 +243,9 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         self.last_updates = updates
         if self._stop_or_skip(server_round, len(updates), record):
             return None, None
+        # after the skip rule: a liar the screen drops was a valid reply, and dropping it must not skip the round
+        updates = self.screen_updates(updates, record)
+        self.last_updates = updates
         t0 = time.perf_counter()
         average = (lambda: self.average(updates)) if self.round_label(server_round) != "average" else None
         state, fallback, info = self.with_fallback(server_round, len(updates),
@@ -248,6 +257,16 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
                            record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
         """A round aggregated as a stream over the replies (``None``: this round is not; see ``streaming``)."""
         return None
+
+    def screen_updates(self, updates: list[ClientUpdate], record: dict[str, Any]) -> list[ClientUpdate]:
+        """The robust setting's screen (``screen``) of the round's valid replies against the global model sent."""
+        if self.screen is None or self._global is None or not updates:
+            return updates
+        ref = updates[0].state
+        global_state = {k: torch.from_numpy(array_copy(self._global[k], ref[k])) for k in ref}
+        return self.screen(updates, global_state, self.build_model,
+                           self.fusion_inputs if self.model_fn is not None else None, record,
+                           device=resolve_device(self.device))
 
 
 def weight_limit(counts: list[float], cap: float) -> float | None:

@@ -47,6 +47,7 @@ from flwr.serverapp.strategy import Strategy  # noqa: E402
 from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
+from fedfuse.flower.screen import ClientScreen  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
@@ -136,7 +137,13 @@ def setup(cfg: RunConfig):
                               **({"align_to": cfg.align_to} if cfg.align_to != "model-0" else {}),
                               **baseline_options(cfg.strategy, server_lr=cfg.server_lr,
                                                  server_momentum=None if cfg.server_momentum < 0 else cfg.server_momentum,
-                                                 proximal_mu=cfg.proximal_mu))
+                                                 proximal_mu=cfg.proximal_mu, trim_beta=cfg.trim_beta,
+                                                 num_malicious_nodes=cfg.num_malicious_nodes,
+                                                 num_nodes_to_select=cfg.num_nodes_to_select),
+                              # the robust setting; one-shot clients start from their own initialisations, so their
+                              # distance to the round's start model says nothing: the fusion-set check alone
+                              **({"screen": ClientScreen() if cfg.mode != "one-shot"
+                                  else ClientScreen(stale=0.0, norm_clip=0.0)} if cfg.robust else {}))
     return data, model_fn, strategy
 
 

@@ -145,8 +145,8 @@ class StreamedRounds:
 
     def streaming_round(self, server_round: int) -> bool:
         """A plain weighted-average round of a streaming entry (``average``/``fedavg``) with the default ``fuse_fn``,
-        no ``distill`` (it reads every client model), no static BN and ``keep_updates`` off."""
-        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result
+        no ``distill`` (it reads every client model), no static BN, no robust screen and ``keep_updates`` off."""
+        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result and self.screen is None
                 and self.static_bn_step is None
                 and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
 

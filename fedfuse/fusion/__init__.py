@@ -213,6 +213,32 @@ def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] |
                 raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has NaN or infinite values")
 
 
+def normalise_scores(scores: list[dict[str, torch.Tensor] | None] | None
+                     ) -> list[dict[str, torch.Tensor] | None] | None:
+    """Each model's importance scores divided, level by level, by their mean (zero levels stay zero).
+
+    What a model's scores say is which of *its* units matter; how much the model itself matters is its ``weights``
+    entry (its sample count in a federation). Dividing by the mean keeps uniform scores at 1 (so every method's
+    uniform-score result is unchanged) and makes every method invariant to a client multiplying its scores by any
+    factor: a client that inflates its scores can only move its own say among its own units, never take more of it
+    (``docs/trust.md``)."""
+    if scores is None:
+        return None
+    out: list[dict[str, torch.Tensor] | None] = []
+    for sc in scores:
+        if sc is None:
+            out.append(None)
+            continue
+        normed = {}
+        for key, v in sc.items():
+            t = torch.as_tensor(v).detach()
+            t = t.float() if not t.is_floating_point() else t
+            scale = t.clamp_min(0).mean()
+            normed[key] = t / scale if bool(scale > 0) else t
+        out.append(normed)
+    return out
+
+
 @contextlib.contextmanager
 def _inputs_kept(models: list[nn.Module]):
     """Restore every input model's device and train/eval flags (of each submodule) after the method ran: fusion
@@ -271,6 +297,7 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         check_fusion_inputs(models[0], fusion_inputs)
     if scores is not None and spec.uses_scores and problem is None:
         check_scores(models, scores)
+        scores = normalise_scores(scores)
     skeleton = resolve_target(spec, models, target, seed)
     extra = {"target": skeleton} if spec.any_target else {}
     anchor = resolve_reference(spec, models, reference)
@@ -313,7 +340,9 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
         method: a name in ``METHODS``.
         models: trained models of one family; not modified.
         fusion_inputs: unlabeled server fusion set ``[B, *input_shape]`` (ignored by data-free methods).
-        scores: optional per-model importance dicts (``fedfuse.importance.neuron_importance`` output).
+        scores: optional per-model importance dicts (``fedfuse.importance.neuron_importance`` output); each level's
+            vector is divided by its mean first (``normalise_scores``), so only their relative sizes within a
+            model count and scaling one model's scores changes nothing.
         weights: optional per-model weights (e.g. sample counts), normalised here.
         device: where the fusion computation runs (``"auto"`` picks CUDA when present).
         seed: seeds every random choice of the method.
@@ -352,5 +381,5 @@ def _import_all() -> None:
 _import_all()
 
 __all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
-           "normalise_weights", "check_dtypes", "check_fusion_inputs", "check_scores", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "normalise_weights", "normalise_scores", "check_dtypes", "check_fusion_inputs", "check_scores", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

@@ -1,0 +1,141 @@
+"""``ClientScreen``: the robust setting's check of a round's validated replies before they are aggregated or fused.
+
+A reply that passes the format checks (``fedfuse.flower.replies``) can still lie in its *content*: a scaled or
+sign-flipped update, random weights, a model trained on flipped labels, the global model sent back untrained. Weight-
+only defences (Flower's ``FedMedian``, ``Krum``, …) see the weights alone; a fedfuse server also holds an unlabeled
+fusion set, and the screen uses it. Per round, in order:
+
+1. **Free riders**: a reply whose update ``‖w_i − g‖`` is below ``stale`` × the round's median update norm did not
+   train (it sent the global model back, perhaps with a little noise): dropped.
+2. **Disagreement on the fusion set**: every remaining model labels the fusion set; the consensus is the per-sample
+   majority vote of the models (one vote each, whatever sample count they claim). A model whose agreement with the
+   consensus lies more than ``agreement_mads`` scaled median absolute deviations *and* more than ``min_gap`` below
+   the round's median agreement is dropped (label-flipped, sign-flipped, scaled and random models label the data
+   differently from the honest majority).
+3. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (Sun et al., "Can
+   You Really Backdoor Federated Learning?", arXiv 1911.07963): what a kept liar can still move is bounded.
+
+With fewer than 3 replies nothing is screened (a median cannot tell one liar from the others). Each round records
+``screened``: the dropped clients with the reason, the clipped ones with their norms, and the agreements; a drop is
+logged as a WARNING. A majority of colluding clients defeats the screen, as it defeats every median-based defence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from logging import WARNING
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from flwr.common.logger import log
+from torch import nn
+
+from fedfuse.flower.replies import ClientUpdate
+
+
+@dataclass(frozen=True)
+class ClientScreen:
+    """Options of the robust setting's reply screen (module docstring).
+
+    Args:
+        stale: drop replies whose update norm is below this fraction of the round's median (0 = off).
+        agreement_mads: drop replies whose fusion-set agreement with the majority vote is this many scaled MADs below
+            the median (0 = off; needs a fusion set).
+        min_gap: ... and at least this far below the median agreement (honest non-IID clients differ a little).
+        norm_clip: bound each update's norm to this multiple of the round's median (0 = off).
+        batch_size: fusion-set batch size of the models' forward passes.
+    """
+
+    stale: float = 0.1
+    agreement_mads: float = 3.0
+    min_gap: float = 0.1
+    norm_clip: float = 2.0
+    batch_size: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("stale", "agreement_mads", "min_gap", "norm_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"ClientScreen: {name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size < 1:
+            raise ValueError(f"ClientScreen: batch_size must be >= 1, got {self.batch_size}")
+
+    def __call__(self, updates: list[ClientUpdate], global_state: dict[str, torch.Tensor],
+                 build_model: Callable[[dict[str, torch.Tensor]], nn.Module], fusion_inputs: torch.Tensor | None,
+                 record: dict[str, Any], device: str | torch.device = "cpu") -> list[ClientUpdate]:
+        """The updates to aggregate (some dropped, some shrunk); ``record["screened"]`` says which and why."""
+        if len(updates) < 3:
+            return updates
+        info: dict[str, Any] = {"dropped": [], "clipped": []}
+        record["screened"] = info
+        norms = np.array([update_norm(u.state, global_state) for u in updates])
+        median = float(np.median(norms))
+        info["median-norm"] = median
+        keep = list(range(len(updates)))
+        if self.stale > 0 and median > 0:
+            for i in list(keep):
+                if norms[i] < self.stale * median:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"update norm {norms[i]:.3g} is below {self.stale:g} × the round's "
+                                                 f"median {median:.3g}: it did not train (free rider)")
+        if self.agreement_mads > 0 and fusion_inputs is not None and len(keep) >= 3:
+            agree = agreements([build_model(updates[i].state) for i in keep], fusion_inputs, self.batch_size, device)
+            info["agreement"] = {int(updates[i].node_id): round(float(a), 4) for i, a in zip(keep, agree)}
+            med = float(np.median(agree))
+            spread = max(self.agreement_mads * 1.4826 * float(np.median(np.abs(agree - med))), self.min_gap)
+            for i, a in zip(list(keep), agree):
+                if a < med - spread:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"agrees with the clients' majority vote on {a:.0%} of the fusion set, "
+                                                 f"the round's median is {med:.0%} (limit {med - spread:.0%})")
+        out = []
+        for i in keep:
+            u = updates[i]
+            limit = self.norm_clip * median
+            if self.norm_clip > 0 and norms[i] > limit > 0:
+                u = dataclasses.replace(u, state=shrink(u.state, global_state, limit / norms[i]))
+                info["clipped"].append({"node-id": int(u.node_id), "norm": round(float(norms[i]), 4),
+                                        "limit": round(limit, 4)})
+            out.append(u)
+        return out
+
+    @staticmethod
+    def _drop(info: dict[str, Any], u: ClientUpdate, reason: str) -> None:
+        info["dropped"].append({"node-id": int(u.node_id), "partition-id": u.partition_id, "reason": reason})
+        log(WARNING, "robust screen: node %d (partition %s) dropped: %s", u.node_id, u.partition_id, reason)
+
+
+def update_norm(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]) -> float:
+    """``‖w − g‖₂`` over every floating-point entry of the state dicts."""
+    total = 0.0
+    for k, v in state.items():
+        if v.is_floating_point():
+            total += float((v.double() - global_state[k].double()).pow(2).sum())
+    return total ** 0.5
+
+
+def shrink(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], factor: float
+           ) -> dict[str, torch.Tensor]:
+    """``g + factor · (w − g)`` (floating-point entries; the others, e.g. BatchNorm's counter, as sent)."""
+    return {k: (global_state[k] + factor * (v - global_state[k])).to(v.dtype) if v.is_floating_point() else v
+            for k, v in state.items()}
+
+
+@torch.no_grad()
+def agreements(models: list[nn.Module], inputs: torch.Tensor, batch_size: int = 512,
+               device: str | torch.device = "cpu") -> np.ndarray:
+    """``[M]``: the share of ``inputs`` ``[B, *shape]`` on which each model's label is the models' majority vote."""
+    labels = []
+    for m in models:
+        m = m.to(device).eval()
+        labels.append(torch.cat([m(inputs[i:i + batch_size].to(device)).argmax(1).cpu()
+                                 for i in range(0, len(inputs), batch_size)]))
+    votes = torch.stack(labels)                                   # [M, B]
+    num_classes = int(votes.max()) + 1
+    counts = torch.nn.functional.one_hot(votes, num_classes).sum(0)   # [B, C]
+    consensus = counts.argmax(1)                                  # ties: the lowest class
+    return (votes == consensus).double().mean(1).numpy()
+
+
+__all__ = ["ClientScreen", "update_norm", "shrink", "agreements"]
