@@ -331,7 +331,8 @@ def test_head_weights_option_receives_client_class_counts():
     arrays, _ = s.aggregate_train(1, [reply(2, 1, mutate=counts([0, 5] + [0] * 8)),
                                       reply(1, 2, mutate=counts([7, 0] + [0] * 8))])
     assert arrays is not None
-    assert seen["options"].class_counts == [[7, 0] + [0] * 8, [0, 5] + [0] * 8]  # sorted by partition id
+    # sorted by partition id, each scaled to its reply's sample count (50): counts give the split, not the weight
+    assert seen["options"].class_counts == [[50, 0] + [0] * 8, [0, 50] + [0] * 8]
     s.aggregate_train(2, [reply(1, 1), reply(2, 2)])  # no class counts reported: a fusion error, not a crash
     assert "class-counts" in s.history[-1]["fallback"] and "MissingInputError" in s.history[-1]["fallback"]
 

@@ -232,3 +232,14 @@ def test_flowers_dp_wrappers_run_around_fedfuses_average(tmp_path, wrapper):
                         server=server, client_app=make_client_app(mods=mods))
     rounds = json.loads((out / "results.json").read_text())["rounds"]
     assert len(rounds) == 3 and rounds[-1]["test-accuracy"] > 0.3
+
+
+def test_inflated_class_counts_weigh_no_more_than_the_sample_count():
+    """A client claiming 100 × its samples, all of one class, moves the calibration prior only by its sample count."""
+    from fedfuse.flower.steps import class_prior
+
+    honest = [ClientUpdate(i, i, {}, None, 100, {}, [10] * 10) for i in range(3)]
+    liar = ClientUpdate(9, 9, {}, None, 100, {}, [10_000] + [0] * 9)
+    prior, name = class_prior("class-counts", honest + [liar])
+    assert name == "class-counts"
+    assert prior.tolist() == pytest.approx([130.0] + [30.0] * 9)

@@ -24,7 +24,7 @@ from fedfuse.fusion.refine import parse_refine
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
 from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.replies import ClientUpdate, bounded_class_counts
 from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
@@ -244,7 +244,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
             if missing:
                 raise MissingInputError(f"fusion option head_weights needs 'class-counts' in every client's "
                                         f"metrics; nodes {missing} sent none")
-            options["class_counts"] = [u.class_counts for u in updates]
+            options["class_counts"] = [bounded_class_counts(u) for u in updates]
         if self.uses_scores and self.importance == "server" and self._accepts_option("fusion_labels"):
             options.setdefault("fusion_labels", self.fusion_labels)
         target = self.fuse_target()

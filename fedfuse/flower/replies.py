@@ -65,6 +65,17 @@ class ClientUpdate:
     class_counts: list[int] | None = field(default=None)
 
 
+def bounded_class_counts(update: ClientUpdate) -> list[float] | None:
+    """The update's class counts scaled to sum to its (capped) sample count: a client's counts say how its samples
+    split over the classes, its ``num_examples`` how many there are, so a client that inflates its counts gains no
+    weight in the calibration prior or the head weights beyond its sample count's (docs/trust.md)."""
+    c = update.class_counts
+    if c is None:
+        return None
+    total = float(sum(c))
+    return [float(v) * update.num_examples / total if total > 0 else 0.0 for v in c]
+
+
 def _record(content, key: str, kind):
     try:
         rec = content[key]

@@ -35,7 +35,7 @@ from fedfuse.fusion.refine import classifier_bias, kl_to, refine_model
 from fedfuse.hetero import reestimate_batchnorm
 from fedfuse.training import resolve_device
 from fedfuse.flower.protocol import array_copy
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.replies import ClientUpdate, bounded_class_counts
 
 
 @dataclass
@@ -161,7 +161,7 @@ def class_prior(prior: str, updates: list[ClientUpdate]) -> tuple[torch.Tensor |
         missing = [u.node_id for u in updates if u.class_counts is None]
         raise MissingInputError(f"prior='class-counts' needs 'class-counts' in every client's metrics; nodes "
                                 f"{missing} sent none (or lists of different lengths)")
-    return torch.tensor(counts, dtype=torch.float).sum(0), "class-counts"
+    return torch.tensor([bounded_class_counts(u) for u in updates], dtype=torch.float).sum(0), "class-counts"
 
 
 class Refinement:
