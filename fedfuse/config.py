@@ -172,10 +172,10 @@ class RunConfig:
                                     "(Flower's num_malicious_nodes)", ge=0)
     num_nodes_to_select: int = _key(1, "multikrum: the number of best-scored client models averaged (Flower's "
                                     "num_nodes_to_select)", ge=1)
-    robust: bool = _key(False, "the robust setting of fedfuse's own strategies: each round drops free riders and "
-                        "models that disagree with the clients' majority vote on the fusion set, and bounds every "
-                        "update's norm to 2 x the round's median (fedfuse.flower.screen; docs/trust.md); one-shot: "
-                        "the fusion-set check only")
+    robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
+                        "riders (update norm < 0.1 x the round's median) and updates pointing away from the round's "
+                        "median update (cosine < 0.4 x the median cosine), and bounds every update's norm to 2 x the "
+                        "round's median (fedfuse.flower.screen; docs/trust.md)")
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
@@ -403,6 +403,10 @@ def _check_rules(cfg: RunConfig) -> None:
         if cfg.client_tiers.strip():
             raise ConfigError("run-config key 'robust' does not take 'client-tiers' yet: the screen compares "
                               "every reply with the global model, and tier replies have other widths")
+        if cfg.mode == "one-shot":
+            raise ConfigError("run-config key 'robust' applies to rounds the clients train from the global model (its "
+                              "checks compare each update with it); in mode='one-shot' they start from their own "
+                              "models")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round and not cfg.client_tiers.strip():
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:

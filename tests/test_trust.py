@@ -29,8 +29,10 @@ def _mlp(seed: int = 0) -> torch.nn.Module:
 
 
 def _moved(model: torch.nn.Module, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    """An honest client's model: a shared descent direction (seed 1234) plus its own part (``seed``)."""
+    common, own = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(seed)
+    return {k: v + scale * (torch.randn(v.shape, generator=common) + torch.randn(v.shape, generator=own))
+            for k, v in model.state_dict().items()}
 
 
 def _inputs(n: int = 200) -> torch.Tensor:
@@ -52,13 +54,26 @@ def _screen(updates, g, screen=ClientScreen()):
 # ------------------------------------------------------------------------------------------- the screen
 def test_screen_keeps_honest_clients_and_drops_free_riders_and_outliers():
     g = _mlp()
+    gs = g.state_dict()
     honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(6)]
-    free_rider = ClientUpdate(10, 10, copy.deepcopy(g.state_dict()), None, 100, {})
+    free_rider = ClientUpdate(10, 10, copy.deepcopy(gs), None, 100, {})
     rand = ClientUpdate(11, 11, _mlp(seed=99).state_dict(), None, 100, {})
-    kept, info = _screen(honest + [free_rider, rand], g)
+    flipped = ClientUpdate(12, 12, {k: 2 * gs[k] - v for k, v in honest[0].state.items()}, None, 100, {})
+    kept, info = _screen(honest + [free_rider, rand, flipped], g)
     assert {u.node_id for u in kept} == set(range(6))
     reasons = {d["node-id"]: d["reason"] for d in info["dropped"]}
-    assert set(reasons) == {10, 11} and "free rider" in reasons[10] and "majority vote" in reasons[11]
+    assert set(reasons) == {10, 11, 12} and "free rider" in reasons[10]
+    assert "median update" in reasons[11] and "median update" in reasons[12]
+    assert set(info["clients"]) == {str(i) for i in (*range(6), 10, 11, 12)}
+
+
+def test_the_fusion_set_check_is_an_option():
+    g = _mlp()
+    honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(6)]
+    rand = ClientUpdate(11, 11, _mlp(seed=99).state_dict(), None, 100, {})
+    kept, info = _screen(honest + [rand], g, ClientScreen(stale=0, cosine_ratio=0, agreement_mads=3, norm_clip=0))
+    assert [d["node-id"] for d in info["dropped"]] == [11] and "majority vote" in info["dropped"][0]["reason"]
+    assert all("agreement" in c for c in info["clients"].values())
 
 
 def test_screen_bounds_a_scaled_update_and_leaves_a_clean_round_alone():
@@ -166,6 +181,8 @@ def test_robust_keys_fail_before_any_client_trains():
         check_config({"strategy": "krum", "num-malicious-nodes": 3, "min-train-nodes": 4, "num-clients": 4})
     with pytest.raises(ConfigError, match="'num-malicious-nodes'"):
         check_config({"strategy": "fedavg", "num-malicious-nodes": 1})
+    with pytest.raises(ConfigError, match="'robust' applies to rounds"):
+        check_config({"strategy": "auto", "robust": True, "mode": "one-shot", "num-server-rounds": 1})
     with pytest.raises(ConfigError, match="'trim-beta'"):
         check_config({"strategy": "fedavg", "trim-beta": 0.1})
     assert check_config({"strategy": "krum", "num-malicious-nodes": 1, "min-train-nodes": 4,

@@ -7,12 +7,18 @@ fusion set, and the screen uses it. Per round, in order:
 
 1. **Free riders**: a reply whose update ``‖w_i − g‖`` is below ``stale`` × the round's median update norm did not
    train (it sent the global model back, perhaps with a little noise): dropped.
-2. **Disagreement on the fusion set**: every remaining model labels the fusion set; the consensus is the per-sample
+2. **Direction**: a reply whose update's cosine with the round's coordinate-wise median update is below
+   ``cosine_ratio`` × the replies' median cosine is dropped: a sign-flipped update points against the median,
+   random weights and a model trained on flipped labels across it, while honest clients, however non-IID, share part
+   of the descent direction of the global model they all start from (measured on stock Flower's MNIST-1D splits,
+   α = 0.5, 1 local epoch: honest cosines 0.20–0.57, at least 0.53 × the round's median; sign-flipped, random and
+   label-flipped updates −0.44–0.23, docs/trust.md).
+3. **Disagreement on the fusion set** (off by default, ``agreement_mads=0``): every remaining model labels the fusion set; the consensus is the per-sample
    majority vote of the models (one vote each, whatever sample count they claim). A model whose agreement with the
    consensus lies more than ``agreement_mads`` scaled median absolute deviations *and* more than ``min_gap`` below
    the round's median agreement is dropped (label-flipped, sign-flipped, scaled and random models label the data
    differently from the honest majority).
-3. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (Sun et al., "Can
+4. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (Sun et al., "Can
    You Really Backdoor Federated Learning?", arXiv 1911.07963): what a kept liar can still move is bounded.
 
 With fewer than 3 replies nothing is screened (a median cannot tell one liar from the others). Each round records
@@ -41,21 +47,27 @@ class ClientScreen:
 
     Args:
         stale: drop replies whose update norm is below this fraction of the round's median (0 = off).
+        cosine_ratio: drop replies whose update's cosine with the round's median update is below this fraction of the
+            replies' median cosine (0 = off; the rule is skipped in a round whose median cosine is not positive).
         agreement_mads: drop replies whose fusion-set agreement with the majority vote is this many scaled MADs below
-            the median (0 = off; needs a fusion set).
+            the median (0 = off, the default; needs a fusion set). Off because it does not separate liars from
+            honest non-IID clients: on stock Flower's MNIST-1D splits (α = 0.5, 1 local epoch) honest clients agree
+            with the majority on 4–50 % of the fusion set, and at 3 MADs it dropped an honest client in 23 % of the
+            rounds of a clean run.
         min_gap: ... and at least this far below the median agreement (honest non-IID clients differ a little).
         norm_clip: bound each update's norm to this multiple of the round's median (0 = off).
         batch_size: fusion-set batch size of the models' forward passes.
     """
 
     stale: float = 0.1
-    agreement_mads: float = 3.0
+    cosine_ratio: float = 0.4
+    agreement_mads: float = 0.0
     min_gap: float = 0.1
     norm_clip: float = 2.0
     batch_size: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("stale", "agreement_mads", "min_gap", "norm_clip"):
+        for name in ("stale", "cosine_ratio", "agreement_mads", "min_gap", "norm_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClientScreen: {name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1:
@@ -72,6 +84,10 @@ class ClientScreen:
         norms = np.array([update_norm(u.state, global_state) for u in updates])
         median = float(np.median(norms))
         info["median-norm"] = median
+        cosines = median_cosines(updates, global_state)
+        info["clients"] = {str(u.partition_id): {"norm": round(float(n / median), 4) if median > 0 else None,
+                                                 "cosine": round(float(c), 4)}
+                           for u, n, c in zip(updates, norms, cosines)}
         keep = list(range(len(updates)))
         if self.stale > 0 and median > 0:
             for i in list(keep):
@@ -79,9 +95,18 @@ class ClientScreen:
                     keep.remove(i)
                     self._drop(info, updates[i], f"update norm {norms[i]:.3g} is below {self.stale:g} × the round's "
                                                  f"median {median:.3g}: it did not train (free rider)")
+        median_cos = float(np.median(cosines))
+        if self.cosine_ratio > 0 and median_cos > 0:
+            for i in list(keep):
+                if cosines[i] < self.cosine_ratio * median_cos:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"its update's cosine with the round's median update is "
+                                                 f"{cosines[i]:.2f}, below {self.cosine_ratio:g} × the replies' "
+                                                 f"median {median_cos:.2f}")
         if self.agreement_mads > 0 and fusion_inputs is not None and len(keep) >= 3:
             agree = agreements([build_model(updates[i].state) for i in keep], fusion_inputs, self.batch_size, device)
-            info["agreement"] = {int(updates[i].node_id): round(float(a), 4) for i, a in zip(keep, agree)}
+            for i, a in zip(keep, agree):
+                info["clients"][str(updates[i].partition_id)]["agreement"] = round(float(a), 4)
             med = float(np.median(agree))
             spread = max(self.agreement_mads * 1.4826 * float(np.median(np.abs(agree - med))), self.min_gap)
             for i, a in zip(list(keep), agree):
@@ -115,6 +140,24 @@ def update_norm(state: dict[str, torch.Tensor], global_state: dict[str, torch.Te
     return total ** 0.5
 
 
+def median_cosines(updates: list[ClientUpdate], global_state: dict[str, torch.Tensor]) -> np.ndarray:
+    """``[M]``: the cosine between each update ``w_i − g`` and the coordinate-wise median of the updates (one tensor
+    at a time, so memory stays at one tensor × the number of clients)."""
+    dots = np.zeros(len(updates))
+    sq = np.zeros(len(updates))
+    msq = 0.0
+    for k, g in global_state.items():
+        if not g.is_floating_point():
+            continue
+        d = torch.stack([u.state[k].double() - g.double() for u in updates]).reshape(len(updates), -1)   # [M, P_k]
+        m = d.median(0).values
+        dots += (d @ m).numpy()
+        sq += d.pow(2).sum(1).numpy()
+        msq += float(m.pow(2).sum())
+    denom = np.sqrt(sq) * np.sqrt(msq)
+    return np.where(denom > 0, dots / np.where(denom > 0, denom, 1.0), 0.0)
+
+
 def shrink(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], factor: float
            ) -> dict[str, torch.Tensor]:
     """``g + factor · (w − g)`` (floating-point entries; the others, e.g. BatchNorm's counter, as sent)."""
@@ -138,4 +181,4 @@ def agreements(models: list[nn.Module], inputs: torch.Tensor, batch_size: int = 
     return (votes == consensus).double().mean(1).numpy()
 
 
-__all__ = ["ClientScreen", "update_norm", "shrink", "agreements"]
+__all__ = ["ClientScreen", "update_norm", "median_cosines", "shrink", "agreements"]

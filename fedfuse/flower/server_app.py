@@ -140,10 +140,8 @@ def setup(cfg: RunConfig):
                                                  proximal_mu=cfg.proximal_mu, trim_beta=cfg.trim_beta,
                                                  num_malicious_nodes=cfg.num_malicious_nodes,
                                                  num_nodes_to_select=cfg.num_nodes_to_select),
-                              # the robust setting; one-shot clients start from their own initialisations, so their
-                              # distance to the round's start model says nothing: the fusion-set check alone
-                              **({"screen": ClientScreen() if cfg.mode != "one-shot"
-                                  else ClientScreen(stale=0.0, norm_clip=0.0)} if cfg.robust else {}))
+                              # the robust setting (multi-round: the config check refuses it in one-shot mode)
+                              **({"screen": ClientScreen()} if cfg.robust else {}))
     return data, model_fn, strategy
 
 

@@ -35,9 +35,12 @@ from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, anchor_recipe  # noqa: E402
 
-STRATEGIES = "fedavg,fedmedian,fedtrimmedavg,krum,feddf,kf-linear,auto,auto[robust=true]"
+# `auto` (the default) at 1 local epoch is FedAvg's average exactly (no fusion candidate below auto-fusion-epochs), so
+# the `fedavg` column is the default's; `auto[robust=true]` is the default with the robust setting
+STRATEGIES = "fedavg,fedmedian,fedtrimmedavg,krum,feddf,auto[robust=true],kf-linear"
 THREATS = "clean,scale,sign-flip,random,label-flip,backdoor,free-ride,inflate-scores"
 SCORE_THREATS = ("inflate-scores", "concentrate")   # only strategies that read client scores see them
+SCORE_READERS = ("kf-linear", "kf-gradient", "hf-linear", "hf-gradient")   # run clean and under the score threats only
 
 
 def liars(seed: int, f: int, clients: int = 10) -> list[int]:
@@ -110,8 +113,7 @@ def jobs_for(args) -> list[dict]:
             for threat in args.threats.split(","):
                 for label in split_strategies(args.strategies):
                     name, extra = parse_strategy(label)
-                    if threat in SCORE_THREATS and name not in ("kf-linear", "kf-gradient", "hf-linear",
-                                                                 "hf-gradient"):
+                    if (threat in SCORE_THREATS) != (name in SCORE_READERS) and threat != "clean":
                         continue
                     opts = {**defence_options(name, f), **extra}
                     bad = liars(seed, f) if threat != "clean" else []
