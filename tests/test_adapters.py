@@ -35,8 +35,8 @@ def _ids(cases):
     return [f"{c[0]}-{'x'.join(map(str, c[1]))}-{'-'.join(c[2]) or 'default'}" for c in cases]
 
 
-def test_registry_lists_the_three_families():
-    assert list(ADAPTERS) == ["sequential", "resnet", "vit"]
+def test_registry_lists_the_families():
+    assert list(ADAPTERS) == ["sequential", "resnet", "vit", "torchvision-resnet"]   # the last: tests/test_torchvision_resnet.py
     for name, fam in FAMILY.items():
         m = build_model(name, 10, (1, 8, 8))
         assert model_family(m) == fam and adapter_for(m) is ADAPTERS[fam]

@@ -171,7 +171,7 @@ def option_table(cls: type) -> list[tuple[str, str, Any]]:
 
 # -------------------------------------------------------------------------------------------- registry
 FusionFn = Callable[..., nn.Module]
-FAMILIES = ("sequential", "resnet", "vit")
+FAMILIES = ("sequential", "resnet", "vit", "torchvision-resnet")
 
 
 @dataclass(frozen=True)

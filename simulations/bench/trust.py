@@ -87,6 +87,18 @@ def _run(job: dict) -> dict:
         gone = {d.get("partition-id") for d in s.get("dropped", [])}
         honest_dropped += bool(gone - set(job["liars"]))
         liars_dropped += bool(job["liars"]) and set(job["liars"]) <= gone
+    # what the screen saw: every client's cosine (relative to the round's median cosine) and norm ratio, per side
+    seen: dict[str, list[float]] = {"cos-honest": [], "cos-liar": [], "norm-honest": [], "norm-liar": []}
+    for h in hist:
+        clients = (h.get("screened") or {}).get("clients", {})
+        med = float(np.median([v["cosine"] for v in clients.values()])) if clients else 0.0
+        for pid, v in clients.items():
+            side = "liar" if int(pid) in job["liars"] else "honest"
+            if med > 0:
+                seen[f"cos-{side}"].append(v["cosine"] / med)
+            if v.get("norm") is not None:
+                seen[f"norm-{side}"].append(v["norm"])
+    row["screen-seen"] = {k: [round(min(v), 3), round(max(v), 3)] if v else None for k, v in seen.items()}
     row["screened-rounds"] = screened_rounds
     row["honest-dropped"] = honest_dropped
     row["liars-dropped"] = liars_dropped
@@ -172,7 +184,51 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| `{lab}` | {threat} | {f} | {n} | {100 * sum(r['honest-dropped'] for r in got) / n:.1f} % | "
                          + ("—" if threat == "clean" else f"{100 * sum(r['liars-dropped'] for r in got) / n:.1f} %")
                          + " |")
+    seen = [r for r in screened if r.get("screen-seen")]
+    if seen:
+        lines += ["", "## What the screen saw (every round, before it decided)", "",
+                  "Range over the rounds and seeds of each client's update cosine with the round's median update, "
+                  "divided by the replies' median cosine (the screen drops below 0.4), and of its update norm over "
+                  "the round's median (free riders below 0.1 are dropped, the rest shrunk to 2).", "",
+                  "| threat | liars | honest: cosine / median | liars: cosine / median | honest: norm / median | "
+                  "liars: norm / median |", "|---|---|---|---|---|---|"]
+        for (threat, f) in dict.fromkeys((r["threat"], r["f"] if r["threat"] != "clean" else 0) for r in seen):
+            got = [r["screen-seen"] for r in seen if r["threat"] == threat and (r["f"] == f or threat == "clean")]
+
+            def span(key: str) -> str:
+                vals = [v for g in got if g.get(key) for v in g[key]]
+                return f"{min(vals):.2f} – {max(vals):.2f}" if vals else "—"
+            lines.append(f"| {threat} | {f} | {span('cos-honest')} | {span('cos-liar')} | {span('norm-honest')} | "
+                         f"{span('norm-liar')} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """One panel per number of liars: grouped bars (threat × strategy) of final accuracy, mean ± sample std."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simulations.bench.stats import mean_std
+
+    labels = [lab for lab in dict.fromkeys(r["label"] for r in rows) if parse_strategy(lab)[0] not in SCORE_READERS]
+    threats = [t for t in dict.fromkeys(r["threat"] for r in rows) if t not in SCORE_THREATS]
+    fs = sorted({r["f"] for r in rows if r["threat"] != "clean"}) or [1]
+    fig, axes = plt.subplots(len(fs), 1, figsize=(1.3 * len(threats) * len(labels) / 4 + 3, 3.2 * len(fs)),
+                             squeeze=False)
+    width = 0.8 / len(labels)
+    for ax, f in zip(axes[:, 0], fs):
+        for j, lab in enumerate(labels):
+            stats = [mean_std([r["final"] for r in _cell(rows, lab, t, f)]) for t in threats]
+            ax.bar([i + j * width for i in range(len(threats))], [100 * m if n else 0 for m, _, n in stats],
+                   width, yerr=[100 * sd if n > 1 else 0 for _, sd, n in stats], label=lab, capsize=2)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(threats))], threats, fontsize=8)
+        ax.set_ylabel("final test accuracy (%)")
+        ax.set_title(f"{f} of 10 clients lying (clean: nobody lies)", fontsize=9)
+        ax.legend(fontsize=6, ncol=len(labels), loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows)
     (out / "table.md").write_text("# Lying clients on stock Flower's MNIST-1D splits (α = 0.5, 10 clients)\n\n"
                                   "Command: see the module docstring of `simulations/bench/trust.py`.\n\n" + text)
+    plot(rows, out / "accuracy.png")
     print(text)
 
 

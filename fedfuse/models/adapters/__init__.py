@@ -1,6 +1,6 @@
 """Architecture adapters: one per model family, the only code that knows a family's layout.
 
-    adapter = adapter_for(model)          # SequentialAdapter | ResNetAdapter | ViTAdapter
+    adapter = adapter_for(model)          # SequentialAdapter | ResNetAdapter | ViTAdapter | TorchvisionResNetAdapter
     adapter.levels(model)                 # fusion levels (NI)
     adapter.perm_spec(model, "tied")      # permutation groups (OT, Re-Basin, TransFusion)
     adapter.config(model); adapter.resize(model, width=..., depth=...)
@@ -20,6 +20,7 @@ from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Le
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 from fedfuse.models.adapters.resnet import ResNetAdapter
 from fedfuse.models.adapters.sequential import SequentialAdapter
+from fedfuse.models.adapters.torchvision_resnet import TorchvisionResNetAdapter
 from fedfuse.models.adapters.vit import ViTAdapter
 
 ADAPTERS: dict[str, Adapter] = {}
@@ -35,7 +36,7 @@ def register_adapter(adapter: Adapter) -> Adapter:
     return adapter
 
 
-for _adapter in (SequentialAdapter(), ResNetAdapter(), ViTAdapter()):
+for _adapter in (SequentialAdapter(), ResNetAdapter(), ViTAdapter(), TorchvisionResNetAdapter()):
     register_adapter(_adapter)
 
 
@@ -45,16 +46,17 @@ def adapter_for(model: nn.Module) -> Adapter:
         if adapter.matches(model):
             return adapter
     raise UnsupportedModelError(f"unsupported model type {type(model).__name__}; expected nn.Sequential, "
-                                "fedfuse ResNet or timm VisionTransformer")
+                                "fedfuse ResNet, torchvision ResNet or timm VisionTransformer")
 
 
 def model_family(model: nn.Module) -> str:
-    """``"sequential"`` | ``"resnet"`` | ``"vit"``; ``UnsupportedModelError`` for any other model type."""
+    """``"sequential"`` | ``"resnet"`` | ``"vit"`` | ``"torchvision-resnet"``; ``UnsupportedModelError`` for any other
+    model type."""
     return adapter_for(model).family
 
 
 __all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "PruningSpec",
            "UnsupportedModelError",
-           "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter",
+           "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter", "TorchvisionResNetAdapter",
            "adapter_for", "model_family", "register_adapter",
            "check_width_mult"]
