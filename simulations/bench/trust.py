@@ -67,13 +67,20 @@ def _run(job: dict) -> dict:
 
     cfg = job["config"]
     out = Path(cfg["output-dir"]) / cfg["run-name"]
-    if not ((out / "DONE").exists() and (out / "results.json").exists()):
+    failed = out / "RUN-FAILED"   # an attack that kills the model fails the run (by design): its accuracy is the result
+    if not ((out / "DONE").exists() or failed.exists()) or not (out / "results.json").exists():
         mods = [] if job["threat"] == "clean" else \
             [Attack(job["threat"], frozenset(job["liars"]), workdir=Path(cfg["output-dir"]) / "poisoned",
                     seed=job["seed"]).mod]
-        out = run_inprocess(cfg, echo=False, client_app=make_client_app(mods=mods))
+        try:
+            out = run_inprocess(cfg, echo=False, client_app=make_client_app(mods=mods))
+        except RuntimeError as exc:
+            if not (out / "results.json").exists():
+                raise
+            failed.write_text(str(exc))
     res = json.loads((out / "results.json").read_text())
     row = {k: job[k] for k in ("label", "threat", "f", "seed", "liars")}
+    row["failed"] = failed.read_text()[-300:] if failed.exists() else None
     row["final"] = res["rounds"][-1]["test-accuracy"]
     row["curve"] = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
@@ -155,7 +162,8 @@ def table(rows: list[dict]) -> str:
     for f in fs:
         lines += [f"## {f} of 10 clients lying", "",
                   "Final test accuracy (mean ± sample std over seeds; `n` seeds); backdoor: attack success rate in "
-                  "brackets.", "",
+                  "brackets; †k: in k runs the global model died (chance level) and fedfuse failed the run with an "
+                  "error, as it does any run that trains itself to chance.", "",
                   "| threat | " + " | ".join(f"`{lab}`" for lab in labels) + " |",
                   "|---|" + "---|" * len(labels)]
         for threat in threats:
@@ -166,6 +174,9 @@ def table(rows: list[dict]) -> str:
                     cells.append("—")
                     continue
                 text = f"{format_mean_std([r['final'] for r in got], digits=3)} (n={len(got)})"
+                dead = sum(1 for r in got if r.get("failed"))
+                if dead:
+                    text += f" †{dead}"
                 if threat == "backdoor":
                     text += f" [{format_mean_std([r['attack-success'] for r in got], digits=2)}]"
                 cells.append(text)
