@@ -213,16 +213,24 @@ def _history(out: Path) -> list[dict]:
     return json.loads((out / "results.json").read_text())["strategy-history"]
 
 
-def test_robust_run_drops_a_random_model_and_a_free_rider_every_round(tmp_path):
+def test_robust_run_drops_random_sign_flipped_and_free_riding_clients_every_round(tmp_path):
     from fedfuse.flower.runner.inprocess import run_inprocess
 
-    attacks = [Attack("random", frozenset({1})).mod, Attack("free-ride", frozenset({3})).mod]
-    out = run_inprocess({**TINY, "strategy": "fedavg", "robust": True, "output-dir": str(tmp_path), "run-name": "r"},
+    attacks = [Attack("random", frozenset({1})).mod, Attack("free-ride", frozenset({3})).mod,
+               Attack("sign-flip", frozenset({5})).mod, Attack("scale", frozenset({6})).mod]
+    out = run_inprocess({**TINY, "num-clients": 8, "min-train-nodes": 8, "strategy": "fedavg", "robust": True,
+                         "output-dir": str(tmp_path), "run-name": "r"},
                         echo=False, client_app=make_client_app(mods=attacks))
-    for h in _history(out):
+    history = _history(out)
+    assert len(history) == 2
+    partitions = {int(k) for k in history[0]["screened"]["clients"]}
+    for h in history:
         dropped = {d["partition-id"]: d["reason"] for d in h["screened"]["dropped"]}
-        assert set(dropped) == {1, 3}, dropped
-        assert "free rider" in dropped[3]
+        assert set(dropped) == {1, 3, 5}, dropped
+        assert "free rider" in dropped[3] and "median update" in dropped[1] and "median update" in dropped[5]
+        # the scaled update (10 × an honest one) kept, shrunk to 2 × the median norm
+        assert [c["partition-id"] for c in h["screened"]["clipped"]] == [6]
+    assert partitions == set(range(8))
     assert json.loads((out / "results.json").read_text())["rounds"][-1]["test-accuracy"] > 0.5
 
 

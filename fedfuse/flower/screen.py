@@ -120,7 +120,8 @@ class ClientScreen:
             limit = self.norm_clip * median
             if self.norm_clip > 0 and norms[i] > limit > 0:
                 u = dataclasses.replace(u, state=shrink(u.state, global_state, limit / norms[i]))
-                info["clipped"].append({"node-id": int(u.node_id), "norm": round(float(norms[i]), 4),
+                info["clipped"].append({"node-id": int(u.node_id), "partition-id": u.partition_id,
+                                        "norm": round(float(norms[i]), 4),
                                         "limit": round(limit, 4)})
             out.append(u)
         return out
