@@ -18,6 +18,8 @@ Modules:
   capacity tiers, HeteroFL and FedRolex;
 - ``selection`` (+ ``candidates``): ``SelectionStrategy``, strategy ``auto``: each round the candidate aggregation
   the round's clients score best on their own data (a ``query.score_candidates`` message);
+- ``screen``: ``ClientScreen``, the robust setting's check of a round's replies (free riders, updates pointing
+  away from the round's median, update norms bounded; docs/trust.md);
 - ``replies``: the reply contract a ClientApp must follow, and its validation; ``client_replies``:
   ``make_train_reply`` / ``reply_to_train`` for your own ClientApp; ``client_tiers``: the ClientApp's side of
   tiers;
@@ -36,6 +38,7 @@ from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrate
 from fedfuse.choices import FALLBACKS
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import ClientsDivergedError, ReplyContractError, RoundProtocol, state_to_record
+from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
@@ -46,5 +49,5 @@ __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy"
            "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",
            "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "FedMedianStrategy",
            "FedTrimmedAvgStrategy", "KrumStrategy", "MultiKrumStrategy", "BulyanStrategy", "ClientsDivergedError", "ReplyContractError",
-           "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record",
+           "ClientScreen", "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record",
            "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train"]
