@@ -174,7 +174,7 @@ class RunConfig:
                                     "num_nodes_to_select)", ge=1)
     robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
                         "riders (update norm < 0.1 x the round's median) and updates pointing away from the round's "
-                        "median update (cosine < 0.4 x the median cosine), and bounds every update's norm to 2 x the "
+                        "median update (cosine < 0.4 x the median cosine), and bounds every update's norm to the "
                         "round's median (fedfuse.flower.screen; docs/trust.md)")
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")

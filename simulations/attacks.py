@@ -90,7 +90,7 @@ class Attack:
         reply = call_next(msg, context)
         if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN and not reply.has_error() \
                 and self.threat not in DATA_THREATS:
-            self.corrupt(msg, reply)
+            self.corrupt(msg, reply, pid)
         return reply
 
     def _data_file(self, pid: int, context: Context) -> Path:
@@ -111,13 +111,14 @@ class Attack:
         return self._files[pid]
 
     # ------------------------------------------------------------------ the reply
-    def corrupt(self, msg: Message, reply: Message) -> None:
+    def corrupt(self, msg: Message, reply: Message, pid: int = 0) -> None:
         """Change an honest train reply (in place) the way the threat says."""
         content = reply.content
         config = msg.content["config"] if "config" in msg.content else ConfigRecord()
         weight_key = str(config.get("weight-key", "num-examples"))
         arrays_key = next(k for k in content.array_records if k != "importance")
-        rng = np.random.default_rng(self.seed * 7919 + int(config.get("server-round", 0)))
+        # each liar draws its own noise (identical random replies would be a colluding attack)
+        rng = np.random.default_rng([self.seed, int(config.get("server-round", 0)), pid])
         if self.threat in ("scale", "sign-flip", "random", "free-ride", "free-ride-noise"):
             sent = msg.content[arrays_key] if arrays_key in msg.content else None
             new = {}

@@ -18,8 +18,9 @@ fusion set, and the screen uses it. Per round, in order:
    consensus lies more than ``agreement_mads`` scaled median absolute deviations *and* more than ``min_gap`` below
    the round's median agreement is dropped (label-flipped, sign-flipped, scaled and random models label the data
    differently from the honest majority).
-4. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (Sun et al., "Can
-   You Really Backdoor Federated Learning?", arXiv 1911.07963): what a kept liar can still move is bounded.
+4. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (the median bound of
+   Nguyen et al., "FLAME: Taming Backdoors in Federated Learning", USENIX Security 2022; norm bounding: Sun et al.,
+   "Can You Really Backdoor Federated Learning?", arXiv 1911.07963): what a kept liar can still move is bounded.
 
 With fewer than 3 replies nothing is screened (a median cannot tell one liar from the others). Each round records
 ``screened``: the dropped clients with the reason, the clipped ones with their norms, and the agreements; a drop is
@@ -63,7 +64,7 @@ class ClientScreen:
     cosine_ratio: float = 0.4
     agreement_mads: float = 0.0
     min_gap: float = 0.1
-    norm_clip: float = 2.0
+    norm_clip: float = 1.0
     batch_size: int = 512
 
     def __post_init__(self) -> None:
