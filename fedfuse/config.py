@@ -173,9 +173,9 @@ class RunConfig:
     num_nodes_to_select: int = _key(1, "multikrum: the number of best-scored client models averaged (Flower's "
                                     "num_nodes_to_select)", ge=1)
     robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
-                        "riders (update norm < 0.1 x the round's median) and updates pointing away from the round's "
-                        "median update (cosine < 0.4 x the median cosine), and bounds every update's norm to the "
-                        "round's median (fedfuse.flower.screen; docs/trust.md)")
+                        "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
+                        "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
+                        "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen; docs/trust.md)")
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")

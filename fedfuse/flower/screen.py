@@ -5,25 +5,29 @@ sign-flipped update, random weights, a model trained on flipped labels, the glob
 only defences (Flower's ``FedMedian``, ``Krum``, …) see the weights alone; a fedfuse server also holds an unlabeled
 fusion set, and the screen uses it. Per round, in order:
 
-1. **Free riders**: a reply whose update ``‖w_i − g‖`` is below ``stale`` × the round's median update norm did not
-   train (it sent the global model back, perhaps with a little noise): dropped.
+1. **Free riders and outsized updates**: a reply whose update ``‖w_i − g‖`` is below ``stale`` × the round's median
+   update norm did not train (it sent the global model back, perhaps with a little noise): dropped. Then, against the
+   median of the remaining norms, a reply above ``max_norm`` × that median is dropped (a scaled update, random
+   weights).
 2. **Direction**: a reply whose update's cosine with the round's coordinate-wise median update is below
    ``cosine_ratio`` × the replies' median cosine is dropped: a sign-flipped update points against the median,
    random weights and a model trained on flipped labels across it, while honest clients, however non-IID, share part
-   of the descent direction of the global model they all start from (measured on stock Flower's MNIST-1D splits,
-   α = 0.5, 1 local epoch: honest cosines 0.20–0.57, at least 0.53 × the round's median; sign-flipped, random and
-   label-flipped updates −0.44–0.23, docs/trust.md).
-3. **Disagreement on the fusion set** (off by default, ``agreement_mads=0``): every remaining model labels the fusion set; the consensus is the per-sample
-   majority vote of the models (one vote each, whatever sample count they claim). A model whose agreement with the
+   of the descent direction of the global model they all start from.
+3. **Disagreement on the fusion set** (off by default, ``agreement_mads=0``): every remaining model labels the fusion
+   set; the consensus is the per-sample majority vote of the models (one vote each, whatever sample count they claim). A model whose agreement with the
    consensus lies more than ``agreement_mads`` scaled median absolute deviations *and* more than ``min_gap`` below
    the round's median agreement is dropped (label-flipped, sign-flipped, scaled and random models label the data
    differently from the honest majority).
-4. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (the median bound of
-   Nguyen et al., "FLAME: Taming Backdoors in Federated Learning", USENIX Security 2022; norm bounding: Sun et al.,
-   "Can You Really Backdoor Federated Learning?", arXiv 1911.07963): what a kept liar can still move is bounded.
+4. **Norm bound**: each kept update is shrunk to at most ``norm_clip`` × the median update norm (norm bounding: Sun
+   et al., "Can You Really Backdoor Federated Learning?", arXiv 1911.07963; the median as the bound's reference:
+   Nguyen et al., "FLAME: Taming Backdoors in Federated Learning", USENIX Security 2022): what a kept liar can still
+   move is bounded.
+
+The thresholds and what they were measured against are in docs/trust.md.
 
 With fewer than 3 replies nothing is screened (a median cannot tell one liar from the others). Each round records
-``screened``: the dropped clients with the reason, the clipped ones with their norms, and the agreements; a drop is
+``screened``: the dropped clients with the reason, the clipped ones with their norms, and every client's norm ratio and
+cosine (and agreement, when that check is on); a drop is
 logged as a WARNING. A majority of colluding clients defeats the screen, as it defeats every median-based defence.
 """
 
@@ -48,6 +52,7 @@ class ClientScreen:
 
     Args:
         stale: drop replies whose update norm is below this fraction of the round's median (0 = off).
+        max_norm: drop replies whose update norm is above this multiple of the free riders' median (0 = off).
         cosine_ratio: drop replies whose update's cosine with the round's median update is below this fraction of the
             replies' median cosine (0 = off; the rule is skipped in a round whose median cosine is not positive).
         agreement_mads: drop replies whose fusion-set agreement with the majority vote is this many scaled MADs below
@@ -61,14 +66,15 @@ class ClientScreen:
     """
 
     stale: float = 0.1
+    max_norm: float = 3.0
     cosine_ratio: float = 0.4
     agreement_mads: float = 0.0
     min_gap: float = 0.1
-    norm_clip: float = 1.0
+    norm_clip: float = 2.0
     batch_size: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("stale", "cosine_ratio", "agreement_mads", "min_gap", "norm_clip"):
+        for name in ("stale", "max_norm", "cosine_ratio", "agreement_mads", "min_gap", "norm_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClientScreen: {name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1:
@@ -96,6 +102,15 @@ class ClientScreen:
                     keep.remove(i)
                     self._drop(info, updates[i], f"update norm {norms[i]:.3g} is below {self.stale:g} × the round's "
                                                  f"median {median:.3g}: it did not train (free rider)")
+        if keep:   # the trained replies' median: free riders' zero norms must not make honest updates look outsized
+            median = float(np.median(norms[keep]))
+            info["median-norm"] = median
+        if self.max_norm > 0 and median > 0:
+            for i in list(keep):
+                if norms[i] > self.max_norm * median:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"update norm {norms[i]:.3g} is above {self.max_norm:g} × the round's "
+                                                 f"median {median:.3g} (a scaled update or random weights)")
         median_cos = float(np.median(cosines))
         if self.cosine_ratio > 0 and median_cos > 0:
             for i in list(keep):
