@@ -89,7 +89,8 @@ def test_conv1d_and_bias_free_outside_sequential():
 
 
 def test_importance_weights_the_targets():
-    """Models sharing hidden layers, different heads: the fused head is the score-weighted mean (Theorem 1)."""
+    """Models sharing hidden layers, different heads: the fused head is the weighted mean (Theorem 1 with the models'
+    weights; each model's scores are normalised per level, so scaling one model's scores changes nothing)."""
     a = build_model("mlp", input_shape=(10,), width=12, seed=0).eval()
     b = copy.deepcopy(a)
     with torch.no_grad():
@@ -101,8 +102,10 @@ def test_importance_weights_the_targets():
     sb = {n: torch.ones(lv.width) for n, lv in zip(names, levels(b))}
     sa[names[-1]] = torch.full((levels(a)[-1].width,), 3.0)
     for method in ("hf-linear", "kf-linear"):
-        fused = fuse(method, [a, b], fusion_inputs=x, scores=[sa, sb])
+        fused = fuse(method, [a, b], fusion_inputs=x, scores=[sa, sb], weights=[3, 1])
         assert torch.allclose(fused(xt), 0.75 * a(xt) + 0.25 * b(xt), atol=1e-4)
+        scaled = fuse(method, [a, b], fusion_inputs=x, scores=[sa, sb])   # a's head scores 3 ×: no more say
+        assert torch.allclose(scaled(xt), 0.5 * a(xt) + 0.5 * b(xt), atol=1e-4)
         uni = fuse(method, [a, b], fusion_inputs=x)
         assert torch.allclose(uni(xt), 0.5 * a(xt) + 0.5 * b(xt), atol=1e-4)
 

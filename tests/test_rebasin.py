@@ -114,12 +114,14 @@ def test_bad_inputs_raise_value_error():
 
 
 def test_importance_weighted_average_follows_scores():
-    """With all importance on model 1 for a group, the fused rows of that group are model 1's (aligned)."""
+    """Model 0 puts (almost) all its importance on one unit of a group, model 1 spreads it evenly: the group's other
+    fused rows are model 1's (aligned). Scores are relative within a model (``fuse`` normalises each model's scores
+    per level), so a model's say on a unit is its score there against its own mean."""
     a, b = _model("mlp", (1, 8, 8), dict(width=8, depth=1)), _model("mlp", (1, 8, 8), dict(width=8, depth=1), seed=1)
     spec = build_spec(a)
     g = next(iter(spec.groups))
     lv = spec.groups[g].levels[0]
-    scores = [{lv: torch.full((8,), 1e-9)}, {lv: torch.ones(8)}]
+    scores = [{lv: torch.tensor([1e-9] * 7 + [1.0])}, {lv: torch.ones(8)}]
     fused = fuse("rebasin", [a, b], scores=scores, matching="weights")
     rows = {tuple(r.tolist()) for r in torch.round(b[1].weight.detach() * 1e4)}
     got = {tuple(r.tolist()) for r in torch.round(fused[1].weight.detach() * 1e4)}

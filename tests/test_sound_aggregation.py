@@ -138,8 +138,8 @@ def test_default_refine_calibrates_the_average_to_the_clients_class_prior():
     x = _x(100)
     counts = [[10, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 10, 10, 10, 10, 10, 10, 10, 10, 10]]
 
-    def with_counts(c):
-        return lambda arrays, imp, metrics: metrics.update({"class-counts": c})
+    def with_counts(c):   # an honest client's counts sum to its sample count (the prior weighs them by it)
+        return lambda arrays, imp, metrics: metrics.update({"class-counts": c, "num-examples": sum(c)})
     s = build_strategy("average", model_fn=model_fn, fusion_inputs=x, refine_check=False, calibrate_min_gap=0.0)
     assert s.refine_steps == ("calibrate",)
     arrays, _ = s.aggregate_train(1, [reply(1, 1, mutate=with_counts(counts[0])),
