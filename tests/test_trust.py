@@ -67,6 +67,13 @@ def test_screen_keeps_honest_clients_and_drops_free_riders_and_outliers():
     assert set(info["clients"]) == {str(i) for i in (*range(6), 10, 11, 12)}
 
 
+def test_a_screen_that_would_drop_every_reply_keeps_them_and_says_so():
+    g = _mlp()
+    honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(4)]
+    kept, info = _screen(honest, g, ClientScreen(cosine_ratio=10.0, norm_clip=0))   # no cosine is 10 × the median
+    assert info["dropped-all"] and len(info["dropped"]) == 4 and [u.node_id for u in kept] == [0, 1, 2, 3]
+
+
 def test_the_fusion_set_check_is_an_option():
     g = _mlp()
     honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(6)]

@@ -130,6 +130,11 @@ class ClientScreen:
                     keep.remove(i)
                     self._drop(info, updates[i], f"agrees with the clients' majority vote on {a:.0%} of the fusion set, "
                                                  f"the round's median is {med:.0%} (limit {med - spread:.0%})")
+        if not keep:   # nothing left to aggregate: a screen that drops every reply is no defence; say so, keep them
+            info["dropped-all"] = True
+            log(WARNING, "robust screen: every reply failed a check (%s); the round aggregates all of them",
+                "; ".join(d["reason"] for d in info["dropped"][:3]))
+            keep = list(range(len(updates)))
         out = []
         for i in keep:
             u = updates[i]
