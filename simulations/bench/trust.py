@@ -137,11 +137,11 @@ def jobs_for(args) -> list[dict]:
                     opts = {**defence_options(name, f), **extra}
                     bad = liars(seed, f) if threat != "clean" else []
                     tag = "-".join([label] + [f"{k}={v}" for k, v in defence_options(name, f).items()])
+                    # the name holds what makes a run differ (a clean run without f-dependent options is one run)
                     run_name = f"{tag}-{threat}-{len(bad)}liars-a{args.alpha:g}-s{seed}"
-                    key = (run_name, f if defence_options(name, f) or threat != "clean" else 0)
-                    if key in seen:
+                    if run_name in seen:
                         continue
-                    seen.add(key)
+                    seen.add(run_name)
                     cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "strategy": name, **opts,
                            "head-round": False, "output-dir": str(out / "runs"), "run-name": run_name}
                     jobs.append({"label": label, "threat": threat, "f": f, "seed": seed, "liars": bad, "config": cfg})
