@@ -8,8 +8,8 @@ checks without an import cycle.
 MODES = ("multi-round", "one-shot", "warm-start")
 # warm-start-fusion value that keeps the best client model instead of fusing (mode="warm-start")
 BEST_CLIENT = "best-client"
-DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100", "mnist",
-            "fashion-mnist")
+DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100",
+            "mnist", "fashion-mnist")
 HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
 MODELS = ("mlp", "cnn", "resnet", "vit")
 # model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)

@@ -811,7 +811,7 @@ def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'ini
 
 
 #: datasets generated or shipped in-process: their partitions are cheap to check before Flower starts
-LOCAL_DATASETS = ("digits", "digits-flat", "mnist1d", "mnist1d-flat", "synthetic")
+LOCAL_DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-flat", "synthetic")
 
 
 def check_partitions(cfg: RunConfig) -> None:

@@ -484,7 +484,7 @@ def test_build_deterministic_cached_and_across_processes():
 
 
 # ------------------------------------------------------------------------- metadata without loading
-@pytest.mark.parametrize("name", ["digits", "digits-flat", "synthetic", "mnist1d", "mnist1d-flat"])
+@pytest.mark.parametrize("name", ["digits", "digits-flat", "digits-std", "synthetic", "mnist1d", "mnist1d-flat"])
 def test_source_info_matches_the_loaded_data(name):
     """What the config checks assume about a source (shape, classes, value scale) is what its loader gives."""
     from fedfuse.data import source_info

@@ -42,7 +42,8 @@ from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS = ROOT.parent / "shared" / "anchors"
-DATASET = {"mnist1d": "mnist1d-flat", "digits": "digits-flat"}
+DATASET = {"mnist1d": "mnist1d-flat", "digits": "digits-std"}   # the anchors' digits are standardised features
+WIDTH = {"mnist1d": 256, "digits": 128}   # the anchors' MLPs: 40-256-256-10 and 64-128-128-10
 
 
 def anchor_recipe(split_dir: Path, public: Path, dataset: str, seed: int, rounds: int, clients: int = 10,
@@ -53,9 +54,25 @@ def anchor_recipe(split_dir: Path, public: Path, dataset: str, seed: int, rounds
     return {"dataset": DATASET[dataset], "partition-files": str(split_dir / "node-{partition-id}.npz"),
             "test-set-path": str(split_dir / "test.npz"), "fusion-set-path": str(public), "fusion-set-size": 300,
             "num-clients": clients, "min-train-nodes": per_round, "fraction-train": per_round / clients,
-            "model": "mlp", "model-width": 256,
+            "model": "mlp", "model-width": WIDTH[dataset],
             "model-depth": 2, "optimizer": "sgd", "lr": 0.2, "batch-size": 32, "local-epochs": 1,
             "weight-decay": 0.0, "val-fraction": 0.0, "num-server-rounds": rounds, "seed": seed}
+
+
+def client_pool(split_dir: Path, out: Path) -> Path:
+    """The unlabeled union of a split's client inputs as a fusion pool file (``x``), for datasets whose anchors ship
+    no disjoint public pool (digits: every training sample belongs to a client). Not disjoint from the clients: it
+    favours server-side methods that read the fusion set, and tables must say so."""
+    path = out / f"client-pool-{split_dir.name}.npz"
+    if not path.exists():
+        import numpy as np
+
+        files = sorted(split_dir.glob("node-*.npz"))
+        if not files:
+            raise FileNotFoundError(f"{split_dir} holds no node-*.npz client files")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, x=np.concatenate([np.load(f)["x_train"] for f in files]))
+    return path
 
 
 def stock_flower(readme: Path) -> dict[tuple[str, float], list[float]]:
@@ -261,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--anchors", default=str(ANCHORS))
     ap.add_argument("--clients", type=int, default=10, help="clients in the federation (10: the anchors' splits)")
     ap.add_argument("--per-round", type=int, default=0, help="clients sampled per round (0: all)")
+    ap.add_argument("--public", default="", help="fusion pool file (default: the anchors' <dataset>-public.npz); "
+                    "'clients': the unlabeled union of each split's client inputs (digits ships no disjoint pool)")
     ap.add_argument("--splits", help="folder of anchor_splits output (<dataset>-c<K>-a<α>-s<seed>) for --clients != 10")
     ap.add_argument("--metric", default="final", choices=("final", "trained"),
                     help="with --summary: after the head round (final) or the last training round's model (trained)")
@@ -281,6 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     public = anchors / "splits" / f"{args.dataset}-public.npz"
+    if args.public not in ("", "clients"):
+        public = Path(args.public)
+    if args.public != "clients" and not public.exists():
+        ap.error(f"--public: no fusion pool {public}; the anchors ship one for mnist1d only (--public clients: the "
+                 "union of the split's client inputs)")
     strategies = split_strategies(args.strategies)
     jobs = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
             per_round = args.per_round or args.clients
             for label in strategies:
                 name, extra = parse_strategy(label)
-                cfg = {**anchor_recipe(split, public, args.dataset, seed, args.rounds, args.clients, per_round),
+                pool = client_pool(split, out / "pools") if args.public == "clients" else public
+                cfg = {**anchor_recipe(split, pool, args.dataset, seed, args.rounds, args.clients, per_round),
                        "strategy": name, **extra, "output-dir": str(out / "runs"),
                        "run-name": f"{label}-{args.dataset}-c{args.clients}-a{alpha:g}-s{seed}"}
                 jobs.append({"label": label, "dataset": args.dataset, "alpha": alpha, "seed": seed,
