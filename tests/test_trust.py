@@ -185,6 +185,80 @@ def test_inflated_scores_fuse_to_the_same_global_model():
         torch.testing.assert_close(lying[k], honest[k], rtol=1e-4, atol=1e-5)
 
 
+def _with_dead_units(model: torch.nn.Module, units: slice) -> torch.nn.Module:
+    """``model`` with the given units of its first level dead (zero incoming weights, negative bias: ReLU is 0)."""
+    lv = levels(model)[0]
+    with torch.no_grad():
+        lv.layer.weight[units] = 0.0
+        lv.layer.bias[units] = -1.0
+    return model
+
+
+def test_scores_on_units_the_model_does_not_use_are_inconsistent():
+    """Conductance and uniform scores agree with their weights; scores piled on dead or disconnected units do not."""
+    from fedfuse.fusion.score_check import inert_units, score_inconsistency
+    from fedfuse.importance import neuron_importance
+
+    model = _with_dead_units(_mlp(seed=1), slice(0, 6))
+    first, second = (lv.name for lv in levels(model)[:2])
+    with torch.no_grad():
+        levels(model)[1].layer.weight[:, 6:8] = 0.0        # units 6, 7 feed nothing
+    before = copy.deepcopy(model.state_dict())
+    inert = inert_units(model, _inputs())
+    assert inert[first].nonzero().flatten().tolist() == list(range(8)) and not inert[second].any()
+    honest = neuron_importance(model, _inputs(100), torch.randint(0, 10, (100,), generator=torch.Generator()))
+    uniform = {k: torch.ones_like(v) for k, v in honest.items()}
+    assert score_inconsistency(model, honest, _inputs()) is None
+    assert score_inconsistency(model, uniform, _inputs()) is None
+    lying = {**honest, first: torch.zeros(32).index_fill_(0, torch.arange(8), 1.0)}
+    reason = score_inconsistency(model, lying, _inputs())
+    assert reason is not None and f"level {first!r}" in reason and "100%" in reason and "8 of its 32" in reason
+    for k, v in model.state_dict().items():                # the check leaves the model's weights alone
+        torch.testing.assert_close(v, before[k])
+
+
+def test_a_reply_whose_scores_disagree_with_its_weights_is_rejected_and_the_round_goes_on():
+    from fedfuse.flower.replies import reject_inconsistent_scores
+
+    dead = _with_dead_units(_mlp(seed=2), slice(0, 8))
+    first = levels(dead)[0].name
+    good = [ClientUpdate(i, i, _mlp(seed=i).state_dict(), {lv.name: torch.ones(lv.width) for lv in levels(_mlp())},
+                         50, {}) for i in (0, 1)]
+    liar = ClientUpdate(7, 7, dead.state_dict(), {first: torch.zeros(32).index_fill_(0, torch.arange(8), 1.0)},
+                        50, {})
+
+    def build(state):
+        m = _mlp()
+        m.load_state_dict(state)
+        return m
+
+    record: dict = {"rejected": []}
+    kept = reject_inconsistent_scores(good + [liar], build, _inputs(), record, 1)
+    assert [u.node_id for u in kept] == [0, 1]
+    assert record["rejected"][0]["node-id"] == 7 and record["rejected"][0]["inconsistent-scores"]
+    # through a kf-linear strategy's round: the liar is rejected with the reason, the others fused
+    from unittest.mock import Mock
+
+    def message(u):
+        msg = Mock(spec=Message)
+        msg.metadata = Mock(src_node_id=u.node_id)
+        msg.has_error.return_value = False
+        msg.content = RecordDict({
+            "arrays": ArrayRecord({k: Array(v.numpy().copy()) for k, v in u.state.items()}),
+            "metrics": MetricRecord({"num-examples": 50, "partition-id": u.partition_id}),
+            "importance": ArrayRecord({k: Array(v.numpy().copy()) for k, v in u.scores.items()})})
+        return msg
+
+    full = {lv.name: torch.ones(lv.width) for lv in levels(_mlp())}
+    liar.scores = {**full, **liar.scores}
+    for check, valid in ((True, 2), (False, 3)):
+        strategy = FusionStrategy("kf-linear", model_fn=_mlp, fusion_inputs=_inputs(64), refine="none",
+                                  score_check=check)
+        arrays, metrics = strategy.aggregate_train(1, [message(u) for u in good + [liar]])
+        assert arrays is not None and metrics["num-valid"] == valid
+        assert [r["node-id"] for r in strategy.history[-1]["rejected"]] == ([7] if check else [])
+
+
 # ------------------------------------------------------------------------------------------- run config
 def test_robust_keys_fail_before_any_client_trains():
     with pytest.raises(ConfigError, match="'robust'"):

@@ -21,10 +21,11 @@ from torch import nn
 
 from fedfuse.fusion import FusionError, FusionResult, MissingInputError, fuse_result
 from fedfuse.fusion.refine import parse_refine
+from fedfuse.training import resolve_device
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
 from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol
-from fedfuse.flower.replies import ClientUpdate, bounded_class_counts
+from fedfuse.flower.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
 from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
@@ -56,6 +57,8 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         prior, refine_check, calibrate_min_gap: the ``Refinement`` step's options.
         guard, guard_ratio: the ``DivergenceGuard`` step (rounds that fuse with a method other than the average).
         server_momentum, server_learning_rate: the ``ServerMomentum`` step (``None``: the entry's default).
+        score_check: reject a reply whose importance scores put most of their mass on units its own model does not
+            use on the fusion set (``fedfuse.fusion.score_check``; rounds that read client scores only).
         align_to: the units the clients are aligned onto, for methods that align (``rebasin``, ``ot``: the
             ``any_reference`` capability): ``"model-0"`` (the first reply's, averaged in) or ``"global"`` (the
             round's global model, which every client started from and which is not averaged in:
@@ -71,6 +74,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
                  prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
                  server_momentum: float | None = None, server_learning_rate: float = 1.0,
                  refine_check: bool = True, calibrate_min_gap: float = 0.2, align_to: str = "model-0",
+                 score_check: bool = True,
                  registry_entry: StrategySpec | None = None,
                  model_fn: Callable[[], nn.Module] | None = None, fusion_inputs: torch.Tensor | None = None,
                  fusion_labels: torch.Tensor | None = None, fallback: str = "previous", min_valid_replies: int = 1,
@@ -112,6 +116,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
             raise ValueError(f"strategy: align_to='global' needs a method that aligns onto a reference model "
                              f"({able}), not {method!r}")
         self.align_to = align_to
+        self.score_check = bool(score_check)
         self.importance = importance
         self.fusion_rounds = int(fusion_rounds)
         self.fuse_fn = fuse_fn
@@ -217,6 +222,14 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
 
     def round_needs_scores(self, server_round: int) -> bool:
         return self.wants_client_scores and self.round_method(server_round) == self.method
+
+    def validate_replies(self, server_round: int, ok: list, record: dict[str, Any]) -> list[ClientUpdate]:
+        """The protocol's validated replies, less those whose scores disagree with their weights (``score_check``)."""
+        updates = super().validate_replies(server_round, ok, record)
+        if not (self.score_check and self.fusion_inputs is not None and self.round_needs_scores(server_round)):
+            return updates
+        return reject_inconsistent_scores(updates, self.build_model, self.fusion_inputs, record, server_round,
+                                          extra=self.rejected_extra, device=resolve_device(self.device))
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         return {"fusion-method": self.round_method(server_round),

@@ -25,10 +25,13 @@ the strategy can log it with the node id and record it in the run's results.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.common.logger import log
 
 MAX_NUM_EXAMPLES = 10**9
 ARRAYS_KEY = "arrays"
@@ -74,6 +77,28 @@ def bounded_class_counts(update: ClientUpdate) -> list[float] | None:
         return None
     total = float(sum(c))
     return [float(v) * update.num_examples / total if total > 0 else 0.0 for v in c]
+
+
+def reject_inconsistent_scores(updates: list[ClientUpdate], build_model: Callable[[dict], torch.nn.Module],
+                               fusion_inputs: torch.Tensor, record: dict[str, Any], server_round: int, *,
+                               extra: Callable[[int], dict] = lambda _node: {}, max_samples: int = 512,
+                               device: str | torch.device = "cpu") -> list[ClientUpdate]:
+    """The updates whose importance scores agree with their own weights on (at most ``max_samples`` of) the fusion
+    set (``fedfuse.fusion.score_check.score_inconsistency``); each other one is rejected: logged as a WARNING and
+    recorded in ``record["rejected"]`` with the reason and ``inconsistent-scores``."""
+    from fedfuse.fusion.score_check import score_inconsistency
+
+    inputs, kept = fusion_inputs[:max_samples], []
+    for u in updates:
+        problem = None if u.scores is None else score_inconsistency(build_model(u.state), u.scores, inputs,
+                                                                     device=device)
+        if problem is None:
+            kept.append(u)
+            continue
+        log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, u.node_id, problem)
+        record["rejected"].append({"node-id": u.node_id, "reason": problem, "inconsistent-scores": True,
+                                   **extra(u.node_id)})
+    return kept
 
 
 def _record(content, key: str, kind):
