@@ -15,6 +15,15 @@ which an honest client was dropped (false positives) and in which every liar was
     .venv/bin/python -m simulations.bench.trust --out results/trust
     .venv/bin/python -m simulations.bench.trust --threats clean,scale --liars 1 --seeds 0 --rounds 5   # a smoke run
     .venv/bin/python -m simulations.bench.trust --summary results/trust
+
+Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
+(clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
+
+    .venv/bin/python -m simulations.bench.anchor_splits --clients 20 --out results/cache/anchor-splits
+    .venv/bin/python -m simulations.bench.trust --clients 20 --splits results/cache/anchor-splits --liars 2,6 \
+        --strategies "fedavg,fedmedian,fedtrimmedavg,auto[robust=true]" --out results/trust-c20
+    .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 \
+        --strategies fedavg,fedmedian,feddf,kf-linear,auto --out results/trust-one-shot
 """
 
 from __future__ import annotations
@@ -48,12 +57,12 @@ def liars(seed: int, f: int, clients: int = 10) -> list[int]:
     return sorted(np.random.default_rng(1000 + seed).permutation(clients)[:f].tolist())
 
 
-def defence_options(name: str, f: int) -> dict:
-    """A robust Flower strategy's best honest setting for ``f`` liars (it is told f)."""
+def defence_options(name: str, f: int, clients: int = 10) -> dict:
+    """A robust Flower strategy's best honest setting for ``f`` liars of ``clients`` (it is told f)."""
     if name in ("krum", "multikrum", "bulyan"):
         return {"num-malicious-nodes": f}
     if name == "fedtrimmedavg":
-        return {"trim-beta": max(0.1, f / 10)}
+        return {"trim-beta": max(0.1, f / clients)}
     return {}
 
 
@@ -80,6 +89,8 @@ def _run(job: dict) -> dict:
             failed.write_text(str(exc))
     res = json.loads((out / "results.json").read_text())
     row = {k: job[k] for k in ("label", "threat", "f", "seed", "liars")}
+    row["clients"] = job.get("clients", 10)
+    row["one-shot"] = cfg.get("mode") == "one-shot"
     row["failed"] = failed.read_text()[-300:] if failed.exists() else None
     row["final"] = res["rounds"][-1]["test-accuracy"]
     row["curve"] = [r["test-accuracy"] for r in res["rounds"]]
@@ -125,42 +136,58 @@ def _run(job: dict) -> dict:
 def jobs_for(args) -> list[dict]:
     anchors, out = Path(args.anchors), Path(args.out)
     public = anchors / "splits" / "mnist1d-public.npz"
+    one_shot = args.mode == "one-shot"
+    # the cell's run-config beyond the anchor recipe (the 10-client multi-round cell's run names carry none of it)
+    cell = {"mode": "one-shot", "num-server-rounds": 1, "one-shot-references": "none"} if one_shot else {}
+    cell.update({k: v for k, v in (("local-epochs", args.local_epochs), ("lr", args.lr)) if v is not None})
+    suffix = "".join(f"-{k}={v}" for k, v in cell.items() if k not in ("num-server-rounds", "one-shot-references"))
     jobs, seen = [], set()
     for seed in [int(s) for s in args.seeds.split(",")]:
-        split = anchors / "splits" / f"mnist1d-a{args.alpha:g}-s{seed}"
+        split = (Path(args.splits) / f"mnist1d-c{args.clients}-a{args.alpha:g}-s{seed}" if args.splits
+                 else anchors / "splits" / f"mnist1d-a{args.alpha:g}-s{seed}")
         for f in [int(v) for v in args.liars.split(",")]:
             for threat in args.threats.split(","):
                 for label in split_strategies(args.strategies):
                     name, extra = parse_strategy(label)
-                    if (threat in SCORE_THREATS) != (name in SCORE_READERS) and threat != "clean":
+                    if threat in SCORE_THREATS and name not in SCORE_READERS:
                         continue
-                    opts = {**defence_options(name, f), **extra}
-                    bad = liars(seed, f) if threat != "clean" else []
-                    tag = "-".join([label] + [f"{k}={v}" for k, v in defence_options(name, f).items()])
+                    # multi-round kf-linear at 1 local epoch is unstable clean: it runs clean and under score threats
+                    if not one_shot and name in SCORE_READERS and threat not in SCORE_THREATS + ("clean",):
+                        continue
+                    defence = defence_options(name, f, args.clients)
+                    opts = {**defence, **extra}
+                    bad = liars(seed, f, args.clients) if threat != "clean" else []
+                    tag = "-".join([label] + [f"{k}={v}" for k, v in defence.items()])
                     # the name holds what makes a run differ (a clean run without f-dependent options is one run)
-                    run_name = f"{tag}-{threat}-{len(bad)}liars-a{args.alpha:g}-s{seed}"
+                    fed = "" if args.clients == 10 else f"-c{args.clients}"
+                    run_name = f"{tag}-{threat}-{len(bad)}liars{fed}{suffix}-a{args.alpha:g}-s{seed}"
                     if run_name in seen:
                         continue
                     seen.add(run_name)
-                    cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "strategy": name, **opts,
-                           "head-round": False, "output-dir": str(out / "runs"), "run-name": run_name}
-                    jobs.append({"label": label, "threat": threat, "f": f, "seed": seed, "liars": bad, "config": cfg})
+                    per_round = args.per_round or args.clients
+                    cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds, args.clients, per_round),
+                           **cell, "strategy": name, **opts, "head-round": False, "output-dir": str(out / "runs"),
+                           "run-name": run_name}
+                    jobs.append({"label": label, "threat": threat, "f": f, "seed": seed, "liars": bad,
+                                 "clients": args.clients, "config": cfg})
     return jobs
 
 
 def _cell(rows: list[dict], label: str, threat: str, f: int) -> list[dict]:
     return sorted((r for r in rows if r["label"] == label and r["threat"] == threat
-                   and (r["f"] == f or (threat == "clean" and not defence_options(parse_strategy(label)[0], f)))),
+                   and (r["f"] == f or (threat == "clean"
+                                         and not defence_options(parse_strategy(label)[0], f, r.get("clients", 10))))),
                   key=lambda r: r["seed"])
 
 
 def table(rows: list[dict]) -> str:
+    clients = rows[0].get("clients", 10) if rows else 10
     labels = list(dict.fromkeys(r["label"] for r in rows))
     threats = list(dict.fromkeys(r["threat"] for r in rows))
     fs = sorted({r["f"] for r in rows if r["threat"] != "clean"}) or [1]
     lines = []
     for f in fs:
-        lines += [f"## {f} of 10 clients lying", "",
+        lines += [f"## {f} of {clients} clients lying", "",
                   "Final test accuracy (mean ± sample std over seeds; `n` seeds); backdoor: attack success rate in "
                   "brackets; †k: in k runs the global model died (chance level) and fedfuse failed the run with an "
                   "error, as it does any run that trains itself to chance.", "",
@@ -235,7 +262,7 @@ def plot(rows: list[dict], path: Path) -> None:
                    width, yerr=[100 * sd if n > 1 else 0 for _, sd, n in stats], label=lab, capsize=2)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(threats))], threats, fontsize=8)
         ax.set_ylabel("final test accuracy (%)")
-        ax.set_title(f"{f} of 10 clients lying (clean: nobody lies)", fontsize=9)
+        ax.set_title(f"{f} of {rows[0].get('clients', 10)} clients lying (clean: nobody lies)", fontsize=9)
         ax.legend(fontsize=6, ncol=len(labels), loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -246,7 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategies", default=STRATEGIES)
     ap.add_argument("--threats", default=THREATS)
-    ap.add_argument("--liars", default="1,3", help="numbers of lying clients (of 10)")
+    ap.add_argument("--liars", default="1,3", help="numbers of lying clients (of --clients)")
+    ap.add_argument("--clients", type=int, default=10, help="clients in the federation (10: the anchors' splits)")
+    ap.add_argument("--splits", help="folder of anchor_splits output (mnist1d-c<K>-a<α>-s<seed>) for --clients != 10")
+    ap.add_argument("--per-round", type=int, default=0, help="clients sampled per round (0: all)")
+    ap.add_argument("--mode", default="multi-round", choices=("multi-round", "one-shot"))
+    ap.add_argument("--local-epochs", type=int, help="local epochs (default: the anchor recipe's 1)")
+    ap.add_argument("--lr", type=float, help="client lr (default: the anchor recipe's 0.2)")
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
@@ -255,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", action="store_true", help="only rebuild table.md from runs.json")
     args = ap.parse_args(argv)
+    if args.clients != 10 and not args.splits:
+        ap.error("--clients other than 10 needs --splits (made by simulations.bench.anchor_splits)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.summary:
@@ -272,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in previous if (r["label"], r["threat"], r["f"], r["seed"]) not in done] + rows
         (out / "runs.json").write_text(json.dumps(rows, indent=1))
     text = table(rows)
-    (out / "table.md").write_text("# Lying clients on stock Flower's MNIST-1D splits (α = 0.5, 10 clients)\n\n"
+    clients = rows[0].get("clients", 10) if rows else 10
+    mode = ", one-shot" if rows and rows[0].get("one-shot") else ""
+    (out / "table.md").write_text(f"# Lying clients on stock Flower's MNIST-1D splits (α = 0.5, {clients} clients{mode})\n\n"
                                   "Command: see the module docstring of `simulations/bench/trust.py`.\n\n" + text)
     plot(rows, out / "accuracy.png")
     print(text)
