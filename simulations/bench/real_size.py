@@ -1,0 +1,208 @@
+"""Fusion cost at real model size (issue 24): every fusion method on k clients of a ResNet-18 or a ViT-S, as ratios.
+
+Clients are models as users have them (torchvision's ``resnet18``, fedfuse's ResNet at ResNet-18 size, timm's
+``vit_tiny_patch16_224`` / ``vit_small_patch16_224``), each from its own seed and trained ``--steps`` SGD steps on
+random data: this measures cost, not accuracy. For each number of clients the run measures, in this order:
+
+- the **forward-pass floor**: one forward pass of every client over the fusion set (what any data-based fusion pays);
+- **one local epoch** of one client over ``--epoch-samples`` samples (timed on ``--epoch-probe`` samples and scaled);
+- ``average`` (the weighted average of the weights);
+- every method of ``--methods``, each in its own process (``spawn``) so that its peak resident memory is its own and
+  a method running past ``--timeout`` is stopped and reported as such.
+
+Ratios are of process CPU time (each measurement runs one torch thread: what the wall time would be on an idle core),
+so jobs beside the benchmark change them little; wall seconds, the process's peak RSS (``ru_maxrss``) and the peak
+RSS growth during the fusion are printed beside them. With ``--device cuda`` times are wall times and the peak is
+``torch.cuda.max_memory_allocated``.
+
+    .venv/bin/python -m simulations.bench.real_size --model resnet18 --clients 2,4,10 --fusion-size 500 \\
+        --out results/real-size/resnet18
+    .venv/bin/python -m simulations.bench.real_size --model vit_small_patch16_224 --clients 2,4 --fusion-size 64 \\
+        --out results/real-size/vit-small
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import resource  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+MODELS = ("resnet18", "fedfuse-resnet18", "vit_tiny_patch16_224", "vit_small_patch16_224")
+
+
+def build(name: str, seed: int, image_size: int) -> torch.nn.Module:
+    """Model ``name`` for 10 classes at ``image_size`` px, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if name == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10)
+    if name == "fedfuse-resnet18":
+        from fedfuse.models import build_model
+
+        return build_model("resnet", num_classes=10, input_shape=(3, image_size, image_size), width=64, depth=4,
+                           blocks_per_stage=2, seed=seed)
+    if name.startswith("vit_"):
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=10, img_size=image_size)
+    raise SystemExit(f"--model: unknown {name!r}; choose one of {MODELS}")
+
+
+def clients(name: str, k: int, image_size: int, steps: int) -> list[torch.nn.Module]:
+    """``k`` models of ``name``, each from its own seed, trained ``steps`` SGD steps on its own random data."""
+    out = []
+    for i in range(k):
+        m = build(name, 1000 + i, image_size)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(i)
+        for _ in range(steps):
+            x = torch.randn(16, 3, image_size, image_size, generator=gen)
+            y = torch.randint(0, 10, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m.train()(x), y).backward()
+            opt.step()
+        out.append(m.eval())
+    return out
+
+
+def _timed(fn, device: torch.device) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of ``fn()``; on CUDA both are the synchronised wall time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        return wall, wall
+    return time.process_time() - c0, time.perf_counter() - t0
+
+
+def floors(models, inputs: torch.Tensor, args, device: torch.device) -> dict[str, float]:
+    """CPU seconds of the forward-pass floor and of one local epoch (scaled from ``--epoch-probe`` samples)."""
+    def forward():
+        with torch.no_grad():
+            for m in models:
+                m.to(device)
+                for s in range(0, len(inputs), 64):
+                    m(inputs[s:s + 64].to(device))
+
+    def epoch():
+        m = models[0].to(device).train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(0, args.epoch_probe, 32):
+            x = torch.randn(32, *inputs.shape[1:], generator=gen).to(device)
+            y = torch.randint(0, 10, (32,), generator=gen).to(device)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+        m.eval()
+
+    fwd, fwd_wall = _timed(forward, device)
+    ep, ep_wall = _timed(epoch, device)
+    scale = args.epoch_samples / args.epoch_probe
+    return {"floor": fwd, "floor-wall": fwd_wall, "epoch": ep * scale, "epoch-wall": ep_wall * scale}
+
+
+def _measure(method: str, path: str, device: str, queue) -> None:
+    """Child process: fuse the saved clients with ``method``; put (status, cpu s, wall s, RSS growth, peak RSS)."""
+    torch.set_num_threads(1)
+    from fedfuse.fusion import FusionError
+    from simulations.bench.timing import timed_fuse
+
+    saved = torch.load(path, weights_only=False)
+    dev = torch.device(device)
+    c0 = time.process_time()
+    try:
+        _, wall, peak = timed_fuse(method, saved["models"], saved["inputs"], dev, 0, {},
+                                   memory="rss" if dev.type == "cpu" else "none")
+        status = "ok"
+    except FusionError as exc:
+        wall, peak, status = float("nan"), 0, f"refused: {str(exc)[:160]}"
+    cpu = time.process_time() - c0 if dev.type == "cpu" else wall
+    queue.put((status, cpu, wall, peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+
+
+def run_method(method: str, path: Path, device: str, timeout: float) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=(method, str(path), device, queue))
+    proc.start()
+    try:
+        status, cpu, wall, peak, maxrss = queue.get(timeout=timeout)
+    except Exception:   # queue.Empty: still running past the timeout (or the child died)
+        proc.kill()
+        proc.join()
+        return {"method": method, "status": f"stopped after {timeout:.0f} s" if proc.exitcode in (-9, None)
+                else f"crashed (exit {proc.exitcode})"}
+    proc.join()
+    return {"method": method, "status": status, "cpu": cpu, "wall": wall, "peak": peak, "maxrss": maxrss}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fedfuse.fusion import METHODS
+    from simulations.bench.tables import markdown_table, write_json
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet18", choices=MODELS)
+    ap.add_argument("--clients", default="2,4,10")
+    ap.add_argument("--image-size", type=int, default=0, help="px (default: 32 for ResNets, 224 for ViTs)")
+    ap.add_argument("--fusion-size", type=int, default=500)
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if m != "average"))
+    ap.add_argument("--steps", type=int, default=5, help="SGD steps each client takes on random data")
+    ap.add_argument("--epoch-samples", type=int, default=5000)
+    ap.add_argument("--epoch-probe", type=int, default=256, help="samples actually timed for the local epoch")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a method may run before it is stopped")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default="results/real-size/resnet18")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    size = args.image_size or (224 if args.model.startswith("vit_") else 32)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, table = [], []
+    for k in [int(c) for c in args.clients.split(",")]:
+        models = clients(args.model, k, size, args.steps)
+        inputs = torch.randn(args.fusion_size, 3, size, size, generator=torch.Generator().manual_seed(7))
+        path = out / f"clients-{k}.pt"
+        torch.save({"models": models, "inputs": inputs}, path)
+        ref = floors(models, inputs, args, device)
+        results = [run_method(m, path, args.device, args.timeout) for m in ["average", *args.methods.split(",")]]
+        path.unlink()
+        avg = results[0].get("cpu") or float("nan")
+        for r in results:
+            r.update({"clients": k, **ref})
+            rows.append(r)
+            ok = r["status"] == "ok"
+            table.append([k, f"`{r['method']}`", r["status"] if not ok else "ok",
+                          *(f"{r['cpu'] / d:.1f}" if ok else "—" for d in (ref["floor"], avg, ref["epoch"])),
+                          f"{r['wall']:.1f}" if ok else "—",
+                          f"{r['peak'] / 2**20:.0f}" if ok else "—", f"{r['maxrss'] / 2**20:.0f}" if ok else "—"])
+            print(" | ".join(map(str, table[-1])), flush=True)
+    header = ["clients", "method", "status", "× forward floor", "× average", "× local epoch", "wall s",
+              "RSS growth MiB", "peak RSS MiB"]
+    n_params = sum(p.numel() for p in build(args.model, 0, size).parameters())
+    text = (f"# Fusion cost: {args.model} ({n_params / 1e6:.1f} M parameters, 3×{size}×{size}), "
+            f"{args.fusion_size} fusion samples, {args.device}\n\nCommand: `python -m simulations.bench.real_size "
+            f"--model {args.model} --clients {args.clients} --fusion-size {args.fusion_size} --image-size {size}`. "
+            f"Ratios of process CPU time (one torch thread); the local epoch is {args.epoch_samples} samples, timed on "
+            f"{args.epoch_probe} and scaled.\n\n" + markdown_table(header, table))
+    (out / "table.md").write_text(text)
+    write_json(rows, out / "runs.json")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
