@@ -51,9 +51,9 @@ def _jsonable(v: Any) -> Any:
 
 def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.02) -> str | None:
     """Why the run's last evaluated global model is dead (``None`` when it is not): after training, its loss is
-    non-finite, or it sits at chance level (accuracy at most ``1/C + margin``, loss at least ``0.95·ln C``) while
-    getting at most one class right (it has collapsed to one prediction: a model that merely has not learned yet
-    still spreads its predictions). This catches a run that trains itself to a dead model (e.g. a diverging lr),
+    non-finite, or it sits at chance level (accuracy at most ``1/C + margin``, loss at least ``0.95·ln C``) while one
+    class takes at least 80 % of the summed per-class accuracies (it has collapsed to one prediction, perhaps with a
+    few stray hits: a model that merely has not learned yet still spreads its predictions). This catches a run that trains itself to a dead model (e.g. a diverging lr),
     which the divergence guard cannot see while the weights stay finite. Reads the central test columns (the
     collapse from ``per-class-accuracy``), else the federated ones (only a non-finite loss); rows without either
     are not judged."""
@@ -66,11 +66,13 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
         if acc is None or loss is None:
             continue
         per_class = last.get("per-class-accuracy") if acc_key == "test-accuracy" else None
-        collapsed = per_class is not None and sum(1 for a in per_class if a and a > 0) <= 1
+        hits = [a for a in (per_class or []) if a and a > 0]
+        # one class takes (almost) all the hits: it predicts one class for (almost) every input
+        collapsed = per_class is not None and (not hits or max(hits) >= 0.8 * sum(hits))
         at_chance = acc <= 1.0 / num_classes + margin and loss >= 0.95 * math.log(num_classes)
         if not math.isfinite(loss) or (at_chance and collapsed):
             return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
-                    f"{loss:.4g}, at most one class predicted right): the run trained itself to chance level (a "
+                    f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance level (a "
                     f"learning rate far too high is the usual cause: lower lr)")
         return None
     return None
