@@ -89,14 +89,21 @@ def _run(job: dict) -> dict:
     from fedfuse.flower.runner.inprocess import run_inprocess
 
     out = Path(job["config"]["output-dir"]) / job["config"]["run-name"]
-    if not ((out / "DONE").exists() and (out / "results.json").exists()):   # a finished run is read, not rerun
-        out = run_inprocess(job["config"], echo=False)
+    failed = out / "RUN-FAILED"   # a run that dies (e.g. an lr far too high) fails by design: its accuracy is the result
+    if not ((out / "DONE").exists() or failed.exists()) or not (out / "results.json").exists():
+        try:
+            out = run_inprocess(job["config"], echo=False)
+        except RuntimeError as exc:
+            if not (out / "results.json").exists():
+                raise
+            failed.write_text(str(exc))
     res = json.loads((out / "results.json").read_text())
     accs = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
     # head-round=true: the last row is the head round, the one before it the last training round's global model
     head = bool(hist) and "head-round" in (hist[-1].get("fusion-info") or {})
     return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed", "clients", "per-round")}, "final": accs[-1], "best": max(accs),
+            "failed": failed.read_text()[-300:] if failed.exists() else None,
             "before-head": accs[-2] if head else None,
             "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
             "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback")),
@@ -136,8 +143,9 @@ def table(rows: list[dict], stock: dict, strategies: list[str]) -> str:
                 bdiff = f"{100 * (statistics.mean(before) - statistics.mean(ref)):+.1f} points" if ref else ""
                 lines.append(f"| {where} | fedfuse `{label}`, before the head round | "
                              f"{' / '.join(f'{v:.3f}' for v in before)} | {_mean_std(before)} | {bdiff} |")
+            dead = sum(1 for r in got if r.get("failed"))   # runs fedfuse failed: the model died (chance level)
             lines.append(f"| {where} | fedfuse `{label}` | {' / '.join(f'{v:.3f}' for v in finals)} | "
-                         f"{_mean_std(finals)} | {diff} |")
+                         f"{_mean_std(finals)}{f' (†{dead} died)' if dead else ''} | {diff} |")
     return "\n".join(lines) + "\n"
 
 
