@@ -79,13 +79,19 @@ def bounded_class_counts(update: ClientUpdate) -> list[float] | None:
     return [float(v) * update.num_examples / total if total > 0 else 0.0 for v in c]
 
 
+def record_rejection(record: dict[str, Any], server_round: int, node_id: int, reason: str, **fields: Any) -> None:
+    """Log a rejected reply as a WARNING and add it to the round's ``record["rejected"]`` (with ``fields``)."""
+    log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, node_id, reason)
+    record["rejected"].append({"node-id": node_id, "reason": reason, **fields})
+
+
 def reject_inconsistent_scores(updates: list[ClientUpdate], build_model: Callable[[dict], torch.nn.Module],
                                fusion_inputs: torch.Tensor, record: dict[str, Any], server_round: int, *,
                                extra: Callable[[int], dict] = lambda _node: {}, max_samples: int = 512,
                                device: str | torch.device = "cpu") -> list[ClientUpdate]:
     """The updates whose importance scores agree with their own weights on (at most ``max_samples`` of) the fusion
-    set (``fedfuse.fusion.score_check.score_inconsistency``); each other one is rejected: logged as a WARNING and
-    recorded in ``record["rejected"]`` with the reason and ``inconsistent-scores``."""
+    set (``fedfuse.fusion.score_check.score_inconsistency``); each other one is rejected (``record_rejection``, with
+    ``inconsistent-scores``)."""
     from fedfuse.fusion.score_check import score_inconsistency
 
     inputs, kept = fusion_inputs[:max_samples], []
@@ -94,10 +100,9 @@ def reject_inconsistent_scores(updates: list[ClientUpdate], build_model: Callabl
                                                                      device=device)
         if problem is None:
             kept.append(u)
-            continue
-        log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, u.node_id, problem)
-        record["rejected"].append({"node-id": u.node_id, "reason": problem, "inconsistent-scores": True,
-                                   **extra(u.node_id)})
+        else:
+            record_rejection(record, server_round, u.node_id, problem, **{"inconsistent-scores": True},
+                             **extra(u.node_id))
     return kept
 
 

@@ -15,7 +15,7 @@ from flwr.app import Message
 from flwr.common.logger import log
 
 from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
-                                    validate_reply)
+                                    record_rejection, validate_reply)
 
 
 class ReplyTriage:
@@ -61,13 +61,10 @@ class ReplyTriage:
                                   metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
                                   weight_key=self.weighted_by_key, copy=copy)
         except ReplyRejected as exc:
-            log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, node, exc)
-            rejected = {"node-id": node, "reason": str(exc), **self.rejected_extra(node)}
-            if isinstance(exc, NonFiniteWeights):
-                rejected["non-finite-weights"] = True
+            flags = {"non-finite-weights": True} if isinstance(exc, NonFiniteWeights) else {}
             if isinstance(exc, ContractMismatch):
-                rejected["contract"] = True
-            record["rejected"].append(rejected)
+                flags["contract"] = True
+            record_rejection(record, server_round, node, str(exc), **self.rejected_extra(node), **flags)
             return None
 
     def rejected_extra(self, node_id: int) -> dict[str, Any]:

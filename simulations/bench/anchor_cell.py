@@ -85,25 +85,33 @@ def stock_flower(readme: Path) -> dict[tuple[str, float], list[float]]:
     return out
 
 
-def _run(job: dict) -> dict:
+def run_or_read(cfg: dict, **kw) -> tuple[Path, dict, str | None]:
+    """The run folder, ``results.json`` and failure reason (or ``None``) of the in-process run ``cfg``; a finished
+    run is read, not rerun. A run fedfuse fails because its model died (e.g. an lr far too high, an attack) is kept
+    as a result, marked ``RUN-FAILED``; any other failure raises. ``kw`` goes to ``run_inprocess``."""
     from fedfuse.flower.runner.inprocess import run_inprocess
 
-    out = Path(job["config"]["output-dir"]) / job["config"]["run-name"]
-    failed = out / "RUN-FAILED"   # a run that dies (e.g. an lr far too high) fails by design: its accuracy is the result
+    out = Path(cfg["output-dir"]) / cfg["run-name"]
+    failed = out / "RUN-FAILED"
     if not ((out / "DONE").exists() or failed.exists()) or not (out / "results.json").exists():
         try:
-            out = run_inprocess(job["config"], echo=False)
+            out = run_inprocess(cfg, echo=False, **kw)
         except RuntimeError as exc:
             if not (out / "results.json").exists():
                 raise
             failed.write_text(str(exc))
-    res = json.loads((out / "results.json").read_text())
+    reason = failed.read_text()[-300:] if failed.exists() else None
+    return out, json.loads((out / "results.json").read_text()), reason
+
+
+def _run(job: dict) -> dict:
+    out, res, failed = run_or_read(job["config"])
     accs = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
     # head-round=true: the last row is the head round, the one before it the last training round's global model
     head = bool(hist) and "head-round" in (hist[-1].get("fusion-info") or {})
     return {**{k: job[k] for k in ("label", "dataset", "alpha", "seed", "clients", "per-round")}, "final": accs[-1], "best": max(accs),
-            "failed": failed.read_text()[-300:] if failed.exists() else None,
+            "failed": failed,
             "before-head": accs[-2] if head else None,
             "curve": accs, "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
             "guarded": sum(1 for h in hist if h.get("guard")), "fell-back": sum(1 for h in hist if h.get("fallback")),

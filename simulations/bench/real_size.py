@@ -75,21 +75,9 @@ def clients(name: str, k: int, image_size: int, steps: int) -> list[torch.nn.Mod
     return out
 
 
-def _timed(fn, device: torch.device) -> tuple[float, float]:
-    """(CPU seconds of this process, wall seconds) of ``fn()``; on CUDA both are the synchronised wall time."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        return wall, wall
-    return time.process_time() - c0, time.perf_counter() - t0
-
-
 def floors(models, inputs: torch.Tensor, args, device: torch.device) -> dict[str, float]:
-    """CPU seconds of the forward-pass floor and of one local epoch (scaled from ``--epoch-probe`` samples)."""
+    """CPU seconds (wall on CUDA) of the forward-pass floor and of one local epoch (scaled from ``--epoch-probe``
+    samples), and their wall seconds."""
     def forward():
         with torch.no_grad():
             for m in models:
@@ -109,10 +97,12 @@ def floors(models, inputs: torch.Tensor, args, device: torch.device) -> dict[str
             opt.step()
         m.eval()
 
-    fwd, fwd_wall = _timed(forward, device)
-    ep, ep_wall = _timed(epoch, device)
-    scale = args.epoch_samples / args.epoch_probe
-    return {"floor": fwd, "floor-wall": fwd_wall, "epoch": ep * scale, "epoch-wall": ep_wall * scale}
+    from simulations.bench.timing import interleaved_timings
+
+    t = interleaved_timings({"floor": forward, "epoch": epoch}, repeats=1, warmup=0, device=device)
+    clock = "wall" if device.type == "cuda" else "cpu"   # CUDA work is not this process's CPU time
+    scale = {"floor": 1.0, "epoch": args.epoch_samples / args.epoch_probe}
+    return {**{k: t[k][clock][0] * scale[k] for k in t}, **{f"{k}-wall": t[k]["wall"][0] * scale[k] for k in t}}
 
 
 def _measure(method: str, path: str, device: str, queue) -> None:

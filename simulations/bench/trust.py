@@ -21,9 +21,12 @@ Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.b
 
     .venv/bin/python -m simulations.bench.anchor_splits --clients 20 --out results/cache/anchor-splits
     .venv/bin/python -m simulations.bench.trust --clients 20 --splits results/cache/anchor-splits --liars 2,6 \
-        --strategies "fedavg,fedmedian,fedtrimmedavg,auto[robust=true]" --out results/trust-c20
+        --threats clean,sign-flip,random,label-flip --strategies "fedavg,fedtrimmedavg,auto[robust=true]" \
+        --out results/trust-c20
+    .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 --threats clean \
+        --strategies fedavg --out results/trust-one-shot
     .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 \
-        --strategies fedavg,fedmedian,feddf,kf-linear,auto --out results/trust-one-shot
+        --threats clean,sign-flip,random,label-flip,backdoor --strategies feddf,kf-linear,auto --out results/trust-one-shot
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np  # noqa: E402
 
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
-from simulations.bench.anchor_cell import ANCHORS, anchor_recipe  # noqa: E402
+from simulations.bench.anchor_cell import ANCHORS, anchor_recipe, run_or_read  # noqa: E402
 
 # `auto` (the default) at 1 local epoch is FedAvg's average exactly (no fusion candidate below auto-fusion-epochs), so
 # the `fedavg` column is the default's; `auto[robust=true]` is the default with the robust setting
@@ -70,28 +73,19 @@ def _run(job: dict) -> dict:
     import torch
 
     from fedfuse.flower.client_app import make_client_app
-    from fedfuse.flower.runner.inprocess import run_inprocess
     from fedfuse.models import build_model
     from simulations.attacks import BACKDOOR_CLASS, Attack, stamp
 
     cfg = job["config"]
-    out = Path(cfg["output-dir"]) / cfg["run-name"]
-    failed = out / "RUN-FAILED"   # an attack that kills the model fails the run (by design): its accuracy is the result
-    if not ((out / "DONE").exists() or failed.exists()) or not (out / "results.json").exists():
-        mods = [] if job["threat"] == "clean" else \
-            [Attack(job["threat"], frozenset(job["liars"]), workdir=Path(cfg["output-dir"]) / "poisoned",
-                    seed=job["seed"]).mod]
-        try:
-            out = run_inprocess(cfg, echo=False, client_app=make_client_app(mods=mods))
-        except RuntimeError as exc:
-            if not (out / "results.json").exists():
-                raise
-            failed.write_text(str(exc))
-    res = json.loads((out / "results.json").read_text())
+    mods = [] if job["threat"] == "clean" else \
+        [Attack(job["threat"], frozenset(job["liars"]), workdir=Path(cfg["output-dir"]) / "poisoned",
+                seed=job["seed"]).mod]
+    # an attack that kills the model fails the run (by design): its accuracy is the result
+    out, res, failed = run_or_read(cfg, client_app=make_client_app(mods=mods))
     row = {k: job[k] for k in ("label", "threat", "f", "seed", "liars")}
     row["clients"] = job.get("clients", 10)
     row["one-shot"] = cfg.get("mode") == "one-shot"
-    row["failed"] = failed.read_text()[-300:] if failed.exists() else None
+    row["failed"] = failed
     row["final"] = res["rounds"][-1]["test-accuracy"]
     row["curve"] = [r["test-accuracy"] for r in res["rounds"]]
     hist = res.get("strategy-history", [])
