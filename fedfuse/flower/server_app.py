@@ -239,6 +239,16 @@ def federated_evaluation_options(cfg: RunConfig) -> dict:
 
 
 # run-config keys that may differ between an interrupted run and its resumption
+def _current_rss_mb() -> float | None:
+    """The server process's resident set now (MiB; Linux ``/proc``, ``None`` elsewhere): unlike the peak it can fall,
+    so rounds show whether the server's memory grows with the rounds or the registered clients."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "device")
 
 
@@ -319,6 +329,7 @@ class RoundEvaluation:
             row.update(self._member_columns())
         row["eval-seconds"] = time.perf_counter() - t_eval
         row["server-peak-rss-mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        row["server-rss-mb"] = _current_rss_mb()
         self.recorder.add_round(row)
         if server_round > 0:
             save_checkpoint(self.out, server_round, arrays.to_torch_state_dict(),

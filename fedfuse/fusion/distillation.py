@@ -67,6 +67,14 @@ def _kl_on(run, inputs: torch.Tensor, targets: list[torch.Tensor], temperature: 
     return total * temperature ** 2 / max(inputs.shape[0], 1)
 
 
+@torch.no_grad()
+def _targets(teachers, x: torch.Tensor, batch_size: int, device: torch.device) -> torch.Tensor:
+    """The teachers' target probabilities ``[B, classes]`` for all of ``x [B, ...]``, in batches."""
+    if x.shape[0] == 0:
+        return torch.empty(0, device=device)
+    return torch.cat([teachers(x[i:i + batch_size].to(device)) for i in range(0, x.shape[0], batch_size)])
+
+
 def _min_improvement(loss: float) -> float:
     """What counts as a real decrease of the selection KL: more than float32 round-off (KL(p‖p) evaluates to
     ±1e-8, not 0) — 1e-6 nats plus 1e-4 of the loss. Smaller changes keep the earlier state."""
@@ -109,11 +117,14 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
     n = inputs.shape[0]
     losses: list[float] = []
     sel_losses: list[float] = []
+    sel_bs = max(batch_size, 256)
+    # teachers are fixed: on un-augmented inputs their targets are computed once, not once per epoch (k teacher
+    # forward passes saved per epoch; the same targets up to float round-off of the batch size)
+    cached = _targets(teachers, inputs, sel_bs, device) if aug == "none" else None
     if keep_best:
         sel_x = inputs if select_inputs is None else select_inputs
-        sel_bs = max(batch_size, 256)
-        with torch.no_grad():  # teachers are fixed: targets once
-            sel_t = [teachers(sel_x[i:i + sel_bs].to(device)) for i in range(0, sel_x.shape[0], sel_bs)]
+        sel_all = cached if select_inputs is None and cached is not None else _targets(teachers, sel_x, sel_bs, device)
+        sel_t = list(sel_all.split(sel_bs))
         best_loss = initial = _kl_on(run, sel_x, sel_t, temperature, device, sel_bs)
         best_state, best_epoch = [p.detach().clone() for p in params], 0
     for epoch in range(1, epochs + 1):
@@ -122,9 +133,13 @@ def _distill(student: nn.Module, run, params: list[torch.nn.Parameter], inputs: 
         perm = torch.randperm(n, generator=gen)
         total = torch.zeros((), device=device)  # summed on device: no host sync per step
         for i in range(0, n, batch_size):
-            xb = augment(inputs[perm[i:i + batch_size]].to(device), aug, gen, noise)
-            with torch.no_grad():
-                target = teachers(xb)
+            idx = perm[i:i + batch_size]
+            xb = augment(inputs[idx].to(device), aug, gen, noise)
+            if cached is not None:
+                target = cached[idx.to(cached.device)]
+            else:
+                with torch.no_grad():
+                    target = teachers(xb)
             logp = F.log_softmax(run(xb) / temperature, -1)
             loss = F.kl_div(logp, target, reduction="batchmean") * temperature ** 2
             opt.zero_grad(set_to_none=True)

@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
@@ -105,7 +106,7 @@ def floors(models, inputs: torch.Tensor, args, device: torch.device) -> dict[str
     return {**{k: t[k][clock][0] * scale[k] for k in t}, **{f"{k}-wall": t[k]["wall"][0] * scale[k] for k in t}}
 
 
-def _measure(method: str, path: str, device: str, queue) -> None:
+def _measure(method: str, path: str, device: str, options: dict, queue) -> None:
     """Child process: fuse the saved clients with ``method``; put (status, cpu s, wall s, RSS growth, peak RSS)."""
     torch.set_num_threads(1)
     from fedfuse.fusion import FusionError
@@ -115,7 +116,7 @@ def _measure(method: str, path: str, device: str, queue) -> None:
     dev = torch.device(device)
     c0 = time.process_time()
     try:
-        _, wall, peak = timed_fuse(method, saved["models"], saved["inputs"], dev, 0, {},
+        _, wall, peak = timed_fuse(method, saved["models"], saved["inputs"], dev, 0, options,
                                    memory="rss" if dev.type == "cpu" else "none")
         status = "ok"
     except FusionError as exc:
@@ -124,10 +125,10 @@ def _measure(method: str, path: str, device: str, queue) -> None:
     queue.put((status, cpu, wall, peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
 
 
-def run_method(method: str, path: Path, device: str, timeout: float) -> dict:
+def run_method(method: str, path: Path, device: str, timeout: float, options: dict | None = None) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(method, str(path), device, queue))
+    proc = ctx.Process(target=_measure, args=(method, str(path), device, options or {}, queue))
     proc.start()
     try:
         status, cpu, wall, peak, maxrss = queue.get(timeout=timeout)
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--epoch-probe", type=int, default=256, help="samples actually timed for the local epoch")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a method may run before it is stopped")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--options", default="{}", help="JSON options for every method, e.g. '{\"epochs\": 5}' "
+                    "(cost per epoch of the fitting methods; the default = each method's defaults)")
     ap.add_argument("--out", default="results/real-size/resnet18")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         path = out / f"clients-{k}.pt"
         torch.save({"models": models, "inputs": inputs}, path)
         ref = floors(models, inputs, args, device)
-        results = [run_method(m, path, args.device, args.timeout) for m in ["average", *args.methods.split(",")]]
+        results = [run_method("average", path, args.device, args.timeout)] + [
+            run_method(m, path, args.device, args.timeout, json.loads(args.options)) for m in args.methods.split(",")]
         path.unlink()
         avg = results[0].get("cpu") or float("nan")
         for r in results:
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in build(args.model, 0, size).parameters())
     text = (f"# Fusion cost: {args.model} ({n_params / 1e6:.1f} M parameters, 3×{size}×{size}), "
             f"{args.fusion_size} fusion samples, {args.device}\n\nCommand: `python -m simulations.bench.real_size "
-            f"--model {args.model} --clients {args.clients} --fusion-size {args.fusion_size} --image-size {size}`. "
+            f"--model {args.model} --clients {args.clients} --fusion-size {args.fusion_size} --image-size {size}"
+            f"{'' if args.options == '{}' else f' --options {args.options!r}'} --methods {args.methods}`. "
             f"Ratios of process CPU time (one torch thread); the local epoch is {args.epoch_samples} samples, timed on "
             f"{args.epoch_probe} and scaled.\n\n" + markdown_table(header, table))
     (out / "table.md").write_text(text)
