@@ -94,6 +94,9 @@ def test_auto_round_through_fedfuse_client_app_keeps_the_best_client_scored_cand
         arrays, _ = s.aggregate_train(1, replies)
     info = s.history[-1]["fusion-info"]
     assert arrays is not None and info["select-clients"] == 2 and info["select-fallback"] is False, info
+    # the round's aggregation time split: building the candidates, then the clients' scoring exchange
+    assert info["select-build-seconds"] > 0 and info["select-query-seconds"] > 0
+    assert info["select-build-seconds"] + info["select-query-seconds"] <= s.history[-1]["fusion-seconds"]
     acc = info["select-accuracy"]
     assert set(acc) == {"average", "fedavg", "kd"} and all(0 <= a <= 1 for a in acc.values())
     best = max(acc.values())

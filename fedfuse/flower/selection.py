@@ -30,7 +30,8 @@ tracked its test accuracy in every measured round. So each round:
 Cost: in rounds with a fusion candidate, the candidates' fusions, plus one extra message carrying ``k`` models to each of the round's clients and
 ``k`` forward passes over each client's data. When no client answers, the first candidate is kept with a WARNING
 and the round records it (``select-fallback``). ``info``: ``select-choice``, ``select-accuracy`` (per candidate),
-``select-clients``, ``select-skipped``, ``select-query`` (whether the clients were asked).
+``select-clients``, ``select-skipped``, ``select-query`` (whether the clients were asked), ``select-build-seconds``
+(the candidates) and ``select-query-seconds`` (the clients' scoring exchange).
 """
 
 from __future__ import annotations
@@ -139,8 +140,10 @@ class SelectionStrategy(FusionStrategy):
             raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
         names = list(built)
         query = any(n not in ARRAY_CANDIDATES for n in names)   # the clients agree: no fusion, no vote
+        t_query = time.perf_counter()
         accuracy, clients = (self._score(server_round, updates, [built[n] for n in names]) if query
                              else (None, 0))
+        seconds = {"select-build-seconds": t_query - t0, "select-query-seconds": time.perf_counter() - t_query}
         if accuracy is None:
             choice = names[0]
             if query:
@@ -151,7 +154,7 @@ class SelectionStrategy(FusionStrategy):
         self._set_velocity(choice, after, state)
         info = {"select-choice": choice, "select-clients": clients, "select-query": query,
                 "select-accuracy": None if accuracy is None else dict(zip(names, accuracy)),
-                "select-skipped": skipped or None, "select-fallback": query and accuracy is None}
+                "select-skipped": skipped or None, "select-fallback": query and accuracy is None, **seconds}
         log(INFO, "auto: round %d: %s (%s)", server_round, choice,
             "no fusion candidate: no query" if not query else "no client scored" if accuracy is None else
             "client-scored accuracy " + ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))

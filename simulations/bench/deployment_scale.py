@@ -60,35 +60,45 @@ def main(argv: list[str] | None = None) -> None:
 
     out = Path(a.out)
     cfg = run_config(out, a.nodes, a.rounds, a.round_timeout)
-    with Deployment(a.nodes, tls=True, auth=True) as dep:
-        outcome = dep.run(cfg, timeout=a.timeout)
-    if not outcome.ok:
-        raise SystemExit(f"deployment run {outcome.run_id} {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}")
-    res = json.loads((outcome.out_dir / "results.json").read_text())
+    run_dir = Path(cfg["output-dir"]) / cfg["run-name"]
+    meta = run_dir / "bench.json"
+    if not meta.exists():   # a finished run is read, not rerun
+        with Deployment(a.nodes, tls=True, auth=True) as dep:
+            outcome = dep.run(cfg, timeout=a.timeout)
+        if not outcome.ok:
+            raise SystemExit(f"deployment run {outcome.run_id} {outcome.status}: {outcome.details}\n"
+                             f"{outcome.log[-4000:]}")
+        meta.write_text(json.dumps({"run-seconds": outcome.seconds}))
+    run_seconds = json.loads(meta.read_text())["run-seconds"]
+    res = json.loads((run_dir / "results.json").read_text())
     rows = [r for r in res["rounds"] if r.get("round")]
-    hist = res.get("strategy-history", [])
     state_mib, score_mib = message_mib(rows)
     table_rows = []
     for r in rows:
-        h = next((h for h in hist if h.get("round") == r["round"]), {})
-        info = h.get("fusion-info") or {}
-        table_rows.append([r["round"], f"{r['round-seconds']:.0f}", f"{r.get('fusion-seconds') or 0:.1f}",
-                           f"{r.get('client-train-seconds-mean') or 0:.1f}", f"{r.get('client-score-seconds-mean') or 0:.1f}",
-                           r.get("valid-replies"), len(r.get("failures") or []), info.get("select-choice", "–"),
+        info = r.get("fusion-info") or {}
+        head = r["round"] > a.rounds   # the head round after the last training round (ridge statistics, no training)
+        table_rows.append([f"{r['round']} (head round)" if head else r["round"], f"{r['round-seconds']:.0f}",
+                           f"{r.get('fusion-seconds') or 0:.1f}",
+                           "–" if head else f"{r.get('client-train-seconds-mean') or 0:.1f}",
+                           "–" if head else r.get("valid-replies"), len(r.get("failures") or []),
+                           info.get("select-choice", "–"),
                            f"{r['test-accuracy']:.3f}", f"{r.get('server-rss-mb') or 0:.0f}"])
     text = (f"# Loopback deployment, TLS + SuperNode auth: {a.nodes} SuperNodes, ResNet of 11.0 M parameters\n\n"
             + markdown_table(["round", "round s", "server aggregation s", "client train s (mean)",
-                              "client importance s (mean)", "valid replies", "failures", "auto's choice",
+                              "valid replies", "failures", "auto's choice",
                               "accuracy", "server RSS MiB"], table_rows)
             + f"\n\nMessages: the model {state_mib:.1f} MiB down and up per client per round, importance scores "
               f"≤ {score_mib:.3f} MiB up; {a.nodes} replies = {a.nodes * state_mib:.0f} MiB into the server per round. "
-              f"Round timeout {a.round_timeout:.0f} s; mean round {mean(r['round-seconds'] for r in rows):.0f} s; "
-              f"the whole run {outcome.seconds:.0f} s (SuperNodes' start-up included).\n\n"
+              f"Round timeout {a.round_timeout:.0f} s; mean training round "
+              f"{mean(r['round-seconds'] for r in rows if r['round'] <= a.rounds):.0f} s; the whole run "
+              f"{run_seconds:.0f} s (SuperNodes' start-up included). 10 SuperNodes and the SuperLink share this "
+              f"machine's cores, so client seconds include waiting for a core. `auto` asks the clients for no "
+              f"importance scores.\n\n"
               f"Command: `python -m simulations.bench.deployment_scale --nodes {a.nodes} --rounds {a.rounds} "
               f"--round-timeout {a.round_timeout:g}`\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
-    write_json({"config": cfg, "rows": rows, "run-seconds": outcome.seconds, "state-mib": state_mib}, out / "runs.json")
+    write_json({"config": cfg, "rows": rows, "run-seconds": run_seconds, "state-mib": state_mib}, out / "runs.json")
     print(text)
 
 
