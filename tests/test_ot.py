@@ -156,3 +156,24 @@ def test_bad_inputs_raise_value_error():
     vit_b = _model("vit", (1, 8, 8), dict(width=16, num_heads=2))
     with pytest.raises(IncompatibleModelsError, match="heads"):
         fuse("ot", [vit_a, vit_b], fusion_inputs=torch.randn(8, 1, 8, 8))
+
+
+@pytest.mark.parametrize("name,shape,kw", CASES)
+def test_activation_rows_are_subsampled_as_they_are_produced(name, shape, kw):
+    """The row subsample is taken batch by batch as the rows are produced (memory: ``max_rows`` rows per hook point
+    plus one batch's); it must pick the rows that subsampling after the whole pass picks (every row kept, then
+    ``_subsample`` of each hook point's rows)."""
+    from fedfuse.fusion.permute import collect_activations
+    from fedfuse.fusion.permute.activations import _subsample
+
+    m = _model(name, shape, kw)
+    spec = build_spec(m)
+    x = torch.randn(50, *shape, generator=torch.Generator().manual_seed(3))
+    for bs in (1, 7, 50):
+        every = collect_activations(m, spec, x, max_rows=10 ** 9, batch_size=bs, seed=4)
+        kept = collect_activations(m, spec, x, max_rows=37, batch_size=bs, seed=4)
+        assert kept.keys() == every.keys()
+        for g, rows in every.items():
+            points = rows.chunk(len(spec.groups[g].acts))   # every hook point of a group has as many rows
+            want = torch.cat([p[_subsample(len(p), 37, 4)] if len(p) > 37 else p for p in points])
+            assert torch.equal(kept[g], want), (g, bs)

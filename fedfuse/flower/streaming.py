@@ -74,11 +74,11 @@ def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message]
         valid_total += u.num_examples
         if acc is None:  # integer buffers (BatchNorm counters) from the first reply, as average_state_dicts
             dtypes = {k: v.dtype for k, v in u.state.items()}
-            acc = {k: (w * v.double() if v.is_floating_point() else v.clone()) for k, v in u.state.items()}
+            acc = {k: (v.double().mul_(w) if v.is_floating_point() else v.clone()) for k, v in u.state.items()}
         else:
             for k, v in u.state.items():
                 if v.is_floating_point():
-                    acc[k].add_(w * v.double())
+                    acc[k].add_(v, alpha=w)   # the same float64 steps as average_state_dicts: bit-identical
         if keep_members:
             members.append((msg, w))
         strategy._node_partitions[u.node_id] = u.partition_id

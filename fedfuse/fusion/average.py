@@ -28,8 +28,11 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], weights: list[flo
                                  f"{tuple(states[0][k].shape)} in model 0 (different widths need a matching method)")
     out = {}
     for k in keys:
-        if states[0][k].is_floating_point():
-            out[k] = sum(w * s[k].double() for w, s in zip(weights, states)).to(states[0][k].dtype)
+        if states[0][k].is_floating_point():   # float64 accumulator, in place (no temporary per model)
+            acc = states[0][k].double().mul_(weights[0])
+            for w, s in zip(weights[1:], states[1:]):
+                acc.add_(s[k], alpha=w)
+            out[k] = acc.to(states[0][k].dtype)
         else:
             out[k] = states[0][k].clone()
     return out

@@ -141,6 +141,55 @@ def run_method(method: str, path: Path, device: str, timeout: float, options: di
     return {"method": method, "status": status, "cpu": cpu, "wall": wall, "peak": peak, "maxrss": maxrss}
 
 
+def table_row(r: dict, rows: list[dict]) -> list:
+    """One method's row: CPU time × the forward floor, × ``average`` at the same client count, × one local epoch."""
+    ok = r["status"] == "ok"
+    avg = next((a.get("cpu") for a in rows if a["method"] == "average" and a["clients"] == r["clients"]), None)
+    ratios = [r["cpu"] / d if ok and d else None for d in (r["floor"], avg, r["epoch"])]
+    return [r["clients"], f"`{r['method']}`", r["status"] if not ok else "ok",
+            *("—" if v is None else f"{v:.1f}" for v in ratios), f"{r['wall']:.1f}" if ok else "—",
+            f"{r['peak'] / 2**20:.0f}" if ok else "—", f"{r['maxrss'] / 2**20:.0f}" if ok else "—"]
+
+
+def growth(rows: list[dict]) -> list[list]:
+    """Per method run at two or more client counts: the log-log exponents of its CPU seconds and of its peak RSS
+    growth in the number of clients (``scaling.fit_growth``), next to the forward floor's."""
+    from simulations.bench.scaling import fit_growth
+
+    out = []
+    floor = {r["clients"]: r["floor"] for r in rows}
+    if len(floor) > 1:
+        out.append(["forward floor", len(floor), f"{fit_growth(list(floor), list(floor.values()))['exponent']:.2f}", "–"])
+    for method in dict.fromkeys(r["method"] for r in rows):
+        ok = [r for r in rows if r["method"] == method and r["status"] == "ok"]
+        if len(ok) > 1:
+            ks = [r["clients"] for r in ok]
+            out.append([f"`{method}`", len(ok), f"{fit_growth(ks, [r['cpu'] for r in ok])['exponent']:.2f}",
+                        f"{fit_growth(ks, [max(r['peak'], 1) for r in ok])['exponent']:.2f}"])
+    return out
+
+
+def plot_cost(rows: list[dict], path: Path, title: str) -> None:
+    """CPU seconds against clients, log-log, one line per method, the forward floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    floor = sorted({(r["clients"], r["floor"]) for r in rows})
+    ax.plot(*zip(*floor), "k--", label="forward floor")
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["clients"], r["cpu"]) for r in rows if r["method"] == method and r["status"] == "ok")
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=method)
+    ax.set(xscale="log", yscale="log", xlabel="clients", ylabel="CPU seconds (one thread)", title=title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     from fedfuse.fusion import METHODS
     from simulations.bench.tables import markdown_table, write_json
@@ -159,32 +208,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--options", default="{}", help="JSON options for every method, e.g. '{\"epochs\": 5}' "
                     "(cost per epoch of the fitting methods; the default = each method's defaults)")
     ap.add_argument("--out", default="results/real-size/resnet18")
+    ap.add_argument("--render", action="store_true", help="rewrite table.md and cost.png from <out>/runs.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     size = args.image_size or (224 if args.model.startswith("vit_") else 32)
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, table = [], []
-    for k in [int(c) for c in args.clients.split(",")]:
-        models = clients(args.model, k, size, args.steps)
-        inputs = torch.randn(args.fusion_size, 3, size, size, generator=torch.Generator().manual_seed(7))
-        path = out / f"clients-{k}.pt"
-        torch.save({"models": models, "inputs": inputs}, path)
-        ref = floors(models, inputs, args, device)
-        results = [run_method("average", path, args.device, args.timeout)] + [
-            run_method(m, path, args.device, args.timeout, json.loads(args.options)) for m in args.methods.split(",")]
-        path.unlink()
-        avg = results[0].get("cpu") or float("nan")
-        for r in results:
-            r.update({"clients": k, **ref})
-            rows.append(r)
-            ok = r["status"] == "ok"
-            table.append([k, f"`{r['method']}`", r["status"] if not ok else "ok",
-                          *(f"{r['cpu'] / d:.1f}" if ok else "—" for d in (ref["floor"], avg, ref["epoch"])),
-                          f"{r['wall']:.1f}" if ok else "—",
-                          f"{r['peak'] / 2**20:.0f}" if ok else "—", f"{r['maxrss'] / 2**20:.0f}" if ok else "—"])
-            print(" | ".join(map(str, table[-1])), flush=True)
+    if args.render:   # the table, growth and plot again from a finished run's runs.json
+        rows = json.loads((out / "runs.json").read_text())
+    else:
+        rows = []
+        for k in [int(c) for c in args.clients.split(",")]:
+            models = clients(args.model, k, size, args.steps)
+            inputs = torch.randn(args.fusion_size, 3, size, size, generator=torch.Generator().manual_seed(7))
+            path = out / f"clients-{k}.pt"
+            torch.save({"models": models, "inputs": inputs}, path)
+            ref = floors(models, inputs, args, device)
+            results = [run_method("average", path, args.device, args.timeout)] + [
+                run_method(m, path, args.device, args.timeout, json.loads(args.options))
+                for m in args.methods.split(",")]
+            path.unlink()
+            for r in results:
+                r.update({"clients": k, **ref})
+                rows.append(r)
+                print(" | ".join(map(str, table_row(r, rows))), flush=True)
+    table = [table_row(r, rows) for r in rows]
     header = ["clients", "method", "status", "× forward floor", "× average", "× local epoch", "wall s",
               "RSS growth MiB", "peak RSS MiB"]
     n_params = sum(p.numel() for p in build(args.model, 0, size).parameters())
@@ -194,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{'' if args.options == '{}' else f' --options {args.options!r}'} --methods {args.methods}`. "
             f"Ratios of process CPU time (one torch thread); the local epoch is {args.epoch_samples} samples, timed on "
             f"{args.epoch_probe} and scaled.\n\n" + markdown_table(header, table))
+    laws = growth(rows)
+    if laws:
+        text += ("\n\nGrowth with the number of clients (log-log exponents: 1 = linear):\n\n"
+                 + markdown_table(["method", "client counts", "CPU time exponent", "peak RSS growth exponent"], laws))
+        plot_cost(rows, out / "cost.png", f"{args.model}, {args.fusion_size} fusion samples")
     (out / "table.md").write_text(text)
     write_json(rows, out / "runs.json")
     print(text)

@@ -35,38 +35,49 @@ def collect_activations(model: nn.Module, spec: PermSpec, inputs: torch.Tensor, 
     Rows are (sample, position/token) pairs of the fusion set; each hook point contributes at most
     ``max_rows`` rows, subsampled with a generator seeded by ``seed`` so that two models fed the same
     ``inputs`` get corresponding rows. With several hook points (a tied residual stream, q/k/v) the
-    rows are concatenated.
+    rows are concatenated. The subsample is taken batch by batch as the rows are produced, so memory holds
+    ``max_rows`` rows per hook point plus one batch's, not every row of the fusion set.
     """
     device = torch.device(device)
     model = model.to(device).eval()
     mods = dict(model.named_modules())
     store: dict[tuple[str, str, str], list[torch.Tensor]] = {}
+    seen: dict[tuple[str, str, str], int] = {}   # rows produced so far per hook point
+    batch = {"n": 0}                               # samples in the batch running now
     handles = []
     points = {pt for g in spec.groups.values() for pt in g.acts}
+
+    def keep(pt, h: torch.Tensor) -> None:
+        """Keep only this batch's rows of the fusion set's row subsample: the same rows as subsampling after the
+        whole pass, without holding every row of every hook point (the memory bound of real-size models)."""
+        rows = _rows(h, pt[2]).float()
+        off, r = seen[pt], rows.shape[0]
+        seen[pt] = off + r
+        total = (r // batch["n"]) * len(inputs)   # rows per sample × samples
+        if total > max_rows:
+            idx = _subsample(total, max_rows, seed).to(rows.device)
+            rows = rows[idx[(idx >= off) & (idx < off + r)] - off]
+        store[pt].append(rows)
+
     for pt in points:
         path, where, layout = pt
         if path not in mods:
             raise IncompatibleModelsError(f"activations: module {path!r} not found")
-        store[pt] = []
+        store[pt], seen[pt] = [], 0
         if where == "out":
-            handles.append(mods[path].register_forward_hook(
-                lambda _m, _i, o, pt=pt: store[pt].append(_rows(o, pt[2]).float())))
+            handles.append(mods[path].register_forward_hook(lambda _m, _i, o, pt=pt: keep(pt, o)))
         else:
-            handles.append(mods[path].register_forward_pre_hook(
-                lambda _m, i, pt=pt: store[pt].append(_rows(i[0], pt[2]).float())))
+            handles.append(mods[path].register_forward_pre_hook(lambda _m, i, pt=pt: keep(pt, i[0])))
     try:
         for s in range(0, len(inputs), batch_size):
-            model(inputs[s:s + batch_size].to(device))
+            xb = inputs[s:s + batch_size]
+            batch["n"] = len(xb)
+            model(xb.to(device))
     finally:
         for h in handles:
             h.remove()
     out: dict[str, torch.Tensor] = {}
     for name, g in spec.groups.items():
-        parts = []
-        for pt in g.acts:
-            rows = torch.cat(store[pt])
-            if len(rows) > max_rows:
-                rows = rows[_subsample(len(rows), max_rows, seed).to(rows.device)]
-            parts.append(rows)
+        parts = [torch.cat(store[pt]) for pt in g.acts]
         out[name] = torch.cat(parts) if parts else torch.empty(0, g.size, device=device)
     return out
