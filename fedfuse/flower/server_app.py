@@ -238,7 +238,6 @@ def federated_evaluation_options(cfg: RunConfig) -> dict:
             "evaluate_metrics_aggr_fn": FederatedEvaluation()}
 
 
-# run-config keys that may differ between an interrupted run and its resumption
 def _current_rss_mb() -> float | None:
     """The server process's resident set now (MiB; Linux ``/proc``, ``None`` elsewhere): unlike the peak it can fall,
     so rounds show whether the server's memory grows with the rounds or the registered clients."""
@@ -249,6 +248,7 @@ def _current_rss_mb() -> float | None:
         return None
 
 
+# run-config keys that may differ between an interrupted run and its resumption
 RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "device")
 
 
