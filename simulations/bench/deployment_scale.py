@@ -36,7 +36,7 @@ def run_config(out: Path, nodes: int, rounds: int, timeout: float) -> dict:
             "output-dir": str(out / "runs"), "run-name": f"auto-resnet11m-n{nodes}-r{rounds}"}
 
 
-def message_mib(rows: list[dict]) -> tuple[float, float]:
+def message_mib() -> tuple[float, float]:
     """The global model's float32 MiB (each train message down and each reply up) and the importance scores'."""
     import torch
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     run_seconds = json.loads(meta.read_text())["run-seconds"]
     res = json.loads((run_dir / "results.json").read_text())
     rows = [r for r in res["rounds"] if r.get("round")]
-    state_mib, score_mib = message_mib(rows)
+    state_mib, score_mib = message_mib()
     table_rows = []
     for r in rows:
         info = r.get("fusion-info") or {}
