@@ -4,11 +4,13 @@ Clients are models as users have them (torchvision's ``resnet18``, fedfuse's Res
 ``vit_tiny_patch16_224`` / ``vit_small_patch16_224``), each from its own seed and trained ``--steps`` SGD steps on
 random data: this measures cost, not accuracy. For each number of clients the run measures, in this order:
 
-- the **forward-pass floor**: one forward pass of every client over the fusion set (what any data-based fusion pays);
+- the **forward-pass floor**: one forward pass of every client over the fusion set (what any data-based fusion pays;
+  the median of 3 after a warm-up pass);
 - **one local epoch** of one client over ``--epoch-samples`` samples (timed on ``--epoch-probe`` samples and scaled);
 - ``average`` (the weighted average of the weights);
 - every method of ``--methods``, each in its own process (``spawn``) so that its peak resident memory is its own and
-  a method running past ``--timeout`` is stopped and reported as such.
+  a method running past ``--timeout`` is stopped and reported as such (each process first runs every client on two
+  samples, untimed, so that no method pays the kernels' one-time set-up the floor does not pay).
 
 Ratios are of process CPU time (each measurement runs one torch thread: what the wall time would be on an idle core),
 so jobs beside the benchmark change them little; wall seconds, the process's peak RSS (``ru_maxrss``) and the peak
@@ -98,12 +100,15 @@ def floors(models, inputs: torch.Tensor, args, device: torch.device) -> dict[str
             opt.step()
         m.eval()
 
-    from simulations.bench.timing import interleaved_timings
+    from simulations.bench.timing import interleaved_timings, medians
 
-    t = interleaved_timings({"floor": forward, "epoch": epoch}, repeats=1, warmup=0, device=device)
+    # the floor: median of 3 after a warm-up (one cold pass costs up to 20 % more, which moved every ratio between
+    # runs); the epoch: one probe (minutes for a ViT)
+    t = {**medians(interleaved_timings({"floor": forward}, repeats=3, warmup=1, device=device)),
+         **medians(interleaved_timings({"epoch": epoch}, repeats=1, warmup=0, device=device))}
     clock = "wall" if device.type == "cuda" else "cpu"   # CUDA work is not this process's CPU time
     scale = {"floor": 1.0, "epoch": args.epoch_samples / args.epoch_probe}
-    return {**{k: t[k][clock][0] * scale[k] for k in t}, **{f"{k}-wall": t[k]["wall"][0] * scale[k] for k in t}}
+    return {**{k: t[k][clock] * scale[k] for k in t}, **{f"{k}-wall": t[k]["wall"] * scale[k] for k in t}}
 
 
 def _measure(method: str, path: str, device: str, options: dict, queue) -> None:
@@ -114,6 +119,9 @@ def _measure(method: str, path: str, device: str, options: dict, queue) -> None:
 
     saved = torch.load(path, weights_only=False)
     dev = torch.device(device)
+    with torch.no_grad():   # warm the kernels up (untimed), as the floor's forward passes are
+        for m in saved["models"]:
+            m.to(dev)(saved["inputs"][:2].to(dev))
     c0 = time.process_time()
     try:
         _, wall, peak = timed_fuse(method, saved["models"], saved["inputs"], dev, 0, options,
