@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/real-size/resnet18")
     ap.add_argument("--render", action="store_true", help="rewrite table.md and cost.png from <out>/runs.json")
     args = ap.parse_args(argv)
+    try:   # before any client is built or timed
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--options: not JSON ({exc}): {args.options!r}") from None
     torch.set_num_threads(1)
     size = args.image_size or (224 if args.model.startswith("vit_") else 32)
     device = torch.device(args.device)
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.save({"models": models, "inputs": inputs}, path)
             ref = floors(models, inputs, args, device)
             results = [run_method("average", path, args.device, args.timeout)] + [
-                run_method(m, path, args.device, args.timeout, json.loads(args.options))
+                run_method(m, path, args.device, args.timeout, options)
                 for m in args.methods.split(",")]
             path.unlink()
             for r in results:
