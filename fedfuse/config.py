@@ -44,9 +44,9 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
-from fedfuse.strategy_specs import SUBMODEL_METHODS, check_candidates  # noqa: E402
+from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES, SUBMODEL_METHODS, check_candidates  # noqa: E402
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
-                                  parse_tiers, resolve_tier_models)
+                                  has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
 
 
 class ConfigError(ValueError):
@@ -218,9 +218,27 @@ class RunConfig:
     def tiers(self) -> tuple[float, ...]:
         """``client-tiers`` parsed (``()`` without tiers); ``ConfigError`` naming the key."""
         try:
+            if self.depth_tiers:
+                return ()   # depth tiers (fedfuse.hetero.depth): every client at full width
             return parse_tiers(self.client_tiers, key="run-config key 'client-tiers'")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    @cached_property
+    def depth_tiers(self) -> tuple[float, ...]:
+        """The depth multipliers of ``client-tiers`` when it names a tier shallower than the global model
+        (``<width>x<depth>`` entries, width 1), round-robin by partition id as width tiers; ``()`` otherwise."""
+        try:
+            if not has_depth_tiers(self.client_tiers, key="run-config key 'client-tiers'"):
+                return ()
+            pairs = parse_tier_pairs(self.client_tiers, key="run-config key 'client-tiers'")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if any(w != 1 for w, _ in pairs):
+            raise ConfigError(f"run-config key 'client-tiers': {self.client_tiers!r} mixes width and depth tiers; "
+                              "width x depth tiers are not implemented yet (give depth tiers at width 1, e.g. "
+                              "'1x1,1x0.5', or width tiers alone)")
+        return tuple(d for _, d in pairs)
 
     @cached_property
     def fusion_options_table(self) -> dict[str, Any]:
@@ -423,6 +441,7 @@ def _check_rules(cfg: RunConfig) -> None:
     _check_warm_start(cfg)
     fusion_options_dict(cfg)  # fails here, naming the key, if the string is not a TOML inline table
     _check_tiers(cfg)
+    _check_depth_tiers(cfg)
     info = dataset_info(cfg.dataset)
     if info is not None and cfg.partitioning == "shards":
         if cfg.classes_per_client > info.num_classes:
@@ -560,6 +579,33 @@ def _check_tiers(cfg: RunConfig) -> None:
                           f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
 
 
+DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
+
+
+def _check_depth_tiers(cfg: RunConfig) -> None:
+    """Depth tiers (``client-tiers`` ``<width>x<depth>``): a strategy that aggregates across depths, a model with at
+    least 2 depth units, none of the width-tier keys; a depth-tier baseline without depth tiers fails."""
+    depths = cfg.depth_tiers
+    if not depths:
+        if cfg.strategy in DEPTH_TIER_STRATEGIES:
+            raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} needs depth tiers "
+                              "(<width>x<depth> entries, e.g. client-tiers='1x1,1x0.75,1x0.5,1x0.25')")
+        return
+    if cfg.strategy not in DEPTH_TIER_METHODS:
+        raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
+                          f"different depths; use one of {list(DEPTH_TIER_METHODS)}")
+    if cfg.model_depth < 2:
+        raise ConfigError(f"run-config key 'client-tiers': depth tiers need a model with at least 2 blocks / hidden "
+                          f"layers to keep fewer of; model-depth is {cfg.model_depth}")
+    if cfg.mode == "warm-start":
+        raise ConfigError("run-config key 'client-tiers': mode='warm-start' fuses models of the global architecture "
+                          "only; remove the depth tiers")
+    for key, default in (("tier-models", "auto"), ("ordered-dropout", "auto")):
+        if getattr(cfg, key.replace("-", "_")) != default:
+            raise ConfigError(f"run-config key {key!r}: a width-tier option; depth tiers take none (leave it "
+                              f"{default!r})")
+
+
 def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:
     """``fusion-options`` (a TOML inline table, e.g. ``"{ridge=1e-3, head_weights=true}"``) as a dict (a copy of
     the value ``RunConfig`` parsed once)."""
@@ -620,7 +666,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(cfg.strategy)
-    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES + TIER_STRATEGIES:
+    if spec is None or cfg.strategy in NON_FUSION_STRATEGIES + TIER_STRATEGIES + DEPTH_TIER_STRATEGIES:
         if cfg.refine not in ("auto", "none"):
             raise ConfigError(f"run-config key 'refine': strategy {cfg.strategy!r} aggregates the arrays only and "
                               f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")

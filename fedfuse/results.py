@@ -194,8 +194,10 @@ class RunRecorder:
         key = "test-accuracy" if any(r.get("test-accuracy") is not None for r in self.rows) else "federated-accuracy"
         ax.plot(rounds, [r.get(key) for r in self.rows], "o-",
                 label="global model" if key == "test-accuracy" else "global model (clients' validation splits)")
-        tiers = sorted({t for r in self.rows for t in (r.get("tier-accuracy") or {}) if float(t) < 1},
-                       key=float, reverse=True)
+        from fedfuse.hetero.tiers import tier_sort_key
+
+        tiers = sorted({t for r in self.rows for t in (r.get("tier-accuracy") or {}) if tier_sort_key(t) != (1, 1)},
+                       key=tier_sort_key, reverse=True)
         for t in tiers:   # capacity tiers: every narrower tier's model (tier 1 is the global model)
             pts = [(r["round"], r["tier-accuracy"][t]) for r in self.rows if t in (r.get("tier-accuracy") or {})]
             ax.plot(*zip(*pts), ".-", label=f"tier {t} model")

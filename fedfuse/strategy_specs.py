@@ -12,6 +12,7 @@ Aggregations:
 - ``"flower"``: a Flower strategy's own ``aggregate_train`` (``flower_class`` in
   ``flwr.serverapp.strategy``) on the validated replies.
 - ``"submodel"``: HeteroFL's count-weighted average of nested sub-models (capacity tiers only).
+- ``"depth"``: DepthFL's layer-wise average over the clients that hold each layer (depth tiers only).
 
 Round steps after the aggregation (``fedfuse.flower.steps``): the divergence guard (fusion methods
 other than ``average``), the server step (FedAvgM's momentum on the pseudo-gradient, Hsu et al.,
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-AGGREGATIONS = ("fusion", "arrays", "flower", "submodel")
+AGGREGATIONS = ("fusion", "arrays", "flower", "submodel", "depth")
 FUSION_RUN_KEYS = ("server-lr", "server-momentum")   # what fedfuse's server step reads
 SERVER_STEPS = ("fedfuse", "paper", "flower")
 
@@ -55,6 +56,7 @@ class StrategySpec:
         window_rolls: FedRolex's rolling sub-model window.
         static_bn: HeteroFL's static batch normalisation after aggregation.
         needs_tiers: a capacity-tier baseline (the strategy exists only with tiers).
+        needs_depth_tiers: a depth-tier baseline (the strategy exists only with depth tiers).
         run_keys: the strategy-specific run-config keys it reads (``server-lr``, ``server-momentum``,
             ``proximal-mu``); setting one of those keys for another strategy is a config error.
         tier_models_auto / ordered_dropout_auto: what ``tier-models='auto'`` / ``ordered-dropout='auto'`` mean
@@ -79,6 +81,7 @@ class StrategySpec:
     window_rolls: bool = False
     static_bn: bool = False
     needs_tiers: bool = False
+    needs_depth_tiers: bool = False
     run_keys: tuple[str, ...] = FUSION_RUN_KEYS
     tier_models_auto: str | None = None
     ordered_dropout_auto: str = "all"
@@ -140,15 +143,21 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("heterofl", **_TIER_BASELINE,
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
+    StrategySpec("depthfl", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
+                 paper="DepthFL: Depthwise Federated Learning for Heterogeneous Clients, ICLR 2023 (openreview "
+                       "pf8RIZTMU58)"),
+    StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
+                 paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
     StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
                  paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
                        "arXiv 2212.01548"),
 )}
 
 #: names whose aggregation is not a fusion method (FedAvg and Flower's own strategies)
-NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower"))
+NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower", "depth"))
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
+DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_depth_tiers)
 PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
 STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
@@ -230,5 +239,5 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
 
 
 __all__ = ["StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
-           "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
+           "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

@@ -30,9 +30,19 @@ def federated_data(cfg: RunConfig, num_clients: int | None = None):
 
 
 def global_model(cfg: RunConfig, num_classes: int, input_shape: tuple[int, ...], seed: int | None = None) -> nn.Module:
-    """The run's architecture, initialised with ``seed`` (default: the run seed)."""
-    return build_model(cfg.model, num_classes=num_classes, input_shape=tuple(input_shape), width=cfg.model_width,
-                       depth=cfg.model_depth, seed=cfg.seed if seed is None else seed)
+    """The run's architecture, initialised with ``seed`` (default: the run seed). With depth tiers
+    (``client-tiers`` ``<width>x<depth>``) it carries an exit classifier after every tier's depth
+    (``fedfuse.hetero.depth.MultiExit``)."""
+    seed = cfg.seed if seed is None else seed
+    model = build_model(cfg.model, num_classes=num_classes, input_shape=tuple(input_shape), width=cfg.model_width,
+                        depth=cfg.model_depth, seed=seed)
+    if not cfg.depth_tiers:
+        return model
+    from fedfuse.hetero.depth import multi_exit
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 7)
+        return multi_exit(model, cfg.depth_tiers, num_classes)
 
 
 def client_init_seed(cfg: RunConfig, partition_id: int) -> int:
@@ -54,11 +64,12 @@ def load_fusion_inputs(path: str, *, dataset: str = "", input_shape: tuple[int, 
 
 def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_importance: bool,
                  device: torch.device, seed: int, epochs: int | None = None, lr: float | None = None,
-                 proximal_mu: float = 0.0, forward=None) -> dict[str, Any]:
+                 proximal_mu: float = 0.0, forward=None, loss_fn=None) -> dict[str, Any]:
     """One client's local work: train (``epochs``: ``None`` = ``local-epochs``; 0 = not at all), evaluate, score
     neurons.
 
-    ``forward``: the training forward (``fedfuse.training.train``'s; capacity tiers' ordered dropout).
+    ``forward``: the training forward (``fedfuse.training.train``'s; capacity tiers' ordered dropout); ``loss_fn``:
+    the batch loss (``train``'s; depth tiers' loss over every exit).
 
     ``proximal_mu`` > 0 adds FedProx's proximal term ``mu/2 · ||w - w_global||²`` to the local loss
     (``fedfuse.training.train``; the server's FedProx strategy sends it as ``proximal-mu``).
@@ -72,7 +83,7 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
     epochs = cfg.local_epochs if epochs is None else int(epochs)
     stats = train(model, train_set.x, train_set.y, epochs=epochs, batch_size=cfg.batch_size,
                   optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed,
-                  proximal_mu=proximal_mu, forward=forward)
+                  proximal_mu=proximal_mu, forward=forward, loss_fn=loss_fn)
     train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
     if epochs == 0:   # a model that arrives trained (a node's own model-path): its loss as it is
         stats["train-loss"] = float(train_metrics["loss"])

@@ -42,11 +42,14 @@ def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: f
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 32,
           optimizer: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0, device: str | torch.device = "cpu",
           seed: int = 0, proximal_mu: float = 0.0,
-          forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+          forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """Supervised cross-entropy training in place. ``x`` ``[N, *input_shape]``, ``y`` ``[N]``.
 
     ``forward``: the batch's logits instead of ``model(xb)`` (e.g. ``fedfuse.hetero.OrderedDropout``, which
     trains a nested sub-model of ``model`` per batch); it must compute them from ``model``'s parameters.
+    ``loss_fn(xb, yb)``: the batch loss instead of the cross-entropy of the logits (e.g. DepthFL's loss over every
+    exit classifier, ``fedfuse.hetero.depth.mutual_distillation_loss``).
 
     ``proximal_mu > 0`` adds FedProx's proximal term ``mu/2 · ||w - w_start||²`` to every batch loss (Li et
     al., "Federated Optimization in Heterogeneous Networks", arXiv 1812.06127, Eq. 2), where ``w_start`` are
@@ -76,7 +79,10 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1
                 continue
             xb, yb = x[idx].to(device), y[idx].to(device)
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(forward(xb) if forward is not None else model(xb), yb)
+            if loss_fn is not None:
+                loss = loss_fn(xb, yb)
+            else:
+                loss = F.cross_entropy(forward(xb) if forward is not None else model(xb), yb)
             objective = loss
             if anchor:
                 objective = loss + 0.5 * proximal_mu * sum((p - p0).pow(2).sum() for p, p0 in anchor)

@@ -42,7 +42,7 @@ from fedfuse.flower.client_replies import make_train_reply, read_train_message  
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.head_round import ACTION as HEAD_ACTION, head_reply_content, read_head_query  # noqa: E402
 from fedfuse.progressive import head_statistics  # noqa: E402
-from fedfuse.flower.client_tiers import query as tier_query, tier_forward, tier_model  # noqa: E402
+from fedfuse.flower.client_tiers import depth_tier, query as tier_query, tier_forward, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
 
@@ -118,7 +118,9 @@ def train(msg: Message, context: Context) -> Message:
     # capacity tiers: the width the strategy sends (fedfuse.flower.client_tiers); unchanged without tiers
     base = model
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
-    if not one_shot:
+    # depth tiers: the node's blocks and exits, DepthFL's loss over them (fedfuse.flower.client_tiers.depth_tier)
+    model, loss_fn, held = depth_tier(model, config, None if one_shot else request.state_dict())
+    if not one_shot and held is None:
         model.load_state_dict(request.state_dict())
     # one-shot / warm start at an institution that already has its model (node-config model-path): reply with it as it
     # is, untrained here
@@ -134,7 +136,9 @@ def train(msg: Message, context: Context) -> Message:
                        lr=float(config["lr"]) if "lr" in config else None,
                        # FedProx (Flower's strategy sends only mu): proximal term to the received global model, which
                        # a one-shot client (warm start's round 1) does not start from
-                       proximal_mu=0.0 if one_shot else float(config.get("proximal-mu", 0.0)))
+                       proximal_mu=0.0 if one_shot else float(config.get("proximal-mu", 0.0)), loss_fn=loss_fn)
+    if held is not None:   # a depth tier replies with the arrays it holds
+        out["state"] = {k: out["state"][k] for k in held}
     metrics = dict(out["metrics"])
     class_counts = metrics.pop("class-counts")   # sent only when the strategy asks (privacy by default)
     num_examples = metrics.pop("num-examples")

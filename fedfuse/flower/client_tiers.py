@@ -18,6 +18,7 @@ from torch import nn
 
 from fedfuse.config import parse_run_config
 from fedfuse.hetero import attach_width_scaler, parse_tier_value, tier_of
+from fedfuse.hetero.tiers import parse_tier_pair
 from fedfuse.hetero.ordered_dropout import ordered_dropout
 from fedfuse.models import adapter_for
 
@@ -26,6 +27,9 @@ TIERS_KEY = "client-tiers"         # query config: the run's width multipliers (
 TIER_KEY = "tier-width-mult"       # train config: the width multiplier of the model the node receives
 SCALER_KEY = "width-scaler"        # train config: apply HeteroFL's width scaler during local training
 OD_KEY = "ordered-dropout-widths"  # train config: the narrower tiers this node also trains (FjORD ordered dropout)
+DEPTHS_KEY = "client-depths"       # query config: the run's depth multipliers (depth tiers)
+DEPTH_KEY = "tier-depth-units"     # train config: the depth units (blocks) of the model the node receives
+SELF_DISTILL_KEY = "depth-self-distill"   # train config: DepthFL's mutual distillation between the node's exits
 
 
 def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = None) -> tuple[int, float]:
@@ -38,21 +42,78 @@ def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = 
         raise ValueError("node-config needs 'partition-id' (flower-supernode --node-config "
                          "\"partition-id=0 num-partitions=2\")") from exc
     if context.node_config.get("tier") not in (None, ""):
-        return pid, parse_tier_value(context.node_config["tier"], key="node-config key 'tier'")
+        width, depth = parse_tier_pair(context.node_config["tier"], key="node-config key 'tier'")
+        if depth < 1:
+            raise ValueError(f"node-config key 'tier': {context.node_config['tier']!r} is a depth tier but the run "
+                             "has none (run-config client-tiers with <width>x<depth> entries)")
+        return pid, width
     if tiers is not None:
         return pid, tier_of(pid, tuple(parse_tier_value(t, key=f"query config {TIERS_KEY!r}") for t in tiers))
     cfg = parse_run_config(context.run_config)
     return pid, tier_of(pid, cfg.tiers)
 
 
+def node_depth(context: Context, depths: list[float]) -> tuple[int, float]:
+    """``(partition id, depth multiplier)`` of this node in a depth-tier run: node-config ``tier``
+    (``<width>x<depth>``) when set, else ``depths`` (the run's, as the strategy sends them) round-robin. The depth
+    must be one of the run's (the global model has an exit classifier at those depths only)."""
+    pid = int(context.node_config.get("partition-id", -1))
+    if pid < 0:
+        raise ValueError("node-config needs 'partition-id'")
+    run = [float(d) for d in depths]
+    if context.node_config.get("tier") in (None, ""):
+        return pid, run[pid % len(run)]
+    width, depth = parse_tier_pair(context.node_config["tier"], key="node-config key 'tier'")
+    if width != 1 or depth not in run:
+        raise ValueError(f"node-config key 'tier': {context.node_config['tier']!r} must be a depth tier of the run "
+                         f"(width 1, depth one of {sorted(set(run))})")
+    return pid, depth
+
+
 def query(msg: Message, context: Context) -> Message:
-    """Reply to a tier query with ``{"partition-id", "tier"}`` (other queries: ``ValueError``)."""
+    """Reply to a tier query with ``{"partition-id", "tier"}`` (and ``"tier-depth"`` when the query carries the run's
+    depth tiers); other queries: ``ValueError``."""
     config = msg.content.config_records.get("config")
     if config is None or config.get("query") != QUERY_KIND:
         raise ValueError(f"fedfuse ClientApp answers only tier queries (config query={QUERY_KIND!r})")
-    tiers = config.get(TIERS_KEY)
-    pid, tier = node_tier(context, list(tiers) if tiers is not None else None)
-    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid, "tier": tier})}), reply_to=msg)
+    depths = config.get(DEPTHS_KEY)
+    if depths:
+        pid, depth = node_depth(context, list(depths))
+        metrics = {"partition-id": pid, "tier": 1.0, "tier-depth": depth}
+    else:
+        tiers = config.get(TIERS_KEY)
+        pid, tier = node_tier(context, list(tiers) if tiers is not None else None)
+        metrics = {"partition-id": pid, "tier": tier}
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def depth_tier(model: nn.Module, config, received: dict | None):
+    """A depth-tier node's model and loss: ``model`` (the run's ``MultiExit``) set to the ``config[DEPTH_KEY]`` units
+    the strategy sends, ``received`` (its held arrays; ``None`` when the node trains its own initialisation) loaded,
+    and DepthFL's loss over its exits (``config[SELF_DISTILL_KEY]``: with mutual distillation). Returns
+    ``(model, loss_fn, held keys)``, or ``(model, None, None)`` without depth tiers."""
+    from fedfuse.hetero.depth import MultiExit, held_keys, mutual_distillation_loss
+
+    if DEPTH_KEY not in config:
+        return model, None, None
+    if not isinstance(model, MultiExit):
+        raise ValueError(f"train config {DEPTH_KEY!r}: the run's model has no exit classifiers (run-config "
+                         "client-tiers has no depth tier)")
+    k = int(config[DEPTH_KEY])
+    model.set_active(k)
+    keys = held_keys(model, k)
+    if received is not None:
+        if set(received) != set(keys):
+            missing, extra = sorted(set(keys) - set(received)), sorted(set(received) - set(keys))
+            raise ValueError(f"train message: a depth-{k} model holds other arrays (missing {missing[:3]}, "
+                             f"extra {extra[:3]})")
+        model.load_state_dict(received, strict=False)
+    self_distill = bool(config.get(SELF_DISTILL_KEY, True))
+
+    def loss_fn(xb, yb):
+        return mutual_distillation_loss(model.forward_exits(xb), yb, self_distill=self_distill)
+
+    return model, loss_fn, keys
 
 
 def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]) -> nn.Module:
@@ -89,5 +150,5 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
     return ordered_dropout(model, ps, model_at, seed=seed)
 
 
-__all__ = ["query", "node_tier", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY",
+__all__ = ["query", "node_tier", "node_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY",
            "OD_KEY"]

@@ -21,6 +21,7 @@ from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.selection import SelectionStrategy
+from fedfuse.flower.depth_tiers import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.strategy_specs import strategy_names, strategy_spec
 
@@ -106,6 +107,8 @@ def _implementation(name: str) -> type[RoundProtocol]:
         return FLOWER_BASELINES.get(name) or flower_baseline_class(name, spec.flower_class)
     if spec.aggregation == "submodel":
         return TIER_STRATEGY_CLASSES[name]
+    if spec.aggregation == "depth":
+        return DEPTH_STRATEGY_CLASSES[name]
     if spec.selects:
         return SelectionStrategy
     if name not in _NAMED:   # a fusion method without a written alias: its class is importable by name too
@@ -136,6 +139,8 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
 def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
+    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers
+        return build_depth_strategy, {"depths": cfg.depth_tiers}
     if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
         return build_strategy, {}
     return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,

@@ -22,7 +22,7 @@ from torch import nn
 
 from fedfuse.hetero import SubModel, parse_tier_value, slice_state, submodel
 from fedfuse.models import adapter_for, levels
-from fedfuse.flower.client_tiers import QUERY_KIND, TIERS_KEY
+from fedfuse.flower.client_tiers import DEPTHS_KEY, QUERY_KIND, TIERS_KEY
 
 QUERY_TIMEOUT = 600.0   # seconds a tier query waits for a node
 
@@ -40,15 +40,20 @@ class TierLayout:
             may add tiers).
         input_shape: the inputs of the architecture (CNN tiers rebuild their pooling from it).
         window_rolls: FedRolex's rolling window (the offset of round ``t`` is ``t - 1``).
+        depths: the run's depth multipliers (depth tiers): the query asks every node for its depth too
+            (``node_depth``).
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], tiers: tuple[float, ...],
-                 input_shape: tuple[int, ...] | None = None, window_rolls: bool = False) -> None:
+                 input_shape: tuple[int, ...] | None = None, window_rolls: bool = False,
+                 depths: tuple[float, ...] = ()) -> None:
         self.model_fn = model_fn
         self.tiers = tuple(parse_tier_value(t, key="strategy tiers") for t in tiers) or (1.0,)
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.window_rolls = window_rolls
+        self.depths = tuple(float(d) for d in depths)
         self.node_tier: dict[int, float] = {}
+        self.node_depth: dict[int, float] = {}
         self._skeletons: dict[float, nn.Module] = {}
         self._layouts: dict[tuple[float, int], SubModel] = {}
 
@@ -101,7 +106,8 @@ class TierLayout:
         unknown = [n for n in node_ids if n not in self.node_tier]
         if not unknown:
             return
-        query = ConfigRecord({"query": QUERY_KIND, TIERS_KEY: [float(t) for t in self.tiers]})
+        query = ConfigRecord({"query": QUERY_KIND, TIERS_KEY: [float(t) for t in self.tiers],
+                              **({DEPTHS_KEY: list(self.depths)} if self.depths else {})})
         msgs = [Message(content=RecordDict({"config": ConfigRecord(dict(query))}), dst_node_id=n,
                         message_type=MessageType.QUERY) for n in unknown]
         replies = list(grid.send_and_receive(msgs, timeout=QUERY_TIMEOUT))
@@ -114,6 +120,11 @@ class TierLayout:
             if metrics is None or "tier" not in metrics:
                 raise RuntimeError(f"strategy: node {node}'s tier reply has no 'tier' metric (is its ClientApp "
                                    "fedfuse's, with the query handler?)")
+            if self.depths:
+                if "tier-depth" not in metrics or float(metrics["tier-depth"]) not in self.depths:
+                    raise RuntimeError(f"strategy: node {node}'s tier reply has no depth of the run's "
+                                       f"{sorted(set(self.depths))} (is its ClientApp fedfuse's?)")
+                self.node_depth[node] = float(metrics["tier-depth"])
             self.node_tier[node] = parse_tier_value(metrics["tier"], key=f"node {node} tier")
             if "partition-id" in metrics:
                 partitions[node] = int(metrics["partition-id"])

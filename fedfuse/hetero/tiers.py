@@ -66,11 +66,18 @@ def parse_tiers(text: str, key: str = "client-tiers") -> tuple[float, ...]:
     out = []
     for part in text.split(","):
         part = part.strip()
+        if "x" in part:   # '<width>x1': a width tier at full depth
+            r, d = parse_tier_pair(part, key=key)
+            if d < 1:
+                raise ValueError(f"{key}: {part!r} is a depth tier; width tiers and depth tiers are not combined "
+                                 "(give every tier as <width>x<depth> with width 1, or widths alone)")
+            out.append(r)
+            continue
         try:
             r = float(part)
         except ValueError:
             raise ValueError(f"{key}: {part!r} is not a number; give comma-separated width multipliers in (0, 1], "
-                             f"e.g. '1,0.5,0.25'") from None
+                             f"e.g. '1,0.5,0.25', or <width>x<depth> tiers (depth tiers: fedfuse.hetero.depth)") from None
         if not (math.isfinite(r) and 0 < r <= 1):
             raise ValueError(f"{key}: width multiplier {part} must be in (0, 1] (1 = the global model's width)")
         out.append(r)
@@ -98,9 +105,52 @@ def parse_tier_value(value, key: str = "tier") -> float:
     return r
 
 
+def parse_tier_pairs(text: str, key: str = "client-tiers") -> tuple[tuple[float, float], ...]:
+    """``"1x1,1x0.5,0.5"`` → ``((1.0, 1.0), (1.0, 0.5), (0.5, 1.0))``: ``<width>x<depth>`` multipliers in (0, 1]; a
+    bare number is a width tier at full depth (today's syntax). ``ValueError`` naming ``key``; one tier must be the
+    full model (``1x1``)."""
+    text = str(text).strip()
+    if not text:
+        return ()
+    out = [parse_tier_pair(part, key=key) for part in text.split(",")]
+    if (1.0, 1.0) not in out:
+        raise ValueError(f"{key}: no tier is the full model ('1' or '1x1'), so no client would train the global "
+                         f"model; got {text!r}")
+    return tuple(out)
+
+
+def parse_tier_pair(value, key: str = "tier") -> tuple[float, float]:
+    """One tier ``"<width>x<depth>"`` (or a bare width) → ``(width, depth)`` multipliers in (0, 1]."""
+    text = str(value).strip()
+    width, sep, depth = text.partition("x")
+    w = parse_tier_value(width, key=key)
+    if not sep:
+        return w, 1.0
+    try:
+        d = float(depth)
+    except ValueError:
+        raise ValueError(f"{key}: depth {depth!r} of tier {text!r} is not a number; write <width>x<depth>, e.g. "
+                         "'1x0.5'") from None
+    if not (math.isfinite(d) and 0 < d <= 1):
+        raise ValueError(f"{key}: depth multiplier {depth} of tier {text!r} must be in (0, 1] (1 = the global "
+                         "model's depth)")
+    return w, d
+
+
+def has_depth_tiers(text: str, key: str = "client-tiers") -> bool:
+    """Whether ``client-tiers`` names a tier shallower than the global model."""
+    return any(d < 1 for _, d in parse_tier_pairs(text, key=key)) if "x" in str(text) else False
+
+
+def tier_sort_key(name: str) -> tuple[float, float]:
+    """``(width, depth)`` of a results tier label (``"0.5"``, ``"1x0.25"``), to sort tiers and find the full one."""
+    return parse_tier_pair(name, key="tier label")
+
+
 def tier_name(width_mult: float) -> str:
     """A stable label for results tables: ``1``, ``0.5``, ``0.25``."""
     return f"{width_mult:g}"
 
 
-__all__ = ["TIER_STRATEGIES", "TIER_MODELS", "SUBMODEL_METHODS", "resolve_tier_models", "parse_tiers", "tier_of", "parse_tier_value", "tier_name"]
+__all__ = ["TIER_STRATEGIES", "TIER_MODELS", "SUBMODEL_METHODS", "resolve_tier_models", "parse_tiers", "tier_of", "parse_tier_value", "tier_name",
+           "parse_tier_pairs", "parse_tier_pair", "has_depth_tiers", "tier_sort_key"]

@@ -1,0 +1,246 @@
+"""Depth tiers on Flower: every node trains the first blocks of the global model with an exit classifier after
+each of them; the server aggregates every layer over the nodes that hold it.
+
+The global model is the run's ``MultiExit`` (``fedfuse.hetero.depth``: the deepest model plus an exit classifier at
+every tier's depth). ``DepthTieredStrategy`` is ``FusionStrategy`` with:
+
+- a ``TierLayout`` asked for depths: each node's depth multiplier, learnt once by a ``query`` message;
+  ``configure_train`` sends every sampled node *its own* message: the arrays its depth holds
+  (``held_keys``), the depth in units (``tier-depth-units``) and whether to distil between its exits;
+- replies validated against their depth's arrays;
+- the aggregation: DepthFL's layer-wise average (``aggregate_held``) — for ``feddf``, followed by the ensemble of
+  the round's client models (each at its own deepest exit) distilled into every exit of the global model on the
+  fusion set (``distill_exits``): the shallow clients' knowledge reaches the deep classifiers.
+
+Strategies: ``depthfl`` (DepthFL, Kim et al., ICLR 2023: layer-wise average, the clients' mutual self-distillation
+between their exits, no server step), ``depthfl-fedavg`` (the paper's ablation without self-distillation),
+``average`` (the layer-wise average with fedfuse's server momentum) and ``feddf`` (above).
+Per round, ``history`` gets ``tier-bytes-sent`` / ``tier-clients`` / ``tier-val-accuracy`` / ``tier-train-seconds``
+(``{tier label: value}``, labels ``1x<depth>``); ``evaluate_tiers`` scores every exit on a test split and their
+ensemble (``exit-ensemble-accuracy``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from logging import INFO
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from torch import nn
+
+from fedfuse.fusion import FusionResult
+from fedfuse.hetero.depth import MultiExit, aggregate_held, distill_exits, held_keys, units_at
+from fedfuse.strategy_specs import strategy_spec, with_tiers
+from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
+from fedfuse.flower.client_tiers import DEPTH_KEY, SELF_DISTILL_KEY
+from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.protocol import state_to_record
+from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.tier_layout import TierLayout
+
+DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")   # the strategies that take depth tiers
+
+
+def depth_label(depth: float) -> str:
+    """The results label of a depth tier: ``1x0.5``."""
+    return f"1x{depth:g}"
+
+
+class DepthTieredStrategy(FusionStrategy):
+    """Aggregation across depth tiers (see the module docstring).
+
+    Args:
+        depths: the run's depth multipliers (``RunConfig.depth_tiers``).
+        self_distill: the clients distil between their exits (DepthFL); ``None``: the registry entry's
+            (off for ``depthfl-fedavg`` only).
+        Everything else: ``FusionStrategy``'s options; ``model_fn`` must build the run's ``MultiExit``.
+    """
+
+    def __init__(self, method: str | None = None, *, depths: tuple[float, ...] = (1.0,),
+                 self_distill: bool | None = None, **options: Any) -> None:
+        name = method or type(self).method
+        if name not in DEPTH_METHODS:
+            raise ValueError(f"strategy: {name!r} cannot aggregate clients of different depths; use one of "
+                             f"{list(DEPTH_METHODS)}")
+        if name != "feddf":   # the guard checks a fused model against the average; these rounds are the average
+            options["guard"] = False
+        super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
+        if self.model_fn is None or not isinstance(self.model_fn(), MultiExit):
+            raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "
+                             "(fedfuse.hetero.depth.multi_exit)")
+        self.self_distill = name != "depthfl-fedavg" if self_distill is None else bool(self_distill)
+        self.tier_layout = TierLayout(self.model_fn, (1.0,), depths=tuple(depths))
+        skeleton = self.model_fn()
+        self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
+        self._held = {k: held_keys(skeleton, k) for k in {*self._units.values(), skeleton.num_units}}
+        self._full = skeleton.num_units
+        self._round_tiers: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- the layout
+    def node_units(self, node_id: int) -> int:
+        return self._units[self.tier_layout.node_depth[node_id]] if node_id in self.tier_layout.node_depth \
+            else self._full
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        if self._global is None:
+            return self.model_fn().state_dict()
+        return {k: torch.from_numpy(np.array(a.numpy(), copy=True)) for k, a in self._global.items()}
+
+    def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """The ``MultiExit`` of a full or a depth tier's state (the depth recognised by its keys; the arrays it
+        does not hold are the global model's), its ``active`` depth set."""
+        keys = set(state)
+        k = next((k for k, held in self._held.items() if keys == set(held)), None)
+        if k is None:
+            raise ValueError("strategy: arrays of no depth tier's keys")
+        model = self.model_fn()
+        if k != self._full:
+            model.load_state_dict(self.global_state())
+        model.load_state_dict(state, strict=k == self._full)
+        return model.set_active(k).eval()
+
+    def streaming_round(self, server_round: int) -> bool:
+        return False   # the layer-wise average reads which arrays each reply holds
+
+    # ---------------------------------------------------------------- configure: one message per node
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.tier_layout.learn([int(m.metadata.dst_node_id) for m in messages], grid, self._node_partitions)
+        full = self.global_state()
+        records: dict[int, ArrayRecord] = {}
+        out: list[Message] = []
+        sent: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for msg in messages:
+            node = int(msg.metadata.dst_node_id)
+            if node not in self.tier_layout.node_depth:
+                continue
+            k = self.node_units(node)
+            if k not in records:
+                records[k] = state_to_record({key: full[key] for key in self._held[k]})
+            cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
+            cfg[DEPTH_KEY] = int(k)
+            cfg[SELF_DISTILL_KEY] = self.self_distill
+            out.append(Message(content=RecordDict({self.arrayrecord_key: records[k], self.configrecord_key: cfg}),
+                               dst_node_id=node, message_type=MessageType.TRAIN))
+            name = depth_label(self.tier_layout.node_depth[node])
+            sent[name] = sent.get(name, 0) + sum(int(a.numpy().nbytes) for a in records[k].values())
+            counts[name] = counts.get(name, 0) + 1
+        self._round_tiers = {"tier-bytes-sent": sent, "tier-clients": counts}
+        log(INFO, "configure_train: round %d: depth tiers %s", server_round + self.round_offset,
+            ", ".join(f"{t}: {counts[t]} nodes, {sent[t] / 1e6:.3f} MB" for t in sorted(counts)))
+        self._sent_msgs = out
+        return out
+
+    # ---------------------------------------------------------------- replies
+    def reply_reference(self, server_round: int, node_id: int):
+        full = self._reference()
+        return {key: full[key] for key in self._held[self.node_units(node_id)]}, None
+
+    def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], **kw: Any) -> ClientUpdate | None:
+        u = super().check_reply(server_round, msg, record, **kw)
+        if u is not None:
+            u.metrics["tier-depth"] = self.tier_layout.node_depth.get(u.node_id, 1.0)
+        return u
+
+    def update_key(self, update: ClientUpdate) -> tuple:
+        return -update.metrics.get("tier-depth", 1.0), update.partition_id, update.node_id
+
+    def rejected_extra(self, node_id: int) -> dict[str, Any]:
+        return {"tier-depth": self.tier_layout.node_depth.get(node_id, 1.0)}
+
+    # ---------------------------------------------------------------- aggregation
+    def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
+        """DepthFL's layer-wise average: every array over the updates that hold it (sample-weighted)."""
+        return aggregate_held(self.global_state(), [u.state for u in updates],
+                              [float(u.num_examples) for u in updates])
+
+    weighted_average = average
+
+    def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
+                     models: list[nn.Module] | None = None) -> FusionResult:
+        """The layer-wise average; for ``feddf`` the clients' ensemble then distilled into every exit."""
+        t0 = time.perf_counter()
+        model = self.build_model(self.average(updates))
+        info: dict[str, Any] = {}
+        if self.method == "feddf" and self.round_method(server_round) == "feddf":
+            teachers = models if models is not None else [self.build_model(u.state) for u in updates]
+            total = sum(u.num_examples for u in updates)
+            info = distill_exits(model, teachers, [u.num_examples / total for u in updates], self.fusion_inputs,
+                                 self.spec.parse_options(self.fusion_options),
+                                 seed=self.seed + server_round, device=resolve_device(self.device))
+            model = model.cpu().eval()
+        return FusionResult(method=self.round_method(server_round), model=model, info=info,
+                            seconds=time.perf_counter() - t0)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None:
+            self._global = arrays   # the tiers' evaluation reads the new global model
+        record = self.history[-1] if self.history else {}
+        record.update(self._round_tiers)
+        for src, key in (("val-accuracy", "tier-val-accuracy"), ("train-seconds", "tier-train-seconds")):
+            vals: dict[str, list[float]] = {}
+            for u in self.last_updates:
+                v = u.metrics.get(src)
+                if isinstance(v, (int, float)):
+                    vals.setdefault(depth_label(u.metrics.get("tier-depth", 1.0)), []).append(float(v))
+            record[key] = {k: sum(v) / len(v) for k, v in vals.items()}
+        return arrays, metrics
+
+    # ---------------------------------------------------------------- evaluation (results)
+    def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
+        """``{"tier-accuracy": {tier: test accuracy of its exit}, "exit-ensemble-accuracy": the mean softmax of every
+        exit}`` of the global model the next round sends, plus the round's tier records."""
+        if self._global is None:
+            return {}
+        model = self.build_model(self.global_state())
+        acc, probs = {}, []
+        for d, k in sorted(self._units.items(), reverse=True):
+            logits = predict_logits(copy.copy(model).set_active(k), x, device=device)
+            acc[depth_label(d)] = float(metrics_from_logits(logits, y)["accuracy"])
+            probs.append(logits.softmax(-1))
+        ens = torch.stack(probs).mean(0)
+        out: dict[str, Any] = {"tier-accuracy": acc,
+                               "exit-ensemble-accuracy": float((ens.argmax(-1) == y).float().mean())}
+        hist = next((h for h in reversed(self.history) if h.get("round") == server_round), None)
+        if hist is not None:
+            for key in ("tier-bytes-sent", "tier-clients", "tier-val-accuracy", "tier-train-seconds"):
+                if key in hist:
+                    out[key] = hist[key]
+        return out
+
+
+class DepthFLStrategy(DepthTieredStrategy):
+    """DepthFL (Kim, Yu, Kim & Moon, "DepthFL: Depthwise Federated Learning for Heterogeneous Clients", ICLR 2023):
+    layer-wise averaging over the clients that hold each layer, one classifier per depth, the clients' mutual
+    self-distillation between their classifiers; no server step."""
+
+    method = "depthfl"
+
+
+class DepthFLFedAvgStrategy(DepthTieredStrategy):
+    """DepthFL without self-distillation (the paper's "DepthFL (FedAvg)" ablation)."""
+
+    method = "depthfl-fedavg"
+
+
+DEPTH_STRATEGY_CLASSES: dict[str, type[DepthTieredStrategy]] = {"depthfl": DepthFLStrategy,
+                                                                "depthfl-fedavg": DepthFLFedAvgStrategy}
+
+
+def build_depth_strategy(name: str, *, depths: tuple[float, ...], **options: Any) -> DepthTieredStrategy:
+    """The depth-tier strategy for ``name`` (one of ``DEPTH_METHODS``)."""
+    cls = DEPTH_STRATEGY_CLASSES.get(name, DepthTieredStrategy)
+    return cls(None if name in DEPTH_STRATEGY_CLASSES else name, depths=depths, **options)
+
+
+__all__ = ["DepthTieredStrategy", "DepthFLStrategy", "DepthFLFedAvgStrategy", "DEPTH_STRATEGY_CLASSES",
+           "DEPTH_METHODS", "build_depth_strategy", "depth_label"]

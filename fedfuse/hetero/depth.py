@@ -1,0 +1,230 @@
+"""Depth tiers: a global model with an exit classifier after the depths clients train, the sub-model a client of a
+shallower tier holds, and the layer-wise aggregation of such sub-models.
+
+DepthFL (Kim, Yu, Kim & Moon, "DepthFL: Depthwise Federated Learning for Heterogeneous Clients", ICLR 2023,
+openreview pf8RIZTMU58) gives a client of depth ``k`` the first ``k`` blocks of the global model and one classifier
+after each of them; the client trains every classifier it holds with cross-entropy plus mutual self-distillation
+between them, and the server averages every layer over the clients that hold it.
+
+A model's *depth units* are its repeated levels (``fedfuse.models.levels``): the hidden layers of an MLP or a plain
+CNN, the residual blocks of a ResNet (its stem is always held), the blocks of a ViT (its embedding goes with block
+0). A depth multiplier ``d`` in (0, 1] keeps ``ceil(d · U)`` of the ``U`` units (at least one), as width tiers keep
+``ceil(r · C)`` units.
+
+``MultiExit`` wraps the global (deepest) model with one ``ExitHead`` per shallower tier depth. Its ``active`` depth
+says which classifier ``forward`` returns; ``forward_exits`` returns every classifier up to it (DepthFL's local
+loss). Nothing beyond ``active`` runs. A depth tier's sub-model is the keys ``held_keys(model, k)``: the levels up
+to unit ``k`` and the exits at or below ``k`` (the final classifier only at full depth); ``aggregate_held`` averages
+every key over the clients that hold it and keeps the global value elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.models import levels
+from fedfuse.models.adapters import UnsupportedModelError, adapter_for
+
+
+def depth_units(model: nn.Module) -> list[int]:
+    """Indices (in ``levels(model)``) of ``model``'s depth units: its residual blocks when the family has them,
+    else every level but the classifier. ``ValueError`` for a model with fewer than 2 units (no shallower tier)."""
+    lvls = levels(model)
+    blocks = {id(b) for b in adapter_for(model).blocks(model)}
+    units = [i for i, lv in enumerate(lvls[:-1]) if lv.module in blocks or id(lv.module) in blocks]
+    if not blocks or not units:
+        units = list(range(len(lvls) - 1))
+    if len(units) < 2:
+        raise ValueError(f"depth tiers: a {adapter_for(model).family} model with {len(units)} depth unit has no "
+                         "shallower tier; give the model at least 2 blocks / hidden layers (model-depth)")
+    return units
+
+
+def units_at(depth_mult: float, num_units: int) -> int:
+    """Units kept at depth multiplier ``depth_mult`` of ``num_units``: ``ceil(d · U)`` (at least 1)."""
+    if not (isinstance(depth_mult, (int, float)) and math.isfinite(depth_mult) and 0 < depth_mult <= 1):
+        raise ValueError(f"depth tiers: depth multiplier {depth_mult!r} must be in (0, 1]")
+    return max(1, math.ceil(depth_mult * num_units - 1e-9))
+
+
+class ExitHead(nn.Module):
+    """A classifier on a level output: ``flat [N, W]`` → ReLU → Linear; ``channels [N, W, *spatial]`` → ReLU →
+    global average pool → Linear; ``tokens [N, T, W]`` → LayerNorm → class token → Linear (as a ViT's own head)."""
+
+    def __init__(self, layout: str, width: int, num_classes: int) -> None:
+        super().__init__()
+        if layout not in ("flat", "channels", "tokens"):
+            raise ValueError(f"exit head: unknown level layout {layout!r}")
+        self.layout = layout
+        self.norm = nn.LayerNorm(width) if layout == "tokens" else nn.Identity()
+        self.fc = nn.Linear(width, num_classes)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.layout == "tokens":
+            return self.fc(self.norm(h)[:, 0])
+        h = F.relu(h)
+        if self.layout == "channels":
+            h = h.flatten(2).mean(-1)
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+class MultiExit(nn.Module):
+    """The global model of a depth-tier federation: ``base`` (the deepest model) plus an exit classifier after each
+    shallower depth in ``exit_units`` (unit counts ``< U``; the deepest classifier is ``base``'s own).
+
+    ``forward(x)`` ``[N, *input]`` → logits ``[N, C]`` of the classifier at ``active`` units; ``forward_exits(x)``
+    → the logits of every classifier at or below ``active``, shallowest first.
+    """
+
+    def __init__(self, base: nn.Module, exit_units: Sequence[int], num_classes: int) -> None:
+        super().__init__()
+        self.base = base
+        lvls = levels(base)
+        self._units = depth_units(base)
+        n = len(self._units)
+        exits = sorted({int(k) for k in exit_units if int(k) < n})
+        if any(k < 1 for k in exits):
+            raise ValueError(f"depth tiers: exit depths {list(exit_units)} must be >= 1 unit")
+        self.exit_units = exits
+        self.exits = nn.ModuleDict({str(k): ExitHead(lvls[self._units[k - 1]].layout, lvls[self._units[k - 1]].width,
+                                                     num_classes) for k in exits})
+        self.num_units = n
+        self.active = n
+
+    def set_active(self, k: int) -> "MultiExit":
+        if k != self.num_units and k not in self.exit_units:
+            raise ValueError(f"depth tiers: no classifier at {k} units (exits at {self.exit_units}, full depth "
+                             f"{self.num_units})")
+        self.active = int(k)
+        return self
+
+    def forward_exits(self, x: torch.Tensor) -> list[torch.Tensor]:
+        lvls = levels(self.base)
+        last = self._units[self.active - 1] if self.active < self.num_units else len(lvls) - 1
+        out, h = [], x
+        unit_of = {li: j + 1 for j, li in enumerate(self._units)}
+        for i in range(last + 1):
+            h = lvls[i].run(h)
+            k = unit_of.get(i)
+            if k is not None and k <= self.active and k in self.exit_units:
+                out.append(self.exits[str(k)](h))
+        if self.active == self.num_units:
+            out.append(h)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.active == self.num_units:
+            return self.base(x)
+        return self.forward_exits(x)[-1]
+
+
+def _owner_prefixes(model: MultiExit) -> list[tuple[int, set[str]]]:
+    """Per level of ``model.base``: the ``base.``-prefixed parameter names it owns and their module prefixes."""
+    out = []
+    for lv in levels(model.base):
+        out.append((len(out), {f"base.{p}" for p in lv.param_names}))
+    return out
+
+
+def held_keys(model: MultiExit, k: int) -> list[str]:
+    """The state-dict keys of ``model`` a client of ``k`` units holds: every level up to unit ``k`` (parameters and
+    the buffers of their modules), the exits at or below ``k``, and the final classifier only at full depth."""
+    if k != model.num_units and k not in model.exit_units:
+        raise ValueError(f"depth tiers: no classifier at {k} units (exits at {model.exit_units})")
+    units = depth_units(model.base)
+    last = units[k - 1] if k < model.num_units else len(levels(model.base)) - 1
+    dropped: set[str] = set()
+    for i, names in _owner_prefixes(model):
+        if i > last:
+            dropped |= names
+    dropped_modules = {n.rsplit(".", 1)[0] for n in dropped if n.count(".") >= 2}
+    keep = []
+    for key in model.state_dict():
+        if key.startswith("exits."):
+            if int(key.split(".")[1]) <= k:
+                keep.append(key)
+            continue
+        if key in dropped or key.rsplit(".", 1)[0] in dropped_modules:
+            continue
+        keep.append(key)
+    return keep
+
+
+def aggregate_held(global_state: dict[str, torch.Tensor], states: list[dict[str, torch.Tensor]],
+                   weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """DepthFL's layer-wise average: every floating-point key becomes ``Σ_i w_i x_i / Σ_i w_i`` over the states
+    that hold it; keys no state holds keep the global value; integer buffers keep the global value. A state key
+    the global model lacks, or of another shape, raises ``ValueError`` naming it."""
+    w = [1.0] * len(states) if weights is None else [float(v) for v in weights]
+    if len(w) != len(states) or any(not (v >= 0) for v in w):
+        raise ValueError(f"aggregate: need one non-negative weight per state, got {weights}")
+    for s in states:
+        for key, v in s.items():
+            if key not in global_state or tuple(v.shape) != tuple(global_state[key].shape):
+                raise ValueError(f"aggregate: {key!r} is not a key of the global model's shape")
+    out = {}
+    for key, g in global_state.items():
+        holders = [(s[key], wi) for s, wi in zip(states, w) if key in s]
+        total = sum(wi for _, wi in holders)
+        if not g.is_floating_point() or not holders or total <= 0:
+            out[key] = g.clone()
+            continue
+        acc = torch.zeros(g.shape, dtype=torch.float64)
+        for v, wi in holders:
+            acc.add_(v.detach().double(), alpha=wi / total)
+        out[key] = acc.to(g.dtype)
+    return out
+
+
+def mutual_distillation_loss(logits: list[torch.Tensor], y: torch.Tensor, self_distill: bool = True,
+                             temperature: float = 1.0) -> torch.Tensor:
+    """DepthFL's local objective over a client's classifiers ``logits`` (``[N, C]`` each): the sum of their
+    cross-entropies plus, with ``self_distill``, for every classifier the mean KL from each other classifier's
+    (detached) softmax to its own (deep mutual learning between the exits; scaled by τ²)."""
+    loss = sum(F.cross_entropy(z, y) for z in logits)
+    if self_distill and len(logits) > 1:
+        t = float(temperature)
+        probs = [F.softmax(z.detach() / t, -1) for z in logits]
+        for i, z in enumerate(logits):
+            logp = F.log_softmax(z / t, -1)
+            kl = sum(F.kl_div(logp, probs[j], reduction="batchmean") for j in range(len(logits)) if j != i)
+            loss = loss + (t * t) * kl / (len(logits) - 1)
+    return loss
+
+
+def distill_exits(student: MultiExit, teachers: list[nn.Module], weights: list[float], fusion_inputs: torch.Tensor,
+                  options=None, *, seed: int = 0, device: torch.device | str = "cpu") -> dict:
+    """FedDF across depths: the ensemble of ``teachers`` (the round's client models, each at its own deepest exit)
+    distilled into every classifier of ``student`` on the unlabeled ``fusion_inputs`` ``[B, *input]``, deepest
+    first (``fedfuse.fusion.refine.distill_ensemble`` per exit: held-out early stopping, the start kept when
+    distillation does not help). The shallow clients' knowledge reaches the deep classifiers, which only the deep
+    clients train. Returns ``{"exit-distill": {units: distill_ensemble's info}}``; ``student.active`` is reset to
+    full depth."""
+    from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
+
+    options = options if options is not None else DistillRefineOptions()
+    info = {}
+    for k in [student.num_units, *reversed(student.exit_units)]:
+        student.set_active(k)
+        info[str(k)] = distill_ensemble(student, teachers, weights, fusion_inputs, options, seed=seed + k,
+                                        device=device)
+    student.set_active(student.num_units)
+    return {"exit-distill": info}
+
+
+def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int) -> MultiExit:
+    """``model`` wrapped with an exit classifier after every depth of ``depth_mults`` shallower than it."""
+    try:
+        n = len(depth_units(model))
+    except UnsupportedModelError as exc:
+        raise ValueError(f"depth tiers: {exc}") from None
+    return MultiExit(model, [units_at(d, n) for d in depth_mults], num_classes)
+
+
+__all__ = ["MultiExit", "ExitHead", "depth_units", "units_at", "held_keys", "aggregate_held", "distill_exits",
+           "mutual_distillation_loss", "multi_exit"]

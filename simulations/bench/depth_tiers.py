@@ -1,0 +1,173 @@
+"""Depth tiers on stock Flower FedAvg's own client splits: DepthFL, its ablation and fedfuse's aggregations against
+FedAvg at the shallowest depth and FedAvg of the full-depth clients alone.
+
+The anchors' splits (``../shared/anchors``: MNIST-1D, 12,000 samples, 10 clients, Dirichlet α 0.1 / 0.5, seeds 0-2)
+and their client recipe (``simulations.bench.anchor_cell.anchor_recipe``: SGD lr 0.2, batch 32, 1 local epoch, all
+clients every round, 300 fusion samples from the public pool), with an MLP of ``--depth`` hidden layers of 256 and
+depth tiers ``--tiers`` assigned round-robin by partition id (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
+depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
+
+- ``depthfl``, ``depthfl-fedavg``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the depth tiers;
+- ``fedavg-shallowest``: every client trains the shallowest tier's model (model-depth = its layers), FedAvg;
+- ``fedavg-full-only``: FedAvg of the full-depth clients alone (their files only);
+- ``fedavg-all-full`` (reference, not a tiered federation): every client at full depth.
+
+``table.md``: final test accuracy of the global model (its deepest classifier) and of every tier's classifier, the
+ensemble of the exits, mean ± sample std over seeds; bytes sent per tier per round; the server's aggregation seconds
+per round over the full-depth clients' local-epoch seconds.
+
+    .venv/bin/python -m simulations.bench.depth_tiers --out results/depth-tiers
+    .venv/bin/python -m simulations.bench.depth_tiers --alphas 0.1 --seeds 0 --rounds 5 --out /tmp/depth
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
+from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
+from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
+from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
+
+DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,average,feddf"
+BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full")
+
+
+def subset_split(split: Path, partitions: list[int], out: Path) -> Path:
+    """A split folder holding only ``partitions`` of ``split`` (renumbered 0..n-1, symbolic links) and its test set."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i, p in enumerate(partitions):
+        link = out / f"node-{i}.npz"
+        if not link.exists():
+            link.symlink_to((split / f"node-{p}.npz").resolve())
+    if not (out / "test.npz").exists():
+        (out / "test.npz").symlink_to((split / "test.npz").resolve())
+    return out
+
+
+def jobs_for(args, alpha: float, seed: int) -> list[dict]:
+    split = Path(args.anchors) / "splits" / f"mnist1d-a{alpha:g}-s{seed}"
+    public = Path(args.anchors) / "splits" / "mnist1d-public.npz"
+    depths = [d for _, d in parse_tier_pairs(args.tiers)]
+    shallow_layers = max(1, math.ceil(min(depths) * args.depth - 1e-9))
+    base = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-depth": args.depth}
+    if args.lr:
+        base["lr"] = args.lr
+    if args.one_shot:
+        base.update({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": args.one_shot_epochs,
+                     "lr": args.one_shot_lr})
+    runs = Path(args.out) / "runs"
+    tag = f"a{alpha:g}-s{seed}"
+    jobs = []
+    for label in split_strategies(args.strategies):
+        name, extra = parse_strategy(label)
+        jobs.append({"label": label, "config": {**base, "strategy": name, "client-tiers": args.tiers, **extra,
+                                                "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
+    full = [p for p in range(10) if tier_of(p, tuple(depths)) == 1]
+    baseline = {"fedavg-shallowest": {"model-depth": shallow_layers},
+                "fedavg-full-only": {"partition-files": str(subset_split(split, full, runs / "splits" / f"full-{tag}")
+                                                            / "node-{partition-id}.npz"),
+                                     "num-clients": len(full), "min-train-nodes": len(full)},
+                "fedavg-all-full": {}}
+    for label in args.baselines:
+        jobs.append({"label": label, "config": {**base, "strategy": "fedavg", **baseline[label],
+                                                "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
+    for j in jobs:
+        j.update(alpha=alpha, seed=seed, shallow=f"1x{min(depths):g}")
+    return jobs
+
+
+def _run(job: dict) -> dict:
+    out, res, failed = run_or_read(job["config"])
+    last = res["rounds"][-1]
+    hist = res.get("strategy-history", [])
+    train = [s for h in res["rounds"][1:] for t, s in (h.get("tier-train-seconds") or {}).items() if t == "1x1"]
+    tiers = dict(last.get("tier-accuracy") or {})
+    if job["label"] == "fedavg-shallowest":
+        tiers = {job["shallow"]: last["test-accuracy"]}
+    return {"label": job["label"], "alpha": job["alpha"], "seed": job["seed"], "failed": failed,
+            "global": last["test-accuracy"], "tiers": tiers, "exit-ensemble": last.get("exit-ensemble-accuracy"),
+            "bytes": last.get("tier-bytes-sent") or {}, "curve": [r["test-accuracy"] for r in res["rounds"]],
+            "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
+            "full-train-seconds": statistics.median(train) if train else None}
+
+
+def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
+    head = ("| α | strategy | global (deepest) | " + " | ".join(f"tier {t}" for t in tier_labels)
+            + " | exit ensemble | KB sent / round (per tier) | aggregation / full-depth local epoch |")
+    lines = [head, "|" + "---|" * (6 + len(tier_labels))]
+    for alpha in sorted({r["alpha"] for r in rows}):
+        for label in labels:
+            got = [r for r in rows if r["alpha"] == alpha and r["label"] == label and not r["failed"]]
+            if not got:
+                continue
+
+            def ms(vals):
+                vals = [v for v in vals if v is not None]
+                return format_mean_std(vals, digits=3) if vals else ""
+
+            cells = [ms([r["global"] for r in got])]
+            cells += [ms([r["tiers"].get(t) for r in got]) for t in tier_labels]
+            cells.append(ms([r["exit-ensemble"] for r in got]))
+            b = got[0]["bytes"]
+            cells.append(", ".join(f"{t}: {b[t] / 1e3:.0f}" for t in tier_labels if t in b))
+            ratios = [statistics.median(r["fusion-seconds"]) / r["full-train-seconds"] for r in got
+                      if r["fusion-seconds"] and r["full-train-seconds"]]
+            cells.append(f"{statistics.mean(ratios):.2f}" if ratios else "")
+            lines.append(f"| {alpha:g} | `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", default=DEPTH_STRATEGIES)
+    ap.add_argument("--baselines", default=",".join(BASELINES))
+    ap.add_argument("--tiers", default="1x1,1x0.75,1x0.5,1x0.25")
+    ap.add_argument("--depth", type=int, default=4, help="hidden layers of the global MLP")
+    ap.add_argument("--alphas", default="0.1,0.5")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=0.0, help="the clients' SGD lr (0: the anchors' 0.2)")
+    ap.add_argument("--one-shot", action="store_true", help="one round, clients trained from their own initialisation")
+    ap.add_argument("--one-shot-epochs", type=int, default=20)
+    ap.add_argument("--one-shot-lr", type=float, default=0.05)
+    ap.add_argument("--anchors", default=str(ANCHORS))
+    ap.add_argument("--out", default=str(ROOT / "results" / "depth-tiers"))
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    args.baselines = [b for b in split_strategies(args.baselines) if b]
+    bad = set(args.baselines) - set(BASELINES)
+    if bad:
+        ap.error(f"--baselines: unknown {sorted(bad)}; choose from {list(BASELINES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [j for a in args.alphas.split(",") for s in args.seeds.split(",") for j in jobs_for(args, float(a), int(s))]
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = []
+        for row in pool.map(_run, jobs):
+            rows.append(row)
+            print(f"{row['label']:>20} α={row['alpha']} s{row['seed']}: global {row['global']:.3f} "
+                  f"tiers {json.dumps({k: round(v, 3) for k, v in row['tiers'].items()})}", flush=True)
+    previous = json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists() else []
+    done = {(r["label"], r["alpha"], r["seed"]) for r in rows}
+    rows = [r for r in previous if (r["label"], r["alpha"], r["seed"]) not in done] + rows
+    (out / "runs.json").write_text(json.dumps(rows, indent=1))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    tier_labels = sorted({t for r in rows for t in r["tiers"]}, key=lambda t: -float(t.split("x")[-1]))
+    text = table(rows, labels, tier_labels)
+    (out / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
