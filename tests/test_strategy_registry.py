@@ -25,27 +25,36 @@ SHAPE = (1, 8, 8)
 ARRAYS, WEIGHT = "weights", "samples"
 
 
-def model_fn(seed=0):
+def model_fn(seed=0, depth_tiers=False):
+    if depth_tiers:   # a depth-tier strategy's global model: two hidden layers, an exit after the first
+        from fedfuse.hetero.depth import multi_exit
+
+        return multi_exit(build_model("mlp", num_classes=10, input_shape=SHAPE, width=16, depth=2, seed=seed),
+                          (1.0, 0.5), 10)
     return build_model("mlp", num_classes=10, input_shape=SHAPE, width=16, depth=1, seed=seed)
+
+
+def _depth(name):
+    return strategy_spec(name).needs_depth_tiers
 
 
 def _x(n=60):
     return torch.randn(n, *SHAPE, generator=torch.Generator().manual_seed(1))
 
 
-def _trained(seed):
-    m = model_fn(seed)
+def _trained(seed, depth_tiers=False):
+    m = model_fn(seed, depth_tiers)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return m
 
 
-def _reply(node_id, seed, n, scores=True):
+def _reply(node_id, seed, n, scores=True, depth_tiers=False):
     msg = Mock(spec=Message)
     msg.metadata = Mock(src_node_id=node_id)
     msg.has_error.return_value = False
-    model = _trained(seed)
+    model = _trained(seed, depth_tiers)
     content = RecordDict({ARRAYS: ArrayRecord({k: Array(v.numpy().copy()) for k, v in model.state_dict().items()}),
                           "metrics": MetricRecord({WEIGHT: n, "partition-id": node_id,
                                                    "class-counts": [n // 10] * 10})})
@@ -63,8 +72,10 @@ def _grid(n=2):
 
 def _build(name, **extra):
     extra = {"min_train_nodes": 2, "min_available_nodes": 2, **extra}
-    return build_strategy(name, model_fn=model_fn, fusion_inputs=_x(), fusion_labels=torch.arange(60) % 10,
-                          arrayrecord_key=ARRAYS, weighted_by_key=WEIGHT, **extra)
+    depth = {"depths": (1.0, 0.5)} if _depth(name) else {}
+    return build_strategy(name, model_fn=lambda: model_fn(depth_tiers=_depth(name)), fusion_inputs=_x(),
+                          fusion_labels=torch.arange(60) % 10, arrayrecord_key=ARRAYS, weighted_by_key=WEIGHT,
+                          **depth, **extra)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -79,13 +90,16 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
             _build(name)
     s = _build(name, **({"min_train_nodes": 3, "min_available_nodes": 3} if n == 3 else {}))
     assert s.method == name and type(s) is STRATEGIES[name]
+    depth = _depth(name)
     if hasattr(s, "tier_layout"):
-        s._node_tier = {1: 1.0, 2: 1.0}   # known nodes: no tier query
-    init = model_fn()
+        s.tier_layout.node_tier = {1: 1.0, 2: 1.0}   # known nodes: no tier query
+        s.tier_layout.node_depth = {1: 1.0, 2: 1.0} if depth else {}
+    init = model_fn(depth_tiers=depth)
     msgs = list(s.configure_train(1, state_to_record(init.state_dict()), ConfigRecord({}), _grid(n)))
     assert len(msgs) == n and all(ARRAYS in m.content for m in msgs)
     scores = bool(msgs[0].content["config"]["need-importance"])
-    replies = [_reply(1, 1, 30, scores), _reply(2, 2, 90, scores)] + ([_reply(3, 3, 60, scores)] if n == 3 else [])
+    replies = [_reply(1, 1, 30, scores, depth), _reply(2, 2, 90, scores, depth)] + \
+        ([_reply(3, 3, 60, scores)] if n == 3 else [])
     arrays, metrics = s.aggregate_train(1, replies)
     record = s.history[-1]
     assert record["valid"] == n and not record["rejected"] and record["fallback"] is None, record
@@ -117,6 +131,9 @@ def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
                                           "multikrum", "bulyan")
     assert NON_FUSION_STRATEGIES == ("fedavg",) + FLOWER_BASELINE_STRATEGIES
     assert TIER_STRATEGIES == ("heterofl", "fedrolex") and SUBMODEL_METHODS == ("average", "feddf")
+    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES
+
+    assert DEPTH_TIER_STRATEGIES == ("depthfl", "depthfl-fedavg")
     assert set(STRATEGIES) <= set(strategy_names())   # (+ fusion methods registered later, e.g. by tests)
     for name in strategy_names():
         spec = strategy_spec(name)
