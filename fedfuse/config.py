@@ -184,7 +184,10 @@ class RunConfig:
     resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round")
     client_tiers: str = _key("", "capacity tiers: comma-separated width multipliers in (0, 1] (one must be 1), "
                              "assigned to clients round-robin by partition id (one per client with num-clients "
-                             "values); node-config 'tier' overrides per SuperNode; '' = every client at full width")
+                             "values), or depth tiers <width>x<depth> with width 1 (e.g. '1x1,1x0.5': the first "
+                             "half of the blocks with an exit classifier; strategies depthfl, depthfl-fedavg, "
+                             "average, feddf); node-config 'tier' overrides per SuperNode; '' = every client at the "
+                             "full model")
     tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
                             "average and fusion methods, slice for ViTs and heterofl/fedrolex/feddf: measured) | slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "

@@ -143,18 +143,18 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("heterofl", **_TIER_BASELINE,
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
+    StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
+                 paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
+                       "arXiv 2212.01548"),
     StrategySpec("depthfl", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
                  paper="DepthFL: Depthwise Federated Learning for Heterogeneous Clients, ICLR 2023 (openreview "
                        "pf8RIZTMU58)"),
     StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
-    StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
-                 paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
-                       "arXiv 2212.01548"),
 )}
 
 #: names whose aggregation is not a fusion method (FedAvg and Flower's own strategies)
-NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower", "depth"))
+NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower"))
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
 DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_depth_tiers)

@@ -123,14 +123,6 @@ class MultiExit(nn.Module):
         return self.forward_exits(x)[-1]
 
 
-def _owner_prefixes(model: MultiExit) -> list[tuple[int, set[str]]]:
-    """Per level of ``model.base``: the ``base.``-prefixed parameter names it owns and their module prefixes."""
-    out = []
-    for lv in levels(model.base):
-        out.append((len(out), {f"base.{p}" for p in lv.param_names}))
-    return out
-
-
 def held_keys(model: MultiExit, k: int) -> list[str]:
     """The state-dict keys of ``model`` a client of ``k`` units holds: every level up to unit ``k`` (parameters and
     the buffers of their modules), the exits at or below ``k``, and the final classifier only at full depth."""
@@ -138,10 +130,7 @@ def held_keys(model: MultiExit, k: int) -> list[str]:
         raise ValueError(f"depth tiers: no classifier at {k} units (exits at {model.exit_units})")
     units = depth_units(model.base)
     last = units[k - 1] if k < model.num_units else len(levels(model.base)) - 1
-    dropped: set[str] = set()
-    for i, names in _owner_prefixes(model):
-        if i > last:
-            dropped |= names
+    dropped = {f"base.{p}" for lv in levels(model.base)[last + 1:] for p in lv.param_names}
     dropped_modules = {n.rsplit(".", 1)[0] for n in dropped if n.count(".") >= 2}
     keep = []
     for key in model.state_dict():

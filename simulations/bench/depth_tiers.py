@@ -10,7 +10,9 @@ depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 - ``depthfl``, ``depthfl-fedavg``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the depth tiers;
 - ``fedavg-shallowest``: every client trains the shallowest tier's model (model-depth = its layers), FedAvg;
 - ``fedavg-full-only``: FedAvg of the full-depth clients alone (their files only);
-- ``fedavg-all-full`` (reference, not a tiered federation): every client at full depth.
+- ``fedavg-all-full`` (reference, not a tiered federation): every client at full depth;
+- ``heterofl-equal-params``: HeteroFL with width tiers of each depth tier's parameter count (``equal_param_widths``),
+  its tiers in the depth tiers' columns.
 
 ``table.md``: final test accuracy of the global model (its deepest classifier) and of every tier's classifier, the
 ensemble of the exits, mean ± sample std over seeds; bytes sent per tier per round; the server's aggregation seconds
@@ -40,7 +42,29 @@ from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
 
 DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,average,feddf"
-BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full")
+BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full", "heterofl-equal-params")
+
+
+def equal_param_widths(depths: list[float], layers: int, width: int = 256) -> list[float]:
+    """Per depth tier, the HeteroFL width multiplier whose sub-model of the full-depth MLP has the depth tier's
+    parameter count (its blocks and its exit; bisection over ``ceil(r · width)``)."""
+    from fedfuse.hetero.depth import held_keys, multi_exit, units_at
+    from fedfuse.models import build_model
+
+    def params(r: float) -> int:
+        return sum(p.numel() for p in build_model("mlp", 10, (40,), width=width, depth=layers, width_mult=r).parameters())
+
+    me = multi_exit(build_model("mlp", 10, (40,), width=width, depth=layers), depths, 10)
+    state = me.state_dict()
+    out = []
+    for d in depths:
+        want = sum(state[k].numel() for k in held_keys(me, units_at(d, layers)))
+        lo, hi = 1.0 / width, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if params(mid) < want else (lo, mid)
+        out.append(1.0 if d == 1 else round(hi, 3))
+    return out
 
 
 def subset_split(split: Path, partitions: list[int], out: Path) -> Path:
@@ -74,14 +98,21 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
         jobs.append({"label": label, "config": {**base, "strategy": name, "client-tiers": args.tiers, **extra,
                                                 "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
     full = [p for p in range(10) if tier_of(p, tuple(depths)) == 1]
-    baseline = {"fedavg-shallowest": {"model-depth": shallow_layers},
+    widths = equal_param_widths(depths, args.depth)
+    baseline = {"heterofl-equal-params": {"strategy": "heterofl", "client-tiers": ",".join(f"{w:g}" for w in widths),
+                                          "width-labels": dict(zip((f"{w:g}" for w in widths),
+                                                                   (f"1x{d:g}" for d in depths)))},
+                "fedavg-shallowest": {"model-depth": shallow_layers},
                 "fedavg-full-only": {"partition-files": str(subset_split(split, full, runs / "splits" / f"full-{tag}")
                                                             / "node-{partition-id}.npz"),
                                      "num-clients": len(full), "min-train-nodes": len(full)},
                 "fedavg-all-full": {}}
     for label in args.baselines:
-        jobs.append({"label": label, "config": {**base, "strategy": "fedavg", **baseline[label],
-                                                "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
+        extra = dict(baseline[label])
+        relabel = extra.pop("width-labels", None)
+        jobs.append({"label": label, "relabel": relabel,
+                     "config": {**base, "strategy": "fedavg", **extra, "output-dir": str(runs),
+                                "run-name": f"{label}-{tag}"}})
     for j in jobs:
         j.update(alpha=alpha, seed=seed, shallow=f"1x{min(depths):g}")
     return jobs
@@ -95,16 +126,21 @@ def _run(job: dict) -> dict:
     tiers = dict(last.get("tier-accuracy") or {})
     if job["label"] == "fedavg-shallowest":
         tiers = {job["shallow"]: last["test-accuracy"]}
+    relabel = job.get("relabel") or {}
+    if relabel:   # HeteroFL's width tiers in the columns of the depth tiers of the same parameter count
+        tiers = {relabel.get(t, t): v for t, v in tiers.items()}
+        train = [s for h in res["rounds"][1:] for t, s in (h.get("tier-train-seconds") or {}).items() if t == "1"]
     return {"label": job["label"], "alpha": job["alpha"], "seed": job["seed"], "failed": failed,
             "global": last["test-accuracy"], "tiers": tiers, "exit-ensemble": last.get("exit-ensemble-accuracy"),
-            "bytes": last.get("tier-bytes-sent") or {}, "curve": [r["test-accuracy"] for r in res["rounds"]],
+            "bytes": {relabel.get(t, t): v / max(1, (last.get("tier-clients") or {}).get(t, 1))
+                      for t, v in (last.get("tier-bytes-sent") or {}).items()}, "curve": [r["test-accuracy"] for r in res["rounds"]],
             "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
             "full-train-seconds": statistics.median(train) if train else None}
 
 
 def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
     head = ("| α | strategy | global (deepest) | " + " | ".join(f"tier {t}" for t in tier_labels)
-            + " | exit ensemble | KB sent / round (per tier) | aggregation / full-depth local epoch |")
+            + " | exit ensemble | KB sent per client / round | aggregation / full-depth local epoch |")
     lines = [head, "|" + "---|" * (6 + len(tier_labels))]
     for alpha in sorted({r["alpha"] for r in rows}):
         for label in labels:
