@@ -42,7 +42,7 @@ from fedfuse.flower.client_tiers import DEPTH_KEY, SELF_DISTILL_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.tier_layout import TierLayout
+from fedfuse.flower.tier_layout import TierLayout, client_tier_means, round_tier_records
 
 DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")   # the strategies that take depth tiers
 
@@ -186,13 +186,7 @@ class DepthTieredStrategy(FusionStrategy):
             self._global = arrays   # the tiers' evaluation reads the new global model
         record = self.history[-1] if self.history else {}
         record.update(self._round_tiers)
-        for src, key in (("val-accuracy", "tier-val-accuracy"), ("train-seconds", "tier-train-seconds")):
-            vals: dict[str, list[float]] = {}
-            for u in self.last_updates:
-                v = u.metrics.get(src)
-                if isinstance(v, (int, float)):
-                    vals.setdefault(depth_label(u.metrics.get("tier-depth", 1.0)), []).append(float(v))
-            record[key] = {k: sum(v) / len(v) for k, v in vals.items()}
+        record.update(client_tier_means(self.last_updates, lambda u: depth_label(u.metrics.get("tier-depth", 1.0))))
         return arrays, metrics
 
     # ---------------------------------------------------------------- evaluation (results)
@@ -208,14 +202,8 @@ class DepthTieredStrategy(FusionStrategy):
             acc[depth_label(d)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))
         ens = torch.stack(probs).mean(0)
-        out: dict[str, Any] = {"tier-accuracy": acc,
-                               "exit-ensemble-accuracy": float((ens.argmax(-1) == y).float().mean())}
-        hist = next((h for h in reversed(self.history) if h.get("round") == server_round), None)
-        if hist is not None:
-            for key in ("tier-bytes-sent", "tier-clients", "tier-val-accuracy", "tier-train-seconds"):
-                if key in hist:
-                    out[key] = hist[key]
-        return out
+        return {"tier-accuracy": acc, "exit-ensemble-accuracy": float((ens.argmax(-1) == y).float().mean()),
+                **round_tier_records(self.history, server_round)}
 
 
 class DepthFLStrategy(DepthTieredStrategy):

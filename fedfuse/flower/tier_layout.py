@@ -134,4 +134,27 @@ class TierLayout:
                 missing)
 
 
-__all__ = ["TierLayout", "QUERY_TIMEOUT"]
+ROUND_TIER_KEYS = ("tier-bytes-sent", "tier-clients", "tier-val-accuracy", "tier-train-seconds")
+
+
+def client_tier_means(updates, label_of: Callable[[object], str]) -> dict[str, dict[str, float]]:
+    """``{"tier-val-accuracy": {tier: mean}, "tier-train-seconds": {tier: mean}}`` over the round's updates,
+    grouped by ``label_of(update)``."""
+    out = {}
+    for src, key in (("val-accuracy", "tier-val-accuracy"), ("train-seconds", "tier-train-seconds")):
+        vals: dict[str, list[float]] = {}
+        for u in updates:
+            v = u.metrics.get(src)
+            if isinstance(v, (int, float)):
+                vals.setdefault(label_of(u), []).append(float(v))
+        out[key] = {k: sum(v) / len(v) for k, v in vals.items()}
+    return out
+
+
+def round_tier_records(history: list[dict], server_round: int) -> dict:
+    """The tier records (``ROUND_TIER_KEYS``) of round ``server_round`` in a strategy's ``history``."""
+    hist = next((h for h in reversed(history) if h.get("round") == server_round), None)
+    return {key: hist[key] for key in ROUND_TIER_KEYS if hist is not None and key in hist}
+
+
+__all__ = ["TierLayout", "QUERY_TIMEOUT", "ROUND_TIER_KEYS", "client_tier_means", "round_tier_records"]

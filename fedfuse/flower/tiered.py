@@ -49,7 +49,8 @@ from fedfuse.flower.fusion_strategy import FusionStrategy, delegate
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_derivation import TierModels
-from fedfuse.flower.tier_layout import QUERY_TIMEOUT, TierLayout  # noqa: F401  (QUERY_TIMEOUT: tests patch it)
+from fedfuse.flower.tier_layout import (QUERY_TIMEOUT, TierLayout, client_tier_means,  # noqa: F401  (QUERY_TIMEOUT:
+                                        round_tier_records)                               # tests patch it)
 
 
 class TieredFusionStrategy(FusionStrategy):
@@ -257,13 +258,7 @@ class TieredFusionStrategy(FusionStrategy):
         arrays, metrics = super().aggregate_train(server_round, replies)
         record = self.history[-1] if self.history else {}
         record.update(self._round_tiers)
-        for src, key in (("val-accuracy", "tier-val-accuracy"), ("train-seconds", "tier-train-seconds")):
-            vals: dict[str, list[float]] = {}
-            for u in self.last_updates:
-                v = u.metrics.get(src)
-                if isinstance(v, (int, float)):
-                    vals.setdefault(tier_name(u.metrics["tier"]), []).append(float(v))
-            record[key] = {k: sum(v) / len(v) for k, v in vals.items()}
+        record.update(client_tier_means(self.last_updates, lambda u: tier_name(u.metrics["tier"])))
         if arrays is not None:
             arrays = self._derive(true_round, arrays, record)
         return arrays, metrics
@@ -326,13 +321,7 @@ class TieredFusionStrategy(FusionStrategy):
         for r in self.tier_layout.all_tiers():
             logits = predict_logits(self.tier_model(r, server_round + 1), x, device=device)
             acc[tier_name(r)] = float(metrics_from_logits(logits, y)["accuracy"])
-        out: dict[str, Any] = {"tier-accuracy": acc}
-        hist = next((h for h in reversed(self.history) if h.get("round") == server_round), None)
-        if hist is not None:
-            for key in ("tier-bytes-sent", "tier-clients", "tier-val-accuracy", "tier-train-seconds"):
-                if key in hist:
-                    out[key] = hist[key]
-        return out
+        return {"tier-accuracy": acc, **round_tier_records(self.history, server_round)}
 
 
 class HeteroFLStrategy(TieredFusionStrategy):

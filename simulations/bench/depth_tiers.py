@@ -4,7 +4,8 @@ FedAvg at the shallowest depth and FedAvg of the full-depth clients alone.
 The anchors' splits (``../shared/anchors``: MNIST-1D, 12,000 samples, 10 clients, Dirichlet α 0.1 / 0.5, seeds 0-2)
 and their client recipe (``simulations.bench.anchor_cell.anchor_recipe``: SGD lr 0.2, batch 32, 1 local epoch, all
 clients every round, 300 fusion samples from the public pool), with an MLP of ``--depth`` hidden layers of 256 and
-depth tiers ``--tiers`` assigned round-robin by partition id (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
+depth tiers ``--tiers`` assigned round-robin by partition id (``--model vit``: a timm ViT of width 64 with ``--depth``
+blocks on the same signals viewed ``[N, 1, 40]``, Adam lr 0.005) (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
 depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 
 - ``depthfl``, ``depthfl-fedavg``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the depth tiers;
@@ -18,7 +19,8 @@ depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 ensemble of the exits, mean ± sample std over seeds; bytes sent per tier per round; the server's aggregation seconds
 per round over the full-depth clients' local-epoch seconds.
 
-    .venv/bin/python -m simulations.bench.depth_tiers --out results/depth-tiers
+    .venv/bin/python -m simulations.bench.depth_tiers --lr 0.05 --out results/depth-tiers
+    .venv/bin/python -m simulations.bench.depth_tiers --model vit --alphas 0.1 --rounds 15 --out results/depth-tiers-vit
     .venv/bin/python -m simulations.bench.depth_tiers --alphas 0.1 --seeds 0 --rounds 5 --out /tmp/depth
 """
 
@@ -45,21 +47,33 @@ DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,average,feddf"
 BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full", "heterofl-equal-params")
 
 
-def equal_param_widths(depths: list[float], layers: int, width: int = 256) -> list[float]:
-    """Per depth tier, the HeteroFL width multiplier whose sub-model of the full-depth MLP has the depth tier's
-    parameter count (its blocks and its exit; bisection over ``ceil(r · width)``)."""
+# per --model: the run config of the clients' model and the input shape of the signals
+MODELS = {"mlp": ({"model": "mlp", "model-width": 256}, (40,)),
+          # the ViT recipe of the width-tier cells (simulations/bench/tiers.sh): Adam lr 0.005, width 64
+          "vit": ({"model": "vit", "model-width": 64, "optimizer": "adam", "lr": 0.005, "dataset": "mnist1d"},
+                  (1, 40))}
+
+
+def equal_param_widths(depths: list[float], layers: int, model: str = "mlp") -> list[float]:
+    """Per depth tier, the HeteroFL width multiplier whose sub-model of the full-depth model has the depth tier's
+    parameter count (its blocks and its exit; bisection over the width multiplier)."""
     from fedfuse.hetero.depth import held_keys, multi_exit, units_at
     from fedfuse.models import build_model
 
-    def params(r: float) -> int:
-        return sum(p.numel() for p in build_model("mlp", 10, (40,), width=width, depth=layers, width_mult=r).parameters())
+    cfg, shape = MODELS[model]
 
-    me = multi_exit(build_model("mlp", 10, (40,), width=width, depth=layers), depths, 10)
+    def build(r: float | None = None):
+        return build_model(model, 10, shape, width=cfg["model-width"], depth=layers, width_mult=r)
+
+    def params(r: float) -> int:
+        return sum(p.numel() for p in build(r).parameters())
+
+    me = multi_exit(build(), depths, 10)
     state = me.state_dict()
     out = []
     for d in depths:
         want = sum(state[k].numel() for k in held_keys(me, units_at(d, layers)))
-        lo, hi = 1.0 / width, 1.0
+        lo, hi = 1.0 / cfg["model-width"], 1.0
         for _ in range(30):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if params(mid) < want else (lo, mid)
@@ -79,12 +93,28 @@ def subset_split(split: Path, partitions: list[int], out: Path) -> Path:
     return out
 
 
+def signals(split: Path, public: Path, out: Path) -> tuple[Path, Path]:
+    """The split and the public pool with every ``x`` viewed as ``[N, 1, 40]`` signals (the ViT's input)."""
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in [*split.glob("*.npz"), public]:
+        dst = out / f.name
+        if not dst.exists():
+            z = np.load(f)
+            np.savez(dst, **{k: (z[k].reshape(len(z[k]), 1, -1) if k.startswith("x") else z[k]) for k in z.files})
+    return out, out / public.name
+
+
 def jobs_for(args, alpha: float, seed: int) -> list[dict]:
     split = Path(args.anchors) / "splits" / f"mnist1d-a{alpha:g}-s{seed}"
     public = Path(args.anchors) / "splits" / "mnist1d-public.npz"
+    if args.model != "mlp":
+        split, public = signals(split, public, Path(args.out) / "runs" / "signals" / split.name)
     depths = [d for _, d in parse_tier_pairs(args.tiers)]
     shallow_layers = max(1, math.ceil(min(depths) * args.depth - 1e-9))
-    base = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-depth": args.depth}
+    base = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-depth": args.depth,
+            **MODELS[args.model][0]}
     if args.lr:
         base["lr"] = args.lr
     if args.one_shot:
@@ -98,7 +128,7 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
         jobs.append({"label": label, "config": {**base, "strategy": name, "client-tiers": args.tiers, **extra,
                                                 "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
     full = [p for p in range(10) if tier_of(p, tuple(depths)) == 1]
-    widths = equal_param_widths(depths, args.depth)
+    widths = equal_param_widths(depths, args.depth, args.model)
     baseline = {"heterofl-equal-params": {"strategy": "heterofl", "client-tiers": ",".join(f"{w:g}" for w in widths),
                                           "width-labels": dict(zip((f"{w:g}" for w in widths),
                                                                    (f"1x{d:g}" for d in depths)))},
@@ -169,11 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--strategies", default=DEPTH_STRATEGIES)
     ap.add_argument("--baselines", default=",".join(BASELINES))
     ap.add_argument("--tiers", default="1x1,1x0.75,1x0.5,1x0.25")
-    ap.add_argument("--depth", type=int, default=4, help="hidden layers of the global MLP")
+    ap.add_argument("--depth", type=int, default=4, help="hidden layers of the global MLP (blocks of the ViT)")
+    ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
     ap.add_argument("--alphas", default="0.1,0.5")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=0.0, help="the clients' SGD lr (0: the anchors' 0.2)")
+    ap.add_argument("--lr", type=float, default=0.0, help="the clients' lr (0: the model's recipe: the anchors' SGD "
+                    "0.2 for the MLP, Adam 0.005 for the ViT)")
     ap.add_argument("--one-shot", action="store_true", help="one round, clients trained from their own initialisation")
     ap.add_argument("--one-shot-epochs", type=int, default=20)
     ap.add_argument("--one-shot-lr", type=float, default=0.05)
