@@ -255,3 +255,21 @@ def test_with_capacity_tiers_the_default_baseline_is_heterofl(tmp_path, capsys):
     table = [ln for ln in out.splitlines() if ln.startswith("|")]
     assert table[2].startswith("| average |") and table[3].startswith("| heterofl (baseline) |")
     assert (tmp_path / "t" / "baseline-heterofl" / "results.json").exists()
+
+
+def test_with_depth_tiers_the_default_baseline_is_depthfl(tmp_path, capsys):
+    """Depth tiers (``client-tiers`` ``<width>x<depth>``): the default run (strategy 'auto' → the layer-wise average)
+    compares with DepthFL."""
+    from fedfuse.config import parse_run_config, preflight
+    from simulations.runners.run import default_baseline, main
+
+    depth = {"client-tiers": "1x1,1x0.5", "model-depth": 2}
+    assert default_baseline(parse_run_config({**depth, "strategy": "average"})) == "depthfl"
+    preflight(baseline_config({**depth, "strategy": "average"}, "depthfl"))
+    rc = main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config",
+               "client-tiers='1x1,1x0.5' num-clients=2 num-server-rounds=1 local-epochs=1 model-width=16 "
+               "model-depth=2 fusion-set-size=60 run-name='d'"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert table[2].startswith("| average |") and table[3].startswith("| depthfl (baseline) |")

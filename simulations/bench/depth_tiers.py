@@ -174,9 +174,10 @@ def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
     lines = [head, "|" + "---|" * (6 + len(tier_labels))]
     for alpha in sorted({r["alpha"] for r in rows}):
         for label in labels:
-            got = [r for r in rows if r["alpha"] == alpha and r["label"] == label and not r["failed"]]
+            got = [r for r in rows if r["alpha"] == alpha and r["label"] == label]
             if not got:
                 continue
+            died = sum(1 for r in got if r["failed"])   # trained to chance: kept in the mean, and said
 
             def ms(vals):
                 vals = [v for v in vals if v is not None]
@@ -190,7 +191,8 @@ def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
             ratios = [statistics.median(r["fusion-seconds"]) / r["full-train-seconds"] for r in got
                       if r["fusion-seconds"] and r["full-train-seconds"]]
             cells.append(f"{statistics.mean(ratios):.2f}" if ratios else "")
-            lines.append(f"| {alpha:g} | `{label}` | " + " | ".join(cells) + " |")
+            note = f" ({died} of {len(got)} runs died)" if died else ""
+            lines.append(f"| {alpha:g} | `{label}`{note} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

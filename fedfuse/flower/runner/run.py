@@ -14,7 +14,7 @@ few seconds, no Flower), the baseline's too: a bad key or value exits with statu
 
 Then the configured strategy runs with ``--engine`` (default: a real ``flwr run``, SuperLink + Ray simulation)
 into ``<output-dir>/<run-name>/``, and, unless ``--no-compare`` or the strategy is the baseline itself, the
-``--baseline`` strategy (FedAvg; HeteroFL when ``client-tiers`` is set) runs with the same run config (same data, split, seed and training; the
+``--baseline`` strategy (FedAvg; HeteroFL when ``client-tiers`` is set; DepthFL with depth tiers) runs with the same run config (same data, split, seed and training; the
 strategy-only keys dropped, ``fedfuse.flower.runner.compare.baseline_config``) with ``--compare-engine``
 (default ``inprocess``: the same ServerApp and ClientApp bodies on a Flower Grid in this process, identical
 numbers, seconds instead of a minute) into ``<output-dir>/<run-name>/baseline-<baseline>/``.
@@ -145,7 +145,10 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
 
 def default_baseline(checked: Any) -> str:
     """FedAvg, or HeteroFL (sub-model averaging, FedAvg's counterpart for clients of different widths) when the
-    run declares capacity tiers (``client-tiers``): FedAvg cannot aggregate them."""
+    run declares capacity tiers (``client-tiers``), DepthFL when they are depth tiers: FedAvg cannot aggregate
+    them."""
+    if checked.depth_tiers:
+        return "depthfl"
     return "heterofl" if checked.client_tiers else BASELINE
 
 
@@ -167,7 +170,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the flwr run (engine flwr)")
     ap.add_argument("--engine", choices=ENGINES, default="flwr", help=ENGINE_HELP)
     ap.add_argument("--baseline", default=None, help="strategy to compare with (default: fedavg; heterofl when "
-                    "client-tiers is set: FedAvg cannot aggregate clients of different widths)")
+                    "client-tiers is set, depthfl with depth tiers: FedAvg cannot aggregate clients of different widths or "
+                    "depths)")
     ap.add_argument("--compare-engine", choices=ENGINES, default="inprocess",
                     help="engine of the baseline run (default inprocess: identical numbers to flwr run, no Ray)")
     ap.add_argument("--no-compare", action="store_true", help="run the configured strategy only, no baseline")
