@@ -123,6 +123,11 @@ def parse_tier_pair(value, key: str = "tier") -> tuple[float, float]:
     """One tier ``"<width>x<depth>"`` (or a bare width) → ``(width, depth)`` multipliers in (0, 1]."""
     text = str(value).strip()
     width, sep, depth = text.partition("x")
+    try:
+        float(width)
+    except ValueError:
+        raise ValueError(f"{key}: {text!r} is not a number; give a width multiplier in (0, 1] or a "
+                         "<width>x<depth> tier, e.g. '1x0.5'") from None
     w = parse_tier_value(width, key=key)
     if not sep:
         return w, 1.0
