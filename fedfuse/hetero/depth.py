@@ -95,6 +95,27 @@ class MultiExit(nn.Module):
                                                      num_classes) for k in exits})
         self.num_units = n
         self.active = n
+        self._unit_of = {li: j + 1 for j, li in enumerate(self._units)}   # level index -> units up to it
+
+    def _levels(self) -> list:
+        """``levels(self.base)``, decomposed once per base module (a deep copy decomposes its own base again: the
+        cached levels' ``run`` closures hold the modules they were built on)."""
+        cache = self.__dict__.get("_level_cache")
+        if cache is None or cache[0] is not self.base:
+            cache = (self.base, levels(self.base))
+            self.__dict__["_level_cache"] = cache
+        return cache[1]
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        cls = type(self)
+        out = cls.__new__(cls)
+        memo[id(self)] = out
+        for key, value in self.__dict__.items():
+            if key != "_level_cache":   # the copy builds its own
+                out.__dict__[key] = copy.deepcopy(value, memo)
+        return out
 
     def set_active(self, k: int) -> "MultiExit":
         if k != self.num_units and k not in self.exit_units:
@@ -104,13 +125,12 @@ class MultiExit(nn.Module):
         return self
 
     def forward_exits(self, x: torch.Tensor) -> list[torch.Tensor]:
-        lvls = levels(self.base)
+        lvls = self._levels()
         last = self._units[self.active - 1] if self.active < self.num_units else len(lvls) - 1
         out, h = [], x
-        unit_of = {li: j + 1 for j, li in enumerate(self._units)}
         for i in range(last + 1):
             h = lvls[i].run(h)
-            k = unit_of.get(i)
+            k = self._unit_of.get(i)
             if k is not None and k <= self.active and k in self.exit_units:
                 out.append(self.exits[str(k)](h))
         if self.active == self.num_units:
