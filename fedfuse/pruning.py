@@ -297,12 +297,12 @@ def _graph(model: nn.Module, spec: PruningSpec, example: torch.Tensor):
 
 
 def _importances(model: nn.Module, spec: PruningSpec, example: torch.Tensor, criterion: str,
-                 scores: Mapping[str, torch.Tensor] | None, score_levels: Mapping[nn.Module, str]
+                 scores: Mapping[str, torch.Tensor] | None, score_levels: Mapping[nn.Module, str], graph=None
                  ) -> tuple[dict[str, torch.Tensor], list[_Unit]]:
     """Per-unit importance vectors (root index space) on ``model`` (gradients already accumulated for taylor)
-    and the units."""
+    and the units; ``graph``: ``model``'s ``_graph`` when already built."""
     tp = _tp()
-    DG, units = _graph(model, spec, example)
+    DG, units = graph if graph is not None else _graph(model, spec, example)
     magnitude = tp.importance.GroupMagnitudeImportance(p=2)
     if criterion == "magnitude":
         imp = magnitude
@@ -670,6 +670,90 @@ def _with_autograd(fn):
     return wrapper
 
 
+# ------------------------------------------------------------------------------------ kept units, no model
+class _ArchitectureGraph:
+    """A private copy of one architecture with its Torch-Pruning dependency graph, built once and reused: each
+    call loads the weights to rank into the copy in place (the graph holds its modules, so it stays valid)."""
+
+    def __init__(self, model: nn.Module, example: torch.Tensor) -> None:
+        self.model = copy.deepcopy(model).cpu().eval()
+        self.adapter = adapter_for(self.model)
+        self.spec = self.adapter.pruning_spec(self.model)
+        self.score_levels = dict(self.spec.score_levels)
+        self.example = example.detach().cpu()
+        self.names = {m: n for n, m in self.model.named_modules()}
+        self.graph = _graph(self.model, self.spec, self.example)
+
+
+_GRAPHS: dict[tuple, _ArchitectureGraph] = {}
+_GRAPHS_KEPT = 8   # architectures kept (least recently used dropped)
+
+
+def _architecture_key(model: nn.Module, example: torch.Tensor) -> tuple:
+    return (type(model).__qualname__, tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
+            tuple(example.shape[1:]))
+
+
+@_with_autograd
+def keep_indices(model: nn.Module, target: nn.Module, *, scores: Mapping[str, torch.Tensor] | None = None,
+                 fusion_inputs: torch.Tensor | None = None, criterion: str = "auto",
+                 **options) -> tuple[dict[str, tuple[nn.Module, bool, torch.Tensor]], str]:
+    """Which channels ``prune(model, target=target, ...)`` keeps, without building the pruned model.
+
+    The same importance ranking and plan as ``prune_result`` with ``target=`` (same ``criterion`` resolution,
+    same Torch-Pruning groups), on a per-architecture cached dependency graph, and no MAC counting or pruned
+    copy: the per-round path of capacity tiers (``fedfuse.hetero.prune.prune_order``), where the architecture
+    repeats every round and only the weights change.
+
+    Args:
+        model: the model to rank (not modified; its weights are copied into the cached graph's modules).
+        target: a narrower architecture of the same family and depth (weights ignored).
+        scores, fusion_inputs, criterion, options: as ``prune_result``'s.
+    Returns:
+        ``({group key: (root module of ``model``, out, kept)}, criterion)``: for every coupled channel group, its
+        root layer (a module of ``model``), whether the group is the root's output (``True``) or input channels,
+        and the kept root indices ``[kept] int64``, ascending (the order the pruned model holds them in); and the
+        criterion used (``auto`` resolved).
+    Raises:
+        ValueError: what ``prune_result`` raises for these arguments; a target of another depth (use
+        ``prune_result``, which drops blocks) or attention heads (their units are head-major: use
+        ``prune_result``).
+    """
+    req, adapter = _check_request(model, None, None, target, scores, fusion_inputs, criterion, False, False, None,
+                                  None, options)
+    if len(adapter.blocks(target)) != len(adapter.blocks(model)):
+        raise ValueError("keep_indices: target has another depth than the model; use prune_result (drops blocks)")
+    example = _example(model, adapter, req.fusion_inputs, req.options.input_shape).cpu()
+    key = _architecture_key(model, example)
+    arch = _GRAPHS.pop(key, None)
+    if arch is None:
+        arch = _ArchitectureGraph(model, example)
+    _GRAPHS[key] = arch
+    while len(_GRAPHS) > _GRAPHS_KEPT:
+        _GRAPHS.pop(next(iter(_GRAPHS)))
+    work = arch.model
+    with torch.no_grad():
+        work.load_state_dict(model.state_dict())
+    work.eval()
+    if req.criterion == "taylor":
+        _taylor_gradients(work, req.fusion_inputs, None, None, req.options.batch_size)
+    try:
+        importance, units = _importances(work, arch.spec, arch.example, req.criterion, scores, arch.score_levels,
+                                         graph=arch.graph)
+    finally:
+        work.zero_grad(set_to_none=True)
+    plan = _plan_target(work, units, target)
+    own = dict(model.named_modules())
+    out = {}
+    for u in units:
+        if u.heads:
+            raise ValueError("keep_indices: attention heads are not supported (head-major units); use prune_result")
+        removed = set(_removal(u, importance[u.key], plan[u.key])) if u.key in plan else set()
+        kept = torch.tensor([i for i in range(u.size) if i not in removed], dtype=torch.long)
+        out[u.key] = (own[arch.names[u.module]], u.out, kept)
+    return out, req.criterion
+
+
 @_with_autograd
 def prune_result(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: float | None = None,
                  target: nn.Module | None = None, scores: Mapping[str, torch.Tensor] | None = None,
@@ -788,5 +872,5 @@ def prune(model: nn.Module, params_ratio: float | None = None, *, macs_ratio: fl
                         teachers=teachers, weights=weights, device=device, seed=seed, **options).model
 
 
-__all__ = ["prune", "prune_result", "PruneResult", "PruneOptions", "CRITERIA", "count_params", "count_macs",
+__all__ = ["prune", "prune_result", "keep_indices", "PruneResult", "PruneOptions", "CRITERIA", "count_params", "count_macs",
            "block_similarity", "score_importance"]

@@ -69,6 +69,72 @@ def test_kept_units_finds_the_pruned_units_and_refuses_a_changed_model():
         kept_units(g, p)
 
 
+
+RANKED = {"mlp": ((40,), {}), "cnn": ((1, 40), {}), "resnet": ((3, 8, 8), {"width": 8, "depth": 2})}
+
+
+@pytest.mark.parametrize("criterion", ["magnitude", "taylor", "scores"])
+@pytest.mark.parametrize("family", sorted(RANKED))
+def test_keep_indices_ranks_like_the_pruned_model(family, criterion):
+    """The per-round path (``keep_indices``: the ranking on a cached dependency graph, no pruned copy) keeps
+    exactly the units that ``prune(..., target=)`` keeps, for every criterion, also on a second call with other
+    weights (the cached graph reads the new weights)."""
+    from fedfuse.hetero.prune import _kept_by_ranking
+
+    shape, kw = RANKED[family]
+    tier = build_model(family, 10, shape, width_mult=0.25, **kw)
+    x = torch.randn(32, *shape)
+    for seed in (1, 2):
+        g = build_model(family, 10, shape, seed=seed, **kw)
+        scores = {lv.name: torch.rand(lv.width) for lv in levels(g)} if criterion == "scores" else None
+        kept, used = _kept_by_ranking(g, tier, fusion_inputs=x, criterion=criterion, scores=scores)
+        assert used == criterion
+        pruned = kept_units(g, prune(g, target=tier, fusion_inputs=x, criterion=criterion, scores=scores))
+        assert set(kept) == set(pruned) and all(torch.equal(kept[k], pruned[k]) for k in pruned)
+
+
+def test_keep_indices_refuses_what_it_cannot_rank():
+    from fedfuse.pruning import keep_indices
+
+    g = build_model("vit", 10, (1, 8, 8))
+    with pytest.raises(ValueError, match="attention heads"):
+        keep_indices(g, build_model("vit", 10, (1, 8, 8), width_mult=0.5))
+    r = build_model("resnet", 10, (3, 8, 8), width=8, depth=2)
+    with pytest.raises(ValueError, match="another depth"):
+        keep_indices(r, build_model("resnet", 10, (3, 8, 8), width=8, depth=1))
+    with pytest.raises(ValueError, match="criterion"):
+        keep_indices(build_model("mlp", 10, (40,)), build_model("mlp", 10, (40,), width_mult=0.5), criterion="l1")
+
+
+def test_prune_order_ranks_after_one_checked_round_and_falls_back_where_ranking_differs(monkeypatch):
+    """The first call per architecture prunes for real and checks the ranking; later calls rank only (same result
+    as pruning); an architecture where the ranking disagreed prunes for real on every call."""
+    import fedfuse.hetero.prune as hp
+
+    monkeypatch.setattr(hp, "_RANKING_CHECKED", {})
+    tiers = {"0.5": build_model("mlp", 10, (40,), width=24, depth=2, width_mult=0.5)}
+    x = torch.randn(16, 40)
+    g1, g2 = (build_model("mlp", 10, (40,), width=24, depth=2, seed=s) for s in (1, 2))
+    _, g1_perms, g1_info = prune_order(g1, tiers, fusion_inputs=x)
+    assert not g1_info["0.5"]["ranked"]
+    state, perms, info = prune_order(g2, tiers, fusion_inputs=x)
+    assert info["0.5"]["ranked"]
+    monkeypatch.setattr(hp, "_RANKING_CHECKED", {})   # the reference: the same call, pruning for real
+    ref_state, ref_perms, ref_info = prune_order(g2, tiers, fusion_inputs=x)
+    assert not ref_info["0.5"]["ranked"]
+    assert all(torch.equal(perms[k], ref_perms[k]) for k in ref_perms)
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+    # a ranking that disagrees with the pruned model is never used for that architecture
+    monkeypatch.setattr(hp, "_RANKING_CHECKED", {})
+    real = hp._kept_by_ranking
+    monkeypatch.setattr(hp, "_kept_by_ranking",
+                        lambda *a, **k: ({g: v.flip(0) for g, v in real(*a, **k)[0].items()}, real(*a, **k)[1]))
+    for g in (g1, g2, g1):
+        state, perms, info = prune_order(g, tiers, fusion_inputs=x)
+        assert not info["0.5"]["ranked"]
+    assert all(torch.equal(perms[k], g1_perms[k]) for k in g1_perms)   # the pruned model's units, not the flip
+
+
 def _strategy(method="kf-linear", **kw):
     from fedfuse.flower.tiered import build_tier_strategy
 

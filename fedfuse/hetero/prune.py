@@ -14,6 +14,11 @@ so that those come first, in their order (the rest keep their relative order beh
 model computes the same function, and every tier's pruned model is exactly its top-left slice, nested in the wider
 tiers' slices. Recovery (distilling the round's clients into a tier's slice) is the caller's (it changes the tier
 model's weights, not which global units it holds).
+
+Every round repeats the same architectures with new weights, so the per-round path does not prune at all:
+``tier_kept_units`` takes the kept units from the importance ranking on a dependency graph built once per
+architecture (``fedfuse.pruning.keep_indices``), after checking once per architecture that they are exactly the
+units the pruned model keeps (else that architecture keeps pruning for real, e.g. ViT attention heads).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 
 from fedfuse.hetero.submodel import SubModel, slice_state, submodel
 from fedfuse.models import adapter_for
-from fedfuse.pruning import prune_result
+from fedfuse.pruning import keep_indices, prune_result
 
 
 def _moved_to_front(view: torch.Tensor, axis: int) -> torch.Tensor:
@@ -93,6 +98,63 @@ def kept_units(wide: nn.Module, pruned: nn.Module, *, atol: float = 1e-6) -> dic
         if not progress:
             raise ValueError(f"kept_units: cannot resolve groups {pending} (no tensor indexes them alone)")
     return kept
+
+
+def _group_of(spec, module_name: str, out: bool) -> str | None:
+    """The permutation-spec group of ``module_name``'s output (``out``) or input channels, if one axis has it."""
+    entry = spec.entries.get(f"{module_name}.weight")
+    if entry is None or entry.view is not None:
+        return None
+    hits = [ax.group for ax in entry.axes if ax.axis == (0 if out else 1)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _kept_by_ranking(wide: nn.Module, tier: nn.Module, **options: Any) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """``kept_units(wide, prune(wide, target=tier, ...))`` without pruning (``fedfuse.pruning.keep_indices``: the
+    same ranking on a cached dependency graph), or ``None`` when the pruning groups do not map one-to-one onto the
+    permutation spec's groups (e.g. attention heads)."""
+    options = {k: v for k, v in options.items() if k != "seed"}   # the ranking draws nothing
+    try:
+        units, criterion = keep_indices(wide, tier, **options)
+    except ValueError:
+        return None, ""
+    spec = adapter_for(wide).perm_spec(wide)
+    names = {m: n for n, m in wide.named_modules()}
+    kept: dict[str, torch.Tensor] = {}
+    for module, out, idx in units.values():
+        g = _group_of(spec, names[module], out)
+        if g is None or (g in kept and not torch.equal(kept[g], idx)):
+            return None, criterion
+        kept[g] = idx
+    return (kept if set(kept) == set(spec.groups) else None), criterion
+
+
+# (wide shapes, tier shapes, criterion) -> whether the ranking path reproduced the pruned model's units there
+_RANKING_CHECKED: dict[tuple, bool] = {}
+
+
+def _shapes(model: nn.Module) -> tuple:
+    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
+
+
+def tier_kept_units(wide: nn.Module, tier: nn.Module, **options: Any) -> tuple[dict[str, torch.Tensor], str, bool]:
+    """``(kept units per group, criterion, ranked)``: the units of ``wide`` that structured pruning to ``tier``
+    keeps (``kept_units`` of ``prune_result(wide, target=tier, **options)``).
+
+    The per-round path: the units come from the importance ranking alone (``_kept_by_ranking``: no pruned copy, no
+    MAC counting, the dependency graph built once per architecture). The first call per architecture pair and
+    criterion also prunes for real and compares; where the two differ (or the ranking cannot map its groups) that
+    pair always prunes for real (``ranked`` = ``False``)."""
+    kept, criterion = _kept_by_ranking(wide, tier, **options)
+    key = (_shapes(wide), _shapes(tier), criterion)
+    if kept is not None and _RANKING_CHECKED.get(key):
+        return kept, criterion, True
+    res = prune_result(wide, target=tier, **options)
+    pruned = kept_units(wide, res.model)
+    if key not in _RANKING_CHECKED:
+        _RANKING_CHECKED[key] = kept is not None and set(kept) == set(pruned) and all(
+            torch.equal(kept[g], pruned[g]) for g in pruned)
+    return pruned, res.info.get("criterion"), False
 
 
 def permutation_layout(model: nn.Module, perms: Mapping[str, torch.Tensor]) -> SubModel:
@@ -175,9 +237,8 @@ def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[n
         wide_scores = None
         if cur_scores:
             wide_scores = {lv: s[:wide_widths[g]] for lv, s in cur_scores.items() for g in [level_group[lv]]}
-        res = prune_result(wide, target=tier, scores=wide_scores, fusion_inputs=fusion_inputs, criterion=criterion,
-                           seed=seed, **prune_options)
-        kept = kept_units(wide, res.model)
+        kept, used, ranked = tier_kept_units(wide, tier, scores=wide_scores, fusion_inputs=fusion_inputs,
+                                             criterion=criterion, seed=seed, **prune_options)
         step = {g: _front_permutation(sizes[g], kept[g], wide_widths[g]) for g in sizes}
         layout = permutation_layout(template, step)
         state = slice_state(state, layout)
@@ -186,10 +247,10 @@ def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[n
             cur_scores = {lv: s[step[level_group[lv]]] for lv, s in cur_scores.items()}
         tier_sizes = {g: len(kept[g]) for g in sizes}
         moved = sum(int((kept[g] >= tier_sizes[g]).sum()) for g in sizes)
-        info[name] = {"kept-moved": moved / max(1, sum(tier_sizes.values())), "criterion": res.info.get("criterion"),
-                     "seconds": time.perf_counter() - t0}
+        info[name] = {"kept-moved": moved / max(1, sum(tier_sizes.values())), "criterion": used,
+                      "ranked": ranked, "seconds": time.perf_counter() - t0}
         wide_widths, prev_skeleton = tier_sizes, tier
     return state, perms, info
 
 
-__all__ = ["kept_units", "permutation_layout", "prune_order"]
+__all__ = ["kept_units", "permutation_layout", "prune_order", "tier_kept_units"]
