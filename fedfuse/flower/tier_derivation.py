@@ -191,13 +191,16 @@ class TierModels:
         teachers = [s.build_model(u.state) for u in updates] if recover else None
         dev = resolve_device(s.device)
         for r in tiers:
-            student = s.build_model(slice_state(state, s.layout(r, 0)))
-            if recover:
-                ropts = DistillRefineOptions(**recover) if isinstance(recover, dict) else DistillRefineOptions()
-                info[tier_name(r)]["recover"] = distill_ensemble(student, teachers, s._norm_weights(updates), x,
-                                                                 ropts, seed=s.seed + server_round, device=dev)
-                student = student.cpu()
-                check_finite(f"prune (tier {tier_name(r)})", student)
+            sliced = slice_state(state, s.layout(r, 0))
+            if not recover:   # the pruned tier model is its slice
+                self._derived[r] = {k: v.detach().cpu() for k, v in sliced.items()}
+                continue
+            student = s.build_model(sliced)
+            ropts = DistillRefineOptions(**recover) if isinstance(recover, dict) else DistillRefineOptions()
+            info[tier_name(r)]["recover"] = distill_ensemble(student, teachers, s._norm_weights(updates), x,
+                                                             ropts, seed=s.seed + server_round, device=dev)
+            student = student.cpu()
+            check_finite(f"prune (tier {tier_name(r)})", student)
             self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
         if s.history and s.history[-1].get("round") == server_round:
             s.history[-1]["tier-prune"] = {k: {kk: vv for kk, vv in v.items() if kk != "recover"}

@@ -224,23 +224,22 @@ def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[n
     perms = {g: torch.arange(n) for g, n in sizes.items()}
     level_group = _group_scores(global_model, scores)
     cur_scores = {lv: torch.as_tensor(scores[lv]).float().flatten().clone() for lv in level_group} if scores else None
-    template = copy.deepcopy(global_model)
     info: dict[str, Any] = {}
     wide_widths = dict(sizes)   # widths of the model the next tier is pruned from
-    for name, tier in order:
+    for i, (name, tier) in enumerate(order):
         t0 = time.perf_counter()
-        template.load_state_dict(state)
-        wide = template
-        if wide_widths != sizes:   # the previous tier's slice of the (permuted) global
-            wide = copy.deepcopy(prev_skeleton)
-            wide.load_state_dict(slice_state(state, submodel(template, prev_skeleton)))
+        wide = global_model   # the first tier is pruned from the global model (not modified), later ones from:
+        if i > 0:             # the previous tier's slice of the (permuted) global
+            skeleton = global_model if wide_widths == sizes else prev_skeleton
+            wide = copy.deepcopy(skeleton)
+            wide.load_state_dict(slice_state(state, submodel(global_model, skeleton)))
         wide_scores = None
         if cur_scores:
             wide_scores = {lv: s[:wide_widths[g]] for lv, s in cur_scores.items() for g in [level_group[lv]]}
         kept, used, ranked = tier_kept_units(wide, tier, scores=wide_scores, fusion_inputs=fusion_inputs,
                                              criterion=criterion, seed=seed, **prune_options)
         step = {g: _front_permutation(sizes[g], kept[g], wide_widths[g]) for g in sizes}
-        layout = permutation_layout(template, step)
+        layout = permutation_layout(global_model, step)
         state = slice_state(state, layout)
         perms = {g: perms[g][step[g]] for g in sizes}
         if cur_scores:
