@@ -16,6 +16,12 @@ Every call gets other global weights (a fresh perturbation), as every round does
 ``table.md``/``runs.json``: seconds and the ratio to the local epoch.
 
     .venv/bin/python -m simulations.bench.tier_derivation --out results/tier-derivation
+    .venv/bin/python -m simulations.bench.tier_derivation --sweeps results/tiers results/tier-derivation/sweeps
+
+``--sweeps ROOT ...``: from the capacity-tier sweeps' ``sweep.json`` (``average``, the default), per cell the
+median over rounds of the whole round's tier derivation (``tier-derivation-seconds``: pruning, reordering, the
+tier guard) and of the aggregation (fusion + derivation) over one widest-tier local epoch of the same round, mean
+over seeds; the first round (imports, the one check per architecture) is left out.
 """
 
 from __future__ import annotations
@@ -91,12 +97,35 @@ def cell(family: str, tiers: str, alpha: float, repeats: int) -> dict:
             "pruning-s": med["pruning"]["wall"], "ranked-s": med["ranked"]["wall"]}
 
 
+def sweep_ratios(roots: list[str], strategy: str = "average") -> str:
+    """The per-epoch derivation and aggregation of ``strategy`` in every MNIST-1D cell under ``roots`` (a table)."""
+    lines = ["| sweep root | cell | seeds | derivation per widest-tier local epoch | aggregation per epoch |",
+             "|---|---|---|---|---|"]
+    for root in roots:
+        for path in sorted(Path(root).glob("mnist1d-*/sweep.json")):
+            der, agg = [], []
+            for r in json.loads(path.read_text()):
+                if r.get("strategy") != strategy or not r.get("largest-tier-epoch-seconds"):
+                    continue
+                rows = list(zip(r["tier-derivation-seconds"], r["fusion-seconds"], r["largest-tier-epoch-seconds"]))[1:]
+                der.append(statistics.median(d / e for d, f, e in rows if d is not None and e))
+                agg.append(statistics.median((d + f) / e for d, f, e in rows if d is not None and f is not None and e))
+            if der:
+                lines.append(f"| {root} | {path.parent.name} | {len(der)} | {statistics.mean(der):.2f}× | "
+                             f"{statistics.mean(agg):.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/tier-derivation")
     ap.add_argument("--alpha", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--sweeps", nargs="+", help="summarise these sweep roots instead of timing")
     a = ap.parse_args(argv)
+    if a.sweeps:
+        print(sweep_ratios(a.sweeps))
+        return
     torch.set_num_threads(1)
     rows = [cell(f, t, a.alpha, a.repeats) for f in CELLS for t in TIERS]
     lines = ["| cell | local epoch (s) | prune, pruning every round (s) | per epoch | prune, ranked (s) | per epoch | "
