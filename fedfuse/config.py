@@ -172,6 +172,10 @@ class RunConfig:
                                     "(Flower's num_malicious_nodes)", ge=0)
     num_nodes_to_select: int = _key(1, "multikrum: the number of best-scored client models averaged (Flower's "
                                     "num_nodes_to_select)", ge=1)
+    mom_beta: float = _key(0.2, "inclusivefl: beta of the momentum distillation (the paper's --mom_beta): each "
+                           "shallower depth tier's top-layer update becomes (1 - beta) x its own + beta x the next "
+                           "deeper tier's update averaged over the layers from there up (0 = DepthFL's layer-wise "
+                           "average with one classifier per depth)", ge=0, le=1)
     robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
                         "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
                         "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
@@ -186,8 +190,8 @@ class RunConfig:
                              "assigned to clients round-robin by partition id (one per client with num-clients "
                              "values), or depth tiers <width>x<depth> with width 1 (e.g. '1x1,1x0.5': the first "
                              "half of the blocks with an exit classifier; strategies depthfl, depthfl-fedavg, "
-                             "average, feddf); node-config 'tier' overrides per SuperNode; '' = every client at the "
-                             "full model")
+                             "inclusivefl, average, feddf); node-config 'tier' overrides per SuperNode; '' = every "
+                             "client at the full model")
     tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
                             "average and fusion methods, slice for ViTs and heterofl/fedrolex/feddf: measured) | slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "

@@ -151,6 +151,10 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                        "pf8RIZTMU58)"),
     StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
+    StrategySpec("inclusivefl", "depth", server_step="paper", needs_depth_tiers=True,
+                 **{**_ARRAYS, "run_keys": ("mom-beta",)},
+                 paper="No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices, KDD 2022, "
+                       "arXiv 2202.08036"),
 )}
 
 #: names whose aggregation is not a fusion method (FedAvg and Flower's own strategies)
@@ -161,7 +165,7 @@ DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_dep
 PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
 STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
-                     "num-nodes-to-select")
+                     "num-nodes-to-select", "mom-beta")
 
 
 def fusion_spec(method: str) -> StrategySpec:

@@ -67,7 +67,7 @@ def test_strategies_are_fedavg_plus_same_architecture_methods():
 
     from fedfuse.hetero.tiers import TIER_STRATEGIES  # heterofl / fedrolex: sub-model averaging (capacity tiers)
 
-    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg: layer-wise (depth tiers)
+    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl: layer-wise (depth tiers)
 
     assert set(names) - set(NON_FUSION_STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == {
         n for n, s in METHOD_SPECS.items() if s.same_architecture}

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from flwr.app import Context, RecordDict
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.hetero.depth import (MultiExit, aggregate_held, depth_units, held_keys, multi_exit,
-                                  mutual_distillation_loss, units_at)
+from fedfuse.hetero.depth import (MultiExit, aggregate_held, depth_units, held_keys, layer_momentum,
+                                  momentum_distill, multi_exit, mutual_distillation_loss, unit_arrays, units_at)
 from fedfuse.hetero.tiers import parse_tier_pairs, parse_tiers
 from fedfuse.models import adapter_for, build_model
 
@@ -154,7 +154,7 @@ def test_client_depth_from_the_run_or_its_node_config_and_its_loaded_arrays():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("strategy", ["depthfl", "average"])
+@pytest.mark.parametrize("strategy", ["depthfl", "inclusivefl", "average"])
 def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
     from simulations.runners.inprocess import run_inprocess
 
@@ -195,3 +195,113 @@ def test_depth_strategy_rejects_a_plain_model_and_a_reply_of_another_depth():
     assert isinstance(s.build_model({k: _me().state_dict()[k] for k in ref}), MultiExit)
     with pytest.raises(ValueError, match="no depth tier's keys"):
         s.build_model({k: v for k, v in _me().state_dict().items() if k != "exits.1.fc.bias"})
+
+
+# ------------------------------------------------------------------------- InclusiveFL (arXiv 2202.08036)
+def test_momentum_distillation_rule_on_constructed_tensors():
+    me = _me()   # MLP 40 -> 16 x 4: unit 1 is [16, 40], units 2-4 are [16, 16]
+    layers = [unit_arrays(me, j)[0] for j in (1, 2)]
+    assert layers[0] == {"layer.weight": "base.1.weight", "layer.bias": "base.1.bias"}
+    deeper = {key: torch.full(me.state_dict()[key].shape, float(j)) for j, layer in enumerate(layers, 1)
+              for key in layer.values()}
+    m, skipped = layer_momentum(deeper, layers)
+    assert set(m) == {"base.1.weight", "base.1.bias"}
+    assert torch.equal(m["base.1.bias"], torch.full((16,), 1.5))      # mean of the two layers' biases
+    assert torch.equal(m["base.1.weight"], torch.full((16, 40), 1.0))  # [16, 16] of layer 2 left out, said why
+    assert skipped == ["base.1.weight: base.3.weight is (16, 16), not (16, 40)"]
+    same = [unit_arrays(me, j)[0] for j in (2, 3, 4)]                   # equal shapes: the mean over all three
+    m2, skipped2 = layer_momentum({k: torch.full((16,) * (2 if k.endswith("weight") else 1), float(j))
+                                   for j, layer in enumerate(same, 2) for k in layer.values()}, same)
+    assert skipped2 == [] and torch.equal(m2["base.3.weight"], torch.full((16, 16), 3.0))
+    with pytest.raises(ValueError, match="holds no 'base.1.bias'"):
+        layer_momentum({"base.1.weight": deeper["base.1.weight"]}, layers)
+
+    torch.manual_seed(0)
+    g = {k: torch.randn(v.shape) for k, v in me.state_dict().items() if k in held_keys(me, 1, own_exit=True)}
+    state = {k: v + torch.randn(v.shape) for k, v in g.items()}
+    out = momentum_distill(g, state, m, 0.2)
+    for key in m:   # the top layer: (1 - beta) x its own update + beta x the momentum
+        assert torch.allclose(out[key] - g[key], 0.8 * (state[key] - g[key]) + 0.2 * m[key], atol=1e-6)
+    assert all(torch.equal(out[k], state[k]) for k in state if k not in m)
+    still = momentum_distill(g, dict(g), m, 0.2)   # a client that did not move gets exactly beta x the momentum
+    assert all(torch.allclose(still[k] - g[k], 0.2 * m[k], atol=1e-6) for k in m)
+    assert all(torch.equal(momentum_distill(g, state, m, 0.0)[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="beta must be a number in \\[0, 1\\]"):
+        momentum_distill(g, state, m, 1.5)
+    with pytest.raises(ValueError, match="'base.3.bias' is not an array"):
+        momentum_distill(g, state, {"base.3.bias": torch.zeros(16)}, 0.2)
+
+
+def test_a_vit_top_block_pairs_by_name_and_its_embedding_takes_no_momentum():
+    named, other = unit_arrays(_me("vit"), 1)
+    assert "attn.qkv.weight" in named and named["attn.qkv.weight"] == "base.blocks.0.attn.qkv.weight"
+    assert set(other) == {"base.cls_token", "base.pos_embed", "base.patch_embed.proj.weight",
+                          "base.patch_embed.proj.bias"}
+    me = _me()
+    assert [k for k in held_keys(me, 2, own_exit=True) if k.startswith("exits.")] == ["exits.2.fc.weight",
+                                                                                        "exits.2.fc.bias"]
+    assert not any(k.startswith("exits.") for k in held_keys(me, 4, own_exit=True))
+
+
+def _inclusive_round(beta):
+    from fedfuse.flower.depth_tiers import DepthFLFedAvgStrategy, InclusiveFLStrategy
+    from fedfuse.flower.replies import ClientUpdate
+
+    def model_fn():   # the same global model every call (the exits' initialisation draws from torch's generator)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return _me()
+
+    depths = (1.0, 0.75, 0.5, 0.25)
+    s = InclusiveFLStrategy(model_fn=model_fn, depths=depths, mom_beta=beta)
+    fedavg = DepthFLFedAvgStrategy(model_fn=model_fn, depths=depths)
+    for strat in (s, fedavg):
+        strat.tier_layout.node_depth = {1: 1.0, 2: 0.5, 3: 0.25}
+    g = s.global_state()
+    torch.manual_seed(1)
+    updates = [ClientUpdate(n, n, {k: g[k] + torch.randn(g[k].shape) for k in s._held[s.node_units(n)]}, None, 10, {})
+               for n in (1, 2, 3)]
+    return s, fedavg, g, updates
+
+
+def test_inclusivefl_server_step_beta_0_is_depthfl_fedavg_and_beta_mixes_the_shallow_top_layer():
+    s, fedavg, g, ups = _inclusive_round(0.0)
+    assert s.update_momentum(g, ups) == [1, 3]   # tier 2's deeper tier (3 units) sent nothing: no momentum
+    assert set(s._momentum[1]) == {"base.1.weight", "base.1.bias"}
+    avg0, ref = s.average(ups), fedavg.average(ups)
+    assert all(torch.equal(avg0[k], ref[k]) for k in ref)                 # beta 0: DepthFL-fedavg's average
+
+    s, _, g, ups = _inclusive_round(0.2)
+    s.update_momentum(g, ups)
+    m = s._momentum[1]
+    d2 = {k: ups[1].state[k] - g[k] for k in ups[1].state}               # the 2-unit client: the next deeper tier
+    assert torch.allclose(m["base.1.bias"], (d2["base.1.bias"] + d2["base.3.bias"]) / 2, atol=1e-6)
+    assert torch.allclose(m["base.1.weight"], d2["base.1.weight"], atol=1e-6)
+    avg = s.average(ups)
+    x = [u.state for u in ups]
+    shallow_top = g["base.1.bias"] + 0.8 * (x[2]["base.1.bias"] - g["base.1.bias"]) + 0.2 * m["base.1.bias"]
+    assert torch.allclose(avg["base.1.bias"], (x[0]["base.1.bias"] + x[1]["base.1.bias"] + shallow_top) / 3,
+                          atol=1e-6)
+    assert torch.allclose(avg["base.3.bias"], (x[0]["base.3.bias"] + x[1]["base.3.bias"]) / 2, atol=1e-6)
+    assert torch.equal(avg["exits.1.fc.bias"], x[2]["exits.1.fc.bias"])   # each exit: its own tier's clients only
+    with pytest.raises(ValueError, match="mom-beta must be a number in \\[0, 1\\]"):
+        _inclusive_round(1.5)
+
+
+def test_inclusivefl_options_and_client_fail_or_train_their_own_exit():
+    from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, depth_tier
+
+    assert parse_run_config({**TINY, "strategy": "inclusivefl", "mom-beta": 0.5}).mom_beta == 0.5
+    with pytest.raises(ConfigError, match="'mom-beta' applies to strategy inclusivefl only"):
+        parse_run_config({**TINY, "strategy": "depthfl", "mom-beta": 0.5})
+    with pytest.raises(ConfigError, match="mom-beta"):
+        parse_run_config({**TINY, "strategy": "inclusivefl", "mom-beta": 1.5})
+    with pytest.raises(ConfigError, match="client-tiers.*needs depth tiers"):
+        parse_run_config({**TINY, "strategy": "inclusivefl", "client-tiers": ""})
+    server = _me(seed=1)
+    sent = {k: server.state_dict()[k] for k in held_keys(server, 2, own_exit=True)}
+    model, loss_fn, keys = depth_tier(_me(seed=2), {DEPTH_KEY: 2, OWN_EXIT_KEY: True}, sent)
+    x, y = torch.randn(4, 40), torch.tensor([0, 1, 2, 3])
+    assert set(keys) == set(sent) and torch.allclose(loss_fn(x, y), F.cross_entropy(model(x), y))
+    with pytest.raises(ValueError, match="depth-2 model holds other arrays"):
+        depth_tier(_me(), {DEPTH_KEY: 2, OWN_EXIT_KEY: True}, {k: server.state_dict()[k] for k in held_keys(server, 2)})

@@ -88,7 +88,7 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
     from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
 
-    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg (fedfuse.flower.depth_tiers)
+    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (fedfuse.flower.depth_tiers)
 
     assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
     for name, cls in STRATEGIES.items():

@@ -50,12 +50,13 @@ def _trained(seed, depth_tiers=False):
     return m
 
 
-def _reply(node_id, seed, n, scores=True, depth_tiers=False):
+def _reply(node_id, seed, n, scores=True, depth_tiers=False, keys=None):
     msg = Mock(spec=Message)
     msg.metadata = Mock(src_node_id=node_id)
     msg.has_error.return_value = False
     model = _trained(seed, depth_tiers)
-    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v.numpy().copy()) for k, v in model.state_dict().items()}),
+    content = RecordDict({ARRAYS: ArrayRecord({k: Array(v.numpy().copy()) for k, v in model.state_dict().items()
+                                               if keys is None or k in keys}),
                           "metrics": MetricRecord({WEIGHT: n, "partition-id": node_id,
                                                    "class-counts": [n // 10] * 10})})
     if scores:   # only when the train config asks for them (``need-importance``), as fedfuse's ClientApp does
@@ -98,7 +99,8 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
     msgs = list(s.configure_train(1, state_to_record(init.state_dict()), ConfigRecord({}), _grid(n)))
     assert len(msgs) == n and all(ARRAYS in m.content for m in msgs)
     scores = bool(msgs[0].content["config"]["need-importance"])
-    replies = [_reply(1, 1, 30, scores, depth), _reply(2, 2, 90, scores, depth)] + \
+    held = set(msgs[0].content[ARRAYS]) if depth else None   # a depth tier replies with the arrays it was sent
+    replies = [_reply(1, 1, 30, scores, depth, held), _reply(2, 2, 90, scores, depth, held)] + \
         ([_reply(3, 3, 60, scores)] if n == 3 else [])
     arrays, metrics = s.aggregate_train(1, replies)
     record = s.history[-1]
@@ -133,7 +135,7 @@ def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
     assert TIER_STRATEGIES == ("heterofl", "fedrolex") and SUBMODEL_METHODS == ("average", "feddf")
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES
 
-    assert DEPTH_TIER_STRATEGIES == ("depthfl", "depthfl-fedavg")
+    assert DEPTH_TIER_STRATEGIES == ("depthfl", "depthfl-fedavg", "inclusivefl")
     assert set(STRATEGIES) <= set(strategy_names())   # (+ fusion methods registered later, e.g. by tests)
     for name in strategy_names():
         spec = strategy_spec(name)

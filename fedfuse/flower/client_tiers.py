@@ -30,6 +30,7 @@ OD_KEY = "ordered-dropout-widths"  # train config: the narrower tiers this node 
 DEPTHS_KEY = "client-depths"       # query config: the run's depth multipliers (depth tiers)
 DEPTH_KEY = "tier-depth-units"     # train config: the depth units (blocks) of the model the node receives
 SELF_DISTILL_KEY = "depth-self-distill"   # train config: DepthFL's mutual distillation between the node's exits
+OWN_EXIT_KEY = "depth-own-exit"   # train config: the node holds and trains only the exit after its depth (InclusiveFL)
 
 
 def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = None) -> tuple[int, float]:
@@ -90,8 +91,10 @@ def query(msg: Message, context: Context) -> Message:
 def depth_tier(model: nn.Module, config, received: dict | None):
     """A depth-tier node's model and loss: ``model`` (the run's ``MultiExit``) set to the ``config[DEPTH_KEY]`` units
     the strategy sends, ``received`` (its held arrays; ``None`` when the node trains its own initialisation) loaded,
-    and DepthFL's loss over its exits (``config[SELF_DISTILL_KEY]``: with mutual distillation). Returns
-    ``(model, loss_fn, held keys)``, or ``(model, None, None)`` without depth tiers."""
+    and DepthFL's loss over its exits (``config[SELF_DISTILL_KEY]``: with mutual distillation); with
+    ``config[OWN_EXIT_KEY]`` the node holds only the exit after its depth and its loss is that exit's cross-entropy
+    (InclusiveFL, arXiv 2202.08036: one classifier per sub-model). Returns ``(model, loss_fn, held keys)``, or
+    ``(model, None, None)`` without depth tiers."""
     from fedfuse.hetero.depth import MultiExit, held_keys, mutual_distillation_loss
 
     if DEPTH_KEY not in config:
@@ -101,7 +104,8 @@ def depth_tier(model: nn.Module, config, received: dict | None):
                          "client-tiers has no depth tier)")
     k = int(config[DEPTH_KEY])
     model.set_active(k)
-    keys = held_keys(model, k)
+    own_exit = bool(config.get(OWN_EXIT_KEY, False))
+    keys = held_keys(model, k, own_exit=own_exit)
     if received is not None:
         if set(received) != set(keys):
             missing, extra = sorted(set(keys) - set(received)), sorted(set(received) - set(keys))
@@ -111,6 +115,8 @@ def depth_tier(model: nn.Module, config, received: dict | None):
     self_distill = bool(config.get(SELF_DISTILL_KEY, True))
 
     def loss_fn(xb, yb):
+        if own_exit:   # the cross-entropy of the node's own classifier alone
+            return mutual_distillation_loss([model(xb)], yb, self_distill=False)
         return mutual_distillation_loss(model.forward_exits(xb), yb, self_distill=self_distill)
 
     return model, loss_fn, keys
@@ -150,5 +156,5 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
     return ordered_dropout(model, ps, model_at, seed=seed)
 
 
-__all__ = ["query", "node_tier", "node_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY",
-           "OD_KEY"]
+__all__ = ["query", "node_tier", "node_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY",
+           "OWN_EXIT_KEY", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY", "OD_KEY"]

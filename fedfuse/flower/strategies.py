@@ -23,7 +23,7 @@ from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.depth_tiers import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
-from fedfuse.strategy_specs import strategy_names, strategy_spec
+from fedfuse.strategy_specs import key_applies, strategy_names, strategy_spec
 
 
 class FedAvgStrategy(FusionStrategy):
@@ -139,8 +139,9 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
 def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
-    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers
-        return build_depth_strategy, {"depths": cfg.depth_tiers}
+    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers (inclusivefl: its momentum distillation's beta)
+        return build_depth_strategy, {"depths": cfg.depth_tiers,
+                                      **({"mom_beta": cfg.mom_beta} if key_applies("mom-beta", cfg.strategy) else {})}
     if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
         return build_strategy, {}
     return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,

@@ -16,6 +16,11 @@ says which classifier ``forward`` returns; ``forward_exits`` returns every class
 loss). Nothing beyond ``active`` runs. A depth tier's sub-model is the keys ``held_keys(model, k)``: the levels up
 to unit ``k`` and the exits at or below ``k`` (the final classifier only at full depth); ``aggregate_held`` averages
 every key over the clients that hold it and keeps the global value elsewhere.
+
+InclusiveFL (Liu et al., "No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices", KDD 2022,
+arXiv 2202.08036) gives each client one classifier after its own depth (``held_keys(..., own_exit=True)``) and adds
+momentum distillation: a shallower tier's top layer takes part of the next deeper tier's update of the layers from
+it up (``unit_arrays``, ``layer_momentum``, ``momentum_distill``).
 """
 
 from __future__ import annotations
@@ -143,9 +148,10 @@ class MultiExit(nn.Module):
         return self.forward_exits(x)[-1]
 
 
-def held_keys(model: MultiExit, k: int) -> list[str]:
+def held_keys(model: MultiExit, k: int, own_exit: bool = False) -> list[str]:
     """The state-dict keys of ``model`` a client of ``k`` units holds: every level up to unit ``k`` (parameters and
-    the buffers of their modules), the exits at or below ``k``, and the final classifier only at full depth."""
+    the buffers of their modules), the exits at or below ``k`` (``own_exit``: exit ``k`` only, none at full depth:
+    InclusiveFL's one classifier per sub-model), and the final classifier only at full depth."""
     if k != model.num_units and k not in model.exit_units:
         raise ValueError(f"depth tiers: no classifier at {k} units (exits at {model.exit_units})")
     units = depth_units(model.base)
@@ -155,7 +161,7 @@ def held_keys(model: MultiExit, k: int) -> list[str]:
     keep = []
     for key in model.state_dict():
         if key.startswith("exits."):
-            if int(key.split(".")[1]) <= k:
+            if int(key.split(".")[1]) == k or (not own_exit and int(key.split(".")[1]) < k):
                 keep.append(key)
             continue
         if key in dropped or key.rsplit(".", 1)[0] in dropped_modules:
@@ -187,6 +193,86 @@ def aggregate_held(global_state: dict[str, torch.Tensor], states: list[dict[str,
         for v, wi in holders:
             acc.add_(v.detach().double(), alpha=wi / total)
         out[key] = acc.to(g.dtype)
+    return out
+
+
+def unit_arrays(model: MultiExit, unit: int) -> tuple[dict[str, str], list[str]]:
+    """The parameters of depth unit ``unit`` (1-based) of ``model`` named within the unit, so that the arrays of two
+    units pair up: ``({name: state key}, [the level's other state keys])``. Names: ``layer.<p>`` / ``norm.<p>`` for
+    an affine level's layer and BatchNorm (an MLP or plain-CNN hidden layer), the path under the block for a residual
+    or transformer block (``conv1.weight``, ``attn.qkv.weight``). A level's parameters outside its block (a ViT's
+    patch embedding, class token and position embedding, which go with block 0) are the second list."""
+    if not 1 <= unit <= model.num_units:
+        raise ValueError(f"depth tiers: no depth unit {unit} (the model has units 1..{model.num_units})")
+    lv = levels(model.base)[depth_units(model.base)[unit - 1]]
+    modules = dict(model.base.named_modules())
+    named: dict[str, str] = {}
+    other: list[str] = []
+    for p in lv.param_names:
+        owner, _, leaf = p.rpartition(".")
+        mod = modules.get(owner) if owner else None
+        if mod is not None and mod is lv.layer:
+            named[f"layer.{leaf}"] = f"base.{p}"
+        elif mod is not None and mod is lv.norm:
+            named[f"norm.{leaf}"] = f"base.{p}"
+        elif p.startswith(lv.name + "."):
+            named[p[len(lv.name) + 1:]] = f"base.{p}"
+        else:
+            other.append(f"base.{p}")
+    return named, other
+
+
+def layer_momentum(update: dict[str, torch.Tensor],
+                   layers: Sequence[dict[str, str]]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """InclusiveFL's knowledge of the deeper layers for a shallower tier's top layer (Liu et al., "No One Left
+    Behind: Inclusive Federated Learning over Heterogeneous Devices", KDD 2022, arXiv 2202.08036; the authors'
+    ``HeteAgg_mom``): ``update`` is the next deeper tier's update ``{state key: Δ}`` (its clients' sample-weighted
+    mean of state − global), ``layers`` the ``unit_arrays`` names of the layers from the shallow tier's top layer
+    (``layers[0]``) up to the deeper tier's top layer, both included. For every array ``name`` of ``layers[0]`` (key
+    ``key_0``, shape ``S``): ``m[key_0] = (1 / |J|) Σ_{j ∈ J} Δ[key_j]`` over the layers ``J`` that have an array
+    ``name`` of shape ``S`` (``layers[0]`` itself always does). Returns ``(m, skipped)``: ``m`` keyed and shaped as
+    the top layer's arrays, ``skipped`` one line per layer array left out of a mean and why. ``ValueError`` when
+    ``update`` lacks an array of the top layer."""
+    if not layers:
+        raise ValueError("momentum distillation: no layers (the shallow tier's top layer comes first)")
+    momentum: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    for name, key in layers[0].items():
+        if key not in update:
+            raise ValueError(f"momentum distillation: the deeper tier's update holds no {key!r} (the shallow tier's "
+                             "top layer, which every deeper tier holds)")
+        ref = update[key]
+        acc, n = torch.zeros(ref.shape, dtype=torch.float64), 0
+        for j, layer in enumerate(layers):
+            other = layer.get(name)
+            if other is None or other not in update:
+                skipped.append(f"{key}: layer +{j} of the range has no array {name!r}")
+            elif tuple(update[other].shape) != tuple(ref.shape):
+                skipped.append(f"{key}: {other} is {tuple(update[other].shape)}, not {tuple(ref.shape)}")
+            else:
+                acc.add_(update[other].detach().double())
+                n += 1
+        momentum[key] = (acc / n).to(ref.dtype)
+    return momentum, skipped
+
+
+def momentum_distill(global_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                     momentum: dict[str, torch.Tensor], beta: float) -> dict[str, torch.Tensor]:
+    """A shallower tier's client ``state`` with InclusiveFL's momentum distillation on its top layer (arXiv
+    2202.08036; the authors' ``Aggregator_mom.load_grad_mem``): every array of ``momentum`` (``layer_momentum``)
+    becomes ``global + (1 − β) Δ + β m`` with ``Δ = state − global`` (the update mixed with the deeper layers'
+    momentum, as their gradient ``β m + (1 − β) g``); the other arrays are the state's. β = 0 returns the state's
+    arrays. ``ValueError`` for β outside [0, 1] or a momentum array that is not one of the state's, of its shape."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"momentum distillation: beta must be a number in [0, 1], got {beta!r}")
+    out = dict(state)
+    for key, m in momentum.items():
+        if key not in state or key not in global_state or not (
+                tuple(m.shape) == tuple(state[key].shape) == tuple(global_state[key].shape)):
+            raise ValueError(f"momentum distillation: {key!r} is not an array of the client state's shape")
+        if beta:
+            g = global_state[key].double()
+            out[key] = (g + (1 - beta) * (state[key].double() - g) + beta * m.double()).to(state[key].dtype)
     return out
 
 
@@ -236,4 +322,4 @@ def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int)
 
 
 __all__ = ["MultiExit", "ExitHead", "depth_units", "units_at", "held_keys", "aggregate_held", "distill_exits",
-           "mutual_distillation_loss", "multi_exit"]
+           "mutual_distillation_loss", "multi_exit", "unit_arrays", "layer_momentum", "momentum_distill"]

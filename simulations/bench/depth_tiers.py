@@ -8,7 +8,8 @@ depth tiers ``--tiers`` assigned round-robin by partition id (``--model vit``: a
 blocks on the same signals viewed ``[N, 1, 40]``, Adam lr 0.005) (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
 depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 
-- ``depthfl``, ``depthfl-fedavg``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the depth tiers;
+- ``depthfl``, ``depthfl-fedavg``, ``inclusivefl``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the
+  depth tiers;
 - ``fedavg-shallowest``: every client trains the shallowest tier's model (model-depth = its layers), FedAvg;
 - ``fedavg-full-only``: FedAvg of the full-depth clients alone (their files only);
 - ``fedavg-all-full`` (reference, not a tiered federation): every client at full depth;
@@ -43,7 +44,7 @@ from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa
 from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
 
-DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,average,feddf"
+DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,inclusivefl,average,feddf"
 BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full", "heterofl-equal-params")
 
 
