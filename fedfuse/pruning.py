@@ -297,10 +297,11 @@ def _graph(model: nn.Module, spec: PruningSpec, example: torch.Tensor):
 
 
 def _importances(model: nn.Module, spec: PruningSpec, example: torch.Tensor, criterion: str,
-                 scores: Mapping[str, torch.Tensor] | None, score_levels: Mapping[nn.Module, str], graph=None
-                 ) -> tuple[dict[str, torch.Tensor], list[_Unit]]:
+                 scores: Mapping[str, torch.Tensor] | None, score_levels: Mapping[nn.Module, str], graph=None,
+                 groups=None) -> tuple[dict[str, torch.Tensor], list[_Unit]]:
     """Per-unit importance vectors (root index space) on ``model`` (gradients already accumulated for taylor)
-    and the units; ``graph``: ``model``'s ``_graph`` when already built."""
+    and the units; ``graph``: ``model``'s ``_graph`` and ``groups`` its every unit's full group (unit key ->
+    Torch-Pruning ``Group``) when already built."""
     tp = _tp()
     DG, units = graph if graph is not None else _graph(model, spec, example)
     magnitude = tp.importance.GroupMagnitudeImportance(p=2)
@@ -312,7 +313,7 @@ def _importances(model: nn.Module, spec: PruningSpec, example: torch.Tensor, cri
         imp = score_importance(DG, scores or {}, score_levels, magnitude)
     out = {}
     for u in units:
-        group = DG.get_pruning_group(u.module, u.fn, list(range(u.size)))
+        group = groups[u.key] if groups is not None else DG.get_pruning_group(u.module, u.fn, list(range(u.size)))
         v = imp(group)
         if v is None or not bool(torch.isfinite(v).all()):
             v = magnitude(group)
@@ -683,6 +684,8 @@ class _ArchitectureGraph:
         self.example = example.detach().cpu()
         self.names = {m: n for n, m in self.model.named_modules()}
         self.graph = _graph(self.model, self.spec, self.example)
+        DG, units = self.graph
+        self.groups = {u.key: DG.get_pruning_group(u.module, u.fn, list(range(u.size))) for u in units}
 
 
 _GRAPHS: dict[tuple, _ArchitectureGraph] = {}
@@ -739,7 +742,7 @@ def keep_indices(model: nn.Module, target: nn.Module, *, scores: Mapping[str, to
         _taylor_gradients(work, req.fusion_inputs, None, None, req.options.batch_size)
     try:
         importance, units = _importances(work, arch.spec, arch.example, req.criterion, scores, arch.score_levels,
-                                         graph=arch.graph)
+                                         graph=arch.graph, groups=arch.groups)
     finally:
         work.zero_grad(set_to_none=True)
     plan = _plan_target(work, units, target)

@@ -174,6 +174,23 @@ def permutation_layout(model: nn.Module, perms: Mapping[str, torch.Tensor]) -> S
     return SubModel(positions, {k: tuple(v.shape) for k, v in state.items()})
 
 
+def _permuted(state: dict[str, torch.Tensor], spec, perms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``slice_state(state, permutation_layout(model, perms))`` on the values directly (``spec``: the model's
+    permutation spec)."""
+    out = {}
+    for key, t in state.items():
+        entry = spec.entries.get(key)
+        if entry is None:
+            out[key] = t
+            continue
+        v = t.reshape(entry.view or tuple(t.shape))
+        for ax in entry.axes:
+            if ax.group in perms:
+                v = v.index_select(ax.axis, perms[ax.group])
+        out[key] = v.reshape(t.shape)
+    return out
+
+
 def _front_permutation(size: int, front: torch.Tensor, within: int) -> torch.Tensor:
     """A permutation of ``range(size)``: ``front`` first (indices < ``within``), the rest of ``range(within)`` in
     order, then ``within..size-1`` unchanged."""
@@ -239,8 +256,7 @@ def prune_order(global_model: nn.Module, tiers: Mapping[str, nn.Module] | list[n
         kept, used, ranked = tier_kept_units(wide, tier, scores=wide_scores, fusion_inputs=fusion_inputs,
                                              criterion=criterion, seed=seed, **prune_options)
         step = {g: _front_permutation(sizes[g], kept[g], wide_widths[g]) for g in sizes}
-        layout = permutation_layout(global_model, step)
-        state = slice_state(state, layout)
+        state = _permuted(state, spec, step)
         perms = {g: perms[g][step[g]] for g in sizes}
         if cur_scores:
             cur_scores = {lv: s[step[level_group[lv]]] for lv, s in cur_scores.items()}
