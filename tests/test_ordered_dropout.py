@@ -113,3 +113,64 @@ def test_ordered_dropout_config():
         parse_run_config({"strategy": "average", "ordered-dropout": "all"})   # no tiers: nothing narrower to train
     assert parse_run_config({"strategy": "average"}).ordered_dropout == "auto"   # default, no tiers: silent no-op
 
+
+
+def test_own_weight_draws_the_own_width_with_that_probability_and_the_rest_evenly():
+    g = build_model("mlp", 10, (40,), width=32, depth=2)
+    subs = [_at(g, 0.5, (40,), seed=1), _at(g, 0.25, (40,), seed=2)]
+    uniform = OrderedDropout(g, subs, seed=0)
+    weighted = OrderedDropout(g, subs, seed=0, own_weight=0.8)
+    n = 4000
+    u = [uniform.draw() for _ in range(n)]
+    w = [weighted.draw() for _ in range(n)]
+    assert all(abs(u.count(k) / n - 1 / 3) < 0.03 for k in range(3))              # FjORD: every width alike
+    assert abs(w.count(0) / n - 0.8) < 0.03                                         # the own width: own_weight
+    assert abs(w.count(1) / n - 0.1) < 0.02 and abs(w.count(2) / n - 0.1) < 0.02   # the rest split evenly
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ValueError, match="own_weight"):
+            OrderedDropout(g, subs, own_weight=bad)
+
+
+def test_ordered_dropout_own_from_run_config_to_the_client():
+    from flwr.supercore.task_identity import TaskIdentity  # noqa: F401  (the strategy's messages)
+
+    from fedfuse.flower.client_tiers import OD_OWN_KEY
+
+    cfg = parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "0.75"})
+    assert cfg.ordered_dropout_own == "0.75"
+    for bad, match in (({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "most"}, "probability"),
+                       ({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "1"}, "probability"),
+                       ({"ordered-dropout-own": "0.5"}, "needs capacity tiers"),
+                       ({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout": "off",
+                         "ordered-dropout-own": "0.5"}, "needs capacity tiers")):
+        with pytest.raises(ConfigError, match="ordered-dropout-own"):
+            parse_run_config(bad)
+    g = build_model("mlp", 10, (40,), width=32, depth=2)
+    fwd = tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5], OD_OWN_KEY: 0.75}, seed=0, input_shape=(40,))
+    assert fwd.own_weight == 0.75
+    with pytest.raises(ValueError, match=OD_OWN_KEY):
+        tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5], OD_OWN_KEY: 2.0}, seed=0, input_shape=(40,))
+
+
+def test_strategy_sends_the_own_width_probability_with_the_narrower_tiers(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedfuse.flower.client_tiers import OD_OWN_KEY
+    from fedfuse.flower.protocol import state_to_record
+    from fedfuse.flower.tiered import build_tier_strategy
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    with pytest.raises(ValueError, match="ordered_dropout_own"):
+        build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_own=1.0,
+                            model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
+    s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_own=0.75,
+                            model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
+    s._node_tier = {1: 1.0, 2: 0.5}
+    grid = Mock()
+    grid.get_node_ids.return_value = [1, 2]
+    arrays = state_to_record(build_model("mlp", 10, (40,), width=16, depth=2).state_dict())
+    msgs = list(s.configure_train(1, arrays, ConfigRecord({}), grid))
+    sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_OWN_KEY) for m in msgs}
+    assert sent == {1: 0.75, 2: None}     # the narrowest tier has no narrower width: nothing to weigh

@@ -30,12 +30,20 @@ class OrderedDropout:
         sub_models: architectures of the narrower widths to draw from (their weights are ignored), each a
             nested sub-model of ``model`` (same family and depth; ``ValueError`` otherwise).
         seed: seed of the draws (the run's client seed: the same run draws the same widths).
+        own_weight: the probability that a batch trains ``model`` itself (the client's own width), the rest split
+            evenly over the narrower widths; ``None``: FjORD's uniform draw over all ``len(sub_models) + 1``
+            widths. A larger weight keeps more of the wide clients' training on the full model (which the global
+            model is), a smaller one trains the narrow tiers more.
 
-    Calling it with a batch ``x [B, *input_shape]`` draws one of ``len(sub_models) + 1`` widths uniformly
-    (``model`` itself included) and returns that width's logits ``[B, num_classes]``.
+    Calling it with a batch ``x [B, *input_shape]`` draws one of ``len(sub_models) + 1`` widths (``model`` itself
+    included) and returns that width's logits ``[B, num_classes]``.
     """
 
-    def __init__(self, model: nn.Module, sub_models: list[nn.Module], *, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, sub_models: list[nn.Module], *, seed: int = 0,
+                 own_weight: float | None = None) -> None:
+        if own_weight is not None and not 0 < own_weight < 1:
+            raise ValueError(f"ordered dropout: own_weight must be in (0, 1) or None (uniform), got {own_weight!r}")
+        self.own_weight = own_weight
         self.model = model
         # flat positions of every sub-model entry inside the client's model (HeteroFL's top-left slice)
         self.subs = [(m, submodel(model, m, offset=0).positions) for m in sub_models]
@@ -52,8 +60,16 @@ class OrderedDropout:
             out[key] = t.reshape(-1).index_select(0, pos.reshape(-1).to(t.device)).reshape(pos.shape)
         return out
 
+    def draw(self) -> int:
+        """The next width: 0 = the client's own model, ``i`` = ``sub_models[i - 1]``."""
+        if self.own_weight is None:
+            return int(torch.randint(len(self.subs) + 1, (1,), generator=self.gen))
+        if float(torch.rand((), generator=self.gen)) < self.own_weight:
+            return 0
+        return 1 + int(torch.randint(len(self.subs), (1,), generator=self.gen))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k = int(torch.randint(len(self.subs) + 1, (1,), generator=self.gen))
+        k = self.draw()
         self.draws[k] += 1
         if k == 0:
             return self.model(x)
@@ -63,14 +79,15 @@ class OrderedDropout:
 
 
 def ordered_dropout(model: nn.Module, widths: list[float], model_at: Callable[[float], nn.Module], *,
-                    seed: int = 0) -> OrderedDropout | None:
+                    seed: int = 0, own_weight: float | None = None) -> OrderedDropout | None:
     """The ``OrderedDropout`` forward of a tier-``r`` client: ``widths`` are the federation's width
     multipliers ``<= r`` other than ``r`` (relative to the global model); ``model_at(p)`` builds the
     width-``p`` architecture (with the width scaler where the run uses it). ``None`` when ``widths`` is
-    empty (the smallest tier trains its own model only)."""
+    empty (the smallest tier trains its own model only). ``own_weight``: ``OrderedDropout``'s."""
     if not widths:
         return None
-    return OrderedDropout(model, [model_at(p) for p in sorted(set(widths), reverse=True)], seed=seed)
+    return OrderedDropout(model, [model_at(p) for p in sorted(set(widths), reverse=True)], seed=seed,
+                          own_weight=own_weight)
 
 
 __all__ = ["OrderedDropout", "ordered_dropout"]
