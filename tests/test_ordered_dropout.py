@@ -115,62 +115,69 @@ def test_ordered_dropout_config():
 
 
 
-def test_own_weight_draws_the_own_width_with_that_probability_and_the_rest_evenly():
+
+def test_draw_weights_the_widths_as_asked():
+    from fedfuse.hetero.ordered_dropout import draw_weights
+
     g = build_model("mlp", 10, (40,), width=32, depth=2)
     subs = [_at(g, 0.5, (40,), seed=1), _at(g, 0.25, (40,), seed=2)]
-    uniform = OrderedDropout(g, subs, seed=0)
-    weighted = OrderedDropout(g, subs, seed=0, own_weight=0.8)
     n = 4000
-    u = [uniform.draw() for _ in range(n)]
-    w = [weighted.draw() for _ in range(n)]
-    assert all(abs(u.count(k) / n - 1 / 3) < 0.03 for k in range(3))              # FjORD: every width alike
-    assert abs(w.count(0) / n - 0.8) < 0.03                                         # the own width: own_weight
-    assert abs(w.count(1) / n - 0.1) < 0.02 and abs(w.count(2) / n - 0.1) < 0.02   # the rest split evenly
-    for bad in (0, 1, 1.5, -0.1):
-        with pytest.raises(ValueError, match="own_weight"):
-            OrderedDropout(g, subs, own_weight=bad)
+    draws = {name: OrderedDropout(g, subs, seed=0, weights=draw_weights(d, 1.0, [0.5, 0.25]))
+             for name, d in (("uniform", "uniform"), ("own", 0.8), ("width", "width"))}
+    freq = {name: [c / n for c in torch.bincount(torch.tensor([od.draw() for _ in range(n)]), minlength=3).tolist()]
+            for name, od in draws.items()}
+    assert all(abs(f - 1 / 3) < 0.03 for f in freq["uniform"])                     # FjORD: every width alike
+    assert [round(f, 1) for f in freq["own"]] == [0.8, 0.1, 0.1]                    # own 0.8, the rest evenly
+    assert all(abs(f - w / 1.75) < 0.03 for f, w in zip(freq["width"], (1, 0.5, 0.25)))   # in proportion to width
+    assert draw_weights("width", 1.0, [0.125]) == [1.0, 0.125]
+    for bad in (0, 1, 1.5, "most", True):
+        with pytest.raises(ValueError, match="draw"):
+            draw_weights(bad, 1.0, [0.5])
+    with pytest.raises(ValueError, match="weights"):
+        OrderedDropout(g, subs, weights=[1.0, 0.5])
 
 
-def test_ordered_dropout_own_from_run_config_to_the_client():
-    from flwr.supercore.task_identity import TaskIdentity  # noqa: F401  (the strategy's messages)
+def test_ordered_dropout_draw_from_run_config_to_the_client():
+    from fedfuse.flower.client_tiers import OD_DRAW_KEY
 
-    from fedfuse.flower.client_tiers import OD_OWN_KEY
-
-    cfg = parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "0.75"})
-    assert cfg.ordered_dropout_own == "0.75"
-    for bad, match in (({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "most"}, "probability"),
-                       ({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-own": "1"}, "probability"),
-                       ({"ordered-dropout-own": "0.5"}, "needs capacity tiers"),
+    for value in ("0.75", "width"):
+        cfg = parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-draw": value})
+        assert cfg.ordered_dropout_draw == value
+    for bad, match in (({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-draw": "most"}, "probability"),
+                       ({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-draw": "1"}, "probability"),
+                       ({"ordered-dropout-draw": "0.5"}, "needs capacity tiers"),
                        ({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout": "off",
-                         "ordered-dropout-own": "0.5"}, "needs capacity tiers")):
-        with pytest.raises(ConfigError, match="ordered-dropout-own"):
+                         "ordered-dropout-draw": "width"}, "needs capacity tiers")):
+        with pytest.raises(ConfigError, match="ordered-dropout-draw"):
             parse_run_config(bad)
     g = build_model("mlp", 10, (40,), width=32, depth=2)
-    fwd = tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5], OD_OWN_KEY: 0.75}, seed=0, input_shape=(40,))
-    assert fwd.own_weight == 0.75
-    with pytest.raises(ValueError, match=OD_OWN_KEY):
-        tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5], OD_OWN_KEY: 2.0}, seed=0, input_shape=(40,))
+    half = tier_model(g, {"tier-width-mult": 0.5}, seed=0, input_shape=(40,))
+    fwd = tier_forward(g, half, {"tier-width-mult": 0.5, OD_KEY: [0.25], OD_DRAW_KEY: "width"}, seed=0,
+                       input_shape=(40,))
+    assert fwd.cumulative.tolist() == pytest.approx([2 / 3, 1.0])      # a 0.5 client: its width 0.5 vs 0.25
+    with pytest.raises(ValueError, match=OD_DRAW_KEY):
+        tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5], OD_DRAW_KEY: 2.0}, seed=0, input_shape=(40,))
 
 
-def test_strategy_sends_the_own_width_probability_with_the_narrower_tiers(monkeypatch):
+def test_strategy_sends_the_draw_with_the_narrower_tiers(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfuse.flower.client_tiers import OD_OWN_KEY
+    from fedfuse.flower.client_tiers import OD_DRAW_KEY
     from fedfuse.flower.protocol import state_to_record
     from fedfuse.flower.tiered import build_tier_strategy
 
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    with pytest.raises(ValueError, match="ordered_dropout_own"):
-        build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_own=1.0,
+    with pytest.raises(ValueError, match="ordered_dropout_draw"):
+        build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_draw=1.0,
                             model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
-    s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_own=0.75,
+    s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_draw="width",
                             model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
     s._node_tier = {1: 1.0, 2: 0.5}
     grid = Mock()
     grid.get_node_ids.return_value = [1, 2]
     arrays = state_to_record(build_model("mlp", 10, (40,), width=16, depth=2).state_dict())
     msgs = list(s.configure_train(1, arrays, ConfigRecord({}), grid))
-    sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_OWN_KEY) for m in msgs}
-    assert sent == {1: 0.75, 2: None}     # the narrowest tier has no narrower width: nothing to weigh
+    sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_DRAW_KEY) for m in msgs}
+    assert sent == {1: "width", 2: None}     # the narrowest tier has no narrower width: nothing to draw

@@ -26,7 +26,7 @@ QUERY_KIND = "fedfuse-tier"        # config["query"] of a tier query
 TIERS_KEY = "client-tiers"         # query config: the run's width multipliers (a list of floats)
 TIER_KEY = "tier-width-mult"       # train config: the width multiplier of the model the node receives
 SCALER_KEY = "width-scaler"        # train config: apply HeteroFL's width scaler during local training
-OD_OWN_KEY = "ordered-dropout-own"  # train config: the probability of the node's own width per batch (absent: uniform)
+OD_DRAW_KEY = "ordered-dropout-draw"  # train config: how the node draws its widths ('width' | own probability; absent: uniform)
 OD_KEY = "ordered-dropout-widths"  # train config: the narrower tiers this node also trains (FjORD ordered dropout)
 DEPTHS_KEY = "client-depths"       # query config: the run's depth multipliers (depth tiers)
 DEPTH_KEY = "tier-depth-units"     # train config: the depth units (blocks) of the model the node receives
@@ -138,8 +138,8 @@ def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, .
 def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]):
     """The ordered-dropout training forward (``fedfuse.hetero.OrderedDropout``) when the strategy sends
     ``config[OD_KEY]`` (width multipliers of the narrower tiers, relative to the global model ``base``; with
-    ``config[OD_OWN_KEY]`` the probability of the node's own width per batch); ``None`` otherwise (plain
-    ``model(x)``)."""
+    ``config[OD_DRAW_KEY]`` how widths are drawn: ``fedfuse.hetero.ordered_dropout.draw_weights``); ``None`` otherwise
+    (plain ``model(x)``)."""
     widths = config.get(OD_KEY)
     if TIER_KEY not in config or not widths:
         return None
@@ -155,12 +155,13 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
             attach_width_scaler(sub, p)
         return sub
 
-    own = config.get(OD_OWN_KEY)
-    if own is not None and (isinstance(own, bool) or not isinstance(own, (int, float)) or not 0 < own < 1):
-        raise ValueError(f"train config {OD_OWN_KEY!r}: must be a probability in (0, 1), got {own!r}")
-    return ordered_dropout(model, ps, model_at, seed=seed, own_weight=None if own is None else float(own))
+    draw = config.get(OD_DRAW_KEY, "uniform")
+    try:
+        return ordered_dropout(model, ps, model_at, seed=seed, own=r, draw=draw)
+    except ValueError as exc:
+        raise ValueError(f"train config {OD_DRAW_KEY!r}: {exc}") from None
 
 
 __all__ = ["query", "node_tier", "node_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY",
            "OWN_EXIT_KEY", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY", "OD_KEY",
-           "OD_OWN_KEY"]
+           "OD_DRAW_KEY"]

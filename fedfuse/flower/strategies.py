@@ -23,7 +23,7 @@ from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.depth_tiers import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
-from fedfuse.config import ordered_dropout_own
+from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import key_applies, strategy_names, strategy_spec
 
 
@@ -147,7 +147,7 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]):
         return build_strategy, {}
     return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,
                                  "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
-                                 "ordered_dropout_own": ordered_dropout_own(cfg)}
+                                 "ordered_dropout_draw": ordered_dropout_draw(cfg)}
 
 
 __all__ = ["STRATEGIES", "build_strategy", "strategy_builder", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",

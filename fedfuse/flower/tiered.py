@@ -39,12 +39,13 @@ from fedfuse.fusion.refine import distill_ensemble
 from fedfuse.hetero import aggregate_states, reestimate_batchnorm, slice_state, tier_name
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
+from fedfuse.hetero.ordered_dropout import draw_weights
 from fedfuse.hetero.tiers import TIER_MODELS, resolve_ordered_dropout, resolve_tier_models
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
-from fedfuse.flower.client_tiers import OD_KEY, OD_OWN_KEY, SCALER_KEY, TIER_KEY
+from fedfuse.flower.client_tiers import OD_DRAW_KEY, OD_KEY, SCALER_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy, delegate
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
@@ -69,15 +70,16 @@ class TieredFusionStrategy(FusionStrategy):
         anchor: permute fused units onto the sub-model average's.
         ordered_dropout: ``"all"`` | ``"narrow"`` | ``"off"`` | ``"auto"`` (or a bool): clients also train their
             narrower tiers' nested sub-models (FjORD, arXiv 2102.13451; ``fedfuse.hetero.ordered_dropout``).
-        ordered_dropout_own: with ordered dropout, the probability that a client's batch trains its own width
-            (the rest split over its narrower widths); ``None``: FjORD's uniform draw over all of its widths.
+        ordered_dropout_draw: with ordered dropout, how a client draws its width per batch: ``"uniform"`` (FjORD),
+            ``"width"`` (each width in proportion to itself) or the probability of its own width
+            (``fedfuse.hetero.ordered_dropout.draw_weights``).
         Everything else: ``FusionStrategy``'s options.
     """
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
                  width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "auto",
-                 ordered_dropout_own: float | None = None, prune_options: dict[str, Any] | None = None,
+                 ordered_dropout_draw: str | float = "uniform", prune_options: dict[str, Any] | None = None,
                  **options: Any) -> None:
         entry = with_tiers(strategy_spec(method or type(self).method))
         super().__init__(method, registry_entry=entry, **options)
@@ -113,11 +115,11 @@ class TieredFusionStrategy(FusionStrategy):
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
         self.ordered_dropout = ordered_dropout
-        if ordered_dropout_own is not None and (isinstance(ordered_dropout_own, bool) or not isinstance(
-                ordered_dropout_own, (int, float)) or not 0 < ordered_dropout_own < 1):
-            raise ValueError(f"strategy: ordered_dropout_own must be a probability in (0, 1) or None (uniform), got "
-                             f"{ordered_dropout_own!r}")
-        self.ordered_dropout_own = ordered_dropout_own
+        try:
+            draw_weights(ordered_dropout_draw, 1.0, [0.5])
+        except ValueError as exc:
+            raise ValueError(f"strategy: ordered_dropout_draw: {exc}") from None
+        self.ordered_dropout_draw = ordered_dropout_draw
         self.anchor = bool(anchor)
         self._round_tiers: dict[str, Any] = {}
         self._offset = 0   # the window offset of the round being aggregated
@@ -188,8 +190,8 @@ class TieredFusionStrategy(FusionStrategy):
             dropout = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
             if narrower and (dropout == "all" or dropout == "narrow" and r < max(self.tiers, default=1.0)):
                 cfg[OD_KEY] = [float(t) for t in narrower]
-                if self.ordered_dropout_own is not None:
-                    cfg[OD_OWN_KEY] = float(self.ordered_dropout_own)
+                if self.ordered_dropout_draw != "uniform":
+                    cfg[OD_DRAW_KEY] = self.ordered_dropout_draw
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
             name = tier_name(r)

@@ -13,7 +13,7 @@ sub-model holds and the reply is the client's usual tier model (the server needs
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,20 +30,23 @@ class OrderedDropout:
         sub_models: architectures of the narrower widths to draw from (their weights are ignored), each a
             nested sub-model of ``model`` (same family and depth; ``ValueError`` otherwise).
         seed: seed of the draws (the run's client seed: the same run draws the same widths).
-        own_weight: the probability that a batch trains ``model`` itself (the client's own width), the rest split
-            evenly over the narrower widths; ``None``: FjORD's uniform draw over all ``len(sub_models) + 1``
-            widths. A larger weight keeps more of the wide clients' training on the full model (which the global
-            model is), a smaller one trains the narrow tiers more.
+        weights: the draw probabilities of ``[model, *sub_models]`` (``draw_weights``); ``None``: FjORD's uniform
+            draw over all ``len(sub_models) + 1`` widths. More weight on ``model`` keeps more of the wide clients'
+            training on the full model (which the global model is), less trains the narrow tiers more.
 
     Calling it with a batch ``x [B, *input_shape]`` draws one of ``len(sub_models) + 1`` widths (``model`` itself
     included) and returns that width's logits ``[B, num_classes]``.
     """
 
     def __init__(self, model: nn.Module, sub_models: list[nn.Module], *, seed: int = 0,
-                 own_weight: float | None = None) -> None:
-        if own_weight is not None and not 0 < own_weight < 1:
-            raise ValueError(f"ordered dropout: own_weight must be in (0, 1) or None (uniform), got {own_weight!r}")
-        self.own_weight = own_weight
+                 weights: Sequence[float] | None = None) -> None:
+        if weights is not None:
+            w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
+            if len(w) != len(sub_models) + 1 or bool((w < 0).any()) or not float(w.sum()) > 0:
+                raise ValueError(f"ordered dropout: weights must be {len(sub_models) + 1} non-negative numbers (the "
+                                 f"model and each sub-model) with a positive sum, got {list(weights)!r}")
+            weights = (w / w.sum()).cumsum(0)
+        self.cumulative = weights
         self.model = model
         # flat positions of every sub-model entry inside the client's model (HeteroFL's top-left slice)
         self.subs = [(m, submodel(model, m, offset=0).positions) for m in sub_models]
@@ -62,11 +65,10 @@ class OrderedDropout:
 
     def draw(self) -> int:
         """The next width: 0 = the client's own model, ``i`` = ``sub_models[i - 1]``."""
-        if self.own_weight is None:
+        if self.cumulative is None:
             return int(torch.randint(len(self.subs) + 1, (1,), generator=self.gen))
-        if float(torch.rand((), generator=self.gen)) < self.own_weight:
-            return 0
-        return 1 + int(torch.randint(len(self.subs), (1,), generator=self.gen))
+        u = float(torch.rand((), dtype=torch.float64, generator=self.gen))
+        return min(int((self.cumulative <= u).sum()), len(self.subs))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k = self.draw()
@@ -78,16 +80,37 @@ class OrderedDropout:
         return functional_call(sub, self._gathered(positions), (x,))
 
 
+DRAWS = ("uniform", "width")
+
+
+def draw_weights(draw: str | float, own: float, widths: Sequence[float]) -> list[float] | None:
+    """The draw probabilities of a width-``own`` client's ``[own, *widths]`` (``widths`` its narrower ones) for the
+    run-config's ``ordered-dropout-draw``: ``"uniform"`` → ``None`` (FjORD: every width alike); ``"width"`` → each
+    width in proportion to itself (a width-1 client with a 1/8 tier trains its own width 8/9 of its batches, the
+    narrow one 1/9); a number ``w`` in (0, 1) → ``w`` for the own width, the rest split evenly. ``ValueError``
+    otherwise."""
+    if draw == "uniform":
+        return None
+    if draw == "width":
+        return [float(own), *(float(p) for p in widths)]
+    if isinstance(draw, bool) or not isinstance(draw, (int, float)) or not 0 < draw < 1:
+        raise ValueError(f"ordered dropout: the draw must be 'uniform', 'width' or a probability in (0, 1) for the "
+                         f"own width, got {draw!r}")
+    return [float(draw), *[(1 - float(draw)) / len(widths)] * len(widths)] if widths else None
+
+
 def ordered_dropout(model: nn.Module, widths: list[float], model_at: Callable[[float], nn.Module], *,
-                    seed: int = 0, own_weight: float | None = None) -> OrderedDropout | None:
+                    seed: int = 0, own: float = 1.0, draw: str | float = "uniform") -> OrderedDropout | None:
     """The ``OrderedDropout`` forward of a tier-``r`` client: ``widths`` are the federation's width
     multipliers ``<= r`` other than ``r`` (relative to the global model); ``model_at(p)`` builds the
     width-``p`` architecture (with the width scaler where the run uses it). ``None`` when ``widths`` is
-    empty (the smallest tier trains its own model only). ``own_weight``: ``OrderedDropout``'s."""
+    empty (the smallest tier trains its own model only). ``own`` (the client's width multiplier) and ``draw``:
+    ``draw_weights``'."""
     if not widths:
         return None
-    return OrderedDropout(model, [model_at(p) for p in sorted(set(widths), reverse=True)], seed=seed,
-                          own_weight=own_weight)
+    narrower = sorted(set(widths), reverse=True)
+    return OrderedDropout(model, [model_at(p) for p in narrower], seed=seed,
+                          weights=draw_weights(draw, own, narrower))
 
 
-__all__ = ["OrderedDropout", "ordered_dropout"]
+__all__ = ["OrderedDropout", "ordered_dropout", "draw_weights", "DRAWS"]

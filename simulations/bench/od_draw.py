@@ -1,9 +1,9 @@
-"""Table of ``simulations/bench/od_own.sh``: per width-tier cell, the global model and every tier's final accuracy
-(mean ± sample std over the cell's seeds) of the ordered-dropout-own rows next to the committed rows of
+"""Table of ``simulations/bench/od_draw.sh``: per width-tier cell, the global model and every tier's final accuracy
+(mean ± sample std over the cell's seeds) of the ordered-dropout-draw rows next to the committed rows of
 ``results/tiers/<cell>`` (the default, HeteroFL, FedRolex, FedDF, the no-OD ablation); whether each row is above the
 three baselines on the global model and on every tier (means), as ``tiers_summary``'s goal column.
 
-    .venv/bin/python -m simulations.bench.od_own OUT [--committed results/tiers]
+    .venv/bin/python -m simulations.bench.od_draw OUT [--committed results/tiers]
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--committed", default="results/tiers")
     a = ap.parse_args(argv)
     out = Path(a.out)
-    text = ("Ordered dropout weighted toward the client's own width (`ordered-dropout-own`): final test accuracy, "
+    text = ("Ordered dropout's width draw (`ordered-dropout-draw`): final test accuracy, "
             "mean ± sample std over the cell's seeds; rows without `[...]` are the committed runs of "
-            f"`{a.committed}` (same configs and seeds). Command: `bash simulations/bench/od_own.sh {a.out} CELL...`, "
-            f"then `.venv/bin/python -m simulations.bench.od_own {a.out}`.\n")
+            f"`{a.committed}` (same configs and seeds). Command: `bash simulations/bench/od_draw.sh {a.out} CELL...`, "
+            f"then `.venv/bin/python -m simulations.bench.od_draw {a.out}`.\n")
     for cell in sorted(p.parent.name for p in out.glob("*/sweep.json")):
         text += cell_table(cell, Path(a.committed), out)
     (out / "table.md").write_text(text)
