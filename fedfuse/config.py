@@ -203,9 +203,11 @@ class RunConfig:
                                 "one width drawn per batch (FjORD's ordered dropout): auto (measured best: all for average and "
                                 "fusion methods in multi-round; off for heterofl/fedrolex/feddf and one-shot) | all (every client) | narrow (every client but the widest "
                                 "tier's) | off", choices=ORDERED_DROPOUT)
-    ordered_dropout_draw: str = _key("uniform", "ordered dropout: how a client draws its width per batch: uniform "
-                                     "(FjORD's draw, every width alike) | width (each width in proportion to itself) "
-                                     "| a number in (0, 1) (its own width's probability, the rest split evenly)")
+    ordered_dropout_draw: str = _key("auto", "ordered dropout: how a client draws its width per batch: auto "
+                                     "(measured best: width for average and fusion methods, uniform for ViTs and "
+                                     "heterofl/fedrolex/feddf) | uniform (FjORD's draw, every width alike) | width "
+                                     "(each width in proportion to itself) | a number in (0, 1) (its own width's "
+                                     "probability, the rest split evenly)")
     warm_start_epochs: int = _key(20, "mode='warm-start': local epochs of round 1, in which every client trains its own "
                                   "independently initialised model (institutions that already have models)", ge=1)
     warm_start_lr: float = _key(0.0, "mode='warm-start': the clients' learning rate in round 1 (0 = lr)", ge=0)
@@ -568,18 +570,18 @@ def _float_or_none(text: str) -> float | None:
 
 def ordered_dropout_draw(cfg: RunConfig) -> str | float:
     """``ordered-dropout-draw`` as the strategy's ``ordered_dropout_draw`` (a number as a float)."""
-    return cfg.ordered_dropout_draw if cfg.ordered_dropout_draw in ("uniform", "width") else float(
+    return cfg.ordered_dropout_draw if cfg.ordered_dropout_draw in ("auto", "uniform", "width") else float(
         cfg.ordered_dropout_draw)
 
 
 def _check_tiers(cfg: RunConfig) -> None:
     """``client-tiers`` parses, and the strategy can aggregate clients of different widths."""
     tiers = cfg.tiers
-    if cfg.ordered_dropout_draw != "uniform":
+    if cfg.ordered_dropout_draw not in ("auto", "uniform"):
         own = _float_or_none(cfg.ordered_dropout_draw)
         if cfg.ordered_dropout_draw != "width" and (own is None or not 0 < own < 1):
-            raise ConfigError(f"run-config key 'ordered-dropout-draw': 'uniform', 'width' or a probability in (0, 1), "
-                              f"got {cfg.ordered_dropout_draw!r}")
+            raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width' or a probability in "
+                              f"(0, 1), got {cfg.ordered_dropout_draw!r}")
         if not tiers or cfg.ordered_dropout == "off":
             raise ConfigError("run-config key 'ordered-dropout-draw': needs capacity tiers with ordered dropout "
                               "(client-tiers with a width below 1, ordered-dropout not 'off')")

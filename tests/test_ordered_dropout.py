@@ -181,3 +181,18 @@ def test_strategy_sends_the_draw_with_the_narrower_tiers(monkeypatch):
     msgs = list(s.configure_train(1, arrays, ConfigRecord({}), grid))
     sent = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_DRAW_KEY) for m in msgs}
     assert sent == {1: "width", 2: None}     # the narrowest tier has no narrower width: nothing to draw
+
+
+def test_draw_auto_is_the_measured_best_per_strategy_and_family():
+    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.hetero.tiers import resolve_ordered_dropout_draw
+
+    assert resolve_ordered_dropout_draw("average", "auto", "mlp") == resolve_ordered_dropout_draw("kf-linear", "auto",
+                                                                                                  "cnn") == "width"
+    assert resolve_ordered_dropout_draw("average", "auto", "vit") == "uniform"     # measured: width cost ViT tiers
+    assert {resolve_ordered_dropout_draw(s, "auto", "mlp") for s in ("heterofl", "fedrolex", "feddf")} == {"uniform"}
+    assert resolve_ordered_dropout_draw("average", 0.75, "mlp") == 0.75
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).ordered_dropout_draw == "auto"
+    s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0,
+                            model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
+    assert s.ordered_dropout_draw == "width"

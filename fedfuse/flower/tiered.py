@@ -40,7 +40,8 @@ from fedfuse.hetero import aggregate_states, reestimate_batchnorm, slice_state, 
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
 from fedfuse.hetero.ordered_dropout import draw_weights
-from fedfuse.hetero.tiers import TIER_MODELS, resolve_ordered_dropout, resolve_tier_models
+from fedfuse.hetero.tiers import (TIER_MODELS, resolve_ordered_dropout, resolve_ordered_dropout_draw,
+                                  resolve_tier_models)
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
@@ -70,16 +71,17 @@ class TieredFusionStrategy(FusionStrategy):
         anchor: permute fused units onto the sub-model average's.
         ordered_dropout: ``"all"`` | ``"narrow"`` | ``"off"`` | ``"auto"`` (or a bool): clients also train their
             narrower tiers' nested sub-models (FjORD, arXiv 2102.13451; ``fedfuse.hetero.ordered_dropout``).
-        ordered_dropout_draw: with ordered dropout, how a client draws its width per batch: ``"uniform"`` (FjORD),
-            ``"width"`` (each width in proportion to itself) or the probability of its own width
-            (``fedfuse.hetero.ordered_dropout.draw_weights``).
+        ordered_dropout_draw: with ordered dropout, how a client draws its width per batch: ``"auto"``
+            (``fedfuse.hetero.tiers.resolve_ordered_dropout_draw``: the measured best for the method and family),
+            ``"uniform"`` (FjORD), ``"width"`` (each width in proportion to itself) or the probability of its own
+            width (``fedfuse.hetero.ordered_dropout.draw_weights``).
         Everything else: ``FusionStrategy``'s options.
     """
 
     def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
                  input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
                  width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "auto",
-                 ordered_dropout_draw: str | float = "uniform", prune_options: dict[str, Any] | None = None,
+                 ordered_dropout_draw: str | float = "auto", prune_options: dict[str, Any] | None = None,
                  **options: Any) -> None:
         entry = with_tiers(strategy_spec(method or type(self).method))
         super().__init__(method, registry_entry=entry, **options)
@@ -115,6 +117,8 @@ class TieredFusionStrategy(FusionStrategy):
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
         self.ordered_dropout = ordered_dropout
+        ordered_dropout_draw = resolve_ordered_dropout_draw(self.method, ordered_dropout_draw,
+                                                            adapter_for(self.model_fn()).family)
         try:
             draw_weights(ordered_dropout_draw, 1.0, [0.5])
         except ValueError as exc:

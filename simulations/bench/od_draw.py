@@ -59,6 +59,44 @@ def cell_table(name: str, committed: Path, new: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _above(rows: dict[str, list[dict]], row: str) -> tuple[bool, float | None]:
+    """(above the three baselines on the global model and every tier, smallest tier − FedAvg at the smallest width)
+    for ``row`` of a cell (means)."""
+    def means(rs):
+        tiers = set.intersection(*(set(r.get("final-tier-accuracy") or {}) for r in rs))
+        return (statistics.mean(r["final-accuracy"] for r in rs),
+                {t: statistics.mean(r["final-tier-accuracy"][t] for r in rs) for t in tiers})
+
+    g, t = means(rows[row])
+    ok = all(g > bg and all(t.get(k, 0) > v for k, v in bt.items())
+             for bg, bt in (means(rows[b]) for b in BASELINES if b in rows))
+    small = min(t, key=float)
+    fedavg = [r for s, rs in rows.items() if s.startswith("fedavg[model-width") for r in rs]
+    gain = 100 * (t[small] - statistics.mean(r["final-accuracy"] for r in fedavg)) if fedavg else None
+    return ok, gain
+
+
+def summary(cells: list[str], committed: Path, new: Path, rows_shown: list[str]) -> str:
+    lines = ["| cell | " + " | ".join(f"{r}: above the 3 baselines / smallest tier − FedAvg at it" for r in rows_shown)
+             + " |", "|---|" + "---|" * len(rows_shown)]
+    wins = {r: 0 for r in rows_shown}
+    for cell in cells:
+        rows = _rows(committed / cell / "sweep.json")
+        rows.update(_rows(new / cell / "sweep.json"))
+        parts = []
+        for r in rows_shown:
+            if r not in rows:
+                parts.append("—")
+                continue
+            ok, gain = _above(rows, r)
+            wins[r] += ok
+            parts.append(f"{'yes' if ok else 'no'} / {gain:+.1f} pts" if gain is not None else ("yes" if ok else "no"))
+        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
+    lines.append("| **cells above the 3 baselines** | " + " | ".join(f"**{wins[r]} of {len(cells)}**" for r in rows_shown)
+                 + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -69,7 +107,11 @@ def main(argv: list[str] | None = None) -> None:
             "mean ± sample std over the cell's seeds; rows without `[...]` are the committed runs of "
             f"`{a.committed}` (same configs and seeds). Command: `bash simulations/bench/od_draw.sh {a.out} CELL...`, "
             f"then `.venv/bin/python -m simulations.bench.od_draw {a.out}`.\n")
-    for cell in sorted(p.parent.name for p in out.glob("*/sweep.json")):
+    cells = sorted(p.parent.name for p in out.glob("*/sweep.json"))
+    text += "\n" + summary(cells, Path(a.committed), out,
+                           ["average", "average[ordered-dropout-draw='width']", "average[ordered-dropout-draw='0.75']",
+                            "average[ordered-dropout-draw='0.9']"])
+    for cell in cells:
         text += cell_table(cell, Path(a.committed), out)
     (out / "table.md").write_text(text)
     print(text)
