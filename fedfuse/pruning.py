@@ -678,8 +678,7 @@ class _ArchitectureGraph:
 
     def __init__(self, model: nn.Module, example: torch.Tensor) -> None:
         self.model = copy.deepcopy(model).cpu().eval()
-        self.adapter = adapter_for(self.model)
-        self.spec = self.adapter.pruning_spec(self.model)
+        self.spec = adapter_for(self.model).pruning_spec(self.model)
         self.score_levels = dict(self.spec.score_levels)
         self.example = example.detach().cpu()
         self.names = {m: n for n, m in self.model.named_modules()}

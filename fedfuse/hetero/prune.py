@@ -112,7 +112,8 @@ def _group_of(spec, module_name: str, out: bool) -> str | None:
 def _kept_by_ranking(wide: nn.Module, tier: nn.Module, **options: Any) -> tuple[dict[str, torch.Tensor] | None, str]:
     """``kept_units(wide, prune(wide, target=tier, ...))`` without pruning (``fedfuse.pruning.keep_indices``: the
     same ranking on a cached dependency graph), or ``None`` when the pruning groups do not map one-to-one onto the
-    permutation spec's groups (e.g. attention heads)."""
+    permutation spec's groups (e.g. attention heads) or the ranking refuses the call (``tier_kept_units`` then prunes
+    for real, which raises what is wrong with the arguments)."""
     options = {k: v for k, v in options.items() if k != "seed"}   # the ranking draws nothing
     try:
         units, criterion = keep_indices(wide, tier, **options)
