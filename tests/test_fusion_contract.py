@@ -419,3 +419,27 @@ def test_scores_that_do_not_match_the_model_are_named(method, case, match):
         scores[0]["1"][0] = float("nan")
     with pytest.raises(FusionOptionError, match=match):
         fuse(method, models, fusion_inputs=_inputs(), scores=scores, **_fast(method))
+
+
+def test_all_finite_is_exact_also_when_the_sum_overflows():
+    from fedfuse.fusion import all_finite
+
+    t = torch.ones(8)
+    assert all_finite(t)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t[3] = bad
+        assert not all_finite(t)
+    assert all_finite(torch.full((8,), 3e38))            # the float32 sum overflows; every entry is finite
+    assert not all_finite(torch.tensor([float("inf"), -float("inf"), 1.0]))   # the sum is NaN
+
+
+def test_aligned_average_matches_the_float64_weighted_sum():
+    from fedfuse.fusion.permute.averaging import average_aligned
+
+    gen = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(5, 3, generator=gen), "n": torch.tensor(7)} for _ in range(3)]
+    w = [0.2, 0.5, 0.3]
+    out = average_aligned(states, w)
+    ref = sum(wi * s["w"].double() for wi, s in zip(w, states)).float()
+    assert out["w"].dtype == torch.float32 and torch.allclose(out["w"], ref, atol=1e-7)
+    assert int(out["n"]) == 7 and states[0]["w"].dtype == torch.float32   # the inputs are not modified

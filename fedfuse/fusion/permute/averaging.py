@@ -24,8 +24,11 @@ def average_aligned(states: list[dict[str, torch.Tensor]], weights: list[float],
             continue
         e = spec.entries.get(k) if (spec is not None and unit_weights is not None) else None
         ax = next((a for a in e.axes if a.role == "out"), None) if e is not None else None
-        if ax is None:
-            out[k] = sum(w * s[k].double() for w, s in zip(weights, states)).to(ref.dtype)
+        if ax is None:   # accumulated in float64, in place (no temporary per model)
+            acc = states[0][k].double() * weights[0]
+            for w, st in zip(weights[1:], states[1:]):
+                acc.add_(st[k], alpha=w)
+            out[k] = acc.to(ref.dtype)
             continue
         shape = list(e.view) if e.view is not None else list(ref.shape)
         if e.view is not None:
