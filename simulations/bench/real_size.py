@@ -149,6 +149,16 @@ def run_method(method: str, path: Path, device: str, timeout: float, options: di
     return {"method": method, "status": status, "cpu": cpu, "wall": wall, "peak": peak, "maxrss": maxrss}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median CPU time among a method's repeats (all ``ok``; else the last one), with every repeat's CPU
+    seconds (``cpu-repeats``)."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if len(ok) != len(runs) or not ok:
+        return runs[-1]
+    ranked = sorted(ok, key=lambda r: r["cpu"])
+    return {**ranked[(len(ranked) - 1) // 2], "cpu-repeats": [r["cpu"] for r in ok]}
+
+
 def table_row(r: dict, rows: list[dict]) -> list:
     """One method's row: CPU time × the forward floor, × ``average`` at the same client count, × one local epoch."""
     ok = r["status"] == "ok"
@@ -211,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="SGD steps each client takes on random data")
     ap.add_argument("--epoch-samples", type=int, default=5000)
     ap.add_argument("--epoch-probe", type=int, default=256, help="samples actually timed for the local epoch")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per method (interleaved); the table shows the run "
+                    "of median CPU time (one run of a method varied 2.6-4.7x the floor on ResNet-18)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a method may run before it is stopped")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--options", default="{}", help="JSON options for every method, e.g. '{\"epochs\": 5}' "
@@ -237,9 +249,14 @@ def main(argv: list[str] | None = None) -> None:
             path = out / f"clients-{k}.pt"
             torch.save({"models": models, "inputs": inputs}, path)
             ref = floors(models, inputs, args, device)
-            results = [run_method("average", path, args.device, args.timeout)] + [
-                run_method(m, path, args.device, args.timeout, options)
-                for m in args.methods.split(",")]
+            methods = ["average", *args.methods.split(",")]
+            runs = {m: [] for m in methods}
+            for _ in range(args.repeats):   # interleaved: repeat 1 of every method, then repeat 2, ...
+                for m in methods:
+                    if not runs[m] or runs[m][-1]["status"] == "ok":   # a refusal or a timeout is not repeated
+                        runs[m].append(run_method(m, path, args.device, args.timeout,
+                                                  None if m == "average" else options))
+            results = [median_run(runs[m]) for m in methods]
             path.unlink()
             for r in results:
                 r.update({"clients": k, **ref})
@@ -252,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     text = (f"# Fusion cost: {args.model} ({n_params / 1e6:.1f} M parameters, 3×{size}×{size}), "
             f"{args.fusion_size} fusion samples, {args.device}\n\nCommand: `python -m simulations.bench.real_size "
             f"--model {args.model} --clients {args.clients} --fusion-size {args.fusion_size} --image-size {size}"
-            f"{'' if args.options == '{}' else f' --options {args.options!r}'} --methods {args.methods}`. "
+            f"{'' if args.options == '{}' else f' --options {args.options!r}'} --methods {args.methods}"
+            f"{'' if args.repeats == 1 else f' --repeats {args.repeats}'}`. "
             f"Ratios of process CPU time (one torch thread); the local epoch is {args.epoch_samples} samples, timed on "
             f"{args.epoch_probe} and scaled.\n\n" + markdown_table(header, table))
     laws = growth(rows)
