@@ -561,27 +561,26 @@ def _check_partition_rules(cfg: RunConfig) -> None:
                           "fusion-set-path (a public pool); leave fusion-set-source='public'")
 
 
-def _float_or_none(text: str) -> float | None:
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return None
-
-
 def ordered_dropout_draw(cfg: RunConfig) -> str | float:
-    """``ordered-dropout-draw`` as the strategy's ``ordered_dropout_draw`` (a number as a float)."""
-    return cfg.ordered_dropout_draw if cfg.ordered_dropout_draw in ("auto", "uniform", "width") else float(
-        cfg.ordered_dropout_draw)
+    """``ordered-dropout-draw`` as the strategy's ``ordered_dropout_draw`` (a number as a float); ``ConfigError``
+    naming the key for anything but auto, uniform, width or a probability in (0, 1)."""
+    text = cfg.ordered_dropout_draw
+    if text in ("auto", "uniform", "width"):
+        return text
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value < 1:
+        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width' or a probability in "
+                          f"(0, 1), got {text!r}")
+    return value
 
 
 def _check_tiers(cfg: RunConfig) -> None:
     """``client-tiers`` parses, and the strategy can aggregate clients of different widths."""
     tiers = cfg.tiers
-    if cfg.ordered_dropout_draw not in ("auto", "uniform"):
-        own = _float_or_none(cfg.ordered_dropout_draw)
-        if cfg.ordered_dropout_draw != "width" and (own is None or not 0 < own < 1):
-            raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width' or a probability in "
-                              f"(0, 1), got {cfg.ordered_dropout_draw!r}")
+    if ordered_dropout_draw(cfg) not in ("auto", "uniform"):
         if not tiers or cfg.ordered_dropout == "off":
             raise ConfigError("run-config key 'ordered-dropout-draw': needs capacity tiers with ordered dropout "
                               "(client-tiers with a width below 1, ordered-dropout not 'off')")
