@@ -45,7 +45,7 @@ from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES, SUBMODEL_METHODS, check_candidates  # noqa: E402
-from fedfuse.hetero.tiers import (ORDERED_DROPOUT, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
+from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
 
 
@@ -565,7 +565,7 @@ def ordered_dropout_draw(cfg: RunConfig) -> str | float:
     """``ordered-dropout-draw`` as the strategy's ``ordered_dropout_draw`` (a number as a float); ``ConfigError``
     naming the key for anything but auto, uniform, width or a probability in (0, 1)."""
     text = cfg.ordered_dropout_draw
-    if text in ("auto", "uniform", "width"):
+    if text == "auto" or text in ORDERED_DROPOUT_DRAWS:
         return text
     try:
         value = float(text)

@@ -80,12 +80,13 @@ class DepthTieredStrategy(FusionStrategy):
         if name != "feddf":   # the guard checks a fused model against the average; these rounds are the average
             options["guard"] = False
         super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
-        if self.model_fn is None or not isinstance(self.model_fn(), MultiExit):
+        skeleton = self.model_fn() if self.model_fn is not None else None
+        if not isinstance(skeleton, MultiExit):
             raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "
                              "(fedfuse.hetero.depth.multi_exit)")
         self.self_distill = name != "depthfl-fedavg" if self_distill is None else bool(self_distill)
         self.tier_layout = TierLayout(self.model_fn, (1.0,), depths=tuple(depths))
-        skeleton = self.model_fn()
+        self._skeleton = skeleton   # the architecture (weights unused): what the layout and the subclasses read
         self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
         self._held = {k: held_keys(skeleton, k, own_exit=self.own_exit)
                       for k in {*self._units.values(), skeleton.num_units}}
@@ -273,7 +274,7 @@ class InclusiveFLStrategy(DepthTieredStrategy):
             raise ValueError(f"strategy 'inclusivefl': mom-beta must be a number in [0, 1], got {mom_beta!r}")
         super().__init__(method, self_distill=False, **options)
         self.mom_beta = float(mom_beta)
-        skeleton = self.model_fn()
+        skeleton = self._skeleton
         tiers = sorted(set(self._units.values()))
         if len(tiers) < 2:
             raise ValueError(f"strategy 'inclusivefl': momentum distillation needs a depth tier shallower than the "

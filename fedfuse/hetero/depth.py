@@ -154,9 +154,9 @@ def held_keys(model: MultiExit, k: int, own_exit: bool = False) -> list[str]:
     InclusiveFL's one classifier per sub-model), and the final classifier only at full depth."""
     if k != model.num_units and k not in model.exit_units:
         raise ValueError(f"depth tiers: no classifier at {k} units (exits at {model.exit_units})")
-    units = depth_units(model.base)
-    last = units[k - 1] if k < model.num_units else len(levels(model.base)) - 1
-    dropped = {f"base.{p}" for lv in levels(model.base)[last + 1:] for p in lv.param_names}
+    units, lvls = depth_units(model.base), model._levels()
+    last = units[k - 1] if k < model.num_units else len(lvls) - 1
+    dropped = {f"base.{p}" for lv in lvls[last + 1:] for p in lv.param_names}
     dropped_modules = {n.rsplit(".", 1)[0] for n in dropped if n.count(".") >= 2}
     keep = []
     for key in model.state_dict():
@@ -204,7 +204,7 @@ def unit_arrays(model: MultiExit, unit: int) -> tuple[dict[str, str], list[str]]
     patch embedding, class token and position embedding, which go with block 0) are the second list."""
     if not 1 <= unit <= model.num_units:
         raise ValueError(f"depth tiers: no depth unit {unit} (the model has units 1..{model.num_units})")
-    lv = levels(model.base)[depth_units(model.base)[unit - 1]]
+    lv = model._levels()[depth_units(model.base)[unit - 1]]
     modules = dict(model.base.named_modules())
     named: dict[str, str] = {}
     other: list[str] = []

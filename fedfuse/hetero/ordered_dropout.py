@@ -80,9 +80,6 @@ class OrderedDropout:
         return functional_call(sub, self._gathered(positions), (x,))
 
 
-DRAWS = ("uniform", "width")
-
-
 def draw_weights(draw: str | float, own: float, widths: Sequence[float]) -> list[float] | None:
     """The draw probabilities of a width-``own`` client's ``[own, *widths]`` (``widths`` its narrower ones) for the
     run-config's ``ordered-dropout-draw``: ``"uniform"`` → ``None`` (FjORD: every width alike); ``"width"`` → each
@@ -113,4 +110,4 @@ def ordered_dropout(model: nn.Module, widths: list[float], model_at: Callable[[f
                           weights=draw_weights(draw, own, narrower))
 
 
-__all__ = ["OrderedDropout", "ordered_dropout", "draw_weights", "DRAWS"]
+__all__ = ["OrderedDropout", "ordered_dropout", "draw_weights"]
