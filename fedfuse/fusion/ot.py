@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
+from fedfuse.fusion.permute import (state_on, Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
                                     build_spec, check_compatible, collect_activations, marginal_from_scores,
                                     solve_group, standardize, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
@@ -58,7 +58,7 @@ def ot_align(model_a: nn.Module, model_b: nn.Module, *, fusion_inputs=None, cost
     layout = "tied" if residual == "tied" else "untied"
     spec_a = build_spec(model_a, layout)
     spec_b = spec_b or build_spec(model_b, layout)
-    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    state_a, state_b = state_on(model_a, device), state_on(model_b, device)
     check_compatible(spec_a, spec_b, state_a, state_b)
     if cost == "activations":
         acts_a = collect_activations(model_a, spec_a, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
@@ -195,7 +195,7 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
               if cost == "activations" else None)
     if acts_b is not None and o.std:
         acts_b = {g: standardize(v) for g, v in acts_b.items()}
-    states = [ref.state_dict()] if first else []
+    states = [state_on(ref, device)] if first else []
     info.update(cost=cost, solver=o.solver, trace_ratio=[], reference="model 0" if first else "given")
     for k, model in list(enumerate(models))[first:]:
         try:

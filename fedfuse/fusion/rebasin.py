@@ -33,7 +33,7 @@ from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
+from fedfuse.fusion.permute import (state_on, Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
                                     check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, weight_features)
 
@@ -232,7 +232,7 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
     ref = models[0] if reference is None else reference
     first = 1 if reference is None else 0   # the models matched onto ref (all of them when ref is a reference)
     spec_b = build_spec(ref)
-    state_b = ref.state_dict()
+    state_b = state_on(ref, device)
     acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if matching == "activations" else None)
     states: list[dict] = [state_b] if first else []
@@ -244,7 +244,7 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
         unit_w.append(unit_weights_for(scores[0], spec_b, maps0))
     for k, model in list(enumerate(models))[first:]:
         spec_a = build_spec(model)
-        state_a = model.state_dict()
+        state_a = state_on(model, device)
         try:
             check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
         except ValueError as err:

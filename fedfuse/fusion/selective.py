@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.permute import (Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
+from fedfuse.fusion.permute import (state_on, Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
                                     exact_block_costs, ot_plan, solve_group, standardize)
 from fedfuse.fusion.permute.activations import _rows, _subsample
 from fedfuse.fusion.permute.features import marginal_from_scores
@@ -442,7 +442,7 @@ def fuse_selective(models: list[nn.Module], *, fusion_inputs, scores, weights, d
                                 for s in range(0, len(x), 256)]) for m in models]
         target = sum(w * p for w, p in zip(weights, probs)).float()
         tay_b, act_b = taylor_importance(ref, ref, spec_b, x, target, device=device)
-    state_b = ref.state_dict()
+    state_b = state_on(ref, device)
     aligned, ws, ratios, frozen = [], [], [], []
     info.update(selective=o.selective, anchor=k0, transport=o.transport if o.selective else "balanced",
                 block_match=[], matched_fraction=[], trace_ratio=[])
@@ -455,7 +455,7 @@ def fuse_selective(models: list[nn.Module], *, fusion_inputs, scores, weights, d
         except UnsupportedModelError as exc:
             raise IncompatibleModelsError(f"ot: model {k}: {exc}") from None
         spec_a = build_spec(view, "tied")
-        state_a = view.state_dict()
+        state_a = state_on(view, device)
         if list(spec_a.groups) != list(spec_b.groups) or list(state_a) != list(state_b):
             raise IncompatibleModelsError(f"ot: model {k} and the anchor (model {k0}) have different layer "
                                           "structure (permutation groups or parameter names differ)")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, register, require
-from fedfuse.fusion.permute import (PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
+from fedfuse.fusion.permute import (state_on, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
                                     entry_view)
 from fedfuse.fusion.rebasin import AlignOptions, finish, weight_matching
 
@@ -65,7 +65,7 @@ def spectral_head_cost(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: P
             sa = torch.stack([torch.linalg.svdvals(blk) for blk in head_blocks(ma, gax, H)])
             sb = torch.stack([torch.linalg.svdvals(blk) for blk in head_blocks(mb, gax, H)])
             k = min(sa.shape[1], sb.shape[1], top_k or sa.shape[1])
-            total += torch.cdist(sa[:, :k], sb[:, :k])
+            total += torch.cdist(sa[:, :k], sb[:, :k]).to(total)
     return total
 
 
@@ -120,12 +120,12 @@ def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, op
     t0 = time.perf_counter()
     ref = models[0]
     spec_b = build_spec(ref, "tied")
-    state_b = ref.state_dict()
+    state_b = state_on(ref, device)
     states = [state_b]
     info.update(trace_ratio=[], sweeps=[])
     for k, model in enumerate(models[1:], 1):
         spec_a = build_spec(model, "tied")
-        state_a = model.state_dict()
+        state_a = state_on(model, device)
         try:
             check_compatible(spec_a, spec_b, state_a, state_b, same_width=True)
         except ValueError as err:

@@ -201,7 +201,8 @@ def plot_cost(rows: list[dict], path: Path, title: str) -> None:
         pts = sorted((r["clients"], r["cpu"]) for r in rows if r["method"] == method and r["status"] == "ok")
         if pts:
             ax.plot(*zip(*pts), "o-", label=method)
-    ax.set(xscale="log", yscale="log", xlabel="clients", ylabel="CPU seconds (one thread)", title=title)
+    ax.set(xscale="log", yscale="log", xlabel="clients", ylabel="CPU seconds (one thread)" if rows[0].get("device-name", "cpu") == "cpu"
+           else f"wall seconds ({rows[0]['device-name']})", title=title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -259,24 +260,29 @@ def main(argv: list[str] | None = None) -> None:
             results = [median_run(runs[m]) for m in methods]
             path.unlink()
             for r in results:
-                r.update({"clients": k, **ref})
+                r.update({"clients": k, **ref, "device-name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                          else "cpu"})
                 rows.append(r)
                 print(" | ".join(map(str, table_row(r, rows))), flush=True)
     table = [table_row(r, rows) for r in rows]
+    cuda = device.type == "cuda"
     header = ["clients", "method", "status", "× forward floor", "× average", "× local epoch", "wall s",
-              "RSS growth MiB", "peak RSS MiB"]
+              "peak CUDA MiB (above the clients)" if cuda else "RSS growth MiB", "peak RSS MiB"]
     n_params = sum(p.numel() for p in build(args.model, 0, size).parameters())
     text = (f"# Fusion cost: {args.model} ({n_params / 1e6:.1f} M parameters, 3×{size}×{size}), "
             f"{args.fusion_size} fusion samples, {args.device}\n\nCommand: `python -m simulations.bench.real_size "
             f"--model {args.model} --clients {args.clients} --fusion-size {args.fusion_size} --image-size {size}"
             f"{'' if args.options == '{}' else f' --options {args.options!r}'} --methods {args.methods}"
-            f"{'' if args.repeats == 1 else f' --repeats {args.repeats}'}`. "
-            f"Ratios of process CPU time (one torch thread); the local epoch is {args.epoch_samples} samples, timed on "
+            f"{'' if args.repeats == 1 else f' --repeats {args.repeats}'}{' --device ' + args.device if cuda else ''}`. "
+            + (f"Ratios of wall time on {rows[0].get('device-name', 'CUDA')}" if cuda
+               else "Ratios of process CPU time (one torch thread)")
+            + f"; the local epoch is {args.epoch_samples} samples, timed on "
             f"{args.epoch_probe} and scaled.\n\n" + markdown_table(header, table))
     laws = growth(rows)
     if laws:
         text += ("\n\nGrowth with the number of clients (log-log exponents: 1 = linear):\n\n"
-                 + markdown_table(["method", "client counts", "CPU time exponent", "peak RSS growth exponent"], laws))
+                 + markdown_table(["method", "client counts", f"{'wall' if cuda else 'CPU'} time exponent",
+                                 f"peak {'CUDA memory' if cuda else 'RSS growth'} exponent"], laws))
         plot_cost(rows, out / "cost.png", f"{args.model}, {args.fusion_size} fusion samples")
     (out / "table.md").write_text(text)
     write_json(rows, out / "runs.json")

@@ -27,7 +27,7 @@ def average_aligned(states: list[dict[str, torch.Tensor]], weights: list[float],
         if ax is None:   # accumulated in float64, in place (no temporary per model)
             acc = states[0][k].double() * weights[0]
             for w, st in zip(weights[1:], states[1:]):
-                acc.add_(st[k], alpha=w)
+                acc.add_(st[k].to(acc.device), alpha=w)
             out[k] = acc.to(ref.dtype)
             continue
         shape = list(e.view) if e.view is not None else list(ref.shape)
@@ -35,11 +35,11 @@ def average_aligned(states: list[dict[str, torch.Tensor]], weights: list[float],
             shape[ax.axis] = spec.groups[ax.group].size
             if e.qkv and len(shape) == 3:
                 shape[-1] = -1
-        u = torch.stack([w * uw[ax.group].double() for w, uw in zip(weights, unit_weights)])  # [K, size]
+        u = torch.stack([w * uw[ax.group].to(ref.device, torch.float64) for w, uw in zip(weights, unit_weights)])  # [K, size]
         u = u / u.sum(0, keepdim=True).clamp_min(1e-300)
         acc = 0
         for kk, s in enumerate(states):
-            x = s[k].double().reshape(shape)
+            x = s[k].to(ref.device, torch.float64).reshape(shape)
             bshape = [1] * x.dim()
             bshape[ax.axis] = -1
             acc = acc + x * u[kk].reshape(bshape)

@@ -81,6 +81,13 @@ class Map:
             return float("nan")
         return float(torch.diagonal(self.plan).sum() / self.plan.sum())
 
+def state_on(model: nn.Module, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every tensor on ``device`` (the fusion device): the weight-matching methods
+    compute on it, whatever device each caller's model sits on (a view of the tensors already there, a copy
+    otherwise; the model itself is not moved)."""
+    return {k: v.to(device) for k, v in model.state_dict().items()}
+
+
 def map_axis(t: torch.Tensor, axis: int, m: Map, role: str) -> torch.Tensor:
     """Re-index axis ``axis`` of ``t`` (size ``m_A``) into B's units (size ``m_B``) with map ``m``."""
     if t.shape[axis] != m.plan.shape[0]:
