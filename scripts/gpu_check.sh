@@ -16,10 +16,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 rc=0
 timeout "${GPU_CHECK_TEST_TIMEOUT:-300}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_interpolation.py::test_cuda_matches_cpu \
     tests/test_pruning.py::test_cuda_device tests/test_tofu.py::test_cuda_matches_cpu 2>&1 | tee "$out/tests.log" || rc=1
+# cheap methods first, so that a run stopped by its time limit has them
+methods=ensemble,lp,ot,rebasin,transfusion,feddf,kd,kf-linear,hf-linear,fs-merge,fs-merge-seq,kf-gradient,hf-gradient,auto
 bench() {   # name, then real_size's arguments
     local name=$1; shift
-    timeout "${GPU_CHECK_BENCH_TIMEOUT:-400}" "$py" -m simulations.bench.real_size --device cuda --timeout 120 \
-        --out "$out/$name" "$@" 2>&1 | tail -n 30 || rc=1
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-400}" "$py" -m simulations.bench.real_size --device cuda \
+        --timeout "${GPU_CHECK_METHOD_TIMEOUT:-120}" --methods "$methods" --out "$out/$name" "$@" 2>&1 \
+        | tee "$out/$name.log" | tail -n 30 || rc=1
 }
 bench resnet18-cuda --model resnet18 --clients "${GPU_CHECK_RESNET_CLIENTS:-4,10}" --fusion-size 256 --image-size 32
 [ -n "${GPU_CHECK_VIT_CLIENTS-2}" ] && bench vit-tiny-cuda --model vit_tiny_patch16_224 \

@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                     if not runs[m] or runs[m][-1]["status"] == "ok":   # a refusal or a timeout is not repeated
                         runs[m].append(run_method(m, path, args.device, args.timeout,
                                                   None if m == "average" else options))
+                        print(f"  {k} clients, {m}: {runs[m][-1]['status']} {runs[m][-1].get('wall', 0):.2f} s wall",
+                              flush=True)
             results = [median_run(runs[m]) for m in methods]
             path.unlink()
             for r in results:
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                           else "cpu"})
                 rows.append(r)
                 print(" | ".join(map(str, table_row(r, rows))), flush=True)
+            write_json(rows, out / "runs.json")   # after each client count: a run stopped later keeps these
     table = [table_row(r, rows) for r in rows]
     cuda = device.type == "cuda"
     header = ["clients", "method", "status", "× forward floor", "× average", "× local epoch", "wall s",
