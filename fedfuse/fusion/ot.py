@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (state_on, Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
+from fedfuse.fusion.permute import (Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
                                     build_spec, check_compatible, collect_activations, marginal_from_scores,
-                                    solve_group, standardize, weight_cost, weight_features)
+                                    solve_group, standardize, state_on, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
 from fedfuse.fusion.selective import fuse_selective
 

@@ -33,9 +33,9 @@ from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (state_on, Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
+from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
                                     check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
-                                    standardize, weight_features)
+                                    standardize, state_on, weight_score)
 
 
 def _objective(score: torch.Tensor, m: Map) -> float:
@@ -67,10 +67,12 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
                              f"{spec_b.groups[g].size} units (use method 'ot' for different widths)")
     head_costs = head_costs or {}
     maps: dict[str, Map] = {}
+    b_slices: dict = {}   # B's weight slices per (entry, axis), reused by every sweep (B does not move)
+    # A in float64 once (the scores are float64), not once per tensor per group per sweep
+    state_a = {k: v.detach().double() if v.is_floating_point() else v for k, v in state_a.items()}
 
     def solve(g: str, roles, require_mapped) -> tuple[Map, torch.Tensor]:
-        fa, fb = weight_features(state_a, state_b, spec_a, spec_b, g, maps, roles, require_mapped)
-        score = fa @ fb.t()
+        score = weight_score(state_a, state_b, spec_a, spec_b, g, maps, roles, require_mapped, b_slices)
         ga, gb = spec_a.groups[g], spec_b.groups[g]
         if g in head_costs and not intra:
             d = ga.size // ga.blocks

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.permute import (state_on, Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
-                                    exact_block_costs, ot_plan, solve_group, standardize)
+from fedfuse.fusion.permute import (Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
+                                    exact_block_costs, ot_plan, solve_group, standardize, state_on)
 from fedfuse.fusion.permute.activations import _rows, _subsample
 from fedfuse.fusion.permute.features import marginal_from_scores
 from fedfuse.fusion.permute.spec import Group, PermSpec

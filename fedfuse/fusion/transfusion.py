@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, register, require
-from fedfuse.fusion.permute import (state_on, PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
-                                    entry_view)
+from fedfuse.fusion.permute import (PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
+                                    entry_view, state_on)
 from fedfuse.fusion.rebasin import AlignOptions, finish, weight_matching
 
 

@@ -39,6 +39,37 @@ def weight_features(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
                 torch.zeros(spec_b.groups[group].size, 0, dtype=torch.float64))
     return torch.cat(fa, 1), torch.cat(fb, 1)
 
+def weight_score(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
+                 maps: dict[str, Map], roles: tuple[str, ...] = ("out", "in"), require_mapped: bool = False,
+                 b_cache: dict | None = None) -> torch.Tensor:
+    """``F_A F_Bᵀ [m_A, m_B]`` (float64) for the features of ``weight_features``, without building them.
+
+    The product is summed entry by entry, so no ``[m, F]`` concatenation of every tensor touching the group is
+    copied; B's slices (B never moves while A is matched onto it) are kept in ``b_cache`` across calls when one is
+    given. Weight matching (``fedfuse.fusion.rebasin.weight_matching``) calls this once per group per sweep.
+    """
+    score = None
+    for e, ax in spec_a.entries_of(group):
+        if ax.role not in roles or e.name not in state_a:
+            continue
+        if require_mapped and any(o.group not in maps for o in e.axes if o.group != group):
+            continue
+        xa = map_entry(state_a[e.name], e, maps, spec_a, spec_b, skip=group)
+        xa = xa.movedim(ax.axis, 0).reshape(xa.shape[ax.axis], -1)
+        key = (e.name, ax.axis)
+        xb = b_cache.get(key) if b_cache is not None else None
+        if xb is None:
+            xb = entry_view(state_b[e.name], e, spec_b)
+            xb = xb.movedim(ax.axis, 0).reshape(xb.shape[ax.axis], -1)
+            if b_cache is not None:
+                b_cache[key] = xb
+        score = xa @ xb.t() if score is None else score.addmm_(xa, xb.t())
+    if score is None:
+        dev = next(iter(state_a.values())).device if state_a else None
+        return torch.zeros(spec_a.groups[group].size, spec_b.groups[group].size, dtype=torch.float64, device=dev)
+    return score
+
+
 def activation_cost(xa: torch.Tensor, xb: torch.Tensor, std: bool = True) -> torch.Tensor:
     """Ground cost ``[m_A, m_B]``: Euclidean distance between unit activation vectors ``x [S, m]``."""
     if xa.shape[0] != xb.shape[0]:
