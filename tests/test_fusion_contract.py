@@ -443,3 +443,32 @@ def test_aligned_average_matches_the_float64_weighted_sum():
     ref = sum(wi * s["w"].double() for wi, s in zip(w, states)).float()
     assert out["w"].dtype == torch.float32 and torch.allclose(out["w"], ref, atol=1e-7)
     assert int(out["n"]) == 7 and states[0]["w"].dtype == torch.float32   # the inputs are not modified
+
+
+def test_aligned_average_per_unit_streams_the_normalised_formula():
+    """``AlignedAverage`` (one state at a time, what ``ot``/``rebasin``/``transfusion`` use so that their memory does
+    not grow with the clients) gives unit ``j`` of state ``k`` the weight ``w_k u_k[j] / Σ w u[j]``."""
+    from fedfuse.fusion.permute import AlignedAverage, build_spec
+
+    models = _models("mlp", n=3)
+    spec = build_spec(models[0])
+    states = [m.state_dict() for m in models]
+    gen = torch.Generator().manual_seed(1)
+    units = [{g: torch.rand(grp.size, generator=gen) + 0.1 for g, grp in spec.groups.items()} for _ in models]
+    w = [0.2, 0.5, 0.3]
+    avg = AlignedAverage(spec, per_unit=True)
+    for s, wi, u in zip(states, w, units):
+        avg.add(s, wi, u)
+    out = avg.result()
+    for k, e in spec.entries.items():
+        ax = next((a for a in e.axes if a.role == "out"), None)
+        coef = (torch.stack([wi * u[ax.group].double() for wi, u in zip(w, units)]) if ax is not None
+                else torch.tensor(w, dtype=torch.float64)[:, None])
+        coef = coef / coef.sum(0, keepdim=True)
+        shape = [-1] + [1] * (states[0][k].dim() - 1)
+        want = sum(c.reshape(shape) * s[k].double() for c, s in zip(coef, states)).float()
+        torch.testing.assert_close(out[k], want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="unit_weights"):
+        avg.add(states[0], 0.1)
+    with pytest.raises(ValueError, match="no state"):
+        AlignedAverage().result()

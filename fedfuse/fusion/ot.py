@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, activation_cost, apply_maps, average_aligned, block_paths,
+from fedfuse.fusion.permute import (AlignedAverage, Map, PermSpec, activation_cost, apply_maps, block_paths,
                                     build_spec, check_compatible, collect_activations, marginal_from_scores,
                                     solve_group, standardize, state_on, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
@@ -195,7 +195,9 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
               if cost == "activations" else None)
     if acts_b is not None and o.std:
         acts_b = {g: standardize(v) for g, v in acts_b.items()}
-    states = [state_on(ref, device)] if first else []
+    avg = AlignedAverage()   # each aligned state is added as it is made, then dropped
+    if first:
+        avg.add(state_on(ref, device), weights[0])
     info.update(cost=cost, solver=o.solver, trace_ratio=[], reference="model 0" if first else "given")
     for k, model in list(enumerate(models))[first:]:
         try:
@@ -208,9 +210,10 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
             raise IncompatibleModelsError(f"ot: model {k} cannot be aligned to "
                                           f"{'model 0' if first else 'the reference'}: {err}") from None
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
-        states.append(aligned)
+        avg.add(aligned, weights[k])
+        del aligned
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(average_aligned(states, weights))
+    fused.load_state_dict(avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

@@ -26,14 +26,14 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (Map, PermSpec, apply_maps, assignment, average_aligned, build_spec,
+from fedfuse.fusion.permute import (AlignedAverage, Map, PermSpec, apply_maps, assignment, build_spec,
                                     check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, state_on, weight_score)
 
@@ -237,13 +237,12 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
     state_b = state_on(ref, device)
     acts_b = (collect_activations(ref, spec_b, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
               if matching == "activations" else None)
-    states: list[dict] = [state_b] if first else []
-    unit_w: list[Any] = []
     info.update(matching=matching, trace_ratio=[], reference="model 0" if first else "given")
     maps0 = {g: Map.identity(grp.size) for g, grp in spec_b.groups.items()}
     use_scores = scores is not None and o.importance_weighted
-    if use_scores and first:
-        unit_w.append(unit_weights_for(scores[0], spec_b, maps0))
+    avg = AlignedAverage(spec_b, per_unit=use_scores)   # each aligned state is added as it is made, then dropped
+    if first:
+        avg.add(state_b, weights[0], unit_weights_for(scores[0], spec_b, maps0) if use_scores else None)
     for k, model in list(enumerate(models))[first:]:
         spec_a = build_spec(model)
         state_a = state_on(model, device)
@@ -260,11 +259,10 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
             acts_a = collect_activations(model, spec_a, fusion_inputs, max_rows=o.max_rows, seed=seed, device=device)
             maps = activation_matching(acts_a, acts_b, spec_a, spec_b, head_preserving=o.head_preserving)
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
-        states.append(apply_maps(state_a, spec_a, spec_b, maps, state_b))
-        if use_scores:
-            unit_w.append(unit_weights_for(scores[k], spec_a, maps))
+        avg.add(apply_maps(state_a, spec_a, spec_b, maps, state_b), weights[k],
+                unit_weights_for(scores[k], spec_a, maps) if use_scores else None)
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(average_aligned(states, weights, unit_w if use_scores else None, spec_b))
+    fused.load_state_dict(avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, register, require
-from fedfuse.fusion.permute import (PermSpec, apply_maps, average_aligned, build_spec, check_compatible,
+from fedfuse.fusion.permute import (AlignedAverage, PermSpec, apply_maps, build_spec, check_compatible,
                                     entry_view, state_on)
 from fedfuse.fusion.rebasin import AlignOptions, finish, weight_matching
 
@@ -121,7 +121,8 @@ def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, op
     ref = models[0]
     spec_b = build_spec(ref, "tied")
     state_b = state_on(ref, device)
-    states = [state_b]
+    avg = AlignedAverage()   # each aligned state is added as it is made, then dropped
+    avg.add(state_b, weights[0])
     info.update(trace_ratio=[], sweeps=[])
     for k, model in enumerate(models[1:], 1):
         spec_a = build_spec(model, "tied")
@@ -134,9 +135,9 @@ def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, op
                                      top_k=o.top_k, include_proj=o.include_proj, intra=o.intra, init=o.init)
         info["sweeps"].append(tf["sweeps"])
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
-        states.append(apply_maps(state_a, spec_a, spec_b, maps, state_b))
+        avg.add(apply_maps(state_a, spec_a, spec_b, maps, state_b), weights[k])
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(average_aligned(states, weights))
+    fused.load_state_dict(avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

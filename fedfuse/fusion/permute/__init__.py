@@ -26,7 +26,7 @@ Modules:
 """
 
 from fedfuse.fusion.permute.activations import collect_activations
-from fedfuse.fusion.permute.averaging import average_aligned
+from fedfuse.fusion.permute.averaging import AlignedAverage, average_aligned
 from fedfuse.fusion.permute.batchnorm import has_batchnorm, reset_bn_stats
 from fedfuse.fusion.permute.features import (activation_cost, marginal_from_scores, score_cost, standardize,
                                              weight_cost, weight_features, weight_score)
@@ -40,5 +40,5 @@ from fedfuse.fusion.permute.spec import Axis, Entry, Group, PermSpec, block_path
 __all__ = ["Axis", "Entry", "Group", "PermSpec", "block_paths", "build_spec", "check_compatible", "Map", "apply_maps", "entry_view",
            "map_axis", "map_entry", "permute_model", "random_perms", "state_on", "collect_activations", "sinkhorn_batch",
            "sinkhorn_log_batch", "assignment", "blocked_plan", "exact_block_costs", "ot_plan", "ot_plans",
-           "solve_group", "activation_cost", "weight_cost", "marginal_from_scores", "score_cost", "standardize", "weight_features", "weight_score", "average_aligned",
+           "solve_group", "activation_cost", "weight_cost", "marginal_from_scores", "score_cost", "standardize", "weight_features", "weight_score", "AlignedAverage", "average_aligned",
            "has_batchnorm", "reset_bn_stats"]
