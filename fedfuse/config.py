@@ -611,7 +611,7 @@ def _check_tiers(cfg: RunConfig) -> None:
                           f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
 
 
-DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
+DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf", "ot")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
 
 
 def _check_depth_tiers(cfg: RunConfig) -> None:
@@ -626,6 +626,10 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
     if cfg.strategy not in DEPTH_TIER_METHODS:
         raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
                           f"different depths; use one of {list(DEPTH_TIER_METHODS)}")
+    if cfg.strategy == "ot" and cfg.model not in ("mlp", "cnn"):
+        raise ConfigError(f"run-config key 'strategy': 'ot' with depth tiers aligns the units level by level, which "
+                          f"takes sequential models (model 'mlp' or 'cnn'); a {cfg.model}'s residual stream ties the "
+                          "units of several blocks")
     if cfg.model_depth < 2:
         raise ConfigError(f"run-config key 'client-tiers': depth tiers need a model with at least 2 blocks / hidden "
                           f"layers to keep fewer of; model-depth is {cfg.model_depth}")
@@ -636,6 +640,9 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
         if getattr(cfg, key.replace("-", "_")) != default:
             raise ConfigError(f"run-config key {key!r}: a width-tier option; depth tiers take none (leave it "
                               f"{default!r})")
+    if cfg.refine not in ("auto", "none"):
+        raise ConfigError(f"run-config key 'refine': {cfg.refine!r} refines one classifier; a depth-tier model has "
+                          "one per depth (feddf and ot distil into every exit): leave it 'auto'")
 
 
 def fusion_options_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -40,12 +40,14 @@ def test_tier_syntax_width_x_depth_and_bare_widths():
     ({"client-tiers": "1x1,1xabc"}, "client-tiers.*not a number"),
     ({"client-tiers": "1x0.5"}, "client-tiers.*full model"),
     ({"client-tiers": "1x1,0.5x0.5"}, "client-tiers.*mixes width and depth"),
-    ({"strategy": "ot"}, "client-tiers.*cannot aggregate clients of different depths"),
+    ({"strategy": "rebasin"}, "client-tiers.*cannot aggregate clients of different depths"),
+    ({"strategy": "ot", "model": "resnet"}, "strategy.*'ot'.*depth tiers.*mlp"),
     ({"client-tiers": "", "strategy": "depthfl"}, "client-tiers.*needs depth tiers"),
     ({"model-depth": 1}, "client-tiers.*at least 2 blocks"),
     ({"ordered-dropout": "all"}, "ordered-dropout"),
     ({"tier-models": "prune"}, "tier-models.*width-tier option"),
     ({"mode": "warm-start"}, "client-tiers.*warm-start"),
+    ({"refine": "distill"}, "refine.*one per depth"),
 ])
 def test_bad_depth_tier_configs_fail_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -305,3 +307,66 @@ def test_inclusivefl_options_and_client_fail_or_train_their_own_exit():
     assert set(keys) == set(sent) and torch.allclose(loss_fn(x, y), F.cross_entropy(model(x), y))
     with pytest.raises(ValueError, match="depth-2 model holds other arrays"):
         depth_tier(_me(), {DEPTH_KEY: 2, OWN_EXIT_KEY: True}, {k: server.state_dict()[k] for k in held_keys(server, 2)})
+
+
+# ------------------------------------------------------------------------------------ one-shot: aligning depths
+def _permuted_client(model: MultiExit, units: int, seed: int) -> MultiExit:
+    """A copy of ``model`` holding ``units`` depth units with every hidden layer's units in another order (its
+    exits' inputs with them): the same function, as a client trained from another initialisation could be."""
+    from fedfuse.fusion.permute import build_spec, permute_model, random_perms
+
+    spec = build_spec(model.base)
+    perms = random_perms(spec, seed=seed)
+    client = copy.deepcopy(model)
+    client.base = permute_model(model.base, perms)
+    lvls, du = model._levels(), depth_units(model.base)
+    for e in model.exit_units:
+        group = next(g for g, grp in spec.groups.items() if lvls[du[e - 1]].name in grp.levels)
+        with torch.no_grad():
+            client.exits[str(e)].fc.weight.copy_(model.exits[str(e)].fc.weight[:, perms[group]])
+    return client.set_active(units)
+
+
+def test_align_depths_undoes_the_clients_unit_orders_at_every_depth():
+    from fedfuse.hetero.depth import align_depths
+
+    ref = _me(seed=3).set_active(4)
+    x = torch.randn(200, 40, generator=torch.Generator().manual_seed(0))
+    clients = [ref, _permuted_client(ref, 2, seed=1), _permuted_client(ref, 1, seed=2), _permuted_client(ref, 4, 5)]
+    with torch.no_grad():   # each permuted client computes its exits' function unchanged
+        for c in clients[1:]:
+            assert torch.allclose(c(x), copy.copy(ref).set_active(c.active)(x), atol=1e-5)
+        assert not torch.allclose(clients[1].state_dict()["base.1.weight"], ref.state_dict()["base.1.weight"])
+    aligned = align_depths(clients, [c.active for c in clients], x)
+    want = ref.state_dict()
+    for c, state in zip(clients, aligned):
+        for key in held_keys(ref, c.active):   # every array a client holds is back in the reference's units
+            torch.testing.assert_close(state[key], want[key], rtol=0, atol=1e-6)
+    # the layer-wise average of the aligned clients is the reference itself; of the unaligned ones it is not
+    avg = aggregate_held(want, [{k: s[k] for k in held_keys(ref, c.active)} for c, s in zip(clients, aligned)])
+    assert all(torch.allclose(avg[k], want[k], atol=1e-6) for k in want)
+    plain = aggregate_held(want, [{k: c.state_dict()[k] for k in held_keys(ref, c.active)} for c in clients])
+    assert not all(torch.allclose(plain[k], want[k], atol=1e-3) for k in want)
+
+
+def test_align_depths_refuses_tied_residual_streams():
+    from fedfuse.hetero.depth import align_depths
+
+    m = _me("resnet")
+    with pytest.raises(ValueError, match="residual stream"):
+        align_depths([m, copy.deepcopy(m)], [m.num_units, 1], torch.randn(8, 1, 40))
+
+
+def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
+    """One-shot depth tiers with ``ot`` (aligned layer-wise average, then the ensemble distilled into every exit):
+    the run completes with every tier's classifier above chance."""
+    from simulations.runners.inprocess import run_inprocess
+
+    cfg = {**TINY, "mode": "one-shot", "num-server-rounds": 1, "local-epochs": 3, "strategy": "ot",
+           "output-dir": str(tmp_path), "run-name": "d"}
+    out = run_inprocess(cfg, 4, echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed", res.get("error")
+    last = res["rounds"][-1]
+    assert last["valid-replies"] == 4 and "exit-distill" in json.dumps(last["fusion-info"])
+    assert min(last["tier-accuracy"].values()) > 0.15   # chance 0.1

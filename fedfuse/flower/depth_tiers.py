@@ -10,13 +10,15 @@ every tier's depth). ``DepthTieredStrategy`` is ``FusionStrategy`` with:
 - replies validated against their depth's arrays;
 - the aggregation: DepthFL's layer-wise average (``aggregate_held``) — for ``feddf``, followed by the ensemble of
   the round's client models (each at its own deepest exit) distilled into every exit of the global model on the
-  fusion set (``distill_exits``): the shallow clients' knowledge reaches the deep classifiers.
+  fusion set (``distill_exits``): the shallow clients' knowledge reaches the deep classifiers; for ``ot``, the same
+  after aligning every client's units to the deepest client's by their activations on the fusion set first
+  (``align_depths``): clients trained from their own initialisations (one-shot) then average unit by unit.
 
 Strategies: ``depthfl`` (DepthFL, Kim et al., ICLR 2023: layer-wise average, the clients' mutual self-distillation
 between their exits, no server step), ``depthfl-fedavg`` (the paper's ablation without self-distillation),
 ``inclusivefl`` (InclusiveFL, Liu et al., KDD 2022, arXiv 2202.08036: one classifier per client depth, the layer-wise
 average after momentum distillation into each shallower tier's top layer), ``average`` (the layer-wise average with
-fedfuse's server momentum) and ``feddf`` (above).
+fedfuse's server momentum), ``feddf`` and ``ot`` (above).
 Per round, ``history`` gets ``tier-bytes-sent`` / ``tier-clients`` / ``tier-val-accuracy`` / ``tier-train-seconds``
 (``{tier label: value}``, labels ``1x<depth>``); ``evaluate_tiers`` scores every exit on a test split and their
 ensemble (``exit-ensemble-accuracy``).
@@ -37,7 +39,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.fusion import FusionResult
-from fedfuse.hetero.depth import (MultiExit, aggregate_held, distill_exits, held_keys, layer_momentum,
+from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, distill_exits, held_keys, layer_momentum,
                                   momentum_distill, unit_arrays, units_at)
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
@@ -48,7 +50,7 @@ from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_layout import TierLayout, client_tier_means, round_tier_records
 
 #: the strategies that take depth tiers
-DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf")
+DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf", "ot")
 
 
 def depth_label(depth: float) -> str:
@@ -70,6 +72,7 @@ class DepthTieredStrategy(FusionStrategy):
     """
 
     own_exit = False
+    reads_scores = False   # no depth-tier aggregation reads importance scores: the clients send none
 
     def __init__(self, method: str | None = None, *, depths: tuple[float, ...] = (1.0,),
                  self_distill: bool | None = None, **options: Any) -> None:
@@ -77,7 +80,11 @@ class DepthTieredStrategy(FusionStrategy):
         if name not in DEPTH_METHODS:
             raise ValueError(f"strategy: {name!r} cannot aggregate clients of different depths; use one of "
                              f"{list(DEPTH_METHODS)}")
-        if name != "feddf":   # the guard checks a fused model against the average; these rounds are the average
+        if options.get("refine") not in (None, "none"):
+            raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
+                             "refinements act on one classifier, a depth-tier model has one per depth")
+        options["refine"] = "none"   # ot's default (calibrate) too: feddf and ot distil into every exit instead
+        if name not in ("feddf", "ot"):   # the guard checks a fused model against the average; these rounds are the average
             options["guard"] = False
         super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
         skeleton = self.model_fn() if self.model_fn is not None else None
@@ -178,17 +185,33 @@ class DepthTieredStrategy(FusionStrategy):
 
     weighted_average = average
 
+    def aligned_average(self, server_round: int, updates: list[ClientUpdate],
+                        models: list[nn.Module]) -> dict[str, torch.Tensor]:
+        """``ot``: every client's units permuted onto the deepest client's by their activations on the fusion set
+        (``align_depths``), then the layer-wise average of what each holds: clients trained from their own
+        initialisations (one-shot) average unit by unit, not into a model at chance."""
+        aligned = align_depths(models, [m.active for m in models], self.fusion_inputs, seed=self.seed + server_round,
+                               device=resolve_device(self.device))
+        return aggregate_held(self.global_state(), [{k: a[k] for k in u.state} for a, u in zip(aligned, updates)],
+                              [float(u.num_examples) for u in updates])
+
     def fuse_updates(self, server_round: int, updates: list[ClientUpdate],
                      models: list[nn.Module] | None = None) -> FusionResult:
-        """The layer-wise average; for ``feddf`` the clients' ensemble then distilled into every exit."""
+        """The layer-wise average (``ot``: of the aligned clients); for ``feddf`` and ``ot`` the clients' ensemble
+        then distilled into every exit."""
         t0 = time.perf_counter()
-        model = self.build_model(self.average(updates))
+        method = self.round_method(server_round)
+        if method in ("feddf", "ot") and models is None:
+            models = [self.build_model(u.state) for u in updates]
+        model = self.build_model(self.aligned_average(server_round, updates, models) if method == "ot"
+                                 else self.average(updates))
         info: dict[str, Any] = {}
-        if self.method == "feddf" and self.round_method(server_round) == "feddf":
-            teachers = models if models is not None else [self.build_model(u.state) for u in updates]
+        if method in ("feddf", "ot"):
+            teachers = models
             total = sum(u.num_examples for u in updates)
+            # feddf: its own options; ot: FedDF's server step at its defaults (the fusion options are OT's)
             info = distill_exits(model, teachers, [u.num_examples / total for u in updates], self.fusion_inputs,
-                                 self.spec.parse_options(self.fusion_options),
+                                 self.spec.parse_options(self.fusion_options) if method == "feddf" else None,
                                  seed=self.seed + server_round, device=resolve_device(self.device))
             model = model.cpu().eval()
         return FusionResult(method=self.round_method(server_round), model=model, info=info,

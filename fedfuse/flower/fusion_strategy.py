@@ -67,6 +67,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
     """
 
     method: str | None = None
+    reads_scores = True   # a subclass whose aggregation never reads the method's importance scores says False
 
     def __init__(self, method: str | None = None, *, fusion_options: dict[str, Any] | None = None,
                  importance: str = "client", fusion_rounds: int = 0,
@@ -120,7 +121,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         self.importance = importance
         self.fusion_rounds = int(fusion_rounds)
         self.fuse_fn = fuse_fn
-        self.uses_scores = bool(self.spec is not None and self.spec.uses_scores)
+        self.uses_scores = bool(self.reads_scores and self.spec is not None and self.spec.uses_scores)
         self.needs_data = bool(self.spec is not None and self.spec.needs_data)
         if importance == "server" or self.fusion_options.get("importance") in ("conductance", "deeplift"):
             self.fusion_options = server_importance_options(self, self.fusion_options, self.fusion_labels)

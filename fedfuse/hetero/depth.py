@@ -312,6 +312,80 @@ def distill_exits(student: MultiExit, teachers: list[nn.Module], weights: list[f
     return {"exit-distill": info}
 
 
+def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_inputs: torch.Tensor, *,
+                 max_rows: int = 4096, seed: int = 0, device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """One-shot fusion across depths: every client model's units permuted onto the deepest client's.
+
+    Clients of a one-shot federation train from their own initialisations, so the hidden units of two models of one
+    architecture are in unrelated orders and a layer-wise average (DepthFL's ``aggregate_held``) mixes unrelated
+    units: its accuracy falls to chance (``results/depth-tiers-oneshot``). Here each client ``i`` (a ``MultiExit``
+    holding ``units[i]`` depth units) has the units of every level it holds matched to the *reference* (the first
+    deepest client) by their activations on the unlabeled ``fusion_inputs [B, *input]``: the permutation maximising
+    the correlation of standardised activations, level by level (activation matching, Ainsworth et al., "Git
+    Re-Basin", arXiv 2209.04836; OTFusion's exact-transport special case, Singh & Jaggi, arXiv 1910.05653). The
+    permutation moves the level's output rows, the next layer's input columns and the input columns of the exit
+    classifiers on that level, so every client computes the same function in the reference's units.
+
+    Returns one full ``MultiExit`` state per client (the keys it does not hold are its unchanged values: pass only
+    ``held_keys`` on to ``aggregate_held``). ``ValueError`` for families whose residual stream ties the units of
+    several blocks (ResNets, ViTs: a truncated client's stream cannot be matched block by block yet).
+    """
+    from fedfuse.fusion.permute import apply_maps, build_spec, collect_activations
+    from fedfuse.fusion.rebasin import activation_matching
+
+    if len(models) != len(units) or not models:
+        raise ValueError(f"align_depths: {len(models)} models for {len(units)} depths")
+    base0 = models[0].base
+    family = adapter_for(base0).family
+    if family != "sequential":
+        raise ValueError(f"align_depths: {family} models tie the units of several blocks in one residual stream; "
+                         "depth alignment takes sequential models (MLPs and plain CNNs)")
+    ref_i = max(range(len(models)), key=lambda i: (units[i], -i))
+    ref = models[ref_i]
+    spec = build_spec(ref.base)
+    lvls, du = ref._levels(), depth_units(ref.base)
+    group_of = {}   # level index -> the permutation group of its output units
+    for name, grp in spec.groups.items():
+        for lv_name in grp.levels:
+            group_of[next(i for i, lv in enumerate(lvls) if lv.name == lv_name)] = name
+    acts_ref = collect_activations(ref.base, spec, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+    base_ref = ref.base.state_dict()
+    out = []
+    for i, (m, k) in enumerate(zip(models, units)):
+        state = {key: v.detach().clone() for key, v in m.state_dict().items()}
+        if i == ref_i:
+            out.append(state)
+            continue
+        held_levels = set(range(du[k - 1] + 1)) if k < m.num_units else set(range(len(lvls)))
+        held_groups = [group_of[j] for j in sorted(held_levels) if j in group_of]
+        acts = collect_activations(m.base, spec, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+        matched = activation_matching({g: acts[g] for g in held_groups}, {g: acts_ref[g] for g in held_groups},
+                                      _subspec(spec, held_groups), _subspec(spec, held_groups))
+        maps = {g: matched.get(g) or _identity(spec, g) for g in spec.groups}
+        base = apply_maps(m.base.state_dict(), spec, spec, maps, base_ref)
+        state.update({f"base.{key}": v for key, v in base.items()})
+        for e in m.exit_units:
+            g = group_of.get(du[e - 1])
+            if g is not None and maps[g].perm is not None:
+                w = state[f"exits.{e}.fc.weight"]
+                state[f"exits.{e}.fc.weight"] = w.index_select(1, maps[g].perm.to(w.device))
+        out.append(state)
+    return out
+
+
+def _subspec(spec, groups: list[str]):
+    """``spec`` restricted to ``groups`` (what ``activation_matching`` iterates over)."""
+    import dataclasses
+
+    return dataclasses.replace(spec, groups={g: spec.groups[g] for g in groups})
+
+
+def _identity(spec, group: str):
+    from fedfuse.fusion.permute import Map
+
+    return Map.identity(spec.groups[group].size)
+
+
 def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int) -> MultiExit:
     """``model`` wrapped with an exit classifier after every depth of ``depth_mults`` shallower than it."""
     try:
@@ -321,5 +395,6 @@ def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int)
     return MultiExit(model, [units_at(d, n) for d in depth_mults], num_classes)
 
 
-__all__ = ["MultiExit", "ExitHead", "depth_units", "units_at", "held_keys", "aggregate_held", "distill_exits",
+__all__ = ["MultiExit", "ExitHead", "depth_units", "units_at", "held_keys", "aggregate_held", "align_depths",
+           "distill_exits",
            "mutual_distillation_loss", "multi_exit", "unit_arrays", "layer_momentum", "momentum_distill"]
