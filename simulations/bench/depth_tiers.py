@@ -165,6 +165,9 @@ def _run(job: dict) -> dict:
             "global": last["test-accuracy"], "tiers": tiers, "exit-ensemble": last.get("exit-ensemble-accuracy"),
             # one-shot references (the server's): the best client model and the clients' ensemble
             "best-client": last.get("best-client-accuracy"), "client-ensemble": last.get("ensemble-accuracy"),
+            # and fedfuse.references' KD: the weighted ensemble distilled into client 0's model (a full-depth client)
+            "kd": next((r.get("accuracy") for r in (res.get("one-shot-references") or {}).get("rows", [])
+                        if r["key"] == "kd"), None),
             "bytes": {relabel.get(t, t): v / max(1, (last.get("tier-clients") or {}).get(t, 1))
                       for t, v in (last.get("tier-bytes-sent") or {}).items()}, "curve": [r["test-accuracy"] for r in res["rounds"]],
             "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
@@ -173,9 +176,9 @@ def _run(job: dict) -> dict:
 
 def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
     head = ("| α | strategy | global (deepest) | " + " | ".join(f"tier {t}" for t in tier_labels)
-            + " | exit ensemble | best client | clients' ensemble | KB sent per client / round "
+            + " | exit ensemble | best client | clients' ensemble | KD (one-shot) | KB sent per client / round "
             "| aggregation / full-depth local epoch |")
-    lines = [head, "|" + "---|" * (8 + len(tier_labels))]
+    lines = [head, "|" + "---|" * (9 + len(tier_labels))]
     for alpha in sorted({r["alpha"] for r in rows}):
         for label in labels:
             got = [r for r in rows if r["alpha"] == alpha and r["label"] == label]
@@ -190,7 +193,7 @@ def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
             cells = [ms([r["global"] for r in got])]
             cells += [ms([r["tiers"].get(t) for r in got]) for t in tier_labels]
             cells.append(ms([r["exit-ensemble"] for r in got]))
-            cells += [ms([r.get("best-client") for r in got]), ms([r.get("client-ensemble") for r in got])]
+            cells += [ms([r.get(k) for r in got]) for k in ("best-client", "client-ensemble", "kd")]
             b = got[0]["bytes"]
             cells.append(", ".join(f"{t}: {b[t] / 1e3:.0f}" for t in tier_labels if t in b))
             ratios = [statistics.median(r["fusion-seconds"]) / r["full-train-seconds"] for r in got
