@@ -385,12 +385,17 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         # the run's config says false)
         cfg = replace(cfg, head_round=False)
     if cfg.strategy == "auto" and cfg.client_tiers.strip():
-        # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md). Loud, and
-        # recorded: the run's config (results.json) says 'average'.
-        warnings.warn("run-config key 'strategy': 'auto' has no capacity-tier form; with 'client-tiers' the run uses "
-                      "'average' (the tiered default). Set strategy explicitly to silence this.", UserWarning,
+        # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except for
+        # one-shot depth tiers, whose clients start from their own initialisations: their plain layer-wise average is
+        # at chance, so there the default aligns them first ('ot', sequential models) or distils ('feddf'). Loud, and
+        # recorded: the run's config (results.json) says which.
+        tiered = "average"
+        if cfg.mode == "one-shot" and cfg.depth_tiers:
+            tiered = "ot" if cfg.model in ("mlp", "cnn") else "feddf"
+        warnings.warn(f"run-config key 'strategy': 'auto' has no capacity-tier form; with 'client-tiers' the run uses "
+                      f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", UserWarning,
                       stacklevel=2)
-        cfg = replace(cfg, strategy="average")
+        cfg = replace(cfg, strategy=tiered)
     for spec in SCHEMA.values():
         _check_range(spec, getattr(cfg, spec.key.replace("-", "_")))
     _check_rules(cfg)
