@@ -330,7 +330,7 @@ def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_input
     ``held_keys`` on to ``aggregate_held``). ``ValueError`` for families whose residual stream ties the units of
     several blocks (ResNets, ViTs: a truncated client's stream cannot be matched block by block yet).
     """
-    from fedfuse.fusion.permute import apply_maps, build_spec, collect_activations
+    from fedfuse.fusion.permute import Map, apply_maps, build_spec, collect_activations
     from fedfuse.fusion.rebasin import activation_matching
 
     if len(models) != len(units) or not models:
@@ -361,7 +361,7 @@ def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_input
         acts = collect_activations(m.base, spec, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
         matched = activation_matching({g: acts[g] for g in held_groups}, {g: acts_ref[g] for g in held_groups},
                                       _subspec(spec, held_groups), _subspec(spec, held_groups))
-        maps = {g: matched.get(g) or _identity(spec, g) for g in spec.groups}
+        maps = {g: matched.get(g) or Map.identity(grp.size) for g, grp in spec.groups.items()}
         base = apply_maps(m.base.state_dict(), spec, spec, maps, base_ref)
         state.update({f"base.{key}": v for key, v in base.items()})
         for e in m.exit_units:
@@ -378,12 +378,6 @@ def _subspec(spec, groups: list[str]):
     import dataclasses
 
     return dataclasses.replace(spec, groups={g: spec.groups[g] for g in groups})
-
-
-def _identity(spec, group: str):
-    from fedfuse.fusion.permute import Map
-
-    return Map.identity(spec.groups[group].size)
 
 
 def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int) -> MultiExit:
