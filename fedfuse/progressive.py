@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -111,34 +112,63 @@ def _ridge_solve(gram: torch.Tensor, cross: torch.Tensor, penalty: float) -> tor
     return torch.linalg.solve(gram + reg + jitter, cross)
 
 
-def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
-             device: str | torch.device = "cpu") -> torch.Tensor:
-    """The model's pre-logit features ``[N, d]`` (its family adapter's ``pre_logits``), in eval mode, on CPU."""
+@dataclass(frozen=True)
+class HeadSite:
+    """One classifier a head round solves: ``features(x)`` ``[N, *input]`` → the ``[N, d]`` inputs of ``classifier``
+    (an ``nn.Linear(d, C)``), and ``logits(x)`` → the ``[N, C]`` outputs of the model's path through it."""
+
+    features: Callable[[torch.Tensor], torch.Tensor]
+    classifier: nn.Linear
+    logits: Callable[[torch.Tensor], torch.Tensor]
+
+
+def head_sites(model: nn.Module) -> dict[str, HeadSite]:
+    """The classifiers of ``model`` a head round solves: ``{"": its classifier on its pre-logit features}``, or what
+    the model's own ``head_sites()`` gives (a depth-tier ``MultiExit``: its final classifier and every exit)."""
+    own = getattr(model, "head_sites", None)
+    if callable(own):
+        return own()
     adapter = adapter_for(model)
+    return {"": HeadSite(lambda x: adapter.pre_logits(model, x), adapter.classifier(model), model)}
+
+
+def _site(model: nn.Module, site: str) -> HeadSite:
+    sites = head_sites(model)
+    if site not in sites:
+        raise ValueError(f"head round: the model has no classifier {site!r}; it has {sorted(sites)}")
+    return sites[site]
+
+
+def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
+             device: str | torch.device = "cpu", site: str = "") -> torch.Tensor:
+    """The inputs ``[N, d]`` of the classifier ``site`` (``""``: the model's pre-logit features, its family adapter's
+    ``pre_logits``), in eval mode, on CPU."""
     was_training = model.training
     model.eval().to(device)
+    fn = _site(model, site).features
     out = []
     with torch.no_grad():
         for b in range(0, len(x), batch_size):
-            out.append(adapter.pre_logits(model, x[b:b + batch_size].to(device)).flatten(1).double().cpu())
+            out.append(fn(x[b:b + batch_size].to(device)).flatten(1).double().cpu())
     model.train(was_training)
     return torch.cat(out)
 
 
 def head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                    batch_size: int = 512, device: str | torch.device = "cpu") -> HeadStatistics:
+                    batch_size: int = 512, device: str | torch.device = "cpu", site: str = "") -> HeadStatistics:
     """A client's statistics for the federated ridge head on ``model``'s frozen pre-logit features.
 
     Args:
         model: the fused model the server sent (not modified).
         x: the client's inputs ``[N, *input_shape]``; y: its labels ``[N]`` in ``[0, num_classes)``.
+        site: which classifier (``head_sites``; ``""``: the model's own).
     """
     y = torch.as_tensor(y).long()
     if len(x) != len(y) or len(y) == 0:
         raise ValueError(f"head statistics: need as many labels as inputs (> 0), got {len(x)} inputs, {len(y)} labels")
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ValueError(f"head statistics: labels must be in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
-    f = _with_bias(features(model, x, batch_size, device))
+    f = _with_bias(features(model, x, batch_size, device, site))
     return HeadStatistics(f.T @ f, f.T @ nn.functional.one_hot(y, num_classes).double(), len(y))
 
 
@@ -166,30 +196,35 @@ def solve_head(stats: list[HeadStatistics], ridge: float = DEFAULT_HEAD_RIDGE) -
     return head
 
 
-def with_head(model: nn.Module, head: nn.Linear) -> nn.Module:
-    """``model`` with its classifier replaced by ``head`` (in place; returned for chaining); ``ValueError`` when the
-    head does not take the model's feature width."""
-    adapter = adapter_for(model)
-    old = adapter.classifier(model)
+def with_head(model: nn.Module, head: nn.Linear, site: str = "") -> nn.Module:
+    """``model`` with its classifier ``site`` replaced by ``head`` (in place; returned for chaining); ``ValueError``
+    when the head does not take that classifier's feature width."""
+    old = _site(model, site).classifier
     if old.in_features != head.in_features:
         raise ValueError(f"with_head: the head takes {head.in_features} features, the model's classifier "
                          f"{old.in_features}")
-    adapter.set_classifier(model, head.to(old.weight.device))
+    if site == "" and not callable(getattr(model, "head_sites", None)):
+        adapter_for(model).set_classifier(model, head.to(old.weight.device))
+    else:   # a classifier inside a larger model (a depth tier's exit): its parameters, in place
+        with torch.no_grad():
+            old.weight.copy_(head.weight)
+            old.bias.copy_(head.bias)
     return model
 
 
 def fit_temperature(model: nn.Module, x: torch.Tensor, target_probs: torch.Tensor,
-                    grid: tuple[float, ...] = tuple(2.0 ** (k / 2) for k in range(-2, 15))) -> float:
+                    grid: tuple[float, ...] = tuple(2.0 ** (k / 2) for k in range(-2, 15)), site: str = "") -> float:
     """Scale ``model``'s classifier (weight and bias, in place) by the temperature of ``grid`` whose softmax is closest
     (``KL(target ‖ model)``) to ``target_probs [N, C]`` on the unlabeled inputs ``x``; returns it.
 
     A ridge head regresses one-hot labels, so its outputs live on a probability scale (about 0 to 1) and their softmax
     is nearly uniform: the right classes, a poor loss. Matching the clients' ensemble's confidence on the fusion set
     sets the scale without labels; the arg-max, hence the accuracy, does not change."""
-    adapter = adapter_for(model)
-    head = adapter.classifier(model)
+    found = _site(model, site)
+    head = found.classifier
     with torch.no_grad():
-        z = (model.eval()(x) - head.bias).double()   # logits without the bias, so that scaling both is exact
+        model.eval()
+        z = (found.logits(x) - head.bias).double()   # logits without the bias, so that scaling both is exact
         b = head.bias.double()
         t = target_probs.double().clamp_min(1e-12)
         kls = [float((t * (t.log() - torch.log_softmax(tau * (z + b), -1))).sum(-1).mean()) for tau in grid]
@@ -267,5 +302,5 @@ def model_equivalents(numbers: int, model: nn.Module) -> float:
     return numbers / sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["HeadStatistics", "head_statistics", "solve_head", "with_head", "features", "fit_temperature", "cut_points", "split",
+__all__ = ["HeadStatistics", "HeadSite", "head_sites", "head_statistics", "solve_head", "with_head", "features", "fit_temperature", "cut_points", "split",
            "freeze", "lift_suffix", "fuse_suffixes", "model_equivalents", "DEFAULT_HEAD_RIDGE"]

@@ -358,8 +358,8 @@ def test_align_depths_refuses_tied_residual_streams():
 
 
 def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
-    """One-shot depth tiers with ``ot`` (aligned layer-wise average, then the ensemble distilled into every exit):
-    the run completes with every tier's classifier above chance."""
+    """One-shot depth tiers with ``ot`` (aligned layer-wise average, then the ensemble distilled into every exit), then
+    the head round solving every exit's classifier: the run completes with every tier's classifier above chance."""
     from simulations.runners.inprocess import run_inprocess
 
     cfg = {**TINY, "mode": "one-shot", "num-server-rounds": 1, "local-epochs": 3, "strategy": "ot",
@@ -367,8 +367,13 @@ def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
     out = run_inprocess(cfg, 4, echo=False)
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed", res.get("error")
-    last = res["rounds"][-1]
-    assert last["valid-replies"] == 4 and "exit-distill" in json.dumps(last["fusion-info"])
+    fused, last = next(r for r in res["rounds"] if r["round"] == 1), res["rounds"][-1]
+    assert fused["valid-replies"] == 4 and "exit-distill" in json.dumps(fused["fusion-info"])
+    head = last["fusion-info"]["head-round"]   # round 2: the head round, every node answering for every exit
+    assert head["valid"] == 4 and head["rejected"] == [] and set(head["temperature"]) == {"", "1", "2", "3"}
+    assert set(last["tier-accuracy"]) == set(fused["tier-accuracy"])
+    if head["kept"] == "head":   # the tiers' evaluation reads the head round's model, not the fused one
+        assert last["tier-accuracy"] != fused["tier-accuracy"]
     assert min(last["tier-accuracy"].values()) > 0.15   # chance 0.1
 
 

@@ -276,3 +276,28 @@ def test_with_federated_evaluation_the_head_round_row_has_the_clients_scores(tmp
     assert rounds[2]["federated-accuracy"] == pytest.approx(head["client-accuracy"][head["kept"]])
     # the last training round's clients stay the reference columns of the head round's row
     assert rounds[2]["client-test-accuracy"] == rounds[1]["client-test-accuracy"]
+
+
+def test_head_round_solves_every_exit_of_a_depth_tier_model(identity):
+    """A depth-tier ``MultiExit`` has a classifier per depth: each node answers with statistics for every one
+    (``gram-upper@<k>`` / ``cross@<k>``), and the server solves each from the pooled statistics."""
+    from fedfuse.hetero.depth import multi_exit
+    from fedfuse.progressive import head_sites
+
+    x, y = _data()
+    model = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5, 0.25], 4)
+    sites = head_sites(model)
+    assert set(sites) == {"", "1", "2"}
+    parts = [slice(0, 150), slice(150, 300)]
+    stats = [{s: head_statistics(model, x[p], y[p], 4, site=s) for s in sites} for p in parts]
+    msg = _reply(head_reply_content(stats[0]), 1)
+    widths = {s: v.classifier.in_features for s, v in sites.items()}
+    back = read_head_reply(msg, widths, 4)
+    assert set(back) == set(sites) and all(torch.allclose(back[s].gram, stats[0][s].gram) for s in sites)
+    with pytest.raises(ValueError, match="must hold"):
+        read_head_reply(msg, 16, 4)   # a reply for several classifiers does not fit a one-classifier model
+    out, record = HeadRound(1e-3, check=False).run(_Grid([head_reply_content(s) for s in stats]), model, 4)
+    assert record["valid"] == 2
+    for s, site in head_sites(out).items():
+        want = solve_head([st[s] for st in stats], 1e-3)
+        assert torch.allclose(site.classifier.weight, want.weight, atol=1e-6)

@@ -226,6 +226,10 @@ class DepthTieredStrategy(FusionStrategy):
         record.update(client_tier_means(self.last_updates, lambda u: depth_label(u.metrics.get("tier-depth", 1.0))))
         return arrays, metrics
 
+    def adopt(self, arrays: ArrayRecord) -> None:
+        """A model made after the rounds (the head round's) becomes the global model the tiers' evaluation reads."""
+        self._global = arrays
+
     # ---------------------------------------------------------------- evaluation (results)
     def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
         """``{"tier-accuracy": {tier: test accuracy of its exit}, "exit-ensemble-accuracy": the mean softmax of every

@@ -37,7 +37,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
-from fedfuse.progressive import HeadStatistics, fit_temperature, solve_head, with_head
+from fedfuse.progressive import HeadStatistics, fit_temperature, head_sites, solve_head, with_head
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -54,15 +54,28 @@ def read_head_query(msg: Message) -> dict[str, torch.Tensor]:
     return msg.content.array_records["model"].to_torch_state_dict()
 
 
-def head_reply_content(stats: HeadStatistics) -> RecordDict:
-    """A node's answer (the packed statistics, half the Gram matrix)."""
-    return RecordDict({"head-statistics": ArrayRecord({"gram-upper": stats.pack(), "cross": stats.cross}),
-                       "metrics": MetricRecord({"num-examples": int(stats.num_examples)})})
+def _keys(site: str) -> tuple[str, str]:
+    """The reply's array names of classifier ``site``: ``gram-upper`` / ``cross`` for the model's own (``""``),
+    ``gram-upper@<site>`` / ``cross@<site>`` for the others (a depth tier's exits)."""
+    return ("gram-upper", "cross") if site == "" else (f"gram-upper@{site}", f"cross@{site}")
 
 
-def read_head_reply(msg: Message, features: int, num_classes: int) -> HeadStatistics:
+def head_reply_content(stats: HeadStatistics | dict[str, HeadStatistics]) -> RecordDict:
+    """A node's answer (the packed statistics, half the Gram matrix), one pair of arrays per classifier."""
+    per_site = stats if isinstance(stats, dict) else {"": stats}
+    arrays = {}
+    for site, s in per_site.items():
+        g, c = _keys(site)
+        arrays.update({g: s.pack(), c: s.cross})
+    n = {int(s.num_examples) for s in per_site.values()}
+    return RecordDict({"head-statistics": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": n.pop()})})
+
+
+def read_head_reply(msg: Message, features: int | dict[str, int],
+                    num_classes: int) -> HeadStatistics | dict[str, HeadStatistics]:
     """The statistics of one node's answer; ``ValueError`` saying why when it is malformed or does not fit a model
-    with ``features`` pre-logit features and ``num_classes`` classes."""
+    with ``features`` pre-logit features (a dict: the feature width of each classifier of ``head_sites``, then a
+    dict of statistics back) and ``num_classes`` classes."""
     if msg.has_error():
         raise ValueError(f"error reply: {msg.error.reason}")
     arrays = msg.content.array_records.get("head-statistics")
@@ -70,11 +83,17 @@ def read_head_reply(msg: Message, features: int, num_classes: int) -> HeadStatis
     if arrays is None or metrics is None or "num-examples" not in metrics:
         raise ValueError("no 'head-statistics' arrays or no 'metrics' record with 'num-examples'")
     state = arrays.to_torch_state_dict()
-    if set(state) != {"gram-upper", "cross"}:
-        raise ValueError(f"'head-statistics' must hold gram-upper and cross, holds {sorted(state)}")
-    if tuple(state["cross"].shape) != (features + 1, num_classes):
-        raise ValueError(f"cross has shape {tuple(state['cross'].shape)}, expected {(features + 1, num_classes)}")
-    return HeadStatistics.unpack(state["gram-upper"], state["cross"], int(metrics["num-examples"]))
+    widths = features if isinstance(features, dict) else {"": features}
+    want = {k for site in widths for k in _keys(site)}
+    if set(state) != want:
+        raise ValueError(f"'head-statistics' must hold {sorted(want)}, holds {sorted(state)}")
+    out = {}
+    for site, d in widths.items():
+        g, c = _keys(site)
+        if tuple(state[c].shape) != (d + 1, num_classes):
+            raise ValueError(f"{c} has shape {tuple(state[c].shape)}, expected {(d + 1, num_classes)}")
+        out[site] = HeadStatistics.unpack(state[g], state[c], int(metrics["num-examples"]))
+    return out if isinstance(features, dict) else out[""]
 
 
 class HeadRound:
@@ -97,15 +116,13 @@ class HeadRound:
         replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
         inputs and the clients' ensemble's probabilities on them, to set the head's temperature
         (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1."""
-        from fedfuse.models import adapter_for
-
         t0 = time.perf_counter()
-        features = adapter_for(model).classifier(model).in_features
+        widths = {site: s.classifier.in_features for site, s in head_sites(model).items()}
         nodes = list(grid.get_node_ids())
         content = head_query_content(model.state_dict())
         msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in nodes]
         record: dict[str, Any] = {"queried": len(nodes), "rejected": [], "fallback": None}
-        stats: list[HeadStatistics] = []
+        stats: list[dict[str, HeadStatistics]] = []
         try:
             replies = list(grid.send_and_receive(msgs, timeout=self.timeout))
         except Exception as exc:  # noqa: BLE001 - a grid that cannot send: the one-shot model stays, loudly
@@ -113,14 +130,14 @@ class HeadRound:
             record["fallback"] = f"the head-statistics query failed: {type(exc).__name__}: {exc}"
         for reply in replies:
             try:
-                stats.append(read_head_reply(reply, features, num_classes))
+                stats.append(read_head_reply(reply, widths, num_classes))
             except ValueError as exc:
                 record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": str(exc)})
         if record["rejected"]:
             log(WARNING, "fedfuse head round: replies rejected: %s",
                 "; ".join(f"node {r['node']}: {r['reason']}" for r in record["rejected"]))
-        record.update({"valid": len(stats), "num-examples": sum(s.num_examples for s in stats),
-                       "numbers-per-reply": stats[0].numbers_sent if stats else None})
+        record.update({"valid": len(stats), "num-examples": sum(s[""].num_examples for s in stats),
+                       "numbers-per-reply": sum(v.numbers_sent for v in stats[0].values()) if stats else None})
         if not stats:
             record["fallback"] = record["fallback"] or (
                 f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the one-shot "
@@ -129,9 +146,11 @@ class HeadRound:
             record["seconds"] = time.perf_counter() - t0
             return model, record
         before = copy.deepcopy(model)
-        head = solve_head(stats, self.ridge)
-        out = with_head(model, head)
-        record["temperature"] = fit_temperature(out, *reference) if reference is not None else 1.0
+        out, temps = model, {}
+        for site in widths:   # every classifier from the same replies (a depth tier's exits too)
+            out = with_head(out, solve_head([s[site] for s in stats], self.ridge), site)
+            temps[site] = fit_temperature(out, *reference, site=site) if reference is not None else 1.0
+        record["temperature"] = temps[""] if len(temps) == 1 else temps
         if self.check:
             scores = score_candidates(grid, nodes, [before.state_dict(), out.state_dict()], self.timeout)
             record["rejected"] += [{"node": n, "reason": f"scoring: {why}"} for n, why in scores.rejected]

@@ -492,6 +492,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
                              "fusion-info": {"head-round": record}})
     if evaluation.federated is not None:   # the clients' scores of the kept model are this round's federated evaluation
         evaluation.federated.pending = dict(record.get("federated") or {"federated-clients": 0})
+    if callable(getattr(strategy, "adopt", None)):   # depth tiers: their exits' evaluation reads the strategy's model
+        strategy.adopt(ArrayRecord(model.state_dict()))
     # the last round's clients stay the reference columns of this row; the one-shot references are not redone
     references, evaluation.references = evaluation.references, "none"
     try:

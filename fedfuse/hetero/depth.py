@@ -69,13 +69,17 @@ class ExitHead(nn.Module):
         self.norm = nn.LayerNorm(width) if layout == "tokens" else nn.Identity()
         self.fc = nn.Linear(width, num_classes)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """The classifier's inputs ``[N, width]`` from the level output ``h``."""
         if self.layout == "tokens":
-            return self.fc(self.norm(h)[:, 0])
+            return self.norm(h)[:, 0]
         h = F.relu(h)
         if self.layout == "channels":
             h = h.flatten(2).mean(-1)
-        return self.fc(h.reshape(h.shape[0], -1))
+        return h.reshape(h.shape[0], -1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(h))
 
 
 class MultiExit(nn.Module):
@@ -146,6 +150,27 @@ class MultiExit(nn.Module):
         if self.active == self.num_units:
             return self.base(x)
         return self.forward_exits(x)[-1]
+
+    def _prefix(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The output of the level at depth unit ``k`` (what exit ``k`` reads)."""
+        lvls, h = self._levels(), x
+        for i in range(self._units[k - 1] + 1):
+            h = lvls[i].run(h)
+        return h
+
+    def head_sites(self) -> dict:
+        """The classifiers a head round solves (``fedfuse.progressive.head_sites``): ``""`` the final one on the base
+        model's pre-logit features, ``"<k>"`` exit ``k`` on the level output at unit ``k``. Each site's features run
+        the model only up to its classifier."""
+        from fedfuse.progressive import HeadSite
+
+        adapter = adapter_for(self.base)
+        sites = {"": HeadSite(lambda x: adapter.pre_logits(self.base, x), adapter.classifier(self.base), self.base)}
+        for k in self.exit_units:
+            head = self.exits[str(k)]
+            sites[str(k)] = HeadSite(lambda x, k=k, head=head: head.features(self._prefix(x, k)), head.fc,
+                                     lambda x, k=k, head=head: head(self._prefix(x, k)))
+        return sites
 
 
 def held_keys(model: MultiExit, k: int, own_exit: bool = False) -> list[str]:
