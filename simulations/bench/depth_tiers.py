@@ -152,6 +152,7 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
 def _run(job: dict) -> dict:
     out, res, failed = run_or_read(job["config"])
     last = res["rounds"][-1]
+    trained = next((r for r in reversed(res["rounds"]) if r.get("tier-bytes-sent")), last)   # not the head round
     hist = res.get("strategy-history", [])
     train = [s for h in res["rounds"][1:] for t, s in (h.get("tier-train-seconds") or {}).items() if t == "1x1"]
     tiers = dict(last.get("tier-accuracy") or {})
@@ -168,9 +169,11 @@ def _run(job: dict) -> dict:
             # and fedfuse.references' KD: the weighted ensemble distilled into client 0's model (a full-depth client)
             "kd": next((r.get("accuracy") for r in (res.get("one-shot-references") or {}).get("rows", [])
                         if r["key"] == "kd"), None),
-            "bytes": {relabel.get(t, t): v / max(1, (last.get("tier-clients") or {}).get(t, 1))
-                      for t, v in (last.get("tier-bytes-sent") or {}).items()}, "curve": [r["test-accuracy"] for r in res["rounds"]],
-            "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist],
+            "bytes": {relabel.get(t, t): v / max(1, (trained.get("tier-clients") or {}).get(t, 1))
+                      for t, v in (trained.get("tier-bytes-sent") or {}).items()},
+            "head-round-numbers": next((h["fusion-info"]["head-round"].get("numbers-per-reply") for h in hist
+                                        if (h.get("fusion-info") or {}).get("head-round")), None), "curve": [r["test-accuracy"] for r in res["rounds"]],
+            "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in hist if not h.get("post-step")],
             "full-train-seconds": statistics.median(train) if train else None}
 
 
