@@ -11,7 +11,9 @@ replaces the head that FedAvg-style rounds bias towards each round's local label
 Query ``message_type``: ``"query.head_statistics"``; content: ``ArrayRecord`` ``"model"`` (the fused global model's
 state dict). Reply: ``ArrayRecord`` ``"head-statistics"`` with ``gram-upper`` (the upper triangle of the
 ``[d+1, d+1]`` Gram matrix of the features with a constant 1 appended, row-major) and ``cross`` (``[d+1, C]``, the
-features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-examples``.
+features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-examples``. A model with several
+classifiers (a depth tier's ``MultiExit``: ``fedfuse.progressive.head_sites``) gets one more pair per exit ``k``,
+``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved.
 
 A malformed reply (wrong shapes, non-finite numbers, a Gram matrix that does not match its sample count) is rejected
 with a logged reason and the head is solved from the others; with no valid reply the model stays the global model,
