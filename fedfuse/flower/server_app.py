@@ -524,7 +524,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     if cfg.head_round:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
     elif cfg.client_tiers.strip():
-        log(INFO, "fedfuse: no head round with client-tiers (it solves one global classifier)")
+        log(INFO, "fedfuse: no head round with width tiers or multi-round depth tiers (docs/tiers.md)")
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
     initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path
