@@ -120,8 +120,8 @@ class RunConfig:
                             "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
                             "included) and the server solves the classifier in closed form, kept unless the clients "
                             "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
-                            "the strict one-exchange setting); off with width tiers and with multi-round depth tiers "
-                            "(the recorded config says false); one-shot depth tiers solve every exit's classifier")
+                            "the strict one-exchange setting); off with width tiers (the recorded config says false); "
+                            "depth tiers: the final classifier, and in one-shot mode every exit's too")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
@@ -380,10 +380,9 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             continue
         values[key.replace("-", "_")] = _coerce(key, value, spec.type)
     cfg = RunConfig(**values)
-    if cfg.client_tiers.strip() and cfg.head_round and not (cfg.mode == "one-shot" and cfg.depth_tiers):
-        # the head round solves the classifiers of one global model: width tiers have several models; depth tiers
-        # have one with an exit per depth, solved in one-shot mode (docs/tiers.md; multi-round depth tiers were
-        # measured without it). The key's help says so; recorded: the run's config says false.
+    if cfg.client_tiers.strip() and cfg.head_round and not cfg.depth_tiers:
+        # the head round solves the classifiers of one global model: width tiers have several models (depth tiers
+        # have one, with an exit per depth; docs/tiers.md). The key's help says so; recorded: the config says false.
         cfg = replace(cfg, head_round=False)
     if cfg.strategy == "auto" and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except for

@@ -163,7 +163,11 @@ def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
     out = run_inprocess({**TINY, "strategy": strategy, "output-dir": str(tmp_path), "run-name": "d"}, 4, echo=False)
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed"
-    last = res["rounds"][-1]
+    last, head = next(r for r in res["rounds"] if r["round"] == 2), res["rounds"][-1]
+    # then the head round: in multi-round FL the final classifier only (one temperature), the exits as trained
+    record = head["fusion-info"]["head-round"]
+    assert head["round"] == 3 and record["valid"] == 4 and isinstance(record["temperature"], float)
+    assert head["tier-accuracy"]["1x0.25"] == pytest.approx(last["tier-accuracy"]["1x0.25"])
     assert last["valid-replies"] == 4 and last["rejected"] == [] and last["failures"] == []
     labels = {"1x1", "1x0.75", "1x0.5", "1x0.25"}
     assert set(last["tier-accuracy"]) == labels and set(last["tier-clients"]) == labels

@@ -301,3 +301,24 @@ def test_head_round_solves_every_exit_of_a_depth_tier_model(identity):
     for s, site in head_sites(out).items():
         want = solve_head([st[s] for st in stats], 1e-3)
         assert torch.allclose(site.classifier.weight, want.weight, atol=1e-6)
+
+
+def test_head_round_solves_the_classifiers_it_asks_for(identity):
+    """``sites``: the query names the classifiers (multi-round depth tiers: the final one only); the exits stay."""
+    from fedfuse.flower.head_round import read_head_sites
+    from fedfuse.hetero.depth import multi_exit
+
+    x, y = _data()
+    model = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5, 0.25], 4)
+    exit_w = model.exits["1"].fc.weight.clone()
+    stats = [{"": head_statistics(model, x[p], y[p], 4)} for p in (slice(0, 150), slice(150, 300))]
+    grid = _Grid([head_reply_content(s) for s in stats])
+    sent = []
+    grid.send_and_receive = lambda msgs, timeout=None: (sent.extend(msgs), [
+        _reply(head_reply_content(s), m.metadata.dst_node_id) for m, s in zip(msgs, stats)])[1]
+    out, record = HeadRound(1e-3, check=False).run(grid, model, 4, sites=("",))
+    assert record["valid"] == 2 and all(read_head_sites(m) == [""] for m in sent)
+    assert torch.allclose(out.base[-1].weight, solve_head([s[""] for s in stats], 1e-3).weight, atol=1e-6)
+    assert torch.equal(out.exits["1"].fc.weight, exit_w)
+    with pytest.raises(ValueError, match="no classifier"):
+        HeadRound(check=False).run(grid, model, 4, sites=("9",))

@@ -40,7 +40,8 @@ from fedfuse.config import RunConfig, load_initial_model, parse_run_config, part
 from fedfuse.flower.candidates import ACTION as SCORE_ACTION, read_score_query, score_reply_content  # noqa: E402
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.head_round import ACTION as HEAD_ACTION, head_reply_content, read_head_query  # noqa: E402
+from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_query,  # noqa: E402
+                                       read_head_sites)
 from fedfuse.progressive import head_sites, head_statistics  # noqa: E402
 from fedfuse.flower.client_tiers import depth_tier, query as tier_query, tier_forward, tier_model  # noqa: E402
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
@@ -184,9 +185,11 @@ def head_handler(msg: Message, context: Context) -> Message:
     cfg, node = _setup(context)
     model = global_model(cfg, node.num_classes, node.input_shape)
     model.load_state_dict(read_head_query(msg))
-    # every classifier the model has (a depth tier's exits too: forward passes of the global model, no training)
+    # the classifiers asked for, else every one the model has (a depth tier's exits too: forward passes of the global
+    # model, no training); an unknown one raises, which Flower returns as an error reply
+    sites = read_head_sites(msg) or list(head_sites(model))
     stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes,
-                                   device=resolve_device(cfg.device), site=site) for site in head_sites(model)}
+                                   device=resolve_device(cfg.device), site=site) for site in sites}
     return Message(content=head_reply_content(stats), reply_to=msg)
 
 

@@ -34,7 +34,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
@@ -45,15 +45,25 @@ ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
 
 
-def head_query_content(state: dict[str, torch.Tensor]) -> RecordDict:
-    """The query: the fused model whose features the nodes summarise."""
-    return RecordDict({"model": ArrayRecord(state)})
+def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None) -> RecordDict:
+    """The query: the fused model whose features the nodes summarise, and which of its classifiers (``sites`` of
+    ``head_sites``; ``None``: every one)."""
+    content = RecordDict({"model": ArrayRecord(state)})
+    if sites is not None:
+        content["config"] = ConfigRecord({"sites": list(sites)})
+    return content
 
 
 def read_head_query(msg: Message) -> dict[str, torch.Tensor]:
     if "model" not in msg.content.array_records:
         raise ValueError("head-statistics query: no 'model' array record")
     return msg.content.array_records["model"].to_torch_state_dict()
+
+
+def read_head_sites(msg: Message) -> list[str] | None:
+    """The classifiers the query asks statistics for (``None``: every one the model has)."""
+    config = msg.content.config_records.get("config")
+    return None if config is None or "sites" not in config else [str(s) for s in config["sites"]]
 
 
 def _keys(site: str) -> tuple[str, str]:
@@ -112,16 +122,21 @@ class HeadRound:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         self.ridge, self.timeout, self.check = float(ridge), timeout, bool(check)
 
-    def run(self, grid, model: nn.Module, num_classes: int,
-            reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+            sites: tuple[str, ...] | None = None) -> tuple[nn.Module, dict[str, Any]]:
         """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
         replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
         inputs and the clients' ensemble's probabilities on them, to set the head's temperature
-        (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1."""
+        (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
+        classifiers to solve (``head_sites``; ``None``: every one)."""
         t0 = time.perf_counter()
-        widths = {site: s.classifier.in_features for site, s in head_sites(model).items()}
+        every = head_sites(model)
+        unknown = sorted(set(sites or ()) - set(every))
+        if unknown:
+            raise ValueError(f"head round: the model has no classifier {unknown}; it has {sorted(every)}")
+        widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         nodes = list(grid.get_node_ids())
-        content = head_query_content(model.state_dict())
+        content = head_query_content(model.state_dict(), sites)
         msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in nodes]
         record: dict[str, Any] = {"queried": len(nodes), "rejected": [], "fallback": None}
         stats: list[dict[str, HeadStatistics]] = []
@@ -138,7 +153,7 @@ class HeadRound:
         if record["rejected"]:
             log(WARNING, "fedfuse head round: replies rejected: %s",
                 "; ".join(f"node {r['node']}: {r['reason']}" for r in record["rejected"]))
-        record.update({"valid": len(stats), "num-examples": sum(s[""].num_examples for s in stats),
+        record.update({"valid": len(stats), "num-examples": sum(next(iter(s.values())).num_examples for s in stats),
                        "numbers-per-reply": sum(v.numbers_sent for v in stats[0].values()) if stats else None})
         if not stats:
             record["fallback"] = record["fallback"] or (
@@ -180,5 +195,6 @@ class HeadRound:
         return out, record
 
 
-__all__ = ["ACTION", "MESSAGE_TYPE", "HeadRound", "head_query_content", "read_head_query", "head_reply_content",
+__all__ = ["ACTION", "MESSAGE_TYPE", "HeadRound", "head_query_content", "read_head_query", "read_head_sites",
+           "head_reply_content",
            "read_head_reply"]
