@@ -84,8 +84,8 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
                              "refinements act on one classifier, a depth-tier model has one per depth")
         options["refine"] = "none"   # ot's default (calibrate) too: feddf and ot distil into every exit instead
-        if name not in ("feddf", "ot"):   # the guard checks a fused model against the average; these rounds are the average
-            options["guard"] = False
+        if name not in ("feddf", "ot"):
+            options["guard"] = False   # the guard checks a fused model against the average; these rounds are it
         super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
         skeleton = self.model_fn() if self.model_fn is not None else None
         if not isinstance(skeleton, MultiExit):
@@ -207,15 +207,13 @@ class DepthTieredStrategy(FusionStrategy):
                                  else self.average(updates))
         info: dict[str, Any] = {}
         if method in ("feddf", "ot"):
-            teachers = models
             total = sum(u.num_examples for u in updates)
             # feddf: its own options; ot: FedDF's server step at its defaults (the fusion options are OT's)
-            info = distill_exits(model, teachers, [u.num_examples / total for u in updates], self.fusion_inputs,
+            info = distill_exits(model, models, [u.num_examples / total for u in updates], self.fusion_inputs,
                                  self.spec.parse_options(self.fusion_options) if method == "feddf" else None,
                                  seed=self.seed + server_round, device=resolve_device(self.device))
             model = model.cpu().eval()
-        return FusionResult(method=self.round_method(server_round), model=model, info=info,
-                            seconds=time.perf_counter() - t0)
+        return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         arrays, metrics = super().aggregate_train(server_round, replies)

@@ -79,8 +79,8 @@ def head_reply_content(stats: HeadStatistics | dict[str, HeadStatistics]) -> Rec
     for site, s in per_site.items():
         g, c = _keys(site)
         arrays.update({g: s.pack(), c: s.cross})
-    n = {int(s.num_examples) for s in per_site.values()}
-    return RecordDict({"head-statistics": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": n.pop()})})
+    n = int(next(iter(per_site.values())).num_examples)   # every classifier summarises the same samples
+    return RecordDict({"head-statistics": ArrayRecord(arrays), "metrics": MetricRecord({"num-examples": n})})
 
 
 def read_head_reply(msg: Message, features: int | dict[str, int],

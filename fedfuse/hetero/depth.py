@@ -382,10 +382,10 @@ def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_input
             out.append(state)
             continue
         held_levels = set(range(du[k - 1] + 1)) if k < m.num_units else set(range(len(lvls)))
-        held_groups = [group_of[j] for j in sorted(held_levels) if j in group_of]
-        acts = collect_activations(m.base, spec, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
-        matched = activation_matching({g: acts[g] for g in held_groups}, {g: acts_ref[g] for g in held_groups},
-                                      _subspec(spec, held_groups), _subspec(spec, held_groups))
+        held = _subspec(spec, [group_of[j] for j in sorted(held_levels) if j in group_of])
+        # only the held levels' activations (the same subsampled rows as the reference's: seeded per hook point)
+        acts = collect_activations(m.base, held, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
+        matched = activation_matching(acts, {g: acts_ref[g] for g in held.groups}, held, held)
         maps = {g: matched.get(g) or Map.identity(grp.size) for g, grp in spec.groups.items()}
         base = apply_maps(m.base.state_dict(), spec, spec, maps, base_ref)
         state.update({f"base.{key}": v for key, v in base.items()})
