@@ -188,10 +188,11 @@ class RunConfig:
     resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round")
     client_tiers: str = _key("", "capacity tiers: comma-separated width multipliers in (0, 1] (one must be 1), "
                              "assigned to clients round-robin by partition id (one per client with num-clients "
-                             "values), or depth tiers <width>x<depth> with width 1 (e.g. '1x1,1x0.5': the first "
-                             "half of the blocks with an exit classifier; strategies depthfl, depthfl-fedavg, "
-                             "inclusivefl, average, feddf); node-config 'tier' overrides per SuperNode; '' = every "
-                             "client at the full model")
+                             "values), or depth tiers <width>x<depth> (e.g. '1x1,1x0.5': the first half of the "
+                             "blocks with an exit classifier; strategies depthfl, depthfl-fedavg, inclusivefl, "
+                             "average, feddf, ot; width x depth tiers such as '1x1,1x0.5,0.5x0.5': average, depthfl, "
+                             "depthfl-fedavg, feddf); node-config 'tier' overrides per SuperNode; '' = every client "
+                             "at the full model")
     tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
                             "average and fusion methods, slice for ViTs and heterofl/fedrolex/feddf: measured) | slice (top-left "
                             "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
@@ -239,18 +240,23 @@ class RunConfig:
     @cached_property
     def depth_tiers(self) -> tuple[float, ...]:
         """The depth multipliers of ``client-tiers`` when it names a tier shallower than the global model
-        (``<width>x<depth>`` entries, width 1), round-robin by partition id as width tiers; ``()`` otherwise."""
+        (``<width>x<depth>`` entries; their widths: ``depth_tier_widths``), round-robin by partition id as width
+        tiers; ``()`` otherwise."""
         try:
             if not has_depth_tiers(self.client_tiers, key="run-config key 'client-tiers'"):
                 return ()
             pairs = parse_tier_pairs(self.client_tiers, key="run-config key 'client-tiers'")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if any(w != 1 for w, _ in pairs):
-            raise ConfigError(f"run-config key 'client-tiers': {self.client_tiers!r} mixes width and depth tiers; "
-                              "width x depth tiers are not implemented yet (give depth tiers at width 1, e.g. "
-                              "'1x1,1x0.5', or width tiers alone)")
         return tuple(d for _, d in pairs)
+
+    @cached_property
+    def depth_tier_widths(self) -> tuple[float, ...]:
+        """With depth tiers, the width multiplier of each ``client-tiers`` entry (aligned with ``depth_tiers``; all 1
+        unless width × depth tiers, e.g. ``'1x1,1x0.5,0.5x0.5'``); ``()`` without depth tiers."""
+        if not self.depth_tiers:
+            return ()
+        return tuple(w for w, _ in parse_tier_pairs(self.client_tiers, key="run-config key 'client-tiers'"))
 
     @cached_property
     def fusion_options_table(self) -> dict[str, Any]:
@@ -391,7 +397,8 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         # recorded: the run's config (results.json) says which.
         tiered = "average"
         if cfg.mode == "one-shot" and cfg.depth_tiers:
-            tiered = "ot" if cfg.model in ("mlp", "cnn") else "feddf"
+            # ot aligns models of one width: width x depth tiers distil
+            tiered = "ot" if cfg.model in ("mlp", "cnn") and min(cfg.depth_tier_widths) == 1 else "feddf"
         warnings.warn(f"run-config key 'strategy': 'auto' has no capacity-tier form; with 'client-tiers' the run uses "
                       f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", UserWarning,
                       stacklevel=2)
@@ -585,12 +592,13 @@ def ordered_dropout_draw(cfg: RunConfig) -> str | float:
 def _check_tiers(cfg: RunConfig) -> None:
     """``client-tiers`` parses, and the strategy can aggregate clients of different widths."""
     tiers = cfg.tiers
+    narrow = min(tiers or cfg.depth_tier_widths or (1.0,)) < 1   # width tiers or width x depth tiers
     if ordered_dropout_draw(cfg) not in ("auto", "uniform"):
-        if not tiers or cfg.ordered_dropout == "off":
+        if not narrow or cfg.ordered_dropout == "off":
             raise ConfigError("run-config key 'ordered-dropout-draw': needs capacity tiers with ordered dropout "
                               "(client-tiers with a width below 1, ordered-dropout not 'off')")
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
-        if cfg.ordered_dropout in ("all", "narrow"):
+        if cfg.ordered_dropout in ("all", "narrow") and not narrow:
             raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
                               "below 1), there is no narrower sub-model to train")
         return
@@ -617,6 +625,8 @@ def _check_tiers(cfg: RunConfig) -> None:
 
 
 DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf", "ot")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
+#: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
+WIDTH_DEPTH_TIER_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
 
 
 def _check_depth_tiers(cfg: RunConfig) -> None:
@@ -635,16 +645,23 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
         raise ConfigError(f"run-config key 'strategy': 'ot' with depth tiers aligns the units level by level, which "
                           f"takes sequential models (model 'mlp' or 'cnn'); a {cfg.model}'s residual stream ties the "
                           "units of several blocks")
+    if any(w < 1 for w in cfg.depth_tier_widths) and cfg.strategy not in WIDTH_DEPTH_TIER_METHODS:
+        raise ConfigError(f"run-config key 'strategy': {cfg.strategy!r} cannot aggregate width x depth tiers "
+                          f"(client-tiers {cfg.client_tiers!r} has tiers narrower than the global model: "
+                          "inclusivefl's momentum pairs layers of one width, ot aligns models of one width); use one "
+                          f"of {list(WIDTH_DEPTH_TIER_METHODS)}")
     if cfg.model_depth < 2:
         raise ConfigError(f"run-config key 'client-tiers': depth tiers need a model with at least 2 blocks / hidden "
                           f"layers to keep fewer of; model-depth is {cfg.model_depth}")
     if cfg.mode == "warm-start":
         raise ConfigError("run-config key 'client-tiers': mode='warm-start' fuses models of the global architecture "
                           "only; remove the depth tiers")
-    for key, default in (("tier-models", "auto"), ("ordered-dropout", "auto")):
+    width_keys = (("tier-models", "auto"),) if min(cfg.depth_tier_widths) < 1 else \
+        (("tier-models", "auto"), ("ordered-dropout", "auto"))   # width x depth tiers take ordered dropout
+    for key, default in width_keys:
         if getattr(cfg, key.replace("-", "_")) != default:
-            raise ConfigError(f"run-config key {key!r}: a width-tier option; depth tiers take none (leave it "
-                              f"{default!r})")
+            raise ConfigError(f"run-config key {key!r}: a width-tier option; depth tiers at full width take none "
+                              f"(leave it {default!r})")
     if cfg.refine not in ("auto", "none"):
         raise ConfigError(f"run-config key 'refine': {cfg.refine!r} refines one classifier; a depth-tier model has "
                           "one per depth (feddf and ot distil into every exit): leave it 'auto'")

@@ -146,12 +146,12 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
                  paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
                        "arXiv 2212.01548"),
-    StrategySpec("depthfl", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
+    StrategySpec("depthfl", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off", **_ARRAYS,
                  paper="DepthFL: Depthwise Federated Learning for Heterogeneous Clients, ICLR 2023 (openreview "
                        "pf8RIZTMU58)"),
-    StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, **_ARRAYS,
+    StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off", **_ARRAYS,
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
-    StrategySpec("inclusivefl", "depth", server_step="paper", needs_depth_tiers=True,
+    StrategySpec("inclusivefl", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off",
                  **{**_ARRAYS, "run_keys": ("mom-beta",)},
                  paper="No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices, KDD 2022, "
                        "arXiv 2202.08036"),

@@ -120,7 +120,9 @@ def train(msg: Message, context: Context) -> Message:
     base = model
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
     # depth tiers: the node's blocks and exits, DepthFL's loss over them (fedfuse.flower.client_tiers.depth_tier)
-    model, loss_fn, held = depth_tier(model, config, None if one_shot else request.state_dict())
+    round_seed = cfg.seed * 7919 + node.pid * 131 + request.server_round
+    model, loss_fn, held = depth_tier(model, config, None if one_shot else request.state_dict(), base=base,
+                                      seed=round_seed, input_shape=node.input_shape)
     if not one_shot and held is None:
         model.load_state_dict(request.state_dict())
     # one-shot / warm start at an institution that already has its model (node-config model-path): reply with it as it
@@ -128,7 +130,6 @@ def train(msg: Message, context: Context) -> Message:
     own_model = str(context.node_config.get("model-path", "")) if one_shot else ""
     if own_model:
         load_initial_model(own_model, model, key="node-config key 'model-path'")
-    round_seed = cfg.seed * 7919 + node.pid * 131 + request.server_round
     forward = tier_forward(base, model, config, seed=round_seed, input_shape=node.input_shape)
     device = resolve_device(cfg.device)
     out = client_round(cfg, model, node.train, node.val, need_importance=request.need_importance,

@@ -56,20 +56,32 @@ def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = 
 
 
 def node_depth(context: Context, depths: list[float]) -> tuple[int, float]:
-    """``(partition id, depth multiplier)`` of this node in a depth-tier run: node-config ``tier``
-    (``<width>x<depth>``) when set, else ``depths`` (the run's, as the strategy sends them) round-robin. The depth
-    must be one of the run's (the global model has an exit classifier at those depths only)."""
+    """``(partition id, depth multiplier)`` of this node in a depth-tier run (``node_width_depth`` without the
+    width)."""
+    pid, _, depth = node_width_depth(context, depths)
+    return pid, depth
+
+
+def node_width_depth(context: Context, depths: list[float],
+                     widths: list[float] | None = None) -> tuple[int, float, float]:
+    """``(partition id, width multiplier, depth multiplier)`` of this node in a depth-tier run: node-config ``tier``
+    (``<width>x<depth>``) when set, else the run's tiers as the strategy sends them (``depths`` and, for width ×
+    depth tiers, the aligned ``widths``; all 1 when absent) round-robin. The depth must be one of the run's (the
+    global model has an exit classifier at those depths only); the width any multiplier in (0, 1]."""
     pid = int(context.node_config.get("partition-id", -1))
     if pid < 0:
         raise ValueError("node-config needs 'partition-id'")
     run = [float(d) for d in depths]
+    ws = [1.0] * len(run) if not widths else [parse_tier_value(w, key=f"query config {TIERS_KEY!r}") for w in widths]
+    if len(ws) != len(run):
+        raise ValueError(f"query config {TIERS_KEY!r}: {len(ws)} widths for {len(run)} depth tiers")
     if context.node_config.get("tier") in (None, ""):
-        return pid, run[pid % len(run)]
+        return pid, ws[pid % len(run)], run[pid % len(run)]
     width, depth = parse_tier_pair(context.node_config["tier"], key="node-config key 'tier'")
-    if width != 1 or depth not in run:
+    if depth not in run:
         raise ValueError(f"node-config key 'tier': {context.node_config['tier']!r} must be a depth tier of the run "
-                         f"(width 1, depth one of {sorted(set(run))})")
-    return pid, depth
+                         f"(<width>x<depth> with depth one of {sorted(set(run))})")
+    return pid, width, depth
 
 
 def query(msg: Message, context: Context) -> Message:
@@ -80,8 +92,10 @@ def query(msg: Message, context: Context) -> Message:
         raise ValueError(f"fedfuse ClientApp answers only tier queries (config query={QUERY_KIND!r})")
     depths = config.get(DEPTHS_KEY)
     if depths:
-        pid, depth = node_depth(context, list(depths))
-        metrics = {"partition-id": pid, "tier": 1.0, "tier-depth": depth}
+        widths = config.get(TIERS_KEY)
+        pid, width, depth = node_width_depth(context, list(depths),
+                                             list(widths) if widths and len(widths) == len(depths) else None)
+        metrics = {"partition-id": pid, "tier": width, "tier-depth": depth}
     else:
         tiers = config.get(TIERS_KEY)
         pid, tier = node_tier(context, list(tiers) if tiers is not None else None)
@@ -89,13 +103,16 @@ def query(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-def depth_tier(model: nn.Module, config, received: dict | None):
-    """A depth-tier node's model and loss: ``model`` (the run's ``MultiExit``) set to the ``config[DEPTH_KEY]`` units
-    the strategy sends, ``received`` (its held arrays; ``None`` when the node trains its own initialisation) loaded,
-    and DepthFL's loss over its exits (``config[SELF_DISTILL_KEY]``: with mutual distillation); with
-    ``config[OWN_EXIT_KEY]`` the node holds only the exit after its depth and its loss is that exit's cross-entropy
-    (InclusiveFL, arXiv 2202.08036: one classifier per sub-model). Returns ``(model, loss_fn, held keys)``, or
-    ``(model, None, None)`` without depth tiers."""
+def depth_tier(model: nn.Module, config, received: dict | None, *, base: nn.Module | None = None, seed: int = 0,
+               input_shape: tuple[int, ...] | None = None):
+    """A depth-tier node's model and loss: ``model`` (the run's ``MultiExit``, at the node's width) set to the
+    ``config[DEPTH_KEY]`` units the strategy sends, ``received`` (its held arrays; ``None`` when the node trains its
+    own initialisation) loaded, and DepthFL's loss over its exits (``config[SELF_DISTILL_KEY]``: with mutual
+    distillation); with ``config[OWN_EXIT_KEY]`` the node holds only the exit after its depth and its loss is that
+    exit's cross-entropy (InclusiveFL, arXiv 2202.08036: one classifier per sub-model). Width × depth tiers with
+    ``config[OD_KEY]`` (the run's narrower widths): each batch runs the exits of one nested width of the node's model
+    (FjORD's ordered dropout; ``base`` the global ``MultiExit`` the widths are relative to, ``seed`` the draws').
+    Returns ``(model, loss_fn, held keys)``, or ``(model, None, None)`` without depth tiers."""
     from fedfuse.hetero.depth import MultiExit, held_keys, mutual_distillation_loss
 
     if DEPTH_KEY not in config:
@@ -114,21 +131,50 @@ def depth_tier(model: nn.Module, config, received: dict | None):
                              f"extra {extra[:3]})")
         model.load_state_dict(received, strict=False)
     self_distill = bool(config.get(SELF_DISTILL_KEY, True))
+    exits = _depth_ordered_dropout(model, config, base, seed, input_shape) or model.forward_exits
 
     def loss_fn(xb, yb):
         if own_exit:   # the cross-entropy of the node's own classifier alone
             return mutual_distillation_loss([model(xb)], yb, self_distill=False)
-        return mutual_distillation_loss(model.forward_exits(xb), yb, self_distill=self_distill)
+        return mutual_distillation_loss(exits(xb), yb, self_distill=self_distill)
 
     return model, loss_fn, keys
+
+
+def _depth_ordered_dropout(model, config, base, seed: int, input_shape):
+    """The ordered-dropout forward over the exits of a width × depth node (``depth_tier``), or ``None``."""
+    from fedfuse.hetero.depth import ExitsView, exit_submodel
+    from fedfuse.hetero.ordered_dropout import OrderedDropout, draw_weights
+
+    widths = config.get(OD_KEY)
+    if not widths:
+        return None
+    if base is None:
+        raise ValueError(f"train config {OD_KEY!r}: ordered dropout over a depth tier's widths needs the global model")
+    r = parse_tier_value(config.get(TIER_KEY, 1.0), key=f"train config {TIER_KEY!r}")
+    ps = sorted({parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths}, reverse=True)
+    if any(p >= r for p in ps):
+        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    subs = [base.at_width_mult(p, seed=seed, input_shape=input_shape).set_active(model.active) for p in ps]
+    positions = [{f"model.{k}": v for k, v in exit_submodel(model, sub).positions.items()} for sub in subs]
+    try:
+        weights = draw_weights(config.get(OD_DRAW_KEY, "uniform"), r, ps)
+    except ValueError as exc:
+        raise ValueError(f"train config {OD_DRAW_KEY!r}: {exc}") from None
+    return OrderedDropout(ExitsView(model), [ExitsView(sub) for sub in subs], seed=seed, weights=weights,
+                          positions=positions)
 
 
 def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]) -> nn.Module:
     """``model`` at the width multiplier of ``config[TIER_KEY]`` (unchanged when the strategy sends none),
     with the width scaler hooks when ``config[SCALER_KEY]``."""
+    from fedfuse.hetero.depth import MultiExit
+
     if TIER_KEY not in config:
         return model
     r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
+    if isinstance(model, MultiExit):   # a width x depth tier: the narrow model with the same exits
+        return model if r == 1 else model.at_width_mult(r, seed=seed, input_shape=tuple(input_shape))
     out = model if r == 1 else adapter_for(model).at_width_mult(model, r, seed=seed, input_shape=tuple(input_shape))
     if bool(config.get(SCALER_KEY, False)):
         attach_width_scaler(out, r)
@@ -140,8 +186,10 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
     ``config[OD_KEY]`` (width multipliers of the narrower tiers, relative to the global model ``base``; with
     ``config[OD_DRAW_KEY]`` how widths are drawn: ``fedfuse.hetero.ordered_dropout.draw_weights``); ``None`` otherwise
     (plain ``model(x)``)."""
+    from fedfuse.hetero.depth import MultiExit
+
     widths = config.get(OD_KEY)
-    if TIER_KEY not in config or not widths:
+    if TIER_KEY not in config or not widths or isinstance(model, MultiExit):   # depth tiers: depth_tier's loss
         return None
     r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
     ps = [parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths]
@@ -162,6 +210,6 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
         raise ValueError(f"train config {OD_DRAW_KEY!r}: {exc}") from None
 
 
-__all__ = ["query", "node_tier", "node_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY",
+__all__ = ["query", "node_tier", "node_depth", "node_width_depth", "depth_tier", "DEPTHS_KEY", "DEPTH_KEY", "SELF_DISTILL_KEY",
            "OWN_EXIT_KEY", "tier_model", "tier_forward", "QUERY_KIND", "TIERS_KEY", "TIER_KEY", "SCALER_KEY", "OD_KEY",
            "OD_DRAW_KEY"]

@@ -39,11 +39,15 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.fusion import FusionResult
-from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, distill_exits, held_keys, layer_momentum,
-                                  momentum_distill, unit_arrays, units_at)
+from fedfuse.hetero import SubModel, slice_state
+from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, distill_exits, exit_submodel, held_keys,
+                                  layer_momentum, momentum_distill, unit_arrays, units_at)
+from fedfuse.hetero.ordered_dropout import draw_weights
+from fedfuse.hetero.tiers import resolve_ordered_dropout, resolve_ordered_dropout_draw
+from fedfuse.models import adapter_for
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
-from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY
+from fedfuse.flower.client_tiers import DEPTH_KEY, OD_DRAW_KEY, OD_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
@@ -51,11 +55,13 @@ from fedfuse.flower.tier_layout import TierLayout, client_tier_means, round_tier
 
 #: the strategies that take depth tiers
 DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf", "ot")
+#: those that also take width x depth tiers (``fedfuse.config.WIDTH_DEPTH_TIER_METHODS``)
+WIDTH_DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
 
 
-def depth_label(depth: float) -> str:
-    """The results label of a depth tier: ``1x0.5``."""
-    return f"1x{depth:g}"
+def depth_label(depth: float, width: float = 1.0) -> str:
+    """The results label of a depth tier: ``1x0.5`` (a width x depth tier: ``0.5x0.5``)."""
+    return f"{width:g}x{depth:g}"
 
 
 class DepthTieredStrategy(FusionStrategy):
@@ -63,6 +69,14 @@ class DepthTieredStrategy(FusionStrategy):
 
     Args:
         depths: the run's depth multipliers (``RunConfig.depth_tiers``).
+        widths: width × depth tiers: the width multiplier of each entry of ``depths`` (``RunConfig.depth_tier_widths``;
+            ``None``: all 1). A node of width ``r < 1`` holds HeteroFL's top-left slice of its depth's arrays
+            (``exit_submodel``); every entry is averaged over the nodes that hold it.
+        input_shape: the model's input shape (a narrower CNN rebuilds its pooling from it).
+        ordered_dropout / ordered_dropout_draw: width × depth tiers: every node also trains the narrower widths of
+            its depth, one drawn per batch over all its exits (FjORD's ordered dropout, arXiv 2102.13451), as with
+            width tiers (``fedfuse.hetero.tiers.resolve_ordered_dropout``: ``auto``: the registry entry's, ``all`` for
+            ``average``, ``off`` for FedDF and the DepthFL baselines, whose papers have none).
         self_distill: the clients distil between their exits (DepthFL); ``None``: the registry entry's
             (off for ``depthfl-fedavg`` only).
         Everything else: ``FusionStrategy``'s options; ``model_fn`` must build the run's ``MultiExit``.
@@ -75,11 +89,19 @@ class DepthTieredStrategy(FusionStrategy):
     reads_scores = False   # no depth-tier aggregation reads importance scores: the clients send none
 
     def __init__(self, method: str | None = None, *, depths: tuple[float, ...] = (1.0,),
+                 widths: tuple[float, ...] | None = None, input_shape: tuple[int, ...] | None = None,
+                 ordered_dropout: str = "auto", ordered_dropout_draw: str | float = "auto",
                  self_distill: bool | None = None, **options: Any) -> None:
         name = method or type(self).method
         if name not in DEPTH_METHODS:
             raise ValueError(f"strategy: {name!r} cannot aggregate clients of different depths; use one of "
                              f"{list(DEPTH_METHODS)}")
+        widths = tuple(float(w) for w in widths) if widths else (1.0,) * len(depths)
+        if len(widths) != len(depths):
+            raise ValueError(f"strategy: {len(widths)} widths for {len(depths)} depth tiers")
+        if min(widths) < 1 and name not in WIDTH_DEPTH_METHODS:
+            raise ValueError(f"strategy: {name!r} cannot aggregate width x depth tiers (widths {list(widths)}); use "
+                             f"one of {list(WIDTH_DEPTH_METHODS)}")
         if options.get("refine") not in (None, "none"):
             raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
                              "refinements act on one classifier, a depth-tier model has one per depth")
@@ -92,7 +114,16 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "
                              "(fedfuse.hetero.depth.multi_exit)")
         self.self_distill = name != "depthfl-fedavg" if self_distill is None else bool(self_distill)
-        self.tier_layout = TierLayout(self.model_fn, (1.0,), depths=tuple(depths))
+        self.tier_layout = TierLayout(self.model_fn, widths, input_shape=input_shape, depths=tuple(depths))
+        self._narrow: dict[float, tuple[MultiExit, Any]] = {}   # width -> (skeleton, its exit_submodel layout)
+        self._shapes: dict[float, dict[str, tuple[int, ...]]] = {}
+        self.ordered_dropout = resolve_ordered_dropout(name, ordered_dropout) if min(widths) < 1 else "off"
+        self.ordered_dropout_draw = resolve_ordered_dropout_draw(name, ordered_dropout_draw,
+                                                                 adapter_for(skeleton.base).family)
+        try:
+            draw_weights(self.ordered_dropout_draw, 1.0, [0.5])
+        except ValueError as exc:
+            raise ValueError(f"strategy: ordered_dropout_draw: {exc}") from None
         self._skeleton = skeleton   # the architecture (weights unused): what the layout and the subclasses read
         self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
         self._held = {k: held_keys(skeleton, k, own_exit=self.own_exit)
@@ -105,6 +136,38 @@ class DepthTieredStrategy(FusionStrategy):
     def node_units(self, node_id: int) -> int:
         return self._units[self.tier_layout.node_depth[node_id]] if node_id in self.tier_layout.node_depth \
             else self._full
+
+    def node_width(self, node_id: int) -> float:
+        return self.tier_layout.node_tier.get(node_id, 1.0)
+
+    def narrow(self, width: float) -> tuple[MultiExit, Any]:
+        """``(skeleton, layout)`` of width ``width < 1``: the ``MultiExit`` at that width and its ``exit_submodel``
+        positions in the global one."""
+        if width not in self._narrow:
+            sk = self._skeleton.at_width_mult(width, input_shape=self.tier_layout.input_shape)
+            self._narrow[width] = (sk, exit_submodel(self._skeleton, sk))
+        return self._narrow[width]
+
+    def tier_shapes(self, width: float) -> dict[str, tuple[int, ...]]:
+        """``{key: shape}`` of the ``MultiExit`` at ``width``."""
+        if width not in self._shapes:
+            sk = self._skeleton if width == 1 else self.narrow(width)[0]
+            self._shapes[width] = {k: tuple(v.shape) for k, v in sk.state_dict().items()}
+        return self._shapes[width]
+
+    def held_positions(self, width: float, k: int) -> dict[str, torch.Tensor] | None:
+        """The global positions of the arrays a node of ``width`` and ``k`` units holds (``None``: whole arrays)."""
+        if width == 1:
+            return None
+        layout = self.narrow(width)[1]
+        return {key: layout.positions[key] for key in self._held[k]}
+
+    def tier_state(self, full: dict[str, torch.Tensor], width: float, k: int) -> dict[str, torch.Tensor]:
+        """The arrays of ``full`` (a global state) a node of ``width`` and ``k`` units holds."""
+        if width == 1:
+            return {key: full[key] for key in self._held[k]}
+        layout = self.narrow(width)[1]
+        return slice_state(full, SubModel({key: layout.positions[key] for key in self._held[k]}, layout.global_shapes))
 
     def global_state(self) -> dict[str, torch.Tensor]:
         if self._global is None:
@@ -119,9 +182,17 @@ class DepthTieredStrategy(FusionStrategy):
                                                           None)
         if k is None:
             raise ValueError("strategy: arrays of no depth tier's keys")
-        model = self.model_fn()
-        if keys != self._all:
-            model.load_state_dict(self.global_state())
+        width = next((w for w in self.tier_layout.all_tiers()
+                      if all(tuple(v.shape) == self.tier_shapes(w)[key] for key, v in state.items())), None)
+        if width is None:
+            raise ValueError("strategy: arrays of no tier's shapes")
+        if width == 1:
+            model = self.model_fn()
+            if keys != self._all:
+                model.load_state_dict(self.global_state())
+        else:
+            model = copy.deepcopy(self.narrow(width)[0])
+            model.load_state_dict(slice_state(self.global_state(), self.narrow(width)[1]))
         model.load_state_dict(state, strict=keys == self._all)
         return model.set_active(k).eval()
 
@@ -142,17 +213,24 @@ class DepthTieredStrategy(FusionStrategy):
             node = int(msg.metadata.dst_node_id)
             if node not in self.tier_layout.node_depth:
                 continue
-            k = self.node_units(node)
-            if k not in records:
-                records[k] = state_to_record({key: full[key] for key in self._held[k]})
+            k, w = self.node_units(node), self.node_width(node)
+            if (w, k) not in records:
+                records[w, k] = state_to_record(self.tier_state(full, w, k))
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
             cfg[DEPTH_KEY] = int(k)
+            if w < 1:
+                cfg[TIER_KEY] = float(w)
+            narrower = sorted({t for t in self.tier_layout.tiers if t < w}, reverse=True)
+            if narrower and (self.ordered_dropout == "all" or self.ordered_dropout == "narrow" and w < 1):
+                cfg[OD_KEY] = [float(t) for t in narrower]
+                if self.ordered_dropout_draw != "uniform":
+                    cfg[OD_DRAW_KEY] = self.ordered_dropout_draw
             cfg[SELF_DISTILL_KEY] = self.self_distill
             cfg[OWN_EXIT_KEY] = self.own_exit
-            out.append(Message(content=RecordDict({self.arrayrecord_key: records[k], self.configrecord_key: cfg}),
+            out.append(Message(content=RecordDict({self.arrayrecord_key: records[w, k], self.configrecord_key: cfg}),
                                dst_node_id=node, message_type=MessageType.TRAIN))
-            name = depth_label(self.tier_layout.node_depth[node])
-            sent[name] = sent.get(name, 0) + sum(int(a.numpy().nbytes) for a in records[k].values())
+            name = depth_label(self.tier_layout.node_depth[node], w)
+            sent[name] = sent.get(name, 0) + sum(int(a.numpy().nbytes) for a in records[w, k].values())
             counts[name] = counts.get(name, 0) + 1
         self._round_tiers = {"tier-bytes-sent": sent, "tier-clients": counts}
         log(INFO, "configure_train: round %d: depth tiers %s", server_round + self.round_offset,
@@ -162,26 +240,37 @@ class DepthTieredStrategy(FusionStrategy):
 
     # ---------------------------------------------------------------- replies
     def reply_reference(self, server_round: int, node_id: int):
-        full = self._reference()
-        return {key: full[key] for key in self._held[self.node_units(node_id)]}, None
+        full, k, w = self._reference(), self.node_units(node_id), self.node_width(node_id)
+        if w == 1:
+            return {key: full[key] for key in self._held[k]}, None
+        layout = self.narrow(w)[1]
+        return {key: (tuple(layout.positions[key].shape), full[key][1]) for key in self._held[k]}, None
 
     def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], **kw: Any) -> ClientUpdate | None:
         u = super().check_reply(server_round, msg, record, **kw)
         if u is not None:
             u.metrics["tier-depth"] = self.tier_layout.node_depth.get(u.node_id, 1.0)
+            u.metrics["tier-width"] = self.node_width(u.node_id)
         return u
 
     def update_key(self, update: ClientUpdate) -> tuple:
-        return -update.metrics.get("tier-depth", 1.0), update.partition_id, update.node_id
+        return (-update.metrics.get("tier-depth", 1.0), -update.metrics.get("tier-width", 1.0), update.partition_id,
+                update.node_id)
 
     def rejected_extra(self, node_id: int) -> dict[str, Any]:
-        return {"tier-depth": self.tier_layout.node_depth.get(node_id, 1.0)}
+        return {"tier-depth": self.tier_layout.node_depth.get(node_id, 1.0), "tier-width": self.node_width(node_id)}
 
     # ---------------------------------------------------------------- aggregation
     def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
-        """DepthFL's layer-wise average: every array over the updates that hold it (sample-weighted)."""
+        """DepthFL's layer-wise average: every array over the updates that hold it (sample-weighted); with width ×
+        depth tiers every entry over the updates that hold it (HeteroFL's count-weighted average)."""
         return aggregate_held(self.global_state(), [u.state for u in updates],
-                              [float(u.num_examples) for u in updates])
+                              [float(u.num_examples) for u in updates], self.update_positions(updates))
+
+    def update_positions(self, updates: list[ClientUpdate]) -> list[dict[str, torch.Tensor] | None] | None:
+        """Per update, the global positions of its arrays (``None`` for all when every node is at full width)."""
+        pos = [self.held_positions(self.node_width(u.node_id), self.node_units(u.node_id)) for u in updates]
+        return None if all(p is None for p in pos) else pos
 
     weighted_average = average
 
@@ -221,7 +310,8 @@ class DepthTieredStrategy(FusionStrategy):
             self._global = arrays   # the tiers' evaluation reads the new global model
         record = self.history[-1] if self.history else {}
         record.update(self._round_tiers)
-        record.update(client_tier_means(self.last_updates, lambda u: depth_label(u.metrics.get("tier-depth", 1.0))))
+        record.update(client_tier_means(self.last_updates, lambda u: depth_label(u.metrics.get("tier-depth", 1.0),
+                                                                                 u.metrics.get("tier-width", 1.0))))
         return arrays, metrics
 
     def adopt(self, arrays: ArrayRecord) -> None:
@@ -234,11 +324,15 @@ class DepthTieredStrategy(FusionStrategy):
         exit}`` of the global model the next round sends, plus the round's tier records."""
         if self._global is None:
             return {}
-        model = self.build_model(self.global_state())
+        full = self.global_state()
+        model = self.build_model(full)
         acc, probs = {}, []
-        for d, k in sorted(self._units.items(), reverse=True):
-            logits = predict_logits(copy.copy(model).set_active(k), x, device=device)
-            acc[depth_label(d)] = float(metrics_from_logits(logits, y)["accuracy"])
+        tiers = sorted(set(zip(self.tier_layout.tiers, self.tier_layout.depths)), key=lambda t: (-t[1], -t[0]))
+        for w, d in tiers:
+            k = self._units[d]
+            tier = copy.copy(model) if w == 1 else self.build_model(self.tier_state(full, w, k))
+            logits = predict_logits(tier.set_active(k), x, device=device)
+            acc[depth_label(d, w)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))
         ens = torch.stack(probs).mean(0)
         return {"tier-accuracy": acc, "exit-ensemble-accuracy": float((ens.argmax(-1) == y).float().mean()),

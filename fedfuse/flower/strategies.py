@@ -141,7 +141,9 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
     if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers (inclusivefl: its momentum distillation's beta)
-        return build_depth_strategy, {"depths": cfg.depth_tiers,
+        return build_depth_strategy, {"depths": cfg.depth_tiers, "widths": cfg.depth_tier_widths,
+                                      "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
+                                      "ordered_dropout_draw": ordered_dropout_draw(cfg),
                                       **({"mom_beta": cfg.mom_beta} if key_applies("mom-beta", cfg.strategy) else {})}
     if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
         return build_strategy, {}

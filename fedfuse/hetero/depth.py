@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.hetero.submodel import SubModel, submodel
 from fedfuse.models import levels
 from fedfuse.models.adapters import UnsupportedModelError, adapter_for
 
@@ -104,6 +105,7 @@ class MultiExit(nn.Module):
                                                      num_classes) for k in exits})
         self.num_units = n
         self.active = n
+        self._num_classes = int(num_classes)
         self._unit_of = {li: j + 1 for j, li in enumerate(self._units)}   # level index -> units up to it
 
     def _levels(self) -> list:
@@ -125,6 +127,16 @@ class MultiExit(nn.Module):
             if key != "_level_cache":   # the copy builds its own
                 out.__dict__[key] = copy.deepcopy(value, memo)
         return out
+
+    def at_width_mult(self, width_mult: float, *, seed: int = 0,
+                      input_shape: tuple[int, ...] | None = None) -> "MultiExit":
+        """A freshly initialised ``MultiExit`` of this one's depth and exits at ``width_mult`` × its width (a width
+        × depth tier's model: ``exit_submodel`` places it in this one). ``width_mult=1``: the same shapes."""
+        base = adapter_for(self.base).at_width_mult(self.base, width_mult, seed=seed, input_shape=input_shape)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 7)
+            out = MultiExit(base, self.exit_units, self._num_classes)
+        return out.set_active(self.active)
 
     def set_active(self, k: int) -> "MultiExit":
         if k != self.num_units and k not in self.exit_units:
@@ -173,6 +185,19 @@ class MultiExit(nn.Module):
         return sites
 
 
+class ExitsView(nn.Module):
+    """``model.forward_exits`` as a module's ``forward`` (its state keys ``model.<key>``): what FjORD's ordered
+    dropout (``fedfuse.hetero.OrderedDropout``, which calls ``forward`` through ``torch.func.functional_call``) runs
+    for a width × depth tier, whose loss reads every exit."""
+
+    def __init__(self, model: MultiExit) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.model.forward_exits(x)
+
+
 def held_keys(model: MultiExit, k: int, own_exit: bool = False) -> list[str]:
     """The state-dict keys of ``model`` a client of ``k`` units holds: every level up to unit ``k`` (parameters and
     the buffers of their modules), the exits at or below ``k`` (``own_exit``: exit ``k`` only, none at full depth:
@@ -195,29 +220,76 @@ def held_keys(model: MultiExit, k: int, own_exit: bool = False) -> list[str]:
     return keep
 
 
+def exit_submodel(global_model: MultiExit, tier_model: MultiExit) -> SubModel:
+    """Where a narrower ``MultiExit`` (``global_model.at_width_mult(r)``: a width × depth tier) sits in the global
+    one: its base is HeteroFL's top-left sub-model of the global base (``fedfuse.hetero.submodel``), and every exit
+    classifier keeps the first inputs of its level's units (the top-left slice of its ``[C, W]`` weight and ``[W]``
+    norm). ``ValueError`` when the tier model is not such a sub-model (other exits, depth or family)."""
+    if tier_model.exit_units != global_model.exit_units or tier_model.num_units != global_model.num_units:
+        raise ValueError(f"exit_submodel: the tier model's exits {tier_model.exit_units} / {tier_model.num_units} "
+                         f"units differ from the global model's {global_model.exit_units} / {global_model.num_units}")
+    base = submodel(global_model.base, tier_model.base)
+    positions = {f"base.{k}": v for k, v in base.positions.items()}
+    gstate, tstate = global_model.state_dict(), tier_model.state_dict()
+    for key, g in gstate.items():
+        if key.startswith("exits."):
+            t = tstate[key]
+            if t.dim() != g.dim() or any(a > b for a, b in zip(t.shape, g.shape)):
+                raise ValueError(f"exit_submodel: {key!r} is {tuple(t.shape)} in the tier model, "
+                                 f"{tuple(g.shape)} in the global model")
+            pos = torch.arange(g.numel()).reshape(g.shape)
+            positions[key] = pos[tuple(slice(0, n) for n in t.shape)].clone()
+    return SubModel(positions, {k: tuple(v.shape) for k, v in gstate.items()})
+
+
 def aggregate_held(global_state: dict[str, torch.Tensor], states: list[dict[str, torch.Tensor]],
-                   weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+                   weights: list[float] | None = None,
+                   positions: list[dict[str, torch.Tensor] | None] | None = None) -> dict[str, torch.Tensor]:
     """DepthFL's layer-wise average: every floating-point key becomes ``Σ_i w_i x_i / Σ_i w_i`` over the states
     that hold it; keys no state holds keep the global value; integer buffers keep the global value. A state key
-    the global model lacks, or of another shape, raises ``ValueError`` naming it."""
+    the global model lacks, or of another shape, raises ``ValueError`` naming it.
+
+    ``positions`` (width × depth tiers): per state, ``None`` (whole tensors) or ``{key: int64 positions}`` (a
+    ``SubModel``'s, ``exit_submodel``): state ``i``'s ``key`` holds the global entries at those flat positions, and
+    every global entry becomes the weighted mean over the states that hold *it* (HeteroFL's count-weighted
+    aggregation, within DepthFL's layers)."""
     w = [1.0] * len(states) if weights is None else [float(v) for v in weights]
     if len(w) != len(states) or any(not (v >= 0) for v in w):
         raise ValueError(f"aggregate: need one non-negative weight per state, got {weights}")
-    for s in states:
+    pos = list(positions) if positions is not None else [None] * len(states)
+    if len(pos) != len(states):
+        raise ValueError(f"aggregate: {len(pos)} position maps for {len(states)} states")
+    for s, p in zip(states, pos):
         for key, v in s.items():
-            if key not in global_state or tuple(v.shape) != tuple(global_state[key].shape):
-                raise ValueError(f"aggregate: {key!r} is not a key of the global model's shape")
+            want = tuple(p[key].shape) if p is not None and key in p else tuple(global_state[key].shape) \
+                if key in global_state else None
+            if want is None or tuple(v.shape) != want:
+                raise ValueError(f"aggregate: {key!r} is not a key of the global model's shape"
+                                 + (" (or of its tier's sub-model)" if p is not None else ""))
     out = {}
     for key, g in global_state.items():
-        holders = [(s[key], wi) for s, wi in zip(states, w) if key in s]
-        total = sum(wi for _, wi in holders)
+        holders = [(s[key], wi, p[key] if p is not None and key in p else None)
+                   for s, wi, p in zip(states, w, pos) if key in s]
+        total = sum(wi for _, wi, _ in holders)
         if not g.is_floating_point() or not holders or total <= 0:
             out[key] = g.clone()
             continue
-        acc = torch.zeros(g.shape, dtype=torch.float64)
-        for v, wi in holders:
-            acc.add_(v.detach().double(), alpha=wi / total)
-        out[key] = acc.to(g.dtype)
+        if all(p is None for _, _, p in holders):
+            acc = torch.zeros(g.shape, dtype=torch.float64)
+            for v, wi, _ in holders:
+                acc.add_(v.detach().double(), alpha=wi / total)
+            out[key] = acc.to(g.dtype)
+            continue
+        acc = torch.zeros(g.numel(), dtype=torch.float64)
+        cnt = torch.zeros(g.numel(), dtype=torch.float64)
+        for v, wi, p in holders:
+            idx = p.reshape(-1) if p is not None else torch.arange(g.numel())
+            acc.index_add_(0, idx, wi * v.detach().reshape(-1).double())
+            cnt.index_add_(0, idx, torch.full((idx.numel(),), wi, dtype=torch.float64))
+        flat = g.detach().reshape(-1).double().clone()
+        held = cnt > 0
+        flat[held] = acc[held] / cnt[held]
+        out[key] = flat.reshape(g.shape).to(g.dtype)
     return out
 
 
@@ -414,6 +486,7 @@ def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int)
     return MultiExit(model, [units_at(d, n) for d in depth_mults], num_classes)
 
 
-__all__ = ["MultiExit", "ExitHead", "depth_units", "units_at", "held_keys", "aggregate_held", "align_depths",
+__all__ = ["MultiExit", "ExitHead", "ExitsView", "depth_units", "units_at", "held_keys", "aggregate_held", "exit_submodel",
+           "align_depths",
            "distill_exits",
            "mutual_distillation_loss", "multi_exit", "unit_arrays", "layer_momentum", "momentum_distill"]

@@ -33,13 +33,17 @@ class OrderedDropout:
         weights: the draw probabilities of ``[model, *sub_models]`` (``draw_weights``); ``None``: FjORD's uniform
             draw over all ``len(sub_models) + 1`` widths. More weight on ``model`` keeps more of the wide clients'
             training on the full model (which the global model is), less trains the narrow tiers more.
+        positions: per sub-model, the flat positions of its state entries in ``model`` (a ``SubModel``'s
+            ``positions``); ``None``: HeteroFL's top-left layout (``fedfuse.hetero.submodel``). Given for models the
+            family adapters do not take as such (a depth tier's exits: ``fedfuse.hetero.depth.exit_submodel``).
 
     Calling it with a batch ``x [B, *input_shape]`` draws one of ``len(sub_models) + 1`` widths (``model`` itself
     included) and returns that width's logits ``[B, num_classes]``.
     """
 
     def __init__(self, model: nn.Module, sub_models: list[nn.Module], *, seed: int = 0,
-                 weights: Sequence[float] | None = None) -> None:
+                 weights: Sequence[float] | None = None,
+                 positions: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
         if weights is not None:
             w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
             if len(w) != len(sub_models) + 1 or bool((w < 0).any()) or not float(w.sum()) > 0:
@@ -49,7 +53,10 @@ class OrderedDropout:
         self.cumulative = weights
         self.model = model
         # flat positions of every sub-model entry inside the client's model (HeteroFL's top-left slice)
-        self.subs = [(m, submodel(model, m, offset=0).positions) for m in sub_models]
+        if positions is not None and len(positions) != len(sub_models):
+            raise ValueError(f"ordered dropout: {len(positions)} position maps for {len(sub_models)} sub-models")
+        self.subs = [(m, submodel(model, m, offset=0).positions if positions is None else dict(positions[i]))
+                     for i, m in enumerate(sub_models)]
         self.gen = torch.Generator().manual_seed(int(seed))
         self.draws = [0] * (len(self.subs) + 1)   # how often each width ran (index 0: the full model)
 

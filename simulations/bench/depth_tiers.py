@@ -10,7 +10,8 @@ depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 
 - ``depthfl``, ``depthfl-fedavg``, ``inclusivefl``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the
   depth tiers;
-- ``fedavg-shallowest``: every client trains the shallowest tier's model (model-depth = its layers), FedAvg;
+- ``fedavg-shallowest``: every client trains the smallest tier's model (the shallowest, and of those the narrowest:
+  model-depth = its layers, model-width = its width), FedAvg;
 - ``fedavg-full-only``: FedAvg of the full-depth clients alone (their files only);
 - ``fedavg-all-full`` (reference, not a tiered federation): every client at full depth;
 - ``heterofl-equal-params``: HeteroFL with width tiers of each depth tier's parameter count (``equal_param_widths``),
@@ -41,7 +42,7 @@ from pathlib import Path  # noqa: E402
 
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
-from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
+from fedfuse.hetero.tiers import parse_tier_pair, parse_tier_pairs, tier_of  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
 
 DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,inclusivefl,average,feddf"
@@ -55,9 +56,11 @@ MODELS = {"mlp": ({"model": "mlp", "model-width": 256}, (40,)),
                   (1, 40))}
 
 
-def equal_param_widths(depths: list[float], layers: int, model: str = "mlp") -> list[float]:
-    """Per depth tier, the HeteroFL width multiplier whose sub-model of the full-depth model has the depth tier's
-    parameter count (its blocks and its exit; bisection over the width multiplier)."""
+def equal_param_widths(depths: list[float], layers: int, model: str = "mlp",
+                       widths: list[float] | None = None) -> list[float]:
+    """Per depth tier (of width ``widths[i]``, 1 by default), the HeteroFL width multiplier whose sub-model of the
+    full-depth model has the tier's parameter count (its blocks and its exit; bisection over the width
+    multiplier)."""
     from fedfuse.hetero.depth import held_keys, multi_exit, units_at
     from fedfuse.models import build_model
 
@@ -70,15 +73,15 @@ def equal_param_widths(depths: list[float], layers: int, model: str = "mlp") -> 
         return sum(p.numel() for p in build(r).parameters())
 
     me = multi_exit(build(), depths, 10)
-    state = me.state_dict()
     out = []
-    for d in depths:
+    for d, w in zip(depths, widths or [1.0] * len(depths)):
+        state = (me if w == 1 else me.at_width_mult(w, input_shape=shape)).state_dict()
         want = sum(state[k].numel() for k in held_keys(me, units_at(d, layers)))
         lo, hi = 1.0 / cfg["model-width"], 1.0
         for _ in range(30):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if params(mid) < want else (lo, mid)
-        out.append(1.0 if d == 1 else round(hi, 3))
+        out.append(1.0 if d == 1 and w == 1 else round(hi, 3))
     return out
 
 
@@ -112,8 +115,11 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
     public = Path(args.anchors) / "splits" / "mnist1d-public.npz"
     if args.model != "mlp":
         split, public = signals(split, public, Path(args.out) / "runs" / "signals" / split.name)
-    depths = [d for _, d in parse_tier_pairs(args.tiers)]
-    shallow_layers = max(1, math.ceil(min(depths) * args.depth - 1e-9))
+    pairs = parse_tier_pairs(args.tiers)
+    depths, widths = [d for _, d in pairs], [w for w, _ in pairs]
+    # the smallest tier: the shallowest, and of those the narrowest
+    small_w, small_d = min(pairs, key=lambda t: (t[1], t[0]))
+    shallow_layers = max(1, math.ceil(small_d * args.depth - 1e-9))
     base = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-depth": args.depth,
             **MODELS[args.model][0]}
     if args.lr:
@@ -128,12 +134,13 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
         name, extra = parse_strategy(label)
         jobs.append({"label": label, "config": {**base, "strategy": name, "client-tiers": args.tiers, **extra,
                                                 "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
-    full = [p for p in range(10) if tier_of(p, tuple(depths)) == 1]
-    widths = equal_param_widths(depths, args.depth, args.model)
-    baseline = {"heterofl-equal-params": {"strategy": "heterofl", "client-tiers": ",".join(f"{w:g}" for w in widths),
-                                          "width-labels": dict(zip((f"{w:g}" for w in widths),
-                                                                   (f"1x{d:g}" for d in depths)))},
-                "fedavg-shallowest": {"model-depth": shallow_layers},
+    full = [p for p in range(10) if tier_of(p, tuple(pairs)) == (1.0, 1.0)]
+    equal = equal_param_widths(depths, args.depth, args.model, widths)
+    baseline = {"heterofl-equal-params": {"strategy": "heterofl", "client-tiers": ",".join(f"{w:g}" for w in equal),
+                                          "width-labels": dict(zip((f"{w:g}" for w in equal),
+                                                                   (f"{w:g}x{d:g}" for w, d in pairs)))},
+                "fedavg-shallowest": {"model-depth": shallow_layers,
+                                      "model-width": math.ceil(small_w * MODELS[args.model][0]["model-width"] - 1e-9)},
                 "fedavg-full-only": {"partition-files": str(subset_split(split, full, runs / "splits" / f"full-{tag}")
                                                             / "node-{partition-id}.npz"),
                                      "num-clients": len(full), "min-train-nodes": len(full)},
@@ -145,7 +152,7 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
                      "config": {**base, "strategy": "fedavg", **extra, "output-dir": str(runs),
                                 "run-name": f"{label}-{tag}"}})
     for j in jobs:
-        j.update(alpha=alpha, seed=seed, shallow=f"1x{min(depths):g}")
+        j.update(alpha=alpha, seed=seed, shallow=f"{small_w:g}x{small_d:g}")
     return jobs
 
 
@@ -244,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [r for r in previous if (r["label"], r["alpha"], r["seed"]) not in done] + rows
     (out / "runs.json").write_text(json.dumps(rows, indent=1))
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    tier_labels = sorted({t for r in rows for t in r["tiers"]}, key=lambda t: -float(t.split("x")[-1]))
+    tier_labels = sorted({t for r in rows for t in r["tiers"]}, key=lambda t: tuple(-v for v in reversed(
+        parse_tier_pair(t))))
     text = table(rows, labels, tier_labels)
     (out / "table.md").write_text(text)
     print(text)
