@@ -391,3 +391,142 @@ def test_the_depth_tier_default_aligns_one_shot_clients(mode, model, want):
            **({"num-server-rounds": 1} if mode == "one-shot" else {})}
     with pytest.warns(UserWarning, match=f"uses '{want}'"):
         assert parse_run_config(cfg).strategy == want
+
+
+# ------------------------------------------------------------------------------- width x depth tiers
+WXD = "1x1,1x0.5,0.5x0.5"
+
+
+def test_width_x_depth_config_parses_widths_and_fails_naming_the_key():
+    cfg = parse_run_config({**TINY, "strategy": "average", "client-tiers": WXD})
+    assert cfg.depth_tiers == (1.0, 0.5, 0.5) and cfg.depth_tier_widths == (1.0, 1.0, 0.5) and cfg.tiers == ()
+    assert parse_run_config({**TINY, "strategy": "depthfl"}).depth_tier_widths == (1.0,) * 4
+    # ordered dropout is a width x depth option; with depth tiers at full width it stays refused
+    parse_run_config({**TINY, "strategy": "average", "client-tiers": WXD, "ordered-dropout": "off",
+                      "ordered-dropout-draw": "uniform"})
+    with pytest.raises(ConfigError, match="'ordered-dropout'.*full width"):
+        parse_run_config({**TINY, "strategy": "average", "ordered-dropout": "off"})
+    with pytest.raises(ConfigError, match="'ordered-dropout-draw'.*needs capacity tiers with ordered dropout"):
+        parse_run_config({**TINY, "strategy": "average", "client-tiers": WXD, "ordered-dropout": "off",
+                          "ordered-dropout-draw": "width"})
+    # one-shot: ot aligns models of one width, so the default distils
+    with pytest.warns(UserWarning, match="uses 'feddf'"):
+        assert parse_run_config({**TINY, "strategy": "auto", "client-tiers": WXD, "mode": "one-shot",
+                                 "num-server-rounds": 1}).strategy == "feddf"
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_a_narrow_multi_exit_is_the_top_left_slice_of_the_global_one(family):
+    from fedfuse.hetero import slice_state
+    from fedfuse.hetero.depth import exit_submodel
+
+    me = _me(family, depths=(1, 0.5))
+    narrow = me.at_width_mult(0.5, input_shape=SHAPES[family])
+    assert narrow.exit_units == me.exit_units and narrow.num_units == me.num_units
+    sub = exit_submodel(me, narrow)
+    state = slice_state(me.state_dict(), sub)
+    narrow.load_state_dict(state)   # every array of the narrow model, of its shape
+    w = me.state_dict()["exits.2.fc.weight"]   # [classes, level width]: its first inputs
+    assert torch.equal(state["exits.2.fc.weight"], w[:, :narrow.state_dict()["exits.2.fc.weight"].shape[1]])
+    assert 0 < sub.held_fraction() < 0.5
+    narrow.set_active(2).eval()
+    assert narrow(torch.randn(3, *SHAPES[family])).shape == (3, 10)
+    with pytest.raises(ValueError, match="exits"):
+        exit_submodel(me, _me(family, depths=(1, 0.75)).at_width_mult(0.5, input_shape=SHAPES[family]))
+
+
+def test_width_x_depth_average_is_per_entry_over_the_nodes_that_hold_it():
+    g = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "n": torch.tensor(7)}
+    full = {"a": torch.ones(2, 3), "b": torch.full((4,), 2.0)}
+    narrow = {"a": torch.full((1, 2), 5.0)}   # the top-left [1, 2] of "a"; no "b" (a shallower tier)
+    pos = {"a": torch.tensor([[0, 1]])}
+    out = aggregate_held(g, [full, narrow], [1.0, 3.0], [None, pos])
+    want = torch.ones(2, 3)
+    want[0, :2] = (1 * 1 + 3 * 5) / 4
+    assert torch.allclose(out["a"], want) and torch.equal(out["b"], full["b"]) and out["n"] == 7
+    # without positions: DepthFL's layer-wise average, as before
+    assert torch.equal(aggregate_held(g, [full], [1.0])["a"], full["a"])
+    with pytest.raises(ValueError, match="sub-model"):
+        aggregate_held(g, [{"a": torch.ones(2, 2)}], [1.0], [pos])
+
+
+def test_width_x_depth_node_tier_from_the_run_or_its_node_config():
+    from fedfuse.flower.client_tiers import node_width_depth
+
+    depths, widths = [1.0, 0.5, 0.5], [1.0, 1.0, 0.5]
+    assert [node_width_depth(_context({"partition-id": p}), depths, widths)[1:] for p in range(4)] == \
+        [(1.0, 1.0), (1.0, 0.5), (0.5, 0.5), (1.0, 1.0)]
+    assert node_width_depth(_context({"partition-id": 0, "tier": "0.25x0.5"}), depths, widths) == (0, 0.25, 0.5)
+    with pytest.raises(ValueError, match="node-config key 'tier'.*depth one of"):
+        node_width_depth(_context({"partition-id": 0, "tier": "0.5x0.3"}), depths, widths)
+
+
+def test_width_x_depth_client_trains_nested_widths_over_its_exits_and_only_its_entries():
+    from fedfuse.flower.client_tiers import DEPTH_KEY, OD_DRAW_KEY, OD_KEY, TIER_KEY, depth_tier, tier_model
+    from fedfuse.hetero import slice_state
+    from fedfuse.hetero.depth import exit_submodel
+
+    server = _me(depths=(1, 0.5), seed=1)
+    config = {DEPTH_KEY: 2, TIER_KEY: 0.5, OD_KEY: [0.25], OD_DRAW_KEY: "uniform"}
+    model = tier_model(_me(depths=(1, 0.5), seed=2), config, seed=0, input_shape=(40,))
+    sent = {k: v for k, v in slice_state(server.state_dict(), exit_submodel(server, model)).items()
+            if k in held_keys(model, 2)}
+    model, loss_fn, keys = depth_tier(model, config, sent, base=server, seed=3, input_shape=(40,))
+    assert model.active == 2 and set(keys) == set(sent) and model.state_dict()["base.1.weight"].shape[0] == 8
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 40), torch.randint(0, 10, (16,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(12):
+        opt.zero_grad()
+        loss_fn(x, y).backward()
+        opt.step()
+    od = next(c.cell_contents for c in loss_fn.__closure__ if type(c.cell_contents).__name__ == "OrderedDropout")
+    assert od.draws[0] > 0 and od.draws[1] > 0   # its own width and the nested 0.25 both trained
+    after = model.state_dict()
+    assert not torch.equal(after["base.1.weight"], before["base.1.weight"])
+    # arrays beyond its depth are untouched (not held, not trained)
+    assert all(torch.equal(after[k], before[k]) for k in after if k not in keys)
+    with pytest.raises(ValueError, match="narrower than the node's tier"):
+        depth_tier(tier_model(_me(depths=(1, 0.5)), config, seed=0, input_shape=(40,)), {**config, OD_KEY: [0.5]},
+                   None, base=server)
+
+
+def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shapes():
+    from fedfuse.flower.depth_tiers import build_depth_strategy as build_strategy
+
+    fn = lambda: _me(depths=(1, 0.5))   # noqa: E731
+    with pytest.raises(ValueError, match="'inclusivefl' cannot aggregate width x depth"):
+        build_strategy("inclusivefl", model_fn=fn, depths=(1.0, 0.5), widths=(1.0, 0.5))
+    s = build_strategy("average", model_fn=fn, depths=(1.0, 0.5, 0.5), widths=(1.0, 1.0, 0.5), input_shape=(40,))
+    assert s.ordered_dropout == "all" and s.ordered_dropout_draw == "width"
+    assert build_strategy("depthfl", model_fn=fn, depths=(1.0, 0.5), widths=(1.0, 0.5)).ordered_dropout == "off"
+    assert build_strategy("average", model_fn=fn, depths=(1.0, 0.5)).ordered_dropout == "off"   # no narrow tier
+    s.tier_layout.node_depth, s.tier_layout.node_tier = {1: 0.5, 2: 0.5}, {1: 1.0, 2: 0.5}
+    ref1, _ = s.reply_reference(1, 1)
+    ref2, _ = s.reply_reference(1, 2)
+    assert set(ref1) == set(ref2) == set(held_keys(fn(), 2))
+    assert ref1["base.1.weight"][0] == (16, 40) and ref2["base.1.weight"][0] == (8, 40)
+    narrow = fn().at_width_mult(0.5)
+    state = {k: narrow.state_dict()[k] for k in ref2}
+    m = s.build_model(state)
+    assert isinstance(m, MultiExit) and m.active == 2 and m.state_dict()["base.1.weight"].shape == (8, 40)
+    full = s.global_state()
+    sliced = s.tier_state(full, 0.5, 2)
+    assert torch.equal(sliced["base.1.weight"], full["base.1.weight"][:8])
+
+
+@pytest.mark.parametrize("strategy", ["average", "depthfl"])
+def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
+    from simulations.runners.inprocess import run_inprocess
+
+    cfg = {**TINY, "strategy": strategy, "client-tiers": WXD, "output-dir": str(tmp_path), "run-name": "wd"}
+    out = run_inprocess(cfg, 4, echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed"
+    last = next(r for r in res["rounds"] if r["round"] == 2)
+    assert last["valid-replies"] == 4 and last["rejected"] == [] and last["failures"] == []
+    labels = {"1x1", "1x0.5", "0.5x0.5"}
+    assert set(last["tier-accuracy"]) == labels and set(last["tier-clients"]) == labels
+    b = last["tier-bytes-sent"]   # the narrow shallow node receives the slice of the shallow tier's arrays
+    assert b["1x1"] / 2 > b["1x0.5"] > b["0.5x0.5"] > 0   # partitions 0 and 3 are full
+    assert last["test-accuracy"] > 0.15   # chance 0.1
