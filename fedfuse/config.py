@@ -403,6 +403,17 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
                       f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", UserWarning,
                       stacklevel=2)
         cfg = replace(cfg, strategy=tiered)
+    if cfg.mode == "warm-start" and cfg.depth_tiers:
+        if cfg.warm_start_fusion_options == SCHEMA["warm-start-fusion-options"].default:
+            cfg = replace(cfg, warm_start_fusion_options="")   # kf-linear's options: the depth aggregations take none
+        if cfg.warm_start_fusion == SCHEMA["warm-start-fusion"].default:
+            # kf-linear fuses models of one architecture; across depths round 1 takes the one-shot depth-tier default
+            # (ot aligns models of one width, so width x depth tiers distil). Loud, and recorded in the run's config.
+            fusion = "ot" if min(cfg.depth_tier_widths) == 1 else "feddf"
+            warnings.warn(f"run-config key 'warm-start-fusion': the default 'kf-linear' fuses models of one "
+                          f"architecture; with depth tiers round 1 combines the clients' models with {fusion!r}. Set "
+                          "warm-start-fusion explicitly to silence this.", UserWarning, stacklevel=2)
+            cfg = replace(cfg, warm_start_fusion=fusion)
     for spec in SCHEMA.values():
         _check_range(spec, getattr(cfg, spec.key.replace("-", "_")))
     _check_rules(cfg)
@@ -500,9 +511,20 @@ def _check_warm_start(cfg: RunConfig) -> None:
     if cfg.initial_model_path:
         raise ConfigError("run-config key 'initial-model-path': with mode='warm-start' round 1 starts from the clients' "
                           "own models and ignores the global model; remove it or use mode='multi-round'")
+    if cfg.depth_tiers:   # the depth-tier strategy combines the clients' own models (fedfuse.flower.warm_start)
+        from fedfuse.flower.warm_start import DEPTH_WARM_START
+
+        if cfg.warm_start_fusion not in DEPTH_WARM_START or cfg.warm_start_fusion_options_table:
+            raise ConfigError(f"run-config key 'warm-start-fusion': with depth tiers the clients' own models are "
+                              f"combined across depths by one of {list(DEPTH_WARM_START)} without options "
+                              f"(warm-start-fusion-options=''), got {cfg.warm_start_fusion!r}")
+        if cfg.warm_start_fusion == "ot" and min(cfg.depth_tier_widths) < 1:
+            raise ConfigError("run-config key 'warm-start-fusion': 'ot' aligns models of one width; width x depth "
+                              "tiers take 'feddf'")
+        return
     if cfg.client_tiers:
         raise ConfigError("run-config key 'client-tiers': mode='warm-start' fuses models of the global architecture "
-                          "only; remove client-tiers")
+                          "only (or, with depth tiers, combines them across depths); remove the width tiers")
     _check_warm_start_fusion(cfg)
 
 
@@ -641,10 +663,6 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
     if cfg.strategy not in DEPTH_TIER_METHODS:
         raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
                           f"different depths; use one of {list(DEPTH_TIER_METHODS)}")
-    if cfg.strategy == "ot" and cfg.model not in ("mlp", "cnn"):
-        raise ConfigError(f"run-config key 'strategy': 'ot' with depth tiers aligns the units level by level, which "
-                          f"takes sequential models (model 'mlp' or 'cnn'); a {cfg.model}'s residual stream ties the "
-                          "units of several blocks")
     if any(w < 1 for w in cfg.depth_tier_widths) and cfg.strategy not in WIDTH_DEPTH_TIER_METHODS:
         raise ConfigError(f"run-config key 'strategy': {cfg.strategy!r} cannot aggregate width x depth tiers "
                           f"(client-tiers {cfg.client_tiers!r} has tiers narrower than the global model: "
@@ -653,9 +671,6 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
     if cfg.model_depth < 2:
         raise ConfigError(f"run-config key 'client-tiers': depth tiers need a model with at least 2 blocks / hidden "
                           f"layers to keep fewer of; model-depth is {cfg.model_depth}")
-    if cfg.mode == "warm-start":
-        raise ConfigError("run-config key 'client-tiers': mode='warm-start' fuses models of the global architecture "
-                          "only; remove the depth tiers")
     width_keys = (("tier-models", "auto"),) if min(cfg.depth_tier_widths) < 1 else \
         (("tier-models", "auto"), ("ordered-dropout", "auto"))   # width x depth tiers take ordered dropout
     for key, default in width_keys:

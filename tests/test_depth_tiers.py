@@ -42,12 +42,14 @@ def test_tier_syntax_width_x_depth_and_bare_widths():
     ({"client-tiers": "1x1,0.5x0.5", "strategy": "inclusivefl"}, "strategy.*'inclusivefl'.*width x depth"),
     ({"client-tiers": "1x1,0.5x0.5", "strategy": "ot"}, "strategy.*'ot'.*width x depth"),
     ({"strategy": "rebasin"}, "client-tiers.*cannot aggregate clients of different depths"),
-    ({"strategy": "ot", "model": "resnet"}, "strategy.*'ot'.*depth tiers.*mlp"),
     ({"client-tiers": "", "strategy": "depthfl"}, "client-tiers.*needs depth tiers"),
     ({"model-depth": 1}, "client-tiers.*at least 2 blocks"),
     ({"ordered-dropout": "all"}, "ordered-dropout"),
     ({"tier-models": "prune"}, "tier-models.*width-tier option"),
-    ({"mode": "warm-start"}, "client-tiers.*warm-start"),
+    ({"mode": "warm-start", "warm-start-fusion": "kd", "warm-start-fusion-options": ""},
+     "warm-start-fusion.*across depths.*'ot', 'feddf'"),
+    ({"mode": "warm-start", "warm-start-fusion": "ot", "client-tiers": "1x1,0.5x0.5"},
+     "warm-start-fusion.*'ot' aligns models of one width"),
     ({"refine": "distill"}, "refine.*one per depth"),
 ])
 def test_bad_depth_tier_configs_fail_naming_the_key(overrides, match):
@@ -329,19 +331,25 @@ def _permuted_client(model: MultiExit, units: int, seed: int) -> MultiExit:
         group = next(g for g, grp in spec.groups.items() if lvls[du[e - 1]].name in grp.levels)
         with torch.no_grad():
             client.exits[str(e)].fc.weight.copy_(model.exits[str(e)].fc.weight[:, perms[group]])
+            if isinstance(model.exits[str(e)].norm, torch.nn.LayerNorm):   # a ViT exit's norm moves with the stream
+                client.exits[str(e)].norm.weight.copy_(model.exits[str(e)].norm.weight[perms[group]])
+                client.exits[str(e)].norm.bias.copy_(model.exits[str(e)].norm.bias[perms[group]])
     return client.set_active(units)
 
 
-def test_align_depths_undoes_the_clients_unit_orders_at_every_depth():
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_align_depths_undoes_the_clients_unit_orders_at_every_depth(family):
+    """Sequential and residual families (a ResNet's stage streams, a ViT's one stream and its heads): a truncated
+    client is matched on the activation points it holds."""
     from fedfuse.hetero.depth import align_depths
 
-    ref = _me(seed=3).set_active(4)
-    x = torch.randn(200, 40, generator=torch.Generator().manual_seed(0))
+    ref = _me(family, seed=3).set_active(4).eval()
+    x = torch.randn(200, *SHAPES[family], generator=torch.Generator().manual_seed(0))
     clients = [ref, _permuted_client(ref, 2, seed=1), _permuted_client(ref, 1, seed=2), _permuted_client(ref, 4, 5)]
     with torch.no_grad():   # each permuted client computes its exits' function unchanged
         for c in clients[1:]:
             assert torch.allclose(c(x), copy.copy(ref).set_active(c.active)(x), atol=1e-5)
-        assert not torch.allclose(clients[1].state_dict()["base.1.weight"], ref.state_dict()["base.1.weight"])
+        assert not all(torch.allclose(clients[1].state_dict()[k], v) for k, v in ref.state_dict().items())
     aligned = align_depths(clients, [c.active for c in clients], x)
     want = ref.state_dict()
     for c, state in zip(clients, aligned):
@@ -352,14 +360,6 @@ def test_align_depths_undoes_the_clients_unit_orders_at_every_depth():
     assert all(torch.allclose(avg[k], want[k], atol=1e-6) for k in want)
     plain = aggregate_held(want, [{k: c.state_dict()[k] for k in held_keys(ref, c.active)} for c in clients])
     assert not all(torch.allclose(plain[k], want[k], atol=1e-3) for k in want)
-
-
-def test_align_depths_refuses_tied_residual_streams():
-    from fedfuse.hetero.depth import align_depths
-
-    m = _me("resnet")
-    with pytest.raises(ValueError, match="residual stream"):
-        align_depths([m, copy.deepcopy(m)], [m.num_units, 1], torch.randn(8, 1, 40))
 
 
 def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
@@ -530,3 +530,23 @@ def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
     b = last["tier-bytes-sent"]   # the narrow shallow node receives the slice of the shallow tier's arrays
     assert b["1x1"] / 2 > b["1x0.5"] > b["0.5x0.5"] > 0   # partitions 0 and 3 are full
     assert last["test-accuracy"] > 0.15   # chance 0.1
+
+
+@pytest.mark.parametrize("tiers,fusion", [("1x1,1x0.75,1x0.5,1x0.25", "ot"), (WXD, "feddf")])
+def test_warm_start_across_depth_tiers_inprocess(tmp_path, tiers, fusion):
+    """mode='warm-start' with depth tiers: round 1 combines the clients' own models of several depths (and widths)
+    with the depth strategy's one-shot aggregation (the default's choice, warned), then multi-round FL goes on."""
+    from simulations.runners.inprocess import run_inprocess
+
+    cfg = {**TINY, "strategy": "average", "client-tiers": tiers, "mode": "warm-start", "num-server-rounds": 3,
+           "warm-start-epochs": 3, "output-dir": str(tmp_path), "run-name": "w"}
+    with pytest.warns(UserWarning, match=f"warm-start-fusion.*{fusion!r}"):
+        assert parse_run_config(cfg).warm_start_fusion == fusion
+    out = run_inprocess(cfg, 4, echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed", res.get("error")
+    first, last = res["strategy-history"][0], next(r for r in res["rounds"] if r["round"] == 3)
+    assert first["method"] == f"warm-start:{fusion}" and first["valid"] == 4
+    assert "exit-distill" in json.dumps(first["fusion-info"])   # both distil the ensemble into every exit
+    assert sorted(p.name for p in (out / "warm-start").glob("client-*.pt")) == [f"client-{i}.pt" for i in range(4)]
+    assert last["valid-replies"] == 4 and min(last["tier-accuracy"].values()) > 0.15   # chance 0.1

@@ -221,7 +221,9 @@ class DepthTieredStrategy(FusionStrategy):
             if w < 1:
                 cfg[TIER_KEY] = float(w)
             narrower = sorted({t for t in self.tier_layout.tiers if t < w}, reverse=True)
-            if narrower and (self.ordered_dropout == "all" or self.ordered_dropout == "narrow" and w < 1):
+            one_shot = str(cfg.get("mode", "multi-round")) == "one-shot"   # own models (a warm start's round 1): none
+            if narrower and not one_shot and (self.ordered_dropout == "all"
+                                              or self.ordered_dropout == "narrow" and w < 1):
                 cfg[OD_KEY] = [float(t) for t in narrower]
                 if self.ordered_dropout_draw != "uniform":
                     cfg[OD_DRAW_KEY] = self.ordered_dropout_draw
@@ -288,8 +290,22 @@ class DepthTieredStrategy(FusionStrategy):
                      models: list[nn.Module] | None = None) -> FusionResult:
         """The layer-wise average (``ot``: of the aligned clients); for ``feddf`` and ``ot`` the clients' ensemble
         then distilled into every exit."""
+        return self.fuse_as(self.round_method(server_round), server_round, updates, models)
+
+    def fuse_own_models(self, server_round: int, updates: list[ClientUpdate], method: str) -> FusionResult:
+        """A warm start's round 1 (``fedfuse.flower.warm_start``): the clients' own models, trained from their own
+        initialisations at their tiers, combined by ``method`` (``ot``: aligned across depths; ``feddf``)."""
+        if method not in ("ot", "feddf"):
+            raise ValueError(f"strategy: a warm start across depth tiers combines the clients' own models with 'ot' "
+                             f"or 'feddf', not {method!r}")
+        if method == "ot" and any(self.node_width(u.node_id) < 1 for u in updates):
+            raise ValueError("strategy: 'ot' aligns models of one width; width x depth tiers take 'feddf'")
+        return self.fuse_as(method, server_round, updates)
+
+    def fuse_as(self, method: str, server_round: int, updates: list[ClientUpdate],
+                models: list[nn.Module] | None = None) -> FusionResult:
+        """``fuse_updates`` with the aggregation ``method`` given."""
         t0 = time.perf_counter()
-        method = self.round_method(server_round)
         if method in ("feddf", "ot") and models is None:
             models = [self.build_model(u.state) for u in updates]
         model = self.build_model(self.aligned_average(server_round, updates, models) if method == "ot"
@@ -297,9 +313,10 @@ class DepthTieredStrategy(FusionStrategy):
         info: dict[str, Any] = {}
         if method in ("feddf", "ot"):
             total = sum(u.num_examples for u in updates)
-            # feddf: its own options; ot: FedDF's server step at its defaults (the fusion options are OT's)
+            # the feddf strategy: its own options; ot and a warm start's feddf: FedDF's server step at its defaults
+            own = method == "feddf" and self.method == "feddf"
             info = distill_exits(model, models, [u.num_examples / total for u in updates], self.fusion_inputs,
-                                 self.spec.parse_options(self.fusion_options) if method == "feddf" else None,
+                                 self.spec.parse_options(self.fusion_options) if own else None,
                                  seed=self.seed + server_round, device=resolve_device(self.device))
             model = model.cpu().eval()
         return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)

@@ -275,7 +275,8 @@ def warm_start(cfg: RunConfig, strategy: RoundProtocol, out: Path) -> WarmStart:
     ``ConfigError`` naming the key when the server lacks what its fusion needs."""
     warm = WarmStart(fusion=cfg.warm_start_fusion, options=dict(cfg.warm_start_fusion_options_table),
                      epochs=cfg.warm_start_epochs,
-                     lr=cfg.warm_start_lr if cfg.warm_start_lr > 0 else None, save_dir=out / "warm-start")
+                     lr=cfg.warm_start_lr if cfg.warm_start_lr > 0 else None, save_dir=out / "warm-start",
+                     depth_tiers=bool(cfg.depth_tiers))
     try:
         warm.check_server(strategy.fusion_inputs, strategy.fusion_labels)
     except ValueError as exc:

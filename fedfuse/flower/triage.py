@@ -52,7 +52,7 @@ class ReplyTriage:
                     copy: bool = True) -> ClientUpdate | None:
         """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
         node = int(msg.metadata.src_node_id)
-        if self.warm_round(server_round):
+        if self.warm_round(server_round) and not self.warm_start.depth_tiers:   # depth tiers: per node, as always
             reference, widths = self._reference(), self.warm_start.level_widths(self._model_template)
         else:
             reference, widths = self.reply_reference(server_round, node)

@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from fedfuse.flower.protocol import RoundProtocol
 
 
+#: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``)
+DEPTH_WARM_START = ("ot", "feddf")
+
+
 @dataclass(frozen=True)
 class WarmStart:
     """Round 1 of a warm-start run (see the module docstring).
@@ -59,6 +63,8 @@ class WarmStart:
         epochs: the clients' local epochs in round 1.
         lr: the clients' learning rate in round 1 (``None``: the run's).
         save_dir: where the clients' round-1 models are written (``None``: not written).
+        depth_tiers: the run has depth tiers: ``fusion`` is the depth-tier strategy's own one-shot aggregation
+            (``DEPTH_WARM_START``), which takes the clients' models of several depths and widths.
     """
 
     fusion: str = "kf-linear"
@@ -66,12 +72,18 @@ class WarmStart:
     epochs: int = 20
     lr: float | None = None
     save_dir: Path | None = None
+    depth_tiers: bool = False
 
     def __post_init__(self) -> None:
         if int(self.epochs) < 1:
             raise ValueError(f"warm start: epochs must be >= 1, got {self.epochs}")
         if self.lr is not None and not float(self.lr) > 0:
             raise ValueError(f"warm start: lr must be > 0 or None, got {self.lr}")
+        if self.depth_tiers:   # the depth-tier strategy's own one-shot aggregations (fedfuse.flower.depth_tiers)
+            if self.fusion not in DEPTH_WARM_START or self.options:
+                raise ValueError(f"warm start: with depth tiers the clients' own models are combined by one of "
+                                 f"{list(DEPTH_WARM_START)} without options, got {self.fusion!r} {self.options or ''}")
+            return
         if self.fusion == BEST_CLIENT:
             if self.options:
                 raise ValueError(f"warm start: best-client takes no options, got {sorted(self.options)}")
@@ -100,7 +112,8 @@ class WarmStart:
     @property
     def needs_scores(self) -> bool:
         """Whether the clients must send importance scores (the method reads them under ``options``)."""
-        return self.fusion != BEST_CLIENT and get_spec(self.fusion).reads_client_scores(self.options)
+        return (not self.depth_tiers and self.fusion != BEST_CLIENT
+                and get_spec(self.fusion).reads_client_scores(self.options))
 
     def round_config(self) -> dict[str, Any]:
         """Round 1's train-config keys: the one-shot signal, the warm-start epochs (and lr)."""
@@ -118,14 +131,18 @@ class WarmStart:
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
         """``(fused state, info, seconds)`` from the round's valid replies; ``FusionError`` when the method fails."""
         t0 = time.perf_counter()
-        models = [protocol.build_model(u.state) for u in updates]
         if self.save_dir is not None:
             self.save_dir.mkdir(parents=True, exist_ok=True)
             for u in updates:
                 torch.save(u.state, self.save_dir / f"client-{u.partition_id}.pt")
-        if self.fusion == BEST_CLIENT:
+        if self.depth_tiers:   # models of several depths (and widths): the strategy's own aggregation across them
+            result = protocol.fuse_own_models(server_round, updates, self.fusion)
+            model, info = result.model, dict(result.info or {})
+        elif self.fusion == BEST_CLIENT:
+            models = [protocol.build_model(u.state) for u in updates]
             model, info = best_client(models, updates, protocol.fusion_inputs, protocol.fusion_labels)
         else:
+            models = [protocol.build_model(u.state) for u in updates]
             result = fuse_result(self.fusion, models, fusion_inputs=protocol.fusion_inputs,
                                  scores=[u.scores for u in updates] if self.needs_scores else None,
                                  weights=[u.num_examples for u in updates], device=protocol.device,
@@ -185,4 +202,4 @@ def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Mess
     return state_to_record(state), metrics
 
 
-__all__ = ["WarmStart", "WarmStartFailed", "best_client", "warm_start_round"]
+__all__ = ["DEPTH_WARM_START", "WarmStart", "WarmStartFailed", "best_client", "warm_start_round"]

@@ -416,65 +416,72 @@ def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_input
     Clients of a one-shot federation train from their own initialisations, so the hidden units of two models of one
     architecture are in unrelated orders and a layer-wise average (DepthFL's ``aggregate_held``) mixes unrelated
     units: its accuracy falls to chance (``results/depth-tiers-oneshot``). Here each client ``i`` (a ``MultiExit``
-    holding ``units[i]`` depth units) has the units of every level it holds matched to the *reference* (the first
-    deepest client) by their activations on the unlabeled ``fusion_inputs [B, *input]``: the permutation maximising
-    the correlation of standardised activations, level by level (activation matching, Ainsworth et al., "Git
-    Re-Basin", arXiv 2209.04836; OTFusion's exact-transport special case, Singh & Jaggi, arXiv 1910.05653). The
-    permutation moves the level's output rows, the next layer's input columns and the input columns of the exit
-    classifiers on that level, so every client computes the same function in the reference's units.
+    holding ``units[i]`` depth units) has the units of every permutation group it holds matched to the *reference*
+    (the first deepest client) by their activations on the unlabeled ``fusion_inputs [B, *input]``: the permutation
+    maximising the correlation of standardised activations, group by group (activation matching, Ainsworth et al.,
+    "Git Re-Basin", arXiv 2209.04836; OTFusion's exact-transport special case, Singh & Jaggi, arXiv 1910.05653). The
+    permutation moves every array the group indexes (the level's output rows, the next layer's input columns) and
+    the inputs of the exit classifiers on that level (their norm too), so every client computes the same function
+    in the reference's units.
 
-    Returns one full ``MultiExit`` state per client (the keys it does not hold are its unchanged values: pass only
-    ``held_keys`` on to ``aggregate_held``). ``ValueError`` for families whose residual stream ties the units of
-    several blocks (ResNets, ViTs: a truncated client's stream cannot be matched block by block yet).
+    Residual families work the same way: a residual stream is one group read at several points (a ResNet stage's
+    blocks, every block of a ViT), and a truncated client is matched on the points it holds, against the reference's
+    activations at the same points; attention groups keep their heads whole. Returns one full ``MultiExit`` state per
+    client (the keys it does not hold are its unchanged values: pass only ``held_keys`` on to ``aggregate_held``).
     """
     from fedfuse.fusion.permute import Map, apply_maps, build_spec, collect_activations
     from fedfuse.fusion.rebasin import activation_matching
 
     if len(models) != len(units) or not models:
         raise ValueError(f"align_depths: {len(models)} models for {len(units)} depths")
-    base0 = models[0].base
-    family = adapter_for(base0).family
-    if family != "sequential":
-        raise ValueError(f"align_depths: {family} models tie the units of several blocks in one residual stream; "
-                         "depth alignment takes sequential models (MLPs and plain CNNs)")
     ref_i = max(range(len(models)), key=lambda i: (units[i], -i))
     ref = models[ref_i]
     spec = build_spec(ref.base)
     lvls, du = ref._levels(), depth_units(ref.base)
-    group_of = {}   # level index -> the permutation group of its output units
-    for name, grp in spec.groups.items():
-        for lv_name in grp.levels:
-            group_of[next(i for i, lv in enumerate(lvls) if lv.name == lv_name)] = name
-    acts_ref = collect_activations(ref.base, spec, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
     base_ref = ref.base.state_dict()
+    ref_acts: dict[int, dict[str, torch.Tensor]] = {}   # per client depth: the reference's activations there
     out = []
     for i, (m, k) in enumerate(zip(models, units)):
         state = {key: v.detach().clone() for key, v in m.state_dict().items()}
         if i == ref_i:
             out.append(state)
             continue
-        held_levels = set(range(du[k - 1] + 1)) if k < m.num_units else set(range(len(lvls)))
-        held = _subspec(spec, [group_of[j] for j in sorted(held_levels) if j in group_of])
-        # only the held levels' activations (the same subsampled rows as the reference's: seeded per hook point)
+        held = _held_spec(spec, [lv.name for lv in lvls[du[k - 1] + 1:]] if k < m.num_units else [])
+        if k not in ref_acts:   # the same subsampled rows as the client's: seeded per hook point
+            ref_acts[k] = collect_activations(ref.base, held, fusion_inputs, max_rows=max_rows, seed=seed,
+                                              device=device)
         acts = collect_activations(m.base, held, fusion_inputs, max_rows=max_rows, seed=seed, device=device)
-        matched = activation_matching(acts, {g: acts_ref[g] for g in held.groups}, held, held)
+        matched = activation_matching(acts, ref_acts[k], held, held)
         maps = {g: matched.get(g) or Map.identity(grp.size) for g, grp in spec.groups.items()}
         base = apply_maps(m.base.state_dict(), spec, spec, maps, base_ref)
         state.update({f"base.{key}": v for key, v in base.items()})
         for e in m.exit_units:
-            g = group_of.get(du[e - 1])
-            if g is not None and maps[g].perm is not None:
-                w = state[f"exits.{e}.fc.weight"]
-                state[f"exits.{e}.fc.weight"] = w.index_select(1, maps[g].perm.to(w.device))
+            level = lvls[du[e - 1]].name
+            g = next((g for g, grp in spec.groups.items() if level in grp.levels), None)
+            perm = maps[g].perm if g is not None else None
+            if perm is None:
+                continue
+            for key, axis in ((f"exits.{e}.fc.weight", 1), (f"exits.{e}.norm.weight", 0), (f"exits.{e}.norm.bias", 0)):
+                if key in state:
+                    state[key] = state[key].index_select(axis, perm.to(state[key].device))
         out.append(state)
     return out
 
 
-def _subspec(spec, groups: list[str]):
-    """``spec`` restricted to ``groups`` (what ``activation_matching`` iterates over)."""
+def _held_spec(spec, dropped_levels: list[str]):
+    """``spec`` restricted to what a truncated client computes: every group's activation points outside the
+    ``dropped_levels`` (module paths of the levels it does not hold), and only the groups left with a point."""
     import dataclasses
 
-    return dataclasses.replace(spec, groups={g: spec.groups[g] for g in groups})
+    def held(path: str) -> bool:
+        return not any(path == n or path.startswith(n + ".") for n in dropped_levels)
+
+    groups = {}
+    for name, grp in spec.groups.items():
+        acts = [pt for pt in grp.acts if held(pt[0])]
+        if acts:
+            groups[name] = dataclasses.replace(grp, acts=acts)
+    return dataclasses.replace(spec, groups=groups)
 
 
 def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int) -> MultiExit:
