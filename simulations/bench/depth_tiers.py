@@ -5,7 +5,8 @@ The anchors' splits (``../shared/anchors``: MNIST-1D, 12,000 samples, 10 clients
 and their client recipe (``simulations.bench.anchor_cell.anchor_recipe``: SGD lr 0.2, batch 32, 1 local epoch, all
 clients every round, 300 fusion samples from the public pool), with an MLP of ``--depth`` hidden layers of 256 and
 depth tiers ``--tiers`` assigned round-robin by partition id (``--model vit``: a timm ViT of width 64 with ``--depth``
-blocks on the same signals viewed ``[N, 1, 40]``, Adam lr 0.005) (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
+blocks on the same signals viewed ``[N, 1, 40]``, Adam lr 0.005; ``--model resnet``: fedfuse's ResNet of width 16
+with ``--depth`` one-block stages on the same signals) (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
 depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 
 - ``depthfl``, ``depthfl-fedavg``, ``inclusivefl``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the
@@ -53,7 +54,9 @@ BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full", "hetero
 MODELS = {"mlp": ({"model": "mlp", "model-width": 256}, (40,)),
           # the ViT recipe of the width-tier cells (simulations/bench/tiers.sh): Adam lr 0.005, width 64
           "vit": ({"model": "vit", "model-width": 64, "optimizer": "adam", "lr": 0.005, "dataset": "mnist1d"},
-                  (1, 40))}
+                  (1, 40)),
+          # fedfuse's ResNet on the signals: 4 stages of one block (16, 32, 64, 128 channels), the anchors' SGD
+          "resnet": ({"model": "resnet", "model-width": 16, "dataset": "mnist1d"}, (1, 40))}
 
 
 def equal_param_widths(depths: list[float], layers: int, model: str = "mlp",
