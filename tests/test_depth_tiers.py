@@ -268,7 +268,7 @@ def _inclusive_round(beta):
         strat.tier_layout.node_depth = {1: 1.0, 2: 0.5, 3: 0.25}
     g = s.global_state()
     torch.manual_seed(1)
-    updates = [ClientUpdate(n, n, {k: g[k] + torch.randn(g[k].shape) for k in s._held[s.node_units(n)]}, None, 10, {})
+    updates = [ClientUpdate(n, n, {k: g[k] + torch.randn(g[k].shape) for k in s.layout.held[s.node_units(n)]}, None, 10, {})
                for n in (1, 2, 3)]
     return s, fedavg, g, updates
 
@@ -511,7 +511,7 @@ def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shap
     m = s.build_model(state)
     assert isinstance(m, MultiExit) and m.active == 2 and m.state_dict()["base.1.weight"].shape == (8, 40)
     full = s.global_state()
-    sliced = s.tier_state(full, 0.5, 2)
+    sliced = s.layout.state(full, 0.5, 2)
     assert torch.equal(sliced["base.1.weight"], full["base.1.weight"][:8])
 
 

@@ -39,9 +39,10 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.fusion import FusionResult
-from fedfuse.hetero import SubModel, slice_state
-from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, distill_exits, exit_submodel, held_keys,
-                                  layer_momentum, momentum_distill, unit_arrays, units_at)
+from fedfuse.hetero import slice_state
+from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, distill_exits, layer_momentum,
+                                  momentum_distill, unit_arrays, units_at)
+from fedfuse.hetero.depth_layout import DepthLayout
 from fedfuse.hetero.ordered_dropout import draw_weights
 from fedfuse.hetero.tiers import resolve_ordered_dropout, resolve_ordered_dropout_draw
 from fedfuse.models import adapter_for
@@ -115,8 +116,6 @@ class DepthTieredStrategy(FusionStrategy):
                              "(fedfuse.hetero.depth.multi_exit)")
         self.self_distill = name != "depthfl-fedavg" if self_distill is None else bool(self_distill)
         self.tier_layout = TierLayout(self.model_fn, widths, input_shape=input_shape, depths=tuple(depths))
-        self._narrow: dict[float, tuple[MultiExit, Any]] = {}   # width -> (skeleton, its exit_submodel layout)
-        self._shapes: dict[float, dict[str, tuple[int, ...]]] = {}
         self.ordered_dropout = resolve_ordered_dropout(name, ordered_dropout) if min(widths) < 1 else "off"
         self.ordered_dropout_draw = resolve_ordered_dropout_draw(name, ordered_dropout_draw,
                                                                  adapter_for(skeleton.base).family)
@@ -126,48 +125,16 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError(f"strategy: ordered_dropout_draw: {exc}") from None
         self._skeleton = skeleton   # the architecture (weights unused): what the layout and the subclasses read
         self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
-        self._held = {k: held_keys(skeleton, k, own_exit=self.own_exit)
-                      for k in {*self._units.values(), skeleton.num_units}}
-        self._all = frozenset(skeleton.state_dict())
-        self._full = skeleton.num_units
+        self.layout = DepthLayout(skeleton, self._units.values(), input_shape, own_exit=self.own_exit)
         self._round_tiers: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- the layout
     def node_units(self, node_id: int) -> int:
         return self._units[self.tier_layout.node_depth[node_id]] if node_id in self.tier_layout.node_depth \
-            else self._full
+            else self.layout.full
 
     def node_width(self, node_id: int) -> float:
         return self.tier_layout.node_tier.get(node_id, 1.0)
-
-    def narrow(self, width: float) -> tuple[MultiExit, Any]:
-        """``(skeleton, layout)`` of width ``width < 1``: the ``MultiExit`` at that width and its ``exit_submodel``
-        positions in the global one."""
-        if width not in self._narrow:
-            sk = self._skeleton.at_width_mult(width, input_shape=self.tier_layout.input_shape)
-            self._narrow[width] = (sk, exit_submodel(self._skeleton, sk))
-        return self._narrow[width]
-
-    def tier_shapes(self, width: float) -> dict[str, tuple[int, ...]]:
-        """``{key: shape}`` of the ``MultiExit`` at ``width``."""
-        if width not in self._shapes:
-            sk = self._skeleton if width == 1 else self.narrow(width)[0]
-            self._shapes[width] = {k: tuple(v.shape) for k, v in sk.state_dict().items()}
-        return self._shapes[width]
-
-    def held_positions(self, width: float, k: int) -> dict[str, torch.Tensor] | None:
-        """The global positions of the arrays a node of ``width`` and ``k`` units holds (``None``: whole arrays)."""
-        if width == 1:
-            return None
-        layout = self.narrow(width)[1]
-        return {key: layout.positions[key] for key in self._held[k]}
-
-    def tier_state(self, full: dict[str, torch.Tensor], width: float, k: int) -> dict[str, torch.Tensor]:
-        """The arrays of ``full`` (a global state) a node of ``width`` and ``k`` units holds."""
-        if width == 1:
-            return {key: full[key] for key in self._held[k]}
-        layout = self.narrow(width)[1]
-        return slice_state(full, SubModel({key: layout.positions[key] for key in self._held[k]}, layout.global_shapes))
 
     def global_state(self) -> dict[str, torch.Tensor]:
         if self._global is None:
@@ -178,22 +145,22 @@ class DepthTieredStrategy(FusionStrategy):
         """The ``MultiExit`` of a full or a depth tier's state (the depth recognised by its keys; the arrays it
         does not hold are the global model's), its ``active`` depth set."""
         keys = set(state)
-        k = self._full if keys == self._all else next((k for k, held in self._held.items() if keys == set(held)),
-                                                          None)
+        k = self.layout.units_of(keys)
         if k is None:
             raise ValueError("strategy: arrays of no depth tier's keys")
         width = next((w for w in self.tier_layout.all_tiers()
-                      if all(tuple(v.shape) == self.tier_shapes(w)[key] for key, v in state.items())), None)
+                      if all(tuple(v.shape) == self.layout.shapes(w)[key] for key, v in state.items())), None)
         if width is None:
             raise ValueError("strategy: arrays of no tier's shapes")
         if width == 1:
             model = self.model_fn()
-            if keys != self._all:
+            if keys != self.layout.all:
                 model.load_state_dict(self.global_state())
         else:
-            model = copy.deepcopy(self.narrow(width)[0])
-            model.load_state_dict(slice_state(self.global_state(), self.narrow(width)[1]))
-        model.load_state_dict(state, strict=keys == self._all)
+            skeleton, sub = self.layout.narrow(width)
+            model = copy.deepcopy(skeleton)
+            model.load_state_dict(slice_state(self.global_state(), sub))
+        model.load_state_dict(state, strict=keys == self.layout.all)
         return model.set_active(k).eval()
 
     def streaming_round(self, server_round: int) -> bool:
@@ -215,7 +182,7 @@ class DepthTieredStrategy(FusionStrategy):
                 continue
             k, w = self.node_units(node), self.node_width(node)
             if (w, k) not in records:
-                records[w, k] = state_to_record(self.tier_state(full, w, k))
+                records[w, k] = state_to_record(self.layout.state(full, w, k))
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
             cfg[DEPTH_KEY] = int(k)
             if w < 1:
@@ -242,11 +209,7 @@ class DepthTieredStrategy(FusionStrategy):
 
     # ---------------------------------------------------------------- replies
     def reply_reference(self, server_round: int, node_id: int):
-        full, k, w = self._reference(), self.node_units(node_id), self.node_width(node_id)
-        if w == 1:
-            return {key: full[key] for key in self._held[k]}, None
-        layout = self.narrow(w)[1]
-        return {key: (tuple(layout.positions[key].shape), full[key][1]) for key in self._held[k]}, None
+        return self.layout.reference(self._reference(), self.node_width(node_id), self.node_units(node_id)), None
 
     def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], **kw: Any) -> ClientUpdate | None:
         u = super().check_reply(server_round, msg, record, **kw)
@@ -271,7 +234,7 @@ class DepthTieredStrategy(FusionStrategy):
 
     def update_positions(self, updates: list[ClientUpdate]) -> list[dict[str, torch.Tensor] | None] | None:
         """Per update, the global positions of its arrays (``None`` for all when every node is at full width)."""
-        pos = [self.held_positions(self.node_width(u.node_id), self.node_units(u.node_id)) for u in updates]
+        pos = [self.layout.positions(self.node_width(u.node_id), self.node_units(u.node_id)) for u in updates]
         return None if all(p is None for p in pos) else pos
 
     weighted_average = average
@@ -347,7 +310,7 @@ class DepthTieredStrategy(FusionStrategy):
         tiers = sorted(set(zip(self.tier_layout.tiers, self.tier_layout.depths)), key=lambda t: (-t[1], -t[0]))
         for w, d in tiers:
             k = self._units[d]
-            tier = copy.copy(model) if w == 1 else self.build_model(self.tier_state(full, w, k))
+            tier = copy.copy(model) if w == 1 else self.build_model(self.layout.state(full, w, k))
             logits = predict_logits(tier.set_active(k), x, device=device)
             acc[depth_label(d, w)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))
