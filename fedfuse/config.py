@@ -215,7 +215,8 @@ class RunConfig:
     warm_start_fusion: str = _key("kf-linear", "mode='warm-start': how round 1 combines the clients' own models: a "
                                   "fusion method of fedfuse.fusion.METHODS that keeps the architecture (auto, average "
                                   "= their plain weighted average, kf-linear, ot, kd, ...) or best-client (the client "
-                                  "model with the best accuracy on the server's labelled fusion set)")
+                                  "model with the best accuracy on the server's labelled fusion set); with depth tiers "
+                                  "ot or feddf across depths (the default maps to ot, feddf for width x depth tiers)")
     warm_start_fusion_options: str = _key("{importance='uniform'}", "mode='warm-start': options of warm-start-fusion "
                                           "as a TOML inline table (the default is kf-linear's measured best: uniform "
                                           "neuron importance, so the clients compute no scores; '' = the method's "
