@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.hetero.submodel import SubModel, submodel
+from fedfuse.hetero.submodel import SubModel, entry_mean, submodel
 from fedfuse.models import levels
 from fedfuse.models.adapters import UnsupportedModelError, adapter_for
 
@@ -280,16 +280,7 @@ def aggregate_held(global_state: dict[str, torch.Tensor], states: list[dict[str,
                 acc.add_(v.detach().double(), alpha=wi / total)
             out[key] = acc.to(g.dtype)
             continue
-        acc = torch.zeros(g.numel(), dtype=torch.float64)
-        cnt = torch.zeros(g.numel(), dtype=torch.float64)
-        for v, wi, p in holders:
-            idx = p.reshape(-1) if p is not None else torch.arange(g.numel())
-            acc.index_add_(0, idx, wi * v.detach().reshape(-1).double())
-            cnt.index_add_(0, idx, torch.full((idx.numel(),), wi, dtype=torch.float64))
-        flat = g.detach().reshape(-1).double().clone()
-        held = cnt > 0
-        flat[held] = acc[held] / cnt[held]
-        out[key] = flat.reshape(g.shape).to(g.dtype)
+        out[key] = entry_mean(g, [(v, p, wi) for v, wi, p in holders])
     return out
 
 

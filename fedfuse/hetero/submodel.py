@@ -153,20 +153,28 @@ def aggregate_states(global_state: dict[str, torch.Tensor], states: list[dict[st
         if not g.is_floating_point():
             out[key] = g.clone()
             continue
-        acc = torch.zeros(g.numel(), dtype=torch.float64)
-        cnt = torch.zeros(g.numel(), dtype=torch.float64)
-        for state, sub, wi in zip(states, subs, w):
-            pos = sub.positions[key].reshape(-1)
-            val = state[key]
-            if val.numel() != pos.numel():
-                raise ValueError(f"aggregate: {key!r} has {val.numel()} entries, its sub-model layout {pos.numel()}")
-            acc.index_add_(0, pos, wi * val.detach().reshape(-1).double())
-            cnt.index_add_(0, pos, torch.full((pos.numel(),), wi, dtype=torch.float64))
-        flat = g.detach().reshape(-1).double().clone()
-        held = cnt > 0
-        flat[held] = acc[held] / cnt[held]
-        out[key] = flat.reshape(g.shape).to(g.dtype)
+        for state, sub in zip(states, subs):
+            if state[key].numel() != sub.positions[key].numel():
+                raise ValueError(f"aggregate: {key!r} has {state[key].numel()} entries, its sub-model layout "
+                                 f"{sub.positions[key].numel()}")
+        out[key] = entry_mean(g, [(state[key], sub.positions[key], wi) for state, sub, wi in zip(states, subs, w)])
     return out
 
 
-__all__ = ["SubModel", "submodel", "window_indices", "slice_state", "aggregate_states"]
+def entry_mean(g: torch.Tensor, holders: list[tuple[torch.Tensor, torch.Tensor | None, float]]) -> torch.Tensor:
+    """``g`` with every entry replaced by ``Σ w v / Σ w`` over the ``(values, positions, w)`` that hold it
+    (``positions``: the flat positions in ``g`` of ``values``' entries, ``None`` = all of ``g``); entries no holder
+    holds keep their value. A new tensor of ``g``'s dtype."""
+    acc = torch.zeros(g.numel(), dtype=torch.float64)
+    cnt = torch.zeros(g.numel(), dtype=torch.float64)
+    for val, pos, wi in holders:
+        idx = pos.reshape(-1) if pos is not None else torch.arange(g.numel())
+        acc.index_add_(0, idx, wi * val.detach().reshape(-1).double())
+        cnt.index_add_(0, idx, torch.full((idx.numel(),), float(wi), dtype=torch.float64))
+    flat = g.detach().reshape(-1).double().clone()
+    held = cnt > 0
+    flat[held] = acc[held] / cnt[held]
+    return flat.reshape(g.shape).to(g.dtype)
+
+
+__all__ = ["SubModel", "submodel", "window_indices", "slice_state", "aggregate_states", "entry_mean"]
