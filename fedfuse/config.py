@@ -394,12 +394,11 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
     if cfg.strategy == "auto" and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except for
         # one-shot depth tiers, whose clients start from their own initialisations: their plain layer-wise average is
-        # at chance, so there the default aligns them first ('ot', sequential models) or distils ('feddf'). Loud, and
-        # recorded: the run's config (results.json) says which.
+        # at chance, so there the default aligns them first ('ot') or distils ('feddf'): one_shot_depth_default. Loud,
+        # and recorded: the run's config (results.json) says which.
         tiered = "average"
         if cfg.mode == "one-shot" and cfg.depth_tiers:
-            # ot aligns models of one width: width x depth tiers distil
-            tiered = "ot" if cfg.model in ("mlp", "cnn") and min(cfg.depth_tier_widths) == 1 else "feddf"
+            tiered = one_shot_depth_default(cfg)
         warnings.warn(f"run-config key 'strategy': 'auto' has no capacity-tier form; with 'client-tiers' the run uses "
                       f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", UserWarning,
                       stacklevel=2)
@@ -410,7 +409,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         if cfg.warm_start_fusion == SCHEMA["warm-start-fusion"].default:
             # kf-linear fuses models of one architecture; across depths round 1 takes the one-shot depth-tier default
             # (ot aligns models of one width, so width x depth tiers distil). Loud, and recorded in the run's config.
-            fusion = "ot" if min(cfg.depth_tier_widths) == 1 else "feddf"
+            fusion = one_shot_depth_default(cfg)
             warnings.warn(f"run-config key 'warm-start-fusion': the default 'kf-linear' fuses models of one "
                           f"architecture; with depth tiers round 1 combines the clients' models with {fusion!r}. Set "
                           "warm-start-fusion explicitly to silence this.", UserWarning, stacklevel=2)
@@ -421,6 +420,14 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
     _check_method(cfg, tuple(known_strategies) if known_strategies is not None else strategy_names())
     _check_strategy_keys(cfg)
     return cfg
+
+
+def one_shot_depth_default(cfg: RunConfig) -> str:
+    """How depth tiers combine clients trained from their own initialisations (one-shot, a warm start's round 1):
+    ``ot`` (aligned across depths, then distilled) where measured best, MLPs / plain CNNs and ResNets
+    (``results/depth-tiers-oneshot-head``, ``results/depth-tiers-oneshot-resnet``); ``feddf`` for ViTs (not measured)
+    and for width x depth tiers (``ot`` aligns models of one width)."""
+    return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
 
 
 def _check_rules(cfg: RunConfig) -> None:

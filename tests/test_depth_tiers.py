@@ -383,10 +383,11 @@ def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
 
 
 @pytest.mark.parametrize("mode,model,want", [("multi-round", "mlp", "average"), ("one-shot", "mlp", "ot"),
-                                             ("one-shot", "cnn", "ot"), ("one-shot", "resnet", "feddf")])
+                                             ("one-shot", "cnn", "ot"), ("one-shot", "resnet", "ot"),
+                                             ("one-shot", "vit", "feddf")])
 def test_the_depth_tier_default_aligns_one_shot_clients(mode, model, want):
     """strategy='auto' with depth tiers: the layer-wise average in multi-round FL; in one-shot mode (clients from their
-    own initialisations, whose plain average is at chance) 'ot' for sequential models, 'feddf' otherwise."""
+    own initialisations, whose plain average is at chance) 'ot' where measured best (MLP, CNN, ResNet), else 'feddf'."""
     cfg = {**TINY, "strategy": "auto", "mode": mode, "model": model,
            **({"num-server-rounds": 1} if mode == "one-shot" else {})}
     with pytest.warns(UserWarning, match=f"uses '{want}'"):
