@@ -181,6 +181,10 @@ class DepthTieredStrategy(FusionStrategy):
             if node not in self.tier_layout.node_depth:
                 continue
             k, w = self.node_units(node), self.node_width(node)
+            if w < 1 and self.method not in WIDTH_DEPTH_METHODS:
+                raise ValueError(f"strategy {self.method!r}: node {node}'s tier (node-config 'tier') has width {w:g}, "
+                                 f"narrower than the global model; {self.method!r} cannot aggregate width x depth "
+                                 f"tiers, use one of {list(WIDTH_DEPTH_METHODS)}")
             if (w, k) not in records:
                 records[w, k] = state_to_record(self.layout.state(full, w, k))
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
