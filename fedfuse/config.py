@@ -425,8 +425,9 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
 def one_shot_depth_default(cfg: RunConfig) -> str:
     """How depth tiers combine clients trained from their own initialisations (one-shot, a warm start's round 1):
     ``ot`` (aligned across depths, then distilled) where measured best, MLPs / plain CNNs and ResNets
-    (``results/depth-tiers-oneshot-head``, ``results/depth-tiers-oneshot-resnet``); ``feddf`` for ViTs (not measured)
-    and for width x depth tiers (``ot`` aligns models of one width)."""
+    (``results/depth-tiers-oneshot-head``, ``results/depth-tiers-oneshot-resnet``); ``feddf`` for ViTs (measured level
+    with ``ot`` at alpha 0.1 and above it at 0.5: ``results/depth-tiers-oneshot-vit``) and for width x depth tiers
+    (``ot`` aligns models of one width)."""
     return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
 
 
