@@ -44,7 +44,8 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
-from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES, SUBMODEL_METHODS, check_candidates  # noqa: E402
+from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, SUBMODEL_METHODS,  # noqa: E402
+                                    WIDTH_DEPTH_TIER_METHODS, check_candidates)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
 
@@ -521,8 +522,6 @@ def _check_warm_start(cfg: RunConfig) -> None:
         raise ConfigError("run-config key 'initial-model-path': with mode='warm-start' round 1 starts from the clients' "
                           "own models and ignores the global model; remove it or use mode='multi-round'")
     if cfg.depth_tiers:   # the depth-tier strategy combines the clients' own models (fedfuse.flower.warm_start)
-        from fedfuse.flower.warm_start import DEPTH_WARM_START
-
         if cfg.warm_start_fusion not in DEPTH_WARM_START or cfg.warm_start_fusion_options_table:
             raise ConfigError(f"run-config key 'warm-start-fusion': with depth tiers the clients' own models are "
                               f"combined across depths by one of {list(DEPTH_WARM_START)} without options "
@@ -656,8 +655,6 @@ def _check_tiers(cfg: RunConfig) -> None:
 
 
 DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf", "ot")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
-#: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
-WIDTH_DEPTH_TIER_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
 
 
 def _check_depth_tiers(cfg: RunConfig) -> None:

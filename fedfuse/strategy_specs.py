@@ -162,6 +162,10 @@ NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregati
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
 DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_depth_tiers)
+#: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
+WIDTH_DEPTH_TIER_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
+#: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``)
+DEPTH_WARM_START = ("ot", "feddf")
 PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
 STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
@@ -242,6 +246,6 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
     return replace(spec, default_refine=spec.tier_refine) if spec.tier_refine is not None else spec
 
 
-__all__ = ["StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
+__all__ = ["WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

@@ -46,7 +46,7 @@ from fedfuse.hetero.depth_layout import DepthLayout
 from fedfuse.hetero.ordered_dropout import draw_weights
 from fedfuse.hetero.tiers import resolve_ordered_dropout, resolve_ordered_dropout_draw
 from fedfuse.models import adapter_for
-from fedfuse.strategy_specs import strategy_spec, with_tiers
+from fedfuse.strategy_specs import DEPTH_WARM_START, WIDTH_DEPTH_TIER_METHODS, strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.client_tiers import DEPTH_KEY, OD_DRAW_KEY, OD_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy
@@ -56,8 +56,6 @@ from fedfuse.flower.tier_layout import TierLayout, client_tier_means, round_tier
 
 #: the strategies that take depth tiers
 DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf", "ot")
-#: those that also take width x depth tiers (``fedfuse.config.WIDTH_DEPTH_TIER_METHODS``)
-WIDTH_DEPTH_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
 
 
 def depth_label(depth: float, width: float = 1.0) -> str:
@@ -100,9 +98,9 @@ class DepthTieredStrategy(FusionStrategy):
         widths = tuple(float(w) for w in widths) if widths else (1.0,) * len(depths)
         if len(widths) != len(depths):
             raise ValueError(f"strategy: {len(widths)} widths for {len(depths)} depth tiers")
-        if min(widths) < 1 and name not in WIDTH_DEPTH_METHODS:
+        if min(widths) < 1 and name not in WIDTH_DEPTH_TIER_METHODS:
             raise ValueError(f"strategy: {name!r} cannot aggregate width x depth tiers (widths {list(widths)}); use "
-                             f"one of {list(WIDTH_DEPTH_METHODS)}")
+                             f"one of {list(WIDTH_DEPTH_TIER_METHODS)}")
         if options.get("refine") not in (None, "none"):
             raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
                              "refinements act on one classifier, a depth-tier model has one per depth")
@@ -181,10 +179,10 @@ class DepthTieredStrategy(FusionStrategy):
             if node not in self.tier_layout.node_depth:
                 continue
             k, w = self.node_units(node), self.node_width(node)
-            if w < 1 and self.method not in WIDTH_DEPTH_METHODS:
+            if w < 1 and self.method not in WIDTH_DEPTH_TIER_METHODS:
                 raise ValueError(f"strategy {self.method!r}: node {node}'s tier (node-config 'tier') has width {w:g}, "
                                  f"narrower than the global model; {self.method!r} cannot aggregate width x depth "
-                                 f"tiers, use one of {list(WIDTH_DEPTH_METHODS)}")
+                                 f"tiers, use one of {list(WIDTH_DEPTH_TIER_METHODS)}")
             if (w, k) not in records:
                 records[w, k] = state_to_record(self.layout.state(full, w, k))
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
@@ -262,9 +260,9 @@ class DepthTieredStrategy(FusionStrategy):
     def fuse_own_models(self, server_round: int, updates: list[ClientUpdate], method: str) -> FusionResult:
         """A warm start's round 1 (``fedfuse.flower.warm_start``): the clients' own models, trained from their own
         initialisations at their tiers, combined by ``method`` (``ot``: aligned across depths; ``feddf``)."""
-        if method not in ("ot", "feddf"):
-            raise ValueError(f"strategy: a warm start across depth tiers combines the clients' own models with 'ot' "
-                             f"or 'feddf', not {method!r}")
+        if method not in DEPTH_WARM_START:
+            raise ValueError(f"strategy: a warm start across depth tiers combines the clients' own models with one of "
+                             f"{list(DEPTH_WARM_START)}, not {method!r}")
         if method == "ot" and any(self.node_width(u.node_id) < 1 for u in updates):
             raise ValueError("strategy: 'ot' aligns models of one width; width x depth tiers take 'feddf'")
         return self.fuse_as(method, server_round, updates)

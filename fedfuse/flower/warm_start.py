@@ -43,13 +43,10 @@ from fedfuse.fusion import fuse_result, get_spec
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.models import levels
+from fedfuse.strategy_specs import DEPTH_WARM_START
 
 if TYPE_CHECKING:
     from fedfuse.flower.protocol import RoundProtocol
-
-
-#: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``)
-DEPTH_WARM_START = ("ot", "feddf")
 
 
 @dataclass(frozen=True)
