@@ -25,6 +25,10 @@ per round over the full-depth clients' local-epoch seconds.
     .venv/bin/python -m simulations.bench.depth_tiers --lr 0.05 --out results/depth-tiers
     .venv/bin/python -m simulations.bench.depth_tiers --model vit --alphas 0.1 --rounds 15 --out results/depth-tiers-vit
     .venv/bin/python -m simulations.bench.depth_tiers --alphas 0.1 --seeds 0 --rounds 5 --out /tmp/depth
+    # digits (``--dataset digits``: the anchors' digits splits, the MLP at their width 128; the fusion pool is the
+    # clients' pooled inputs, no disjoint pool ships) and 20 clients (the anchors' recipe):
+    .venv/bin/python -m simulations.bench.anchor_splits --clients 20 --out results/cache/anchor-splits
+    .venv/bin/python -m simulations.bench.depth_tiers --clients 20 --splits results/cache/anchor-splits ...
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pathlib import Path  # noqa: E402
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 from fedfuse.hetero.tiers import parse_tier_pair, parse_tier_pairs, tier_of  # noqa: E402
-from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
+from simulations.bench.anchor_cell import ANCHORS, ROOT, WIDTH, anchor_recipe, client_pool, run_or_read  # noqa: E402
 
 DEPTH_STRATEGIES = "depthfl,depthfl-fedavg,inclusivefl,average,feddf"
 BASELINES = ("fedavg-shallowest", "fedavg-full-only", "fedavg-all-full", "heterofl-equal-params")
@@ -59,15 +63,27 @@ MODELS = {"mlp": ({"model": "mlp", "model-width": 256}, (40,)),
           "resnet": ({"model": "resnet", "model-width": 16, "dataset": "mnist1d"}, (1, 40))}
 
 
+def model_config(model: str, dataset: str = "mnist1d") -> tuple[dict, tuple[int, ...]]:
+    """The run config of ``model`` and its input shape on ``dataset`` (digits: the anchors' 64 standardised features
+    and the MLP at the anchors' width 128; the anchors' digits are standardised, not the [0, 1] images fedfuse's
+    image models read, so digits takes the MLP only)."""
+    cfg, shape = MODELS[model]
+    if dataset == "mnist1d":
+        return dict(cfg), shape
+    if model != "mlp":
+        raise ValueError(f"--dataset {dataset} takes --model mlp only (the anchors' digits are standardised features)")
+    return {**cfg, "model-width": WIDTH[dataset]}, (64,)
+
+
 def equal_param_widths(depths: list[float], layers: int, model: str = "mlp",
-                       widths: list[float] | None = None) -> list[float]:
+                       widths: list[float] | None = None, dataset: str = "mnist1d") -> list[float]:
     """Per depth tier (of width ``widths[i]``, 1 by default), the HeteroFL width multiplier whose sub-model of the
     full-depth model has the tier's parameter count (its blocks and its exit; bisection over the width
     multiplier)."""
     from fedfuse.hetero.depth import held_keys, multi_exit, units_at
     from fedfuse.models import build_model
 
-    cfg, shape = MODELS[model]
+    cfg, shape = model_config(model, dataset)
 
     def build(r: float | None = None):
         return build_model(model, 10, shape, width=cfg["model-width"], depth=layers, width_mult=r)
@@ -100,8 +116,9 @@ def subset_split(split: Path, partitions: list[int], out: Path) -> Path:
     return out
 
 
-def signals(split: Path, public: Path, out: Path) -> tuple[Path, Path]:
-    """The split and the public pool with every ``x`` viewed as ``[N, 1, 40]`` signals (the ViT's input)."""
+def signals(split: Path, public: Path, out: Path, shape: tuple[int, ...] = (1, 40)) -> tuple[Path, Path]:
+    """The split and the public pool with every ``x`` viewed as ``[N, *shape]`` (``[N, 1, 40]`` signals: the ViT's
+    and the ResNet's input)."""
     import numpy as np
 
     out.mkdir(parents=True, exist_ok=True)
@@ -109,13 +126,19 @@ def signals(split: Path, public: Path, out: Path) -> tuple[Path, Path]:
         dst = out / f.name
         if not dst.exists():
             z = np.load(f)
-            np.savez(dst, **{k: (z[k].reshape(len(z[k]), 1, -1) if k.startswith("x") else z[k]) for k in z.files})
+            np.savez(dst, **{k: (z[k].reshape(len(z[k]), *shape) if k.startswith("x") else z[k]) for k in z.files})
     return out, out / public.name
 
 
 def jobs_for(args, alpha: float, seed: int) -> list[dict]:
-    split = Path(args.anchors) / "splits" / f"mnist1d-a{alpha:g}-s{seed}"
+    cfg, _ = model_config(args.model, args.dataset)
+    if args.clients == 10:
+        split = Path(args.anchors) / "splits" / f"{args.dataset}-a{alpha:g}-s{seed}"
+    else:   # simulations.bench.anchor_splits' folders: the anchors' recipe for other client counts
+        split = Path(args.splits) / f"{args.dataset}-c{args.clients}-a{alpha:g}-s{seed}"
     public = Path(args.anchors) / "splits" / "mnist1d-public.npz"
+    if args.dataset == "digits":   # no disjoint public pool ships for digits: the clients' inputs (tables say so)
+        public = client_pool(split, Path(args.out) / "runs" / "pools")
     if args.model != "mlp":
         split, public = signals(split, public, Path(args.out) / "runs" / "signals" / split.name)
     pairs = parse_tier_pairs(args.tiers)
@@ -123,8 +146,8 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
     # the smallest tier: the shallowest, and of those the narrowest
     small_w, small_d = min(pairs, key=lambda t: (t[1], t[0]))
     shallow_layers = max(1, math.ceil(small_d * args.depth - 1e-9))
-    base = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-depth": args.depth,
-            **MODELS[args.model][0]}
+    base = {**anchor_recipe(split, public, args.dataset, seed, args.rounds, clients=args.clients),
+            "model-depth": args.depth, **cfg}
     if args.lr:
         base["lr"] = args.lr
     if args.one_shot:
@@ -137,13 +160,13 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
         name, extra = parse_strategy(label)
         jobs.append({"label": label, "config": {**base, "strategy": name, "client-tiers": args.tiers, **extra,
                                                 "output-dir": str(runs), "run-name": f"{label}-{tag}"}})
-    full = [p for p in range(10) if tier_of(p, tuple(pairs)) == (1.0, 1.0)]
-    equal = equal_param_widths(depths, args.depth, args.model, widths)
+    full = [p for p in range(args.clients) if tier_of(p, tuple(pairs)) == (1.0, 1.0)]
+    equal = equal_param_widths(depths, args.depth, args.model, widths, args.dataset)
     baseline = {"heterofl-equal-params": {"strategy": "heterofl", "client-tiers": ",".join(f"{w:g}" for w in equal),
                                           "width-labels": dict(zip((f"{w:g}" for w in equal),
                                                                    (f"{w:g}x{d:g}" for w, d in pairs)))},
                 "fedavg-shallowest": {"model-depth": shallow_layers,
-                                      "model-width": math.ceil(small_w * MODELS[args.model][0]["model-width"] - 1e-9)},
+                                      "model-width": math.ceil(small_w * cfg["model-width"] - 1e-9)},
                 "fedavg-full-only": {"partition-files": str(subset_split(split, full, runs / "splits" / f"full-{tag}")
                                                             / "node-{partition-id}.npz"),
                                      "num-clients": len(full), "min-train-nodes": len(full)},
@@ -224,6 +247,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiers", default="1x1,1x0.75,1x0.5,1x0.25")
     ap.add_argument("--depth", type=int, default=4, help="hidden layers of the global MLP (blocks of the ViT)")
     ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    ap.add_argument("--dataset", default="mnist1d", choices=("mnist1d", "digits"),
+                    help="the anchors' splits (digits: the clients' pooled inputs as the fusion pool, not disjoint)")
+    ap.add_argument("--clients", type=int, default=10, help="clients (10: the anchors' splits; else --splits)")
+    ap.add_argument("--splits", help="folder of simulations.bench.anchor_splits output for --clients != 10")
     ap.add_argument("--alphas", default="0.1,0.5")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
@@ -237,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)
     args.baselines = [b for b in split_strategies(args.baselines) if b]
+    if args.clients != 10 and not args.splits:
+        ap.error("--clients other than 10 needs --splits (made by simulations.bench.anchor_splits)")
     bad = set(args.baselines) - set(BASELINES)
     if bad:
         ap.error(f"--baselines: unknown {sorted(bad)}; choose from {list(BASELINES)}")
