@@ -253,7 +253,7 @@ def test_a_vit_top_block_pairs_by_name_and_its_embedding_takes_no_momentum():
 
 
 def _inclusive_round(beta):
-    from fedfuse.flower.depth_tiers import DepthFLFedAvgStrategy, InclusiveFLStrategy
+    from fedfuse.flower.depth_baselines import DepthFLFedAvgStrategy, InclusiveFLStrategy
     from fedfuse.flower.replies import ClientUpdate
 
     def model_fn():   # the same global model every call (the exits' initialisation draws from torch's generator)
@@ -493,7 +493,7 @@ def test_width_x_depth_client_trains_nested_widths_over_its_exits_and_only_its_e
 
 
 def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shapes():
-    from fedfuse.flower.depth_tiers import build_depth_strategy as build_strategy
+    from fedfuse.flower.depth_baselines import build_depth_strategy as build_strategy
 
     fn = lambda: _me(depths=(1, 0.5))   # noqa: E731
     with pytest.raises(ValueError, match="'inclusivefl' cannot aggregate width x depth"):

@@ -141,6 +141,15 @@ def depth_tier(model: nn.Module, config, received: dict | None, *, base: nn.Modu
     return model, loss_fn, keys
 
 
+def _od_widths(config, widths) -> tuple[float, list[float]]:
+    """The node's tier and the narrower widths the strategy asks it to train (``config[OD_KEY]``), checked."""
+    r = parse_tier_value(config.get(TIER_KEY, 1.0), key=f"train config {TIER_KEY!r}")
+    ps = [parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths]
+    if any(p >= r for p in ps):
+        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    return r, ps
+
+
 def _depth_ordered_dropout(model, config, base, seed: int, input_shape):
     """The ordered-dropout forward over the exits of a width × depth node (``depth_tier``), or ``None``."""
     from fedfuse.hetero.depth import ExitsView, exit_submodel
@@ -151,10 +160,8 @@ def _depth_ordered_dropout(model, config, base, seed: int, input_shape):
         return None
     if base is None:
         raise ValueError(f"train config {OD_KEY!r}: ordered dropout over a depth tier's widths needs the global model")
-    r = parse_tier_value(config.get(TIER_KEY, 1.0), key=f"train config {TIER_KEY!r}")
-    ps = sorted({parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths}, reverse=True)
-    if any(p >= r for p in ps):
-        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    r, ps = _od_widths(config, widths)
+    ps = sorted(set(ps), reverse=True)
     subs = [base.at_width_mult(p, seed=seed, input_shape=input_shape).set_active(model.active) for p in ps]
     positions = [{f"model.{k}": v for k, v in exit_submodel(model, sub).positions.items()} for sub in subs]
     try:
@@ -191,10 +198,7 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
     widths = config.get(OD_KEY)
     if TIER_KEY not in config or not widths or isinstance(model, MultiExit):   # depth tiers: depth_tier's loss
         return None
-    r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
-    ps = [parse_tier_value(p, key=f"train config {OD_KEY!r}") for p in widths]
-    if any(p >= r for p in ps):
-        raise ValueError(f"train config {OD_KEY!r}: {list(ps)} must be narrower than the node's tier {r}")
+    r, ps = _od_widths(config, widths)
     scaler = bool(config.get(SCALER_KEY, False))
 
     def model_at(p: float) -> nn.Module:

@@ -21,7 +21,7 @@ from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.selection import SelectionStrategy
-from fedfuse.flower.depth_tiers import DEPTH_STRATEGY_CLASSES, build_depth_strategy
+from fedfuse.flower.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import key_applies, strategy_names, strategy_spec
@@ -140,7 +140,7 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
 def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
-    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers (inclusivefl: its momentum distillation's beta)
+    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers, depth_baselines (inclusivefl: its beta)
         return build_depth_strategy, {"depths": cfg.depth_tiers, "widths": cfg.depth_tier_widths,
                                       "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
                                       "ordered_dropout_draw": ordered_dropout_draw(cfg),

@@ -21,10 +21,40 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.hetero import SubModel, parse_tier_value, slice_state, submodel
+from fedfuse.hetero.ordered_dropout import draw_weights
+from fedfuse.hetero.tiers import resolve_ordered_dropout_draw
 from fedfuse.models import adapter_for, levels
-from fedfuse.flower.client_tiers import DEPTHS_KEY, QUERY_KIND, TIERS_KEY
+from fedfuse.flower.client_tiers import DEPTHS_KEY, OD_DRAW_KEY, OD_KEY, QUERY_KIND, TIERS_KEY
 
 QUERY_TIMEOUT = 600.0   # seconds a tier query waits for a node
+
+
+def checked_draw(method: str, draw: str | float, model: nn.Module) -> str | float:
+    """The ordered-dropout draw of ``method`` on ``model``'s family (``auto`` resolved), validated: a bad one is a
+    ``ValueError`` naming the option, before any node trains."""
+    draw = resolve_ordered_dropout_draw(method, draw, adapter_for(model).family)
+    try:
+        draw_weights(draw, 1.0, [0.5])
+    except ValueError as exc:
+        raise ValueError(f"strategy: ordered_dropout_draw: {exc}") from None
+    return draw
+
+
+def request_ordered_dropout(cfg: ConfigRecord, narrower: list[float], dropout: str, draw: str | float, *,
+                            narrow_node: bool) -> None:
+    """Ask a node (its train ``cfg``) to train the ``narrower`` nested widths of its model too, one drawn per batch
+    (FjORD's ordered dropout, arXiv 2102.13451): with ``dropout`` ``'all'``, or ``'narrow'`` on a ``narrow_node``;
+    ``draw`` other than uniform goes with it (``fedfuse.hetero.ordered_dropout.draw_weights``)."""
+    if narrower and (dropout == "all" or dropout == "narrow" and narrow_node):
+        cfg[OD_KEY] = [float(t) for t in narrower]
+        if draw != "uniform":
+            cfg[OD_DRAW_KEY] = draw
+
+
+def count_sent(sent: dict[str, int], counts: dict[str, int], name: str, record) -> None:
+    """Add one message of tier ``name`` carrying ``record`` (an ``ArrayRecord``) to the round's byte and node counts."""
+    sent[name] = sent.get(name, 0) + sum(int(a.numpy().nbytes) for a in record.values())
+    counts[name] = counts.get(name, 0) + 1
 
 
 def _shapes(state: dict[str, torch.Tensor]) -> tuple:

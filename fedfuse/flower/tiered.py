@@ -39,20 +39,19 @@ from fedfuse.fusion.refine import distill_ensemble
 from fedfuse.hetero import aggregate_states, reestimate_batchnorm, slice_state, tier_name
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
-from fedfuse.hetero.ordered_dropout import draw_weights
-from fedfuse.hetero.tiers import (TIER_MODELS, resolve_ordered_dropout, resolve_ordered_dropout_draw,
-                                  resolve_tier_models)
+from fedfuse.hetero.tiers import TIER_MODELS, resolve_ordered_dropout, resolve_tier_models
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
-from fedfuse.flower.client_tiers import OD_DRAW_KEY, OD_KEY, SCALER_KEY, TIER_KEY
+from fedfuse.flower.client_tiers import SCALER_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy, delegate
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_derivation import TierModels
-from fedfuse.flower.tier_layout import (QUERY_TIMEOUT, TierLayout, client_tier_means,  # noqa: F401  (QUERY_TIMEOUT:
-                                        round_tier_records)                               # tests patch it)
+from fedfuse.flower.tier_layout import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
+from fedfuse.flower.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
+                                        request_ordered_dropout, round_tier_records)
 
 
 class TieredFusionStrategy(FusionStrategy):
@@ -117,13 +116,7 @@ class TieredFusionStrategy(FusionStrategy):
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
         self.ordered_dropout = ordered_dropout
-        ordered_dropout_draw = resolve_ordered_dropout_draw(self.method, ordered_dropout_draw,
-                                                            adapter_for(self.model_fn()).family)
-        try:
-            draw_weights(ordered_dropout_draw, 1.0, [0.5])
-        except ValueError as exc:
-            raise ValueError(f"strategy: ordered_dropout_draw: {exc}") from None
-        self.ordered_dropout_draw = ordered_dropout_draw
+        self.ordered_dropout_draw = checked_draw(self.method, ordered_dropout_draw, self.model_fn())
         self.anchor = bool(anchor)
         self._round_tiers: dict[str, Any] = {}
         self._offset = 0   # the window offset of the round being aggregated
@@ -192,15 +185,11 @@ class TieredFusionStrategy(FusionStrategy):
             cfg[SCALER_KEY] = self.width_scaler
             narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
             dropout = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
-            if narrower and (dropout == "all" or dropout == "narrow" and r < max(self.tiers, default=1.0)):
-                cfg[OD_KEY] = [float(t) for t in narrower]
-                if self.ordered_dropout_draw != "uniform":
-                    cfg[OD_DRAW_KEY] = self.ordered_dropout_draw
+            request_ordered_dropout(cfg, narrower, dropout, self.ordered_dropout_draw,
+                                    narrow_node=r < max(self.tiers, default=1.0))
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
-            name = tier_name(r)
-            sent_bytes[name] = sent_bytes.get(name, 0) + sum(int(a.numpy().nbytes) for a in states[r].values())
-            counts[name] = counts.get(name, 0) + 1
+            count_sent(sent_bytes, counts, tier_name(r), states[r])
         self._round_tiers = {"tier-bytes-sent": sent_bytes, "tier-clients": counts}
         log(INFO, "configure_train: round %d: tiers %s", server_round,
             ", ".join(f"{k}: {counts[k]} nodes, {sent_bytes[k] / 1e6:.3f} MB" for k in sorted(counts, key=float)))
