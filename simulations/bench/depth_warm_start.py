@@ -24,6 +24,12 @@ parent's (the global model's deepest classifier runs the full-depth, full-width 
 
     .venv/bin/python -m simulations.bench.depth_warm_start --out results/depth-warm-start
     .venv/bin/python -m simulations.bench.depth_warm_start --tiers 1x1,1x0.5,0.5x0.5 --out results/depth-warm-start-wxd
+    # the seed's own family: timm ViTs of width 64 and 4 blocks on the signals viewed [N, 1, 40] (Adam, lr 0.005)
+    .venv/bin/python -m simulations.bench.depth_warm_start --model vit --lr 0.005 --warm-lr 0.005 \
+        --out results/depth-warm-start-vit
+
+``--model vit`` parents are ViTs of their tier's blocks whose head is their exit (LayerNorm, class token, Linear:
+the ViT's own head), fine-tuned as such in the ``best-parent`` row.
 """
 
 from __future__ import annotations
@@ -42,17 +48,19 @@ from pathlib import Path  # noqa: E402
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
-from simulations.bench.depth_tiers import subset_split  # noqa: E402
+from simulations.bench.depth_tiers import MODELS, signals, subset_split  # noqa: E402
 
-WIDTH, LAYERS = 256, 4
+LAYERS = 4
 ROWS = ("warm-start", "warm-start-depthfl", "scratch", "best-parent")
 
 
 def base_config(args, alpha: float, seed: int) -> tuple[dict, Path]:
     split = Path(args.anchors) / "splits" / f"mnist1d-a{alpha:g}-s{seed}"
     public = Path(args.anchors) / "splits" / "mnist1d-public.npz"
-    cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), "model-width": WIDTH, "model-depth": LAYERS,
-           "lr": args.lr, "client-tiers": args.tiers}
+    if args.model != "mlp":   # the signals viewed [N, 1, 40]
+        split, public = signals(split, public, Path(args.out) / "runs" / "signals" / split.name)
+    cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds), **MODELS[args.model][0],
+           "model-depth": LAYERS, "lr": args.lr, "client-tiers": args.tiers}
     return cfg, split
 
 
@@ -76,15 +84,24 @@ def _fl(job: dict) -> dict:
             "curve": [r["test-accuracy"] for r in res["rounds"]]}
 
 
-def plain_state(state: dict, units: int) -> dict:
-    """A depth tier's held MLP arrays (``base.<i>`` of its layers, ``exits.<k>.fc``) as the state of a plain MLP of
-    ``units`` hidden layers whose classifier is the exit (``Flatten, (Linear, ReLU) x k, Linear``: the exit head is
-    ReLU then Linear on the level output, the same function)."""
+def plain_state(state: dict, units: int, model: str = "mlp") -> dict:
+    """A depth tier's held arrays (``base.*`` of its units, ``exits.<k>.*``) as the state of the plain model of
+    ``units`` units whose classifier is the exit: an MLP ``Flatten, (Linear, ReLU) x k, Linear`` (the exit head is
+    ReLU then Linear on the level output, the same function), or a ViT of ``units`` blocks whose ``norm`` and ``head``
+    are the exit's LayerNorm and Linear (the exit reads the class token after its LayerNorm, as the ViT's head)."""
     out = {k[len("base."):]: v for k, v in state.items() if k.startswith("base.")}
     if units < LAYERS:
-        out[f"{2 * units + 1}.weight"] = state[f"exits.{units}.fc.weight"]
-        out[f"{2 * units + 1}.bias"] = state[f"exits.{units}.fc.bias"]
+        names = {"mlp": {"fc": str(2 * units + 1)}, "vit": {"fc": "head", "norm": "norm"}}[model]
+        for part, name in names.items():
+            out[f"{name}.weight"] = state[f"exits.{units}.{part}.weight"]
+            out[f"{name}.bias"] = state[f"exits.{units}.{part}.bias"]
     return out
+
+
+def build_plain(args, width: int, depth: int):
+    from fedfuse.models import build_model
+
+    return build_model(args.model, 10, MODELS[args.model][1], width=width, depth=depth)
 
 
 def best_parent_job(args, fl_row: dict) -> dict:
@@ -94,7 +111,6 @@ def best_parent_job(args, fl_row: dict) -> dict:
     import torch
 
     from fedfuse.hetero.depth import units_at
-    from fedfuse.models import build_model
 
     alpha, seed = fl_row["alpha"], fl_row["seed"]
     cfg, split = base_config(args, alpha, seed)
@@ -105,9 +121,9 @@ def best_parent_job(args, fl_row: dict) -> dict:
     for path in sorted(Path(fl_row["out"], "warm-start").glob("client-*.pt")):
         p = int(path.stem.split("-")[1])
         w, d = tier_of(p, pairs)
-        k, width = units_at(d, LAYERS), math.ceil(w * WIDTH - 1e-9)
-        model = build_model("mlp", 10, (40,), width=width, depth=k)
-        model.load_state_dict(plain_state(torch.load(path), k))
+        k, width = units_at(d, LAYERS), math.ceil(w * MODELS[args.model][0]["model-width"] - 1e-9)
+        model = build_plain(args, width, k)
+        model.load_state_dict(plain_state(torch.load(path), k, args.model))
         with torch.no_grad():
             acc = float((model.eval()(x).argmax(-1) == y).float().mean())
         scored.append((acc, -p, p, (w, d), k, width, model.state_dict()))
@@ -137,19 +153,19 @@ def _best(job: dict) -> dict:
             "curve": [r["test-accuracy"] for r in res["rounds"]]}
 
 
-def parameters(tiers: str) -> tuple[int, int]:
-    """(the global model's deepest-classifier parameters, the largest parent's: a plain MLP of its tier)."""
+def parameters(args) -> tuple[int, int]:
+    """(the global model's deepest-classifier parameters, the largest parent's: the plain model of its tier)."""
     from fedfuse.hetero.depth import units_at
-    from fedfuse.models import build_model
 
     def count(width: int, depth: int) -> int:
-        return sum(p.numel() for p in build_model("mlp", 10, (40,), width=width, depth=depth).parameters())
+        return sum(p.numel() for p in build_plain(args, width, depth).parameters())
 
-    parents = [count(math.ceil(w * WIDTH - 1e-9), units_at(d, LAYERS)) for w, d in parse_tier_pairs(tiers)]
-    return count(WIDTH, LAYERS), max(parents)
+    width = MODELS[args.model][0]["model-width"]
+    parents = [count(math.ceil(w * width - 1e-9), units_at(d, LAYERS)) for w, d in parse_tier_pairs(args.tiers)]
+    return count(width, LAYERS), max(parents)
 
 
-def table(rows: list[dict], tiers: str) -> str:
+def table(rows: list[dict], args) -> str:
     tier_labels = sorted({t for r in rows for t in r["tiers"]}, key=lambda t: [-float(v) for v in t.split("x")][::-1])
     lines = ["| α | row | global (deepest) | " + " | ".join(f"tier {t}" for t in tier_labels) + " | the parent |",
              "|" + "---|" * (4 + len(tier_labels))]
@@ -168,7 +184,7 @@ def table(rows: list[dict], tiers: str) -> str:
             died = sum(1 for r in got if r["failed"])
             note = f" ({died} of {len(got)} runs died)" if died else ""
             lines.append(f"| {alpha:g} | `{label}`{note} | " + " | ".join(cells) + f" | {parent} |")
-    full, larger = parameters(tiers)
+    full, larger = parameters(args)
     return "\n".join(lines) + (f"\n\nGlobal model (deepest classifier): {full:,} parameters; the larger parent: "
                                f"{larger:,}.\n")
 
@@ -176,6 +192,9 @@ def table(rows: list[dict], tiers: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default="1x1,1x0.75,1x0.5,1x0.25")
+    ap.add_argument("--model", default="mlp", choices=("mlp", "vit"),
+                    help="the MLP 256x4, or a timm ViT of width 64 and 4 blocks on the signals (then --lr 0.005 "
+                    "--warm-lr 0.005: Adam, the ViT recipe)")
     ap.add_argument("--alphas", default="0.1,0.5")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=5, help="rounds in all, the warm start's round 1 included")
@@ -196,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r['label']:>20} α={r['alpha']} s{r['seed']}: global {r['global']:.3f}", flush=True)
     (out / "runs.json").write_text(json.dumps(rows, indent=1))
-    text = table(rows, args.tiers)
+    text = table(rows, args)
     (out / "table.md").write_text(text)
     print(text)
 
