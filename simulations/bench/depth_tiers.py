@@ -240,6 +240,47 @@ def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], labels: list[str], tier_labels: list[str], path: Path) -> None:
+    """Per alpha: the final accuracy of the global model and of every tier per row (bars, mean ± sample std over
+    seeds), and the global model's test accuracy per round (mean over seeds) below."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simulations.bench.stats import mean_std
+
+    alphas = sorted({r["alpha"] for r in rows})
+    cols = ["global", *tier_labels]
+    fig, axes = plt.subplots(2, len(alphas), figsize=(6.5 * len(alphas), 8), squeeze=False)
+    for i, alpha in enumerate(alphas):
+        ax, cx = axes[0, i], axes[1, i]
+        shown = [lab for lab in labels if any(r["alpha"] == alpha and r["label"] == lab for r in rows)]
+        width, lows = 0.8 / max(1, len(shown)), [100.0]
+        for j, lab in enumerate(shown):
+            got = [r for r in rows if r["alpha"] == alpha and r["label"] == lab]
+            stats = [mean_std([r["global"] if c == "global" else r["tiers"].get(c) for r in got
+                               if (r["global"] if c == "global" else r["tiers"].get(c)) is not None]) for c in cols]
+            xs = [k + (j - (len(shown) - 1) / 2) * width for k in range(len(cols))]
+            lows += [m * 100 for m, _, n in stats if n]
+            ax.bar(xs, [m * 100 if n else 0 for m, _, n in stats], width,
+                   yerr=[sd * 100 if n > 1 else 0 for _, sd, n in stats], label=lab, alpha=0.85)
+            curves = [r["curve"] for r in got if r.get("curve")]
+            if curves:
+                n = min(len(c) for c in curves)
+                cx.plot(range(n), [100 * sum(c[t] for c in curves) / len(curves) for t in range(n)], label=lab)
+        ax.set_xticks(range(len(cols)), cols, fontsize=8)
+        ax.set_ylim(bottom=max(0.0, min(lows) - 10))
+        ax.set_ylabel("final test accuracy (%), mean ± sample std")
+        ax.set_title(f"α = {alpha:g}: global model and every tier", fontsize=9)
+        ax.legend(fontsize=6)
+        cx.set_xlabel("round (the last: the head round where it runs)")
+        cx.set_ylabel("global model test accuracy (%), mean over seeds")
+        cx.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategies", default=DEPTH_STRATEGIES)
@@ -262,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--anchors", default=str(ANCHORS))
     ap.add_argument("--out", default=str(ROOT / "results" / "depth-tiers"))
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--replot", action="store_true", help="no runs: redraw table.md and tiers.png from runs.json")
     args = ap.parse_args(argv)
     args.baselines = [b for b in split_strategies(args.baselines) if b]
     if args.clients != 10 and not args.splits:
@@ -271,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--baselines: unknown {sorted(bad)}; choose from {list(BASELINES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [j for a in args.alphas.split(",") for s in args.seeds.split(",") for j in jobs_for(args, float(a), int(s))]
+    jobs = [] if args.replot else [j for a in args.alphas.split(",") for s in args.seeds.split(",")
+                                   for j in jobs_for(args, float(a), int(s))]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         rows = []
         for row in pool.map(_run, jobs):
@@ -287,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         parse_tier_pair(t))))
     text = table(rows, labels, tier_labels)
     (out / "table.md").write_text(text)
+    plot(rows, labels, tier_labels, out / "tiers.png")
     print(text)
 
 
