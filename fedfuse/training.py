@@ -29,11 +29,25 @@ def limit_threads(n: int | None = None) -> None:
     torch.set_num_threads(max(1, n))
 
 
+def _fusable(params: list) -> bool:
+    """Whether torch's fused Adam kernel takes ``params`` (floating tensors, all on one CPU or CUDA device)."""
+    devices = {p.device for p in params}
+    return bool(params) and len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda") and all(
+        p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for p in params)
+
+
 def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    """The optimiser ``name`` (``adam`` | ``adamw`` | ``sgd``: momentum 0.9) over ``params``.
+
+    Adam and AdamW use torch's fused kernel where it applies (the same update in one pass over every parameter
+    instead of a Python loop of per-tensor operations: a ResNet-18's step is about 7 times faster on one CPU
+    thread, which the server's level fits and distillation pay at every minibatch; docs/scaling.md)."""
+    if name in ("adam", "adamw"):
+        params = list(params)
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        fused = _fusable([p for p in params if isinstance(p, torch.Tensor)]) and all(
+            isinstance(p, torch.Tensor) for p in params)
+        return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
     raise ValueError(f"optimizer: unknown optimizer {name!r}; choose adam, adamw or sgd")

@@ -31,6 +31,48 @@ def test_gram_coordinates_preserve_distances():
     assert torch.allclose(torch.cdist(c, c), torch.cdist(z.T, z.T), atol=1e-8)
 
 
+def _dist(c: torch.Tensor) -> torch.Tensor:
+    return torch.cdist(c, c, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+@pytest.mark.parametrize("case", ["full-rank", "dead-neurons", "rank-deficient"])
+def test_gram_coordinates_every_factorisation_keeps_the_distances(case):
+    """Full rank: Cholesky; neurons that never fire: zero coordinates beside the Cholesky of the rest; fewer rows
+    than neurons: the eigendecomposition (with its null directions dropped). The distances are the neurons' own."""
+    torch.manual_seed(0)
+    z = torch.randn(300 if case != "rank-deficient" else 20, 40, dtype=torch.float64)
+    if case == "dead-neurons":
+        z[:, [3, 17, 29]] = 0.0
+    c = gram_coordinates(z.T @ z)
+    assert torch.allclose(_dist(c), _dist(z.T), atol=1e-8)
+    if case == "dead-neurons":
+        assert torch.all(c[[3, 17, 29]] == 0)
+    if case == "rank-deficient":
+        assert c.shape[1] <= 20   # no more coordinates than the rank
+
+
+@pytest.mark.parametrize("layout, samples, path", [("flat", 4, "outputs"), ("flat", 20, "gram"),
+                                                  ("channels", 64, "gram")])
+def test_output_coordinates_outputs_or_gram(layout, samples, path):
+    """KF/HF's coordinates from the level outputs: the outputs themselves while they have no more rows than there
+    are neurons, else the Gram matrix's (switching chunk by chunk); the same distances either way."""
+    from types import SimpleNamespace
+
+    from fedfuse.fusion.interpolation import _LevelStep, output_coordinates
+
+    torch.manual_seed(0)
+    shape = (3, 3) if layout == "channels" else ()
+    h = [torch.randn(samples, 6, *shape), torch.randn(samples, 5, *shape)]   # two parents' level outputs
+    step = SimpleNamespace(widths=[6, 5], rows=samples, chunk=3, h_par=h, layout=layout)
+    step.zcat = lambda i, j: _LevelStep.zcat(step, i, j)
+    c = output_coordinates(step)
+    z = step.zcat(0, samples)
+    assert c.shape[0] == 11
+    if path == "outputs":
+        assert torch.equal(c, z.T)
+    assert torch.allclose(_dist(c), _dist(z.T), atol=1e-8)
+
+
 def test_projected_coordinates_match_least_squares():
     torch.manual_seed(0)
     x = torch.randn(100, 6, dtype=torch.float64)

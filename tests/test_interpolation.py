@@ -355,3 +355,27 @@ def test_head_scores_false_weights_the_classifier_by_the_model_weights_only():
         assert not torch.allclose(off(x), on(x), atol=1e-3)
         assert torch.allclose(fuse("kf-linear", models, head_scores=False, **kw)(x),
                               fuse("kf-linear", models, **kw)(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_make_optimizer_fused_adam_is_the_same_update(name):
+    """Adam and AdamW take torch's fused kernel (the server's level fits and distillation step often); it is the
+    same update as the per-tensor loop, to float round-off, and parameters on the meta device keep the loop."""
+    from fedfuse.training import make_optimizer
+
+    torch.manual_seed(0)
+    a = torch.nn.Linear(7, 3)
+    b = copy.deepcopy(a)
+    opt = make_optimizer(a.parameters(), name, lr=1e-2, weight_decay=1e-3)
+    ref = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(b.parameters(), lr=1e-2, weight_decay=1e-3)
+    assert opt.defaults.get("fused") is True
+    x = torch.randn(16, 7)
+    for _ in range(5):
+        for m, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    meta = make_optimizer([torch.nn.Parameter(torch.empty(3, device="meta"))], name)
+    assert not meta.defaults.get("fused")

@@ -88,16 +88,19 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
     from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
 
-    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (fedfuse.flower.depth_tiers)
+    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_baselines)
 
     assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
     for name, cls in STRATEGIES.items():
         assert issubclass(cls, RoundProtocol) and issubclass(cls, FedAvg)
         assert cls.method == name and cls.__name__.endswith("Strategy") and cls.__doc__
         assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiered",
-                                  "fedfuse.flower.selection", "fedfuse.flower.depth_tiers")
+                                  "fedfuse.flower.selection", "fedfuse.flower.depth_baselines")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
+        if cls.__module__ == "fedfuse.flower.depth_baselines":   # and from where they lived before
+            from fedfuse.flower import depth_tiers
+            assert getattr(depth_tiers, cls.__name__) is cls
     from server.strategies import STRATEGIES as legacy, build_strategy as legacy_build  # public API contract
     assert legacy is STRATEGIES and legacy_build is build_strategy
 

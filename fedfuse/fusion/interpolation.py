@@ -729,6 +729,30 @@ def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: li
     return ls, head_coef
 
 
+def output_coordinates(step: _LevelStep) -> torch.Tensor:
+    """Coordinates ``[Σ widths, r]`` of the parents' neurons whose distances are those of their outputs on the fusion
+    set (KF/HF grouping for the gradient fit). While the outputs' rows (samples × positions) are no more than the
+    neurons, the outputs themselves are the coordinates (``Z^T``: no larger than the Gram matrix, and no
+    factorisation: a ResNet-18's last stages at 32 px); past that, the Gram matrix accumulated chunk by chunk and
+    ``gram_coordinates``."""
+    m = sum(step.widths)
+    zs: list[torch.Tensor] = []
+    gram, rows = None, 0
+    for i in range(0, step.rows, step.chunk):
+        z = step.zcat(i, i + step.chunk)
+        rows += z.shape[0]
+        if gram is None and rows <= m:
+            zs.append(z)
+            continue
+        if gram is None:
+            gram = torch.zeros(m, m, dtype=torch.float64, device=z.device)
+            for q in zs:
+                gram += q.T @ q
+            zs = []
+        gram += z.T @ z
+    return torch.cat(zs).T.contiguous() if gram is None else gram_coordinates(gram)
+
+
 def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts: InterpolationOptions, seed: int,
                  level_info: dict, device: torch.device) -> torch.Tensor:
     """Group label ``[Σ widths]`` of every parent neuron: identity for the classifier (class ``c`` ↔ class
@@ -740,11 +764,7 @@ def _group_level(step: _LevelStep, name: str, grouping: str, fit: str, ls, opts:
     if fit == "linear":
         coords = ls.coords  # projected outputs P z_j
     else:
-        gram = torch.zeros(sum(widths), sum(widths), dtype=torch.float64, device=device)
-        for i in range(0, step.rows, step.chunk):
-            z = step.zcat(i, i + step.chunk)
-            gram += z.T @ z
-        coords = gram_coordinates(gram)
+        coords = output_coordinates(step)
     lv_name = step.parents[0].name
     if k > sum(widths):
         raise FusionOptionError(f"{name}: option 'fused_width' asks for {k} neurons at level "
