@@ -14,19 +14,20 @@ from fedfuse.fusion.registry import IncompatibleModelsError
 
 
 def _weight_slices(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
-                   maps: dict[str, Map], roles: tuple[str, ...], require_mapped: bool, b_cache: dict | None = None):
+                   maps: dict[str, Map], roles: tuple[str, ...], require_mapped: bool, b_cache: dict | None = None,
+                   dtype: torch.dtype = torch.float64):
     """Per tensor touching ``group`` in one of ``roles``: ``(A's slices [m_A, F_e], B's slices [m_B, F_e])`` along the
-    group's axis, A's other grouped axes moved into B's units with ``maps`` (float64). B's slices are kept in
+    group's axis, A's other grouped axes moved into B's units with ``maps`` (``dtype``). B's slices are kept in
     ``b_cache`` per (entry, axis) when one is given: B never moves while A is matched onto it."""
     for e, ax in spec_a.entries_of(group):
         if ax.role not in roles or e.name not in state_a:
             continue
         if require_mapped and any(o.group not in maps for o in e.axes if o.group != group):
             continue
-        xa = map_entry(state_a[e.name], e, maps, spec_a, spec_b, skip=group)
+        xa = map_entry(state_a[e.name], e, maps, spec_a, spec_b, skip=group, dtype=dtype)
         xb = b_cache.get((e.name, ax.axis)) if b_cache is not None else None
         if xb is None:
-            xb = entry_view(state_b[e.name], e, spec_b)
+            xb = entry_view(state_b[e.name], e, spec_b, dtype)
             xb = xb.movedim(ax.axis, 0).reshape(xb.shape[ax.axis], -1)
             if b_cache is not None:
                 b_cache[(e.name, ax.axis)] = xb
@@ -52,19 +53,21 @@ def weight_features(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
 
 def weight_score(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: PermSpec, group: str,
                  maps: dict[str, Map], roles: tuple[str, ...] = ("out", "in"), require_mapped: bool = False,
-                 b_cache: dict | None = None) -> torch.Tensor:
-    """``F_A F_Bᵀ [m_A, m_B]`` (float64) for the features of ``weight_features``, without building them.
+                 b_cache: dict | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``F_A F_Bᵀ [m_A, m_B]`` (in ``dtype``, float64 by default) for the features of ``weight_features``, without
+    building them.
 
     The product is summed tensor by tensor, so no ``[m, F]`` concatenation of every tensor touching the group is
-    copied, and B's slices are reused across calls through ``b_cache``. Weight matching
+    copied, and B's slices are reused across calls through ``b_cache`` (kept in ``dtype``). Weight matching
     (``fedfuse.fusion.rebasin.weight_matching``) calls this once per group per sweep.
     """
     score = None
-    for xa, xb in _weight_slices(state_a, state_b, spec_a, spec_b, group, maps, roles, require_mapped, b_cache):
+    for xa, xb in _weight_slices(state_a, state_b, spec_a, spec_b, group, maps, roles, require_mapped, b_cache,
+                                 dtype):
         score = xa @ xb.t() if score is None else score.addmm_(xa, xb.t())
     if score is None:
         dev = next(iter(state_a.values())).device if state_a else None
-        return torch.zeros(spec_a.groups[group].size, spec_b.groups[group].size, dtype=torch.float64, device=dev)
+        return torch.zeros(spec_a.groups[group].size, spec_b.groups[group].size, dtype=dtype, device=dev)
     return score
 
 

@@ -98,10 +98,10 @@ def map_axis(t: torch.Tensor, axis: int, m: Map, role: str) -> torch.Tensor:
     return torch.tensordot(t, mat, dims=([axis], [0])).movedim(-1, axis)
 
 def map_entry(t: torch.Tensor, e: Entry, maps: dict[str, Map], spec_a: PermSpec, spec_b: PermSpec,
-              skip: str | None = None) -> torch.Tensor:
+              skip: str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Map every grouped axis of tensor ``t`` (A's shape) except group ``skip``; returns the (B-shaped
-    when nothing is skipped) tensor in float64. Axes whose group has no map yet raise ``KeyError``."""
-    x = t.detach().to(torch.float64)
+    when nothing is skipped) tensor in float64 (or ``dtype``). Axes whose group has no map yet raise ``KeyError``."""
+    x = t.detach().to(dtype)
     if e.view is not None:
         view = list(e.view)
         for ax in e.axes:
@@ -121,9 +121,9 @@ def map_entry(t: torch.Tensor, e: Entry, maps: dict[str, Map], spec_a: PermSpec,
             x[0] = x[0] * math.sqrt((ga.size / ga.blocks) / (gb.size / gb.blocks))
     return x
 
-def entry_view(t: torch.Tensor, e: Entry, spec: PermSpec) -> torch.Tensor:
-    """``t`` reshaped to the entry's view with this model's group sizes (float64)."""
-    x = t.detach().to(torch.float64)
+def entry_view(t: torch.Tensor, e: Entry, spec: PermSpec, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``t`` reshaped to the entry's view with this model's group sizes (float64, or ``dtype``)."""
+    x = t.detach().to(dtype)
     if e.view is None:
         return x
     view = list(e.view)
