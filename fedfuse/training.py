@@ -45,8 +45,7 @@ def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: f
     if name in ("adam", "adamw"):
         params = list(params)
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        fused = _fusable([p for p in params if isinstance(p, torch.Tensor)]) and all(
-            isinstance(p, torch.Tensor) for p in params)
+        fused = all(isinstance(p, torch.Tensor) for p in params) and _fusable(params)   # not param groups
         return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)

@@ -103,8 +103,7 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
     neighbours = {g: sorted({o.group for e, _ in spec_a.entries_of(g) for o in e.axes if o.group != g})
                   for g in names}
     moved = {g: 0 for g in spec_a.groups}
-    solved_at: dict[str, tuple] = {}
-    last_obj: dict[str, float] = {}
+    solved: dict[str, tuple[tuple, float]] = {}   # group -> (its neighbours' move counts, objective) at its last solve
     for sweep in range(max_iter):
         if order == "random":
             seq = [names[i] for i in torch.randperm(len(names), generator=gen)]
@@ -118,8 +117,8 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
         sweeps = sweep + 1
         for g in seq:
             state = tuple(moved[o] for o in neighbours[g])
-            if solved_at.get(g) == state:
-                obj = last_obj[g]
+            if g in solved and solved[g][0] == state:
+                obj = solved[g][1]
                 continue
             new, score = solve(g, ("out", "in"), False)
             old_v, new_v = _objective(score, maps[g]), _objective(score, new)
@@ -127,8 +126,8 @@ def weight_matching(state_a: dict, state_b: dict, spec_a: PermSpec, spec_b: Perm
                 maps[g] = new
                 moved[g] += 1
                 improved = True
-            obj = last_obj[g] = max(old_v, new_v)
-            solved_at[g] = state
+            obj = max(old_v, new_v)
+            solved[g] = (state, obj)
         if not improved:
             break
     return maps, {"sweeps": sweeps, "objective": obj}

@@ -116,9 +116,9 @@ def subset_split(split: Path, partitions: list[int], out: Path) -> Path:
     return out
 
 
-def signals(split: Path, public: Path, out: Path, shape: tuple[int, ...] = (1, 40)) -> tuple[Path, Path]:
-    """The split and the public pool with every ``x`` viewed as ``[N, *shape]`` (``[N, 1, 40]`` signals: the ViT's
-    and the ResNet's input)."""
+def signals(split: Path, public: Path, out: Path) -> tuple[Path, Path]:
+    """The split and the public pool with every ``x`` viewed as ``[N, 1, 40]`` signals (the ViT's and the ResNet's
+    input)."""
     import numpy as np
 
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def signals(split: Path, public: Path, out: Path, shape: tuple[int, ...] = (1, 4
         dst = out / f.name
         if not dst.exists():
             z = np.load(f)
-            np.savez(dst, **{k: (z[k].reshape(len(z[k]), *shape) if k.startswith("x") else z[k]) for k in z.files})
+            np.savez(dst, **{k: (z[k].reshape(len(z[k]), 1, -1) if k.startswith("x") else z[k]) for k in z.files})
     return out, out / public.name
 
 
@@ -240,6 +240,11 @@ def table(rows: list[dict], labels: list[str], tier_labels: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(row: dict, col: str) -> float | None:
+    """A run's final accuracy in column ``col``: ``global`` or a tier label."""
+    return row["global"] if col == "global" else row["tiers"].get(col)
+
+
 def plot(rows: list[dict], labels: list[str], tier_labels: list[str], path: Path) -> None:
     """Per alpha: the final accuracy of the global model and of every tier per row (bars, mean ± sample std over
     seeds), and the global model's test accuracy per round (mean over seeds) below."""
@@ -258,8 +263,7 @@ def plot(rows: list[dict], labels: list[str], tier_labels: list[str], path: Path
         width, lows = 0.8 / max(1, len(shown)), [100.0]
         for j, lab in enumerate(shown):
             got = [r for r in rows if r["alpha"] == alpha and r["label"] == lab]
-            stats = [mean_std([r["global"] if c == "global" else r["tiers"].get(c) for r in got
-                               if (r["global"] if c == "global" else r["tiers"].get(c)) is not None]) for c in cols]
+            stats = [mean_std([v for r in got if (v := _cell(r, c)) is not None]) for c in cols]
             xs = [k + (j - (len(shown) - 1) / 2) * width for k in range(len(cols))]
             lows += [m * 100 for m, _, n in stats if n]
             ax.bar(xs, [m * 100 if n else 0 for m, _, n in stats], width,
@@ -308,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     args.baselines = [b for b in split_strategies(args.baselines) if b]
     if args.clients != 10 and not args.splits:
         ap.error("--clients other than 10 needs --splits (made by simulations.bench.anchor_splits)")
+    if args.clients != 10 and args.dataset != "mnist1d":
+        ap.error("--clients other than 10 takes --dataset mnist1d (simulations.bench.anchor_splits makes MNIST-1D)")
     bad = set(args.baselines) - set(BASELINES)
     if bad:
         ap.error(f"--baselines: unknown {sorted(bad)}; choose from {list(BASELINES)}")
