@@ -121,8 +121,9 @@ class RunConfig:
                             "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
                             "included) and the server solves the classifier in closed form, kept unless the clients "
                             "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
-                            "the strict one-exchange setting); off with width tiers (the recorded config says false); "
-                            "depth tiers: the final classifier, and in one-shot mode every exit's too")
+                            "the strict one-exchange setting); width tiers: every tier's classifier, each kept unless the "
+                            "clients score that tier's model lower; depth tiers: the final classifier, and in one-shot "
+                            "mode every exit's too")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
@@ -388,10 +389,6 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             continue
         values[key.replace("-", "_")] = _coerce(key, value, spec.type)
     cfg = RunConfig(**values)
-    if cfg.client_tiers.strip() and cfg.head_round and not cfg.depth_tiers:
-        # the head round solves the classifiers of one global model: width tiers have several models (depth tiers
-        # have one, with an exit per depth; docs/tiers.md). The key's help says so; recorded: the config says false.
-        cfg = replace(cfg, head_round=False)
     if cfg.strategy == "auto" and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except for
         # one-shot depth tiers, whose clients start from their own initialisations: their plain layer-wise average is
@@ -470,7 +467,7 @@ def _check_rules(cfg: RunConfig) -> None:
             raise ConfigError("run-config key 'robust' applies to rounds the clients train from the global model (its "
                               "checks compare each update with it); in mode='one-shot' they start from their own "
                               "models")
-    if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round and not cfg.client_tiers.strip():
+    if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
         raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "

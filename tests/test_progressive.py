@@ -232,7 +232,7 @@ def test_run_config_errors_name_the_key():
         preflight({"head-round": False, "head-ridge": 0.1})
     from fedfuse.config import parse_run_config
     assert parse_run_config({}).head_round   # on by default
-    assert not parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).head_round   # off with tiers
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).head_round   # width tiers: every tier
     with pytest.raises(ConfigError, match="'head-round'"):
         preflight({"head-round": "yes"})
 

@@ -61,7 +61,7 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
                         echo=False)
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed"
-    last = res["rounds"][-1]
+    *_, last, head = res["rounds"]   # the last training round, then the head round (head-round=true, the default)
     # every node got its tier's model: all replies valid against their tier's shapes
     assert last["valid-replies"] == 3 and last["rejected"] == [] and last["failures"] == []
     assert set(last["tier-accuracy"]) == {"1", "0.5", "0.25"}
@@ -75,11 +75,20 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
     import csv
 
     with (out / "rounds.csv").open() as f:
-        csv_last = list(csv.DictReader(f))[-1]
+        csv_last = list(csv.DictReader(f))[-2]   # the last training round's row
     for t in ("1", "0.5", "0.25"):   # the tier records as rounds.csv columns
         assert float(csv_last[f"tier-{t}-test-accuracy"]) == pytest.approx(last["tier-accuracy"][t])
         assert int(csv_last[f"tier-{t}-clients"]) == 1 and float(csv_last[f"tier-{t}-bytes-sent"]) > 0
     assert all(s > 0 for s in last["tier-train-seconds"].values())
+    # the head round: every tier's classifier solved from every node's statistics, each checked by the clients
+    record = head["fusion-info"]["head-round"]
+    assert head["round"] == 3 and record["valid"] == 3 and record["rejected"] == [] and record["fallback"] is None
+    assert set(record["tiers"]) == {"1", "0.5", "0.25"} and record["kept"] == record["tiers"]["1"]["kept"]
+    assert all(set(t["client-accuracy"]) == {"before", "head"} for t in record["tiers"].values())
+    assert head["test-accuracy"] == pytest.approx(head["tier-accuracy"]["1"])   # tier 1 is the global model
+    for t, tier in record["tiers"].items():
+        if tier["kept"] == "before":   # a tier the clients score lower with its solved head keeps its model
+            assert head["tier-accuracy"][t] == pytest.approx(last["tier-accuracy"][t])
 
 
 @pytest.mark.slow

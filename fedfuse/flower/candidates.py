@@ -9,7 +9,8 @@ run on several models at once). A node scores on its validation split when it ha
 (plain Flower's recipe keeps no hold-out); the candidates are aggregates, not trained on any one node's data.
 
 Query ``message_type``: ``"query.score_candidates"``; content: ``ArrayRecord`` ``"candidate-<i>"`` for ``i < k`` and
-``ConfigRecord`` ``"config"`` with ``{"candidates": k}``. Reply: ``MetricRecord`` ``"metrics"`` with
+``ConfigRecord`` ``"config"`` with ``{"candidates": k}`` (and ``"tier-width-mult"`` when the candidates are a width
+tier's models: the head round of width tiers, ``fedfuse.flower.head_round``). Reply: ``MetricRecord`` ``"metrics"`` with
 ``num-examples``, ``accuracy-<i>`` and ``loss-<i>`` for every candidate.
 """
 
@@ -21,16 +22,26 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedfuse.flower.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
+
 ACTION = "score_candidates"
 MESSAGE_TYPE = f"query.{ACTION}"
 
 
-def score_query_content(states: list[dict[str, torch.Tensor]]) -> RecordDict:
-    """The content of a scoring query for the candidate ``states`` (state dicts of the global architecture)."""
+def score_query_content(states: list[dict[str, torch.Tensor]], tier: float | None = None) -> RecordDict:
+    """The content of a scoring query for the candidate ``states`` (state dicts of the global architecture, or of
+    width tier ``tier``'s)."""
     if not states:
         raise ValueError("a scoring query needs at least one candidate")
     records = {f"candidate-{i}": ArrayRecord(s) for i, s in enumerate(states)}
-    return RecordDict({**records, "config": ConfigRecord({"candidates": len(states)})})
+    config = {"candidates": len(states), **({} if tier is None else {TIER_KEY: float(tier)})}
+    return RecordDict({**records, "config": ConfigRecord(config)})
+
+
+def read_score_tier(msg: Message) -> float | None:
+    """The width tier whose models a scoring query holds (``None``: the global architecture)."""
+    config = msg.content.config_records.get("config")
+    return None if config is None or TIER_KEY not in config else float(config[TIER_KEY])
 
 
 def read_score_query(msg: Message) -> list[dict[str, torch.Tensor]]:
@@ -92,11 +103,12 @@ class Scores:
 
 
 def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Tensor]],
-                     timeout: float | None = None) -> Scores:
+                     timeout: float | None = None, tier: float | None = None) -> Scores:
     """Send one scoring query for ``states`` to ``node_ids`` through ``grid`` and pool the valid answers (the
     sample-weighted accuracy and loss of each candidate on the nodes' own data); malformed answers are rejected with
-    their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake."""
-    content = score_query_content(states)
+    their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake. ``tier``:
+    the states are that width tier's models."""
+    content = score_query_content(states, tier)
     msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in node_ids]
     try:
         replies = list(grid.send_and_receive(msgs, timeout=timeout))
@@ -120,5 +132,5 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     return out
 
 
-__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "score_reply_content",
+__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "read_score_tier", "score_reply_content",
            "read_score_reply", "score_candidates", "Scores"]

@@ -37,15 +37,18 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
 from fedfuse.config import RunConfig, load_initial_model, parse_run_config, partition_file  # noqa: E402
-from fedfuse.flower.candidates import ACTION as SCORE_ACTION, read_score_query, score_reply_content  # noqa: E402
+from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_tier,  # noqa: E402
+                                       score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_query,  # noqa: E402
-                                       read_head_sites)
+                                       read_head_sites, read_head_tiers, tier_site)
 from fedfuse.progressive import head_sites, head_statistics  # noqa: E402
-from fedfuse.flower.client_tiers import depth_tier, query as tier_query, tier_forward, tier_model  # noqa: E402
+from fedfuse.flower.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
+                                         tier_model)
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
+from torch import nn  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -168,7 +171,7 @@ def score_handler(msg: Message, context: Context) -> Message:
     accuracy and loss on this node's validation split, or its training data when it keeps none."""
     cfg, node = _setup(context)
     states = read_score_query(msg)
-    model = global_model(cfg, node.num_classes, node.input_shape)
+    model = _tier_model(cfg, node, read_score_tier(msg))
     data = node.val if len(node.val) > 0 else node.train
     device = resolve_device(cfg.device)
     accs, losses = [], []
@@ -189,9 +192,22 @@ def head_handler(msg: Message, context: Context) -> Message:
     # the classifiers asked for, else every one the model has (a depth tier's exits too: forward passes of the global
     # model, no training); an unknown one raises, which Flower returns as an error reply
     sites = read_head_sites(msg) or list(head_sites(model))
-    stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes,
-                                   device=resolve_device(cfg.device), site=site) for site in sites}
+    device = resolve_device(cfg.device)
+    stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes, device=device, site=site)
+             for site in sites}
+    for r, state in read_head_tiers(msg).items():   # width tiers: every narrower tier's classifier too
+        tier = _tier_model(cfg, node, r)
+        tier.load_state_dict(state)
+        stats[tier_site(r)] = head_statistics(tier, node.train.x, node.train.y, node.num_classes, device=device)
     return Message(content=head_reply_content(stats), reply_to=msg)
+
+
+def _tier_model(cfg, node: NodeData, r: float | None) -> nn.Module:
+    """The run's architecture, at width tier ``r``'s width when given (as ``train`` builds it; no width scaler:
+    these models are scored or summarised, not trained)."""
+    model = global_model(cfg, node.num_classes, node.input_shape)
+    return model if r is None else tier_model(model, {TIER_KEY: r}, seed=client_init_seed(cfg, node.pid),
+                                              input_shape=node.input_shape)
 
 
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:

@@ -15,6 +15,14 @@ features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-example
 classifiers (a depth tier's ``MultiExit``: ``fedfuse.progressive.head_sites``) gets one more pair per exit ``k``,
 ``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved.
 
+Width tiers (``client-tiers`` of width multipliers; ``HeadRound.run_tiers``): the query also carries every narrower
+tier's model (``ArrayRecord`` ``"model@<tier>"``, the widths in the config's ``"tiers"``); each node builds them as
+it builds its training model (``fedfuse.flower.client_tiers.tier_model``) and answers one more pair per tier,
+``gram-upper@tier-<tier>`` / ``cross@tier-<tier>``, so every tier's classifier is solved from every node's data: the
+forward passes of each tier's model over the node's data, no training (a narrow node holds the global model's
+weights and one batch's activations). Each tier's solved head is kept unless the clients score that tier's model
+lower with it.
+
 A malformed reply (wrong shapes, non-finite numbers, a Gram matrix that does not match its sample count) is rejected
 with a logged reason and the head is solved from the others; with no valid reply the model stays the global model,
 with a WARNING and the reason in the round's record (``fallback``).
@@ -39,18 +47,35 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
+from fedfuse.hetero import tier_name
 from fedfuse.progressive import HeadStatistics, fit_temperature, head_sites, solve_head, with_head
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
 
 
-def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None) -> RecordDict:
-    """The query: the fused model whose features the nodes summarise, and which of its classifiers (``sites`` of
-    ``head_sites``; ``None``: every one)."""
+TIERS = "tiers"   # query config: the narrower tiers' width multipliers (one "model@<tier>" record each)
+
+
+def tier_site(r: float) -> str:
+    """The reply's site name of width tier ``r``'s classifier (``gram-upper@tier-<tier>``)."""
+    return f"tier-{tier_name(r)}"
+
+
+def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None,
+                       tier_states: dict[float, dict[str, torch.Tensor]] | None = None) -> RecordDict:
+    """The query: the fused model whose features the nodes summarise, which of its classifiers (``sites`` of
+    ``head_sites``; ``None``: every one), and with width tiers every narrower tier's model (``tier_states``)."""
     content = RecordDict({"model": ArrayRecord(state)})
+    config: dict[str, Any] = {}
     if sites is not None:
-        content["config"] = ConfigRecord({"sites": list(sites)})
+        config["sites"] = list(sites)
+    for r, s in (tier_states or {}).items():
+        content[f"model@{tier_name(r)}"] = ArrayRecord(s)
+    if tier_states:
+        config[TIERS] = [float(r) for r in tier_states]
+    if config:
+        content["config"] = ConfigRecord(config)
     return content
 
 
@@ -58,6 +83,20 @@ def read_head_query(msg: Message) -> dict[str, torch.Tensor]:
     if "model" not in msg.content.array_records:
         raise ValueError("head-statistics query: no 'model' array record")
     return msg.content.array_records["model"].to_torch_state_dict()
+
+
+def read_head_tiers(msg: Message) -> dict[float, dict[str, torch.Tensor]]:
+    """The narrower tiers' models of a width-tier query (``{}`` without tiers); ``ValueError`` when one is missing."""
+    config = msg.content.config_records.get("config")
+    if config is None or TIERS not in config:
+        return {}
+    out = {}
+    for r in config[TIERS]:
+        key = f"model@{tier_name(float(r))}"
+        if key not in msg.content.array_records:
+            raise ValueError(f"head-statistics query: tier {r} announced, no {key!r} array record")
+        out[float(r)] = msg.content.array_records[key].to_torch_state_dict()
+    return out
 
 
 def read_head_sites(msg: Message) -> list[str] | None:
@@ -122,27 +161,16 @@ class HeadRound:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         self.ridge, self.timeout, self.check = float(ridge), timeout, bool(check)
 
-    def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sites: tuple[str, ...] | None = None) -> tuple[nn.Module, dict[str, Any]]:
-        """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
-        replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
-        inputs and the clients' ensemble's probabilities on them, to set the head's temperature
-        (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
-        classifiers to solve (``head_sites``; ``None``: every one)."""
-        t0 = time.perf_counter()
-        every = head_sites(model)
-        unknown = sorted(set(sites or ()) - set(every))
-        if unknown:
-            raise ValueError(f"head round: the model has no classifier {unknown}; it has {sorted(every)}")
-        widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
+    def _collect(self, grid, content: RecordDict, widths: dict[str, int], num_classes: int,
+                 record: dict[str, Any]) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
+        """Send the query to every node and read the valid answers (``record`` gets who was rejected and why)."""
         nodes = list(grid.get_node_ids())
-        content = head_query_content(model.state_dict(), sites)
         msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in nodes]
-        record: dict[str, Any] = {"queried": len(nodes), "rejected": [], "fallback": None}
+        record.update({"queried": len(nodes), "rejected": [], "fallback": None})
         stats: list[dict[str, HeadStatistics]] = []
         try:
             replies = list(grid.send_and_receive(msgs, timeout=self.timeout))
-        except Exception as exc:  # noqa: BLE001 - a grid that cannot send: the one-shot model stays, loudly
+        except Exception as exc:  # noqa: BLE001 - a grid that cannot send: the model stays, loudly
             replies = []
             record["fallback"] = f"the head-statistics query failed: {type(exc).__name__}: {exc}"
         for reply in replies:
@@ -157,9 +185,53 @@ class HeadRound:
                        "numbers-per-reply": sum(v.numbers_sent for v in stats[0].values()) if stats else None})
         if not stats:
             record["fallback"] = record["fallback"] or (
-                f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the one-shot "
-                "model is kept")
+                f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the model "
+                "is kept")
             log(WARNING, "fedfuse head round: %s", record["fallback"])
+        return nodes, stats
+
+    def _keep(self, grid, nodes: list[int], before: nn.Module, after: nn.Module, record: dict[str, Any],
+              tier: float | None = None) -> bool:
+        """Whether the solved head stays: the clients score both models (``tier``: as that width tier's model);
+        ``record`` gets their accuracies and the round's federated row."""
+        if not self.check:
+            return True
+        scores = score_candidates(grid, nodes, [before.state_dict(), after.state_dict()], self.timeout, tier=tier)
+        record["rejected"] = record.get("rejected", []) + [{"node": n, "reason": f"scoring: {why}"}
+                                                           for n, why in scores.rejected]
+        if scores.rejected or scores.error:
+            log(WARNING, "fedfuse head round: scoring: %s", scores.error or "; ".join(
+                f"node {n}: {why}" for n, why in scores.rejected))
+        acc = scores.accuracy
+        record["client-accuracy"] = None if acc is None else {"before": acc[0], "head": acc[1]}
+        if acc is None:
+            log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
+            return True
+        federated = [{"federated-accuracy": a, "federated-loss": l_, "federated-clients": scores.clients,
+                      "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
+        keep = acc[1] >= acc[0]
+        record["federated"] = federated[1 if keep else 0]   # the clients' view of the kept model
+        if not keep:
+            log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
+                "before it stays", "" if tier is None else f" of tier {tier_name(tier)}", acc[1], acc[0])
+        return keep
+
+    def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+            sites: tuple[str, ...] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+        """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
+        replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
+        inputs and the clients' ensemble's probabilities on them, to set the head's temperature
+        (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
+        classifiers to solve (``head_sites``; ``None``: every one)."""
+        t0 = time.perf_counter()
+        every = head_sites(model)
+        unknown = sorted(set(sites or ()) - set(every))
+        if unknown:
+            raise ValueError(f"head round: the model has no classifier {unknown}; it has {sorted(every)}")
+        widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
+        record: dict[str, Any] = {}
+        nodes, stats = self._collect(grid, head_query_content(model.state_dict(), sites), widths, num_classes, record)
+        if not stats:
             record["seconds"] = time.perf_counter() - t0
             return model, record
         before = copy.deepcopy(model)
@@ -168,33 +240,51 @@ class HeadRound:
             out = with_head(out, solve_head([s[site] for s in stats], self.ridge), site)
             temps[site] = fit_temperature(out, *reference, site=site) if reference is not None else 1.0
         record["temperature"] = temps[""] if len(temps) == 1 else temps
-        if self.check:
-            scores = score_candidates(grid, nodes, [before.state_dict(), out.state_dict()], self.timeout)
-            record["rejected"] += [{"node": n, "reason": f"scoring: {why}"} for n, why in scores.rejected]
-            if scores.rejected or scores.error:
-                log(WARNING, "fedfuse head round: scoring: %s", scores.error or "; ".join(
-                    f"node {n}: {why}" for n, why in scores.rejected))
-            acc = scores.accuracy
-            record["client-accuracy"] = None if acc is None else {"before": acc[0], "head": acc[1]}
-            federated = [] if acc is None else [   # the clients' view of both models: this round's federated row
-                {"federated-accuracy": a, "federated-loss": l_, "federated-clients": scores.clients,
-                 "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
-            if acc is None:
-                log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
-            elif acc[1] < acc[0]:
-                record.update({"kept": "before", "federated": federated[0], "seconds": time.perf_counter() - t0})
-                log(INFO, "fedfuse head round: the clients score the solved head lower (%.4f < %.4f): the model "
-                    "before it stays", acc[1], acc[0])
-                return before, record
-            if federated:
-                record["federated"] = federated[1]
-        record["kept"] = "head"
+        keep = self._keep(grid, nodes, before, out, record)
+        record["kept"] = "head" if keep else "before"
         record["seconds"] = time.perf_counter() - t0
-        log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)", len(stats),
-            record["num-examples"], record["seconds"])
+        if keep:
+            log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)",
+                len(stats), record["num-examples"], record["seconds"])
+        return (out if keep else before), record
+
+    def run_tiers(self, grid, models: dict[float, nn.Module], num_classes: int,
+                  reference: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[dict[float, nn.Module], dict[str, Any]]:
+        """Width tiers: ``({tier: its model with its solved head, or as it was}, the round's record)``. ``models``:
+        every tier's model, the global one at tier 1; one query carries them all, every node answers for every
+        tier, each tier's head is solved and checked on its own (``record["tiers"][<tier>]``); the record's
+        ``kept`` / ``federated`` / ``temperature`` are the global model's."""
+        t0 = time.perf_counter()
+        if 1.0 not in models:
+            raise ValueError(f"head round: the tiers' models need the global one (tier 1), got {sorted(models)}")
+        narrower = {r: m for r, m in models.items() if r != 1.0}
+        widths = {"": head_sites(models[1.0])[""].classifier.in_features,
+                  **{tier_site(r): head_sites(m)[""].classifier.in_features for r, m in narrower.items()}}
+        content = head_query_content(models[1.0].state_dict(), ("",), {r: m.state_dict() for r, m in narrower.items()})
+        record: dict[str, Any] = {}
+        nodes, stats = self._collect(grid, content, widths, num_classes, record)
+        out = dict(models)
+        if stats:
+            record["tiers"] = {}
+            for r, model in models.items():
+                site = "" if r == 1.0 else tier_site(r)
+                solved = with_head(copy.deepcopy(model), solve_head([s[site] for s in stats], self.ridge))
+                tier: dict[str, Any] = {"temperature": fit_temperature(solved, *reference)
+                                        if reference is not None else 1.0}
+                keep = self._keep(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r)
+                tier["kept"] = "head" if keep else "before"
+                out[r] = solved if keep else model
+                record["tiers"][tier_name(r)] = tier
+            record["rejected"] += [x for t in record["tiers"].values() for x in t.pop("rejected", [])]
+            top = record["tiers"][tier_name(1.0)]
+            record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy") if k in top})
+            log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); kept: %s",
+                len(models), len(stats), record["num-examples"],
+                ", ".join(f"{k}: {t['kept']}" for k, t in record["tiers"].items()))
+        record["seconds"] = time.perf_counter() - t0
         return out, record
 
 
-__all__ = ["ACTION", "MESSAGE_TYPE", "HeadRound", "head_query_content", "read_head_query", "read_head_sites",
-           "head_reply_content",
-           "read_head_reply"]
+__all__ = ["ACTION", "MESSAGE_TYPE", "TIERS", "HeadRound", "head_query_content", "read_head_query", "read_head_sites",
+           "read_head_tiers", "tier_site", "head_reply_content", "read_head_reply"]

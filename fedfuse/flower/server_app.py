@@ -485,10 +485,19 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         with torch.no_grad():
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
-    # multi-round depth tiers: the final classifier only (their exits, trained for every round, beat solved ones at the
-    # shallowest depth: results/depth-tiers-head-multiround); one-shot: every classifier
-    sites = ("",) if cfg.depth_tiers and cfg.mode != "one-shot" else None
-    model, record = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout).run(grid, model, num_classes, reference, sites)
+    head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout)
+    if cfg.client_tiers.strip() and not cfg.depth_tiers:   # width tiers: every tier's classifier, each checked
+        tiers = {r: model if r == 1.0 else strategy.tier_model(r, cfg.num_server_rounds + 1)
+                 for r in strategy.tier_layout.all_tiers()}
+        tiers[1.0] = model
+        tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
+        model = tiers[1.0]
+        strategy.adopt_tier_models(tiers)
+    else:
+        # multi-round depth tiers: the final classifier only (their exits, trained for every round, beat solved ones
+        # at the shallowest depth: results/depth-tiers-head-multiround); one-shot: every classifier
+        sites = ("",) if cfg.depth_tiers and cfg.mode != "one-shot" else None
+        model, record = head.run(grid, model, num_classes, reference, sites)
     head_rnd = cfg.num_server_rounds + 1
     strategy.history.append({"round": head_rnd, "post-step": "head-round", "valid": record["valid"],
                              "rejected": record["rejected"], "failures": [], "fallback": record["fallback"],
@@ -527,8 +536,6 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
-    elif cfg.client_tiers.strip():
-        log(INFO, "fedfuse: no head round with width tiers (docs/tiers.md)")
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
     initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path

@@ -309,6 +309,17 @@ class TieredFusionStrategy(FusionStrategy):
     def aggregated_scores(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor] | None:
         return self.tier_models_step.aggregated_scores(updates)
 
+    def adopt_tier_models(self, models: dict[float, nn.Module]) -> None:
+        """After the last round (the head round of width tiers): the global model and the narrower tiers' models
+        are these (``{tier: model}``, the global one at tier 1; each keeps its own classifier, so the narrower
+        ones stop being slices of the global model)."""
+        for r, model in models.items():
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            if r == 1.0:
+                self._global = state_to_record(state)
+            else:
+                self._derived[r] = state
+
     # ---------------------------------------------------------------- evaluation (results)
     def tier_model(self, r: float, server_round: int) -> nn.Module:
         """Tier ``r``'s model as it is sent in ``server_round`` (BN re-estimated on the fusion set if any)."""
