@@ -322,3 +322,66 @@ def test_head_round_solves_the_classifiers_it_asks_for(identity):
     assert torch.equal(out.exits["1"].fc.weight, exit_w)
     with pytest.raises(ValueError, match="no classifier"):
         HeadRound(check=False).run(grid, model, 4, sites=("9",))
+
+
+class _TierGrid(_Grid):
+    """Width tiers: each node answers the head query with statistics of every tier's model it is sent (built as a
+    node builds it), and the scoring query with fixed accuracies (before, head) per tier (``None``: the global)."""
+
+    def __init__(self, parts, accuracies):
+        super().__init__([None] * len(parts))
+        self.parts, self.accuracies, self.sent = parts, accuracies, []
+
+    def send_and_receive(self, msgs, timeout=None):
+        from flwr.app import MetricRecord, RecordDict
+
+        from fedfuse.flower.candidates import read_score_tier
+        from fedfuse.flower.client_tiers import tier_model
+        from fedfuse.flower.head_round import read_head_query, read_head_tiers, tier_site
+
+        msgs = list(msgs)
+        self.sent += msgs
+        if msgs[0].metadata.message_type == "query.score_candidates":
+            b, h = self.accuracies[read_score_tier(msgs[0])]
+            return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b,
+                                                                "accuracy-1": h})}), m.metadata.dst_node_id)
+                    for m in msgs]
+        out = []
+        for m, (x, y) in zip(msgs, self.parts):
+            model = build_model("mlp", 4, (8,), width=16, depth=1)
+            model.load_state_dict(read_head_query(m))
+            stats = {"": head_statistics(model, x, y, 4)}
+            for r, state in read_head_tiers(m).items():
+                tier = tier_model(build_model("mlp", 4, (8,), width=16, depth=1), {"tier-width-mult": r}, seed=0,
+                                  input_shape=(8,))
+                tier.load_state_dict(state)
+                stats[tier_site(r)] = head_statistics(tier, x, y, 4)
+            out.append(_reply(head_reply_content(stats), m.metadata.dst_node_id))
+        return out
+
+
+def test_head_round_with_width_tiers_solves_and_checks_every_tier(identity):
+    """Width tiers: one query carries every tier's model; each node answers for every tier (its statistics on that
+    tier's features); each tier's head is the pooled ridge solution, kept unless the clients score that tier lower."""
+    from fedfuse.flower.client_tiers import tier_model
+
+    x, y = _data()
+    parts = [(x[:150], y[:150]), (x[150:], y[150:])]
+    big = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    small = tier_model(big, {"tier-width-mult": 0.5}, seed=0, input_shape=(8,))
+    w_small = small[-1].weight.clone()
+    grid = _TierGrid(parts, {None: (0.5, 0.7), 0.5: (0.8, 0.6)})   # the global gains, tier 0.5 would lose
+    out, record = HeadRound(1e-3).run_tiers(grid, {1.0: big, 0.5: small}, 4)
+    assert record["valid"] == 2 and record["fallback"] is None and record["rejected"] == []
+    assert record["tiers"]["1"]["kept"] == record["kept"] == "head" and record["tiers"]["0.5"]["kept"] == "before"
+    want = solve_head([head_statistics(big, *p, 4) for p in parts], 1e-3)
+    assert torch.allclose(out[1.0][-1].weight, want.weight, atol=1e-6)
+    assert out[0.5] is small and torch.equal(small[-1].weight, w_small)   # the narrow tier's trained head stays
+    # the narrow tier's solved head is the pooled ridge solution on its own features
+    grid = _TierGrid(parts, {None: (0.5, 0.7), 0.5: (0.5, 0.6)})
+    out, record = HeadRound(1e-3).run_tiers(grid, {1.0: big, 0.5: small}, 4)
+    want = solve_head([head_statistics(small, *p, 4) for p in parts], 1e-3)
+    assert record["tiers"]["0.5"]["kept"] == "head" and torch.allclose(out[0.5][-1].weight, want.weight, atol=1e-6)
+    assert {m.metadata.message_type for m in grid.sent} == {"query.head_statistics", "query.score_candidates"}
+    with pytest.raises(ValueError, match="global one"):
+        HeadRound().run_tiers(grid, {0.5: small}, 4)

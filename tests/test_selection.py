@@ -47,6 +47,12 @@ def test_run_config_errors_name_the_key():
         parse_run_config({"strategy": "average", "auto-candidates": "average,feddf"})
     with pytest.warns(UserWarning, match="no capacity-tier form"):
         assert parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"}).strategy == "average"
+    # one-shot width tiers: clients from their own initialisations, whose sub-model average is at chance: a fusion
+    one_shot = {"strategy": "auto", "client-tiers": "1,0.5", "mode": "one-shot", "num-server-rounds": 1}
+    with pytest.warns(UserWarning, match="uses 'kf-linear'"):
+        assert parse_run_config(one_shot).strategy == "kf-linear"
+    with pytest.warns(UserWarning, match="uses 'kf-gradient'"):
+        assert parse_run_config({**one_shot, "model": "vit"}).strategy == "kf-gradient"
     with pytest.raises(ConfigError, match="'auto-fusion-epochs' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
     with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):

@@ -1,0 +1,65 @@
+"""Table of ``simulations/bench/tiers_head.sh``: the width-tier cells with the head round (every tier's classifier
+solved from every node's statistics) for the default ``average`` and for every baseline, next to the same rows
+without it (``results/tiers``, ``results/tiers-od-draw``: the same run configs and seeds before the head round
+took width tiers). Per cell the global model and every tier's final accuracy (mean ± sample std over the seeds);
+the goal column as ``tiers_summary``'s: the default above HeteroFL, FedRolex and FedDF on the global model and on
+every tier (means), and its smallest tier − FedAvg at the smallest width (both with the head round).
+
+    .venv/bin/python -m simulations.bench.tiers_head OUT [--before results/tiers --before-default results/tiers-od-draw]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from simulations.bench.od_draw import BASELINES, _ms, _rows, summary
+
+BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
+
+
+def cell_table(name: str, out: Path, before: Path, before_default: Path) -> str:
+    new = {**_rows(out / "B" / name / "sweep.json"), **_rows(out / "A" / name / "sweep.json")}
+    old = _rows(before / name / "sweep.json")
+    old_default = _rows(before_default / name / "sweep.json").get(BEFORE_DEFAULT, [])
+    shown = [(f"**{s} + head round**" if s == "average" else f"{s} + head round", new[s])
+             for s in ("average", *BASELINES) if s in new]
+    shown += [("average, no head round (the default before)", old_default)] if old_default else []
+    shown += [(f"{s}, no head round", old[s]) for s in BASELINES if s in old]
+    tiers = sorted({t for _, rs in shown for r in rs for t in (r.get("final-tier-accuracy") or {})}, key=float,
+                   reverse=True)
+    lines = [f"\n### {name}\n", "| row | seeds | global | " + " | ".join(f"tier {t}" for t in tiers) + " |",
+             "|---|---|---|" + "---|" * len(tiers)]
+    for label, rs in shown:
+        cells = [_ms([r["final-tier-accuracy"][t] for r in rs if t in (r.get("final-tier-accuracy") or {})])
+                 for t in tiers]
+        lines.append(f"| {label} | {len(rs)} | {_ms([r['final-accuracy'] for r in rs])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--before", default="results/tiers")
+    ap.add_argument("--before-default", default="results/tiers-od-draw")
+    a = ap.parse_args(argv)
+    out, before, before_default = Path(a.out), Path(a.before), Path(a.before_default)
+    cells = sorted(p.parent.name for p in (out / "A").glob("*/sweep.json"))
+    text = ("The head round with width tiers: final test accuracy, mean ± sample std over the cell's seeds; "
+            "10 clients, 30 rounds, the run configs of `results/tiers/<cell>`. Command: `bash "
+            f"simulations/bench/tiers_head.sh A {a.out}` and `... B {a.out}` (FedDF), then "
+            f"`.venv/bin/python -m simulations.bench.tiers_head {a.out}`.\n\n"
+            "## The default above HeteroFL, FedRolex and FedDF (global and every tier) / its smallest tier − FedAvg "
+            "at the smallest width\n\nWith the head round (every row getting it):\n\n")
+    text += summary(cells, out / "B", out / "A", ["average"])
+    text += f"\nWithout it (`{a.before}`, `{a.before_default}`; the default then: `{BEFORE_DEFAULT}`):\n\n"
+    text += summary(cells, before, before_default, [BEFORE_DEFAULT])
+    text += "\n## Every cell\n"
+    for cell in cells:
+        text += cell_table(cell, out, before, before_default)
+    (out / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
