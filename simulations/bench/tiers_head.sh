@@ -5,6 +5,7 @@
 # FedDF (lane B, the slowest rows; the two lanes can run side by side on 2 cores). Same run configs and seeds as
 # the committed cells (results/tiers/<cell>/table.md's first line).
 #   bash simulations/bench/tiers_head.sh A|B OUT [CELL...]
+#   ROWS="average[ordered-dropout='off'],..." bash simulations/bench/tiers_head.sh C OUT [CELL...]   (variants)
 # then: .venv/bin/python -m simulations.bench.tiers_head OUT
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,9 @@ for name in "${CELLS[@]}"; do
   line=$(head -1 "results/tiers/$name/table.md")
   cfg=$(echo "$line" | sed -E 's/^Run config: `(.*)`; seeds \[(.*)\]$/\1/')
   seeds=$(echo "$line" | sed -E 's/^Run config: `(.*)`; seeds \[(.*)\]$/\2/' | tr -d ' ')
-  if [ "$LANE" = B ]; then
+  if [ -n "${ROWS:-}" ]; then   # other rows (lane C: variants of the default), e.g. ROWS="average[ordered-dropout='off']"
+    rows=$ROWS
+  elif [ "$LANE" = B ]; then
     rows=feddf
   else   # the committed cell's FedAvg rows, as they were run
     fedavg=$($PY -c "import json,sys; print(','.join(dict.fromkeys(r['strategy'] for r in json.load(open(sys.argv[1])) if r['strategy'].startswith('fedavg['))))" "results/tiers/$name/sweep.json")
