@@ -243,8 +243,8 @@ class RunRecorder:
         return [(REFERENCE_LABELS.get(r["key"], r["key"]), float(r["accuracy"])) for r in rows
                 if isinstance(r.get("accuracy"), (int, float))]
 
-    def save_model(self, state: dict[str, torch.Tensor]) -> Path:
-        path = self.dir / "global_model.pt"
+    def save_model(self, state: dict[str, torch.Tensor], name: str = "global_model.pt") -> Path:
+        path = self.dir / name
         tmp = path.with_suffix(".pt.tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)

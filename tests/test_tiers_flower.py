@@ -89,6 +89,15 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
     for t, tier in record["tiers"].items():
         if tier["kept"] == "before":   # a tier the clients score lower with its solved head keeps its model
             assert head["tier-accuracy"][t] == pytest.approx(last["tier-accuracy"][t])
+    # every narrower tier's final model is saved beside the global one, in its tier's architecture
+    import torch
+
+    for t in ("0.5", "0.25"):
+        state = torch.load(out / f"tier-{t}_model.pt")
+        small = tier_model(build_model("mlp", 10, (40,), width=32, depth=1), {"tier-width-mult": float(t)}, seed=0,
+                           input_shape=(40,))
+        small.load_state_dict(state)
+        assert small[1].out_features == int(32 * float(t))   # Flatten, then the hidden Linear
 
 
 @pytest.mark.slow

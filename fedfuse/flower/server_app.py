@@ -51,6 +51,7 @@ from fedfuse.flower.screen import ClientScreen  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
+from fedfuse.hetero import tier_name  # noqa: E402
 from fedfuse.results import RunRecorder, dead_model, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
@@ -450,6 +451,11 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     recorder.write()
     # the last global model (Result.arrays stays empty when every round was skipped)
     recorder.save_model(last_arrays.to_torch_state_dict())
+    if callable(getattr(strategy, "adopt_tier_models", None)) and strategy._global is not None:   # width tiers
+        for r in strategy.tier_layout.all_tiers():
+            if r != 1.0:
+                state = strategy.tier_model(r, cfg.num_server_rounds + 2).state_dict()
+                recorder.save_model(state, f"tier-{tier_name(r)}_model.pt")
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
     if crash is not None:
         log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
@@ -487,9 +493,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout)
     if cfg.client_tiers.strip() and not cfg.depth_tiers:   # width tiers: every tier's classifier, each checked
-        tiers = {r: model if r == 1.0 else strategy.tier_model(r, cfg.num_server_rounds + 1)
-                 for r in strategy.tier_layout.all_tiers()}
-        tiers[1.0] = model
+        tiers = {r: strategy.tier_model(r, cfg.num_server_rounds + 1) for r in strategy.tier_layout.all_tiers()}
+        tiers[1.0] = model   # the global model (its BatchNorm as trained)
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
         model = tiers[1.0]
         strategy.adopt_tier_models(tiers)

@@ -13,17 +13,49 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from simulations.bench.od_draw import BASELINES, _ms, _rows, summary
+from simulations.bench.od_draw import BASELINES, _above, _ms, _rows, summary
 
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
 
+LANES = ("B", "C", "A")   # FedDF, the default's variants, the default and the other rows
+
+
+def _new_rows(out: Path, name: str) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for lane in LANES:
+        rows.update(_rows(out / lane / name / "sweep.json"))
+    return rows
+
+
+def head_summary(cells: list[str], out: Path) -> str:
+    """Per cell and per ``average`` row (the default and its variants): above the three baselines (all with the
+    head round) on the global model and every tier / smallest tier − FedAvg at the smallest width."""
+    shown = sorted({s for c in cells for s in _new_rows(out, c) if s.startswith("average")}, key=len)
+    lines = ["| cell | " + " | ".join(f"`{r}`" for r in shown) + " |", "|---|" + "---|" * len(shown)]
+    wins = dict.fromkeys(shown, 0)
+    for cell in cells:
+        rows, parts = _new_rows(out, cell), []
+        for r in shown:
+            if r not in rows:
+                parts.append("—")
+                continue
+            ok, gain = _above(rows, r)
+            wins[r] += ok
+            parts.append(("yes" if ok else "no") + ("" if gain is None else f" / {gain:+.1f} pts"))
+        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
+    lines.append("| **cells above the 3 baselines** | " + " | ".join(f"**{wins[r]} of {len(cells)}**" for r in shown)
+                 + " |")
+    return "\n".join(lines) + "\n"
+
+
 def cell_table(name: str, out: Path, before: Path, before_default: Path) -> str:
-    new = {**_rows(out / "B" / name / "sweep.json"), **_rows(out / "A" / name / "sweep.json")}
+    new = _new_rows(out, name)
     old = _rows(before / name / "sweep.json")
     old_default = _rows(before_default / name / "sweep.json").get(BEFORE_DEFAULT, [])
+    variants = sorted((s for s in new if s.startswith("average[")), key=len)
     shown = [(f"**{s} + head round**" if s == "average" else f"{s} + head round", new[s])
-             for s in ("average", *BASELINES) if s in new]
+             for s in ("average", *variants, *BASELINES) if s in new]
     shown += [("average, no head round (the default before)", old_default)] if old_default else []
     shown += [(f"{s}, no head round", old[s]) for s in BASELINES if s in old]
     tiers = sorted({t for _, rs in shown for r in rs for t in (r.get("final-tier-accuracy") or {})}, key=float,
@@ -51,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             f"`.venv/bin/python -m simulations.bench.tiers_head {a.out}`.\n\n"
             "## The default above HeteroFL, FedRolex and FedDF (global and every tier) / its smallest tier − FedAvg "
             "at the smallest width\n\nWith the head round (every row getting it):\n\n")
-    text += summary(cells, out / "B", out / "A", ["average"])
+    text += head_summary(cells, out)
     text += f"\nWithout it (`{a.before}`, `{a.before_default}`; the default then: `{BEFORE_DEFAULT}`):\n\n"
     text += summary(cells, before, before_default, [BEFORE_DEFAULT])
     text += "\n## Every cell\n"
