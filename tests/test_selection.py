@@ -51,8 +51,8 @@ def test_run_config_errors_name_the_key():
     one_shot = {"strategy": "auto", "client-tiers": "1,0.5", "mode": "one-shot", "num-server-rounds": 1}
     with pytest.warns(UserWarning, match="uses 'kf-linear'"):
         assert parse_run_config(one_shot).strategy == "kf-linear"
-    with pytest.warns(UserWarning, match="uses 'kf-gradient'"):
-        assert parse_run_config({**one_shot, "model": "vit"}).strategy == "kf-gradient"
+    with pytest.warns(UserWarning, match="uses 'feddf'"):
+        assert parse_run_config({**one_shot, "model": "vit"}).strategy == "feddf"
     with pytest.raises(ConfigError, match="'auto-fusion-epochs' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
     with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):

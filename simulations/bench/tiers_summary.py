@@ -32,7 +32,7 @@ ONESHOT = ["heterofl", "kd", "feddf", "kf-linear", "kf-linear[refine='distill']"
            "ot", "ot[refine='distill']", "kf-linear[tier-models='fuse' refine='distill']",
            "kf-gradient[tier-models='fuse' refine='distill']"]
 # the default one-shot fusion row of a cell: kf-linear (the ViT cells: kf-gradient; kf-linear takes no blocks)
-ONESHOT_DEFAULT = ("kf-linear", "kf-gradient")
+ONESHOT_DEFAULT = ("kf-linear", "kf-gradient")   # as these cells ran (the ViT default is feddf since the head round)
 
 
 def _label_rows(rows: list[dict], key: str) -> list[dict]:
