@@ -49,6 +49,49 @@ def head_summary(cells: list[str], out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _global_small(rs: list[dict]) -> str:
+    """``global / smallest tier`` (means) of a row's runs."""
+    import statistics
+
+    if not rs:
+        return "—"
+    tiers = set.intersection(*(set(r.get("final-tier-accuracy") or {}) for r in rs))
+    g = statistics.mean(r["final-accuracy"] for r in rs)
+    if not tiers:
+        return f"{g:.3f}"
+    small = min(tiers, key=float)
+    return f"{g:.3f} / {statistics.mean(r['final-tier-accuracy'][small] for r in rs):.3f}"
+
+
+def _failed(out: Path, cell: str, strategy: str) -> str:
+    """A row whose every run failed (e.g. trained to chance: the run's own check): say so, with the reason."""
+    import json
+
+    for lane in LANES:
+        path = out / lane / cell / "sweep.json"
+        runs = [r for r in json.loads(path.read_text()) if r["strategy"] == strategy] if path.exists() else []
+        if runs:
+            return f"failed ({len(runs)} of {len(runs)}: trained to chance)" if all(
+                "dead" in str(r.get("error", "")) for r in runs) else f"failed ({len(runs)} runs)"
+    return "—"
+
+
+def compact(cells: list[str], out: Path, before_default: Path) -> str:
+    """One line per cell: the global model / the smallest tier (means) of the default and every baseline with the
+    head round, FedAvg at the smallest width, and the default without the head round."""
+    head = ["average", *BASELINES]
+    lines = ["| cell | " + " | ".join(f"`{s}`" for s in head) + " | FedAvg at the smallest width | "
+             "`average`, no head round |", "|---|" + "---|" * (len(head) + 2)]
+    for cell in cells:
+        rows = _new_rows(out, cell)
+        fedavg = [r for s, rs in rows.items() if s.startswith("fedavg[model-width") for r in rs]
+        old = _rows(before_default / cell / "sweep.json").get(BEFORE_DEFAULT, [])
+        lines.append(f"| {cell} | " + " | ".join(_global_small(rows[s]) if s in rows else _failed(out, cell, s)
+                                                 for s in head)
+                     + f" | {_global_small(fedavg)} | {_global_small(old)} |")
+    return "\n".join(lines) + "\n"
+
+
 def cell_table(name: str, out: Path, before: Path, before_default: Path) -> str:
     new = _new_rows(out, name)
     old = _rows(before / name / "sweep.json")
@@ -86,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     text += head_summary(cells, out)
     text += f"\nWithout it (`{a.before}`, `{a.before_default}`; the default then: `{BEFORE_DEFAULT}`):\n\n"
     text += summary(cells, before, before_default, [BEFORE_DEFAULT])
+    text += ("\n## Global model / smallest tier (means), every row with the head round\n\n"
+             + compact(cells, out, before_default))
     text += "\n## Every cell\n"
     for cell in cells:
         text += cell_table(cell, out, before, before_default)
