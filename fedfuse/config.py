@@ -619,7 +619,7 @@ def ordered_dropout_draw(cfg: RunConfig) -> str | float:
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 < value < 1:
-        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width' or a probability in "
+        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width', 'sandwich' or a probability in "
                           f"(0, 1), got {text!r}")
     return value
 

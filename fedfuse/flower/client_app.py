@@ -134,6 +134,8 @@ def train(msg: Message, context: Context) -> Message:
     if own_model:
         load_initial_model(own_model, model, key="node-config key 'model-path'")
     forward = tier_forward(base, model, config, seed=round_seed, input_shape=node.input_shape)
+    if getattr(forward, "sandwich", False):   # ordered dropout's sandwich rule: its own loss over two widths
+        forward, loss_fn = None, forward.loss
     device = resolve_device(cfg.device)
     out = client_round(cfg, model, node.train, node.val, need_importance=request.need_importance,
                        device=device, seed=round_seed, forward=forward,

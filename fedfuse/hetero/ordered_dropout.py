@@ -4,6 +4,11 @@ trained by every client that can hold it, in its own context (Horváth et al., "
 Federated Learning under heterogeneous targets with Ordered Dropout", arXiv 2102.13460, §3 "Ordered
 Dropout"). Without self-distillation.
 
+``draw='sandwich'`` trains the client's own width in every batch and one narrower width besides (the two losses
+summed): the sandwich rule of slimmable networks (Yu & Huang, "Universally Slimmable Networks and Improved Training
+Techniques", arXiv 1903.05134, §3.2), here with the narrower width drawn uniformly. The own (for a full-width client:
+the global) model gets every batch, at the cost of one narrower forward and backward pass per batch.
+
 The sub-model of width ``p`` is the tier model the server would send a ``p`` client: the same nested layout
 (``fedfuse.hetero.submodel``, top-left inside the client's own model, which is itself the global model's
 tier-``r`` slice). Its forward pass runs the width-``p`` architecture (``torch.func.functional_call``) on
@@ -43,7 +48,11 @@ class OrderedDropout:
 
     def __init__(self, model: nn.Module, sub_models: list[nn.Module], *, seed: int = 0,
                  weights: Sequence[float] | None = None,
-                 positions: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
+                 positions: Sequence[dict[str, torch.Tensor]] | None = None, sandwich: bool = False) -> None:
+        if sandwich and (weights is not None or not sub_models):
+            raise ValueError("ordered dropout: the sandwich rule draws the narrower width uniformly (no weights) and "
+                             "needs at least one narrower sub-model")
+        self.sandwich = bool(sandwich)
         if weights is not None:
             w = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
             if len(w) != len(sub_models) + 1 or bool((w < 0).any()) or not float(w.sum()) > 0:
@@ -77,8 +86,7 @@ class OrderedDropout:
         u = float(torch.rand((), dtype=torch.float64, generator=self.gen))
         return min(int((self.cumulative <= u).sum()), len(self.subs))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.draw()
+    def _logits(self, k: int, x: torch.Tensor) -> torch.Tensor:
         self.draws[k] += 1
         if k == 0:
             return self.model(x)
@@ -86,19 +94,30 @@ class OrderedDropout:
         sub.to(x.device).train(self.model.training)
         return functional_call(sub, self._gathered(positions), (x,))
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._logits(self.draw(), x)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The sandwich rule's batch loss (``sandwich=True``): the own width's cross-entropy plus that of one
+        narrower width drawn uniformly (``training.train``'s ``loss_fn``)."""
+        k = 1 + int(torch.randint(len(self.subs), (1,), generator=self.gen))
+        return (torch.nn.functional.cross_entropy(self._logits(0, x), y)
+                + torch.nn.functional.cross_entropy(self._logits(k, x), y))
+
 
 def draw_weights(draw: str | float, own: float, widths: Sequence[float]) -> list[float] | None:
     """The draw probabilities of a width-``own`` client's ``[own, *widths]`` (``widths`` its narrower ones) for the
-    run-config's ``ordered-dropout-draw``: ``"uniform"`` → ``None`` (FjORD: every width alike); ``"width"`` → each
+    run-config's ``ordered-dropout-draw``: ``"uniform"`` and ``"sandwich"`` → ``None`` (FjORD: every width alike;
+    the sandwich rule's narrower width); ``"width"`` → each
     width in proportion to itself (a width-1 client with a 1/8 tier trains its own width 8/9 of its batches, the
     narrow one 1/9); a number ``w`` in (0, 1) → ``w`` for the own width, the rest split evenly. ``ValueError``
     otherwise."""
-    if draw == "uniform":
+    if draw in ("uniform", "sandwich"):   # the sandwich rule draws its narrower width uniformly
         return None
     if draw == "width":
         return [float(own), *(float(p) for p in widths)]
     if isinstance(draw, bool) or not isinstance(draw, (int, float)) or not 0 < draw < 1:
-        raise ValueError(f"ordered dropout: the draw must be 'uniform', 'width' or a probability in (0, 1) for the "
+        raise ValueError(f"ordered dropout: the draw must be 'uniform', 'width', 'sandwich' or a probability in (0, 1) for the "
                          f"own width, got {draw!r}")
     return [float(draw), *[(1 - float(draw)) / len(widths)] * len(widths)] if widths else None
 
@@ -114,7 +133,7 @@ def ordered_dropout(model: nn.Module, widths: list[float], model_at: Callable[[f
         return None
     narrower = sorted(set(widths), reverse=True)
     return OrderedDropout(model, [model_at(p) for p in narrower], seed=seed,
-                          weights=draw_weights(draw, own, narrower))
+                          weights=draw_weights(draw, own, narrower), sandwich=draw == "sandwich")
 
 
 __all__ = ["OrderedDropout", "ordered_dropout", "draw_weights"]

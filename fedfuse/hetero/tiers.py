@@ -38,7 +38,7 @@ def _spec_value(strategy: str | None, attr: str):
 
 
 ORDERED_DROPOUT = ("auto", "all", "narrow", "off")
-ORDERED_DROPOUT_DRAWS = ("uniform", "width")   # ordered-dropout-draw words (besides auto and a probability)
+ORDERED_DROPOUT_DRAWS = ("uniform", "width", "sandwich")   # ordered-dropout-draw words (besides auto, a probability)
 
 
 def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str, mode: str = "multi-round") -> str:
