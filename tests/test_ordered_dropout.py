@@ -196,3 +196,33 @@ def test_draw_auto_is_the_measured_best_per_strategy_and_family():
     s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0,
                             model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
     assert s.ordered_dropout_draw == "width"
+
+
+def test_sandwich_rule_trains_the_own_width_every_batch_plus_one_narrower():
+    """``ordered-dropout-draw='sandwich'``: the batch loss is the own width's cross-entropy plus one narrower width's
+    (drawn uniformly), so the full model's entries get every batch's gradient and a narrower draw adds to its slice."""
+    from fedfuse.flower.client_tiers import OD_DRAW_KEY
+
+    torch.manual_seed(0)
+    g = build_model("mlp", 10, (40,), width=32, depth=2, seed=0)
+    fwd = tier_forward(g, g, {"tier-width-mult": 1.0, OD_KEY: [0.5, 0.25], OD_DRAW_KEY: "sandwich"}, seed=0,
+                       input_shape=(40,))
+    assert fwd.sandwich and fwd.cumulative is None
+    x, y = torch.randn(8, 40), torch.randint(0, 10, (8,))
+    for _ in range(40):
+        before = list(fwd.draws)
+        loss = fwd.loss(x, y)
+        k = next(i for i in (1, 2) if fwd.draws[i] != before[i])
+        sub = fwd.subs[k - 1][0]
+        sub.load_state_dict(slice_state(g.state_dict(), submodel(g, sub)))
+        with torch.no_grad():
+            want = (torch.nn.functional.cross_entropy(g(x), y) + torch.nn.functional.cross_entropy(sub(x), y))
+        assert torch.allclose(loss, want, atol=1e-5)
+    assert fwd.draws[0] == 40 and fwd.draws[1] > 5 and fwd.draws[2] > 5   # the own width every batch
+    g.zero_grad()
+    fwd.loss(x, y).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in g.parameters())
+    with pytest.raises(ValueError, match="sandwich"):
+        OrderedDropout(g, [], sandwich=True)
+    assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average",
+                             "ordered-dropout-draw": "sandwich"}).ordered_dropout_draw == "sandwich"
