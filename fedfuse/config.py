@@ -209,7 +209,8 @@ class RunConfig:
     ordered_dropout_draw: str = _key("auto", "ordered dropout: how a client draws its width per batch: auto "
                                      "(measured best: width for average and fusion methods, uniform for ViTs and "
                                      "heterofl/fedrolex/feddf) | uniform (FjORD's draw, every width alike) | width "
-                                     "(each width in proportion to itself) | a number in (0, 1) (its own width's "
+                                     "(each width in proportion to itself) | sandwich (the own width every batch plus "
+                                     "one narrower width, the two losses summed) | a number in (0, 1) (its own width's "
                                      "probability, the rest split evenly)")
     warm_start_epochs: int = _key(20, "mode='warm-start': local epochs of round 1, in which every client trains its own "
                                   "independently initialised model (institutions that already have models)", ge=1)
