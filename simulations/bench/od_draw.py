@@ -76,13 +76,14 @@ def _above(rows: dict[str, list[dict]], row: str) -> tuple[bool, float | None]:
     return ok, gain
 
 
-def summary(cells: list[str], committed: Path, new: Path, rows_shown: list[str]) -> str:
-    lines = ["| cell | " + " | ".join(f"{r}: above the 3 baselines / smallest tier − FedAvg at it" for r in rows_shown)
-             + " |", "|---|" + "---|" * len(rows_shown)]
+def goal_table(cells: list[str], rows_of, rows_shown: list[str], heading) -> str:
+    """Per cell (``rows_of(cell)``: its rows by strategy) and per row of ``rows_shown`` (titled ``heading(row)``):
+    above the three baselines on the global model and every tier / smallest tier − FedAvg at the smallest width,
+    and how many cells each row passes."""
+    lines = ["| cell | " + " | ".join(heading(r) for r in rows_shown) + " |", "|---|" + "---|" * len(rows_shown)]
     wins = {r: 0 for r in rows_shown}
     for cell in cells:
-        rows = _rows(committed / cell / "sweep.json")
-        rows.update(_rows(new / cell / "sweep.json"))
+        rows = rows_of(cell)
         parts = []
         for r in rows_shown:
             if r not in rows:
@@ -90,11 +91,16 @@ def summary(cells: list[str], committed: Path, new: Path, rows_shown: list[str])
                 continue
             ok, gain = _above(rows, r)
             wins[r] += ok
-            parts.append(f"{'yes' if ok else 'no'} / {gain:+.1f} pts" if gain is not None else ("yes" if ok else "no"))
+            parts.append(("yes" if ok else "no") + ("" if gain is None else f" / {gain:+.1f} pts"))
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
     lines.append("| **cells above the 3 baselines** | " + " | ".join(f"**{wins[r]} of {len(cells)}**" for r in rows_shown)
                  + " |")
     return "\n".join(lines) + "\n"
+
+
+def summary(cells: list[str], committed: Path, new: Path, rows_shown: list[str]) -> str:
+    return goal_table(cells, lambda c: {**_rows(committed / c / "sweep.json"), **_rows(new / c / "sweep.json")},
+                      rows_shown, lambda r: f"{r}: above the 3 baselines / smallest tier − FedAvg at it")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from simulations.bench.od_draw import BASELINES, _above, _ms, _rows, summary
+from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
 
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
@@ -32,21 +32,7 @@ def head_summary(cells: list[str], out: Path) -> str:
     """Per cell and per ``average`` row (the default and its variants): above the three baselines (all with the
     head round) on the global model and every tier / smallest tier − FedAvg at the smallest width."""
     shown = sorted({s for c in cells for s in _new_rows(out, c) if s.startswith("average")}, key=len)
-    lines = ["| cell | " + " | ".join(f"`{r}`" for r in shown) + " |", "|---|" + "---|" * len(shown)]
-    wins = dict.fromkeys(shown, 0)
-    for cell in cells:
-        rows, parts = _new_rows(out, cell), []
-        for r in shown:
-            if r not in rows:
-                parts.append("—")
-                continue
-            ok, gain = _above(rows, r)
-            wins[r] += ok
-            parts.append(("yes" if ok else "no") + ("" if gain is None else f" / {gain:+.1f} pts"))
-        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
-    lines.append("| **cells above the 3 baselines** | " + " | ".join(f"**{wins[r]} of {len(cells)}**" for r in shown)
-                 + " |")
-    return "\n".join(lines) + "\n"
+    return goal_table(cells, lambda c: _new_rows(out, c), shown, lambda r: f"`{r}`")
 
 
 def _global_small(rs: list[dict]) -> str:
