@@ -121,9 +121,9 @@ class RunConfig:
                             "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
                             "included) and the server solves the classifier in closed form, kept unless the clients "
                             "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
-                            "the strict one-exchange setting); width tiers: every tier's classifier, each kept unless the "
-                            "clients score that tier's model lower; depth tiers: the final classifier, and in one-shot "
-                            "mode every exit's too")
+                            "the strict one-exchange setting); width tiers: every tier's classifier, each kept "
+                            "unless the clients score that tier's model lower; depth tiers: the final classifier, and "
+                            "in one-shot mode every exit's too")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
@@ -620,8 +620,8 @@ def ordered_dropout_draw(cfg: RunConfig) -> str | float:
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 < value < 1:
-        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width', 'sandwich' or a probability in "
-                          f"(0, 1), got {text!r}")
+        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width', 'sandwich' or a "
+                          f"probability in (0, 1), got {text!r}")
     return value
 
 

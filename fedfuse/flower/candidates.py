@@ -132,5 +132,5 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     return out
 
 
-__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "read_score_tier", "score_reply_content",
-           "read_score_reply", "score_candidates", "Scores"]
+__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "read_score_tier",
+           "score_reply_content", "read_score_reply", "score_candidates", "Scores"]

@@ -279,7 +279,8 @@ class HeadRound:
             record["rejected"] += [x for t in record["tiers"].values() for x in t.pop("rejected", [])]
             top = record["tiers"][tier_name(1.0)]
             record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy") if k in top})
-            log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); kept: %s",
+            log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); "
+                "kept: %s",
                 len(models), len(stats), record["num-examples"],
                 ", ".join(f"{k}: {t['kept']}" for k, t in record["tiers"].items()))
         record["seconds"] = time.perf_counter() - t0

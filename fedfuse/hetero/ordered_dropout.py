@@ -117,8 +117,8 @@ def draw_weights(draw: str | float, own: float, widths: Sequence[float]) -> list
     if draw == "width":
         return [float(own), *(float(p) for p in widths)]
     if isinstance(draw, bool) or not isinstance(draw, (int, float)) or not 0 < draw < 1:
-        raise ValueError(f"ordered dropout: the draw must be 'uniform', 'width', 'sandwich' or a probability in (0, 1) for the "
-                         f"own width, got {draw!r}")
+        raise ValueError(f"ordered dropout: the draw must be 'uniform', 'width', 'sandwich' or a probability in (0, 1) "
+                         f"for the own width, got {draw!r}")
     return [float(draw), *[(1 - float(draw)) / len(widths)] * len(widths)] if widths else None
 
 

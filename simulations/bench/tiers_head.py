@@ -18,7 +18,8 @@ from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
 
-LANES = ("B", "C", "E", "F", "A")   # FedDF, the default's variants (C; E, F: the sandwich rule), the default and the rest
+# FedDF, the default's variants (C; E, F: the sandwich rule), the default and the other rows
+LANES = ("B", "C", "E", "F", "A")
 
 
 def _new_rows(out: Path, name: str) -> dict[str, list[dict]]:
