@@ -139,6 +139,27 @@ def _site(model: nn.Module, site: str) -> HeadSite:
     return sites[site]
 
 
+class SiteView(nn.Module):
+    """The path of ``model`` through its classifier ``site`` (``head_sites``) as a module: ``forward(x)`` → that
+    classifier's logits ``[N, C]`` (a depth tier's exit scored as the model of that depth). Holds ``model``."""
+
+    def __init__(self, model: nn.Module, site: str) -> None:
+        super().__init__()
+        _site(model, site)   # ValueError naming the sites the model has
+        self.model, self.site = model, site
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _site(self.model, self.site).logits(x)
+
+
+def copy_head(source: nn.Module, target: nn.Module, site: str = "") -> nn.Module:
+    """``target`` (in place, returned) with its classifier ``site`` set to ``source``'s (same architecture)."""
+    with torch.no_grad():
+        for t, s in zip(_site(target, site).classifier.parameters(), _site(source, site).classifier.parameters()):
+            t.copy_(s)
+    return target
+
+
 def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
              device: str | torch.device = "cpu", site: str = "") -> torch.Tensor:
     """The inputs ``[N, d]`` of the classifier ``site`` (``""``: the model's pre-logit features, its family adapter's
@@ -302,5 +323,6 @@ def model_equivalents(numbers: int, model: nn.Module) -> float:
     return numbers / sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["HeadStatistics", "HeadSite", "head_sites", "head_statistics", "solve_head", "with_head", "features", "fit_temperature", "cut_points", "split",
+__all__ = ["HeadStatistics", "HeadSite", "SiteView", "head_sites", "head_statistics", "solve_head", "with_head",
+           "copy_head", "features", "fit_temperature", "cut_points", "split",
            "freeze", "lift_suffix", "fuse_suffixes", "model_equivalents", "DEFAULT_HEAD_RIDGE"]

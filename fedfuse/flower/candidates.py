@@ -10,7 +10,8 @@ run on several models at once). A node scores on its validation split when it ha
 
 Query ``message_type``: ``"query.score_candidates"``; content: ``ArrayRecord`` ``"candidate-<i>"`` for ``i < k`` and
 ``ConfigRecord`` ``"config"`` with ``{"candidates": k}`` (and ``"tier-width-mult"`` when the candidates are a width
-tier's models: the head round of width tiers, ``fedfuse.flower.head_round``). Reply: ``MetricRecord`` ``"metrics"`` with
+tier's models, ``"site"`` when they are scored through one of their classifiers, a depth tier's exit: the head
+round, ``fedfuse.flower.head_round``). Reply: ``MetricRecord`` ``"metrics"`` with
 ``num-examples``, ``accuracy-<i>`` and ``loss-<i>`` for every candidate.
 """
 
@@ -28,13 +29,18 @@ ACTION = "score_candidates"
 MESSAGE_TYPE = f"query.{ACTION}"
 
 
-def score_query_content(states: list[dict[str, torch.Tensor]], tier: float | None = None) -> RecordDict:
+SITE_KEY = "site"   # query config: score the candidates through this classifier (fedfuse.progressive.head_sites)
+
+
+def score_query_content(states: list[dict[str, torch.Tensor]], tier: float | None = None,
+                        site: str | None = None) -> RecordDict:
     """The content of a scoring query for the candidate ``states`` (state dicts of the global architecture, or of
-    width tier ``tier``'s)."""
+    width tier ``tier``'s), scored through their classifier ``site`` when given (a depth tier's exit)."""
     if not states:
         raise ValueError("a scoring query needs at least one candidate")
     records = {f"candidate-{i}": ArrayRecord(s) for i, s in enumerate(states)}
-    config = {"candidates": len(states), **({} if tier is None else {TIER_KEY: float(tier)})}
+    config = {"candidates": len(states), **({} if tier is None else {TIER_KEY: float(tier)}),
+              **({} if site is None else {SITE_KEY: str(site)})}
     return RecordDict({**records, "config": ConfigRecord(config)})
 
 
@@ -42,6 +48,12 @@ def read_score_tier(msg: Message) -> float | None:
     """The width tier whose models a scoring query holds (``None``: the global architecture)."""
     config = msg.content.config_records.get("config")
     return None if config is None or TIER_KEY not in config else float(config[TIER_KEY])
+
+
+def read_score_site(msg: Message) -> str | None:
+    """The classifier a scoring query scores through (``None``: the model's own output)."""
+    config = msg.content.config_records.get("config")
+    return None if config is None or SITE_KEY not in config else str(config[SITE_KEY])
 
 
 def read_score_query(msg: Message) -> list[dict[str, torch.Tensor]]:
@@ -103,12 +115,12 @@ class Scores:
 
 
 def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Tensor]],
-                     timeout: float | None = None, tier: float | None = None) -> Scores:
+                     timeout: float | None = None, tier: float | None = None, site: str | None = None) -> Scores:
     """Send one scoring query for ``states`` to ``node_ids`` through ``grid`` and pool the valid answers (the
     sample-weighted accuracy and loss of each candidate on the nodes' own data); malformed answers are rejected with
     their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake. ``tier``:
-    the states are that width tier's models."""
-    content = score_query_content(states, tier)
+    the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit)."""
+    content = score_query_content(states, tier, site)
     msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in node_ids]
     try:
         replies = list(grid.send_and_receive(msgs, timeout=timeout))
@@ -132,5 +144,5 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     return out
 
 
-__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "read_score_tier",
+__all__ = ["ACTION", "MESSAGE_TYPE", "score_query_content", "read_score_query", "read_score_tier", "read_score_site",
            "score_reply_content", "read_score_reply", "score_candidates", "Scores"]

@@ -37,13 +37,13 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
 from fedfuse.config import RunConfig, load_initial_model, parse_run_config, partition_file  # noqa: E402
-from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_tier,  # noqa: E402
-                                       score_reply_content)
+from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
+                                       read_score_tier, score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tiers, tier_site)
-from fedfuse.progressive import head_sites, head_statistics  # noqa: E402
+from fedfuse.progressive import SiteView, head_sites, head_statistics  # noqa: E402
 from fedfuse.flower.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
                                          tier_model)
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
@@ -174,12 +174,14 @@ def score_handler(msg: Message, context: Context) -> Message:
     cfg, node = _setup(context)
     states = read_score_query(msg)
     model = _tier_model(cfg, node, read_score_tier(msg))
+    site = read_score_site(msg)   # a depth tier's exit: scored as the model of that depth
+    scored = model if site is None else SiteView(model, site)
     data = node.val if len(node.val) > 0 else node.train
     device = resolve_device(cfg.device)
     accs, losses = [], []
     for state in states:
         model.load_state_dict(state)
-        m = evaluate(model, data.x, data.y, num_classes=node.num_classes, device=device)
+        m = evaluate(scored, data.x, data.y, num_classes=node.num_classes, device=device)
         accs.append(float(m["accuracy"]))
         losses.append(float(m["loss"]))
     return Message(content=score_reply_content(len(data), accs, losses), reply_to=msg)

@@ -48,7 +48,7 @@ from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.hetero import tier_name
-from fedfuse.progressive import HeadStatistics, fit_temperature, head_sites, solve_head, with_head
+from fedfuse.progressive import HeadStatistics, copy_head, fit_temperature, head_sites, solve_head, with_head
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -191,12 +191,14 @@ class HeadRound:
         return nodes, stats
 
     def _keep(self, grid, nodes: list[int], before: nn.Module, after: nn.Module, record: dict[str, Any],
-              tier: float | None = None) -> bool:
-        """Whether the solved head stays: the clients score both models (``tier``: as that width tier's model);
-        ``record`` gets their accuracies and the round's federated row."""
+              tier: float | None = None, site: str | None = None) -> bool:
+        """Whether the solved head stays: the clients score both models (``tier``: as that width tier's model;
+        ``site``: through that classifier, a depth tier's exit); ``record`` gets their accuracies and the round's
+        federated row."""
         if not self.check:
             return True
-        scores = score_candidates(grid, nodes, [before.state_dict(), after.state_dict()], self.timeout, tier=tier)
+        scores = score_candidates(grid, nodes, [before.state_dict(), after.state_dict()], self.timeout, tier=tier,
+                                  site=site or None)
         record["rejected"] = record.get("rejected", []) + [{"node": n, "reason": f"scoring: {why}"}
                                                            for n, why in scores.rejected]
         if scores.rejected or scores.error:
@@ -213,16 +215,19 @@ class HeadRound:
         record["federated"] = federated[1 if keep else 0]   # the clients' view of the kept model
         if not keep:
             log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
-                "before it stays", "" if tier is None else f" of tier {tier_name(tier)}", acc[1], acc[0])
+                "before it stays", "" if tier is None else f" of tier {tier_name(tier)}" if not site else
+                f" of classifier {site}", acc[1], acc[0])
         return keep
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sites: tuple[str, ...] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+            sites: tuple[str, ...] | None = None, check_each: bool = False) -> tuple[nn.Module, dict[str, Any]]:
         """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
         replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
         inputs and the clients' ensemble's probabilities on them, to set the head's temperature
         (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
-        classifiers to solve (``head_sites``; ``None``: every one)."""
+        classifiers to solve (``head_sites``; ``None``: every one). ``check_each``: with several classifiers (a depth
+        tier's exits), the clients score each one on its own, through it, and each solved classifier is kept unless
+        it scores lower (``record["sites"]``); else one check of the model's own output."""
         t0 = time.perf_counter()
         every = head_sites(model)
         unknown = sorted(set(sites or ()) - set(every))
@@ -240,6 +245,8 @@ class HeadRound:
             out = with_head(out, solve_head([s[site] for s in stats], self.ridge), site)
             temps[site] = fit_temperature(out, *reference, site=site) if reference is not None else 1.0
         record["temperature"] = temps[""] if len(temps) == 1 else temps
+        if check_each and len(widths) > 1:
+            return self._keep_each(grid, nodes, before, out, list(widths), record, t0)
         keep = self._keep(grid, nodes, before, out, record)
         record["kept"] = "head" if keep else "before"
         record["seconds"] = time.perf_counter() - t0
@@ -247,6 +254,26 @@ class HeadRound:
             log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)",
                 len(stats), record["num-examples"], record["seconds"])
         return (out if keep else before), record
+
+    def _keep_each(self, grid, nodes: list[int], before: nn.Module, out: nn.Module, sites: list[str],
+                   record: dict[str, Any], t0: float) -> tuple[nn.Module, dict[str, Any]]:
+        """``check_each``: every solved classifier scored on its own against the model before (the candidates
+        differ in that classifier only); the ones the clients score lower go back to their trained weights."""
+        record["sites"] = {}
+        for site in sites:
+            rec: dict[str, Any] = {}
+            keep = self._keep(grid, nodes, before, copy_head(out, copy.deepcopy(before), site), rec, site=site)
+            if not keep:
+                copy_head(before, out, site)
+            record["rejected"] += rec.pop("rejected", [])
+            record["sites"][site or "final"] = {"kept": "head" if keep else "before", **rec}
+        final = record["sites"]["final"] if "" in sites else {}
+        record.update({k: final[k] for k in ("client-accuracy", "federated") if k in final})
+        record["kept"] = final.get("kept", "head")
+        record["seconds"] = time.perf_counter() - t0
+        log(INFO, "fedfuse head round: classifiers solved from %d nodes' statistics, kept: %s", record["valid"],
+            ", ".join(f"{k}: {v['kept']}" for k, v in record["sites"].items()))
+        return out, record
 
     def run_tiers(self, grid, models: dict[float, nn.Module], num_classes: int,
                   reference: tuple[torch.Tensor, torch.Tensor] | None = None

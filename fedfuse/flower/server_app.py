@@ -499,10 +499,11 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         model = tiers[1.0]
         strategy.adopt_tier_models(tiers)
     else:
-        # multi-round depth tiers: the final classifier only (their exits, trained for every round, beat solved ones
-        # at the shallowest depth: results/depth-tiers-head-multiround); one-shot: every classifier
-        sites = ("",) if cfg.depth_tiers and cfg.mode != "one-shot" else None
-        model, record = head.run(grid, model, num_classes, reference, sites)
+        # multi-round depth tiers: every classifier, each checked on its own (solved exits beat the trained ones at
+        # the middle depths and lose at the shallowest: results/depth-tiers-head-multiround); one-shot: every
+        # classifier, one check
+        each = cfg.depth_tiers and cfg.mode != "one-shot"
+        model, record = head.run(grid, model, num_classes, reference, check_each=each)
     head_rnd = cfg.num_server_rounds + 1
     strategy.history.append({"round": head_rnd, "post-step": "head-round", "valid": record["valid"],
                              "rejected": record["rejected"], "failures": [], "fallback": record["fallback"],
