@@ -385,3 +385,46 @@ def test_head_round_with_width_tiers_solves_and_checks_every_tier(identity):
     assert {m.metadata.message_type for m in grid.sent} == {"query.head_statistics", "query.score_candidates"}
     with pytest.raises(ValueError, match="global one"):
         HeadRound().run_tiers(grid, {0.5: small}, 4)
+
+
+def test_check_each_keeps_every_solved_exit_the_clients_do_not_score_lower(identity):
+    """``check_each``: each solved classifier of a depth tier's model is scored on its own, through it (the scoring
+    query names the site); one the clients score lower goes back to its trained weights, the others stay solved."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedfuse.flower.candidates import read_score_site
+    from fedfuse.hetero.depth import multi_exit
+    from fedfuse.progressive import SiteView, head_sites
+
+    x, y = _data()
+    model = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5, 0.25], 4)
+    trained = {s: v.classifier.weight.clone() for s, v in head_sites(model).items()}
+    parts = (slice(0, 150), slice(150, 300))
+    stats = [{s: head_statistics(model, x[p], y[p], 4, site=s) for s in head_sites(model)} for p in parts]
+    scores = {None: (0.5, 0.6), "1": (0.7, 0.6), "2": (0.5, 0.5)}   # the final one and exit 2 kept, exit 1 not
+    grid, seen = _Grid([head_reply_content(s) for s in stats]), []
+
+    def send(msgs, timeout=None):
+        msgs = list(msgs)
+        if msgs[0].metadata.message_type != "query.score_candidates":
+            return [_reply(head_reply_content(s), m.metadata.dst_node_id) for m, s in zip(msgs, stats)]
+        site = read_score_site(msgs[0])
+        seen.append(site)
+        b, h = scores[site]
+        return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b, "accuracy-1": h})}),
+                       m.metadata.dst_node_id) for m in msgs]
+
+    grid.send_and_receive = send
+    out, record = HeadRound(1e-3).run(grid, model, 4, check_each=True)
+    assert sorted(seen, key=str) == sorted([None, "1", "2"], key=str)   # one scoring query per classifier
+    assert {k: v["kept"] for k, v in record["sites"].items()} == {"final": "head", "1": "before", "2": "head"}
+    assert record["kept"] == "head" and record["client-accuracy"] == {"before": 0.5, "head": 0.6}
+    sites = head_sites(out)
+    assert torch.equal(sites["1"].classifier.weight, trained["1"])
+    for s in ("", "2"):
+        want = solve_head([st[s] for st in stats], 1e-3)
+        assert not torch.equal(sites[s].classifier.weight, trained[s])
+        # solved, then scaled by its temperature (1 without a reference)
+        assert torch.allclose(sites[s].classifier.weight, want.weight, atol=1e-6)
+    # a site's view is the model of that depth: its logits are the exit's
+    assert torch.allclose(SiteView(out, "2")(x[:5]), sites["2"].logits(x[:5]))
