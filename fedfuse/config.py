@@ -122,8 +122,8 @@ class RunConfig:
                             "included) and the server solves the classifier in closed form, kept unless the clients "
                             "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
                             "the strict one-exchange setting); width tiers: every tier's classifier, each kept "
-                            "unless the clients score that tier's model lower; depth tiers: the final classifier, and "
-                            "in one-shot mode every exit's too")
+                            "unless the clients score that tier's model lower; depth tiers: every exit's too, each "
+                            "checked on its own in multi-round mode")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")

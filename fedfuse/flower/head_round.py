@@ -13,7 +13,9 @@ state dict). Reply: ``ArrayRecord`` ``"head-statistics"`` with ``gram-upper`` (t
 ``[d+1, d+1]`` Gram matrix of the features with a constant 1 appended, row-major) and ``cross`` (``[d+1, C]``, the
 features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-examples``. A model with several
 classifiers (a depth tier's ``MultiExit``: ``fedfuse.progressive.head_sites``) gets one more pair per exit ``k``,
-``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved.
+``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved; with ``check_each`` (multi-round depth tiers) the
+clients score each solved classifier on its own, through it (a scoring query naming the site), and each is kept
+unless it scores lower.
 
 Width tiers (``client-tiers`` of width multipliers; ``HeadRound.run_tiers``): the query also carries every narrower
 tier's model (``ArrayRecord`` ``"model@<tier>"``, the widths in the config's ``"tiers"``); each node builds them as
