@@ -216,9 +216,9 @@ class HeadRound:
         keep = acc[1] >= acc[0]
         record["federated"] = federated[1 if keep else 0]   # the clients' view of the kept model
         if not keep:
+            which = f" of tier {tier_name(tier)}" if tier is not None else f" of classifier {site}" if site else ""
             log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
-                "before it stays", "" if tier is None else f" of tier {tier_name(tier)}" if not site else
-                f" of classifier {site}", acc[1], acc[0])
+                "before it stays", which, acc[1], acc[0])
         return keep
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -451,11 +451,9 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     recorder.write()
     # the last global model (Result.arrays stays empty when every round was skipped)
     recorder.save_model(last_arrays.to_torch_state_dict())
-    if callable(getattr(strategy, "adopt_tier_models", None)) and strategy._global is not None:   # width tiers
-        for r in strategy.tier_layout.all_tiers():
-            if r != 1.0:
-                state = strategy.tier_model(r, cfg.num_server_rounds + 2).state_dict()
-                recorder.save_model(state, f"tier-{tier_name(r)}_model.pt")
+    if _width_tiered(strategy):   # and every narrower tier's final model beside it
+        for r, tier in strategy.narrower_tier_models(cfg.num_server_rounds + 2).items():
+            recorder.save_model(tier.state_dict(), f"tier-{tier_name(r)}_model.pt")
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
     if crash is not None:
         log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
@@ -468,6 +466,11 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
         raise RuntimeError(f"fedfuse: {outcome['error']}")
     (out / "DONE").write_text("ok\n")
     log(INFO, "fedfuse: results written to %s", out)
+
+
+def _width_tiered(strategy) -> bool:
+    """Whether ``strategy`` aggregates width tiers (``fedfuse.flower.tiered``: a model per tier)."""
+    return callable(getattr(strategy, "narrower_tier_models", None))
 
 
 def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
@@ -492,9 +495,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout)
-    if cfg.client_tiers.strip() and not cfg.depth_tiers:   # width tiers: every tier's classifier, each checked
-        tiers = {r: strategy.tier_model(r, cfg.num_server_rounds + 1) for r in strategy.tier_layout.all_tiers()}
-        tiers[1.0] = model   # the global model (its BatchNorm as trained)
+    if _width_tiered(strategy):   # every tier's classifier, each checked
+        tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
         model = tiers[1.0]
         strategy.adopt_tier_models(tiers)

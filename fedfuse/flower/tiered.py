@@ -309,6 +309,13 @@ class TieredFusionStrategy(FusionStrategy):
     def aggregated_scores(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor] | None:
         return self.tier_models_step.aggregated_scores(updates)
 
+    def narrower_tier_models(self, server_round: int) -> dict[float, nn.Module]:
+        """Every narrower tier's model as ``server_round`` would send it (``tier_model``), by width multiplier;
+        ``{}`` before the first global model."""
+        if self._global is None:
+            return {}
+        return {r: self.tier_model(r, server_round) for r in self.tier_layout.all_tiers() if r != 1.0}
+
     def adopt_tier_models(self, models: dict[float, nn.Module]) -> None:
         """After the last round (the head round of width tiers): the global model and the narrower tiers' models
         are these (``{tier: model}``, the global one at tier 1; each keeps its own classifier, so the narrower

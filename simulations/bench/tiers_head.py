@@ -11,6 +11,8 @@ every tier (means), and its smallest tier − FedAvg at the smallest width (both
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 from pathlib import Path
 
 from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
@@ -38,8 +40,6 @@ def head_summary(cells: list[str], out: Path) -> str:
 
 def _global_small(rs: list[dict]) -> str:
     """``global / smallest tier`` (means) of a row's runs."""
-    import statistics
-
     if not rs:
         return "—"
     tiers = set.intersection(*(set(r.get("final-tier-accuracy") or {}) for r in rs))
@@ -52,8 +52,6 @@ def _global_small(rs: list[dict]) -> str:
 
 def _failed(out: Path, cell: str, strategy: str) -> str:
     """A row whose every run failed (e.g. trained to chance: the run's own check): say so, with the reason."""
-    import json
-
     for lane in LANES:
         path = out / lane / cell / "sweep.json"
         runs = [r for r in json.loads(path.read_text()) if r["strategy"] == strategy] if path.exists() else []
