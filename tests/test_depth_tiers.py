@@ -438,6 +438,23 @@ def test_a_narrow_multi_exit_is_the_top_left_slice_of_the_global_one(family):
         exit_submodel(me, _me(family, depths=(1, 0.75)).at_width_mult(0.5, input_shape=SHAPES[family]))
 
 
+def test_narrow_copy_and_which_narrower_widths_read_each_classifier():
+    """``narrow_copy``: the model as a width × depth node receives it (the slice of every array); ``classifier_readers``:
+    the narrower widths holding each classifier (exits at or below their depth, the final one at full depth)."""
+    from fedfuse.hetero import slice_state
+    from fedfuse.hetero.depth import classifier_readers, exit_submodel, narrow_copy
+
+    me = _me("mlp", depths=(1, 0.5))
+    narrow = narrow_copy(me, 0.5, SHAPES["mlp"])
+    want = slice_state(me.state_dict(), exit_submodel(me, narrow))
+    assert all(torch.equal(v, want[k]) for k, v in narrow.state_dict().items())
+    same = narrow_copy(me, 1)
+    assert same is not me and all(torch.equal(v, me.state_dict()[k]) for k, v in same.state_dict().items())
+    assert classifier_readers(me, [(1, 1), (1, 0.5), (0.5, 0.5)]) == {"2": [0.5]}
+    assert classifier_readers(me, [(1, 1), (0.5, 1), (0.25, 0.5)]) == {"": [0.5], "2": [0.25, 0.5]}
+    assert classifier_readers(me, [(1, 1), (1, 0.5)]) == {}
+
+
 def test_width_x_depth_average_is_per_entry_over_the_nodes_that_hold_it():
     g = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "n": torch.tensor(7)}
     full = {"a": torch.ones(2, 3), "b": torch.full((4,), 2.0)}
@@ -533,6 +550,13 @@ def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
     b = last["tier-bytes-sent"]   # the narrow shallow node receives the slice of the shallow tier's arrays
     assert b["1x1"] / 2 > b["1x0.5"] > b["0.5x0.5"] > 0   # partitions 0 and 3 are full
     assert last["test-accuracy"] > 0.15   # chance 0.1
+    # the head round checks each classifier; the exit the narrow tier reads is checked at its width too, unless the
+    # full width already kept its trained weights
+    head = next(h for h in res["strategy-history"] if h.get("post-step") == "head-round")["fusion-info"]["head-round"]
+    exit2 = head["sites"]["2"]
+    assert set(head["sites"]) == {"final", "2"} and "widths" not in head["sites"]["final"]
+    assert set(exit2.get("widths", {})) == ({"0.5"} if exit2["client-accuracy"]["head"]
+                                            >= exit2["client-accuracy"]["before"] else set())
 
 
 @pytest.mark.parametrize("tiers,fusion", [("1x1,1x0.75,1x0.5,1x0.25", "ot"), (WXD, "feddf")])

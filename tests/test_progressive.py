@@ -428,3 +428,55 @@ def test_check_each_keeps_every_solved_exit_the_clients_do_not_score_lower(ident
         assert torch.allclose(sites[s].classifier.weight, want.weight, atol=1e-6)
     # a site's view is the model of that depth: its logits are the exit's
     assert torch.allclose(SiteView(out, "2")(x[:5]), sites["2"].logits(x[:5]))
+
+
+def test_check_each_scores_a_shared_exit_at_every_narrower_width_that_reads_it(identity):
+    """Width × depth tiers: a narrower tier reads the top-left slice of every classifier it holds, so a solved
+    classifier is kept only if the clients score it no lower at the full width and at each narrower width reading it
+    (scoring queries naming the width and the classifier, with that width's sliced candidates)."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedfuse.flower.candidates import read_score_query, read_score_site, read_score_tier
+    from fedfuse.hetero.depth import classifier_readers, multi_exit, narrow_copy
+    from fedfuse.progressive import head_sites
+
+    x, y = _data()
+    model = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5], 4)
+    readers = classifier_readers(model, [(1, 1), (1, 0.5), (0.5, 0.5)])
+    assert readers == {"2": [0.5]}   # the narrow tier holds exit 2 only
+    trained = head_sites(model)["2"].classifier.weight.clone()
+    parts = (slice(0, 150), slice(150, 300))
+    stats = [{s: head_statistics(model, x[p], y[p], 4, site=s) for s in head_sites(model)} for p in parts]
+    for narrow_scores, want in (((0.7, 0.6), "before"), ((0.6, 0.6), "head")):
+        scores = {(None, None): (0.5, 0.6), (None, "2"): (0.5, 0.6), (0.5, "2"): narrow_scores}
+        grid, seen = _Grid([head_reply_content(s) for s in stats]), []
+
+        def send(msgs, timeout=None, scores=scores, seen=seen):
+            msgs = list(msgs)
+            if msgs[0].metadata.message_type != "query.score_candidates":
+                return [_reply(head_reply_content(s), m.metadata.dst_node_id) for m, s in zip(msgs, stats)]
+            key = (read_score_tier(msgs[0]), read_score_site(msgs[0]))
+            seen.append((key, tuple(read_score_query(msgs[0])[0]["exits.2.fc.weight"].shape)))
+            b, h = scores[key]
+            return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b,
+                                                                "accuracy-1": h})}), m.metadata.dst_node_id)
+                    for m in msgs]
+
+        grid.send_and_receive = send
+        out, record = HeadRound(1e-3).run(grid, model, 4, check_each=True, readers=readers,
+                                          narrow=lambda m, w: narrow_copy(m, w, (8,)))
+        # the full width through each classifier, then the narrow width through the exit it reads, its slice sent
+        assert sorted(seen, key=str) == sorted([((None, None), (4, 16)), ((None, "2"), (4, 16)),
+                                                ((0.5, "2"), (4, 8))], key=str)
+        assert record["sites"]["2"]["kept"] == want and set(record["sites"]["2"]["widths"]) == {"0.5"}
+        # the full width's view of the model kept (the narrow width decided)
+        assert record["sites"]["2"]["federated"]["federated-accuracy"] == (0.5 if want == "before" else 0.6)
+        assert record["sites"]["final"]["kept"] == "head" and "widths" not in record["sites"]["final"]
+        exit2 = head_sites(out)["2"].classifier.weight
+        solved = solve_head([st["2"] for st in stats], 1e-3).weight
+        if want == "before":
+            assert torch.equal(exit2, trained)
+        else:
+            assert torch.allclose(exit2, solved, atol=1e-6)
+    with pytest.raises(ValueError, match="narrow"):
+        HeadRound(1e-3).run(grid, model, 4, check_each=True, readers=readers)

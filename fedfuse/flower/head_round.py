@@ -15,7 +15,8 @@ features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-example
 classifiers (a depth tier's ``MultiExit``: ``fedfuse.progressive.head_sites``) gets one more pair per exit ``k``,
 ``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved; with ``check_each`` (multi-round depth tiers) the
 clients score each solved classifier on its own, through it (a scoring query naming the site), and each is kept
-unless it scores lower.
+unless it scores lower; with width × depth tiers also at every narrower width that reads its top-left slice (a
+scoring query naming the width too).
 
 Width tiers (``client-tiers`` of width multipliers; ``HeadRound.run_tiers``): the query also carries every narrower
 tier's model (``ArrayRecord`` ``"model@<tier>"``, the widths in the config's ``"tiers"``); each node builds them as
@@ -41,7 +42,7 @@ from __future__ import annotations
 import copy
 import time
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -193,10 +194,10 @@ class HeadRound:
         return nodes, stats
 
     def _keep(self, grid, nodes: list[int], before: nn.Module, after: nn.Module, record: dict[str, Any],
-              tier: float | None = None, site: str | None = None) -> bool:
+              tier: float | None = None, site: str | None = None, views: list | None = None) -> bool:
         """Whether the solved head stays: the clients score both models (``tier``: as that width tier's model;
         ``site``: through that classifier, a depth tier's exit); ``record`` gets their accuracies and the round's
-        federated row."""
+        federated row (of the model it keeps; ``views`` gets both rows, before and with the head)."""
         if not self.check:
             return True
         scores = score_candidates(grid, nodes, [before.state_dict(), after.state_dict()], self.timeout, tier=tier,
@@ -215,21 +216,31 @@ class HeadRound:
                       "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
         keep = acc[1] >= acc[0]
         record["federated"] = federated[1 if keep else 0]   # the clients' view of the kept model
+        if views is not None:
+            views[:] = federated
         if not keep:
-            which = f" of tier {tier_name(tier)}" if tier is not None else f" of classifier {site}" if site else ""
+            which = ((f" of tier {tier_name(tier)}" if tier is not None else "")
+                     + (f" of classifier {site}" if site else ""))
             log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
                 "before it stays", which, acc[1], acc[0])
         return keep
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sites: tuple[str, ...] | None = None, check_each: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+            sites: tuple[str, ...] | None = None, check_each: bool = False,
+            readers: dict[str, list[float]] | None = None,
+            narrow: Callable[[nn.Module, float], nn.Module] | None = None) -> tuple[nn.Module, dict[str, Any]]:
         """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
         replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
         inputs and the clients' ensemble's probabilities on them, to set the head's temperature
         (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
         classifiers to solve (``head_sites``; ``None``: every one). ``check_each``: with several classifiers (a depth
         tier's exits), the clients score each one on its own, through it, and each solved classifier is kept unless
-        it scores lower (``record["sites"]``); else one check of the model's own output."""
+        it scores lower (``record["sites"]``); else one check of the model's own output. ``readers`` (with
+        ``check_each``; width × depth tiers: ``fedfuse.hetero.depth.classifier_readers``): the narrower widths that
+        read each classifier's top-left slice; a solved classifier is then kept only if the clients do not score it
+        lower at any of them either (``narrow(model, width)``: the model as that width's nodes receive it), since the
+        pooled ridge solution on the full width's features is not fitted to a slice of them (MNIST-1D, tiers
+        ``1x1,1x0.5,0.5x0.5``, α = 0.1: the shared exit's solved head cost the narrow tier 8.5 points)."""
         t0 = time.perf_counter()
         every = head_sites(model)
         unknown = sorted(set(sites or ()) - set(every))
@@ -247,8 +258,10 @@ class HeadRound:
             out = with_head(out, solve_head([s[site] for s in stats], self.ridge), site)
             temps[site] = fit_temperature(out, *reference, site=site) if reference is not None else 1.0
         record["temperature"] = temps[""] if len(temps) == 1 else temps
+        if readers and narrow is None:
+            raise ValueError("head round: readers need narrow (the model at a narrower width)")
         if check_each and len(widths) > 1:
-            return self._keep_each(grid, nodes, before, out, list(widths), record, t0)
+            return self._keep_each(grid, nodes, before, out, list(widths), record, t0, readers or {}, narrow)
         keep = self._keep(grid, nodes, before, out, record)
         record["kept"] = "head" if keep else "before"
         record["seconds"] = time.perf_counter() - t0
@@ -258,17 +271,30 @@ class HeadRound:
         return (out if keep else before), record
 
     def _keep_each(self, grid, nodes: list[int], before: nn.Module, out: nn.Module, sites: list[str],
-                   record: dict[str, Any], t0: float) -> tuple[nn.Module, dict[str, Any]]:
+                   record: dict[str, Any], t0: float, readers: dict[str, list[float]],
+                   narrow: Callable[[nn.Module, float], nn.Module] | None) -> tuple[nn.Module, dict[str, Any]]:
         """``check_each``: every solved classifier scored on its own against the model before (the candidates
-        differ in that classifier only); the ones the clients score lower go back to their trained weights."""
+        differ in that classifier only), at the full width and at every narrower width that reads it
+        (``readers``); the ones the clients score lower at any of them go back to their trained weights."""
         record["sites"] = {}
         for site in sites:
             rec: dict[str, Any] = {}
-            keep = self._keep(grid, nodes, before, copy_head(out, copy.deepcopy(before), site), rec, site=site)
+            candidate, views = copy_head(out, copy.deepcopy(before), site), []
+            keep = self._keep(grid, nodes, before, candidate, rec, site=site, views=views)
+            widths: dict[str, Any] = {}
+            for w in readers.get(site, []) if keep else []:   # the narrower widths reading its slice
+                widths[tier_name(w)] = {}
+                keep = self._keep(grid, nodes, narrow(before, w), narrow(candidate, w), widths[tier_name(w)], tier=w,
+                                  site=site)
+                rec["rejected"] = rec.get("rejected", []) + widths[tier_name(w)].pop("rejected", [])
+                if not keep:   # the full width's view of the model it keeps
+                    rec["federated"] = views[0]
+                    break
             if not keep:
                 copy_head(before, out, site)
             record["rejected"] += rec.pop("rejected", [])
-            record["sites"][site or "final"] = {"kept": "head" if keep else "before", **rec}
+            record["sites"][site or "final"] = {"kept": "head" if keep else "before", **rec,
+                                                **({"widths": widths} if widths else {})}
         final = record["sites"]["final"] if "" in sites else {}
         record.update({k: final[k] for k in ("client-accuracy", "federated") if k in final})
         record["kept"] = final.get("kept", "head")

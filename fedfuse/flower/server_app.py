@@ -504,8 +504,16 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         # multi-round depth tiers: every classifier, each checked on its own (solved exits beat the trained ones at
         # the middle depths and lose at the shallowest: results/depth-tiers-head-multiround); one-shot: every
         # classifier, one check
-        each = cfg.depth_tiers and cfg.mode != "one-shot"
-        model, record = head.run(grid, model, num_classes, reference, check_each=each)
+        each = bool(cfg.depth_tiers) and cfg.mode != "one-shot"
+        readers, narrow = {}, None
+        if each and min(cfg.depth_tier_widths) < 1:   # width x depth tiers: a narrow tier reads a classifier's slice
+            from fedfuse.hetero.depth import classifier_readers, narrow_copy
+
+            readers = classifier_readers(model, list(zip(cfg.depth_tier_widths, cfg.depth_tiers)))
+            input_shape = strategy.layout.input_shape   # fedfuse.flower.depth_tiers.DepthTieredStrategy's
+            narrow = lambda m, w: narrow_copy(m, w, input_shape)  # noqa: E731
+        model, record = head.run(grid, model, num_classes, reference, check_each=each, readers=readers,
+                                 narrow=narrow)
     head_rnd = cfg.num_server_rounds + 1
     strategy.history.append({"round": head_rnd, "post-step": "head-round", "valid": record["valid"],
                              "rejected": record["rejected"], "failures": [], "fallback": record["fallback"],

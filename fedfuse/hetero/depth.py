@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.hetero.submodel import SubModel, entry_mean, submodel
+from fedfuse.hetero.submodel import SubModel, entry_mean, slice_state, submodel
 from fedfuse.models import levels
 from fedfuse.models.adapters import UnsupportedModelError, adapter_for
 
@@ -240,6 +240,33 @@ def exit_submodel(global_model: MultiExit, tier_model: MultiExit) -> SubModel:
             pos = torch.arange(g.numel()).reshape(g.shape)
             positions[key] = pos[tuple(slice(0, n) for n in t.shape)].clone()
     return SubModel(positions, {k: tuple(v.shape) for k, v in gstate.items()})
+
+
+def narrow_copy(model: MultiExit, width_mult: float, input_shape: tuple[int, ...] | None = None) -> MultiExit:
+    """``model`` as a width × depth tier of ``width_mult`` sees it: the ``MultiExit`` at that width holding ``model``'s
+    top-left slice of every array (``exit_submodel``; what such a node receives). ``width_mult=1``: a copy."""
+    import copy
+
+    if width_mult == 1:
+        return copy.deepcopy(model)
+    narrow = model.at_width_mult(width_mult, input_shape=input_shape)
+    narrow.load_state_dict(slice_state(model.state_dict(), exit_submodel(model, narrow)))
+    return narrow
+
+
+def classifier_readers(model: MultiExit, tiers: Sequence[tuple[float, float]]) -> dict[str, list[float]]:
+    """Which narrower widths read each classifier of ``model`` (``fedfuse.progressive.head_sites`` names: ``""`` the
+    final one, ``"<k>"`` exit ``k``): ``tiers`` are ``(width, depth)`` multipliers (``client-tiers``); a tier of
+    width ``< 1`` reads the top-left slice of every classifier it holds (the exits at or below its depth, the final
+    one at full depth). A classifier no narrower tier holds is not listed."""
+    out: dict[str, set[float]] = {}
+    for w, d in tiers:
+        if w >= 1:
+            continue
+        k = units_at(d, model.num_units)
+        for site in [str(e) for e in model.exit_units if e <= k] + ([""] if k == model.num_units else []):
+            out.setdefault(site, set()).add(float(w))
+    return {site: sorted(ws) for site, ws in out.items()}
 
 
 def aggregate_held(global_state: dict[str, torch.Tensor], states: list[dict[str, torch.Tensor]],
@@ -485,6 +512,6 @@ def multi_exit(model: nn.Module, depth_mults: Sequence[float], num_classes: int)
 
 
 __all__ = ["MultiExit", "ExitHead", "ExitsView", "depth_units", "units_at", "held_keys", "aggregate_held", "exit_submodel",
-           "align_depths",
+           "narrow_copy", "classifier_readers", "align_depths",
            "distill_exits",
            "mutual_distillation_loss", "multi_exit", "unit_arrays", "layer_momentum", "momentum_distill"]

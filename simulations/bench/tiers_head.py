@@ -20,15 +20,37 @@ from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
 
-# FedDF, the default's variants (C; E, F: the sandwich rule), the default and the other rows
-LANES = ("B", "C", "E", "F", "A")
+# FedDF (B at the cell's lr, G at lr 0.05 and 0.1), the default's variants (C; E, F: the sandwich rule), the default
+# and the other rows
+LANES = ("B", "G", "C", "E", "F", "A")
 
 
-def _new_rows(out: Path, name: str) -> dict[str, list[dict]]:
+def best_lr(rows: dict[str, list[dict]], name: str) -> str | None:
+    """The label of ``name``'s row at its best lr: among ``name`` (the cell's lr) and ``name[lr=…]``, the one whose
+    global model has the highest mean (a run that trained itself to chance has no final accuracy: it is not a
+    candidate); ``None`` when there is none."""
+    labels = [s for s in rows if s == name or (s.startswith(f"{name}[lr=") and s.endswith("]"))]
+    return max(labels, key=lambda s: statistics.mean(r["final-accuracy"] for r in rows[s]), default=None)
+
+
+def _new_rows(out: Path, name: str, *, best: bool = True) -> dict[str, list[dict]]:
+    """A cell's rows by strategy over every lane; with ``best``, each baseline is its row at its best lr (under the
+    baseline's own name: the goal reads it there)."""
     rows: dict[str, list[dict]] = {}
     for lane in LANES:
         rows.update(_rows(out / lane / name / "sweep.json"))
+    if best:
+        for b in BASELINES:
+            label = best_lr(rows, b)
+            if label is not None:
+                rows[b] = rows[label]
     return rows
+
+
+def _lr_note(out: Path, cell: str, name: str) -> str:
+    """`` (lr 0.05)`` when ``name``'s best row is not at the cell's lr."""
+    label = best_lr(_new_rows(out, cell, best=False), name)
+    return "" if label in (None, name) else f" ({label[len(name) + 1:-1].replace('=', ' ')})"
 
 
 def head_summary(cells: list[str], out: Path) -> str:
@@ -71,19 +93,20 @@ def compact(cells: list[str], out: Path, before_default: Path) -> str:
         rows = _new_rows(out, cell)
         fedavg = [r for s, rs in rows.items() if s.startswith("fedavg[model-width") for r in rs]
         old = _rows(before_default / cell / "sweep.json").get(BEFORE_DEFAULT, [])
-        lines.append(f"| {cell} | " + " | ".join(_global_small(rows[s]) if s in rows else _failed(out, cell, s)
-                                                 for s in head)
+        lines.append(f"| {cell} | " + " | ".join(_global_small(rows[s]) + _lr_note(out, cell, s) if s in rows
+                                                 else _failed(out, cell, s) for s in head)
                      + f" | {_global_small(fedavg)} | {_global_small(old)} |")
     return "\n".join(lines) + "\n"
 
 
 def cell_table(name: str, out: Path, before: Path, before_default: Path) -> str:
-    new = _new_rows(out, name)
+    new = _new_rows(out, name, best=False)
     old = _rows(before / name / "sweep.json")
     old_default = _rows(before_default / name / "sweep.json").get(BEFORE_DEFAULT, [])
     variants = sorted((s for s in new if s.startswith("average[")), key=len)
+    lr_rows = sorted((s for s in new for b in BASELINES if s.startswith(f"{b}[lr=")), key=len)
     shown = [(f"**{s} + head round**" if s == "average" else f"{s} + head round", new[s])
-             for s in ("average", *variants, *BASELINES) if s in new]
+             for s in ("average", *variants, *BASELINES, *lr_rows) if s in new]
     shown += [("average, no head round (the default before)", old_default)] if old_default else []
     shown += [(f"{s}, no head round", old[s]) for s in BASELINES if s in old]
     tiers = sorted({t for _, rs in shown for r in rs for t in (r.get("final-tier-accuracy") or {})}, key=float,
@@ -107,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     cells = sorted(p.parent.name for p in (out / "A").glob("*/sweep.json"))
     text = ("The head round with width tiers: final test accuracy, mean ± sample std over the cell's seeds; "
             "10 clients, 30 rounds, the run configs of `results/tiers/<cell>`. Command: `bash "
-            f"simulations/bench/tiers_head.sh A {a.out}` and `... B {a.out}` (FedDF), then "
+            f"simulations/bench/tiers_head.sh A {a.out}` and `... B {a.out}` (FedDF), `ROWS=\"feddf[lr=0.05],"
+            f"feddf[lr=0.1]\" ... G {a.out} CELL...` (FedDF at two more lrs; each baseline is read at its best lr), "
+            "then "
             f"`.venv/bin/python -m simulations.bench.tiers_head {a.out}`.\n\n"
             "## The default above HeteroFL, FedRolex and FedDF (global and every tier) / its smallest tier − FedAvg "
             "at the smallest width\n\nWith the head round (every row getting it):\n\n")

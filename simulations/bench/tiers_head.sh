@@ -6,6 +6,8 @@
 # the committed cells (results/tiers/<cell>/table.md's first line).
 #   bash simulations/bench/tiers_head.sh A|B OUT [CELL...]
 #   ROWS="average[ordered-dropout='off'],..." bash simulations/bench/tiers_head.sh C OUT [CELL...]   (variants)
+#   ROWS="feddf[lr=0.05],feddf[lr=0.1]" bash simulations/bench/tiers_head.sh G OUT CELL...   (FedDF at other lrs: the
+#   table reads each baseline at its best lr; the SGD cells, as the lrs are SGD's)
 # then: .venv/bin/python -m simulations.bench.tiers_head OUT
 set -euo pipefail
 cd "$(dirname "$0")/../.."
