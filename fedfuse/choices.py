@@ -16,6 +16,8 @@ MODELS = ("mlp", "cnn", "resnet", "vit")
 MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "resnet": "resnet", "vit": "vit"}
 PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+# the head round's closed-form classifier (fedfuse.progressive.HEAD_SOLVERS); "best": both, the clients choose
+HEAD_SOLVER_CHOICES = ("best", "ridge", "lda")
 IMPORTANCE = ("uniform", "conductance", "deeplift")
 FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")

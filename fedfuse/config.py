@@ -43,7 +43,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
-from fedfuse.choices import EVALUATIONS, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
+from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, SUBMODEL_METHODS,  # noqa: E402
                                     WIDTH_DEPTH_TIER_METHODS, check_candidates)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
@@ -125,6 +125,11 @@ class RunConfig:
                             "unless the clients score that tier's model lower; depth tiers: every exit's too, each "
                             "checked on its own in multi-round mode")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
+    head_solver: str = _key("ridge", "head-round: the closed-form classifier solved from the clients' statistics: "
+                            "'ridge' (least squares on one-hot labels), 'lda' (linear discriminant analysis: class "
+                            "means and their shared covariance, from the same statistics), 'best' (both; the clients "
+                            "score each beside the model before and the best is kept unless it scores lower)",
+                            choices=HEAD_SOLVER_CHOICES)
     fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
                                "\"{head_weights=true, ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
@@ -478,6 +483,10 @@ def _check_rules(cfg: RunConfig) -> None:
                               "models")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
+    if cfg.head_solver != SCHEMA["head-solver"].default and not cfg.head_round:
+        raise ConfigError("run-config key 'head-solver' applies to head-round=true only")
+    if cfg.head_ridge != SCHEMA["head-ridge"].default and cfg.head_solver == "lda":
+        raise ConfigError("run-config key 'head-ridge' is the ridge head's; head-solver='lda' does not read it")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
         raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "
                           f"mode='one-shot' only, not {cfg.mode!r}; leave it unset")

@@ -51,7 +51,8 @@ from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.hetero import tier_name
-from fedfuse.progressive import HeadStatistics, copy_head, fit_temperature, head_sites, solve_head, with_head
+from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_temperature, head_sites, solve_classifier,
+                                 with_head)
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -157,12 +158,21 @@ class HeadRound:
         ridge: the closed-form head's ridge, per sample (``head-ridge``).
         timeout: seconds to wait for the nodes' answers.
         check: ask the nodes to score the model before and after, keep the solved head unless it scores lower.
+        solvers: the closed-form heads solved from the same statistics (``fedfuse.progressive.HEAD_SOLVERS``:
+            ``"ridge"``, ``"lda"``); with several, the clients score each one beside the model before and the best
+            is kept unless it scores lower than the model before (``head-solver='best'``); without the check the
+            first is kept.
     """
 
-    def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True) -> None:
+    def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
+                 solvers: tuple[str, ...] = ("ridge",)) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
-        self.ridge, self.timeout, self.check = float(ridge), timeout, bool(check)
+        unknown = [x for x in solvers if x not in HEAD_SOLVERS]
+        if not solvers or unknown or len(set(solvers)) != len(solvers):
+            raise ValueError(f"head round: solvers must be distinct names of {sorted(HEAD_SOLVERS)}, got "
+                             f"{list(solvers)}")
+        self.ridge, self.timeout, self.check, self.solvers = float(ridge), timeout, bool(check), tuple(solvers)
 
     def _collect(self, grid, content: RecordDict, widths: dict[str, int], num_classes: int,
                  record: dict[str, Any]) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
@@ -193,37 +203,60 @@ class HeadRound:
             log(WARNING, "fedfuse head round: %s", record["fallback"])
         return nodes, stats
 
-    def _keep(self, grid, nodes: list[int], before: nn.Module, after: nn.Module, record: dict[str, Any],
-              tier: float | None = None, site: str | None = None, views: list | None = None) -> bool:
-        """Whether the solved head stays: the clients score both models (``tier``: as that width tier's model;
-        ``site``: through that classifier, a depth tier's exit); ``record`` gets their accuracies and the round's
-        federated row (of the model it keeps; ``views`` gets both rows, before and with the head)."""
+    def _solved(self, model: nn.Module, stats: list[dict[str, HeadStatistics]], sites: list[str],
+                reference: tuple[torch.Tensor, torch.Tensor] | None, stat_site=lambda site: site
+                ) -> tuple[dict[str, nn.Module], dict[str, dict[str, float]]]:
+        """``({solver: a copy of model with every classifier of sites solved by it}, {solver: {site: temperature}})``
+        (``stat_site(site)``: the replies' name of a classifier's statistics)."""
+        out, temps = {}, {}
+        for name in self.solvers:
+            m, temps[name] = copy.deepcopy(model), {}
+            for site in sites:
+                m = with_head(m, solve_classifier([s[stat_site(site)] for s in stats], name, self.ridge), site)
+                temps[name][site] = fit_temperature(m, *reference, site=site) if reference is not None else 1.0
+            out[name] = m
+        return out, temps
+
+    def _choose(self, grid, nodes: list[int], before: nn.Module, candidates: dict[str, nn.Module],
+                record: dict[str, Any], tier: float | None = None, site: str | None = None,
+                views: list | None = None) -> str | None:
+        """Which solved head stays (``None``: the model before): the clients score the model before and every
+        candidate (``tier``: as that width tier's model; ``site``: through that classifier, a depth tier's exit); the
+        best candidate stays unless it scores lower than the model before. ``record`` gets their accuracies, the
+        best solver and the round's federated row (of the model it keeps; ``views`` gets every row, before first)."""
+        names = list(candidates)
+        record["solver"] = names[0]
         if not self.check:
-            return True
-        scores = score_candidates(grid, nodes, [before.state_dict(), after.state_dict()], self.timeout, tier=tier,
-                                  site=site or None)
+            return names[0]
+        states = [before.state_dict(), *(candidates[n].state_dict() for n in names)]
+        scores = score_candidates(grid, nodes, states, self.timeout, tier=tier, site=site or None)
         record["rejected"] = record.get("rejected", []) + [{"node": n, "reason": f"scoring: {why}"}
                                                            for n, why in scores.rejected]
         if scores.rejected or scores.error:
             log(WARNING, "fedfuse head round: scoring: %s", scores.error or "; ".join(
                 f"node {n}: {why}" for n, why in scores.rejected))
         acc = scores.accuracy
-        record["client-accuracy"] = None if acc is None else {"before": acc[0], "head": acc[1]}
         if acc is None:
+            record["client-accuracy"] = None
             log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
-            return True
+            return names[0]
+        best = max(range(len(names)), key=lambda i: acc[i + 1])   # ties: the first solver
+        record["solver"] = names[best]
+        record["client-accuracy"] = {"before": acc[0], "head": acc[best + 1]}
+        if len(names) > 1:
+            record["solver-accuracy"] = {n: acc[i + 1] for i, n in enumerate(names)}
         federated = [{"federated-accuracy": a, "federated-loss": l_, "federated-clients": scores.clients,
                       "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
-        keep = acc[1] >= acc[0]
-        record["federated"] = federated[1 if keep else 0]   # the clients' view of the kept model
+        keep = acc[best + 1] >= acc[0]
+        record["federated"] = federated[best + 1 if keep else 0]   # the clients' view of the kept model
         if views is not None:
             views[:] = federated
         if not keep:
             which = ((f" of tier {tier_name(tier)}" if tier is not None else "")
                      + (f" of classifier {site}" if site else ""))
             log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
-                "before it stays", which, acc[1], acc[0])
-        return keep
+                "before it stays", which, acc[best + 1], acc[0])
+        return names[best] if keep else None
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
             sites: tuple[str, ...] | None = None, check_each: bool = False,
@@ -239,68 +272,71 @@ class HeadRound:
         ``check_each``; width × depth tiers: ``fedfuse.hetero.depth.classifier_readers``): the narrower widths that
         read each classifier's top-left slice; a solved classifier is then kept only if the clients do not score it
         lower at any of them either (``narrow(model, width)``: the model as that width's nodes receive it), since the
-        pooled ridge solution on the full width's features is not fitted to a slice of them (MNIST-1D, tiers
+        pooled solution on the full width's features is not fitted to a slice of them (MNIST-1D, tiers
         ``1x1,1x0.5,0.5x0.5``, α = 0.1: the shared exit's solved head cost the narrow tier 8.5 points)."""
         t0 = time.perf_counter()
         every = head_sites(model)
         unknown = sorted(set(sites or ()) - set(every))
         if unknown:
             raise ValueError(f"head round: the model has no classifier {unknown}; it has {sorted(every)}")
+        if readers and narrow is None:
+            raise ValueError("head round: readers need narrow (the model at a narrower width)")
         widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         record: dict[str, Any] = {}
         nodes, stats = self._collect(grid, head_query_content(model.state_dict(), sites), widths, num_classes, record)
         if not stats:
             record["seconds"] = time.perf_counter() - t0
             return model, record
-        before = copy.deepcopy(model)
-        out, temps = model, {}
-        for site in widths:   # every classifier from the same replies (a depth tier's exits too)
-            out = with_head(out, solve_head([s[site] for s in stats], self.ridge), site)
-            temps[site] = fit_temperature(out, *reference, site=site) if reference is not None else 1.0
-        record["temperature"] = temps[""] if len(temps) == 1 else temps
-        if readers and narrow is None:
-            raise ValueError("head round: readers need narrow (the model at a narrower width)")
+        solved, temps = self._solved(model, stats, list(widths), reference)
         if check_each and len(widths) > 1:
-            return self._keep_each(grid, nodes, before, out, list(widths), record, t0, readers or {}, narrow)
-        keep = self._keep(grid, nodes, before, out, record)
-        record["kept"] = "head" if keep else "before"
+            return self._keep_each(grid, nodes, model, solved, temps, list(widths), record, t0, readers or {}, narrow)
+        chosen = self._choose(grid, nodes, model, solved, record)
+        t = temps[chosen or record["solver"]]
+        record["temperature"] = t[""] if len(t) == 1 and "" in t else t
+        record["kept"] = "head" if chosen else "before"
         record["seconds"] = time.perf_counter() - t0
-        if keep:
-            log(INFO, "fedfuse head round: classifier solved from %d nodes' statistics (%d samples, %.2fs)",
-                len(stats), record["num-examples"], record["seconds"])
-        return (out if keep else before), record
+        if chosen:
+            log(INFO, "fedfuse head round: classifier solved (%s) from %d nodes' statistics (%d samples, %.2fs)",
+                chosen, len(stats), record["num-examples"], record["seconds"])
+        return (solved[chosen] if chosen else model), record
 
-    def _keep_each(self, grid, nodes: list[int], before: nn.Module, out: nn.Module, sites: list[str],
-                   record: dict[str, Any], t0: float, readers: dict[str, list[float]],
+    def _keep_each(self, grid, nodes: list[int], before: nn.Module, solved: dict[str, nn.Module],
+                   temps: dict[str, dict[str, float]], sites: list[str], record: dict[str, Any], t0: float,
+                   readers: dict[str, list[float]],
                    narrow: Callable[[nn.Module, float], nn.Module] | None) -> tuple[nn.Module, dict[str, Any]]:
-        """``check_each``: every solved classifier scored on its own against the model before (the candidates
-        differ in that classifier only), at the full width and at every narrower width that reads it
-        (``readers``); the ones the clients score lower at any of them go back to their trained weights."""
+        """``check_each``: every classifier's solved heads scored on their own against the model before (the
+        candidates differ in that classifier only), at the full width and, for the head chosen there, at every
+        narrower width that reads it (``readers``); a classifier the clients score lower at any of them keeps its
+        trained weights."""
+        out = copy.deepcopy(before)
         record["sites"] = {}
         for site in sites:
             rec: dict[str, Any] = {}
-            candidate, views = copy_head(out, copy.deepcopy(before), site), []
-            keep = self._keep(grid, nodes, before, candidate, rec, site=site, views=views)
+            views: list = []
+            candidates = {n: copy_head(m, copy.deepcopy(before), site) for n, m in solved.items()}
+            chosen = self._choose(grid, nodes, before, candidates, rec, site=site, views=views)
             widths: dict[str, Any] = {}
-            for w in readers.get(site, []) if keep else []:   # the narrower widths reading its slice
+            for w in readers.get(site, []) if chosen else []:   # the narrower widths reading its slice
                 widths[tier_name(w)] = {}
-                keep = self._keep(grid, nodes, narrow(before, w), narrow(candidate, w), widths[tier_name(w)], tier=w,
-                                  site=site)
+                ok = self._choose(grid, nodes, narrow(before, w), {chosen: narrow(candidates[chosen], w)},
+                                  widths[tier_name(w)], tier=w, site=site)
                 rec["rejected"] = rec.get("rejected", []) + widths[tier_name(w)].pop("rejected", [])
-                if not keep:   # the full width's view of the model it keeps
-                    rec["federated"] = views[0]
+                if ok is None:   # the full width's view of the model it keeps
+                    rec["federated"], chosen = views[0], None
                     break
-            if not keep:
-                copy_head(before, out, site)
+            if chosen:
+                copy_head(candidates[chosen], out, site)
             record["rejected"] += rec.pop("rejected", [])
-            record["sites"][site or "final"] = {"kept": "head" if keep else "before", **rec,
+            record["sites"][site or "final"] = {"kept": "head" if chosen else "before",
+                                                "temperature": temps[rec["solver"]][site], **rec,
                                                 **({"widths": widths} if widths else {})}
+        record["temperature"] = {site: record["sites"][site or "final"]["temperature"] for site in sites}
         final = record["sites"]["final"] if "" in sites else {}
         record.update({k: final[k] for k in ("client-accuracy", "federated") if k in final})
         record["kept"] = final.get("kept", "head")
         record["seconds"] = time.perf_counter() - t0
         log(INFO, "fedfuse head round: classifiers solved from %d nodes' statistics, kept: %s", record["valid"],
-            ", ".join(f"{k}: {v['kept']}" for k, v in record["sites"].items()))
+            ", ".join(f"{k}: {v['kept']} ({v['solver']})" for k, v in record["sites"].items()))
         return out, record
 
     def run_tiers(self, grid, models: dict[float, nn.Module], num_classes: int,
@@ -309,7 +345,7 @@ class HeadRound:
         """Width tiers: ``({tier: its model with its solved head, or as it was}, the round's record)``. ``models``:
         every tier's model, the global one at tier 1; one query carries them all, every node answers for every
         tier, each tier's head is solved and checked on its own (``record["tiers"][<tier>]``); the record's
-        ``kept`` / ``federated`` / ``temperature`` are the global model's."""
+        ``kept`` / ``federated`` / ``temperature`` / ``solver`` are the global model's."""
         t0 = time.perf_counter()
         if 1.0 not in models:
             raise ValueError(f"head round: the tiers' models need the global one (tier 1), got {sorted(models)}")
@@ -323,21 +359,21 @@ class HeadRound:
         if stats:
             record["tiers"] = {}
             for r, model in models.items():
-                site = "" if r == 1.0 else tier_site(r)
-                solved = with_head(copy.deepcopy(model), solve_head([s[site] for s in stats], self.ridge))
-                tier: dict[str, Any] = {"temperature": fit_temperature(solved, *reference)
-                                        if reference is not None else 1.0}
-                keep = self._keep(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r)
-                tier["kept"] = "head" if keep else "before"
-                out[r] = solved if keep else model
+                name = "" if r == 1.0 else tier_site(r)
+                solved, temps = self._solved(model, stats, [""], reference, stat_site=lambda _, name=name: name)
+                tier: dict[str, Any] = {}
+                chosen = self._choose(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r)
+                tier.update(temperature=temps[tier["solver"]][""], kept="head" if chosen else "before")
+                out[r] = solved[chosen] if chosen else model
                 record["tiers"][tier_name(r)] = tier
             record["rejected"] += [x for t in record["tiers"].values() for x in t.pop("rejected", [])]
             top = record["tiers"][tier_name(1.0)]
-            record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy") if k in top})
+            record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy", "solver")
+                           if k in top})
             log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); "
                 "kept: %s",
                 len(models), len(stats), record["num-examples"],
-                ", ".join(f"{k}: {t['kept']}" for k, t in record["tiers"].items()))
+                ", ".join(f"{k}: {t['kept']} ({t['solver']})" for k, t in record["tiers"].items()))
         record["seconds"] = time.perf_counter() - t0
         return out, record
 

@@ -494,7 +494,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         with torch.no_grad():
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
-    head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout)
+    head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout,
+                     solvers=("ridge", "lda") if cfg.head_solver == "best" else (cfg.head_solver,))
     if _width_tiered(strategy):   # every tier's classifier, each checked
         tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
