@@ -226,10 +226,11 @@ def solve_lda_head(stats: list[HeadStatistics], shrinkage: float = DEFAULT_LDA_S
     means ``μ_c``, the pooled within-class covariance ``Σ_w = (Σ f fᵀ − Σ_c n_c μ_c μ_cᵀ) / N`` shrunk towards
     ``(tr Σ_w / d) I`` by ``shrinkage`` (a feature that never varies, a dead ReLU, keeps it invertible), then
     ``W_c = Σ_w⁻¹ μ_c`` and ``b_c = −½ μ_cᵀ Σ_w⁻¹ μ_c + log π_c`` with ``π`` the pooled class frequencies (a class no
-    client holds gets ``π_c = 1e-12``). Where the ridge head regresses one-hot targets, LDA models each class's
-    features; on the first hidden layer of an MLP depth tier (MNIST-1D, Dirichlet α = 0.1) it classified 8 points
-    better than the ridge head and 4 better than the trained exit (docs/tiers.md). Hastie, Tibshirani and Friedman,
-    "The Elements of Statistical Learning", §4.3 (LDA) and §4.3.1 (regularised LDA)."""
+    client holds gets ``π_c = 1e-12``). Where the ridge head regresses one-hot targets (which, with many classes,
+    can mask a class between two others), LDA models each class's features; which of the two classifies a model's
+    features better is measured, not known (the head round's ``head-solver='best'`` lets the clients choose;
+    docs/tiers.md). Hastie, Tibshirani and Friedman, "The Elements of Statistical Learning", §4.2 (masking), §4.3
+    (LDA) and §4.3.1 (regularised LDA)."""
     if not stats:
         raise ValueError("solve_lda_head: no client statistics")
     if not (isinstance(shrinkage, (int, float)) and math.isfinite(shrinkage) and 0 <= shrinkage <= 1):

@@ -227,6 +227,102 @@ def test_the_clients_score_the_solved_head_against_the_model_before(identity, ac
     assert torch.equal(out[-1].weight, w0) == (kept == "before")
 
 
+def test_lda_head_from_split_statistics_is_linear_discriminant_analysis_of_the_pooled_data():
+    """``solve_lda_head``: from the same statistics as the ridge head, whatever the split, the shared-covariance
+    Gaussian classifier of the pooled data (class means, pooled within-class covariance, class frequencies); it
+    predicts as scikit-learn's LDA does."""
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+
+    from fedfuse.progressive import solve_classifier, solve_lda_head
+
+    x, y = _data(600, d=6, c=4)
+    f = x.double()
+    pooled = solve_lda_head([HeadStatistics(*_raw(f, y, 4), len(y))], shrinkage=0.0)
+    parts = [solve_lda_head([HeadStatistics(*_raw(f[i::3], y[i::3], 4), len(y[i::3])) for i in range(3)],
+                            shrinkage=0.0)]
+    assert torch.allclose(parts[0].weight, pooled.weight, atol=1e-4) and torch.allclose(parts[0].bias, pooled.bias,
+                                                                                         atol=1e-4)
+    mu = torch.stack([f[y == c].mean(0) for c in range(4)])
+    within = sum((f[y == c] - mu[c]).T @ (f[y == c] - mu[c]) for c in range(4)) / len(y)
+    w = torch.linalg.solve(within, mu.T).T
+    b = -0.5 * (w * mu).sum(1) + torch.log(torch.bincount(y, minlength=4).double() / len(y))
+    assert torch.allclose(pooled.weight.double(), w, atol=1e-4) and torch.allclose(pooled.bias.double(), b, atol=1e-4)
+    sk = LinearDiscriminantAnalysis(solver="lsqr").fit(x.numpy(), y.numpy())
+    agree = (pooled(x).argmax(1).numpy() == sk.predict(x.numpy())).mean()
+    assert agree > 0.99
+    assert torch.equal(solve_classifier([HeadStatistics(*_raw(f, y, 4), len(y))], "lda").weight,
+                       solve_lda_head([HeadStatistics(*_raw(f, y, 4), len(y))]).weight)
+    # a class no client holds is never predicted; a feature that never varies (a dead ReLU) does not break it
+    keep = y != 3
+    dead = torch.cat([f[keep], torch.zeros(int(keep.sum()), 1, dtype=f.dtype)], 1)
+    head = solve_lda_head([HeadStatistics(*_raw(dead, y[keep], 4), int(keep.sum()))])
+    assert torch.isfinite(head.weight).all() and (head(dead.float()).argmax(1) != 3).all()
+    with pytest.raises(ValueError, match="shrinkage"):
+        solve_lda_head([HeadStatistics(*_raw(f, y, 4), len(y))], shrinkage=2.0)
+    with pytest.raises(ValueError, match="no client"):
+        solve_lda_head([])
+    with pytest.raises(ValueError, match="head solver"):
+        solve_classifier([HeadStatistics(*_raw(f, y, 4), len(y))], "svm")
+
+
+def _raw(f, y, c):
+    """``(gram, cross)`` of features ``f`` with the constant 1 appended and one-hot labels."""
+    f1 = torch.cat([f, torch.ones(len(f), 1, dtype=f.dtype)], 1)
+    return f1.T @ f1, f1.T @ torch.nn.functional.one_hot(y, c).double()
+
+
+class _SolverGrid(_Grid):
+    """Head statistics from ``contents``; scoring queries answered with ``accuracies`` (one per candidate)."""
+
+    def __init__(self, contents, accuracies):
+        super().__init__(contents)
+        self.accuracies, self.candidates = accuracies, []
+
+    def send_and_receive(self, msgs, timeout=None):
+        from flwr.app import MetricRecord, RecordDict
+
+        from fedfuse.flower.candidates import read_score_query
+
+        msgs = list(msgs)
+        if msgs[0].metadata.message_type != "query.score_candidates":
+            return super().send_and_receive(msgs, timeout)
+        self.candidates.append(len(read_score_query(msgs[0])))
+        metrics = {"num-examples": 10, **{f"accuracy-{i}": a for i, a in enumerate(self.accuracies)}}
+        return [_reply(RecordDict({"metrics": MetricRecord(metrics)}), m.metadata.dst_node_id) for m in msgs]
+
+
+@pytest.mark.parametrize("accuracies, kept, solver", [((0.5, 0.6, 0.7), "head", "lda"), ((0.5, 0.7, 0.7), "head", "ridge"),
+                                                      ((0.8, 0.6, 0.7), "before", "lda")])
+def test_the_clients_choose_between_the_ridge_and_the_lda_head(identity, accuracies, kept, solver):
+    """``solvers=("ridge", "lda")`` (``head-solver='best'``): one scoring query with the model before and both solved
+    heads; the best stays (a tie: the first, ridge) unless the model before scores higher."""
+    from fedfuse.progressive import solve_lda_head
+
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    w0 = model[-1].weight.clone()
+    parts = [(x[:150], y[:150]), (x[150:], y[150:])]
+    grid = _SolverGrid([head_reply_content(head_statistics(model, *p, 4)) for p in parts], accuracies)
+    out, record = HeadRound(1e-3, solvers=("ridge", "lda")).run(grid, model, 4)
+    assert grid.candidates == [3]
+    assert record["kept"] == kept and record["solver"] == solver
+    assert record["solver-accuracy"] == {"ridge": accuracies[1], "lda": accuracies[2]}
+    assert record["client-accuracy"] == {"before": accuracies[0], "head": max(accuracies[1:])}
+    if kept == "before":
+        assert torch.equal(out[-1].weight, w0)
+    elif solver == "lda":
+        want = solve_lda_head([head_statistics(model, *p, 4) for p in parts])
+        assert torch.allclose(out[-1].weight, want.weight, atol=1e-5)
+    else:
+        want = solve_head([head_statistics(model, *p, 4) for p in parts], 1e-3)
+        assert torch.allclose(out[-1].weight, want.weight, atol=1e-6)
+    assert torch.equal(model[-1].weight, w0)   # the model given is not modified
+    with pytest.raises(ValueError, match="solvers"):
+        HeadRound(solvers=("ridge", "svm"))
+    with pytest.raises(ValueError, match="solvers"):
+        HeadRound(solvers=())
+
+
 def test_run_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="'head-ridge'"):
         preflight({"head-round": False, "head-ridge": 0.1})
@@ -235,6 +331,12 @@ def test_run_config_errors_name_the_key():
     assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).head_round   # width tiers: every tier
     with pytest.raises(ConfigError, match="'head-round'"):
         preflight({"head-round": "yes"})
+    with pytest.raises(ConfigError, match="'head-solver'"):
+        preflight({"head-round": False, "head-solver": "lda"})
+    with pytest.raises(ConfigError, match="'head-solver'"):
+        preflight({"head-solver": "svm"})
+    with pytest.raises(ConfigError, match="'head-ridge'"):
+        preflight({"head-solver": "lda", "head-ridge": 0.1})
 
 
 def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, capsys):
