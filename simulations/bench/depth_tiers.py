@@ -171,11 +171,12 @@ def jobs_for(args, alpha: float, seed: int) -> list[dict]:
                                                             / "node-{partition-id}.npz"),
                                      "num-clients": len(full), "min-train-nodes": len(full)},
                 "fedavg-all-full": {}}
-    for label in args.baselines:
-        extra = dict(baseline[label])
+    for label in args.baselines:   # a baseline's run config may be extended as a strategy's: name[key=value ...]
+        name, over = parse_strategy(label)
+        extra = dict(baseline[name])
         relabel = extra.pop("width-labels", None)
-        jobs.append({"label": label, "relabel": relabel,
-                     "config": {**base, "strategy": "fedavg", **extra, "output-dir": str(runs),
+        jobs.append({"label": label, "kind": name, "relabel": relabel,
+                     "config": {**base, "strategy": "fedavg", **extra, **over, "output-dir": str(runs),
                                 "run-name": f"{label}-{tag}"}})
     for j in jobs:
         j.update(alpha=alpha, seed=seed, shallow=f"{small_w:g}x{small_d:g}")
@@ -189,7 +190,7 @@ def _run(job: dict) -> dict:
     hist = res.get("strategy-history", [])
     train = [s for h in res["rounds"][1:] for t, s in (h.get("tier-train-seconds") or {}).items() if t == "1x1"]
     tiers = dict(last.get("tier-accuracy") or {})
-    if job["label"] == "fedavg-shallowest":
+    if job.get("kind") == "fedavg-shallowest":
         tiers = {job["shallow"]: last["test-accuracy"]}
     relabel = job.get("relabel") or {}
     if relabel:   # HeteroFL's width tiers in the columns of the depth tiers of the same parameter count
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--clients other than 10 needs --splits (made by simulations.bench.anchor_splits)")
     if args.clients != 10 and args.dataset != "mnist1d":
         ap.error("--clients other than 10 takes --dataset mnist1d (simulations.bench.anchor_splits makes MNIST-1D)")
-    bad = set(args.baselines) - set(BASELINES)
+    bad = {parse_strategy(b)[0] for b in args.baselines} - set(BASELINES)
     if bad:
         ap.error(f"--baselines: unknown {sorted(bad)}; choose from {list(BASELINES)}")
     out = Path(args.out)

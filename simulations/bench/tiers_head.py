@@ -20,9 +20,9 @@ from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
 
-# FedDF (B at the cell's lr, G at lr 0.05 and 0.1), the default's variants (C; E, F: the sandwich rule), the default
-# and the other rows
-LANES = ("B", "G", "C", "E", "F", "A")
+# FedDF (B at the cell's lr, G at lr 0.05 and 0.1), the default's variants (C; E, F: the sandwich rule; H: the
+# head-solver), the default and the other rows
+LANES = ("B", "G", "C", "E", "F", "H", "A")
 
 
 def best_lr(rows: dict[str, list[dict]], name: str) -> str | None:
@@ -48,9 +48,21 @@ def _new_rows(out: Path, name: str, *, best: bool = True) -> dict[str, list[dict
 
 
 def _lr_note(out: Path, cell: str, name: str) -> str:
-    """`` (lr 0.05)`` when ``name``'s best row is not at the cell's lr."""
-    label = best_lr(_new_rows(out, cell, best=False), name)
-    return "" if label in (None, name) else f" ({label[len(name) + 1:-1].replace('=', ' ')})"
+    """`` (lr 0.05)`` when ``name``'s best row is not at the cell's lr, and how many of its runs ended with a model
+    when some did not (trained to chance)."""
+    rows = _new_rows(out, cell, best=False)
+    label = best_lr(rows, name)
+    if label is None:
+        return ""
+    runs = [r for lane in LANES for r in _all_runs(out / lane / cell / "sweep.json") if r["strategy"] == label]
+    notes = ([] if label == name else [label[len(name) + 1:-1].replace("=", " ")]) + (
+        [f"{len(rows[label])} of {len(runs)} seeds, the others trained to chance"] if len(runs) > len(rows[label])
+        else [])
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _all_runs(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def head_summary(cells: list[str], out: Path) -> str:
