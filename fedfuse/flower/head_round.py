@@ -240,7 +240,8 @@ class HeadRound:
             record["client-accuracy"] = None
             log(WARNING, "fedfuse head round: no node scored the models; the solved head is kept unchecked")
             return names[0]
-        best = max(range(len(names)), key=lambda i: acc[i + 1])   # ties: the first solver
+        top = max(acc[1:])   # ties (up to the float round-off of averaging the clients' scores): the first solver
+        best = next(i for i in range(len(names)) if acc[i + 1] >= top - 1e-9)
         record["solver"] = names[best]
         record["client-accuracy"] = {"before": acc[0], "head": acc[best + 1]}
         if len(names) > 1:

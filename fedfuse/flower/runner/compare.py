@@ -39,7 +39,7 @@ def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, out
     """``run_config`` for ``baseline``: the same keys (dataset, split, seed, clients, training) except the
     strategy, the strategy-only keys (``STRATEGY_ONLY_KEYS``) and the head round; ``output-dir``/``run-name`` when given. A warm
     start's baseline runs from scratch (``mode='multi-round'``, no warm-start keys)."""
-    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS + ("head-ridge",)}
+    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS + ("head-ridge", "head-solver")}
     cfg["strategy"] = baseline
     # the baseline is FedAvg as Flower users run it: no head round (fedfuse's post-step; docs/multi-round.md gives
     # FedAvg with it too)
