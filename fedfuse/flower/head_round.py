@@ -322,8 +322,10 @@ class HeadRound:
                 ok = self._choose(grid, nodes, narrow(before, w), {chosen: narrow(candidates[chosen], w)},
                                   widths[tier_name(w)], tier=w, site=site)
                 rec["rejected"] = rec.get("rejected", []) + widths[tier_name(w)].pop("rejected", [])
-                if ok is None:   # the full width's view of the model it keeps
-                    rec["federated"], chosen = views[0], None
+                if ok is None:
+                    chosen = None
+                    if views:   # the full width's view of the model it keeps
+                        rec["federated"] = views[0]
                     break
             if chosen:
                 copy_head(candidates[chosen], out, site)
