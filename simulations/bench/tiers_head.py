@@ -25,6 +25,24 @@ BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before,
 LANES = ("B", "G", "C", "E", "F", "H", "A")
 
 
+STRIP = ""   # --strip: a run-config override every row of OUT carries, read as if it were the default
+
+
+def relabel(label: str, strip: str | None = None) -> str:
+    """``label`` without the override ``strip`` (``--strip``): ``average[head-solver='best']`` → ``average``,
+    ``feddf[lr=0.1 head-solver='best']`` → ``feddf[lr=0.1]``."""
+    strip = STRIP if strip is None else strip
+    if not strip:
+        return label
+    out = label.replace(" " + strip, "").replace(strip, "")
+    return out[:-2] if out.endswith("[]") else out
+
+
+def _runs(path: Path) -> list[dict]:
+    """The runs of a ``sweep.json``, their strategy labels without ``STRIP``."""
+    return [{**r, "strategy": relabel(r["strategy"])} for r in json.loads(path.read_text())] if path.exists() else []
+
+
 def best_lr(rows: dict[str, list[dict]], name: str) -> str | None:
     """The label of ``name``'s row at its best lr: among ``name`` (the cell's lr) and ``name[lr=…]``, the one whose
     global model has the highest mean (a run that trained itself to chance has no final accuracy: it is not a
@@ -38,7 +56,9 @@ def _new_rows(out: Path, name: str, *, best: bool = True) -> dict[str, list[dict
     baseline's own name: the goal reads it there)."""
     rows: dict[str, list[dict]] = {}
     for lane in LANES:
-        rows.update(_rows(out / lane / name / "sweep.json"))
+        for r in _runs(out / lane / name / "sweep.json"):
+            if r.get("final-accuracy") is not None:
+                rows.setdefault(r["strategy"], []).append(r)
     if best:
         for b in BASELINES:
             label = best_lr(rows, b)
@@ -62,7 +82,7 @@ def _lr_note(out: Path, cell: str, name: str) -> str:
 
 
 def _all_runs(path: Path) -> list[dict]:
-    return json.loads(path.read_text()) if path.exists() else []
+    return _runs(path)
 
 
 def head_summary(cells: list[str], out: Path) -> str:
@@ -88,7 +108,7 @@ def _failed(out: Path, cell: str, strategy: str) -> str:
     """A row whose every run failed (e.g. trained to chance: the run's own check): say so, with the reason."""
     for lane in LANES:
         path = out / lane / cell / "sweep.json"
-        runs = [r for r in json.loads(path.read_text()) if r["strategy"] == strategy] if path.exists() else []
+        runs = [r for r in _runs(path) if r["strategy"] == strategy]
         if runs:
             return f"failed ({len(runs)} of {len(runs)}: trained to chance)" if all(
                 "dead" in str(r.get("error", "")) for r in runs) else f"failed ({len(runs)} runs)"
@@ -137,7 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out")
     ap.add_argument("--before", default="results/tiers")
     ap.add_argument("--before-default", default="results/tiers-od-draw")
+    ap.add_argument("--strip", default="", help="a run-config override every row of OUT carries (e.g. "
+                    "\"head-solver='best'\"): rows are read as if it were the default")
     a = ap.parse_args(argv)
+    global STRIP
+    STRIP = a.strip
     out, before, before_default = Path(a.out), Path(a.before), Path(a.before_default)
     cells = sorted(p.parent.name for p in (out / "A").glob("*/sweep.json"))
     text = ("The head round with width tiers: final test accuracy, mean ± sample std over the cell's seeds; "
@@ -145,7 +169,12 @@ def main(argv: list[str] | None = None) -> None:
             f"simulations/bench/tiers_head.sh A {a.out}` and `... B {a.out}` (FedDF), `ROWS=\"feddf[lr=0.05],"
             f"feddf[lr=0.1]\" ... G {a.out} CELL...` (FedDF at two more lrs; each baseline is read at its best lr), "
             "then "
-            f"`.venv/bin/python -m simulations.bench.tiers_head {a.out}`.\n\n"
+            f"`.venv/bin/python -m simulations.bench.tiers_head {a.out}`.\n\n")
+    if STRIP:
+        text += (f"Every row of this folder ran with `{STRIP}` (its lanes' rows: the default, HeteroFL, FedRolex and "
+                 "the FedAvg rows in A; FedDF at its best lr of `results/tiers-head` in B); the labels below leave it "
+                 f"out. Table: `.venv/bin/python -m simulations.bench.tiers_head {a.out} --strip \"{STRIP}\"`.\n\n")
+    text += (
             "## The default above HeteroFL, FedRolex and FedDF (global and every tier) / its smallest tier − FedAvg "
             "at the smallest width\n\nWith the head round (every row getting it):\n\n")
     text += head_summary(cells, out)
