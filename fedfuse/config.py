@@ -125,7 +125,7 @@ class RunConfig:
                             "unless the clients score that tier's model lower; depth tiers: every exit's too, each "
                             "checked on its own in multi-round mode")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
-    head_solver: str = _key("ridge", "head-round: the closed-form classifier solved from the clients' statistics: "
+    head_solver: str = _key("best", "head-round: the closed-form classifier solved from the clients' statistics: "
                             "'ridge' (least squares on one-hot labels), 'lda' (linear discriminant analysis: class "
                             "means and their shared covariance, from the same statistics), 'best' (both; the clients "
                             "score each beside the model before and the best is kept unless it scores lower)",

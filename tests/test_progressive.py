@@ -222,7 +222,7 @@ def test_the_clients_score_the_solved_head_against_the_model_before(identity, ac
     w0 = model[-1].weight.clone()
     stats = [head_reply_content(head_statistics(model, x[:150], y[:150], 4)),
              head_reply_content(head_statistics(model, x[150:], y[150:], 4))]
-    out, record = HeadRound(1e-3).run(_ScoringGrid(stats, accuracies), model, 4)
+    out, record = HeadRound(1e-3, solvers=("ridge",)).run(_ScoringGrid(stats, accuracies), model, 4)
     assert record["kept"] == kept and set(record["client-accuracy"]) == {"before", "head"}
     assert torch.equal(out[-1].weight, w0) == (kept == "before")
 
@@ -473,7 +473,7 @@ def test_head_round_with_width_tiers_solves_and_checks_every_tier(identity):
     small = tier_model(big, {"tier-width-mult": 0.5}, seed=0, input_shape=(8,))
     w_small = small[-1].weight.clone()
     grid = _TierGrid(parts, {None: (0.5, 0.7), 0.5: (0.8, 0.6)})   # the global gains, tier 0.5 would lose
-    out, record = HeadRound(1e-3).run_tiers(grid, {1.0: big, 0.5: small}, 4)
+    out, record = HeadRound(1e-3, solvers=("ridge",)).run_tiers(grid, {1.0: big, 0.5: small}, 4)
     assert record["valid"] == 2 and record["fallback"] is None and record["rejected"] == []
     assert record["tiers"]["1"]["kept"] == record["kept"] == "head" and record["tiers"]["0.5"]["kept"] == "before"
     want = solve_head([head_statistics(big, *p, 4) for p in parts], 1e-3)
@@ -481,7 +481,7 @@ def test_head_round_with_width_tiers_solves_and_checks_every_tier(identity):
     assert out[0.5] is small and torch.equal(small[-1].weight, w_small)   # the narrow tier's trained head stays
     # the narrow tier's solved head is the pooled ridge solution on its own features
     grid = _TierGrid(parts, {None: (0.5, 0.7), 0.5: (0.5, 0.6)})
-    out, record = HeadRound(1e-3).run_tiers(grid, {1.0: big, 0.5: small}, 4)
+    out, record = HeadRound(1e-3, solvers=("ridge",)).run_tiers(grid, {1.0: big, 0.5: small}, 4)
     want = solve_head([head_statistics(small, *p, 4) for p in parts], 1e-3)
     assert record["tiers"]["0.5"]["kept"] == "head" and torch.allclose(out[0.5][-1].weight, want.weight, atol=1e-6)
     assert {m.metadata.message_type for m in grid.sent} == {"query.head_statistics", "query.score_candidates"}
@@ -517,7 +517,7 @@ def test_check_each_keeps_every_solved_exit_the_clients_do_not_score_lower(ident
                        m.metadata.dst_node_id) for m in msgs]
 
     grid.send_and_receive = send
-    out, record = HeadRound(1e-3).run(grid, model, 4, check_each=True)
+    out, record = HeadRound(1e-3, solvers=("ridge",)).run(grid, model, 4, check_each=True)
     assert sorted(seen, key=str) == sorted([None, "1", "2"], key=str)   # one scoring query per classifier
     assert {k: v["kept"] for k, v in record["sites"].items()} == {"final": "head", "1": "before", "2": "head"}
     assert record["kept"] == "head" and record["client-accuracy"] == {"before": 0.5, "head": 0.6}
@@ -565,7 +565,7 @@ def test_check_each_scores_a_shared_exit_at_every_narrower_width_that_reads_it(i
                     for m in msgs]
 
         grid.send_and_receive = send
-        out, record = HeadRound(1e-3).run(grid, model, 4, check_each=True, readers=readers,
+        out, record = HeadRound(1e-3, solvers=("ridge",)).run(grid, model, 4, check_each=True, readers=readers,
                                           narrow=lambda m, w: narrow_copy(m, w, (8,)))
         # the full width through each classifier, then the narrow width through the exit it reads, its slice sent
         assert sorted(seen, key=str) == sorted([((None, None), (4, 16)), ((None, "2"), (4, 16)),

@@ -159,13 +159,13 @@ class HeadRound:
         timeout: seconds to wait for the nodes' answers.
         check: ask the nodes to score the model before and after, keep the solved head unless it scores lower.
         solvers: the closed-form heads solved from the same statistics (``fedfuse.progressive.HEAD_SOLVERS``:
-            ``"ridge"``, ``"lda"``); with several, the clients score each one beside the model before and the best
-            is kept unless it scores lower than the model before (``head-solver='best'``); without the check the
-            first is kept.
+            ``"ridge"``, ``"lda"``); with several (the default, ``head-solver='best'``), the clients score each one
+            beside the model before in one query and the best is kept unless it scores lower than the model before;
+            without the check the first is kept.
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
-                 solvers: tuple[str, ...] = ("ridge",)) -> None:
+                 solvers: tuple[str, ...] = ("ridge", "lda")) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         unknown = [x for x in solvers if x not in HEAD_SOLVERS]
