@@ -502,9 +502,9 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         model = tiers[1.0]
         strategy.adopt_tier_models(tiers)
     else:
-        # multi-round depth tiers: every classifier, each checked on its own (solved exits beat the trained ones at
-        # the middle depths and lose at the shallowest: results/depth-tiers-head-multiround); one-shot: every
-        # classifier, one check
+        # multi-round depth tiers: every classifier, each checked on its own (a solved exit may beat its trained one
+        # or not: results/depth-tiers-head-multiround, -head-solver-*), with width x depth tiers also at every narrower
+        # width that reads its slice; one-shot: every classifier, one check
         each = bool(cfg.depth_tiers) and cfg.mode != "one-shot"
         readers, narrow = {}, None
         if each and min(cfg.depth_tier_widths) < 1:   # width x depth tiers: a narrow tier reads a classifier's slice

@@ -25,6 +25,7 @@ it up (``unit_arrays``, ``layer_momentum``, ``momentum_distill``).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Sequence
 
@@ -118,8 +119,6 @@ class MultiExit(nn.Module):
         return cache[1]
 
     def __deepcopy__(self, memo):
-        import copy
-
         cls = type(self)
         out = cls.__new__(cls)
         memo[id(self)] = out
@@ -245,8 +244,6 @@ def exit_submodel(global_model: MultiExit, tier_model: MultiExit) -> SubModel:
 def narrow_copy(model: MultiExit, width_mult: float, input_shape: tuple[int, ...] | None = None) -> MultiExit:
     """``model`` as a width × depth tier of ``width_mult`` sees it: the ``MultiExit`` at that width holding ``model``'s
     top-left slice of every array (``exit_submodel``; what such a node receives). ``width_mult=1``: a copy."""
-    import copy
-
     if width_mult == 1:
         return copy.deepcopy(model)
     narrow = model.at_width_mult(width_mult, input_shape=input_shape)
