@@ -194,22 +194,26 @@ def head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_clas
     return HeadStatistics(f.T @ f, f.T @ nn.functional.one_hot(y, num_classes).double(), len(y))
 
 
+def _pooled(stats: list[HeadStatistics], who: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(Σ gram, Σ cross, Σ num_examples)`` of the clients' statistics: the pooled data's (``ValueError`` naming
+    ``who`` when there are none or their shapes differ)."""
+    if not stats:
+        raise ValueError(f"{who}: no client statistics")
+    shapes = {(tuple(s.gram.shape), tuple(s.cross.shape)) for s in stats}
+    if len(shapes) != 1:
+        raise ValueError(f"{who}: the clients' statistics have different shapes {sorted(shapes)}")
+    return sum(s.gram for s in stats), sum(s.cross for s in stats), sum(s.num_examples for s in stats)
+
+
 def solve_head(stats: list[HeadStatistics], ridge: float = DEFAULT_HEAD_RIDGE) -> nn.Linear:
     """The ridge classifier of the pooled statistics: ``argmin_W Σ_i ‖F_i W − Y_i‖² + ridge · N · ‖W_features‖²``
     (the bias is not penalised), as an ``nn.Linear(d, C)``.
 
     ``ridge`` is per sample (scaled by the total sample count ``N``), so it means the same for any federation size.
     """
-    if not stats:
-        raise ValueError("solve_head: no client statistics")
     if not (isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge >= 0):
         raise ValueError(f"solve_head: ridge must be a number >= 0, got {ridge!r}")
-    shapes = {(tuple(s.gram.shape), tuple(s.cross.shape)) for s in stats}
-    if len(shapes) != 1:
-        raise ValueError(f"solve_head: the clients' statistics have different shapes {sorted(shapes)}")
-    gram = sum(s.gram for s in stats)
-    cross = sum(s.cross for s in stats)
-    n = sum(s.num_examples for s in stats)
+    gram, cross, n = _pooled(stats, "solve_head")
     wb = _ridge_solve(gram, cross, ridge * n)
     head = nn.Linear(gram.shape[0] - 1, cross.shape[1])
     with torch.no_grad():
@@ -231,15 +235,9 @@ def solve_lda_head(stats: list[HeadStatistics], shrinkage: float = DEFAULT_LDA_S
     features better is measured, not known (the head round's ``head-solver='best'`` lets the clients choose;
     docs/tiers.md). Hastie, Tibshirani and Friedman, "The Elements of Statistical Learning", §4.2 (masking), §4.3
     (LDA) and §4.3.1 (regularised LDA)."""
-    if not stats:
-        raise ValueError("solve_lda_head: no client statistics")
     if not (isinstance(shrinkage, (int, float)) and math.isfinite(shrinkage) and 0 <= shrinkage <= 1):
         raise ValueError(f"solve_lda_head: shrinkage must be a number in [0, 1], got {shrinkage!r}")
-    shapes = {(tuple(s.gram.shape), tuple(s.cross.shape)) for s in stats}
-    if len(shapes) != 1:
-        raise ValueError(f"solve_lda_head: the clients' statistics have different shapes {sorted(shapes)}")
-    gram = sum(s.gram for s in stats)
-    cross = sum(s.cross for s in stats)
+    gram, cross, _ = _pooled(stats, "solve_lda_head")
     d = gram.shape[0] - 1
     counts = cross[-1]                                   # [C]: the constant feature's class sums
     n = float(counts.sum())
