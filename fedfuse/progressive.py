@@ -257,15 +257,17 @@ def solve_lda_head(stats: list[HeadStatistics], shrinkage: float = DEFAULT_LDA_S
     return head
 
 
-HEAD_SOLVERS: dict[str, Callable[..., nn.Linear]] = {"ridge": solve_head, "lda": solve_lda_head}
+HEAD_SOLVERS = ("ridge", "lda")   # the closed-form heads of solve_classifier (head-solver='best': both)
 
 
 def solve_classifier(stats: list[HeadStatistics], solver: str = "ridge", ridge: float = DEFAULT_HEAD_RIDGE) -> nn.Linear:
     """The head of ``solver`` (``HEAD_SOLVERS``: ``"ridge"``, ``solve_head`` with ``ridge``; ``"lda"``,
     ``solve_lda_head``) from the clients' statistics."""
-    if solver not in HEAD_SOLVERS:
-        raise ValueError(f"head solver {solver!r} is not one of {sorted(HEAD_SOLVERS)}")
-    return solve_head(stats, ridge) if solver == "ridge" else solve_lda_head(stats)
+    if solver == "ridge":
+        return solve_head(stats, ridge)
+    if solver == "lda":
+        return solve_lda_head(stats)
+    raise ValueError(f"head solver {solver!r} is not one of {list(HEAD_SOLVERS)}")
 
 
 def with_head(model: nn.Module, head: nn.Linear, site: str = "") -> nn.Module:

@@ -165,12 +165,12 @@ class HeadRound:
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
-                 solvers: tuple[str, ...] = ("ridge", "lda")) -> None:
+                 solvers: tuple[str, ...] = HEAD_SOLVERS) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         unknown = [x for x in solvers if x not in HEAD_SOLVERS]
         if not solvers or unknown or len(set(solvers)) != len(solvers):
-            raise ValueError(f"head round: solvers must be distinct names of {sorted(HEAD_SOLVERS)}, got "
+            raise ValueError(f"head round: solvers must be distinct names of {list(HEAD_SOLVERS)}, got "
                              f"{list(solvers)}")
         self.ridge, self.timeout, self.check, self.solvers = float(ridge), timeout, bool(check), tuple(solvers)
 
@@ -209,7 +209,7 @@ class HeadRound:
         """``({solver: a copy of model with every classifier of sites solved by it}, {solver: {site: temperature}})``
         (``stat_site(site)``: the replies' name of a classifier's statistics)."""
         out, temps = {}, {}
-        for name in self.solvers:
+        for name in self.solvers if self.check else self.solvers[:1]:   # unchecked: the first is kept
             m, temps[name] = copy.deepcopy(model), {}
             for site in sites:
                 m = with_head(m, solve_classifier([s[stat_site(site)] for s in stats], name, self.ridge), site)

@@ -482,6 +482,7 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
     failed (the run reports that failure)."""
     from fedfuse.flower.head_round import HeadRound
     from fedfuse.fusion.distillation import teacher_probs
+    from fedfuse.progressive import HEAD_SOLVERS
 
     if fusion_outcome(strategy.history)["status"] != "completed" or not strategy.history:
         log(WARNING, "fedfuse: no head round: the training rounds produced no global model of their own")
@@ -495,7 +496,7 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout,
-                     solvers=("ridge", "lda") if cfg.head_solver == "best" else (cfg.head_solver,))
+                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,))
     if _width_tiered(strategy):   # every tier's classifier, each checked
         tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)

@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fedfuse.config import parse_run_config  # noqa: E402
+from fedfuse.config import dataset_info, parse_run_config  # noqa: E402
 from fedfuse.progressive import SiteView, head_sites, head_statistics, solve_head, solve_lda_head, with_head  # noqa: E402
 from fedfuse.task import global_model  # noqa: E402
 from fedfuse.training import evaluate  # noqa: E402
@@ -52,7 +52,7 @@ def run_row(run: Path) -> dict[str, float]:
     x0, _ = _arrays(Path(nodes[0]), None)
     shape = tuple(x0.shape[1:])
     xt, yt = _arrays(Path(raw["test-set-path"]), shape)
-    classes = int(max(int(yt.max()), 9)) + 1
+    classes = dataset_info(cfg.dataset).num_classes
     model = global_model(cfg, classes, shape)
     model.load_state_dict(ck["state_dict"])
     data = [_arrays(Path(f), shape) for f in nodes]

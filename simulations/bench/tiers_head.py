@@ -74,15 +74,11 @@ def _lr_note(out: Path, cell: str, name: str) -> str:
     label = best_lr(rows, name)
     if label is None:
         return ""
-    runs = [r for lane in LANES for r in _all_runs(out / lane / cell / "sweep.json") if r["strategy"] == label]
+    runs = [r for lane in LANES for r in _runs(out / lane / cell / "sweep.json") if r["strategy"] == label]
     notes = ([] if label == name else [label[len(name) + 1:-1].replace("=", " ")]) + (
         [f"{len(rows[label])} of {len(runs)} seeds, the others trained to chance"] if len(runs) > len(rows[label])
         else [])
     return f" ({'; '.join(notes)})" if notes else ""
-
-
-def _all_runs(path: Path) -> list[dict]:
-    return _runs(path)
 
 
 def head_summary(cells: list[str], out: Path) -> str:
