@@ -180,6 +180,37 @@ def test_gradient_fit_reduces_level_error_from_model0_init():
     assert ((f1(x) - target) ** 2).mean() < 0.5 * ((f0(x) - target) ** 2).mean()
 
 
+def test_blocks_start_near_model0_by_default():
+    """A level without a closed form (a ResNet block) starts from model 0 perturbed by eps = 0.1 (the default),
+    not re-initialised (setting 1's eps = 1, still available): with no fit epochs the fused blocks stay close to
+    model 0's and move further with eps = 1."""
+    from fedfuse.fusion.interpolation import GradientInterpolationOptions, _fresh_values
+
+    assert GradientInterpolationOptions().eps == 0.1
+    assert GradientInterpolationOptions(eps=None).eps == 1.0 and GradientInterpolationOptions(setting=2, eps=None).eps == 0.1
+    rs = [build_model("resnet", input_shape=(1, 8, 8), width=4, depth=2, seed=i).eval() for i in range(2)]
+    x = torch.randn(30, 1, 8, 8)
+    block = [n for n, _ in rs[0].named_parameters() if ".conv" in n or "blocks" in n]
+    assert block, "the test needs a block's parameters"
+
+    def dist(eps):
+        f = fuse("kf-gradient", rs, fusion_inputs=x, epochs=0, head_epochs=0, eps=eps)
+        fp, mp = dict(f.named_parameters()), dict(rs[0].named_parameters())
+        return sum(float((fp[n] - mp[n]).norm()) for n in block)
+
+    near, far = dist(0.1), dist(1.0)
+    assert 0 < near < 0.2 * far
+    # fresh values: every named parameter, its own shape, the model untouched
+    before = {n: p.detach().clone() for n, p in rs[0].named_parameters()}
+    fresh = _fresh_values(rs[0], block, gen_seed=3)
+    assert set(fresh) == set(block) and all(fresh[n].shape == before[n].shape for n in block)
+    assert all(torch.equal(p, before[n]) for n, p in rs[0].named_parameters())
+    assert any(not torch.equal(fresh[n], before[n]) for n in block)
+    v = build_model("vit", input_shape=(1, 8, 8), width=16, depth=1, num_heads=2, seed=0)
+    bare = [n for n, _ in v.named_parameters() if "pos" in n or "cls" in n]
+    assert bare and all(_fresh_values(v, bare, 0)[n].std() < 0.1 for n in bare)
+
+
 @pytest.fixture(scope="module")
 def sharded_digits():
     """Two MLPs on disjoint halves of the digit classes; fusion set from client 0's classes only."""

@@ -170,7 +170,7 @@ def run_cell(alpha: float, clients: int, seed: int, args) -> dict:
     run("KD", "kd")
     feddf = run("FedDF", "feddf").model
     ni = NI_METHOD[args.model]   # neuron interpolation: the closed-form variant where the family allows it
-    kf = run(f"{ni} (K=1)", ni).model
+    kf = run(f"{ni} (K=1)", ni, **args.ni_options).model
     info["auto"] = run("auto", "auto").info.get("auto-choice")
     auto_val = run("auto[validation]", "auto", validation=validation)
     info["auto[validation]"] = auto_val.info.get("auto-choice")
@@ -218,7 +218,8 @@ def levelwise(models, fused: nn.Sequential, X, xs, ys, n, seed: int, args, round
 
 
 def _record(args, alpha, clients, seed, source, X, train_s, params, acc, comm, secs, client_acc, info) -> dict:
-    return {"dataset": args.dataset, "model": args.model, "method": NI_METHOD[args.model], "alpha": alpha, "clients": clients, "seed": seed,
+    return {"dataset": args.dataset, "model": args.model, "method": NI_METHOD[args.model],
+            "ni-options": args.ni_options, "alpha": alpha, "clients": clients, "seed": seed,
             "source": source, "fusion-source": args.fusion_source, "fusion-samples": len(X), "train-seconds": train_s,
             "params": params, "accuracy": acc, "uplink-model-equivalents": comm, "seconds": secs,
             "client-accuracy": client_acc, "info": info}
@@ -309,6 +310,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--ridge", type=float, default=1e-3)
     p.add_argument("--fusion-source", choices=["public", "client0", "mixed"], default="public")
+    p.add_argument("--ni-options", type=json.loads, default={},
+                   help="JSON options of the neuron-interpolation fusion, e.g. '{\"eps\": 1.0}' (kf-gradient's "
+                        "setting-1 re-initialisation of the blocks)")
     p.add_argument("--out", type=Path, default=Path("results/progressive"))
     p.add_argument("--summary-only", action="store_true", help="rebuild table.md and the plot from results.jsonl")
     args = p.parse_args()

@@ -39,16 +39,16 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-MODELS = ("resnet18", "fedfuse-resnet18", "vit_tiny_patch16_224", "vit_small_patch16_224")
+MODELS = ("resnet18", "resnet34", "resnet50", "fedfuse-resnet18", "vit_tiny_patch16_224", "vit_small_patch16_224")
 
 
 def build(name: str, seed: int, image_size: int) -> torch.nn.Module:
     """Model ``name`` for 10 classes at ``image_size`` px, initialised from ``seed``."""
     torch.manual_seed(seed)
-    if name == "resnet18":
+    if name in ("resnet18", "resnet34", "resnet50"):   # torchvision's, as users have them (34: twice 18's blocks)
         import torchvision
 
-        return torchvision.models.resnet18(num_classes=10)
+        return getattr(torchvision.models, name)(num_classes=10)
     if name == "fedfuse-resnet18":
         from fedfuse.models import build_model
 
