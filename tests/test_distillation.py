@@ -143,3 +143,19 @@ def test_distill_selects_on_held_out_inputs_with_patience(pair):
     with pytest.raises(ValueError, match="patience"):
         _distill(st, st, list(st.parameters()), fit, teach, epochs=1, lr=1e-2, weight_decay=0.0, optimizer="adam",
                  batch_size=32, temperature=1.0, seed=0, device=torch.device("cpu"), patience=0)
+
+
+def test_kd_holdout_selects_on_the_held_out_part(pair):
+    """``kd[holdout=…, patience=…]``: the student trains on the rest of the fusion set and ends at its best state on
+    the held-out part (FedDF's early stopping with model 0 as the student); bad combinations name the option."""
+    a, b, x = pair
+    res = fuse_result("kd", [a, b], fusion_inputs=x, holdout=0.25, patience=2, epochs=200, lr=1e-2)
+    info = res.info
+    assert info["epochs_run"] < 200 and info["epochs_run"] - info["best_epoch"] == 2
+    assert info["best_loss"] <= info["initial_loss"]
+    held = x[torch.randperm(128, generator=torch.Generator().manual_seed(0))[:32]]   # kd's seeded split, seed 0
+    assert abs(_teacher_kl(res.model, [a, b], [0.5, 0.5], held) - info["best_loss"]) < 1e-5
+    with pytest.raises(FusionOptionError, match="'patience'.*holdout"):
+        fuse("kd", [a, b], fusion_inputs=x, patience=2)
+    with pytest.raises(FusionOptionError, match="'holdout'"):
+        fuse("kd", [a, b], fusion_inputs=x, holdout=1.0)

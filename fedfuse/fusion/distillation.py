@@ -203,15 +203,25 @@ class KDOptions(DistillOptions):
         student: ``"model0"`` = copy of model 0, ``"fresh"`` = model 0's architecture re-initialised.
         augmentation: ``"none"`` | ``"noise"`` | ``"mixup"`` (teachers are queried on the augmented inputs).
         noise: standard deviation of ``"noise"`` augmentation, relative to the batch's std.
+        holdout: fraction of the fusion set held out (seeded) to select the state on, by its KL to the ensemble
+            (0 = select on the whole fusion set, which the student also trains on: no early stopping).
+        patience: with ``holdout``, stop after this many epochs without a better held-out KL (``None``: all
+            ``epochs``).
     """
 
     student: Literal["model0", "fresh"] = "model0"
     augmentation: Literal["none", "noise", "mixup"] = "none"
     noise: float = 0.1
+    holdout: float = 0.0
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.noise >= 0, "noise", ">= 0", self.noise)
+        require(0 <= self.holdout < 1, "holdout", "in [0, 1)", self.holdout)
+        require(self.patience is None or self.patience >= 1, "patience", ">= 1 or None", self.patience)
+        require(self.patience is None or (self.holdout > 0 and self.keep_best), "patience",
+                "used with holdout > 0 and keep_best", self.patience)
 
 
 @dataclass(frozen=True)
@@ -244,10 +254,17 @@ def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KD
             if hasattr(mod, "reset_parameters") and any(True for _ in mod.parameters(recurse=False)):
                 mod.reset_parameters()
     x = _fusion_tensor("kd", fusion_inputs).to(device)
+    x_sel = None
+    if o.holdout > 0:
+        if x.shape[0] < 2:
+            raise MissingInputError("kd: holdout needs a fusion set of at least 2 samples")
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
+        n_val = min(x.shape[0] - 1, max(1, int(round(o.holdout * x.shape[0]))))
+        x_sel, x = x[perm[:n_val]], x[perm[n_val:]]
     _distill(st, st, list(st.parameters()), x, lambda xb: teacher_probs(teachers, xb, weights, o.temperature),
              epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer, batch_size=o.batch_size,
              temperature=o.temperature, seed=seed, device=device, aug=o.augmentation, noise=o.noise, info=info,
-             keep_best=o.keep_best)
+             keep_best=o.keep_best, select_inputs=x_sel, patience=o.patience)
     return st.eval()
 
 
