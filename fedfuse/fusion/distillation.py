@@ -75,6 +75,14 @@ def _targets(teachers, x: torch.Tensor, batch_size: int, device: torch.device) -
     return torch.cat([teachers(x[i:i + batch_size].to(device)) for i in range(0, x.shape[0], batch_size)])
 
 
+def holdout_split(x: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, ...]`` split (seeded permutation) into a fit part and a held-out part of ``round(fraction · B)``
+    samples, at least 1 and at most ``B − 1``: ``(x_fit, x_held)``."""
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
+    n_held = min(x.shape[0] - 1, max(1, int(round(fraction * x.shape[0]))))
+    return x[perm[n_held:]], x[perm[:n_held]]
+
+
 def _min_improvement(loss: float) -> float:
     """What counts as a real decrease of the selection KL: more than float32 round-off (KL(p‖p) evaluates to
     ±1e-8, not 0) — 1e-6 nats plus 1e-4 of the loss. Smaller changes keep the earlier state."""
@@ -258,9 +266,7 @@ def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KD
     if o.holdout > 0:
         if x.shape[0] < 2:
             raise MissingInputError("kd: holdout needs a fusion set of at least 2 samples")
-        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
-        n_val = min(x.shape[0] - 1, max(1, int(round(o.holdout * x.shape[0]))))
-        x_sel, x = x[perm[:n_val]], x[perm[n_val:]]
+        x, x_sel = holdout_split(x, o.holdout, seed)
     _distill(st, st, list(st.parameters()), x, lambda xb: teacher_probs(teachers, xb, weights, o.temperature),
              epochs=o.epochs, lr=o.lr, weight_decay=o.weight_decay, optimizer=o.optimizer, batch_size=o.batch_size,
              temperature=o.temperature, seed=seed, device=device, aug=o.augmentation, noise=o.noise, info=info,
@@ -306,4 +312,4 @@ def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LP
     return st.eval()
 
 
-__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment", "DistillOptions", "KDOptions", "LPOptions"]
+__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment", "holdout_split", "DistillOptions", "KDOptions", "LPOptions"]

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.distillation import _distill, teacher_probs
+from fedfuse.fusion.distillation import _distill, holdout_split, teacher_probs
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, require
 from fedfuse.models import levels
 from fedfuse.training import predict_logits
@@ -182,9 +182,7 @@ def distill_ensemble(student: nn.Module, teachers: list[nn.Module], weights: lis
     x = torch.as_tensor(fusion_inputs).float().to(device)
     student.to(device).eval()
     teachers = [t.to(device).eval() for t in teachers]
-    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
-    n_val = max(1, int(round(o.holdout * x.shape[0])))
-    x_val, x_tr = x[perm[:n_val]], x[perm[n_val:]]
+    x_tr, x_val = holdout_split(x, o.holdout, seed)
     # the distillation loop of kd/lp, selecting the state (start included) on the held-out part
     run: dict = {}
     _distill(student, student, list(student.parameters()), x_tr,
