@@ -188,8 +188,14 @@ def test_blocks_start_near_model0_by_default():
 
     assert GradientInterpolationOptions().eps == 0.1
     assert GradientInterpolationOptions(eps=None).eps == 1.0 and GradientInterpolationOptions(setting=2, eps=None).eps == 0.1
+    assert GradientInterpolationOptions().head_eps == 0.1 and GradientInterpolationOptions(eps=0.3).head_eps == 0.3
+    assert GradientInterpolationOptions(head_eps=1.0).head_eps == 1.0
+    with pytest.raises(ValueError, match="'head_eps'"):
+        GradientInterpolationOptions(head_eps=2.0)
     rs = [build_model("resnet", input_shape=(1, 8, 8), width=4, depth=2, seed=i).eval() for i in range(2)]
     x = torch.randn(30, 1, 8, 8)
+    with pytest.raises(FusionOptionError, match="kf-gradient.*'head_eps'"):
+        fuse("kf-gradient", rs, fusion_inputs=x, head_eps=-1.0)
     block = [n for n, _ in rs[0].named_parameters() if ".conv" in n or "blocks" in n]
     assert block, "the test needs a block's parameters"
 

@@ -357,6 +357,8 @@ class GradientInterpolationOptions(InterpolationOptions):
         optimizer, lr, epochs, weight_decay: hidden levels' fit (``None`` = the setting's).
         eps: a level without a closed form (and every level with ``init="model0"``) starts from
             ``(1 − eps)·model 0 + eps·fresh init``; default 0.1 (``None`` = the setting's: 1.0 / 0.1).
+        head_eps: the same for the classifier level when it has no closed form (a ViT's LayerNorm + Linear head;
+            the reference code re-initialises it: ``1.0``); ``None`` = ``eps``.
         head_optimizer, head_lr, head_epochs, head_weight_decay: the classifier level's fit
             (``None`` = the setting's; ``head_weight_decay`` = the setting's ``weight_decay``).
         batch_size, val_fraction, patience: minibatches, validation split and early stopping.
@@ -374,6 +376,7 @@ class GradientInterpolationOptions(InterpolationOptions):
     epochs: int | None = None
     weight_decay: float | None = None
     eps: float | None = 0.1
+    head_eps: float | None = None
     head_optimizer: Optimizer | None = None
     head_lr: float | None = None
     head_epochs: int | None = None
@@ -397,6 +400,9 @@ class GradientInterpolationOptions(InterpolationOptions):
         for key in ("epochs", "head_epochs", "weight_decay", "head_weight_decay", "prox"):
             require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         require(0 <= self.eps <= 1, "eps", "in [0, 1]", self.eps)
+        if self.head_eps is None:
+            object.__setattr__(self, "head_eps", self.eps)
+        require(0 <= self.head_eps <= 1, "head_eps", "in [0, 1]", self.head_eps)
         require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
         require(0 <= self.val_fraction < 1, "val_fraction", "in [0, 1)", self.val_fraction)
         require(self.patience >= 0, "patience", ">= 0", self.patience)
@@ -803,12 +809,12 @@ def _fit_gradient_level(fused: nn.Module, step: _LevelStep, a: torch.Tensor, clo
     if closed_form is not None:
         # closed-form start: defence against collapse
         write_affine(lvf, closed_form)
-    elif opts.eps > 0:
+    elif (eps := opts.head_eps if step.last else opts.eps) > 0:
         fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + step.index)
         named = dict(fused.named_parameters())
         with torch.no_grad():
             for pn, v in fresh.items():
-                named[pn].mul_(1 - opts.eps).add_(opts.eps * v.to(named[pn]))
+                named[pn].mul_(1 - eps).add_(eps * v.to(named[pn]))
     hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if step.last else \
          (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
     return _fit_level(fused, lvf, step.h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
