@@ -16,13 +16,17 @@ from pathlib import Path
 BASELINES = ("heterofl", "fedrolex", "feddf")
 
 
-def _rows(path: Path) -> dict[str, list[dict]]:
+def group_runs(runs: list[dict]) -> dict[str, list[dict]]:
+    """``{strategy label: its runs}`` of a sweep's runs, leaving out the runs with no final accuracy (failed)."""
     out: dict[str, list[dict]] = {}
-    if path.exists():
-        for r in json.loads(path.read_text()):
-            if r.get("final-accuracy") is not None:
-                out.setdefault(r["strategy"], []).append(r)
+    for r in runs:
+        if r.get("final-accuracy") is not None:
+            out.setdefault(r["strategy"], []).append(r)
     return out
+
+
+def _rows(path: Path) -> dict[str, list[dict]]:
+    return group_runs(json.loads(path.read_text())) if path.exists() else {}
 
 
 def _ms(values: list[float]) -> str:

@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, summary
+from simulations.bench.od_draw import BASELINES, _ms, _rows, goal_table, group_runs, summary
 
 BEFORE_DEFAULT = "average[ordered-dropout-draw='width']"   # the default before, as results/tiers-od-draw names it
 
@@ -55,10 +55,9 @@ def _new_rows(out: Path, name: str, *, best: bool = True) -> dict[str, list[dict
     """A cell's rows by strategy over every lane; with ``best``, each baseline is its row at its best lr (under the
     baseline's own name: the goal reads it there)."""
     rows: dict[str, list[dict]] = {}
-    for lane in LANES:
-        for r in _runs(out / lane / name / "sweep.json"):
-            if r.get("final-accuracy") is not None:
-                rows.setdefault(r["strategy"], []).append(r)
+    for lane in LANES:   # a label in several lanes keeps all their runs
+        for label, runs in group_runs(_runs(out / lane / name / "sweep.json")).items():
+            rows.setdefault(label, []).extend(runs)
     if best:
         for b in BASELINES:
             label = best_lr(rows, b)
