@@ -11,9 +11,12 @@ BEST_CLIENT = "best-client"
 DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-flat", "synthetic", "cifar10", "cifar100",
             "mnist", "fashion-mnist")
 HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
-MODELS = ("mlp", "cnn", "resnet", "vit")
+MODELS = ("mlp", "cnn", "lenet", "resnet", "vit")
 # model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)
-MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "resnet": "resnet", "vit": "vit"}
+MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "lenet": "sequential", "resnet": "resnet", "vit": "vit"}
+# each model's own (width, depth): what model-width / model-depth = 0 (their defaults) build. LeNet-5 as NIID-Bench
+# trains it has 6 channels in its first convolution and 2 convolution stages
+MODEL_SIZES = {"mlp": (64, 2), "cnn": (64, 2), "lenet": (6, 2), "resnet": (64, 2), "vit": (64, 2)}
 PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 # the head round's closed-form classifier (fedfuse.progressive.HEAD_SOLVERS); "best": both, the clients choose

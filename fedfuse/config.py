@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
-                             MODEL_FAMILIES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
+                             MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
@@ -71,8 +71,9 @@ class RunConfig:
     dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
     data_root: str = _key("", "torchvision root / save_to_disk folder (offline loaders)")
     model: str = _key("mlp", "architecture", choices=MODELS)
-    model_width: int = _key(64, "hidden width / channels", ge=1)
-    model_depth: int = _key(2, "hidden layers / blocks", ge=1)
+    model_width: int = _key(0, "hidden width / channels; 0 = the model's own (64; lenet: 6, the channels of its "
+                            "first convolution, as NIID-Bench)", ge=0)
+    model_depth: int = _key(0, "hidden layers / blocks; 0 = the model's own (2)", ge=0)
     num_clients: int = _key(4, "number of clients (partitions)", ge=1)
     partitioning: str = _key("dirichlet", "how the train pool is split across clients", choices=PARTITIONINGS)
     dirichlet_alpha: float = _key(0.1, "Dirichlet concentration (dirichlet partitioning; small = skewed)", gt=0)
@@ -231,6 +232,14 @@ class RunConfig:
                                           "defaults)")
     initial_model_path: str = _key("", "a .pt state dict of the global architecture the run starts from instead of a "
                                    "fresh initialisation (e.g. a client's model; absolute path on the server)")
+
+    def __post_init__(self) -> None:
+        # 0 = the model's own size (fedfuse.choices.MODEL_SIZES): resolved here, so every reader sees the real one
+        width, depth = MODEL_SIZES.get(self.model, (64, 2))
+        if self.model_width == 0:
+            object.__setattr__(self, "model_width", width)
+        if self.model_depth == 0:
+            object.__setattr__(self, "model_depth", depth)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
@@ -851,20 +860,25 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
     - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a non-empty floating-point
       input tensor ``[B, *input_shape]`` with finite values on the dataset's scale (and, when present,
       labels ``[B]`` in ``[0, num_classes)``).
-    - ``data-root``: an existing directory when set; required by the torchvision datasets.
+    - ``data-root``: an existing directory when set; required by the torchvision datasets (CIFAR); MNIST and
+      Fashion-MNIST need their idx files in it or, without it, Debian's package (or a download host that answers).
     - ``partition-files``: every client's file exists and is valid node-local data for the dataset.
 
     ``input_shape`` / ``num_classes`` override the dataset metadata (the ServerApp passes the loaded
     data's; needed for ``hf:<name>``, whose shape is unknown before loading).
     """
-    from fedfuse.data.sources import TORCHVISION_SOURCES
+    from fedfuse.data.sources import IDX_SOURCES, TORCHVISION_SOURCES, idx_files_problem
 
     if cfg.data_root:
         from pathlib import Path
 
         if not Path(cfg.data_root).expanduser().is_dir():
             raise ConfigError(f"run-config key 'data-root': {cfg.data_root!r} is not a directory")
-    elif cfg.dataset in TORCHVISION_SOURCES:
+    if cfg.dataset in IDX_SOURCES and not (cfg.partition_files and cfg.fusion_set_path and cfg.test_set_path):
+        problem = idx_files_problem(cfg.dataset, cfg.data_root)   # (with all three files no process loads it)
+        if problem:
+            raise ConfigError(f"run-config key 'data-root': {problem}")
+    elif cfg.dataset in TORCHVISION_SOURCES and not cfg.data_root:
         raise ConfigError(f"run-config key 'data-root': dataset {cfg.dataset!r} is read from a torchvision root "
                           "directory; set data-root to it")
     if cfg.fusion_set_path:

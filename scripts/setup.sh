@@ -5,6 +5,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
+# Fashion-MNIST, the benchmark data (dataset='fashion-mnist'): Debian's package, installed once where apt and root are
+fmnist=/usr/share/datasets/fashion-mnist
+if [ ! -f "$fmnist/t10k-labels-idx1-ubyte.gz" ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian's dataset-fashion-mnist (Fashion-MNIST's idx files, into $fmnist)"
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null; }; } \
+      || echo "setup: WARNING: apt-get could not install dataset-fashion-mnist; dataset='fashion-mnist' needs data-root" >&2
+  else
+    echo "setup: WARNING: Fashion-MNIST is not installed and apt-get/root is not available here: run" \
+         "'sudo apt-get install dataset-fashion-mnist', or point data-root at a folder holding its four idx files" >&2
+  fi
+fi
 stamp_of() { { cat pyproject.toml; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1; }
 want=$(stamp_of)
 if [ -x .venv/bin/python ] && [ -f .venv/.fedfuse-stamp ] && [ "$(cat .venv/.fedfuse-stamp)" = "$want" ] \

@@ -191,8 +191,51 @@ def test_fake_mnist_through_torchvision(tmp_path):
 def test_torchvision_missing_root_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="download=True"):
         load_source("cifar10", root="")
-    with pytest.raises(FileNotFoundError, match="download=True"):
-        load_source("fashion-mnist", root=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        load_source("fashion-mnist", root=str(tmp_path), download=False)
+
+
+def test_idx_files_read_directly(tmp_path):
+    """Debian's layout: the four gzipped idx files in one folder, read without torchvision."""
+    import gzip
+
+    rng = np.random.default_rng(2)
+    for prefix, n in (("train", 14), ("t10k", 6)):
+        for kind, arr in (("images-idx3", rng.integers(0, 256, (n, 28, 28))), ("labels-idx1", np.arange(n) % 10)):
+            plain = tmp_path / f"{prefix}-{kind}-ubyte"
+            _write_idx(plain, arr)
+            with open(plain, "rb") as f, gzip.open(str(plain) + ".gz", "wb") as g:
+                g.write(f.read())
+            plain.unlink()
+    train, test = load_source("fashion-mnist", root=str(tmp_path), download=False)
+    assert train.x.shape == (14, 1, 28, 28) and test.x.shape == (6, 1, 28, 28)
+    assert train.y.tolist() == [i % 10 for i in range(14)] and float(train.x.max()) <= 1.0
+    from fedfuse.data.sources import read_idx
+
+    raw = read_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"))
+    assert raw.dtype == np.uint8 and raw.tolist() == [i % 10 for i in range(6)]
+
+
+def test_idx_file_with_a_wrong_header_or_size_is_named(tmp_path):
+    from fedfuse.data.sources import read_idx
+
+    bad = tmp_path / "x-idx1-ubyte"
+    bad.write_bytes(b"PK\x03\x04junk")
+    with pytest.raises(ValueError, match="not an idx file"):
+        read_idx(str(bad))
+    short = tmp_path / "y-idx1-ubyte"
+    short.write_bytes(struct.pack(">I", 0x0801) + struct.pack(">I", 10) + bytes(3))
+    with pytest.raises(ValueError, match="declares shape"):
+        read_idx(str(short))
+
+
+@pytest.mark.skipif(not os.path.isdir("/usr/share/datasets/fashion-mnist"),
+                    reason="Debian's dataset-fashion-mnist is not installed (scripts/setup.sh installs it)")
+def test_real_fashion_mnist_from_the_debian_package():
+    train, test = load_source("fashion-mnist")
+    assert train.x.shape == (60000, 1, 28, 28) and test.x.shape == (10000, 1, 28, 28)
+    assert train.class_counts() == [6000] * 10 and test.class_counts() == [1000] * 10
+    assert 0.0 == float(train.x.min()) and float(train.x.max()) == 1.0
 
 
 # ------------------------------------------------------------------------------ HF on disk

@@ -16,8 +16,9 @@ mnist1d-flat   (40,)                   same, flattened
 synthetic      (num_features,) or      seeded Gaussian mixture for unit tests
                image_shape
 cifar10/100    (3, 32, 32), [0, 1]     torchvision, from ``root``; its train/test split
-mnist,         (1, 28, 28), [0, 1]     torchvision, from ``root``; its train/test split
-fashion-mnist
+mnist,         (1, 28, 28), [0, 1]     idx files, read directly: ``root`` (the files or torchvision's
+fashion-mnist                          layout), else Debian's ``dataset-fashion-mnist`` package's folder,
+                                       else torchvision's download where a network answers; 60k / 10k
 hf:<name>      from the data           Hugging Face: ``root`` = a ``save_to_disk`` directory
                                        (offline), else ``datasets.load_dataset(<name>)``
 ============== ======================= =====================================================
@@ -220,7 +221,8 @@ def _load_synthetic(
 
 # ---------------------------------------------------------------------------------- torchvision
 _TV_CLASSES = {"cifar10": "CIFAR10", "cifar100": "CIFAR100", "mnist": "MNIST", "fashion-mnist": "FashionMNIST"}
-TORCHVISION_SOURCES: tuple[str, ...] = tuple(_TV_CLASSES)
+TORCHVISION_SOURCES: tuple[str, ...] = ("cifar10", "cifar100")   # read through torchvision's dataset classes
+IDX_SOURCES: tuple[str, ...] = ("mnist", "fashion-mnist")          # read from their idx files (_load_idx_source)
 
 
 def _images_to_nchw(data: np.ndarray) -> np.ndarray:
@@ -285,6 +287,123 @@ def _load_torchvision(
         data = ds.data.numpy() if isinstance(ds.data, torch.Tensor) else np.asarray(ds.data)
         targets = np.asarray(ds.targets.numpy() if isinstance(ds.targets, torch.Tensor) else ds.targets)
         x, y = _limit(data, targets.astype(np.int64), limit, seed + (0 if train else 1))
+        splits.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
+    train_ds, test_ds = splits
+    if normalize:
+        _normalize(train_ds, test_ds)
+    return train_ds, test_ds
+
+
+# ------------------------------------------------------------------------------------ idx files
+# The original MNIST / Fashion-MNIST distribution format (Yann LeCun's idx: a big-endian header, then raw bytes).
+# Debian's ``dataset-fashion-mnist`` package installs the four gzipped files under ``/usr/share/datasets``.
+IDX_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+IDX_PACKAGES = {"fashion-mnist": ("dataset-fashion-mnist", "/usr/share/datasets/fashion-mnist")}
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str) -> np.ndarray:
+    """An idx file (``.gz`` or not) as a numpy array of its declared type and shape.
+
+    Raises ``ValueError`` naming the file when its header is not an idx header or its size does not match it.
+    """
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path}: not an idx file (header {raw[:4].hex()!r})")
+    ndim = raw[3]
+    dims = np.frombuffer(raw, dtype=">i4", count=ndim, offset=4).astype(np.int64) if ndim else np.zeros(0, np.int64)
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    start = 4 + 4 * ndim
+    count = int(np.prod(dims)) if ndim else 0
+    if len(raw) - start != count * dtype.itemsize:
+        raise ValueError(f"{path}: idx header declares shape {tuple(dims.tolist())} ({count * dtype.itemsize} bytes) "
+                         f"but the file holds {len(raw) - start} bytes of data")
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=start).reshape(tuple(dims.tolist()))
+
+
+def _idx_path(folder: str, name: str) -> str | None:
+    for candidate in (name, name + ".gz"):
+        path = os.path.join(folder, candidate)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def find_idx_folder(which: str, root: str = "") -> str | None:
+    """The folder holding all four idx files of ``which``: with ``root``, ``root`` itself or torchvision's
+    ``<root>/<Class>/raw`` under it (a given root is never passed over for another folder); without, the Debian
+    package's folder. ``None`` when it does not hold them."""
+    if root:
+        root = os.path.expanduser(root)
+        folders = [root, os.path.join(root, _TV_CLASSES[which], "raw")]
+    else:
+        folders = [IDX_PACKAGES[which][1]] if which in IDX_PACKAGES else []
+    for folder in folders:
+        if all(_idx_path(folder, n) for pair in IDX_FILES.values() for n in pair):
+            return folder
+    return None
+
+
+# where torchvision downloads each dataset from (its first mirror): the download is tried only when it answers
+_MIRRORS = {"mnist": "ossci-datasets.s3.amazonaws.com", "fashion-mnist": "fashion-mnist.s3-website.eu-central-1.amazonaws.com"}
+
+
+def _network_reachable(host: str, timeout: float = 3.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, 80), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def idx_files_problem(which: str, root: str = "") -> str | None:
+    """Why ``which`` (an ``IDX_SOURCES`` name) cannot be loaded from ``root`` (or the Debian folder), or ``None``
+    when it can: its idx files are there, or its download host answers."""
+    if find_idx_folder(which, root) is not None or _network_reachable(_MIRRORS[which]):
+        return None
+    package = IDX_PACKAGES.get(which)
+    where = f"data-root {root!r} does not hold its idx files" if root else (
+        f"Debian's {package[0]} is not installed ({package[1]} is missing)" if package else "no data-root is given")
+    hint = f"`apt-get install {package[0]}` (scripts/setup.sh does where it can) or " if package else ""
+    return (f"dataset {which!r}: {where} and its download host does not answer; {hint}set data-root to a folder "
+            f"holding {', '.join(n for pair in IDX_FILES.values() for n in pair)} (.gz or not)")
+
+
+def _load_idx_source(*, root: str, seed: int, test_fraction: float, which: str, download: bool | None = None,
+                     limit: int | None = None, normalize: bool = False):
+    """MNIST / Fashion-MNIST from its idx files with the dataset's own 60,000 / 10,000 split, read directly (no
+    torchvision dataset objects). Looked for in ``root`` (the files themselves or torchvision's layout), then in
+    the Debian package's folder (``dataset-fashion-mnist``: ``/usr/share/datasets/fashion-mnist``).
+
+    ``download``: ``None`` (default) falls back to torchvision's download only when the dataset's host answers;
+    ``True`` always tries it, ``False`` never. ``limit``/``normalize`` as for the torchvision sources.
+    """
+    folder = find_idx_folder(which, root)
+    if folder is None:
+        package = IDX_PACKAGES.get(which)
+        if download is True or (download is None and _network_reachable(_MIRRORS[which])):
+            return _load_torchvision(root=root, seed=seed, test_fraction=test_fraction, which=which, download=True,
+                                     limit=limit, normalize=normalize)
+        where = f"data-root={root!r} (the idx files or torchvision's layout)" if root else "no data-root given"
+        hint = (f"install Debian's package with `apt-get install {package[0]}` (files in {package[1]}), or "
+                if package else "")
+        raise FileNotFoundError(f"dataset {which!r}: its idx files are not here ({where}) and no network to download "
+                                f"them: {hint}point data-root at a folder holding "
+                                f"{', '.join(n for pair in IDX_FILES.values() for n in pair)} (.gz or not)")
+    splits = []
+    for train in (True, False):
+        images, labels = (read_idx(_idx_path(folder, n)) for n in IDX_FILES[train])
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise ValueError(f"dataset {which!r}: idx files in {folder} hold images {images.shape} and labels "
+                             f"{labels.shape}; expected [N, H, W] and [N]")
+        x, y = _limit(images, labels.astype(np.int64), limit, seed + (0 if train else 1))
         splits.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
     train_ds, test_ds = splits
     if normalize:
@@ -425,7 +544,8 @@ SOURCES: dict[str, Callable[..., tuple[ArrayDataset, ArrayDataset]]] = {
     "mnist1d": _bind(_load_mnist1d, flat=False),
     "mnist1d-flat": _bind(_load_mnist1d, flat=True),
     "synthetic": _bind(_load_synthetic),
-    **{name: _bind(_load_torchvision, which=name) for name in _TV_CLASSES},
+    **{name: _bind(_load_torchvision, which=name) for name in TORCHVISION_SOURCES},
+    **{name: _bind(_load_idx_source, which=name) for name in IDX_SOURCES},
 }
 """name -> loader(root=, seed=, test_fraction=, **options) -> (train, test). ``hf:<name>`` is
 handled by ``load_source`` in addition to these keys."""

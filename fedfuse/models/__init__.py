@@ -16,6 +16,7 @@ from torch import nn
 from fedfuse.models.adapters import (ADAPTERS, Adapter, ModelConfig, UnsupportedModelError, adapter_for,
                                      check_width_mult, model_family, register_adapter)
 from fedfuse.models.cnn import cnn
+from fedfuse.models.lenet import lenet
 from fedfuse.models.levels import Level, level_outputs, levels, neuron_axis_sum, neurons_last, neurons_restore
 from fedfuse.models.mlp import mlp
 from fedfuse.models.resnet import ResNet, resnet
@@ -27,7 +28,7 @@ def _vit(**kw) -> nn.Module:
     return vit(**kw)
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet, "vit": _vit}
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "lenet": lenet, "resnet": resnet, "vit": _vit}
 
 
 def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] = (1, 8, 8), width: int | None = None,
@@ -60,5 +61,5 @@ def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] =
 
 
 __all__ = ["MODELS", "build_model", "levels", "Level", "level_outputs", "neurons_last", "neurons_restore",
-           "neuron_axis_sum", "mlp", "cnn", "resnet", "ResNet", "ADAPTERS", "Adapter", "ModelConfig",
+           "neuron_axis_sum", "mlp", "cnn", "lenet", "resnet", "ResNet", "ADAPTERS", "Adapter", "ModelConfig",
            "UnsupportedModelError", "adapter_for", "model_family", "register_adapter", "check_width_mult"]
