@@ -69,7 +69,8 @@ class RunConfig:
                      "one-shot round (warm-start-epochs, fused with warm-start-fusion), multi-round FL with "
                      "'strategy' continues from the fused model (docs/warm-start.md)", choices=MODES)
     dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
-    data_root: str = _key("", "torchvision root / save_to_disk folder (offline loaders)")
+    data_root: str = _key("", "folder of the dataset's files: torchvision root (CIFAR), the idx files (MNIST, "
+                          "Fashion-MNIST; default: Debian's dataset-fashion-mnist), a save_to_disk folder (hf:)")
     model: str = _key("mlp", "architecture", choices=MODELS)
     model_width: int = _key(0, "hidden width / channels; 0 = the model's own (64; lenet: 6, the channels of its "
                             "first convolution, as NIID-Bench)", ge=0)

@@ -54,6 +54,24 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
         {"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5},
         {"round": 2, "test-accuracy": 0.8, "fusion-info": {"head-round": {"kept": "head"}}}])
     assert "auto +0.4000 (+0.3000 of it from the head round)" in verdict([head, fedavg], "fedavg")
+    # the baseline with the head round too (one run, two rows): the verdict says what the aggregation adds on top
+    base = RunSummary("fedavg", "in-process", [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.4},
+                                               {"round": 2, "test-accuracy": 0.75,
+                                                "fusion-info": {"head-round": {"kept": "head"}}}])
+    plain, headed = base.split_head()
+    assert (plain.label, plain.final, headed.label, headed.final) == ("fedavg", 0.4, "fedavg + head round", 0.75)
+    line = verdict([head, plain, headed], "fedavg")
+    assert "auto +0.4000 (+0.3000 of it from the head round)" in line
+    assert "vs fedavg + head round (the same post-step given to fedavg), the aggregation's own part: auto +0.0500" in line
+    table = comparison_table([head, plain, headed], "fedavg")
+    assert "| fedavg + head round | in-process | 0.7500 |" in table
+    assert fedavg.split_head() == [fedavg]
+
+
+def test_the_baseline_gets_the_head_round_when_the_strategy_does():
+    assert baseline_config({"strategy": "auto"})["head-round"] is True
+    assert baseline_config({"strategy": "auto", "head-round": False})["head-round"] is False
+    assert baseline_config({"strategy": "auto", "head-solver": "lda"})["head-solver"] == "lda"
 
 
 def test_comparison_table_reports_a_failed_run_and_a_missing_baseline(tmp_path):
@@ -167,12 +185,14 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     lines = out.splitlines()
     rounds = [ln for ln in lines if " round " in ln and " acc " in ln]
     assert [ln.split()[0] + " " + ln.split()[2] for ln in rounds] == [
-        "auto 0/3", "auto 1/3", "auto 2/3", "auto 3/3", "fedavg 0/2", "fedavg 1/2", "fedavg 2/2"]
-    assert "head round" in rounds[3]   # fedfuse's default ends with the head round; the baseline is plain FedAvg
+        "auto 0/3", "auto 1/3", "auto 2/3", "auto 3/3", "fedavg 0/3", "fedavg 1/3", "fedavg 2/3", "fedavg 3/3"]
+    assert "head round" in rounds[3] and "head round" in rounds[7]   # like for like: both end with the head round
     assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| auto | in-process")
-    assert table[3].startswith("| fedavg (baseline) | in-process") and len(table) == 4
+    assert table[3].startswith("| fedavg (baseline) | in-process") and len(table) == 5
+    assert table[4].startswith("| fedavg + head round | in-process")
+    assert "the aggregation's own part: auto " in out   # the verdict: what auto adds over FedAvg + the head round
     run = tmp_path / "r"
     for name in ("comparison.png", "comparison.md", "run.log", "results.json", "rounds.csv", "accuracy.png",
                  "baseline-fedavg/results.json", "baseline-fedavg/run.log"):
@@ -184,9 +204,9 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     assert b["strategy"] == "fedavg" and a["strategy"] == "auto"
     assert "auto chose" in log   # the round line names the default's per-round choice
     assert all(" chose " in ln for ln in rounds[1:3])   # and so does the console's
-    assert a["head-round"] is True and b["head-round"] is False
-    assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir", "head-round")} == \
-        {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir", "head-round")}
+    assert a["head-round"] is True and b["head-round"] is True
+    assert {k: v for k, v in a.items() if k not in ("strategy", "run-name", "output-dir")} == \
+        {k: v for k, v in b.items() if k not in ("strategy", "run-name", "output-dir")}
 
 
 def test_no_compare_runs_the_strategy_only(tmp_path, capsys):

@@ -13,6 +13,10 @@ plots the runs' accuracy per round (``comparison.png``):
 | client ensemble, uniform (final round) | the reference: averaged softmax of that round's client models (if recorded) |
 | fallback / guarded / skipped | rounds whose fusion fell back / the divergence guard used the average / skipped |
 
+The baseline runs with the head round when the strategy does (like for like); its row without the head round (as Flower
+users run FedAvg) and its row with it (``<baseline> + head round``) come from that one run, and the verdict line says
+what the strategy's aggregation adds on top of the latter.
+
 A one-shot run adds ``references_table``: its fused model next to the references the server computed from the same
 client models (``fedfuse.references``: best and mean client, weighted ensemble, one-shot FedAvg, KD, FedDF), drawn
 as bars on ``comparison.png`` instead of the one-round curves (``reference_bars``).
@@ -28,6 +32,7 @@ from typing import Any
 from fedfuse.flower.runner.console import head_round_record
 
 BASELINE = "fedavg"
+HEAD_SUFFIX = " + head round"   # the label of a baseline's row with the head round (RunSummary.split_head)
 # run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
 # fedfuse.config rejects most of them for fedavg)
 STRATEGY_ONLY_KEYS = ("fusion-options", "fusion-rounds", "refine", "refine-prior", "divergence-guard", "server-lr",
@@ -39,11 +44,12 @@ def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, out
     """``run_config`` for ``baseline``: the same keys (dataset, split, seed, clients, training) except the
     strategy, the strategy-only keys (``STRATEGY_ONLY_KEYS``) and the head round; ``output-dir``/``run-name`` when given. A warm
     start's baseline runs from scratch (``mode='multi-round'``, no warm-start keys)."""
-    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS + ("head-ridge", "head-solver")}
+    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS}
     cfg["strategy"] = baseline
-    # the baseline is FedAvg as Flower users run it: no head round (fedfuse's post-step; docs/multi-round.md gives
-    # FedAvg with it too)
-    cfg["head-round"] = False
+    # like for like: the baseline ends with the head round when the strategy does (the key's default: on), so one run
+    # gives FedAvg as Flower users run it (its training rounds) and FedAvg + the head round (its last row):
+    # ``RunSummary.split_head`` makes them two rows, and the verdict says what the aggregation adds on top of the latter
+    cfg["head-round"] = bool(run_config.get("head-round", True))
     if cfg.get("mode") == "warm-start":   # the baseline of a warm start is FedAvg from scratch (docs/warm-start.md)
         cfg = {k: v for k, v in cfg.items() if not k.startswith("warm-start-")}
         cfg["mode"] = "multi-round"
@@ -80,6 +86,18 @@ class RunSummary:
         elif error is None:
             error = f"no results.json in {out_dir}"
         return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir), references=references)
+
+    def split_head(self) -> list["RunSummary"]:
+        """``[self]`` without a head round; otherwise ``[the run without its head-round row (labelled as it is),
+        the whole run labelled '<label> + head round']``: FedAvg as Flower users run it and FedAvg with fedfuse's
+        post-step, from one run."""
+        rows = [r for r in self.rows if isinstance(r.get("test-accuracy"), (int, float))]
+        if self.error or len(rows) < 2 or head_round_record(rows[-1]) is None:
+            return [self]
+        cut = self.rows.index(rows[-1])
+        plain = RunSummary(self.label, self.engine, self.rows[:cut], None, self.out_dir, self.references)
+        return [plain, RunSummary(f"{self.label}{HEAD_SUFFIX}", self.engine, self.rows, None, self.out_dir,
+                                  self.references)]
 
     def curve(self) -> list[tuple[int, float]]:
         """``[(round, test accuracy)]`` of rounds with an accuracy, round 0 (initial model) included."""
@@ -201,12 +219,18 @@ def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     if ref is None:
         return None
-    parts = [f"{r.label} {r.final - ref.final:+.4f}" + _head_share(r) for r in runs
-             if r is not ref and r.final is not None and not r.error]
+    headed = next((r for r in runs if r.label == baseline + HEAD_SUFFIX and r.final is not None), None)
+    others = [r for r in runs if r is not ref and r is not headed and r.final is not None and not r.error]
+    parts = [f"{r.label} {r.final - ref.final:+.4f}" + _head_share(r) for r in others]
     if not parts:
         return None
-    return (f"final accuracy vs {baseline}: " + ", ".join(parts) + " (one seed; mean ± std over seeds: "
-            "`fedfuse compare` / fedfuse.flower.runner.sweep)")
+    line = f"final accuracy vs {baseline}: " + ", ".join(parts)
+    if headed is not None:   # what the aggregation adds on top of the baseline given the same head round
+        own = [f"{r.label} {r.final - headed.final:+.4f}" for r in others if _head_share(r)]
+        if own:
+            line += (f"; vs {headed.label} (the same post-step given to {baseline}), the aggregation's own part: "
+                     + ", ".join(own))
+    return line + " (one seed; mean ± std over seeds: `fedfuse compare` / fedfuse.flower.runner.sweep)"
 
 
 def _head_share(run: RunSummary) -> str:

@@ -218,11 +218,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"fedfuse: {checked.strategy} did not complete; {baseline} baseline not run", file=sys.stderr)
             return code
         b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
-                                           num_rounds=checked.num_server_rounds,   # no head round
+                                           num_rounds=checked.num_server_rounds + int(bool(bcfg["head-round"])),
                                            timeout=args.timeout,
                                            verbose=args.verbose)
-        runs.append(RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
-                                    error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()))
+        runs += RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
+                                error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()
+                                ).split_head()
         code = code or b_code
     write_comparison(runs, out_dir, baseline or default, title=(
         f"{checked.dataset}/{checked.model} · {checked.partitioning} · {checked.num_clients} clients · "
