@@ -1,0 +1,117 @@
+"""The Fashion-MNIST tables (docs/fashion-mnist.md) from the benches' rows: mean ± sample std over seeds, the
+published numbers beside them, per-seed JSON for the docs.
+
+    .venv/bin/python -m simulations.bench.fmnist_tables --o1 results/fmnist-o1 --m1 results/fmnist-m1-full --stock results/fmnist-stock --out results/fmnist-tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from fedfuse.flower.runner.stats import format_mean_std
+from simulations.bench.fmnist import PUBLISHED as M1_PUBLISHED
+from simulations.bench.fmnist_oneshot import PUBLISHED as O1_PUBLISHED
+
+NOTE = "mean ± sample std (ddof=1) over seeds; test accuracy in %"
+O1_LABELS = {"average": "one-shot FedAvg (weighted average)", "kd": "KD (ensemble into client 0's model)",
+             "feddf": "FedDF (ensemble into the average)", "kf-linear": "kf-linear", "ot": "ot", "rebasin": "rebasin",
+             "auto": "fuse('auto')", "kf-gradient": "kf-gradient", "transfusion": "transfusion",
+             "init": "untrained LeNet (no client training)"}
+PUB_ROW = {"average": "one-shot FedAvg", "feddf": "FedDF", "ensemble": "ensemble"}
+
+
+def rows_of(folder: Path) -> list[dict]:
+    path = folder / "rows.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _fmt(values: list[float]) -> str:
+    return format_mean_std(values, scale=100.0, digits=1) + (f" (n={len(values)})" if values else "")
+
+
+def o1_table(rows: list[dict]) -> str:
+    alphas = sorted({r["part"] for r in rows}, key=lambda p: float(p[3:]))
+    pub_alpha = {"dir0.1": 0, "dir0.3": 1, "dir0.5": 2}
+    by = defaultdict(lambda: defaultdict(list))
+    secs = defaultdict(list)
+    for r in rows:
+        by[(r["method"], "one")][r["part"]].append(r["accuracy"])
+        if "with-head" in r:
+            by[(r["method"], "head")][r["part"]].append(r["with-head"])
+            secs[r["method"]].append(r["fuse-per-epoch"])
+    head = " | ".join(f"α = {p[3:]}" for p in alphas)
+    lines = [f"| row | exchanges | {head} | published (FuseFL Table 2, ResNet-18, 200 epochs) | fusion s ÷ one local epoch |",
+             "|---|---|" + "---|" * len(alphas) + "---|---|"]
+
+    def pub(key):
+        vals = O1_PUBLISHED.get(key)
+        return " / ".join(f"{vals[pub_alpha[p]]:.2f}" for p in alphas if p in pub_alpha) if vals else ""
+
+    for ref, label in (("best client", "best client"), ("mean client", "mean client"), ("ensemble", "clients' ensemble")):
+        cells = " | ".join(_fmt(by[(ref, "one")].get(p, [])) for p in alphas)
+        lines.append(f"| {label} | 1 | {cells} | {pub(PUB_ROW.get(ref, ''))} | |")
+    methods = [m for m in O1_LABELS if (m, "one") in by]
+    for m in methods:
+        s = secs.get(m, [])
+        cost = f"{sum(s) / len(s):.2f}" if s else ""
+        for kind, ex in (("one", "1"), ("head", "2 (+ head round)")):
+            cells = " | ".join(_fmt(by[(m, kind)].get(p, [])) for p in alphas)
+            p = pub(PUB_ROW.get(m, "")) if kind == "one" else ""
+            lines.append(f"| {O1_LABELS[m]} | {ex} | {cells} | {p} | {cost if kind == 'one' else ''} |")
+    for key in ("DENSE", "FuseFL K=2", "FuseFL K=4"):
+        lines.append(f"| {key} (published) | {'1' if key == 'DENSE' else key[-1]} | " + " | ".join("" for _ in alphas)
+                     + f" | {pub(key)} | |")
+    return "\n".join(lines)
+
+
+def m1_table(rows: list[dict], stock: list[dict]) -> str:
+    lines = ["| split | row | recipe | best over rounds | final | + head round (final model) | published (NIID-Bench, 50 × 10) |",
+             "|---|---|---|---|---|---|---|"]
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["part"], r["strategy"], r["rounds"], r["epochs"], "fedfuse")].append(r)
+    for r in stock:
+        part = Path(r["split"]).name.split("-")[1]
+        groups[(part, r["strategy"], r["rounds"], r["epochs"], "stock Flower")].append(r)
+    for (part, strat, rounds, epochs, who), rs in sorted(groups.items()):
+        heads = [r["with-head"] for r in rs if r.get("with-head") is not None]
+        label = f"{who} {strat}"
+        lines.append(f"| {part} | {label} | {rounds} rounds × {epochs} epochs | {_fmt([r['best'] for r in rs])} | "
+                     f"{_fmt([r['final'] for r in rs])} | {_fmt(heads) if heads else '—'} | "
+                     f"{M1_PUBLISHED.get((strat, part), '')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--o1", nargs="*", default=[])
+    ap.add_argument("--m1", nargs="*", default=[])
+    ap.add_argument("--stock", nargs="*", default=[])
+    ap.add_argument("--out", default="results/fmnist-tables")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    o1 = [r for f in a.o1 for r in rows_of(Path(f))]
+    m1 = [r for f in a.m1 for r in rows_of(Path(f))]
+    stock = [json.loads(p.read_text()) for f in a.stock for p in sorted(Path(f).glob("*.json"))]
+    text = []
+    if o1:
+        text += ["## O1: one-shot, 5 clients", "", NOTE, "", o1_table(o1), ""]
+        (out / "o1-per-seed.json").write_text(json.dumps(
+            [{k: r.get(k) for k in ("part", "seed", "method", "accuracy", "with-head", "fuse-seconds", "epoch-seconds",
+                                    "fusion-size", "epochs")} for r in o1], indent=0))
+    if m1 or stock:
+        text += ["## M1: NIID-Bench, 10 clients", "", NOTE, "", m1_table(m1, stock), ""]
+        (out / "m1-per-seed.json").write_text(json.dumps(
+            [{k: r.get(k) for k in ("part", "seed", "strategy", "rounds", "epochs", "best", "final", "with-head", "curve")}
+             for r in m1] + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "epochs", "best", "final", "curve")},
+                              "split": Path(r["split"]).name, "engine": r.get("engine")} for r in stock], indent=0))
+    (out / "tables.md").write_text("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
