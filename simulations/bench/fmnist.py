@@ -4,7 +4,8 @@ client files (``simulations.bench.fmnist_splits``), every run seeded, rows as me
 **M1, NIID-Bench** (Li et al., arXiv 2102.02079; Flower ``baselines/niid_bench``): 10 clients, all every round,
 LeNet, SGD lr 0.01 momentum 0.9 weight decay 1e-5, batch 64; the published recipe is 10 local epochs and 50 rounds
 (``--recipe full``), reported as the best test accuracy over rounds. ``--recipe R,E`` runs R rounds of E local
-epochs (a cheaper recipe, stated next to the published one in every table).
+epochs (a cheaper recipe, stated next to the published one in every table). ``--stock`` runs the stock Flower app
+(``simulations/stock_flower.py``, no fedfuse code) on the same files with the same recipe.
 
 Each fedfuse row runs with the head round (``head-round=true``), so one run gives the strategy *without* it (the
 training rounds: best over rounds, and final) and *with* it (the closed-form head on the final model): both ways
@@ -12,8 +13,9 @@ shown, for every strategy, FedAvg included. The server's fusion set is the publi
 ``fmnist_splits`` (1,000 images, disjoint from every client; ``fusion-set-size`` of them are drawn).
 
     .venv/bin/python -m simulations.bench.fmnist --parts dir0.5 --seeds 0 --strategies fedavg --recipe full --out results/fmnist-m1-full
-    .venv/bin/python -m simulations.bench.fmnist --parts dir0.5,c2 --seeds 0,1,2 --strategies fedavg,fedprox,auto --recipe 10,2
-    .venv/bin/python -m simulations.bench.fmnist --table results/fmnist-m1-full results/fmnist-m1-r10e2
+    .venv/bin/python -m simulations.bench.fmnist --parts dir0.5,c2 --seeds 0,1,2 --strategies fedavg,auto --stock fedavg --recipe 2,10
+
+Tables: ``simulations.bench.fmnist_tables``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--strategies", default="fedavg")
     ap.add_argument("--recipe", default="full")
+    ap.add_argument("--stock", default="", help="Flower strategies to run through the stock Flower app on the same "
+                    "files (simulations/stock_flower.py), e.g. fedavg,fedprox")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     rounds, epochs = recipe(a.recipe)
@@ -101,6 +105,17 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({k: row[k] for k in ("part", "seed", "strategy", "best", "final", "with-head")}), flush=True)
             with open(out / "rows.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+        for label in filter(None, a.stock.split(",")):
+            path = out / "stock" / f"{folder.name}-{label}.json"
+            if not path.exists():
+                import subprocess
+                import sys
+
+                subprocess.run([sys.executable, "-m", "simulations.stock_flower", "--split", str(folder), "--strategy",
+                                label, "--rounds", str(rounds), "--epochs", str(epochs), "--seed", str(meta["seed"]),
+                                "--out", str(path)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(json.dumps({k: json.loads(path.read_text())[k]
+                                                     for k in ("strategy", "seed", "best", "final")}), flush=True)
 
 
 if __name__ == "__main__":

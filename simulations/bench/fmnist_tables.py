@@ -38,10 +38,11 @@ def o1_table(rows: list[dict]) -> str:
     by = defaultdict(lambda: defaultdict(list))
     secs = defaultdict(list)
     for r in rows:
-        by[(r["method"], "one")][r["part"]].append(r["accuracy"])
+        m = r["method"] + (f"@{r['fusion-size']}" if r.get("fusion-size", 1000) != 1000 and "with-head" in r else "")
+        by[(m, "one")][r["part"]].append(r["accuracy"])
         if "with-head" in r:
-            by[(r["method"], "head")][r["part"]].append(r["with-head"])
-            secs[r["method"]].append(r["fuse-per-epoch"])
+            by[(m, "head")][r["part"]].append(r["with-head"])
+            secs[m].append(r["fuse-per-epoch"])
     head = " | ".join(f"α = {p[3:]}" for p in alphas)
     lines = [f"| row | exchanges | {head} | published (FuseFL Table 2, ResNet-18, 200 epochs) | fusion s ÷ one local epoch |",
              "|---|---|" + "---|" * len(alphas) + "---|---|"]
@@ -54,13 +55,16 @@ def o1_table(rows: list[dict]) -> str:
         cells = " | ".join(_fmt(by[(ref, "one")].get(p, [])) for p in alphas)
         lines.append(f"| {label} | 1 | {cells} | {pub(PUB_ROW.get(ref, ''))} | |")
     methods = [m for m in O1_LABELS if (m, "one") in by]
+    methods += sorted(m for m, kind in by if kind == "one" and "@" in m)
     for m in methods:
         s = secs.get(m, [])
         cost = f"{sum(s) / len(s):.2f}" if s else ""
         for kind, ex in (("one", "1"), ("head", "2 (+ head round)")):
             cells = " | ".join(_fmt(by[(m, kind)].get(p, [])) for p in alphas)
             p = pub(PUB_ROW.get(m, "")) if kind == "one" else ""
-            lines.append(f"| {O1_LABELS[m]} | {ex} | {cells} | {p} | {cost if kind == 'one' else ''} |")
+            name, _, size = m.partition("@")
+            label = O1_LABELS.get(name, name) + (f", {size} fusion images" if size else "")
+            lines.append(f"| {label} | {ex} | {cells} | {p if not size else ''} | {cost if kind == 'one' else ''} |")
     for key in ("DENSE", "FuseFL K=2", "FuseFL K=4"):
         lines.append(f"| {key} (published) | {'1' if key == 'DENSE' else key[-1]} | " + " | ".join("" for _ in alphas)
                      + f" | {pub(key)} | |")
