@@ -65,7 +65,7 @@ def test_baseline_of_a_warm_start_is_fedavg_from_scratch():
     from fedfuse.flower.runner.compare import baseline_config
 
     cfg = baseline_config({**WARM, "warm-start-epochs": 5, "warm-start-fusion": "ot", "strategy": "average"})
-    assert cfg == {"mode": "multi-round", "num-server-rounds": 3, "strategy": "fedavg", "head-round": False}
+    assert cfg == {"mode": "multi-round", "num-server-rounds": 3, "strategy": "fedavg", "head-round": True}
     parse_run_config(cfg)
 
 
