@@ -80,12 +80,19 @@ def m1_table(rows: list[dict], stock: list[dict]) -> str:
     for r in stock:
         part = Path(r["split"]).name.split("-")[1]
         groups[(part, r["strategy"], r["rounds"], r["epochs"], "stock Flower")].append(r)
+        # like for like with a shorter stock run: fedfuse's same-recipe run cut at the stock run's round count
+        for f in rows:
+            if (f["part"], f["strategy"], f["epochs"], f["seed"]) == (part, r["strategy"], r["epochs"], r["seed"]) \
+                    and f["rounds"] > r["rounds"]:
+                cut = f["curve"][1:r["rounds"] + 1]
+                groups[(part, r["strategy"], r["rounds"], r["epochs"], f"fedfuse (its first {r['rounds']} rounds)")]\
+                    .append({"best": max(cut), "final": cut[-1]})
     for (part, strat, rounds, epochs, who), rs in sorted(groups.items()):
         heads = [r["with-head"] for r in rs if r.get("with-head") is not None]
         label = f"{who} {strat}"
         lines.append(f"| {part} | {label} | {rounds} rounds × {epochs} epochs | {_fmt([r['best'] for r in rs])} | "
                      f"{_fmt([r['final'] for r in rs])} | {_fmt(heads) if heads else '—'} | "
-                     f"{M1_PUBLISHED.get((strat, part), '')} |")
+                     f"{M1_PUBLISHED.get((strat, part), '') if (rounds, epochs) == (50, 10) else ''} |")
     return "\n".join(lines)
 
 
