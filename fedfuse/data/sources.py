@@ -286,9 +286,18 @@ def _load_torchvision(
             ) from e
         data = ds.data.numpy() if isinstance(ds.data, torch.Tensor) else np.asarray(ds.data)
         targets = np.asarray(ds.targets.numpy() if isinstance(ds.targets, torch.Tensor) else ds.targets)
-        x, y = _limit(data, targets.astype(np.int64), limit, seed + (0 if train else 1))
-        splits.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
-    train_ds, test_ds = splits
+        splits.append((data, targets))
+    return _image_splits(splits, which, seed, limit, normalize)
+
+
+def _image_splits(splits, which: str, seed: int, limit: int | None, normalize: bool):
+    """(train, test) ArrayDatasets from ``[(uint8 images, labels)]`` of the train and the test split: ``limit``
+    subsets (seeded), images to [N, C, H, W] in [0, 1], optional per-channel standardisation."""
+    out = []
+    for k, (images, labels) in enumerate(splits):
+        x, y = _limit(images, np.asarray(labels).astype(np.int64), limit, seed + k)
+        out.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
+    train_ds, test_ds = out
     if normalize:
         _normalize(train_ds, test_ds)
     return train_ds, test_ds
@@ -403,12 +412,8 @@ def _load_idx_source(*, root: str, seed: int, test_fraction: float, which: str, 
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ValueError(f"dataset {which!r}: idx files in {folder} hold images {images.shape} and labels "
                              f"{labels.shape}; expected [N, H, W] and [N]")
-        x, y = _limit(images, labels.astype(np.int64), limit, seed + (0 if train else 1))
-        splits.append(_make(_images_to_nchw(x), y, SOURCE_INFO[which].num_classes))
-    train_ds, test_ds = splits
-    if normalize:
-        _normalize(train_ds, test_ds)
-    return train_ds, test_ds
+        splits.append((images, labels))
+    return _image_splits(splits, which, seed, limit, normalize)
 
 
 # ---------------------------------------------------------------------------------- huggingface

@@ -29,7 +29,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from simulations.bench.fmnist_splits import write_splits  # noqa: E402
 
 SPLITS = Path("results/cache/fmnist-splits")
