@@ -28,3 +28,16 @@ def test_results_folders_are_ignored_and_sources_are_not():
     sources = ["fedfuse/cli.py", "simulations/runners/run.py", "tests/test_gitignore.py", "README.md", "docs/index.md",
                "docs/configuration.md", "pyproject.toml"]
     assert _ignored(sources) == set()
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_tracked_evidence_is_not_ignored_and_is_indexed():
+    """The ignore rules tell the truth: no tracked file matches them, and every tracked results/ folder has its line
+    in results/INDEX.md (scripts/results_index.py)."""
+    res = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.split() == []
+    tracked = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    index = (ROOT / "results" / "INDEX.md").read_text()
+    folders = {"/".join(f.split("/")[:3] if f.split("/")[1] == "one_shot" and f.count("/") > 2 else f.split("/")[:2])
+               for f in tracked if f != "results/INDEX.md"}
+    assert [f for f in sorted(folders) if f"`{f}`" not in index] == []

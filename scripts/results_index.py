@@ -1,0 +1,77 @@
+"""Write results/INDEX.md: every tracked evidence folder under results/, what it holds and the pages citing it.
+
+    python scripts/results_index.py
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAD = """# results/: the tracked evidence
+
+Run and benchmark outputs are written under `results/` and ignored (`.gitignore`); what the documentation cites is
+tracked here: tables (`*.md`), per-seed and per-run JSON, the plots a page shows, and a few logs of GPU runs. Raw run
+folders (`rounds.csv`, `run.log`, models, checkpoints) and plots no page shows are not tracked. Each line: a folder (or
+file), what it holds, and the pages citing it. This index is written by `python scripts/results_index.py`; a new piece
+of evidence gets its folder re-included in `.gitignore` and a line here.
+
+| evidence | files | cited by |
+|---|---|---|
+"""
+
+
+def _key(path: str) -> str:
+    """The evidence unit of a tracked file: ``results/one_shot/<name>`` (a bench writes new subfolders there),
+    ``results/<folder>`` otherwise, or the file itself at the top of results/."""
+    parts = path.split("/")
+    if parts[1] == "one_shot" and len(parts) > 3:
+        return "/".join(parts[:3])
+    return "/".join(parts[:2]) if len(parts) > 2 else path
+
+
+def _cites(key: str, texts: dict[str, str]) -> list[str]:
+    """Pages naming ``key``'s path, or a glob / brace pattern over it (``results/anchor-head-e*/``)."""
+    rel = key.split("/", 1)[1]
+    out = []
+    for page, text in texts.items():
+        if key in text:
+            out.append(page)
+            continue
+        for ref in re.findall(r"results/[A-Za-z0-9_.*{},/-]+", text):
+            pat = "/".join(ref.split("/")[1:1 + rel.count("/") + 1])
+            rx = "^" + re.escape(pat).replace(r"\*", ".*").replace(r"\{", "(").replace(r"\}", ")").replace(",", "|") + "$"
+            try:
+                if re.match(rx, rel):
+                    out.append(page)
+                    break
+            except re.error:
+                continue
+    return sorted(set(out))
+
+
+def main() -> None:
+    tracked = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    pages = [f for f in tracked if f.endswith(".md") and not f.startswith(("results/", "tests/"))]
+    texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in pages}
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for f in tracked:
+        if f.startswith("results/") and f != "results/INDEX.md":
+            groups[_key(f)].append(f)
+    rows = []
+    for key in sorted(groups):
+        kinds = collections.Counter(f.rsplit(".", 1)[-1] for f in groups[key])
+        cited = _cites(key, texts)
+        where = ", ".join(f"[{p}](../{p})" for p in cited) if cited else \
+            f"cited by no page (measured history; `git log -- {key}`)"
+        rows.append(f"| `{key}` | {len(groups[key])} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) | "
+                    f"{where} |")
+    (ROOT / "results" / "INDEX.md").write_text(HEAD + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
