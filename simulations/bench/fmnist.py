@@ -29,6 +29,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from simulations.bench.anchor_cell import run_or_read  # noqa: E402
 from simulations.bench.fmnist_splits import write_splits  # noqa: E402
 
 SPLITS = Path("results/cache/fmnist-splits")
@@ -65,12 +66,9 @@ def m1_config(folder: Path, seed: int, rounds: int, epochs: int, out: Path, labe
 
 def run_one(cfg: dict) -> dict:
     """Run (or read a finished) in-process run; the row: best / final without the head round, with it."""
-    from fedfuse.flower.runner.inprocess import run_inprocess
-
-    out = Path(cfg["output-dir"]) / cfg["run-name"]
-    if not (out / "results.json").exists() or json.loads((out / "results.json").read_text()).get("status") != "completed":
-        out = run_inprocess(cfg, echo=False)
-    res = json.loads((out / "results.json").read_text())
+    out, res, failed = run_or_read(cfg)
+    if failed:
+        raise RuntimeError(f"{out}: {failed}")
     accs = [r["test-accuracy"] for r in res["rounds"]]
     head = cfg.get("head-round", True)
     train_accs = accs[1:-1] if head else accs[1:]   # row 0: the initial model; the last row: the head round

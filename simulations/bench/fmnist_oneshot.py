@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -37,10 +38,13 @@ from fedfuse.data.partition import split_train_val  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.models import build_model  # noqa: E402
 from fedfuse.progressive import head_statistics, solve_classifier, with_head  # noqa: E402
+from fedfuse.references import client_rows  # noqa: E402
 from fedfuse.training import predict_logits, train  # noqa: E402
 from simulations.bench.fmnist_splits import write_splits  # noqa: E402
 
 SPLITS = Path("results/cache/fmnist-splits")
+# fedfuse.references' keys -> this bench's row names
+REF_METHODS = {"best-client": "best client", "mean-client": "mean client", "ensemble": "ensemble"}
 PUBLIC = 1000
 CLIENTS = 5
 # FuseFL Table 2 (Fashion-MNIST, 5 clients; its baseline rows are DENSE's Table 1): α 0.1 / 0.3 / 0.5, ResNet-18,
@@ -89,18 +93,12 @@ def head_round(model, clients) -> tuple[torch.nn.Module, dict]:
 
     scored = {"before": (val_acc(model), model)}
     for solver in ("ridge", "lda"):
-        m = with_head(_copy(model), solve_classifier(stats, solver))
+        m = with_head(copy.deepcopy(model), solve_classifier(stats, solver))
         scored[solver] = (val_acc(m), m)
     pick = max(("ridge", "lda"), key=lambda s: scored[s][0])
     keep = pick if scored[pick][0] >= scored["before"][0] else "before"
     return scored[keep][1], {"solver": keep, "seconds": time.perf_counter() - t0,
                              "client-val": {k: v[0] for k, v in scored.items()}}
-
-
-def _copy(m):
-    import copy
-
-    return copy.deepcopy(m)
 
 
 def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_size: int, cache: Path,
@@ -114,15 +112,12 @@ def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_si
     base = {"part": meta["part"], "seed": seed, "epochs": epochs, "fusion-size": fusion_size,
             "epoch-seconds": float(np.mean([c["epoch-seconds"] for c in clients]))}
     models, n = [c["model"] for c in clients], [c["n"] for c in clients]
-    logits = [predict_logits(m, tx) for m in models]
-    rows = [{**base, "method": f"client-{i}", "accuracy": acc(lg, ty)} for i, lg in enumerate(logits)]
-    rows.append({**base, "method": "best client", "accuracy": max(r["accuracy"] for r in rows)})
-    rows.append({**base, "method": "mean client", "accuracy": float(np.mean([r["accuracy"] for r in rows[:-1]]))})
-    w = torch.tensor(n, dtype=torch.float32) / sum(n)
-    ens = sum(wi * lg.softmax(1) for wi, lg in zip(w, logits))
-    rows.append({**base, "method": "ensemble", "accuracy": acc(ens, ty)})
-    if not references:
-        rows = []
+    rows = []
+    if references:   # the one-shot references fedfuse's runs print: each client, best, mean, weighted ensemble
+        accs, refs = client_rows([predict_logits(m, tx) for m in models], range(len(models)), n, ty)
+        rows = [{**base, "method": f"client-{p}", "accuracy": a} for p, a in accs.items()]
+        rows += [{**base, "method": REF_METHODS[r["key"]], "accuracy": r["accuracy"]} for r in refs
+                 if r["key"] in REF_METHODS]
     for method in methods:
         t0 = time.perf_counter()
         try:
