@@ -23,7 +23,12 @@ def test_packaged_app_config_equals_the_repositorys_value_for_value():
     packaged = tomllib.loads((paths.PACKAGE_APP_DIR / "pyproject.toml").read_text())
     hint = ("fedfuse/flower/runner/app/pyproject.toml must repeat the repository pyproject.toml's [tool.flwr.app] "
             "tables exactly: copy them over")
-    assert _typed(packaged["tool"]["flwr"]["app"]) == _typed(repo["tool"]["flwr"]["app"]), hint
+    # fab-include / fab-exclude describe the files of each folder (the checkout keeps results/ out of its FAB; the
+    # packaged folder holds only its pyproject.toml): every other key is the same
+    files_only = ("fab-include", "fab-exclude")
+    assert _typed({k: v for k, v in packaged["tool"]["flwr"]["app"].items() if k not in files_only}) == \
+        _typed({k: v for k, v in repo["tool"]["flwr"]["app"].items() if k not in files_only}), hint
+    assert not set(files_only) & set(packaged["tool"]["flwr"]["app"]), "the packaged folder has no results/ to leave out"
     assert list(packaged["tool"]["flwr"]["app"]["config"]) == list(repo["tool"]["flwr"]["app"]["config"]), hint
     for key in ("name", "version"):
         assert packaged["project"][key] == repo["project"][key]

@@ -54,6 +54,9 @@ def write_fault_app(dest: Path) -> Path:
         text, n = re.subn(rf'(?m)^{name}\s*=\s*".*"$', f'{name} = "{ref}"', text)
         if n != 1:
             raise RuntimeError(f"pyproject.toml: no single '{name} = ...' line under [tool.flwr.app.components]")
+    # the checkout's fab-include / fab-exclude keep its results/ out of the FAB; this copy has no results/, and Flower
+    # refuses an exclude pattern that matches no file
+    text = re.sub(r'(?m)^fab-(include|exclude)\s*=.*\n', "", text)
     if FAULTS_KEY not in tomllib.loads(text)["tool"]["flwr"]["app"]["config"]:
         text = text.replace("[tool.flwr.app.config]\n",
                             f'[tool.flwr.app.config]\n{FAULTS_KEY} = ""  # TEST ONLY (tests/support/faults.py)\n', 1)
