@@ -88,6 +88,8 @@ class RunConfig:
     optimizer: str = _key("adam", "client optimizer", choices=OPTIMIZERS)
     lr: float = _key(0.005, "client learning rate", gt=0)
     weight_decay: float = _key(0.0, "client weight decay", ge=0)
+    momentum: float = _key(0.9, "client SGD momentum (optimizer='sgd'; 0 = plain SGD, as Flower's fedavgm baseline)",
+                           ge=0, lt=1)
     importance: str = _key("deeplift", "neuron-importance method the clients use (captum)", choices=IMPORTANCE)
     importance_samples: int = _key(256, "validation samples each client scores", ge=1)
     tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
@@ -118,6 +120,10 @@ class RunConfig:
                                     "distilled on the fusion set (some seconds for an MLP: fuse's default 50 epochs) | "
                                     "models = all but KD and FedDF (test passes only) | none",
                                     choices=ONE_SHOT_REFERENCES)
+    client_references: bool = _key(True, "multi-round / warm-start with central evaluation: every round, each reply's "
+                                   "and the clients' ensemble's accuracy on the server's test set (ensemble-accuracy, "
+                                   "client-<p>-test-accuracy, best-client-accuracy); one test-set pass per reply, "
+                                   "more than the clients' training in cross-device runs of one local epoch")
     head_round: bool = _key(True, "after the last round, one more exchange (fedfuse.progressive, docs/one-shot.md): "
                             "the clients send ridge statistics of their training data on the global model's frozen "
                             "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
@@ -497,6 +503,9 @@ def _check_rules(cfg: RunConfig) -> None:
         raise ConfigError("run-config key 'head-solver' applies to head-round=true only")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and cfg.head_solver == "lda":
         raise ConfigError("run-config key 'head-ridge' is the ridge head's; head-solver='lda' does not read it")
+    if cfg.mode == "one-shot" and not cfg.client_references:
+        raise ConfigError("run-config key 'client-references': false applies to multi-round and warm-start runs; "
+                          "mode='one-shot' takes its reference rows from 'one-shot-references' (set it to 'none')")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
         raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "
                           f"mode='one-shot' only, not {cfg.mode!r}; leave it unset")
@@ -810,6 +819,9 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
 def _check_strategy_keys(cfg: RunConfig) -> None:
     """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
+    if cfg.momentum != SCHEMA["momentum"].default and cfg.optimizer != "sgd":
+        raise ConfigError(f"run-config key 'momentum' ({cfg.momentum}) applies to optimizer='sgd' only, not "
+                          f"{cfg.optimizer!r}; remove it or set optimizer='sgd'")
     if -1 < cfg.server_momentum < 0:
         raise ConfigError(f"run-config key 'server-momentum': {cfg.server_momentum} is neither -1 (the strategy's "
                           "default) nor in [0, 1)")

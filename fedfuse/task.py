@@ -83,7 +83,7 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
     epochs = cfg.local_epochs if epochs is None else int(epochs)
     stats = train(model, train_set.x, train_set.y, epochs=epochs, batch_size=cfg.batch_size,
                   optimizer=cfg.optimizer, lr=lr or cfg.lr, weight_decay=cfg.weight_decay, device=device, seed=seed,
-                  proximal_mu=proximal_mu, forward=forward, loss_fn=loss_fn)
+                  proximal_mu=proximal_mu, momentum=cfg.momentum, forward=forward, loss_fn=loss_fn)
     train_metrics = evaluate(model, train_set.x, train_set.y, num_classes=train_set.num_classes, device=device)
     if epochs == 0:   # a model that arrives trained (a node's own model-path): its loss as it is
         stats["train-loss"] = float(train_metrics["loss"])

@@ -36,8 +36,9 @@ def _fusable(params: list) -> bool:
         p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for p in params)
 
 
-def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """The optimiser ``name`` (``adam`` | ``adamw`` | ``sgd``: momentum 0.9) over ``params``.
+def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0,
+                   momentum: float = 0.9) -> torch.optim.Optimizer:
+    """The optimiser ``name`` (``adam`` | ``adamw`` | ``sgd`` with ``momentum``, 0.9 unless given) over ``params``.
 
     Adam and AdamW use torch's fused kernel where it applies (the same update in one pass over every parameter
     instead of a Python loop of per-tensor operations: a ResNet-18's step is about 7 times faster on one CPU
@@ -48,13 +49,15 @@ def make_optimizer(params, name: str = "adam", lr: float = 1e-3, weight_decay: f
         fused = all(isinstance(p, torch.Tensor) for p in params) and _fusable(params)   # not param groups
         return cls(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+            raise ValueError(f"optimizer: sgd momentum must be in [0, 1), got {momentum!r}")
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     raise ValueError(f"optimizer: unknown optimizer {name!r}; choose adam, adamw or sgd")
 
 
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 32,
           optimizer: str = "adam", lr: float = 1e-3, weight_decay: float = 0.0, device: str | torch.device = "cpu",
-          seed: int = 0, proximal_mu: float = 0.0,
+          seed: int = 0, proximal_mu: float = 0.0, momentum: float = 0.9,
           forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """Supervised cross-entropy training in place. ``x`` ``[N, *input_shape]``, ``y`` ``[N]``.
@@ -76,7 +79,7 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1
         raise ValueError(f"train: proximal_mu must be a finite number >= 0, got {proximal_mu!r}")
     device = resolve_device(device)
     model.to(device).train()
-    opt = make_optimizer(model.parameters(), optimizer, lr, weight_decay)
+    opt = make_optimizer(model.parameters(), optimizer, lr, weight_decay, momentum)
     # FedProx anchor: a detached copy of the weights before the first local step
     anchor = ([(p, p.detach().clone()) for p in model.parameters() if p.requires_grad] if proximal_mu > 0 else [])
     gen = torch.Generator().manual_seed(seed)

@@ -3,13 +3,16 @@ a plain PyTorch LeNet-5 and training loop, Flower's simulation engine; **no fedf
 ``fedfuse``), so its numbers are what a Flower user gets on the same splits with NIID-Bench's recipe.
 
 Clients: ``node-<partition-id>.npz`` of a split folder (``simulations.bench.fmnist_splits``), all of it trained on;
-SGD (momentum 0.9, weight decay 1e-5), batch 64, ``--epochs`` local epochs, a fresh optimizer each round; FedProx's
-proximal term ``mu/2 ||w - w_global||^2`` when the strategy sends ``proximal-mu``. Server: ``--rounds`` rounds, every
-client every round, central evaluation on the folder's ``test.npz`` each round (``evaluate_fn``); the global model
-starts from ``torch.manual_seed(seed)``.
+SGD (``--momentum`` 0.9, ``--weight-decay`` 1e-5: NIID-Bench's), batch 64, ``--epochs`` local epochs, a fresh
+optimizer each round; FedProx's proximal term ``mu/2 ||w - w_global||^2`` when the strategy sends ``proximal-mu``.
+Server: ``--rounds`` rounds, ``--per-round`` of ``--clients`` sampled each round (all by default), central evaluation
+on the folder's ``test.npz`` each round (``evaluate_fn``); the global model starts from ``torch.manual_seed(seed)``.
 
     .venv/bin/python -m simulations.stock_flower --split results/cache/fmnist-splits/fmnist-dir0.5-n10-s0 \\
         --strategy fedavg --rounds 50 --epochs 10 --seed 0 --out results/fmnist-stock/dir0.5-s0-fedavg.json
+    # M2, Flower's fedavgm baseline recipe: 100 clients, 5 a round, plain SGD lr 0.01, 1 local epoch
+    .venv/bin/python -m simulations.stock_flower --split results/cache/fmnist-splits/fmnist-lda0.1-n100-s0 \
+        --clients 100 --per-round 5 --momentum 0 --weight-decay 0 --strategy fedavgm --rounds 1000 --epochs 1 ...
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def lenet() -> nn.Module:
 
 
 def build_apps(split: str, rounds: int, epochs: int, lr: float, strategy_name: str, seed: int, mu: float,
-               server_momentum: float, log: list):
+               server_momentum: float, log: list, clients: int = 10, per_round: int = 10, momentum: float = 0.9,
+               weight_decay: float = 1e-5, server_lr: float = 1.0):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -58,7 +62,7 @@ def build_apps(split: str, rounds: int, epochs: int, lr: float, strategy_name: s
         cfg = msg.content["config"]
         prox = float(cfg.get("proximal-mu", 0.0))
         anchor = [p.detach().clone() for p in model.parameters()]
-        opt = torch.optim.SGD(model.parameters(), lr=float(cfg["lr"]), momentum=0.9, weight_decay=1e-5)
+        opt = torch.optim.SGD(model.parameters(), lr=float(cfg["lr"]), momentum=momentum, weight_decay=weight_decay)
         gen = torch.Generator().manual_seed(seed * 100003 + int(cfg["server-round"]) * 101 + pid)
         model.train()
         for _ in range(epochs):
@@ -90,9 +94,11 @@ def build_apps(split: str, rounds: int, epochs: int, lr: float, strategy_name: s
             log.append({"round": server_round, "test-accuracy": acc, "time": time.time()})
             return MetricRecord({"accuracy": acc})
 
-        common = dict(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=10, min_available_nodes=10)
+        common = dict(fraction_train=per_round / clients, fraction_evaluate=0.0, min_train_nodes=per_round,
+                      min_available_nodes=clients)
         strategy = {"fedavg": lambda: FedAvg(**common), "fedprox": lambda: FedProx(**common, proximal_mu=mu),
-                    "fedavgm": lambda: FedAvgM(**common, server_momentum=server_momentum)}[strategy_name]()
+                    "fedavgm": lambda: FedAvgM(**common, server_momentum=server_momentum,
+                                                         server_learning_rate=server_lr)}[strategy_name]()
         torch.manual_seed(seed)
         strategy.start(grid=grid, initial_arrays=ArrayRecord(lenet().state_dict()), num_rounds=rounds,
                        train_config=ConfigRecord({"lr": lr}), evaluate_fn=evaluate_fn)
@@ -109,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--mu", type=float, default=0.01)
     ap.add_argument("--server-momentum", type=float, default=0.9)
+    ap.add_argument("--server-lr", type=float, default=1.0)
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--per-round", type=int, default=0, help="clients sampled each round (0 = all)")
+    ap.add_argument("--momentum", type=float, default=0.9, help="client SGD momentum")
+    ap.add_argument("--weight-decay", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpus", type=int, default=1, help="Ray CPUs (one client trains per CPU)")
     ap.add_argument("--out", required=True)
@@ -117,15 +128,18 @@ def main(argv: list[str] | None = None) -> None:
 
     log: list = []
     server_app, client_app = build_apps(a.split, a.rounds, a.epochs, a.lr, a.strategy, a.seed, a.mu,
-                                        a.server_momentum, log)
+                                        a.server_momentum, log, a.clients, a.per_round or a.clients, a.momentum,
+                                        a.weight_decay, a.server_lr)
     t0 = time.time()
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=10,
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=a.clients,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": a.cpus, "include_dashboard": False}})
     if len(log) != a.rounds + 1:
         raise SystemExit(f"stock Flower run ended after {len(log) - 1} of {a.rounds} rounds")
     accs = [r["test-accuracy"] for r in log]
     out = {"split": a.split, "strategy": a.strategy, "rounds": a.rounds, "epochs": a.epochs, "lr": a.lr,
+           "clients": a.clients, "per-round": a.per_round or a.clients, "momentum": a.momentum,
+           "weight-decay": a.weight_decay, "server-momentum": a.server_momentum, "server-lr": a.server_lr,
            "seed": a.seed, "curve": accs, "best": max(accs[1:]), "final": accs[-1], "seconds": time.time() - t0,
            "engine": "flwr.simulation.run_simulation (Ray)"}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

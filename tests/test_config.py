@@ -123,6 +123,9 @@ def test_wrong_type_names_the_key(override, key):
     ({"classes-per-client": 11, "partitioning": "shards"}, "classes-per-client"),
     ({"strategy": "kf-linaer"}, "strategy"),
     ({"strategy": "feddf", "fusion-set-size": 1}, "fusion-set-size"),   # before any client trains, not after 48 s
+    ({"momentum": 0.0}, "momentum"),                                   # the default optimizer is adam: no momentum
+    ({"optimizer": "sgd", "momentum": 1.0}, "momentum"),
+    ({"mode": "one-shot", "num-server-rounds": 1, "client-references": False}, "client-references"),
 ])
 def test_bad_value_or_range_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

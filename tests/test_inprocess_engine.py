@@ -123,6 +123,21 @@ def test_inprocess_run_writes_the_results_folder(tmp_path):
     assert last["valid-replies"] == 3 and last["failures"] == [] and last["test-accuracy"] > 0.3
     for name in ("rounds.csv", "accuracy.png", "global_model.pt", "config.json", "DONE"):
         assert (out / name).exists(), name
+    assert 0 < last["ensemble-accuracy"] <= 1 and len(last["client-test-accuracy"]) == 3
+
+
+def test_client_references_off_drops_the_per_round_reference_columns_only(tmp_path):
+    """``client-references=false`` (cross-device runs: a test pass per reply outweighs one local epoch): no
+    ensemble / per-client test columns, the same global model as with them (they only read the replies)."""
+    runs = {}
+    for on in (True, False):
+        out = run_inprocess({**TINY, "strategy": "fedavg", "client-references": on, "output-dir": str(tmp_path),
+                             "run-name": f"refs-{on}"}, 3, echo=False)
+        runs[on] = json.loads((out / "results.json").read_text())["rounds"]
+    assert "ensemble-accuracy" in runs[True][-1]
+    for row in runs[False][1:]:
+        assert not {"ensemble-accuracy", "client-test-accuracy", "best-client-accuracy"} & set(row), row
+    assert [r["test-accuracy"] for r in runs[False]] == [r["test-accuracy"] for r in runs[True]]
 
 
 def test_inprocess_client_crash_is_a_recorded_failure_not_a_server_crash(tmp_path):

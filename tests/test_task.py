@@ -57,3 +57,30 @@ def test_tofu_actually_reduces_tokens_during_client_training(monkeypatch):
     task.client_round(cfg, model, train_set, val_set, need_importance=False, device=torch.device("cpu"), seed=0)
     counts = seen[0]
     assert counts[0] == 5 and all(b < a for a, b in zip(counts, counts[1:]))  # CLS + 4 patches, shrinking
+
+
+def test_client_sgd_momentum_reaches_the_optimizer(monkeypatch):
+    """``momentum`` (optimizer='sgd') is the client's SGD momentum: 0 is plain SGD (Flower's fedavgm baseline), the
+    default 0.9 as before; a bad value is a ValueError naming it."""
+    import pytest
+
+    from fedfuse import task, training
+
+    made = []
+    real = training.make_optimizer
+
+    def spy(params, name="adam", lr=1e-3, weight_decay=0.0, momentum=0.9):
+        opt = real(params, name, lr, weight_decay, momentum)
+        made.append(opt)
+        return opt
+
+    monkeypatch.setattr(training, "make_optimizer", spy)
+    train_set, val_set = _data()
+    for extra, expected in (({"momentum": 0.0}, 0.0), ({}, 0.9)):
+        cfg = parse_run_config({"model": "mlp", "model-width": 8, "local-epochs": 1, "optimizer": "sgd",
+                                "importance": "uniform", **extra})
+        model = build_model("mlp", num_classes=4, input_shape=(64,), width=8, depth=1, seed=0)
+        task.client_round(cfg, model, train_set, val_set, need_importance=False, device=torch.device("cpu"), seed=0)
+        assert isinstance(made[-1], torch.optim.SGD) and made[-1].defaults["momentum"] == expected
+    with pytest.raises(ValueError, match="momentum"):
+        training.make_optimizer(torch.nn.Linear(2, 2).parameters(), "sgd", momentum=1.5)

@@ -306,7 +306,9 @@ class RoundEvaluation:
         federated = getattr(strategy, "evaluate_metrics_aggr_fn", None)
         self.federated = federated if isinstance(federated, FederatedEvaluation) else None
         self.references = cfg.one_shot_references if cfg.mode == "one-shot" else "none"
-        self.reference = MemberReference(strategy.build_model, self.test_x, self.device,
+        # the members' test logits: the per-round reference columns (client-references) and one-shot's references
+        member_x = self.test_x if (cfg.client_references or cfg.mode == "one-shot") else None
+        self.reference = MemberReference(strategy.build_model, member_x, self.device,
                                          keep_models=self.references != "none" and self.central)
         strategy.update_observer = self.reference
         self.last_arrays = ArrayRecord(initial)
@@ -375,7 +377,7 @@ class RoundEvaluation:
         (as the strategy validated them), else from the strategy's kept replies."""
         members = self.reference.take()
         kept = self.reference.take_models()
-        if not members and self.strategy.last_updates:
+        if not members and self.strategy.last_updates and self.reference.test_x is not None:
             models = [self.strategy.build_model(u.state) if self.central else None for u in self.strategy.last_updates]
             members = [(u.partition_id, predict_logits(m, self.test_x, device=self.device) if self.central else None,
                         u.metrics) for u, m in zip(self.strategy.last_updates, models)]
@@ -383,7 +385,7 @@ class RoundEvaluation:
         if self.references != "none" and members:
             self._one_shot_references(members, kept)
         out: dict[str, Any] = {}
-        if members and self.central:
+        if members and self.central and all(lg is not None for _, lg, _ in members):
             member_logits = [lg for _, lg, _ in members]
             w = torch.full((len(members),), 1.0 / len(members))  # the uniform Ensemble's weights
             probs = sum(wi * lg.softmax(-1) for wi, lg in zip((w / w.sum()).tolist(), member_logits))

@@ -11,6 +11,15 @@ NIID-Bench ("Federated Learning on Non-IID Data Silos: An Experimental Study", L
   classes drawn at random; each class's images are shuffled and split equally among the clients holding it.
 - ``iid``: a random permutation cut into n equal parts.
 
+Flower's ``baselines/fedavgm`` (Hsu et al., "Measuring the Effects of Non-Identical Data Distribution for Federated
+Visual Classification", arXiv 1909.06335) partitions with ``create_lda_partitions`` instead:
+
+- ``lda<α>``: every client draws its class mix q ~ Dir(c·1_10) and then its (equal) share of samples one at a time:
+  a class from q, renormalised over the classes not yet used up, and an image of that class not yet taken. The
+  baseline passes ``c = α · num_classes`` (its ``datasets.partition``), so its "α = 0.1" is a Dir(1.0) per class;
+  Hsu et al. define q ~ Dir(α·p) with p the uniform prior, Dir(α/10) per class, a 100x more skewed draw. ``lda<α>``
+  follows the Flower baseline (c = 10·α) so its numbers are comparable; ``lda<α>`` with α/100 gives Hsu's.
+
 Here ``numpy.random.default_rng(seed)`` draws the split (NIID-Bench's baseline fixes seed 42 for every trial; these
 tables vary it with the run seed). Before partitioning, a **public pool** of ``--public`` images (default 1,000) is
 held out from the training images with a fixed draw (the same pool for every split): the server's fusion set,
@@ -76,20 +85,43 @@ def label_quantity(y: np.ndarray, num_clients: int, k: int, rng: np.random.Gener
     return [np.asarray(b, dtype=np.int64) for b in parts]
 
 
+def lda_equal(y: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
+              eps: float = 1e-5) -> list[np.ndarray]:
+    """Flower's fedavgm baseline split (``create_lda_partitions`` with ``concentration = alpha * classes``): equal
+    client sizes, every client's samples drawn without replacement from its Dirichlet class mix; per client its
+    indices."""
+    classes = np.unique(y)
+    mixes = rng.dirichlet(np.repeat(alpha * len(classes), len(classes)), size=num_clients)
+    pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+    sizes = [len(y) // num_clients + (i < len(y) % num_clients) for i in range(num_clients)]
+    parts = []
+    for q0, size in zip(mixes, sizes):
+        chosen = []
+        for _ in range(size):
+            alive = np.array([len(p) > 0 for p in pools])
+            q = np.where(alive, q0 + eps, 0.0)   # the baseline's eps keeps a class with q = 0 drawable
+            c = rng.choice(len(classes), p=q / q.sum())
+            chosen.append(pools[c].pop())
+        parts.append(np.asarray(chosen, dtype=np.int64))
+    return parts
+
+
 def iid(y: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
     return [np.asarray(b, dtype=np.int64) for b in np.array_split(rng.permutation(len(y)), num_clients)]
 
 
 def partition(y: np.ndarray, part: str, num_clients: int, seed: int) -> list[np.ndarray]:
-    """``part``: ``iid``, ``dir<β>`` or ``c<k>``."""
+    """``part``: ``iid``, ``dir<β>``, ``c<k>`` or ``lda<α>``."""
     rng = np.random.default_rng(seed)
     if part == "iid":
         return iid(y, num_clients, rng)
+    if part.startswith("lda"):
+        return lda_equal(y, num_clients, float(part[3:]), rng)
     if part.startswith("dir"):
         return dirichlet_niid(y, num_clients, float(part[3:]), rng)
     if part.startswith("c") and part[1:].isdigit():
         return label_quantity(y, num_clients, int(part[1:]), rng)
-    raise ValueError(f"partition {part!r}: expected iid, dir<beta> or c<k>")
+    raise ValueError(f"partition {part!r}: expected iid, dir<beta>, c<k> or lda<alpha>")
 
 
 def _data():
