@@ -70,10 +70,13 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
         # one class takes (almost) all the hits: it predicts one class for (almost) every input
         collapsed = per_class is not None and (not hits or max(hits) >= 0.8 * sum(hits))
         at_chance = acc <= 1.0 / num_classes + margin and loss >= 0.95 * math.log(num_classes)
+        never_left = all((r.get(acc_key) or 0.0) <= 1.0 / num_classes + margin for r in trained)
         if not math.isfinite(loss) or (at_chance and collapsed):
             return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
                     f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance level (a "
-                    f"learning rate far too high is the usual cause: lower lr)")
+                    f"learning rate far too high is the usual cause: lower lr)" + (
+                        "; it never rose above chance, which a learning rate too low for this many rounds also gives "
+                        "(the model stays where it started: raise lr or num-server-rounds)" if never_left else ""))
         return None
     return None
 

@@ -100,6 +100,9 @@ def test_dead_model_is_a_collapse_to_chance_not_a_slow_start():
     dead = {"round": 3, "test-accuracy": 0.098, "test-loss": 2.3026, "per-class-accuracy": [0, 0, 1.0] + [0] * 7}
     slow = {"round": 2, "test-accuracy": 0.10, "test-loss": 2.31, "per-class-accuracy": [0.2, 0.1, 0, 0.3] + [0] * 6}
     assert "dead after round 3" in dead_model([init, dead], 10)
+    assert "never rose above chance" in dead_model([init, dead], 10)        # too high or too low an lr: both named
+    risen = {"round": 2, "test-accuracy": 0.5, "test-loss": 1.5}
+    assert "never rose" not in dead_model([init, risen, dead], 10)          # it learned, then collapsed
     leaky = {**dead, "per-class-accuracy": [0, 0, 0, 1.0, 0, 0, 0.04, 0, 0.01, 0]}   # measured: lr 0.2 at E = 20
     assert "dead after round 3" in dead_model([init, leaky], 10)
     assert dead_model([init, slow], 10) is None                      # still spreads its predictions: not dead

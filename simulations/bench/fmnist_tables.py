@@ -1,7 +1,7 @@
 """The Fashion-MNIST tables (docs/fashion-mnist.md) from the benches' rows: mean ± sample std over seeds, the
 published numbers beside them, per-seed JSON for the docs.
 
-    .venv/bin/python -m simulations.bench.fmnist_tables --o1 results/fmnist-o1 --m1 results/fmnist-m1-full --stock results/fmnist-stock --out results/fmnist-tables
+    .venv/bin/python -m simulations.bench.fmnist_tables --o1 results/fmnist-o1 --m1 results/fmnist-m1-full --stock results/fmnist-stock --m2 results/fmnist-m2 --out results/fmnist-tables
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fedfuse.flower.runner.stats import format_mean_std
 from simulations.bench.fmnist import PUBLISHED as M1_PUBLISHED
+from simulations.bench.fmnist_m2 import PUBLISHED as M2_PUBLISHED
 from simulations.bench.fmnist_oneshot import PUBLISHED as O1_PUBLISHED
 
 NOTE = "mean ± sample std (ddof=1) over seeds; test accuracy in %"
@@ -96,11 +97,57 @@ def m1_table(rows: list[dict], stock: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def m2_stats(row: dict) -> dict:
+    """A M2 row's curve read out: final, best, at round 250, with the head round, and the seconds of the aggregation
+    and of one client's local epoch (from the run's ``results.json`` where the run folder is here)."""
+    train = row["curve"][1:row["rounds"] + 1]
+    out = {"final": train[-1], "best": max(train), "at-250": train[min(250, len(train)) - 1],
+           "with-head": row.get("with-head"), "curve": row["curve"]}
+    res = Path(row["run"]) / "results.json"
+    if res.exists():
+        rounds = json.loads(res.read_text())["rounds"][1:row["rounds"] + 1]
+        epoch = [r["client-train-seconds-mean"] for r in rounds if r.get("client-train-seconds-mean")]
+        agg = [r["fusion-seconds"] for r in rounds if r.get("fusion-seconds") is not None]
+        out["aggregation-per-epoch"] = (sum(agg) / len(agg)) / (sum(epoch) / len(epoch)) if agg and epoch else None
+        head = json.loads(res.read_text())["rounds"][-1]
+        out["head-seconds"] = head.get("fusion-seconds")
+        out["epoch-seconds"] = sum(epoch) / len(epoch) if epoch else None
+    return out
+
+
+def m2_table(rows: list[dict]) -> str:
+    """M2: per strategy, the final / best / round-250 accuracy, the first round reaching FedAvg's final accuracy of
+    the same seed, the head round, the published number."""
+    stats = [{**r, **m2_stats(r)} for r in rows]
+    fedavg_final = {(r["part"], r["seed"]): r["final"] for r in stats if r["strategy"] == "fedavg"}
+    lines = ["| split | row | rounds | final | best | at round 250 | first round ≥ FedAvg's final (same seed) | "
+             "+ head round (final model) | aggregation s ÷ one local epoch | published (Flower fedavgm, its CNN) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    groups = defaultdict(list)
+    for r in stats:
+        groups[(r["part"], r["strategy"], r["rounds"])].append(r)
+    for (part, strat, rounds), rs in sorted(groups.items()):
+        reach = []
+        for r in rs:
+            target = fedavg_final.get((part, r["seed"]))
+            hit = next((i + 1 for i, a in enumerate(r["curve"][1:rounds + 1]) if target is not None and a >= target),
+                       None)
+            reach.append(str(hit) if hit else "never")
+        cost = [r["aggregation-per-epoch"] for r in rs if r.get("aggregation-per-epoch") is not None]
+        lines.append(f"| {part} | fedfuse {strat} | {rounds} | {_fmt([r['final'] for r in rs])} | "
+                     f"{_fmt([r['best'] for r in rs])} | {_fmt([r['at-250'] for r in rs])} | {' / '.join(reach)} | "
+                     f"{_fmt([r['with-head'] for r in rs if r.get('with-head') is not None])} | "
+                     f"{f'{sum(cost) / len(cost):.3f}' if cost else ''} | "
+                     f"{M2_PUBLISHED.get((strat, part), '') if rounds == 1000 else ''} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--o1", nargs="*", default=[])
     ap.add_argument("--m1", nargs="*", default=[])
     ap.add_argument("--stock", nargs="*", default=[])
+    ap.add_argument("--m2", nargs="*", default=[])
     ap.add_argument("--out", default="results/fmnist-tables")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -120,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
             [{k: r.get(k) for k in ("part", "seed", "strategy", "rounds", "epochs", "best", "final", "with-head", "curve")}
              for r in m1] + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "epochs", "best", "final", "curve")},
                               "split": Path(r["split"]).name, "engine": r.get("engine")} for r in stock], indent=0))
+    m2 = [r for f in a.m2 for r in rows_of(Path(f))]
+    if m2:
+        text += ["## M2: cross-device, 100 clients, 5 a round (Flower's fedavgm baseline recipe, LeNet)", "", NOTE, "",
+                 m2_table(m2), ""]
+        (out / "m2-per-seed.json").write_text(json.dumps(
+            [{**{k: r.get(k) for k in ("part", "seed", "strategy", "rounds")},
+              **{k: v for k, v in m2_stats(r).items()}} for r in m2], indent=0))
     (out / "tables.md").write_text("\n".join(text))
     print("\n".join(text))
 
