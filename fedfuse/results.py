@@ -76,7 +76,8 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
                     f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance level (a "
                     f"learning rate far too high is the usual cause: lower lr)" + (
                         "; it never rose above chance, which a learning rate too low for this many rounds also gives "
-                        "(the model stays where it started: raise lr or num-server-rounds)" if never_left else ""))
+                        "(the model stays where it started: raise lr or num-server-rounds)"
+                        if never_left and math.isfinite(loss) else ""))
         return None
     return None
 

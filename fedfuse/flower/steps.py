@@ -107,8 +107,10 @@ class DivergenceGuard:
 
 class ServerMomentum:
     """FedAvgM's step on the round's aggregate ``a``: ``v = m·v + (a − x)``, ``x_new = x + lr·v`` with ``x`` the global
-    model sent this round. The first step (no momentum yet) with ``lr = 1`` is ``a`` itself; integer buffers
-    (BatchNorm counters) keep the aggregate's values. ``info["step-norm"]`` is ``||x_new − x||``."""
+    model sent this round. The first step (no momentum yet) with ``lr = 1`` is ``a`` itself. Buffers (BatchNorm's
+    running mean / variance and counters) keep the aggregate's values: they are estimates, not trained weights, and
+    a momentum step extrapolates them (a running variance stepped below zero turns every output NaN: measured on
+    ResNet depth tiers). ``info["step-norm"]`` is ``||x_new − x||`` over the parameters."""
 
     def __init__(self, momentum: float, learning_rate: float = 1.0) -> None:
         if not 0 <= float(momentum) < 1:
@@ -131,7 +133,8 @@ class ServerMomentum:
             return model, {}
         state = model.state_dict()
         prev = {k: torch.from_numpy(array_copy(rd.global_arrays[k], state[k])) for k in state}
-        floats = {k for k, v in state.items() if v.is_floating_point()}
+        buffers = {k for k, _ in model.named_buffers()}
+        floats = {k for k, v in state.items() if v.is_floating_point() and k not in buffers}
         first = self.velocity is None or set(self.velocity) != floats
         if first:
             self.velocity = {k: torch.zeros_like(state[k], dtype=torch.float64) for k in floats}

@@ -293,8 +293,11 @@ class TieredFusionStrategy(FusionStrategy):
             state, perms = step._pruned
             arrays = state_to_record(state)
             self._global = arrays
-            if self._momentum is not None:
-                self._momentum = slice_state(self._momentum, permutation_layout(self.skeleton(1.0), perms))
+            if self._momentum is not None:   # the velocity covers the parameters only (no BatchNorm buffers)
+                layout = permutation_layout(self.skeleton(1.0), perms)
+                layout = type(layout)({k: p for k, p in layout.positions.items() if k in self._momentum},
+                                      layout.global_shapes, layout.offset)
+                self._momentum = slice_state(self._momentum, layout)
         step._pruned = None
         step._tier_fallback = None
         return arrays
