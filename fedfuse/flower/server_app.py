@@ -45,6 +45,7 @@ from typing import Any, Callable  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
+from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.screen import ClientScreen  # noqa: E402
@@ -545,6 +546,9 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     cfg = check_run_config(context)
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
+    test = getattr(data, "test", None)
+    guard_broadcast(strategy, strategy.fusion_inputs if strategy.fusion_inputs is not None
+                    else getattr(test, "x", None), device=resolve_device(cfg.device))
     runner = wrap_strategy(strategy, context) if wrap_strategy is not None else strategy
     resumed = _resume_state(cfg, out)
     done = resumed[0] if resumed else 0

@@ -164,6 +164,11 @@ class TieredFusionStrategy(FusionStrategy):
         return False   # mixed widths: the sub-model average reads every reply's layout
 
     # ---------------------------------------------------------------- configure: one message per node
+    def on_fallback(self) -> None:
+        """Also forget the tier models derived this round: the next round slices the kept global model."""
+        super().on_fallback()
+        self._derived.clear()
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         messages = list(super().configure_train(server_round, arrays, config, grid))
