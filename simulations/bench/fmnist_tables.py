@@ -25,8 +25,10 @@ PUB_ROW = {"average": "one-shot FedAvg", "feddf": "FedDF", "ensemble": "ensemble
 
 
 def rows_of(folder: Path) -> list[dict]:
+    """A bench's rows; a run a later bench invocation read again (its cached folder) counts once."""
     path = folder / "rows.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return list({r.get("run") or id(r): r for r in rows}.values())
 
 
 def _fmt(values: list[float]) -> str:
