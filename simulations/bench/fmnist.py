@@ -77,6 +77,13 @@ def run_one(cfg: dict) -> dict:
             "fusion-seconds": [h.get("fusion-seconds", 0.0) for h in res.get("strategy-history", [])]}
 
 
+def write_row(out: Path, row: dict, shown: tuple[str, ...]) -> None:
+    """Print ``row``'s ``shown`` keys and append the whole row to ``out/rows.jsonl``."""
+    print(json.dumps({k: row[k] for k in shown}), flush=True)
+    with open(out / "rows.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="dir0.5,c2")
@@ -99,9 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"part": meta["part"], "seed": meta["seed"], "strategy": label, "rounds": rounds, "epochs": epochs,
                    **run_one(cfg)}
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("part", "seed", "strategy", "best", "final", "with-head")}), flush=True)
-            with open(out / "rows.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            write_row(out, row, ("part", "seed", "strategy", "best", "final", "with-head"))
         for label in filter(None, a.stock.split(",")):
             path = out / "stock" / f"{folder.name}-{label}.json"
             if not path.exists():

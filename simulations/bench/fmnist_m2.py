@@ -36,7 +36,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from simulations.bench.fmnist import PUBLIC, SPLITS, run_one  # noqa: E402
+from simulations.bench.fmnist import PUBLIC, SPLITS, run_one, write_row  # noqa: E402
 from simulations.bench.fmnist_splits import write_splits  # noqa: E402
 
 CLIENTS, PER_ROUND = 100, 5
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = m2_config(folder, meta["seed"], a.rounds, out, label, ROWS[label])
             row = {"cell": "m2", "part": meta["part"], "seed": meta["seed"], "strategy": label, "rounds": a.rounds,
                    "epochs": 1, **run_one(cfg)}
-            print(json.dumps({k: row[k] for k in ("part", "seed", "strategy", "best", "final", "with-head",
-                                                  "seconds")}), flush=True)
-            with open(out / "rows.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            write_row(out, row, ("part", "seed", "strategy", "best", "final", "with-head"))
         for label in filter(None, a.stock.split(",")):
             path = out / "stock" / f"{folder.name}-r{a.rounds}-{label}.json"
             if not path.exists():
