@@ -135,9 +135,11 @@ class ServerMomentum:
         prev = {k: torch.from_numpy(array_copy(rd.global_arrays[k], state[k])) for k in state}
         buffers = {k for k, _ in model.named_buffers()}
         floats = {k for k, v in state.items() if v.is_floating_point() and k not in buffers}
-        first = self.velocity is None or set(self.velocity) != floats
+        first = self.velocity is None or not floats <= set(self.velocity)
         if first:
             self.velocity = {k: torch.zeros_like(state[k], dtype=torch.float64) for k in floats}
+        else:   # a velocity seeded over every float array (strategy 'auto's choice) steps the parameters only
+            self.velocity = {k: self.velocity[k] for k in floats}
         new, sq = {}, 0.0
         for k, a in state.items():
             if k not in floats:

@@ -299,9 +299,7 @@ class TieredFusionStrategy(FusionStrategy):
             arrays = state_to_record(state)
             self._global = arrays
             if self._momentum is not None:   # the velocity covers the parameters only (no BatchNorm buffers)
-                layout = permutation_layout(self.skeleton(1.0), perms)
-                layout = type(layout)({k: p for k, p in layout.positions.items() if k in self._momentum},
-                                      layout.global_shapes, layout.offset)
+                layout = permutation_layout(self.skeleton(1.0), perms).restricted_to(self._momentum)
                 self._momentum = slice_state(self._momentum, layout)
         step._pruned = None
         step._tier_fallback = None

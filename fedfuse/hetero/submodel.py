@@ -45,6 +45,10 @@ class SubModel:
     global_shapes: dict[str, tuple[int, ...]]
     offset: int = 0
 
+    def restricted_to(self, keys) -> "SubModel":
+        """This layout over the state-dict ``keys`` only (e.g. a velocity that covers the parameters, not buffers)."""
+        return SubModel({k: p for k, p in self.positions.items() if k in keys}, self.global_shapes, self.offset)
+
     def held_fraction(self) -> float:
         """Entries held / global entries (the tier's share of the global model's size)."""
         held = sum(p.numel() for p in self.positions.values())
