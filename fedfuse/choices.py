@@ -28,6 +28,11 @@ FALLBACKS = ("previous", "average", "raise")
 REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill+calibrate")
 # how the global model is evaluated: by the server on its test set, by the clients on their validation splits, or both
 EVALUATIONS = ("central", "federated", "both")
+# differential privacy (fedfuse.flower.privacy): where updates are clipped (Flower's server- / client-side fixed
+# clipping wrappers), and the strategies whose aggregate is an average of the clipped updates (what the Gaussian
+# mechanism's noise is calibrated to; fedavgm / fedadam / fedyogi post-process that average)
+DP_CLIPPINGS = ("server", "client")
+DP_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 # one-shot mode: the reference rows the server computes from the round's client models (fedfuse.references): all
 # (clients, ensemble, average, KD and FedDF), models (no distillation), none
 ONE_SHOT_REFERENCES = ("all", "models", "none")

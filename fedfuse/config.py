@@ -43,6 +43,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
+from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, SUBMODEL_METHODS,  # noqa: E402
                                     WIDTH_DEPTH_TIER_METHODS, check_candidates)
@@ -195,6 +196,22 @@ class RunConfig:
                         "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
                         "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
                         "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen; docs/trust.md)")
+    dp_noise_multiplier: float = _key(0.0, "client-level central differential privacy (docs/trust.md): the Gaussian "
+                                      "noise's multiplier (std = multiplier x dp-clipping-norm / the round's clients, on "
+                                      "the average of clipped updates: Flower's DP wrappers); 0 = off. Averaging "
+                                      "strategies only; the head round runs privatised; (epsilon, delta) printed and "
+                                      "recorded", ge=0)
+    dp_clipping_norm: float = _key(0.0, "DP: the L2 bound on each client's update (needed with dp-noise-multiplier)",
+                                   ge=0)
+    dp_clipping: str = _key("server", "DP: where updates are clipped: server (Flower's "
+                            "DifferentialPrivacyServerSideFixedClipping) | client (Flower's ...ClientSideFixedClipping "
+                            "and fixedclipping_mod on the nodes, so the server never sees an unclipped update)",
+                            choices=DP_CLIPPINGS)
+    dp_delta: float = _key(1e-5, "DP: the delta at which epsilon is reported", gt=0, lt=1)
+    dp_max_epsilon: float = _key(0.0, "DP: stop the run (an error) before a release would take epsilon above this; 0 = "
+                                 "no limit", ge=0)
+    dp_head_noise_multiplier: float = _key(0.0, "DP: the private head round's noise multiplier (its statistics' "
+                                           "Gaussian mechanism, fedfuse.privacy); 0 = dp-noise-multiplier", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
     device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
     output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
@@ -459,6 +476,53 @@ def one_shot_depth_default(cfg: RunConfig) -> str:
     return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
 
 
+def dp_strategy(cfg: RunConfig) -> str:
+    """The strategy a DP run aggregates with: ``cfg.strategy``, or ``fedavg`` for ``auto`` without a fusion candidate
+    (``local-epochs`` below ``auto-fusion-epochs`` with ``fedavg`` first: exactly what ``auto`` would do)."""
+    if cfg.strategy == "auto" and cfg.local_epochs < cfg.auto_fusion_epochs and \
+            cfg.auto_candidates.split(",")[0].strip() == "fedavg":
+        return "fedavg"
+    return cfg.strategy
+
+
+def _check_privacy(cfg: RunConfig) -> None:
+    """A DP run (``dp-noise-multiplier`` > 0): what Flower's DP wrappers bound, and nothing they do not."""
+    dp_keys = ("dp-clipping-norm", "dp-clipping", "dp-delta", "dp-max-epsilon", "dp-head-noise-multiplier")
+    if cfg.dp_noise_multiplier == 0:
+        for key in dp_keys:
+            if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default:
+                raise ConfigError(f"run-config key {key!r} applies to differentially private runs only: set "
+                                  "'dp-noise-multiplier' > 0 (0 = no DP)")
+        return
+    if cfg.dp_clipping_norm <= 0:
+        raise ConfigError("run-config key 'dp-clipping-norm' must be > 0 with dp-noise-multiplier > 0 (the bound on "
+                          "each client's update that the noise is calibrated to)")
+    strategy = dp_strategy(cfg)
+    if strategy not in DP_STRATEGIES:
+        why = ("'auto' builds fusion candidates from each client's model and asks the clients to score them "
+               f"(local-epochs {cfg.local_epochs} >= auto-fusion-epochs {cfg.auto_fusion_epochs})"
+               if cfg.strategy == "auto" else
+               f"{cfg.strategy!r} reads each client's model on its own (fusion, distillation, selection, medians), so "
+               "one client's influence on its result is not the clipping norm / n that the noise is calibrated to")
+        raise ConfigError(f"run-config key 'strategy': differential privacy (dp-noise-multiplier > 0) bounds averaging "
+                          f"strategies only ({', '.join(DP_STRATEGIES)}); {why}")
+    if cfg.mode != "multi-round":
+        raise ConfigError(f"run-config key 'mode': differential privacy applies to multi-round runs, not "
+                          f"{cfg.mode!r} (one-shot and warm-start rounds fuse independently trained models)")
+    if cfg.client_tiers.strip():
+        raise ConfigError("run-config key 'client-tiers': differential privacy bounds one architecture's average; "
+                          "tier replies are sub-models of other widths")
+    if cfg.robust:
+        raise ConfigError("run-config key 'robust': the screen drops and shrinks replies by comparing them with each "
+                          "other, which the DP account does not cover; Flower's DP wrappers clip every update instead")
+    if cfg.evaluation != "central":
+        raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} publishes each round's client metrics, "
+                          "which the DP account does not cover; use evaluation='central'")
+    if cfg.refine not in ("auto", "none"):
+        raise ConfigError(f"run-config key 'refine': {cfg.refine!r} refines the aggregate with the clients' models or "
+                          "class counts, which the DP account does not cover")
+
+
 def _check_rules(cfg: RunConfig) -> None:
     """Rules between keys and the dataset facts known without loading it."""
     if cfg.resume and not cfg.run_name:
@@ -515,6 +579,7 @@ def _check_rules(cfg: RunConfig) -> None:
     if cfg.evaluation != "central" and cfg.val_fraction == 0:
         raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} evaluates on the clients' validation "
                           "splits, but val-fraction=0 holds none out; set val-fraction > 0 or evaluation='central'")
+    _check_privacy(cfg)
     if cfg.partition_files:
         _check_partition_rules(cfg)
     _check_warm_start(cfg)

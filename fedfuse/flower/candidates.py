@@ -115,11 +115,17 @@ class Scores:
 
 
 def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Tensor]],
-                     timeout: float | None = None, tier: float | None = None, site: str | None = None) -> Scores:
+                     timeout: float | None = None, tier: float | None = None, site: str | None = None,
+                     private: tuple[float, torch.Generator] | None = None) -> Scores:
     """Send one scoring query for ``states`` to ``node_ids`` through ``grid`` and pool the valid answers (the
     sample-weighted accuracy and loss of each candidate on the nodes' own data); malformed answers are rejected with
     their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake. ``tier``:
-    the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit)."""
+    the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit).
+
+    ``private = (noise_multiplier, generator)`` (a DP run's head check): each node counts as one, its vector of
+    accuracies (L2 norm at most √candidates) is summed with Gaussian noise of std ``noise_multiplier · √candidates``
+    (``fedfuse.privacy.gaussian_accuracy_noise``) and divided by the number of nodes; losses are not released
+    (``nan``) and ``examples`` is the number of nodes."""
     content = score_query_content(states, tier, site)
     msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in node_ids]
     try:
@@ -135,10 +141,19 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
             out.rejected.append((int(reply.metadata.src_node_id), str(exc)))
             continue
         metrics = reply.content.metric_records["metrics"]
+        if private is not None:   # each node weighs one, its accuracies clamped to [0, 1]
+            n, a = 1, [min(max(float(v), 0.0), 1.0) for v in a]
         out.clients, out.examples = out.clients + 1, out.examples + n
         accs = [s + n * v for s, v in zip(accs, a)]
         losses = [s + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, s in enumerate(losses)]
-    if out.examples:
+    if out.examples and private is not None:
+        from fedfuse.privacy import gaussian_accuracy_noise
+
+        std = gaussian_accuracy_noise(private[0], len(states))
+        noise = torch.randn(len(states), dtype=torch.float64, generator=private[1]) * std
+        out.accuracy = [(v + float(e)) / out.clients for v, e in zip(accs, noise)]
+        out.loss = [float("nan")] * len(states)
+    elif out.examples:
         out.accuracy = [v / out.examples for v in accs]
         out.loss = [v / out.examples for v in losses]
     return out

@@ -41,8 +41,10 @@ from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query,
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_query,  # noqa: E402
+from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tiers, tier_site)
+from fedfuse.flower.privacy import dp_clipping_mod  # noqa: E402
+from fedfuse.privacy import private_head_statistics  # noqa: E402
 from fedfuse.progressive import SiteView, head_sites, head_statistics  # noqa: E402
 from fedfuse.flower.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
                                          tier_model)
@@ -197,6 +199,11 @@ def head_handler(msg: Message, context: Context) -> Message:
     # model, no training); an unknown one raises, which Flower returns as an error reply
     sites = read_head_sites(msg) or list(head_sites(model))
     device = resolve_device(cfg.device)
+    clip = read_head_dp_clip(msg)
+    if clip is not None:   # a DP run: bounded per-client mean statistics (fedfuse.privacy), one classifier
+        stats = {site: private_head_statistics(model, node.train.x, node.train.y, node.num_classes, clip,
+                                               device=device, site=site) for site in sites}
+        return Message(content=head_reply_content(stats), reply_to=msg)
     stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes, device=device, site=site)
              for site in sites}
     for r, state in read_head_tiers(msg).items():   # width tiers: every narrower tier's classifier too
@@ -215,8 +222,11 @@ def _tier_model(cfg, node: NodeData, r: float | None) -> nn.Module:
 
 
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
-    """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers."""
-    client_app = ClientApp(mods=list(mods))
+    """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers, and innermost
+    ``fedfuse.flower.privacy.dp_clipping_mod`` (Flower's ``fixedclipping_mod`` in runs with ``dp-clipping='client'``;
+    it does nothing otherwise)."""
+    # dp_clipping_mod last: Flower's fixedclipping_mod on the update when a DP run clips on the nodes
+    client_app = ClientApp(mods=[*mods, dp_clipping_mod])
     client_app.train()(train)
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier

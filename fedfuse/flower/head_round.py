@@ -30,6 +30,11 @@ A malformed reply (wrong shapes, non-finite numbers, a Gram matrix that does not
 with a logged reason and the head is solved from the others; with no valid reply the model stays the global model,
 with a WARNING and the reason in the round's record (``fallback``).
 
+In a DP run (``HeadRound(privacy=...)``, ``dp-noise-multiplier`` > 0) the query carries a feature clip bound
+(``dp-clip``) and the nodes answer with bounded, per-client mean statistics (``fedfuse.privacy``); the server sums
+them with Gaussian noise, solves, and noises the check's pooled accuracies too, each release spent on the run's
+(ε, δ) account (``record["private"]``).
+
 Kept only if the clients agree (``check=True``, the default): one ``query.score_candidates`` message
 (``fedfuse.flower.candidates``) asks the nodes for the accuracy of the model before and after on their own data
 (validation split, else training data); the solved head is kept unless it scores lower. A ridge head is not always
@@ -42,7 +47,7 @@ from __future__ import annotations
 import copy
 import time
 from logging import INFO, WARNING
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -51,8 +56,12 @@ from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.hetero import tier_name
+from fedfuse.privacy import check_bounded, noisy_head_sum, raw_feature_head
 from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_temperature, head_sites, solve_classifier,
                                  with_head)
+
+if TYPE_CHECKING:
+    from fedfuse.flower.privacy import HeadPrivacy
 
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -66,12 +75,19 @@ def tier_site(r: float) -> str:
     return f"tier-{tier_name(r)}"
 
 
+DP_CLIP = "dp-clip"   # query config: the private head round's feature clip bound (fedfuse.privacy)
+
+
 def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None,
-                       tier_states: dict[float, dict[str, torch.Tensor]] | None = None) -> RecordDict:
+                       tier_states: dict[float, dict[str, torch.Tensor]] | None = None,
+                       dp_clip: float | None = None) -> RecordDict:
     """The query: the fused model whose features the nodes summarise, which of its classifiers (``sites`` of
-    ``head_sites``; ``None``: every one), and with width tiers every narrower tier's model (``tier_states``)."""
+    ``head_sites``; ``None``: every one), with width tiers every narrower tier's model (``tier_states``), and in a
+    DP run the feature clip bound of the private statistics (``dp_clip``)."""
     content = RecordDict({"model": ArrayRecord(state)})
     config: dict[str, Any] = {}
+    if dp_clip is not None:
+        config[DP_CLIP] = float(dp_clip)
     if sites is not None:
         config["sites"] = list(sites)
     for r, s in (tier_states or {}).items():
@@ -101,6 +117,12 @@ def read_head_tiers(msg: Message) -> dict[float, dict[str, torch.Tensor]]:
             raise ValueError(f"head-statistics query: tier {r} announced, no {key!r} array record")
         out[float(r)] = msg.content.array_records[key].to_torch_state_dict()
     return out
+
+
+def read_head_dp_clip(msg: Message) -> float | None:
+    """The private head round's clip bound (``None``: the statistics are not privatised)."""
+    config = msg.content.config_records.get("config")
+    return None if config is None or DP_CLIP not in config else float(config[DP_CLIP])
 
 
 def read_head_sites(msg: Message) -> list[str] | None:
@@ -162,10 +184,13 @@ class HeadRound:
             ``"ridge"``, ``"lda"``); with several (the default, ``head-solver='best'``), the clients score each one
             beside the model before in one query and the best is kept unless it scores lower than the model before;
             without the check the first is kept.
+        privacy: a DP run's private head round (``fedfuse.flower.privacy.HeadPrivacy``): the nodes send bounded
+            statistics (``fedfuse.privacy``), the server noises their sum and the check's pooled accuracies, both
+            spent on the run's account; ``None``: in the clear.
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
-                 solvers: tuple[str, ...] = HEAD_SOLVERS) -> None:
+                 solvers: tuple[str, ...] = HEAD_SOLVERS, privacy: HeadPrivacy | None = None) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         unknown = [x for x in solvers if x not in HEAD_SOLVERS]
@@ -173,6 +198,7 @@ class HeadRound:
             raise ValueError(f"head round: solvers must be distinct names of {list(HEAD_SOLVERS)}, got "
                              f"{list(solvers)}")
         self.ridge, self.timeout, self.check, self.solvers = float(ridge), timeout, bool(check), tuple(solvers)
+        self.privacy = privacy
 
     def _collect(self, grid, content: RecordDict, widths: dict[str, int], num_classes: int,
                  record: dict[str, Any]) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
@@ -188,7 +214,11 @@ class HeadRound:
             record["fallback"] = f"the head-statistics query failed: {type(exc).__name__}: {exc}"
         for reply in replies:
             try:
-                stats.append(read_head_reply(reply, widths, num_classes))
+                got = read_head_reply(reply, widths, num_classes)
+                if self.privacy is not None:
+                    for s in got.values():
+                        check_bounded(s)
+                stats.append(got)
             except ValueError as exc:
                 record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": str(exc)})
         if record["rejected"]:
@@ -201,6 +231,15 @@ class HeadRound:
                 f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the model "
                 "is kept")
             log(WARNING, "fedfuse head round: %s", record["fallback"])
+        elif self.privacy is not None:   # one noised sum (fedfuse.privacy), spent on the run's account
+            p = self.privacy
+            eps = p.account.spend(p.noise_multiplier, len(stats), "head statistics")
+            stats = [{site: noisy_head_sum([s[site] for s in stats], p.noise_multiplier, p.generator)
+                      for site in stats[0]}]
+            record["private"] = {"clip": p.clip, "noise-multiplier": p.noise_multiplier, "epsilon": eps,
+                                 "delta": p.account.delta}
+            log(INFO, "fedfuse head round: private statistics of %d nodes (clip %.4g, noise multiplier %.3g); "
+                "epsilon %.3f at delta %g", record["valid"], p.clip, p.noise_multiplier, eps, p.account.delta)
         return nodes, stats
 
     def _solved(self, model: nn.Module, stats: list[dict[str, HeadStatistics]], sites: list[str],
@@ -212,7 +251,10 @@ class HeadRound:
         for name in self.solvers if self.check else self.solvers[:1]:   # unchecked: the first is kept
             m, temps[name] = copy.deepcopy(model), {}
             for site in sites:
-                m = with_head(m, solve_classifier([s[stat_site(site)] for s in stats], name, self.ridge), site)
+                solved = solve_classifier([s[stat_site(site)] for s in stats], name, self.ridge)
+                if self.privacy is not None:   # solved on the clipped features / clip: back to the model's scale
+                    solved = raw_feature_head(solved, self.privacy.clip)
+                m = with_head(m, solved, site)
                 temps[name][site] = fit_temperature(m, *reference, site=site) if reference is not None else 1.0
             out[name] = m
         return out, temps
@@ -229,7 +271,12 @@ class HeadRound:
         if not self.check:
             return names[0]
         states = [before.state_dict(), *(candidates[n].state_dict() for n in names)]
-        scores = score_candidates(grid, nodes, states, self.timeout, tier=tier, site=site or None)
+        private = None
+        if self.privacy is not None:   # the check's pooled accuracies are a release too
+            p = self.privacy
+            p.account.spend(p.noise_multiplier, len(nodes), "head check")
+            private = (p.noise_multiplier, p.generator)
+        scores = score_candidates(grid, nodes, states, self.timeout, tier=tier, site=site or None, private=private)
         record["rejected"] = record.get("rejected", []) + [{"node": n, "reason": f"scoring: {why}"}
                                                            for n, why in scores.rejected]
         if scores.rejected or scores.error:
@@ -284,7 +331,9 @@ class HeadRound:
             raise ValueError("head round: readers need narrow (the model at a narrower width)")
         widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         record: dict[str, Any] = {}
-        nodes, stats = self._collect(grid, head_query_content(model.state_dict(), sites), widths, num_classes, record)
+        clip = self.privacy.clip if self.privacy is not None else None
+        nodes, stats = self._collect(grid, head_query_content(model.state_dict(), sites, dp_clip=clip), widths,
+                                     num_classes, record)
         if not stats:
             record["seconds"] = time.perf_counter() - t0
             return model, record
@@ -350,6 +399,8 @@ class HeadRound:
         tier, each tier's head is solved and checked on its own (``record["tiers"][<tier>]``); the record's
         ``kept`` / ``federated`` / ``temperature`` / ``solver`` are the global model's."""
         t0 = time.perf_counter()
+        if self.privacy is not None:
+            raise ValueError("head round: the private head round takes one architecture, not width tiers")
         if 1.0 not in models:
             raise ValueError(f"head round: the tiers' models need the global one (tier 1), got {sorted(models)}")
         narrower = {r: m for r, m in models.items() if r != 1.0}
@@ -382,4 +433,4 @@ class HeadRound:
 
 
 __all__ = ["ACTION", "MESSAGE_TYPE", "TIERS", "HeadRound", "head_query_content", "read_head_query", "read_head_sites",
-           "read_head_tiers", "tier_site", "head_reply_content", "read_head_reply"]
+           "read_head_tiers", "read_head_dp_clip", "DP_CLIP", "tier_site", "head_reply_content", "read_head_reply"]

@@ -46,6 +46,7 @@ from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
+from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.screen import ClientScreen  # noqa: E402
@@ -477,7 +478,7 @@ def _width_tiered(strategy) -> bool:
 
 
 def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
-               num_classes: int) -> None:
+               num_classes: int, account: PrivacyAccount | None = None) -> None:
     """The round after the last of a ``head-round=true`` run (``fedfuse.flower.head_round``): the global model's
     classifier solved from every node's ridge statistics, its temperature set from the last round's clients' ensemble
     on the fusion set, kept unless the clients score it lower; recorded (``post-step``) and evaluated as round
@@ -492,14 +493,20 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         return
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
     reference = None   # the last round's clients' ensemble on the fusion set sets the head's temperature
-    if strategy.fusion_inputs is not None and strategy.last_updates:
+    privacy = None
+    if account is not None:   # DP: private statistics and check; the temperature from the (released) model itself
+        inputs = strategy.fusion_inputs if strategy.fusion_inputs is not None else evaluation.test_x
+        privacy = head_privacy(cfg, account, model, inputs)
+        with torch.no_grad():
+            reference = (inputs.float(), torch.softmax(model.eval()(inputs.float()), -1))
+    elif strategy.fusion_inputs is not None and strategy.last_updates:
         members = [strategy.build_model(u.state).eval() for u in strategy.last_updates]
         total = sum(u.num_examples for u in strategy.last_updates)
         with torch.no_grad():
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout,
-                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,))
+                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,), privacy=privacy)
     if _width_tiered(strategy):   # every tier's classifier, each checked
         tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
@@ -543,13 +550,13 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     ``start``-ed; history and results still come from the wrapped fedfuse strategy).
     """
     limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
-    cfg = check_run_config(context)
+    cfg, account = private_config(check_run_config(context))   # a DP run: its config and (epsilon, delta) account
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
     test = getattr(data, "test", None)
     guard_broadcast(strategy, strategy.fusion_inputs if strategy.fusion_inputs is not None
                     else getattr(test, "x", None), device=resolve_device(cfg.device))
-    runner = wrap_strategy(strategy, context) if wrap_strategy is not None else strategy
+    runner = compose_runner(cfg, strategy, account, wrap_strategy, context)
     resumed = _resume_state(cfg, out)
     done = resumed[0] if resumed else 0
     strategy.round_offset = done
@@ -558,7 +565,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
-    if cfg.head_round:   # the head round's temperature reads the last round's client models
+    if cfg.head_round and account is None:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
     if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
@@ -581,9 +588,13 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
             runner.start(grid=grid, initial_arrays=evaluation.last_arrays, num_rounds=cfg.num_server_rounds - done,
                          timeout=cfg.round_timeout, train_config=train_config, evaluate_fn=evaluation)
         if cfg.head_round and done <= cfg.num_server_rounds:
-            head_round(cfg, grid, strategy, evaluation, data.num_classes)
+            head_round(cfg, grid, strategy, evaluation, data.num_classes, account)
     except Exception as exc:  # noqa: BLE001 - recorded as the run's error, then re-raised by _write_results
         crash = exc
+    if account is not None:
+        recorder.extra["privacy"] = {**account.summary(), "rounds": runner.history}
+        log(INFO, "fedfuse dp: (epsilon, delta) = (%.3f, %g) after %d releases", account.epsilon, account.delta,
+            len(account.releases))
     _write_results(cfg, out, strategy, recorder, evaluation.last_arrays, crash)
 
 

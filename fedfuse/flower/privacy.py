@@ -1,0 +1,327 @@
+"""Differential privacy as run configuration: Flower's own DP wrappers composed around fedfuse's averaging
+strategies, one (ε, δ) account for the training rounds and the private head round, and what a DP run sends.
+
+``dp-noise-multiplier`` > 0 turns it on (``fedfuse.config``: the keys, and which strategies and options a DP run
+refuses before any client trains). ``wrap_private(strategy, cfg)`` then returns::
+
+    PrivateRounds(                                  # fedfuse: the account, uniform weights, nothing but the update
+        DifferentialPrivacyServerSideFixedClipping(  # Flower: clip each update, noise the average
+            strategy, noise_multiplier, clipping_norm, num_sampled_clients))
+
+(``dp-clipping='client'``: Flower's ``DifferentialPrivacyClientSideFixedClipping``, the nodes clip with
+``fixedclipping_mod``, which fedfuse's ClientApp applies when the train message carries the clipping norm:
+``dp_clipping_mod``). The Gaussian mechanism's noise, ``noise_multiplier × clipping_norm / n`` on the average of
+``n`` clipped updates, is calibrated to one client's influence on a *uniform* average (McMahan et al., "Learning
+Differentially Private Recurrent Language Models", arXiv 1710.06963); fedfuse's strategies weigh replies by their
+sample counts, so ``PrivateRounds`` sets every reply's weight to 1 before Flower's wrapper sees it, keeps only the
+model's arrays (a side record such as importance scores would otherwise be clipped against the model's shapes and
+crash the wrapper), drops the replies' other metrics (not covered by the account), and skips a round whose
+number of replies differs from the number sampled (the noise would be too small for the average of fewer).
+
+The account (``PrivacyAccount``): Flower's ``RdpAccountant`` (Google's ``dp-accounting``; ``flwr[dp]``), client-level
+add-or-remove-one neighbours, no amplification by sampling (Flower's choice for fixed clipping: its nodes are not
+Poisson-sampled), every released aggregate one Gaussian event; the private head round (``fedfuse.privacy``) adds its
+own events to the same account. ``dp-max-epsilon`` stops the run before a release would exceed it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.clientapp.typing import ClientAppCallable  # type: ignore[attr-defined]
+from flwr.common import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (DifferentialPrivacyClientSideFixedClipping,
+                                     DifferentialPrivacyServerSideFixedClipping, Strategy)
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+from fedfuse.choices import DP_CLIPPINGS
+from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
+                                               SamplingMethod)
+
+
+
+class PrivacyBudgetError(RuntimeError):
+    """The next private release would spend more than ``dp-max-epsilon``."""
+
+
+class PrivacyAccount:
+    """The run's (ε, δ) account: Flower's ``RdpAccountant`` over client-level Gaussian releases.
+
+    Args:
+        population: the federation's number of clients (the account's population; no sampling amplification).
+        delta: the δ at which ε is reported (``dp-delta``).
+        max_epsilon: a release that would take ε above it raises ``PrivacyBudgetError`` (``None``: no limit).
+    """
+
+    def __init__(self, population: int, delta: float, max_epsilon: float | None = None) -> None:
+        from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+        self.population = int(population)
+        self.accountant = RdpAccountant(PrivacyConfig(
+            target_delta=float(delta), population_size=self.population,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION, max_epsilon=max_epsilon))
+        self.releases: list[dict[str, Any]] = []
+
+    def spend(self, noise_multiplier: float, sample_size: int, what: str) -> float:
+        """Compose one release (``noise_multiplier``: noise std ÷ the release's L2 sensitivity) and return ε
+        so far; ``PrivacyBudgetError`` (nothing composed) when it would exceed ``max_epsilon``."""
+        event = GaussianPrivacyEvent(noise_multiplier=float(noise_multiplier),
+                                     sample_size=max(1, min(int(sample_size), self.population)),
+                                     population_size=self.population)
+        limit = self.accountant.config.max_epsilon
+        if limit is not None and self.accountant.would_exceed(event):
+            raise PrivacyBudgetError(f"the next private release ({what}) would take epsilon above dp-max-epsilon "
+                                     f"{limit} (spent so far: {self.epsilon:.3f} at delta {self.delta:g})")
+        self.accountant.compose(event)
+        eps = self.epsilon
+        self.releases.append({"what": what, "noise-multiplier": float(noise_multiplier), "epsilon": eps})
+        return eps
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.accountant.get_privacy_spent().epsilon) if self.accountant.num_releases else 0.0
+
+    @property
+    def delta(self) -> float:
+        return float(self.accountant.config.target_delta)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``results.json`` records: ε, δ, the releases and the accounting model."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "releases": len(self.releases),
+                "accounting": "RDP (Flower RdpAccountant), client-level add-or-remove-one, no sampling amplification",
+                "per-release": list(self.releases)}
+
+
+@dataclass
+class HeadPrivacy:
+    """The private head round's settings (``fedfuse.flower.head_round.HeadRound(privacy=...)``): the Gaussian noise
+    multiplier of its releases (the summed statistics, the check's accuracies), the feature clip bound the nodes
+    apply (``fedfuse.privacy.private_head_statistics``), the run's account, and the noise's generator."""
+
+    noise_multiplier: float
+    clip: float
+    account: PrivacyAccount
+    generator: torch.Generator
+
+
+def noise_for_epsilon(epsilon: float, delta: float, releases: int = 1, population: int = 10) -> float:
+    """The noise multiplier whose ``releases`` Gaussian releases spend ``epsilon`` at ``delta`` on this account
+    (bisection on the RDP accountant; for benchmarks and for choosing ``dp-noise-multiplier``)."""
+    if not (epsilon > 0 and 0 < delta < 1 and releases >= 1):
+        raise ValueError(f"noise_for_epsilon: need epsilon > 0, 0 < delta < 1, releases >= 1; got {epsilon}, "
+                         f"{delta}, {releases}")
+
+    def eps(sigma: float) -> float:
+        account = PrivacyAccount(population, delta)
+        for _ in range(releases):
+            account.spend(sigma, population, "calibration")
+        return account.epsilon
+
+    lo, hi = 1e-2, 1.0
+    while eps(hi) > epsilon:
+        hi *= 2.0
+        if hi > 1e6:
+            raise ValueError(f"noise_for_epsilon: epsilon {epsilon} is out of reach")
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if eps(mid) <= epsilon else (mid, hi)
+    return hi
+
+
+class PrivateRounds(Strategy):
+    """The DP run's outer strategy: Flower's DP wrapper (``inner``) behind the account, uniform weights and bare
+    replies (module docstring). ``fedfuse_strategy``: the fedfuse strategy inside both (its ``arrayrecord_key``,
+    ``weighted_by_key`` and ``history``)."""
+
+    def __init__(self, inner: Strategy, fedfuse_strategy: Strategy, account: PrivacyAccount,
+                 num_sampled_clients: int) -> None:
+        super().__init__()
+        self.inner, self.strategy, self.account = inner, fedfuse_strategy, account
+        self.num_sampled_clients = int(num_sampled_clients)
+        self.noise_multiplier = float(inner.noise_multiplier)
+        self.history: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"PrivateRounds({self.inner!r})"
+
+    def summary(self) -> None:
+        self.inner.summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def _bare(self, reply: Message) -> Message:
+        """The reply as the account covers it: the model's arrays and the weight 1, nothing else."""
+        if reply.has_error():
+            return reply
+        content = reply.content
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        weight_key = getattr(self.strategy, "weighted_by_key", "num-examples")
+        for name in [n for n in content.array_records if n != key]:
+            del content[name]
+        for name in list(content.metric_records):
+            del content[name]
+        for name in list(content.config_records):
+            del content[name]
+        content["metrics"] = MetricRecord({weight_key: 1})
+        return reply
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = [self._bare(r) for r in replies]
+        ok = sum(not r.has_error() for r in replies)
+        record = {"round": server_round, "replies": ok, "sampled": self.num_sampled_clients}
+        if ok != self.num_sampled_clients:
+            record["skipped"] = (f"{ok} valid replies of {self.num_sampled_clients} sampled: the noise is calibrated "
+                                 "to the average of all of them, so this round releases nothing")
+            log(WARNING, "fedfuse dp: round %d: %s", server_round, record["skipped"])
+            self.history.append(record)
+            failures = [{"node-id": int(r.metadata.src_node_id), "reason": str(r.error.reason)}
+                        for r in replies if r.has_error()]
+            if failures:
+                log(WARNING, "fedfuse dp: round %d: failed replies: %s", server_round,
+                    "; ".join(f"node {f['node-id']}: {f['reason']}" for f in failures[:3]))
+            # the fedfuse strategy's record too: a run whose every round is skipped fails (fedfuse.results)
+            self.strategy.history.append({
+                "round": server_round + int(getattr(self.strategy, "round_offset", 0)), "method": "dp",
+                "replies": len(replies), "valid": ok, "failures": failures, "rejected": [], "fallback": None,
+                "skipped": f"dp: {record['skipped']}", "fusion-info": None})
+            return None, None
+        self.account.spend(self.noise_multiplier, self.num_sampled_clients, f"round {server_round}")
+        arrays, metrics = self.inner.aggregate_train(server_round, replies)
+        record["epsilon"] = self.account.epsilon
+        self.history.append(record)
+        log(INFO, "fedfuse dp: round %d released; epsilon %.3f at delta %g", server_round, self.account.epsilon,
+            self.account.delta)
+        return arrays, metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+
+def num_sampled(strategy: Strategy, num_clients: int) -> int:
+    """How many clients the strategy samples a round (``RoundProtocol``'s rule: Flower FedAvg's)."""
+    fraction = float(getattr(strategy, "fraction_train", 1.0))
+    minimum = int(getattr(strategy, "min_train_nodes", 2))
+    return min(num_clients, max(int(num_clients * fraction), minimum))
+
+
+def wrap_private(strategy: Strategy, *, noise_multiplier: float, clipping_norm: float, clipping: str,
+                 account: PrivacyAccount, num_clients: int) -> PrivateRounds:
+    """``strategy`` behind Flower's fixed-clipping DP wrapper (``clipping``: ``"server"`` or ``"client"``) and
+    ``PrivateRounds`` (the account, uniform weights, bare replies)."""
+    if clipping not in DP_CLIPPINGS:
+        raise ValueError(f"dp-clipping must be one of {list(DP_CLIPPINGS)}, got {clipping!r}")
+    n = num_sampled(strategy, num_clients)
+    cls = (DifferentialPrivacyServerSideFixedClipping if clipping == "server"
+           else DifferentialPrivacyClientSideFixedClipping)
+    return PrivateRounds(cls(strategy, noise_multiplier, clipping_norm, n), strategy, account, n)
+
+
+def dp_clipping_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """fedfuse's ClientApp mod: Flower's ``fixedclipping_mod`` on train messages that carry the clipping norm
+    (a run with ``dp-clipping='client'``), nothing otherwise."""
+    from flwr.clientapp.mod import fixedclipping_mod
+
+    config = msg.content.config_records.get("config")
+    if msg.metadata.message_type == "train" and config is not None and KEY_CLIPPING_NORM in config:
+        return fixedclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+
+# ------------------------------------------------------------------------------------------------ the run's wiring
+def private_config(cfg):
+    """``(cfg, account)`` of a run: with ``dp-noise-multiplier`` > 0 the config a DP run executes (``auto`` without a
+    fusion candidate is ``fedavg``, ``fedfuse.config.dp_strategy``; no per-client reference columns, which would
+    publish each client's model's accuracy) and a fresh ``PrivacyAccount``; else ``(cfg, None)``."""
+    import dataclasses
+
+    from fedfuse.config import dp_strategy
+
+    if cfg.dp_noise_multiplier <= 0:
+        return cfg, None
+    changes = {}
+    if dp_strategy(cfg) != cfg.strategy:
+        changes["strategy"] = dp_strategy(cfg)
+        log(INFO, "fedfuse dp: strategy 'auto' has no fusion candidate at local-epochs %d: it runs as 'fedavg'",
+            cfg.local_epochs)
+    if cfg.client_references:
+        changes["client_references"] = False
+        log(INFO, "fedfuse dp: no per-client reference columns (each client's model's accuracy is not covered by the "
+            "account)")
+    account = PrivacyAccount(cfg.num_clients, cfg.dp_delta, cfg.dp_max_epsilon or None)
+    log(INFO, "fedfuse dp: client-level DP, noise multiplier %g, clipping norm %g (%s-side), delta %g%s",
+        cfg.dp_noise_multiplier, cfg.dp_clipping_norm, cfg.dp_clipping, cfg.dp_delta,
+        f", max epsilon {cfg.dp_max_epsilon:g}" if cfg.dp_max_epsilon else "")
+    return dataclasses.replace(cfg, **changes), account
+
+
+def _flower_dp_wrapper(runner: Strategy, strategy: Strategy) -> Strategy | None:
+    """The first of Flower's DP wrappers between ``runner`` and fedfuse's ``strategy`` (``None``: none)."""
+    seen, r = set(), runner
+    while r is not None and r is not strategy and id(r) not in seen:
+        seen.add(id(r))
+        if type(r).__module__.startswith("flwr.serverapp.strategy.dp_"):
+            return r
+        r = getattr(r, "inner", None) or getattr(r, "strategy", None)
+    return None
+
+
+def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap_strategy, context) -> Strategy:
+    """The strategy a run starts: fedfuse's, behind ``wrap_private`` in a DP run, then the user's ``wrap_strategy``.
+    A Flower DP wrapper the user adds is checked as the config's DP is (``ConfigError`` before any client trains):
+    its noise bounds averaging strategies only, and the head round would send its statistics unnoised."""
+    from fedfuse.choices import DP_STRATEGIES
+    from fedfuse.config import ConfigError
+
+    runner = strategy
+    if account is not None:
+        runner = wrap_private(strategy, noise_multiplier=cfg.dp_noise_multiplier, clipping_norm=cfg.dp_clipping_norm,
+                              clipping=cfg.dp_clipping, account=account, num_clients=cfg.num_clients)
+    if wrap_strategy is None:
+        return runner
+    runner = wrap_strategy(runner, context)
+    if account is None and (found := _flower_dp_wrapper(runner, strategy)) is not None:
+        name = type(found).__name__
+        if cfg.strategy not in DP_STRATEGIES:
+            raise ConfigError(f"run-config key 'strategy': {cfg.strategy!r} inside Flower's {name}: the wrapper's "
+                              f"noise bounds averaging strategies only ({', '.join(DP_STRATEGIES)}); a strategy that "
+                              "reads each client's model on its own is not covered (set the dp-* keys instead of "
+                              "wrapping to have fedfuse check and account it)")
+        if cfg.head_round:
+            raise ConfigError(f"run-config key 'head-round': Flower's {name} noises the rounds' average, but the head "
+                              "round would send every client's feature statistics and class counts unnoised; set "
+                              "head-round=false, or configure DP with the dp-* keys (the head round then runs "
+                              "privatised and is accounted)")
+        log(WARNING, "fedfuse dp: Flower's %s wraps %r, which weighs replies by their sample counts; the wrapper's "
+            "noise is calibrated to a uniform average (the dp-* keys make it uniform and account it)", name,
+            cfg.strategy)
+    return runner
+
+
+def head_privacy(cfg, account: PrivacyAccount, model, inputs) -> HeadPrivacy:
+    """The private head round of a DP run: its noise multiplier (``dp-head-noise-multiplier``, else the rounds'),
+    the clip bound from the server's own inputs (``fedfuse.privacy.feature_clip_bound``) and a seeded generator."""
+    from fedfuse.privacy import feature_clip_bound
+
+    sigma = cfg.dp_head_noise_multiplier or cfg.dp_noise_multiplier
+    return HeadPrivacy(sigma, feature_clip_bound(model, inputs), account,
+                       torch.Generator().manual_seed(cfg.seed * 7919 + 17))
+
+
+__all__ = ["DP_CLIPPINGS", "HeadPrivacy", "PrivacyAccount", "PrivacyBudgetError", "PrivateRounds", "noise_for_epsilon",
+           "num_sampled", "wrap_private", "dp_clipping_mod", "private_config", "compose_runner", "head_privacy"]
