@@ -53,11 +53,12 @@ def clip_rows(f: torch.Tensor, clip: float) -> torch.Tensor:
 
 
 def private_head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, clip: float,
-                            batch_size: int = 512, device: str | torch.device = "cpu",
-                            site: str = "") -> HeadStatistics:
+                            batch_size: int = 512, device: str | torch.device = "cpu", site: str = "",
+                            projection: torch.Tensor | None = None) -> HeadStatistics:
     """One client's bounded head statistics (module docstring): the means over its samples of ``ũ ũᵀ`` and
-    ``ũ onehot(y)ᵀ`` with ``ũ = [clipped f / clip, 1]``; ``num_examples`` 1 (the client counts as one, and its
-    sample count is not sent). ``ValueError`` for labels out of range or no samples."""
+    ``ũ onehot(y)ᵀ`` with ``ũ = [clipped g / clip, 1]``, ``g = f P`` (``projection`` ``P`` ``[d, k]``, the server's
+    ``public_projection``) or ``g = f``; ``num_examples`` 1 (the client counts as one, and its sample count is not
+    sent). ``ValueError`` for labels out of range, no samples or a projection that does not fit the features."""
     y = torch.as_tensor(y).long()
     if len(x) != len(y) or len(y) == 0:
         raise ValueError(f"private head statistics: need as many labels as inputs (> 0), got {len(x)} inputs, "
@@ -65,7 +66,7 @@ def private_head_statistics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, 
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ValueError(f"private head statistics: labels must be in [0, {num_classes}), got "
                          f"[{int(y.min())}, {int(y.max())}]")
-    u = clip_rows(features(model, x, batch_size, device, site), clip)
+    u = clip_rows(_project(features(model, x, batch_size, device, site), projection), clip)
     u = torch.cat([u, torch.ones(len(u), 1, dtype=u.dtype)], 1)
     n = float(len(y))
     gram = u.T @ u / n
@@ -128,23 +129,58 @@ def noisy_head_sum(stats: list[HeadStatistics], noise_multiplier: float,
     return HeadStatistics(gram, cross, len(stats))
 
 
-def raw_feature_head(head: nn.Linear, clip: float) -> nn.Linear:
-    """``head`` (solved on the scaled features ``f / clip``) as a classifier of the model's features ``f``
-    (weights divided by ``clip``; in place, returned). Features longer than ``clip`` are not clipped at
+def _project(f: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:
+    if projection is None:
+        return f
+    if projection.dim() != 2 or projection.shape[0] != f.shape[1]:
+        raise ValueError(f"private head round: the projection has shape {tuple(projection.shape)}, the features "
+                         f"{f.shape[1]} columns")
+    return f @ projection.to(f.dtype)
+
+
+def public_projection(model: nn.Module, x: torch.Tensor, k: int, site: str = "",
+                      device: str | torch.device = "cpu") -> torch.Tensor | None:
+    """``[d, k]``: the top ``k`` principal directions of ``model``'s features on the server's own inputs ``x``
+    (orthonormal columns; ``None`` when ``k`` is 0 or at least ``d``: no projection). The statistics of ``k``
+    projected features carry ``(k+1)(k+2)/2 + (k+1)C`` noised numbers instead of ``(d+1)(d+2)/2 + (d+1)C``, with the
+    same per-client bound, so at a given ε the signal of the directions the features actually vary in is kept and
+    the noise of the rest is not paid; a subspace found on public data costs no privacy (the client data never
+    enters it)."""
+    if k < 0:
+        raise ValueError(f"private head round: the projection's dimension must be >= 0, got {k}")
+    f = features(model, x, device=device, site=site)
+    if k == 0 or k >= f.shape[1]:
+        return None
+    centred = f - f.mean(0, keepdim=True)
+    _, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    return vh[:k].T.contiguous()
+
+
+def raw_feature_head(head: nn.Linear, clip: float, projection: torch.Tensor | None = None) -> nn.Linear:
+    """``head`` (solved on the scaled features ``f P / clip``, or ``f / clip`` without ``projection``) as a
+    classifier of the model's features ``f``: weight ``W Pᵀ / clip``, the same bias (a new ``nn.Linear(d, C)``
+    with a projection, else ``head`` changed in place). Features longer than ``clip`` are not clipped at
     inference: the head reads them as they are."""
     clip = _check_positive("clip", clip)
+    if projection is None:
+        with torch.no_grad():
+            head.weight.div_(clip)
+        return head
+    out = nn.Linear(projection.shape[0], head.out_features)
     with torch.no_grad():
-        head.weight.div_(clip)
-    return head
+        out.weight.copy_((head.weight.double() @ projection.double().T / clip).float())
+        out.bias.copy_(head.bias)
+    return out
 
 
-def feature_clip_bound(model: nn.Module, x: torch.Tensor, site: str = "",
-                       device: str | torch.device = "cpu") -> float:
-    """The median norm of ``model``'s pre-logit features on ``x`` (the server's own inputs, never the clients'):
-    the clip bound of the private head round. ``ValueError`` when the features are all zero or not finite."""
+def feature_clip_bound(model: nn.Module, x: torch.Tensor, site: str = "", device: str | torch.device = "cpu",
+                       projection: torch.Tensor | None = None) -> float:
+    """The median norm of ``model``'s pre-logit features (projected by ``projection`` when given) on ``x`` (the
+    server's own inputs, never the clients'): the clip bound of the private head round. ``ValueError`` when the
+    features are all zero or not finite."""
     if x is None or len(x) == 0:
         raise ValueError("private head round: the clip bound needs server-side inputs (a fusion set or test inputs)")
-    norms = features(model, x, device=device, site=site).norm(dim=1)
+    norms = _project(features(model, x, device=device, site=site), projection).norm(dim=1)
     bound = float(norms.median())
     if not math.isfinite(bound) or bound <= 0:
         raise ValueError(f"private head round: the model's features on the server's inputs have median norm "
@@ -159,4 +195,4 @@ def gaussian_accuracy_noise(noise_multiplier: float, candidates: int) -> float:
 
 
 __all__ = ["HEAD_SENSITIVITY", "clip_rows", "private_head_statistics", "check_bounded", "noise_std",
-           "noisy_head_sum", "raw_feature_head", "feature_clip_bound", "gaussian_accuracy_noise"]
+           "noisy_head_sum", "public_projection", "raw_feature_head", "feature_clip_bound", "gaussian_accuracy_noise"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from fedfuse.config import ConfigError, dp_strategy, parse_run_config
 from fedfuse.privacy import (HEAD_SENSITIVITY, check_bounded, clip_rows, feature_clip_bound, noisy_head_sum,
-                             private_head_statistics, raw_feature_head)
+                             private_head_statistics, public_projection, raw_feature_head)
 from fedfuse.progressive import HeadStatistics, head_statistics, solve_classifier, with_head
 
 TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 5,
@@ -86,6 +86,24 @@ def test_with_vanishing_noise_the_private_head_classifies_as_the_clients_mean_st
     raw = with_head(_model(), head)(x).argmax(1)
     scaled = exact(feats / clip).argmax(1)
     assert float((raw == scaled).float().mean()) > 0.98
+
+
+def test_a_public_projection_keeps_the_head_exact_on_its_subspace():
+    """Features that live in the projection's subspace: the head solved on the k projected features and mapped back
+    (``raw_feature_head``) gives the same logits on the raw features."""
+    model = _model()
+    x, y = _data(400)
+    proj = public_projection(model, x, 4)
+    assert proj.shape == (16, 4) and torch.allclose(proj.T @ proj, torch.eye(4, dtype=proj.dtype), atol=1e-8)
+    assert public_projection(model, x, 0) is None and public_projection(model, x, 16) is None
+    clip = 1e6
+    s = private_head_statistics(model, x, y, 3, clip, projection=proj)
+    assert s.gram.shape == (5, 5)
+    small = solve_classifier([HeadStatistics(s.gram * 1, s.cross, 1)], "ridge", ridge=1e-9)
+    raw = raw_feature_head(small, clip, proj)
+    feats = model[:-1](x).double()
+    expected = small((feats @ proj / clip).float())
+    assert torch.allclose(raw(feats.float()), expected, atol=1e-4)
 
 
 def test_noise_scales_with_the_multiplier_and_is_seeded():
@@ -174,7 +192,7 @@ def test_a_dp_run_is_configuration_its_head_round_is_private_and_epsilon_is_reco
     assert results["config"]["strategy"] == "fedavg" and results["config"]["client-references"] is False
     head = next(h for h in results["strategy-history"] if h.get("post-step") == "head-round")
     private = head["fusion-info"]["head-round"]["private"]
-    assert private["clip"] > 0 and private["noise-multiplier"] == 0.3
+    assert private["clip"] > 0 and private["noise-multiplier"] == 0.3 and private["projection"] == 8
     assert not any(k.startswith("client-") for k in results["rounds"][0])
 
 

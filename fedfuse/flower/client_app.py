@@ -199,10 +199,10 @@ def head_handler(msg: Message, context: Context) -> Message:
     # model, no training); an unknown one raises, which Flower returns as an error reply
     sites = read_head_sites(msg) or list(head_sites(model))
     device = resolve_device(cfg.device)
-    clip = read_head_dp_clip(msg)
+    clip, projection = read_head_dp_clip(msg)
     if clip is not None:   # a DP run: bounded per-client mean statistics (fedfuse.privacy), one classifier
         stats = {site: private_head_statistics(model, node.train.x, node.train.y, node.num_classes, clip,
-                                               device=device, site=site) for site in sites}
+                                               device=device, site=site, projection=projection) for site in sites}
         return Message(content=head_reply_content(stats), reply_to=msg)
     stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes, device=device, site=site)
              for site in sites}

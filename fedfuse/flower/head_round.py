@@ -76,11 +76,12 @@ def tier_site(r: float) -> str:
 
 
 DP_CLIP = "dp-clip"   # query config: the private head round's feature clip bound (fedfuse.privacy)
+DP_PROJECTION = "dp-projection"   # query array record: the private head round's public projection [d, k]
 
 
 def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None,
                        tier_states: dict[float, dict[str, torch.Tensor]] | None = None,
-                       dp_clip: float | None = None) -> RecordDict:
+                       dp_clip: float | None = None, dp_projection: torch.Tensor | None = None) -> RecordDict:
     """The query: the fused model whose features the nodes summarise, which of its classifiers (``sites`` of
     ``head_sites``; ``None``: every one), with width tiers every narrower tier's model (``tier_states``), and in a
     DP run the feature clip bound of the private statistics (``dp_clip``)."""
@@ -88,6 +89,8 @@ def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | 
     config: dict[str, Any] = {}
     if dp_clip is not None:
         config[DP_CLIP] = float(dp_clip)
+    if dp_projection is not None:
+        content[DP_PROJECTION] = ArrayRecord({"projection": dp_projection.float().contiguous()})
     if sites is not None:
         config["sites"] = list(sites)
     for r, s in (tier_states or {}).items():
@@ -119,10 +122,14 @@ def read_head_tiers(msg: Message) -> dict[float, dict[str, torch.Tensor]]:
     return out
 
 
-def read_head_dp_clip(msg: Message) -> float | None:
-    """The private head round's clip bound (``None``: the statistics are not privatised)."""
+def read_head_dp_clip(msg: Message) -> tuple[float | None, torch.Tensor | None]:
+    """The private head round's ``(clip bound, projection)`` (``(None, None)``: the statistics are not
+    privatised)."""
     config = msg.content.config_records.get("config")
-    return None if config is None or DP_CLIP not in config else float(config[DP_CLIP])
+    clip = None if config is None or DP_CLIP not in config else float(config[DP_CLIP])
+    record = msg.content.array_records.get(DP_PROJECTION)
+    projection = None if record is None else record.to_torch_state_dict()["projection"].double()
+    return clip, projection
 
 
 def read_head_sites(msg: Message) -> list[str] | None:
@@ -237,7 +244,8 @@ class HeadRound:
             stats = [{site: noisy_head_sum([s[site] for s in stats], p.noise_multiplier, p.generator)
                       for site in stats[0]}]
             record["private"] = {"clip": p.clip, "noise-multiplier": p.noise_multiplier, "epsilon": eps,
-                                 "delta": p.account.delta}
+                                 "delta": p.account.delta,
+                                 "projection": None if p.projection is None else int(p.projection.shape[1])}
             log(INFO, "fedfuse head round: private statistics of %d nodes (clip %.4g, noise multiplier %.3g); "
                 "epsilon %.3f at delta %g", record["valid"], p.clip, p.noise_multiplier, eps, p.account.delta)
         return nodes, stats
@@ -252,8 +260,8 @@ class HeadRound:
             m, temps[name] = copy.deepcopy(model), {}
             for site in sites:
                 solved = solve_classifier([s[stat_site(site)] for s in stats], name, self.ridge)
-                if self.privacy is not None:   # solved on the clipped features / clip: back to the model's scale
-                    solved = raw_feature_head(solved, self.privacy.clip)
+                if self.privacy is not None:   # solved on the projected features / clip: back to the model's
+                    solved = raw_feature_head(solved, self.privacy.clip, self.privacy.projection)
                 m = with_head(m, solved, site)
                 temps[name][site] = fit_temperature(m, *reference, site=site) if reference is not None else 1.0
             out[name] = m
@@ -331,9 +339,12 @@ class HeadRound:
             raise ValueError("head round: readers need narrow (the model at a narrower width)")
         widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         record: dict[str, Any] = {}
-        clip = self.privacy.clip if self.privacy is not None else None
-        nodes, stats = self._collect(grid, head_query_content(model.state_dict(), sites, dp_clip=clip), widths,
-                                     num_classes, record)
+        p = self.privacy
+        content = head_query_content(model.state_dict(), sites, dp_clip=None if p is None else p.clip,
+                                     dp_projection=None if p is None else p.projection)
+        if p is not None and p.projection is not None:   # the statistics are of the k projected features
+            widths = {site: p.projection.shape[1] for site in widths}
+        nodes, stats = self._collect(grid, content, widths, num_classes, record)
         if not stats:
             record["seconds"] = time.perf_counter() - t0
             return model, record
@@ -433,4 +444,4 @@ class HeadRound:
 
 
 __all__ = ["ACTION", "MESSAGE_TYPE", "TIERS", "HeadRound", "head_query_content", "read_head_query", "read_head_sites",
-           "read_head_tiers", "read_head_dp_clip", "DP_CLIP", "tier_site", "head_reply_content", "read_head_reply"]
+           "read_head_tiers", "read_head_dp_clip", "DP_CLIP", "DP_PROJECTION", "tier_site", "head_reply_content", "read_head_reply"]

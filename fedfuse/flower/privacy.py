@@ -110,6 +110,7 @@ class HeadPrivacy:
     clip: float
     account: PrivacyAccount
     generator: torch.Generator
+    projection: torch.Tensor | None = None   # [d, k]: fedfuse.privacy.public_projection (None: every feature)
 
 
 def noise_for_epsilon(epsilon: float, delta: float, releases: int = 1, population: int = 10) -> float:
@@ -315,12 +316,14 @@ def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap
 
 def head_privacy(cfg, account: PrivacyAccount, model, inputs) -> HeadPrivacy:
     """The private head round of a DP run: its noise multiplier (``dp-head-noise-multiplier``, else the rounds'),
-    the clip bound from the server's own inputs (``fedfuse.privacy.feature_clip_bound``) and a seeded generator."""
-    from fedfuse.privacy import feature_clip_bound
+    the public projection and the clip bound, both from the server's own inputs (``dp-head-projection``;
+    ``fedfuse.privacy.public_projection``, ``feature_clip_bound``), and a seeded generator."""
+    from fedfuse.privacy import feature_clip_bound, public_projection
 
     sigma = cfg.dp_head_noise_multiplier or cfg.dp_noise_multiplier
-    return HeadPrivacy(sigma, feature_clip_bound(model, inputs), account,
-                       torch.Generator().manual_seed(cfg.seed * 7919 + 17))
+    projection = public_projection(model, inputs, cfg.dp_head_projection)
+    return HeadPrivacy(sigma, feature_clip_bound(model, inputs, projection=projection), account,
+                       torch.Generator().manual_seed(cfg.seed * 7919 + 17), projection)
 
 
 __all__ = ["DP_CLIPPINGS", "HeadPrivacy", "PrivacyAccount", "PrivacyBudgetError", "PrivateRounds", "noise_for_epsilon",

@@ -34,7 +34,8 @@ import torch
 from fedfuse.config import parse_run_config
 from fedfuse.flower.privacy import noise_for_epsilon
 from fedfuse.fusion import fuse
-from fedfuse.privacy import feature_clip_bound, noisy_head_sum, private_head_statistics, raw_feature_head
+from fedfuse.privacy import (feature_clip_bound, noisy_head_sum, private_head_statistics, public_projection,
+                             raw_feature_head)
 from fedfuse.progressive import copy_head, head_statistics, solve_classifier, with_head
 from fedfuse.task import client_round, federated_data, global_model
 from fedfuse.training import evaluate
@@ -43,9 +44,10 @@ DELTA = 1e-5
 
 
 def run_cell(seed: int, clients: int, args) -> dict:
-    cfg = parse_run_config({"dataset": "fashion-mnist", "model": "lenet", "num-clients": clients,
+    model = "lenet" if args.dataset == "fashion-mnist" else "mlp"
+    cfg = parse_run_config({"dataset": args.dataset, "model": model, "num-clients": clients,
                             "partitioning": "dirichlet", "dirichlet-alpha": args.alpha, "optimizer": "sgd",
-                            "lr": 0.01, "momentum": 0.9, "weight-decay": 1e-5, "batch-size": 64,
+                            "lr": 0.01 if args.dataset == "fashion-mnist" else 0.1, "momentum": 0.9, "weight-decay": 1e-5, "batch-size": 64,
                             "local-epochs": args.epochs, "num-server-rounds": args.rounds, "seed": seed,
                             "val-fraction": 0.0, "fusion-set-size": 500})
     data = federated_data(cfg)
@@ -73,19 +75,21 @@ def run_cell(seed: int, clients: int, args) -> dict:
     for solver in ("ridge", "lda"):
         row[f"head {solver}"] = acc(with_head(copy.deepcopy(g), solve_classifier(stats, solver)))
     row["head-cpu-s"] = time.process_time() - t0
-    clip = feature_clip_bound(g, data.fusion_x)
-    row["clip"] = clip
-    t0 = time.process_time()
-    bounded = [private_head_statistics(g, tr.x, tr.y, data.num_classes, clip) for tr in parts]
-    row["private-stats-cpu-s"] = time.process_time() - t0
-    gen = torch.Generator().manual_seed(seed * 1000 + clients)
-    for eps in args.eps:
-        sigma = noise_for_epsilon(eps, DELTA, 1, population=len(parts))
-        noisy = noisy_head_sum(bounded, sigma, gen)
-        for solver in ("ridge", "lda"):
-            head = raw_feature_head(solve_classifier([noisy], solver, ridge=1e-3), clip)
-            row[f"private {solver} eps={eps:g}"] = acc(with_head(copy.deepcopy(g), head))
-        row[f"sigma eps={eps:g}"] = sigma
+    for k in args.project:
+        proj = public_projection(g, data.fusion_x, k)
+        clip = feature_clip_bound(g, data.fusion_x, projection=proj)
+        row[f"clip k={k}"] = clip
+        t0 = time.process_time()
+        bounded = [private_head_statistics(g, tr.x, tr.y, data.num_classes, clip, projection=proj) for tr in parts]
+        row[f"private-stats-cpu-s k={k}"] = time.process_time() - t0
+        gen = torch.Generator().manual_seed(seed * 1000 + clients)
+        for eps in args.eps:
+            sigma = noise_for_epsilon(eps, DELTA, 1, population=len(parts))
+            noisy = noisy_head_sum(bounded, sigma, gen)
+            for solver in ("ridge", "lda"):
+                head = raw_feature_head(solve_classifier([noisy], solver, ridge=1e-3), clip, proj)
+                row[f"private {solver} eps={eps:g} k={k}"] = acc(with_head(copy.deepcopy(g), head))
+            row[f"sigma eps={eps:g}"] = sigma
     return row
 
 
@@ -97,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--eps", default="1,4,8")
+    ap.add_argument("--project", default="0", help="dimensions k of the public projection (0: none), comma-separated")
+    ap.add_argument("--dataset", default="fashion-mnist", help="fashion-mnist (LeNet) or mnist1d (MLP 64x2)")
     ap.add_argument("--out", default="results/dp-head")
     args = ap.parse_args(argv)
     args.eps = [float(e) for e in args.eps.split(",")]
+    args.project = [int(k) for k in args.project.split(",")]
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "per-seed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    cols = ["no head", "head ridge", "head lda"] + [f"private {s} eps={e:g}" for e in args.eps
-                                                    for s in ("ridge", "lda")]
-    lines = [f"Fashion-MNIST, LeNet, Dirichlet α {args.alpha}, {args.rounds} FedAvg rounds × {args.epochs} local "
+    cols = ["no head", "head ridge", "head lda"] + [f"private {s} eps={e:g} k={k}" for k in args.project
+                                                    for e in args.eps for s in ("ridge", "lda")]
+    lines = [f"{args.dataset}, {'LeNet' if args.dataset == 'fashion-mnist' else 'MLP 64x2'}, Dirichlet α {args.alpha}, {args.rounds} FedAvg rounds × {args.epochs} local "
              f"epochs (non-private), then the head; test accuracy %, mean ± sample std over seeds "
              f"{args.seeds}; private: client-level (ε, δ = {DELTA:g}) of the head round alone.", "",
              "| clients | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
