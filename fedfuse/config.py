@@ -133,6 +133,9 @@ class RunConfig:
                             "the strict one-exchange setting); width tiers: every tier's classifier, each kept "
                             "unless the clients score that tier's model lower; depth tiers: every exit's too, each "
                             "checked on its own in multi-round mode")
+    secure_aggregation: bool = _key(False, "head-round: the clients' statistics reach the server only as the "
+                                    "federation's sum (Flower's SecAgg+; bounded per-client statistics, each client "
+                                    "weighs one; docs/trust.md)")
     head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
     head_solver: str = _key("best", "head-round: the closed-form classifier solved from the clients' statistics: "
                             "'ridge' (least squares on one-hot labels), 'lda' (linear discriminant analysis: class "
@@ -565,6 +568,16 @@ def _check_rules(cfg: RunConfig) -> None:
             raise ConfigError("run-config key 'robust' applies to rounds the clients train from the global model (its "
                               "checks compare each update with it); in mode='one-shot' they start from their own "
                               "models")
+    if cfg.secure_aggregation:
+        if not cfg.head_round:
+            raise ConfigError("run-config key 'secure-aggregation' sums the head round's statistics: set "
+                              "head-round=true (the training rounds' models are not sums Flower's SecAgg+ can carry "
+                              "with fedfuse's checks)")
+        if cfg.client_tiers.strip():
+            raise ConfigError("run-config key 'secure-aggregation': the secure sum carries one classifier's "
+                              "statistics; capacity tiers solve several")
+        if cfg.num_clients < 2:
+            raise ConfigError("run-config key 'secure-aggregation' needs at least 2 clients ('num-clients')")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
         raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
     if cfg.head_solver != SCHEMA["head-solver"].default and not cfg.head_round:

@@ -94,13 +94,9 @@ def noise_std(noise_multiplier: float) -> float:
     return _check_positive("noise_multiplier", noise_multiplier) * HEAD_SENSITIVITY
 
 
-def noisy_head_sum(stats: list[HeadStatistics], noise_multiplier: float,
-                   generator: torch.Generator | None = None) -> HeadStatistics:
-    """The clients' bounded statistics (``private_head_statistics``) summed, with Gaussian noise of standard
-    deviation ``noise_multiplier · HEAD_SENSITIVITY`` on each number a client sends (the Gram matrix's upper
-    triangle, mirrored, and the cross term), then post-processed: the Gram matrix projected onto the PSD cone plus
-    the noise matrix's expected spectral norm ``2 σ √(d+1)`` on the feature diagonal (AdaSSP's ridge), the constant's
-    entry set to the number of clients (public: who answered). ``num_examples`` = the number of clients."""
+def bounded_sum(stats: list[HeadStatistics]) -> HeadStatistics:
+    """The clients' bounded statistics (``private_head_statistics``; each checked by ``check_bounded``) summed, no
+    noise: what a secure sum of them gives the server (``num_examples`` = the number of clients)."""
     if not stats:
         raise ValueError("private head round: no client statistics")
     for s in stats:
@@ -108,9 +104,25 @@ def noisy_head_sum(stats: list[HeadStatistics], noise_multiplier: float,
     shapes = {(tuple(s.gram.shape), tuple(s.cross.shape)) for s in stats}
     if len(shapes) != 1:
         raise ValueError(f"private head round: the clients' statistics have different shapes {sorted(shapes)}")
+    return HeadStatistics(sum(s.gram for s in stats).clone(), sum(s.cross for s in stats).clone(), len(stats))
+
+
+def noisy_head_sum(stats: list[HeadStatistics], noise_multiplier: float,
+                   generator: torch.Generator | None = None) -> HeadStatistics:
+    """The clients' bounded statistics (``private_head_statistics``) summed (``bounded_sum``) and noised
+    (``add_noise``)."""
+    return add_noise(bounded_sum(stats), noise_multiplier, generator)
+
+
+def add_noise(total: HeadStatistics, noise_multiplier: float,
+              generator: torch.Generator | None = None) -> HeadStatistics:
+    """The sum of ``total.num_examples`` clients' bounded statistics with Gaussian noise of standard deviation
+    ``noise_multiplier · HEAD_SENSITIVITY`` on each number a client sends (the Gram matrix's upper triangle, mirrored,
+    and the cross term), then post-processed: the Gram matrix projected onto the PSD cone plus the noise matrix's
+    expected spectral norm ``2 σ √(d+1)`` on the feature diagonal (AdaSSP's ridge), the constant's entry set to the
+    number of clients (public: who answered)."""
     std = noise_std(noise_multiplier)
-    gram = sum(s.gram for s in stats).clone()
-    cross = sum(s.cross for s in stats).clone()
+    gram, cross, clients = total.gram.clone(), total.cross.clone(), int(total.num_examples)
     d1 = gram.shape[0]
     i, j = torch.triu_indices(d1, d1)
     upper = torch.randn(len(i), dtype=torch.float64, generator=generator) * std
@@ -124,9 +136,9 @@ def noisy_head_sum(stats: list[HeadStatistics], noise_multiplier: float,
     ridge = 2.0 * std * math.sqrt(d1)
     gram = gram + torch.diag(torch.cat([torch.full((d1 - 1,), ridge, dtype=torch.float64),
                                         torch.zeros(1, dtype=torch.float64)]))
-    gram[-1, -1] = float(len(stats))
+    gram[-1, -1] = float(clients)
     gram = 0.5 * (gram + gram.T)
-    return HeadStatistics(gram, cross, len(stats))
+    return HeadStatistics(gram, cross, clients)
 
 
 def _project(f: torch.Tensor, projection: torch.Tensor | None) -> torch.Tensor:
@@ -195,4 +207,4 @@ def gaussian_accuracy_noise(noise_multiplier: float, candidates: int) -> float:
 
 
 __all__ = ["HEAD_SENSITIVITY", "clip_rows", "private_head_statistics", "check_bounded", "noise_std",
-           "noisy_head_sum", "public_projection", "raw_feature_head", "feature_clip_bound", "gaussian_accuracy_noise"]
+           "bounded_sum", "noisy_head_sum", "add_noise", "public_projection", "raw_feature_head", "feature_clip_bound", "gaussian_accuracy_noise"]

@@ -224,3 +224,29 @@ def test_flowers_dp_wrapper_around_a_fusion_method_or_with_the_head_round_fails_
             outcome.details
         results = outcome.out_dir / "results.json"   # nothing trained: no results, or none with a round
         assert not results.exists() or json.loads(results.read_text()).get("rounds", []) == []
+
+
+@pytest.mark.parametrize("dp", [False, True])
+def test_secure_aggregation_sums_the_head_statistics_with_flowers_secaggplus(tmp_path, dp):
+    """secure-aggregation=true: the head round's bounded statistics reach the server through Flower's SecAgg+ as
+    their sum (with DP: then noised); the solved head is used and recorded."""
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    extra = {"dp-noise-multiplier": 0.3, "dp-clipping-norm": 2.0} if dp else {"strategy": "fedavg"}
+    out = run_inprocess({**TINY, "secure-aggregation": True, **extra, "output-dir": str(tmp_path),
+                         "run-name": f"sa{int(dp)}"}, echo=False)
+    results = json.loads((out / "results.json").read_text())
+    head = next(h for h in results["strategy-history"] if h.get("post-step") == "head-round")["fusion-info"]
+    record = head["head-round"]
+    assert record["secure-aggregation"] is True and record["valid"] == 5 and record["fallback"] is None
+    assert record["private"]["clip"] > 0
+    assert ("epsilon" in record["private"]) == dp
+    if not dp:   # no noise: the head is the bounded statistics' solution, kept unless the clients score it lower
+        assert record["kept"] in ("head", "before") and results["rounds"][-1]["test-accuracy"] > 0.5
+
+
+def test_secure_aggregation_keys_are_checked():
+    with pytest.raises(ConfigError, match="'secure-aggregation'.*head-round=true"):
+        parse_run_config({"secure-aggregation": True, "head-round": False})
+    with pytest.raises(ConfigError, match="'secure-aggregation'.*tiers"):
+        parse_run_config({"secure-aggregation": True, "client-tiers": "1,0.5"})

@@ -32,6 +32,8 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
@@ -44,6 +46,9 @@ from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tiers, tier_site)
 from fedfuse.flower.privacy import dp_clipping_mod  # noqa: E402
+from fedfuse.flower.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
+                                       PROJECTION_K as SECURE_PROJECTION_K, fitins_task, secagg_if_flagged,
+                                       task_model_state, task_reply)
 from fedfuse.privacy import private_head_statistics  # noqa: E402
 from fedfuse.progressive import SiteView, head_sites, head_statistics  # noqa: E402
 from fedfuse.flower.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
@@ -115,6 +120,9 @@ def _setup(context: Context) -> tuple[RunConfig, NodeData]:
 
 
 def train(msg: Message, context: Context) -> Message:
+    task = fitins_task(msg)
+    if task is not None:   # secure-aggregation=true: the head round's statistics through Flower's SecAgg+
+        return secure_head_task(msg, context, task)
     cfg, node = _setup(context)
     request = read_train_message(msg)
     config = request.config
@@ -213,6 +221,22 @@ def head_handler(msg: Message, context: Context) -> Message:
     return Message(content=head_reply_content(stats), reply_to=msg)
 
 
+def secure_head_task(msg: Message, context: Context, task: dict) -> Message:
+    """The head round's bounded statistics (``fedfuse.privacy``) as a SecAgg+ task's answer
+    (``fedfuse.flower.secure_sum``): the packed Gram matrix and the cross term, masked by ``secaggplus_mod``."""
+    cfg, node = _setup(context)
+    model = global_model(cfg, node.num_classes, node.input_shape)
+    model.load_state_dict(task_model_state(msg, model.state_dict()))
+    k = int(task.get(SECURE_PROJECTION_K, 0))
+    projection = None
+    if k:
+        flat = np.frombuffer(task[SECURE_PROJECTION], dtype=np.float64)
+        projection = torch.from_numpy(flat.copy()).reshape(-1, k)
+    stats = private_head_statistics(model, node.train.x, node.train.y, node.num_classes, float(task[SECURE_CLIP]),
+                                    device=resolve_device(cfg.device), projection=projection)
+    return task_reply(msg, [stats.pack().numpy(), stats.cross.numpy().ravel()])
+
+
 def _tier_model(cfg, node: NodeData, r: float | None) -> nn.Module:
     """The run's architecture, at width tier ``r``'s width when given (as ``train`` builds it; no width scaler:
     these models are scored or summarised, not trained)."""
@@ -227,7 +251,7 @@ def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     it does nothing otherwise)."""
     # dp_clipping_mod last: Flower's fixedclipping_mod on the update when a DP run clips on the nodes
     client_app = ClientApp(mods=[*mods, dp_clipping_mod])
-    client_app.train()(train)
+    client_app.train(mods=[secagg_if_flagged])(train)   # SecAgg+ messages (secure-aggregation=true) only
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier
     client_app.query(SCORE_ACTION)(score_handler)   # strategy 'auto': the round's candidates on this node's data

@@ -45,6 +45,7 @@ better on the test set (docs/multi-round.md); under label skew or long local tra
 from __future__ import annotations
 
 import copy
+import math
 import time
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Callable
@@ -56,7 +57,7 @@ from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.hetero import tier_name
-from fedfuse.privacy import check_bounded, noisy_head_sum, raw_feature_head
+from fedfuse.privacy import add_noise, bounded_sum, check_bounded, raw_feature_head
 from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_temperature, head_sites, solve_classifier,
                                  with_head)
 
@@ -191,13 +192,16 @@ class HeadRound:
             ``"ridge"``, ``"lda"``); with several (the default, ``head-solver='best'``), the clients score each one
             beside the model before in one query and the best is kept unless it scores lower than the model before;
             without the check the first is kept.
-        privacy: a DP run's private head round (``fedfuse.flower.privacy.HeadPrivacy``): the nodes send bounded
-            statistics (``fedfuse.privacy``), the server noises their sum and the check's pooled accuracies, both
-            spent on the run's account; ``None``: in the clear.
+        privacy: bounded statistics (``fedfuse.flower.privacy.HeadPrivacy``): the nodes send clipped, per-client
+            mean statistics (``fedfuse.privacy``); in a DP run the server noises their sum and the check's pooled
+            accuracies, both spent on the run's account; ``None``: the plain statistics.
+        secure: the bounded statistics reach the server only as their sum (Flower's SecAgg+,
+            ``fedfuse.flower.secure_sum``; ``secure-aggregation=true``).
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
-                 solvers: tuple[str, ...] = HEAD_SOLVERS, privacy: HeadPrivacy | None = None) -> None:
+                 solvers: tuple[str, ...] = HEAD_SOLVERS, privacy: HeadPrivacy | None = None,
+                 secure: bool = False) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         unknown = [x for x in solvers if x not in HEAD_SOLVERS]
@@ -205,7 +209,9 @@ class HeadRound:
             raise ValueError(f"head round: solvers must be distinct names of {list(HEAD_SOLVERS)}, got "
                              f"{list(solvers)}")
         self.ridge, self.timeout, self.check, self.solvers = float(ridge), timeout, bool(check), tuple(solvers)
-        self.privacy = privacy
+        if secure and privacy is None:
+            raise ValueError("head round: secure aggregation sums bounded statistics: it needs privacy (the clip)")
+        self.privacy, self.secure = privacy, bool(secure)
 
     def _collect(self, grid, content: RecordDict, widths: dict[str, int], num_classes: int,
                  record: dict[str, Any]) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
@@ -238,17 +244,52 @@ class HeadRound:
                 f"no valid head statistics from {len(nodes)} queried nodes ({len(replies)} answered): the model "
                 "is kept")
             log(WARNING, "fedfuse head round: %s", record["fallback"])
-        elif self.privacy is not None:   # one noised sum (fedfuse.privacy), spent on the run's account
-            p = self.privacy
-            eps = p.account.spend(p.noise_multiplier, len(stats), "head statistics")
-            stats = [{site: noisy_head_sum([s[site] for s in stats], p.noise_multiplier, p.generator)
-                      for site in stats[0]}]
-            record["private"] = {"clip": p.clip, "noise-multiplier": p.noise_multiplier, "epsilon": eps,
-                                 "delta": p.account.delta,
-                                 "projection": None if p.projection is None else int(p.projection.shape[1])}
-            log(INFO, "fedfuse head round: private statistics of %d nodes (clip %.4g, noise multiplier %.3g); "
-                "epsilon %.3f at delta %g", record["valid"], p.clip, p.noise_multiplier, eps, p.account.delta)
+        elif self.privacy is not None:   # one (noised) sum of the bounded statistics (fedfuse.privacy)
+            stats = [{site: bounded_sum([s[site] for s in stats]) for site in stats[0]}]
+            stats = self._noised(stats, record)
         return nodes, stats
+
+    def _noised(self, summed: list[dict[str, HeadStatistics]], record: dict[str, Any]
+                ) -> list[dict[str, HeadStatistics]]:
+        """The summed bounded statistics, noised and spent on the run's account in a DP run; recorded."""
+        p = self.privacy
+        record["private"] = {"clip": p.clip, "noise-multiplier": p.noise_multiplier,
+                             "projection": None if p.projection is None else int(p.projection.shape[1])}
+        if not p.noised:
+            return summed
+        clients = next(iter(summed[0].values())).num_examples
+        eps = p.account.spend(p.noise_multiplier, clients, "head statistics")
+        record["private"].update(epsilon=eps, delta=p.account.delta)
+        log(INFO, "fedfuse head round: private statistics of %d nodes (clip %.4g, noise multiplier %.3g); "
+            "epsilon %.3f at delta %g", clients, p.clip, p.noise_multiplier, eps, p.account.delta)
+        return [{site: add_noise(s, p.noise_multiplier, p.generator) for site, s in summed[0].items()}]
+
+    def _collect_secure(self, grid, model: nn.Module, width: int, num_classes: int, record: dict[str, Any]
+                        ) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
+        """``secure-aggregation=true``: the nodes' bounded statistics summed by Flower's SecAgg+
+        (``fedfuse.flower.secure_sum``); the server sees the sum only."""
+        from fedfuse.flower.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
+                                               secure_sum)
+
+        p = self.privacy
+        nodes = list(grid.get_node_ids())
+        record.update({"queried": len(nodes), "rejected": [], "fallback": None, "secure-aggregation": True})
+        config: dict[str, Any] = {TASK: HEAD_TASK, CLIP: float(p.clip), PROJECTION_K: 0}
+        if p.projection is not None:
+            config.update({PROJECTION_K: int(p.projection.shape[1]),
+                           PROJECTION: p.projection.double().contiguous().numpy().tobytes()})
+        try:
+            (upper, cross), taken = secure_sum(grid, model.state_dict(), config, self.timeout)
+            upper[-1] = float(taken)   # the constant's sum of squares: one per node, exactly (not its quantised sum)
+            total = HeadStatistics.unpack(torch.as_tensor(upper), torch.as_tensor(cross).reshape(width + 1,
+                                                                                                 num_classes), taken)
+        except (SecureSumError, ValueError) as exc:
+            record.update({"valid": 0, "num-examples": 0, "numbers-per-reply": None,
+                           "fallback": f"secure sum failed: {exc}: the model is kept"})
+            log(WARNING, "fedfuse head round: %s", record["fallback"])
+            return nodes, []
+        record.update({"valid": taken, "num-examples": taken, "numbers-per-reply": total.numbers_sent})
+        return nodes, self._noised([{"": total}], record)
 
     def _solved(self, model: nn.Module, stats: list[dict[str, HeadStatistics]], sites: list[str],
                 reference: tuple[torch.Tensor, torch.Tensor] | None, stat_site=lambda site: site
@@ -280,7 +321,7 @@ class HeadRound:
             return names[0]
         states = [before.state_dict(), *(candidates[n].state_dict() for n in names)]
         private = None
-        if self.privacy is not None:   # the check's pooled accuracies are a release too
+        if self.privacy is not None and self.privacy.noised:   # the check's pooled accuracies are a release too
             p = self.privacy
             p.account.spend(p.noise_multiplier, len(nodes), "head check")
             private = (p.noise_multiplier, p.generator)
@@ -303,7 +344,14 @@ class HeadRound:
             record["solver-accuracy"] = {n: acc[i + 1] for i, n in enumerate(names)}
         federated = [{"federated-accuracy": a, "federated-loss": l_, "federated-clients": scores.clients,
                       "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
-        keep = acc[best + 1] >= acc[0]
+        margin = 0.0
+        if private is not None and scores.clients:   # noised scores: keep the head only if it is clearly better
+            from fedfuse.privacy import gaussian_accuracy_noise
+
+            # two standard deviations of the difference of two noised means (a worse head passes ~2 % of the time)
+            margin = 2 * math.sqrt(2) * gaussian_accuracy_noise(private[0], len(states)) / scores.clients
+            record["check-margin"] = margin
+        keep = acc[best + 1] >= acc[0] + margin
         record["federated"] = federated[best + 1 if keep else 0]   # the clients' view of the kept model
         if views is not None:
             views[:] = federated
@@ -344,7 +392,12 @@ class HeadRound:
                                      dp_projection=None if p is None else p.projection)
         if p is not None and p.projection is not None:   # the statistics are of the k projected features
             widths = {site: p.projection.shape[1] for site in widths}
-        nodes, stats = self._collect(grid, content, widths, num_classes, record)
+        if self.secure:
+            if list(widths) != [""]:
+                raise ValueError("head round: secure aggregation sums one classifier's statistics")
+            nodes, stats = self._collect_secure(grid, model, widths[""], num_classes, record)
+        else:
+            nodes, stats = self._collect(grid, content, widths, num_classes, record)
         if not stats:
             record["seconds"] = time.perf_counter() - t0
             return model, record
@@ -419,7 +472,12 @@ class HeadRound:
                   **{tier_site(r): head_sites(m)[""].classifier.in_features for r, m in narrower.items()}}
         content = head_query_content(models[1.0].state_dict(), ("",), {r: m.state_dict() for r, m in narrower.items()})
         record: dict[str, Any] = {}
-        nodes, stats = self._collect(grid, content, widths, num_classes, record)
+        if self.secure:
+            if list(widths) != [""]:
+                raise ValueError("head round: secure aggregation sums one classifier's statistics")
+            nodes, stats = self._collect_secure(grid, model, widths[""], num_classes, record)
+        else:
+            nodes, stats = self._collect(grid, content, widths, num_classes, record)
         out = dict(models)
         if stats:
             record["tiers"] = {}

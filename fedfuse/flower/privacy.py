@@ -102,15 +102,21 @@ class PrivacyAccount:
 
 @dataclass
 class HeadPrivacy:
-    """The private head round's settings (``fedfuse.flower.head_round.HeadRound(privacy=...)``): the Gaussian noise
-    multiplier of its releases (the summed statistics, the check's accuracies), the feature clip bound the nodes
-    apply (``fedfuse.privacy.private_head_statistics``), the run's account, and the noise's generator."""
+    """The bounded head round's settings (``fedfuse.flower.head_round.HeadRound(privacy=...)``): the feature clip
+    bound and projection the nodes apply (``fedfuse.privacy.private_head_statistics``), and in a DP run the Gaussian
+    noise multiplier of its releases (the summed statistics, the check's accuracies), the run's account and the
+    noise's generator. ``noise_multiplier`` 0 and no account: bounded statistics summed without noise (what
+    ``secure-aggregation=true`` alone sends)."""
 
     noise_multiplier: float
     clip: float
-    account: PrivacyAccount
+    account: PrivacyAccount | None
     generator: torch.Generator
     projection: torch.Tensor | None = None   # [d, k]: fedfuse.privacy.public_projection (None: every feature)
+
+    @property
+    def noised(self) -> bool:
+        return self.noise_multiplier > 0 and self.account is not None
 
 
 def noise_for_epsilon(epsilon: float, delta: float, releases: int = 1, population: int = 10) -> float:
@@ -314,12 +320,14 @@ def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap
     return runner
 
 
-def head_privacy(cfg, account: PrivacyAccount, model, inputs) -> HeadPrivacy:
+def head_privacy(cfg, account: PrivacyAccount | None, model, inputs) -> HeadPrivacy:
     """The private head round of a DP run: its noise multiplier (``dp-head-noise-multiplier``, else the rounds'),
     the public projection and the clip bound, both from the server's own inputs (``dp-head-projection``;
     ``fedfuse.privacy.public_projection``, ``feature_clip_bound``), and a seeded generator."""
     from fedfuse.privacy import feature_clip_bound, public_projection
 
+    if account is None:   # secure-aggregation=true without DP: bounded statistics, every feature, no noise
+        return HeadPrivacy(0.0, feature_clip_bound(model, inputs), None, torch.Generator())
     sigma = cfg.dp_head_noise_multiplier or cfg.dp_noise_multiplier
     projection = public_projection(model, inputs, cfg.dp_head_projection)
     return HeadPrivacy(sigma, feature_clip_bound(model, inputs, projection=projection), account,

@@ -494,9 +494,10 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
     reference = None   # the last round's clients' ensemble on the fusion set sets the head's temperature
     privacy = None
-    if account is not None:   # DP: private statistics and check; the temperature from the (released) model itself
-        inputs = strategy.fusion_inputs if strategy.fusion_inputs is not None else evaluation.test_x
+    inputs = strategy.fusion_inputs if strategy.fusion_inputs is not None else evaluation.test_x
+    if account is not None or cfg.secure_aggregation:   # bounded statistics (fedfuse.privacy), noised under DP
         privacy = head_privacy(cfg, account, model, inputs)
+    if account is not None:   # DP: the temperature from the (released) model itself
         with torch.no_grad():
             reference = (inputs.float(), torch.softmax(model.eval()(inputs.float()), -1))
     elif strategy.fusion_inputs is not None and strategy.last_updates:
@@ -506,7 +507,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
             reference = (strategy.fusion_inputs.float(), teacher_probs(
                 members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
     head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout,
-                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,), privacy=privacy)
+                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,), privacy=privacy,
+                     secure=cfg.secure_aggregation)
     if _width_tiered(strategy):   # every tier's classifier, each checked
         tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
         tiers, record = head.run_tiers(grid, tiers, num_classes, reference)

@@ -8,8 +8,11 @@ epochs, non-private: the model every head is solved on is the same), then on tha
 
 - ``no head``: the FedAvg model;
 - ``head``: the non-private head round (``head_statistics`` summed, ``solve_classifier``; ridge and LDA);
+- ``bounded``: the clients' bounded statistics (clipped features, per-client means: each client weighs one) summed
+  without noise, what ``secure-aggregation=true`` solves without DP;
 - ``private ε``: the private head round of ``fedfuse.privacy`` (clipped, per-client mean statistics, Gaussian noise,
-  AdaSSP ridge; clip = the median feature norm on the server's public fusion inputs) with the noise multiplier whose
+  AdaSSP ridge; clip = the median feature norm on the server's public fusion inputs; ``k``: the features' top-k
+  principal directions on those inputs, ``dp-head-projection``; 0 = none) with the noise multiplier whose
   single release spends ε at δ = 1e-5 on the client-level account (``noise_for_epsilon``). The ε is the head
   round's alone; a DP run composes it with its training rounds' (``fedfuse.flower.privacy.PrivacyAccount``).
 
@@ -36,7 +39,7 @@ from fedfuse.flower.privacy import noise_for_epsilon
 from fedfuse.fusion import fuse
 from fedfuse.privacy import (feature_clip_bound, noisy_head_sum, private_head_statistics, public_projection,
                              raw_feature_head)
-from fedfuse.progressive import copy_head, head_statistics, solve_classifier, with_head
+from fedfuse.progressive import HeadStatistics, head_statistics, solve_classifier, with_head
 from fedfuse.task import client_round, federated_data, global_model
 from fedfuse.training import evaluate
 
@@ -82,6 +85,11 @@ def run_cell(seed: int, clients: int, args) -> dict:
         t0 = time.process_time()
         bounded = [private_head_statistics(g, tr.x, tr.y, data.num_classes, clip, projection=proj) for tr in parts]
         row[f"private-stats-cpu-s k={k}"] = time.process_time() - t0
+        if k == 0:   # the bounded statistics summed without noise: what secure-aggregation=true alone solves
+            plain = HeadStatistics(sum(b.gram for b in bounded), sum(b.cross for b in bounded), len(bounded))
+            for solver in ("ridge", "lda"):
+                head = raw_feature_head(solve_classifier([plain], solver, ridge=1e-3), clip)
+                row[f"bounded {solver}"] = acc(with_head(copy.deepcopy(g), head))
         gen = torch.Generator().manual_seed(seed * 1000 + clients)
         for eps in args.eps:
             sigma = noise_for_epsilon(eps, DELTA, 1, population=len(parts))
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "per-seed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    cols = ["no head", "head ridge", "head lda"] + [f"private {s} eps={e:g} k={k}" for k in args.project
+    cols = ["no head", "head ridge", "head lda", "bounded ridge", "bounded lda"] + [f"private {s} eps={e:g} k={k}" for k in args.project
                                                     for e in args.eps for s in ("ridge", "lda")]
     lines = [f"{args.dataset}, {'LeNet' if args.dataset == 'fashion-mnist' else 'MLP 64x2'}, Dirichlet α {args.alpha}, {args.rounds} FedAvg rounds × {args.epochs} local "
              f"epochs (non-private), then the head; test accuracy %, mean ± sample std over seeds "
