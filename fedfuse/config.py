@@ -146,7 +146,8 @@ class RunConfig:
     min_train_nodes: int = _key(2, "minimum clients sampled per round and minimum valid replies", ge=1)
     fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
                                 choices=FALLBACKS)
-    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
+    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round; not "
+                          "mode='one-shot', whose one round fuses)", ge=0)
     refine: str = _key("auto", "fusion strategies: refinement of every round's aggregate on the fusion set: calibrate "
                        "(classifier bias to the class prior) | distill (FedDF step) | calibrate+distill | none; "
                        "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
@@ -855,6 +856,10 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
         raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
                           "method; set fusion-rounds=0")
+    if cfg.mode == "one-shot" and cfg.fusion_rounds:
+        raise ConfigError(f"run-config key 'fusion-rounds' ({cfg.fusion_rounds}): mode='one-shot' has one round, and it "
+                          "fuses; fusion-rounds (fuse in rounds 1..N, average afterwards) changes nothing there; "
+                          "set fusion-rounds=0")
 
 
 # ------------------------------------------------------------------------------------- files and model

@@ -126,6 +126,7 @@ def test_wrong_type_names_the_key(override, key):
     ({"momentum": 0.0}, "momentum"),                                   # the default optimizer is adam: no momentum
     ({"optimizer": "sgd", "momentum": 1.0}, "momentum"),
     ({"mode": "one-shot", "num-server-rounds": 1, "client-references": False}, "client-references"),
+    ({"mode": "one-shot", "num-server-rounds": 1, "fusion-rounds": 2}, "fusion-rounds"),   # one round: did nothing
 ])
 def test_bad_value_or_range_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
