@@ -406,17 +406,21 @@ def test_unknown_method_suggests_a_name():
 @pytest.mark.parametrize("method", [m for m in METHODS if _spec(m).uses_scores])
 @pytest.mark.parametrize("case,match", [("key", r"scores\[1\] has level 'nope'.*levels are"),
                                         ("length", r"scores\[0\]\[.1.\] has 19 values for the level.s 12 units"),
-                                        ("nan", r"scores\[0\]\['1'\] has NaN")])
+                                        ("nan", r"scores\[0\]\['1'\] has NaN"),
+                                        ("negative", r"scores\[0\]\['1'\] has 1 negative value")])
 def test_scores_that_do_not_match_the_model_are_named(method, case, match):
-    """Misspelled levels and wrong lengths used to fall back to uniform scores silently (kf-*, hf-*, ot)."""
+    """Misspelled levels and wrong lengths used to fall back to uniform scores silently (kf-*, hf-*, ot); negative
+    scores were taken."""
     models = _models("mlp", n=max(2, _spec(method).min_models))
     scores = [{lv.name: torch.rand(lv.width) for lv in levels(m)} for m in models]
     if case == "key":
         scores[1]["nope"] = torch.rand(3)
     elif case == "length":
         scores[0]["1"] = torch.rand(19)
-    else:
+    elif case == "nan":
         scores[0]["1"][0] = float("nan")
+    else:   # the reply path rejected them, fuse took them and they changed kf-linear / hf-linear / rebasin (issue 45)
+        scores[0]["1"][0] = -0.5
     with pytest.raises(FusionOptionError, match=match):
         fuse(method, models, fusion_inputs=_inputs(), scores=scores, **_fast(method))
 

@@ -197,8 +197,8 @@ def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
 
 
 def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] | None]) -> None:
-    """Importance scores must name the models' fusion levels (``fedfuse.models.levels``) with one finite value per
-    unit; a level a dict leaves out is scored uniformly by the method. ``FusionOptionError`` naming the model, the
+    """Importance scores must name the models' fusion levels (``fedfuse.models.levels``) with one finite, non-negative
+    value per unit; a level a dict leaves out is scored uniformly by the method. ``FusionOptionError`` naming the model, the
     key and the valid levels otherwise (silently ignoring a misspelled key would fuse with uniform scores)."""
     for i, (m, sc) in enumerate(zip(models, scores)):
         if sc is None:
@@ -217,6 +217,10 @@ def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] |
                                         f"{widths[key]} units")
             if not bool(torch.isfinite(t).all()):
                 raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has NaN or infinite values")
+            if bool((t < 0).any()):   # the reply path rejects them too (fedfuse.flower.replies)
+                raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has {int((t < 0).sum())} negative value(s) "
+                                        f"(min {float(t.min()):.3g}); importance scores are non-negative (an "
+                                        f"attribution's magnitude, e.g. neuron_importance's output)")
 
 
 def normalise_scores(scores: list[dict[str, torch.Tensor] | None] | None
