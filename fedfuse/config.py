@@ -103,7 +103,7 @@ class RunConfig:
                                 "part out, alignment standardises activations over samples)", ge=2)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
-    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
+    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server; at least 2 samples)")
     partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
                                 "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
                                 "y_val]); client p trains on exactly that file; the server uses test-set-path and "
@@ -875,9 +875,9 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
                 num_classes: int | None = None) -> None:
     """Check the files ``cfg`` names; ``ConfigError`` naming the key and the path.
 
-    - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a non-empty floating-point
-      input tensor ``[B, *input_shape]`` with finite values on the dataset's scale (and, when present,
-      labels ``[B]`` in ``[0, num_classes)``).
+    - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a floating-point input tensor of at
+      least 2 samples ``[B, *input_shape]`` (``fusion-set-size``'s minimum: FedDF's held-out split needs one on each
+      side) with finite values on the dataset's scale (and, when present, labels ``[B]`` in ``[0, num_classes)``).
     - ``data-root``: an existing directory when set; required by the torchvision datasets (CIFAR); MNIST and
       Fashion-MNIST need their idx files in it or, without it, Debian's package (or a download host that answers).
     - ``partition-files``: every client's file exists and is valid node-local data for the dataset.
@@ -931,6 +931,14 @@ def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...
                             input_shape=input_shape, num_classes=num_classes)
         if key == "test-set-path" and y is None:  # the same format; a test set needs its labels
             raise ValueError("holds no labels 'y'; a test set needs x and y")
+        need = int(SCHEMA["fusion-set-size"].ge)
+        if key == "fusion-set-path" and x.shape[0] < need:
+            # as fusion-set-size: distillation (feddf, kd, refine=distill, auto's feddf candidate) holds part of the
+            # set out to early-stop on and fits on the rest (fedfuse.fusion.distillation.holdout_split), alignment
+            # standardises activations over samples; one sample failed only after round 1's training
+            raise ValueError(f"holds {x.shape[0]} sample(s); a fusion set needs at least {need} (distillation holds "
+                             "part of it out for early stopping and fits on the rest, alignment standardises "
+                             "activations over samples)")
     except ValueError as exc:
         raise ConfigError(f"run-config key {key!r} ({path}): {exc}") from None
     return x.float(), (y.long() if y is not None else None)

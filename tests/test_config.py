@@ -264,6 +264,15 @@ def test_non_finite_and_bad_labels(tmp_path):
     _fails(_cfg(tmp_path / "y2.npz"), "labels", "one per input")
 
 
+def test_one_sample_fusion_file_is_refused_before_training(tmp_path):
+    """Issue 45: feddf with a 1-sample fusion-set file passed the check and failed after round 1's training (FedDF
+    holds part of the set out to early-stop on and fits on the rest: at least 2 samples, as fusion-set-size)."""
+    np.savez(tmp_path / "one.npz", x=_digits_x(n=1))
+    _fails(_cfg(tmp_path / "one.npz", strategy="feddf"), "1 sample", "at least 2")
+    np.savez(tmp_path / "two.npz", x=_digits_x(n=2))
+    check_files(_cfg(tmp_path / "two.npz", strategy="feddf"))
+
+
 def test_standardised_dataset_rejects_pixel_scale(tmp_path):
     np.savez(tmp_path / "m.npz", x=(np.random.rand(6, 1, 40) * 255).astype(np.float32))
     _fails(_cfg(tmp_path / "m.npz", dataset="mnist1d"), "standardised")
