@@ -103,7 +103,8 @@ class RunConfig:
                                 "part out, alignment standardises activations over samples)", ge=2)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
-    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server; at least 2 samples)")
+    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server; at "
+                                "least 2 samples)")
     partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
                                 "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
                                 "y_val]); client p trains on exactly that file; the server uses test-set-path and "
