@@ -398,6 +398,33 @@ def test_a_non_finite_input_model_is_named_before_any_method_runs(method):
         fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
+def _overflowing(models, factor=1e25):
+    with torch.no_grad():
+        for p in models[1].parameters():
+            p.mul_(factor)   # finite weights whose outputs overflow float32
+    return models
+
+
+@pytest.mark.parametrize("method", ["kd", "feddf"])
+def test_a_teacher_with_overflowing_outputs_is_named(method):
+    """Issue 45: weights x 1e25 are finite but the logits are not; kd distilled 50 epochs at loss NaN and returned
+    model 0, feddf returned non-finite outputs, with no error. The teachers' outputs are checked first."""
+    models = _overflowing(_models("mlp"))
+    x = _inputs()
+    assert all(bool(torch.isfinite(v).all()) for v in models[1].state_dict().values())
+    with pytest.raises(NumericalFusionError, match=r"model 1 maps 32 of 32 fusion-set samples to non-finite logits"):
+        fuse(method, models, fusion_inputs=x, **_fast(method))
+
+
+def test_a_fused_model_with_non_finite_outputs_is_an_error():
+    """The result is checked on the fusion set too: the average of a finite model and an overflowing one has finite
+    weights and non-finite logits."""
+    models = _overflowing(_models("mlp"))
+    with pytest.raises(NumericalFusionError, match=r"'average' produced a model with finite weights that maps"):
+        fuse("average", models, fusion_inputs=_inputs())
+    fuse("average", models)   # without a fusion set there is nothing to check the outputs on (weights are finite)
+
+
 def test_unknown_method_suggests_a_name():
     with pytest.raises(FusionOptionError, match="did you mean 'kf-linear'"):
         fuse("kf-linaer", _models("mlp"), fusion_inputs=_inputs())
