@@ -133,6 +133,27 @@ def test_bad_value_or_range_names_the_key(override, key):
         parse_run_config(override)
 
 
+def test_krum_runs_with_the_default_min_train_nodes():
+    """Issue 45: strategy='krum' with the default 4 clients was refused (min-train-nodes 2 < f + 3). Left at its
+    default, min-train-nodes becomes what the strategy needs, said in a ConfigNote; set too low, it still fails."""
+    from fedfuse.config import config_notes
+
+    for strategy, need in (("krum", 3), ("multikrum", 3), ("bulyan", 3)):
+        with config_notes() as notes:
+            cfg = parse_run_config({"strategy": strategy})
+        assert cfg.min_train_nodes == need
+        assert len(notes) == 1 and f"the run uses {need}" in notes[0] and "'min-train-nodes'" in notes[0]
+    with config_notes() as notes:
+        assert parse_run_config({"strategy": "krum", "num-malicious-nodes": 1}).min_train_nodes == 4
+    with pytest.raises(ConfigError, match="'min-train-nodes' is 1"):
+        parse_run_config({"strategy": "krum", "min-train-nodes": 1})
+    with pytest.raises(ConfigError, match="'min-train-nodes'"):   # 4f + 3 = 7 > the 4 clients: nothing to raise it to
+        parse_run_config({"strategy": "bulyan", "num-malicious-nodes": 1})
+    with config_notes() as notes:
+        assert parse_run_config({"strategy": "fedavg"}).min_train_nodes == 2
+    assert notes == []
+
+
 def test_message_is_one_line_with_suggestion():
     with pytest.raises(ConfigError) as e:
         parse_run_config({"strategy": "kf-linaer"})

@@ -103,6 +103,41 @@ FLWR_LINES = [
 ]
 
 
+def _logged_warnings() -> list[tuple[str, str]]:
+    """``(file, leading text)`` of every ``log(WARNING, "...")`` call in fedfuse's sources."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "fedfuse"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "log" and len(node.args) >= 2
+                    and getattr(node.args[0], "id", None) == "WARNING"):
+                msg = node.args[1]
+                if isinstance(msg, ast.JoinedStr):
+                    msg = msg.values[0] if msg.values else ast.Constant("")
+                if isinstance(msg, ast.Constant) and isinstance(msg.value, str):
+                    found.append((str(path.relative_to(root)), msg.value))
+    return found
+
+
+def test_the_products_own_warnings_are_shown_never_counted_as_flower_or_rays():
+    """Issue 45: auto's "candidate 'hf-linear' skipped" warning was folded into "3 other warning(s) from Flower/Ray".
+    Every WARNING fedfuse logs starts with a prefix the console shows, and a Python warning raised in fedfuse's own
+    code is shown (its text, without the source path); Flower's and Ray's are still counted."""
+    logged = _logged_warnings()
+    assert len(logged) > 20   # the scan sees them
+    from simulations.runners.console import is_user_warning
+
+    assert [(f, m) for f, m in logged if not is_user_warning(m)] == []
+    assert classify("WARNING :   auto: round 1: candidate 'hf-linear' skipped: takes at most 2 models, got 4\n")[0] == \
+        "warning"
+    assert classify("WARNING :   robust screen: node 3 (partition 1) dropped: free rider\n")[0] == "warning"
+    line = "/w/.venv/lib/python3.11/site-packages/fedfuse/data/partition.py:149: UserWarning: client 3 holds no sample\n"
+    assert classify(line) == ("warning", "UserWarning: client 3 holds no sample")
+    assert classify(FLWR_LINES[4])[0] == "hidden-warning"   # Ray's own
+
+
 def test_classify_flower_lines():
     kinds = [classify(line)[0] for line in FLWR_LINES]
     assert kinds == ["log", "log", "hidden-warning", "hidden-warning", "hidden-warning", "round", "log", "warning",

@@ -44,7 +44,7 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
+from fedfuse.config import SCHEMA, ConfigError, RunConfig, config_notes, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
@@ -286,10 +286,18 @@ def warm_start(cfg: RunConfig, strategy: RoundProtocol, out: Path) -> WarmStart:
     return warm
 
 
-def check_run_config(context: Context) -> RunConfig:
+def check_run_config(context: Context, notes: list[str] | None = None) -> RunConfig:
     """The validated run config (``fedfuse.config.preflight``: keys, types, ranges, combinations, the files
-    it names, the model); raises ``ConfigError`` naming the key before any client is contacted."""
-    return preflight(context.run_config, known_strategies=tuple(STRATEGIES))
+    it names, the model); raises ``ConfigError`` naming the key before any client is contacted. What the check
+    resolved for the user (``fedfuse.config.ConfigNote``: e.g. the tiered default for 'auto') is logged here, once
+    per run, as a WARNING (shown on the console) and appended to ``notes`` (``results.json`` ``"config-notes"``)."""
+    with config_notes() as found:
+        cfg = preflight(context.run_config, known_strategies=tuple(STRATEGIES))
+    for note in found:
+        log(WARNING, "fedfuse: %s", note)
+    if notes is not None:
+        notes.extend(found)
+    return cfg
 
 
 class RoundEvaluation:
@@ -543,7 +551,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     ``start``-ed; history and results still come from the wrapped fedfuse strategy).
     """
     limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
-    cfg = check_run_config(context)
+    notes: list[str] = []
+    cfg = check_run_config(context, notes)
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
     test = getattr(data, "test", None)
@@ -556,6 +565,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     recorder = RunRecorder(out, {**cfg.to_dict(), "num-classes": data.num_classes,
                                  "input-shape": list(data.input_shape), "fusion-set-samples": len(strategy.fusion_inputs)
                                  if strategy.fusion_inputs is not None else 0})
+    if notes:
+        recorder.extra["config-notes"] = notes
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round:   # the head round's temperature reads the last round's client models
