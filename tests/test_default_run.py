@@ -68,6 +68,34 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     assert fedavg.split_head() == [fedavg]
 
 
+def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_path):
+    """Issue 45: evaluation='federated' (no server test set) completed, but the table and comparison.md said 'failed: no
+    rounds' and comparison.png was empty. The comparison reads the clients' federated accuracy, and says so."""
+    from simulations.runners.run import write_comparison
+
+    def fed(accs, head=False):
+        rows = [{"round": 0, "test-accuracy": None}] + [
+            {"round": r, "federated-accuracy": a, "federated-loss": 1.0, "federated-clients": 3}
+            for r, a in enumerate(accs, 1)]
+        if head:
+            rows[-1]["fusion-info"] = {"head-round": {"kept": "head"}}
+        return rows
+
+    run = RunSummary("average", "in-process", fed([0.3, 0.6, 0.9], head=True))
+    plain, headed = RunSummary("fedavg", "in-process", fed([0.2, 0.4, 0.85], head=True)).split_head()
+    assert run.metric == "federated-accuracy" and run.final == 0.9 and plain.final == 0.4 and headed.final == 0.85
+    table = comparison_table([run, plain, headed], "fedavg")
+    assert "failed" not in table and "| average | in-process | 0.9000 (federated) | 0.9000 (3) | 2 |" in table
+    line = verdict([run, plain, headed], "fedavg")
+    assert line.startswith("final federated accuracy (clients' validation splits) vs fedavg: average +0.5000 "
+                           "(+0.3000 of it from the head round)")
+    write_comparison([run, plain, headed], tmp_path, "fedavg", "t")
+    assert "0.9000 (federated)" in (tmp_path / "comparison.md").read_text()
+    # a run with rounds but no accuracy at all says that, not 'no rounds'
+    empty = RunSummary("average", "in-process", [{"round": 0}, {"round": 1}])
+    assert "no round has an accuracy" in comparison_table([empty], "fedavg")
+
+
 def test_the_baseline_gets_the_head_round_when_the_strategy_does():
     assert baseline_config({"strategy": "auto"})["head-round"] is True
     assert baseline_config({"strategy": "auto", "head-round": False})["head-round"] is False
