@@ -25,6 +25,7 @@ match an uninterrupted run).
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
@@ -542,6 +543,30 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         evaluation(head_rnd - evaluation.done, ArrayRecord(model.state_dict()))
     finally:
         evaluation.references = references
+    head_round_loss_check(evaluation.recorder.rows, head_rnd, record)
+
+
+def head_round_loss_check(rows: list[dict], head_rnd: int, record: dict) -> None:
+    """Loss and accuracy before and after the head round, on the server's test set (central evaluation) or the
+    clients' validation splits (federated), into the round's record (``"loss-check"``); a loss that rose is a
+    WARNING naming both, even when the accuracy rose (issue 45: test loss 1.94 -> 5.84 while the accuracy rose
+    0.47 -> 0.74, with no warning)."""
+    by_round = {r.get("round"): r for r in rows}
+    before, after = by_round.get(head_rnd - 1), by_round.get(head_rnd)
+    if before is None or after is None:
+        return
+    for kind in ("test", "federated"):
+        lb, la = before.get(f"{kind}-loss"), after.get(f"{kind}-loss")
+        ab, aa = before.get(f"{kind}-accuracy"), after.get(f"{kind}-accuracy")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lb, la, ab, aa)):
+            continue
+        check = {"loss-before": lb, "loss-after": la, "accuracy-before": ab, "accuracy-after": aa}
+        record.setdefault("loss-check", {})[kind] = check
+        if la > lb:
+            where = "test" if kind == "test" else "federated (clients' validation)"
+            log(WARNING, "fedfuse head round: the %s loss rose from %.4f to %.4f (accuracy %.4f -> %.4f)%s", where,
+                lb, la, ab, aa, "; the clients scored the model before it higher and it was kept"
+                if record.get("kept") == "before" else "")
 
 
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
