@@ -29,6 +29,7 @@ This module imports no Flower; ``fedfuse.fusion`` / ``fedfuse.data`` are importe
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import sys
@@ -53,6 +54,29 @@ from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_M
 
 class ConfigError(ValueError):
     """A bad run-config key or value; the one-line message names the key."""
+
+
+class ConfigNote(UserWarning):
+    """A value the config check resolved for the user (``strategy='auto'`` with ``client-tiers`` → the tiered default,
+    ``min-train-nodes`` left at its default raised to what ``krum`` / ``multikrum`` / ``bulyan`` need, ...), warned by
+    ``parse_run_config``. The ServerApp logs each once and records it (``results.json`` ``"config-notes"``); the
+    ClientApps and the runners, which parse the same config, collect theirs silently (``config_notes``)."""
+
+
+@contextlib.contextmanager
+def config_notes():
+    """Collect the ``ConfigNote`` warnings raised inside (the list yielded is filled, without repeats, on exit);
+    any other warning is passed on unchanged."""
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigNote)
+        yield notes
+    for w in caught:
+        if issubclass(w.category, ConfigNote):
+            if str(w.message) not in notes:
+                notes.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _key(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
@@ -104,7 +128,8 @@ class RunConfig:
                                 "part out, alignment standardises activations over samples)", ge=2)
     fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
                                   "0's partition (skewed)", choices=FUSION_SET_SOURCES)
-    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server)")
+    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server; at "
+                                "least 2 samples)")
     partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
                                 "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
                                 "y_val]); client p trains on exactly that file; the server uses test-set-path and "
@@ -150,7 +175,8 @@ class RunConfig:
     min_train_nodes: int = _key(2, "minimum clients sampled per round and minimum valid replies", ge=1)
     fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
                                 choices=FALLBACKS)
-    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round)", ge=0)
+    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round; not "
+                          "mode='one-shot', whose one round fuses)", ge=0)
     refine: str = _key("auto", "fusion strategies: refinement of every round's aggregate on the fusion set: calibrate "
                        "(classifier bias to the class prior) | distill (FedDF step) | calibrate+distill | none; "
                        "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
@@ -443,7 +469,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         if cfg.mode == "one-shot":
             tiered = one_shot_depth_default(cfg) if cfg.depth_tiers else one_shot_width_default(cfg)
         warnings.warn(f"run-config key 'strategy': 'auto' has no capacity-tier form; with 'client-tiers' the run uses "
-                      f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", UserWarning,
+                      f"{tiered!r} (the tiered default). Set strategy explicitly to silence this.", ConfigNote,
                       stacklevel=2)
         cfg = replace(cfg, strategy=tiered)
     if cfg.mode == "warm-start" and cfg.depth_tiers:
@@ -455,14 +481,37 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             fusion = one_shot_depth_default(cfg)
             warnings.warn(f"run-config key 'warm-start-fusion': the default 'kf-linear' fuses models of one "
                           f"architecture; with depth tiers round 1 combines the clients' models with {fusion!r}. Set "
-                          "warm-start-fusion explicitly to silence this.", UserWarning, stacklevel=2)
+                          "warm-start-fusion explicitly to silence this.", ConfigNote, stacklevel=2)
             cfg = replace(cfg, warm_start_fusion=fusion)
+    need = robust_min_replies(cfg)
+    if cfg.min_train_nodes == SCHEMA["min-train-nodes"].default and cfg.min_train_nodes < need <= cfg.num_clients:
+        # a strategy runs with the defaults: min-train-nodes left at its default (the value pyproject.toml repeats, so
+        # the ServerApp cannot tell it from an explicit 2) becomes what the strategy needs. Loud, and recorded: the
+        # run's config (results.json) holds the value used, "config-notes" this line. A value set below it fails.
+        warnings.warn(f"run-config key 'min-train-nodes': strategy {cfg.strategy!r} needs at least {need} replies a "
+                      f"round ({_robust_rule(cfg)}); min-train-nodes is at its default "
+                      f"{cfg.min_train_nodes}, so the run uses {need}. Set min-train-nodes >= {need} to silence this.",
+                      ConfigNote, stacklevel=2)
+        cfg = replace(cfg, min_train_nodes=need)
     for spec in SCHEMA.values():
         _check_range(spec, getattr(cfg, spec.key.replace("-", "_")))
     _check_rules(cfg)
     _check_method(cfg, tuple(known_strategies) if known_strategies is not None else strategy_names())
     _check_strategy_keys(cfg)
     return cfg
+
+
+def robust_min_replies(cfg: RunConfig) -> int:
+    """The replies a round that ``cfg.strategy`` needs with ``num-malicious-nodes`` f: Bulyan 4f + 3, Krum / MultiKrum
+    f + 3 (each model scored by its n - f - 2 nearest others); 1 for any other strategy."""
+    f = cfg.num_malicious_nodes
+    return 4 * f + 3 if cfg.strategy == "bulyan" else f + 3 if cfg.strategy in ("krum", "multikrum") else 1
+
+
+def _robust_rule(cfg: RunConfig) -> str:
+    f = cfg.num_malicious_nodes
+    return (f"Flower's Bulyan: 4f + 3, f = {f}: 'num-malicious-nodes'" if cfg.strategy == "bulyan" else
+            f"Krum scores each model by its n - f - 2 nearest others: f + 3, f = {f}: 'num-malicious-nodes'")
 
 
 def one_shot_width_default(cfg: RunConfig) -> str:
@@ -898,6 +947,29 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         raise ConfigError(f"run-config key 'strategy': {exc}, but {problem}") from None
 
 
+def _check_candidate_setup(cfg: RunConfig) -> None:
+    """Every fusion method the user named in ``auto-candidates`` can run on this setup (clients per round, model
+    family, a fusion set): otherwise auto skipped it every round, with a warning per round and no error."""
+    from fedfuse.fusion import METHOD_SPECS, FusionError
+    from fedfuse.strategy_specs import ARRAY_CANDIDATES
+
+    n = clients_per_round(cfg)
+    family = MODEL_FAMILIES[cfg.model]
+    problem = fusion_set_problem(cfg)
+    for name in cfg.auto_candidate_names:
+        spec = METHOD_SPECS.get(name)
+        if name in ARRAY_CANDIDATES or spec is None:
+            continue
+        try:
+            spec.check_setup(num_models=n, family=family, has_fusion_set=problem is None,
+                             affine_levels=family == "sequential")
+        except FusionError as exc:
+            why = (f"{n} clients per round from num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
+                   f"min-train-nodes={cfg.min_train_nodes}; model {cfg.model!r}" + (f"; {problem}" if problem else ""))
+            raise ConfigError(f"run-config key 'auto-candidates': candidate {name!r} cannot run on this setup: {exc} "
+                              f"({why}); auto would skip it every round. Remove it or change the setup") from None
+
+
 def _check_strategy_keys(cfg: RunConfig) -> None:
     """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
@@ -930,6 +1002,8 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
+        if cfg.auto_candidates != SCHEMA["auto-candidates"].default:
+            _check_candidate_setup(cfg)
         if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ("average", "fedavg")
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
@@ -937,6 +1011,10 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
         raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
                           "method; set fusion-rounds=0")
+    if cfg.mode == "one-shot" and cfg.fusion_rounds:
+        raise ConfigError(f"run-config key 'fusion-rounds' ({cfg.fusion_rounds}): mode='one-shot' has one round, and it "
+                          "fuses; fusion-rounds (fuse in rounds 1..N, average afterwards) changes nothing there; "
+                          "set fusion-rounds=0")
 
 
 # ------------------------------------------------------------------------------------- files and model
@@ -952,9 +1030,9 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
                 num_classes: int | None = None) -> None:
     """Check the files ``cfg`` names; ``ConfigError`` naming the key and the path.
 
-    - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a non-empty floating-point
-      input tensor ``[B, *input_shape]`` with finite values on the dataset's scale (and, when present,
-      labels ``[B]`` in ``[0, num_classes)``).
+    - ``fusion-set-path``: exists, is a readable ``.pt``/``.pth``/``.npz``, holds a floating-point input tensor of at
+      least 2 samples ``[B, *input_shape]`` (``fusion-set-size``'s minimum: FedDF's held-out split needs one on each
+      side) with finite values on the dataset's scale (and, when present, labels ``[B]`` in ``[0, num_classes)``).
     - ``data-root``: an existing directory when set; required by the torchvision datasets (CIFAR); MNIST and
       Fashion-MNIST need their idx files in it or, without it, Debian's package (or a download host that answers).
     - ``partition-files``: every client's file exists and is valid node-local data for the dataset.
@@ -1008,6 +1086,14 @@ def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...
                             input_shape=input_shape, num_classes=num_classes)
         if key == "test-set-path" and y is None:  # the same format; a test set needs its labels
             raise ValueError("holds no labels 'y'; a test set needs x and y")
+        need = int(SCHEMA["fusion-set-size"].ge)
+        if key == "fusion-set-path" and x.shape[0] < need:
+            # as fusion-set-size: distillation (feddf, kd, refine=distill, auto's feddf candidate) holds part of the
+            # set out to early-stop on and fits on the rest (fedfuse.fusion.distillation.holdout_split), alignment
+            # standardises activations over samples; one sample failed only after round 1's training
+            raise ValueError(f"holds {x.shape[0]} sample(s); a fusion set needs at least {need} (distillation holds "
+                             "part of it out for early stopping and fits on the rest, alignment standardises "
+                             "activations over samples)")
     except ValueError as exc:
         raise ConfigError(f"run-config key {key!r} ({path}): {exc}") from None
     return x.float(), (y.long() if y is not None else None)
@@ -1116,7 +1202,7 @@ def describe() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "parse_run_config", "fusion_options_dict", "check_files",
+__all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
            "check_model", "check_partitions", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",

@@ -164,3 +164,28 @@ def test_with_validation_sets_it_chooses_by_validation_accuracy():
     assert got == pytest.approx(acc[res.info["auto-choice"]])
     with pytest.raises(FusionOptionError, match="validation"):
         fuse_result("auto", models, fusion_inputs=X, validation=[xv])
+
+
+@pytest.mark.parametrize("case,match", [("labels", r"set 1's labels span \[0, 7\], but the models have 4 classes"),
+                                        ("negative", r"set 0's labels span \[-1, "),
+                                        ("nan", r"set 0's inputs x have NaN"),
+                                        ("float-labels", r"set 0's labels y must be a 1-D integer"),
+                                        ("shape", r"model 0 cannot take set 1's inputs of shape \[10, 7\]")])
+def test_bad_validation_sets_are_refused_at_the_door(case, match):
+    """Issue 45: labels out of range or NaN inputs silently picked 'average' (every candidate scored alike); a wrong x
+    shape was a raw RuntimeError. Each is a FusionOptionError (a ValueError) before any candidate runs."""
+    models = [build_model("mlp", num_classes=4, input_shape=(20,), width=8, depth=1, seed=s) for s in (1, 2)]
+    g = torch.Generator().manual_seed(0)
+    val = [(torch.randn(10, 20, generator=g), torch.arange(10) % 4) for _ in range(2)]
+    if case == "labels":
+        val[1] = (val[1][0], torch.arange(10) % 8)
+    elif case == "negative":
+        val[0] = (val[0][0], val[0][1] - 1)
+    elif case == "nan":
+        val[0][0][3, 2] = float("nan")
+    elif case == "float-labels":
+        val[0] = (val[0][0], val[0][1].float())
+    else:
+        val[1] = (torch.randn(10, 7), val[1][1])
+    with pytest.raises(FusionOptionError, match=match):
+        fuse_result("auto", models, fusion_inputs=X, validation=val, candidates=("average", "kf-linear"))

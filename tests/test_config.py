@@ -126,10 +126,32 @@ def test_wrong_type_names_the_key(override, key):
     ({"momentum": 0.0}, "momentum"),                                   # the default optimizer is adam: no momentum
     ({"optimizer": "sgd", "momentum": 1.0}, "momentum"),
     ({"mode": "one-shot", "num-server-rounds": 1, "client-references": False}, "client-references"),
+    ({"mode": "one-shot", "num-server-rounds": 1, "fusion-rounds": 2}, "fusion-rounds"),   # one round: did nothing
 ])
 def test_bad_value_or_range_names_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         parse_run_config(override)
+
+
+def test_krum_runs_with_the_default_min_train_nodes():
+    """Issue 45: strategy='krum' with the default 4 clients was refused (min-train-nodes 2 < f + 3). Left at its
+    default, min-train-nodes becomes what the strategy needs, said in a ConfigNote; set too low, it still fails."""
+    from fedfuse.config import config_notes
+
+    for strategy, need in (("krum", 3), ("multikrum", 3), ("bulyan", 3)):
+        with config_notes() as notes:
+            cfg = parse_run_config({"strategy": strategy})
+        assert cfg.min_train_nodes == need
+        assert len(notes) == 1 and f"the run uses {need}" in notes[0] and "'min-train-nodes'" in notes[0]
+    with config_notes() as notes:
+        assert parse_run_config({"strategy": "krum", "num-malicious-nodes": 1}).min_train_nodes == 4
+    with pytest.raises(ConfigError, match="'min-train-nodes' is 1"):
+        parse_run_config({"strategy": "krum", "min-train-nodes": 1})
+    with pytest.raises(ConfigError, match="'min-train-nodes'"):   # 4f + 3 = 7 > the 4 clients: nothing to raise it to
+        parse_run_config({"strategy": "bulyan", "num-malicious-nodes": 1})
+    with config_notes() as notes:
+        assert parse_run_config({"strategy": "fedavg"}).min_train_nodes == 2
+    assert notes == []
 
 
 def test_message_is_one_line_with_suggestion():
@@ -261,6 +283,15 @@ def test_non_finite_and_bad_labels(tmp_path):
     _fails(_cfg(tmp_path / "y.npz"), "labels", "0..9")
     np.savez(tmp_path / "y2.npz", x=_digits_x(), y=np.zeros(3, dtype=np.int64))
     _fails(_cfg(tmp_path / "y2.npz"), "labels", "one per input")
+
+
+def test_one_sample_fusion_file_is_refused_before_training(tmp_path):
+    """Issue 45: feddf with a 1-sample fusion-set file passed the check and failed after round 1's training (FedDF
+    holds part of the set out to early-stop on and fits on the rest: at least 2 samples, as fusion-set-size)."""
+    np.savez(tmp_path / "one.npz", x=_digits_x(n=1))
+    _fails(_cfg(tmp_path / "one.npz", strategy="feddf"), "1 sample", "at least 2")
+    np.savez(tmp_path / "two.npz", x=_digits_x(n=2))
+    check_files(_cfg(tmp_path / "two.npz", strategy="feddf"))
 
 
 def test_standardised_dataset_rejects_pixel_scale(tmp_path):

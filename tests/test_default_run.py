@@ -68,6 +68,34 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     assert fedavg.split_head() == [fedavg]
 
 
+def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_path):
+    """Issue 45: evaluation='federated' (no server test set) completed, but the table and comparison.md said 'failed: no
+    rounds' and comparison.png was empty. The comparison reads the clients' federated accuracy, and says so."""
+    from simulations.runners.run import write_comparison
+
+    def fed(accs, head=False):
+        rows = [{"round": 0, "test-accuracy": None}] + [
+            {"round": r, "federated-accuracy": a, "federated-loss": 1.0, "federated-clients": 3}
+            for r, a in enumerate(accs, 1)]
+        if head:
+            rows[-1]["fusion-info"] = {"head-round": {"kept": "head"}}
+        return rows
+
+    run = RunSummary("average", "in-process", fed([0.3, 0.6, 0.9], head=True))
+    plain, headed = RunSummary("fedavg", "in-process", fed([0.2, 0.4, 0.85], head=True)).split_head()
+    assert run.metric == "federated-accuracy" and run.final == 0.9 and plain.final == 0.4 and headed.final == 0.85
+    table = comparison_table([run, plain, headed], "fedavg")
+    assert "failed" not in table and "| average | in-process | 0.9000 (federated) | 0.9000 (3) | 2 |" in table
+    line = verdict([run, plain, headed], "fedavg")
+    assert line.startswith("final federated accuracy (clients' validation splits) vs fedavg: average +0.5000 "
+                           "(+0.3000 of it from the head round)")
+    write_comparison([run, plain, headed], tmp_path, "fedavg", "t")
+    assert "0.9000 (federated)" in (tmp_path / "comparison.md").read_text()
+    # a run with rounds but no accuracy at all says that, not 'no rounds'
+    empty = RunSummary("average", "in-process", [{"round": 0}, {"round": 1}])
+    assert "no round has an accuracy" in comparison_table([empty], "fedavg")
+
+
 def test_the_baseline_gets_the_head_round_when_the_strategy_does():
     assert baseline_config({"strategy": "auto"})["head-round"] is True
     assert baseline_config({"strategy": "auto", "head-round": False})["head-round"] is False
@@ -101,6 +129,41 @@ FLWR_LINES = [
     f"{ESC}[92mINFO {ESC}[0m:      fedfuse round 1: test-accuracy 0.5153, ensemble 0.4708, fusion 0.01s\n",
     f"{ESC}[91mERROR {ESC}[0m:     ServerApp failed with exception: boom\n",
 ]
+
+
+def _logged_warnings() -> list[tuple[str, str]]:
+    """``(file, leading text)`` of every ``log(WARNING, "...")`` call in fedfuse's sources."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "fedfuse"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "log" and len(node.args) >= 2
+                    and getattr(node.args[0], "id", None) == "WARNING"):
+                msg = node.args[1]
+                if isinstance(msg, ast.JoinedStr):
+                    msg = msg.values[0] if msg.values else ast.Constant("")
+                if isinstance(msg, ast.Constant) and isinstance(msg.value, str):
+                    found.append((str(path.relative_to(root)), msg.value))
+    return found
+
+
+def test_the_products_own_warnings_are_shown_never_counted_as_flower_or_rays():
+    """Issue 45: auto's "candidate 'hf-linear' skipped" warning was folded into "3 other warning(s) from Flower/Ray".
+    Every WARNING fedfuse logs starts with a prefix the console shows, and a Python warning raised in fedfuse's own
+    code is shown (its text, without the source path); Flower's and Ray's are still counted."""
+    logged = _logged_warnings()
+    assert len(logged) > 20   # the scan sees them
+    from simulations.runners.console import is_user_warning
+
+    assert [(f, m) for f, m in logged if not is_user_warning(m)] == []
+    assert classify("WARNING :   auto: round 1: candidate 'hf-linear' skipped: takes at most 2 models, got 4\n")[0] == \
+        "warning"
+    assert classify("WARNING :   robust screen: node 3 (partition 1) dropped: free rider\n")[0] == "warning"
+    line = "/w/.venv/lib/python3.11/site-packages/fedfuse/data/partition.py:149: UserWarning: client 3 holds no sample\n"
+    assert classify(line) == ("warning", "UserWarning: client 3 holds no sample")
+    assert classify(FLWR_LINES[4])[0] == "hidden-warning"   # Ray's own
 
 
 def test_classify_flower_lines():

@@ -398,6 +398,33 @@ def test_a_non_finite_input_model_is_named_before_any_method_runs(method):
         fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
+def _overflowing(models, factor=1e25):
+    with torch.no_grad():
+        for p in models[1].parameters():
+            p.mul_(factor)   # finite weights whose outputs overflow float32
+    return models
+
+
+@pytest.mark.parametrize("method", ["kd", "feddf"])
+def test_a_teacher_with_overflowing_outputs_is_named(method):
+    """Issue 45: weights x 1e25 are finite but the logits are not; kd distilled 50 epochs at loss NaN and returned
+    model 0, feddf returned non-finite outputs, with no error. The teachers' outputs are checked first."""
+    models = _overflowing(_models("mlp"))
+    x = _inputs()
+    assert all(bool(torch.isfinite(v).all()) for v in models[1].state_dict().values())
+    with pytest.raises(NumericalFusionError, match=r"model 1 maps 32 of 32 fusion-set samples to non-finite logits"):
+        fuse(method, models, fusion_inputs=x, **_fast(method))
+
+
+def test_a_fused_model_with_non_finite_outputs_is_an_error():
+    """The result is checked on the fusion set too: the average of a finite model and an overflowing one has finite
+    weights and non-finite logits."""
+    models = _overflowing(_models("mlp"))
+    with pytest.raises(NumericalFusionError, match=r"'average' produced a model with finite weights that maps"):
+        fuse("average", models, fusion_inputs=_inputs())
+    fuse("average", models)   # without a fusion set there is nothing to check the outputs on (weights are finite)
+
+
 def test_unknown_method_suggests_a_name():
     with pytest.raises(FusionOptionError, match="did you mean 'kf-linear'"):
         fuse("kf-linaer", _models("mlp"), fusion_inputs=_inputs())
@@ -406,17 +433,21 @@ def test_unknown_method_suggests_a_name():
 @pytest.mark.parametrize("method", [m for m in METHODS if _spec(m).uses_scores])
 @pytest.mark.parametrize("case,match", [("key", r"scores\[1\] has level 'nope'.*levels are"),
                                         ("length", r"scores\[0\]\[.1.\] has 19 values for the level.s 12 units"),
-                                        ("nan", r"scores\[0\]\['1'\] has NaN")])
+                                        ("nan", r"scores\[0\]\['1'\] has NaN"),
+                                        ("negative", r"scores\[0\]\['1'\] has 1 negative value")])
 def test_scores_that_do_not_match_the_model_are_named(method, case, match):
-    """Misspelled levels and wrong lengths used to fall back to uniform scores silently (kf-*, hf-*, ot)."""
+    """Misspelled levels and wrong lengths used to fall back to uniform scores silently (kf-*, hf-*, ot); negative
+    scores were taken."""
     models = _models("mlp", n=max(2, _spec(method).min_models))
     scores = [{lv.name: torch.rand(lv.width) for lv in levels(m)} for m in models]
     if case == "key":
         scores[1]["nope"] = torch.rand(3)
     elif case == "length":
         scores[0]["1"] = torch.rand(19)
-    else:
+    elif case == "nan":
         scores[0]["1"][0] = float("nan")
+    else:   # the reply path rejected them, fuse took them and they changed kf-linear / hf-linear / rebasin (issue 45)
+        scores[0]["1"][0] = -0.5
     with pytest.raises(FusionOptionError, match=match):
         fuse(method, models, fusion_inputs=_inputs(), scores=scores, **_fast(method))
 

@@ -128,6 +128,32 @@ def test_reference_bars_draw_the_fused_model_and_every_reference(tmp_path, monke
     assert (tmp_path / "c.png").exists()
 
 
+def test_the_verdict_line_splits_the_fused_rounds_part_from_the_head_rounds():
+    """Issue 45: "ot is 62.7 points above the clients' ensemble (7600% of the gap)" while the fused round scored 0.30:
+    the gain was the head round's. With a head round the line says the fused round's own standing and what the head
+    round adds."""
+    from simulations.runners.compare import RunSummary, references_table
+
+    refs = {"rows": [{"key": "best-client", "accuracy": 0.36}, {"key": "ensemble", "accuracy": 0.368}],
+            "client-accuracy": {"0": 0.36, "1": 0.2}}
+    rows = [{"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.30},
+            {"round": 2, "test-accuracy": 0.995, "fusion-info": {"head-round": {"kept": "head"}}}]
+    line = references_table(RunSummary("ot", "in-process", rows, references=refs)).splitlines()[-1]
+    assert line.startswith("ot's fused round (round 1, 0.3000) is 6.0 points below the best client; ")
+    assert "the head round adds +0.6950" in line and "final model (0.9950) is 62.7 points above the clients' " \
+        "ensemble (which is 0.8 points above the best client)" in line and "7600%" not in line
+    # without a head round: one line about the fused model, as before
+    plain = references_table(RunSummary("ot", "in-process", rows[:2], references=refs)).splitlines()[-1]
+    assert plain == "ot is 6.0 points below the best client (one seed)"
+    refs["rows"][1]["accuracy"] = 0.5   # between the two: the share of the gap, as before
+    mid = references_table(RunSummary("ot", "in-process", rows[:2] + [{"round": 2, "test-accuracy": 0.43, "fusion-info":
+                                                                       {"head-round": {}}}], references=refs))
+    assert mid.splitlines()[-1] == ("ot's fused round (round 1, 0.3000) is 6.0 points below the best client; the head "
+                                    "round adds +0.1300 (the classifier solved from the clients' statistics), so the "
+                                    "final model (0.4300) recovers 50% of the gap between the best client and the "
+                                    "ensemble (one seed)")
+
+
 def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_path, capsys):
     """``--baseline fedavg`` trains the same clients again: its one round equals the 'one-shot FedAvg' reference."""
     from simulations.runners.run import main

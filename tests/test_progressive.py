@@ -227,6 +227,87 @@ def test_the_clients_score_the_solved_head_against_the_model_before(identity, ac
     assert torch.equal(out[-1].weight, w0) == (kept == "before")
 
 
+class _LossGrid(_Grid):
+    """Head statistics from ``contents``; the first scoring query (before, head) answered with ``first`` (accuracy,
+    loss) pairs, the calibration query (the head at every CALIBRATION_FACTORS scale) with ``losses``."""
+
+    def __init__(self, contents, first, losses):
+        super().__init__(contents)
+        self.first, self.losses, self.queries = first, losses, []
+
+    def send_and_receive(self, msgs, timeout=None):
+        from flwr.app import MetricRecord, RecordDict
+
+        from fedfuse.flower.candidates import read_score_query
+
+        msgs = list(msgs)
+        if msgs[0].metadata.message_type != "query.score_candidates":
+            return super().send_and_receive(msgs, timeout)
+        self.queries.append(read_score_query(msgs[0]))
+        if len(self.queries) == 1:
+            metrics = {f"{k}-{i}": v for i, (a, l_) in enumerate(self.first)
+                       for k, v in (("accuracy", a), ("loss", l_))}
+        else:   # scaling keeps the predictions: the head's accuracy at every scale
+            metrics = {f"{k}-{i}": v for i, l_ in enumerate(self.losses)
+                       for k, v in (("accuracy", self.first[1][0]), ("loss", l_))}
+        return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, **metrics})}), m.metadata.dst_node_id)
+                for m in msgs]
+
+
+@pytest.mark.parametrize("losses, factor, rose", [((2.5, 1.5, 0.8, 1.2, 4.0, 5.0), 0.25, False),
+                                                  ((2.5, 2.0, 2.05, 2.2, 4.0, 5.0), 0.125, True),
+                                                  ((3.5, 3.4, 3.3, 3.2, 2.95, 2.9), 4.0, True),
+                                                  ((3.5, 3.4, 3.3, 3.2, 3.1, 3.05), 1.0, True)])
+def test_a_solved_head_that_raises_the_clients_loss_is_calibrated_or_said(identity, caplog, losses, factor, rose):
+    """Issue 45: the head round raised the test loss 1.94 -> 5.84 while the accuracy rose 0.47 -> 0.74, silently. When
+    the clients' loss with the kept head is above the model before's, one more query scores the head's logits at a few
+    scales (same predictions) and the lowest loss is kept; a loss still above is a WARNING, recorded."""
+    from fedfuse.flower.head_round import CALIBRATION_FACTORS
+
+    x, y = _data()
+    model = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
+    parts = [(x[:150], y[:150]), (x[150:], y[150:])]
+    contents = [head_reply_content(head_statistics(model, *p, 4)) for p in parts]
+    grid = _LossGrid(contents, [(0.47, 1.9), (0.74, 3.0)], losses)
+    out, record = HeadRound(1e-3, solvers=("ridge",)).run(grid, model, 4)
+    want = solve_head([head_statistics(model, *p, 4) for p in parts], 1e-3)
+    assert record["kept"] == "head" and len(grid.queries) == 2 and len(grid.queries[1]) == len(CALIBRATION_FACTORS)
+    assert record["calibration"]["factor"] == factor and record["temperature"] == factor   # temperature 1 before
+    assert torch.allclose(out[-1].weight, want.weight * factor, atol=1e-6)
+    assert record["client-loss"] == {"before": 1.9, "head": min(*losses, 3.0)}
+    assert record["federated"]["federated-loss"] == min(*losses, 3.0)
+    assert ("loss-rose" in record) == rose and ("raises the clients' loss" in caplog.text) == rose
+    # a head that does not raise the loss is not calibrated: one scoring query
+    grid = _LossGrid(contents, [(0.47, 1.9), (0.74, 0.9)], losses)
+    _, record = HeadRound(1e-3, solvers=("ridge",)).run(grid, model, 4)
+    assert len(grid.queries) == 1 and "calibration" not in record and record["client-loss"]["head"] == 0.9
+
+
+def test_a_head_round_that_raises_the_test_loss_says_so_and_records_both(caplog):
+    """The server's view too: loss and accuracy before and after the head round go into its record, and a loss that
+    rose is a WARNING even when the accuracy rose (issue 45)."""
+    import logging
+
+    from fedfuse.flower.server_app import head_round_loss_check
+
+    rows = [{"round": 1, "test-accuracy": 0.47, "test-loss": 1.94},
+            {"round": 2, "test-accuracy": 0.74, "test-loss": 5.84, "federated-accuracy": 0.8, "federated-loss": 0.5}]
+    record: dict = {"kept": "head"}
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)
+    try:
+        head_round_loss_check(rows, 2, record)
+    finally:
+        flwr_logger.removeHandler(caplog.handler)
+    assert record["loss-check"] == {"test": {"loss-before": 1.94, "loss-after": 5.84, "accuracy-before": 0.47,
+                                             "accuracy-after": 0.74}}   # no federated loss before: not compared
+    assert "the test loss rose from 1.9400 to 5.8400 (accuracy 0.4700 -> 0.7400)" in caplog.text
+    caplog.clear()
+    rows[1]["test-loss"] = 1.5
+    head_round_loss_check(rows, 2, record := {"kept": "head"})
+    assert record["loss-check"]["test"]["loss-after"] == 1.5 and "rose" not in caplog.text
+
+
 def test_lda_head_from_split_statistics_is_linear_discriminant_analysis_of_the_pooled_data():
     """``solve_lda_head``: from the same statistics as the ridge head, whatever the split, the shared-covariance
     Gaussian classifier of the pooled data (class means, pooled within-class covariance, class frequencies); it

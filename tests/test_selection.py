@@ -40,6 +40,54 @@ def test_candidates_are_checked_naming_the_bad_entry():
         check_candidates(["auto"])
 
 
+def test_a_candidate_that_cannot_run_with_the_clients_is_refused_at_config_time():
+    """Issue 45: hf-linear (at most 2 models) with 4 clients passed the check and was skipped every round, its warning
+    hidden among Flower's. Now a ConfigError naming the key, the candidate and why."""
+    with pytest.raises(ConfigError, match=r"'auto-candidates': candidate 'hf-linear' cannot run on this setup: .*at "
+                                          r"most 2 models, got 4 \(4 clients per round"):
+        parse_run_config({"strategy": "auto", "auto-candidates": "fedavg,hf-linear"})
+    assert parse_run_config({"strategy": "auto", "auto-candidates": "fedavg,hf-linear", "num-clients": 2}
+                            ).auto_candidate_names == ("fedavg", "hf-linear")
+    with pytest.raises(ConfigError, match=r"candidate 'kf-linear' cannot run on this setup: .*'resnet'"):
+        parse_run_config({"strategy": "auto", "auto-candidates": "average,kf-linear", "model": "resnet"})
+
+
+def test_the_tiered_default_note_is_said_once_by_the_server_and_recorded(caplog):
+    """Issue 45: client-tiers with the default strategy printed the raw UserWarning with its source line about ten
+    times (runner, server, every ClientApp parse). It is a ConfigNote: the ServerApp logs it once and records it; the
+    ClientApps and runners collect theirs silently."""
+    import logging
+    import warnings
+    from types import SimpleNamespace
+
+    from fedfuse.config import ConfigNote, config_notes
+    from fedfuse.flower.runner.cli import preflight_or_exit
+    from fedfuse.flower.server_app import check_run_config
+
+    run_config = {"strategy": "auto", "client-tiers": "1,0.5"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # any warning escaping would raise here
+        with config_notes() as notes:
+            parse_run_config(run_config)
+            parse_run_config(run_config)
+        assert preflight_or_exit(run_config).strategy == "average"
+    assert len(notes) == 1 and "no capacity-tier form" in notes[0]
+    assert issubclass(ConfigNote, UserWarning)
+    recorded: list[str] = []
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(caplog.handler)   # Flower's logger may not propagate to the root one
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = check_run_config(SimpleNamespace(run_config=run_config), recorded)
+    finally:
+        flwr_logger.removeHandler(caplog.handler)
+    assert cfg.strategy == "average" and recorded == notes
+    said = {id(r): r.getMessage() for r in caplog.records if "no capacity-tier form" in r.getMessage()}
+    said = list(said.values())
+    assert len(said) == 1 and said[0].startswith("fedfuse: run-config key 'strategy'")
+
+
 def test_run_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="'auto-candidates'.*did you mean"):
         parse_run_config({"strategy": "auto", "auto-candidates": "average,kf-gradiant"})

@@ -38,7 +38,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import RunConfig, load_initial_model, parse_run_config, partition_file  # noqa: E402
+from fedfuse.config import RunConfig, config_notes, load_initial_model, parse_run_config, partition_file  # noqa: E402
 from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
@@ -104,7 +104,8 @@ def _node_local_data(cfg: RunConfig, pid: int, path: str, key: str = "node-confi
 
 def _setup(context: Context) -> tuple[RunConfig, NodeData]:
     limit_threads()
-    cfg = parse_run_config(context.run_config)
+    with config_notes():   # what the check resolved (ConfigNote) is the ServerApp's to say, once
+        cfg = parse_run_config(context.run_config)
     if context.node_config.get("data-root"):  # deployment: this SuperNode's own data folder
         cfg = dataclasses.replace(cfg, data_root=str(context.node_config["data-root"]))
     if context.node_config.get("device"):  # deployment: this SuperNode's device (auto | cpu | cuda | cuda:N)

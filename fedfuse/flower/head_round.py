@@ -64,6 +64,22 @@ from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_te
 if TYPE_CHECKING:
     from fedfuse.flower.privacy import HeadPrivacy
 
+#: when the clients' loss with the kept solved head is above the model before's, the head's logits are scaled by each of
+#: these factors (one more scoring query) and the factor with the lowest client loss is kept: a positive scale keeps
+#: every prediction, hence the accuracy, and the loss is convex in it (issue 45: test loss 1.94 -> 5.84 while the
+#: accuracy rose 0.47 -> 0.74, with no warning)
+CALIBRATION_FACTORS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0)
+
+
+def scale_head(model: nn.Module, factor: float, site: str = "") -> nn.Module:
+    """Multiply the classifier ``site`` of ``model`` (weight and bias) by ``factor``, in place; returns the model."""
+    head = head_sites(model)[site].classifier
+    with torch.no_grad():
+        head.weight.mul_(factor)
+        if head.bias is not None:
+            head.bias.mul_(factor)
+    return model
+
 ACTION = "head_statistics"
 MESSAGE_TYPE = f"query.{ACTION}"
 
@@ -310,11 +326,13 @@ class HeadRound:
 
     def _choose(self, grid, nodes: list[int], before: nn.Module, candidates: dict[str, nn.Module],
                 record: dict[str, Any], tier: float | None = None, site: str | None = None,
-                views: list | None = None) -> str | None:
+                views: list | None = None, temps: dict[str, dict[str, float]] | None = None) -> str | None:
         """Which solved head stays (``None``: the model before): the clients score the model before and every
         candidate (``tier``: as that width tier's model; ``site``: through that classifier, a depth tier's exit); the
-        best candidate stays unless it scores lower than the model before. ``record`` gets their accuracies, the
-        best solver and the round's federated row (of the model it keeps; ``views`` gets every row, before first)."""
+        best candidate stays unless it scores lower than the model before. ``record`` gets their accuracies and
+        losses, the best solver and the round's federated row (of the model it keeps; ``views`` gets every row, before
+        first). With ``temps`` (``{solver: {site: temperature}}``, updated), a kept head whose client loss is above the
+        model before's is calibrated (``_calibrate``)."""
         names = list(candidates)
         record["solver"] = names[0]
         if not self.check:
@@ -353,6 +371,12 @@ class HeadRound:
             record["check-margin"] = margin
         keep = acc[best + 1] >= acc[0] + margin
         record["federated"] = federated[best + 1 if keep else 0]   # the clients' view of the kept model
+        loss = scores.loss or []
+        if len(loss) == len(acc) and all(math.isfinite(v) for v in (loss[0], loss[best + 1])):
+            record["client-loss"] = {"before": loss[0], "head": loss[best + 1]}
+            if keep and temps is not None and loss[best + 1] > loss[0]:
+                self._calibrate(grid, nodes, candidates[names[best]], record, tier, site or "",
+                                temps[names[best]], acc[0], acc[best + 1])
         if views is not None:
             views[:] = federated
         if not keep:
@@ -361,6 +385,41 @@ class HeadRound:
             log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
                 "before it stays", which, acc[best + 1], acc[0])
         return names[best] if keep else None
+
+    def _calibrate(self, grid, nodes: list[int], model: nn.Module, record: dict[str, Any], tier: float | None,
+                   site: str, temps: dict[str, float], acc_before: float, acc_head: float) -> None:
+        """The kept solved head raised the clients' loss: score it scaled by every ``CALIBRATION_FACTORS`` (one
+        query; the predictions, hence the accuracy, do not change) and keep the scale with the lowest client loss
+        (``model`` and ``temps[site]`` updated in place; ``record["calibration"]``). A loss still above the model
+        before's is a WARNING, recorded (``record["loss-rose"]``)."""
+        before, head = record["client-loss"]["before"], record["client-loss"]["head"]
+        variants = [scale_head(copy.deepcopy(model), f, site) for f in CALIBRATION_FACTORS]
+        scores = score_candidates(grid, nodes, [v.state_dict() for v in variants], self.timeout, tier=tier,
+                                  site=site or None)
+        losses = scores.loss if scores.accuracy is not None else None
+        cal: dict[str, Any] = {"loss-at-1": head, "factor": 1.0}
+        if losses is not None and all(math.isfinite(v) for v in losses):
+            cal["losses"] = dict(zip((f"{f:g}" for f in CALIBRATION_FACTORS), losses))
+            i = min(range(len(losses)), key=losses.__getitem__)
+            if losses[i] < head:
+                scale_head(model, CALIBRATION_FACTORS[i], site)
+                temps[site] = temps.get(site, 1.0) * CALIBRATION_FACTORS[i]
+                cal["factor"], head = CALIBRATION_FACTORS[i], losses[i]
+                record["client-loss"]["head"] = head
+                if isinstance(record.get("federated"), dict):
+                    record["federated"] = {**record["federated"], "federated-loss": head}
+        else:
+            cal["error"] = scores.error or "no node scored the scaled heads"
+        record["calibration"] = cal
+        if head > before:
+            record["loss-rose"] = {"before": before, "head": head}
+            which = (f" of tier {tier_name(tier)}" if tier is not None else "") + (f" of classifier {site}" if site else "")
+            log(WARNING, "fedfuse head round: the solved head%s raises the clients' loss from %.4f to %.4f (accuracy "
+                "%.4f -> %.4f), even at the best of the scales %s; kept for its accuracy", which, before, head,
+                acc_before, acc_head, list(CALIBRATION_FACTORS))
+        else:
+            log(INFO, "fedfuse head round: the solved head's logits scaled by %g: the clients' loss %.4f (%.4f before "
+                "the head round, %.4f unscaled)", cal["factor"], head, before, cal["loss-at-1"])
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
             sites: tuple[str, ...] | None = None, check_each: bool = False,
@@ -404,7 +463,7 @@ class HeadRound:
         solved, temps = self._solved(model, stats, list(widths), reference)
         if check_each and len(widths) > 1:
             return self._keep_each(grid, nodes, model, solved, temps, list(widths), record, t0, readers or {}, narrow)
-        chosen = self._choose(grid, nodes, model, solved, record)
+        chosen = self._choose(grid, nodes, model, solved, record, temps=temps)
         t = temps[chosen or record["solver"]]
         record["temperature"] = t[""] if len(t) == 1 and "" in t else t
         record["kept"] = "head" if chosen else "before"
@@ -428,7 +487,7 @@ class HeadRound:
             rec: dict[str, Any] = {}
             views: list = []
             candidates = {n: copy_head(m, copy.deepcopy(before), site) for n, m in solved.items()}
-            chosen = self._choose(grid, nodes, before, candidates, rec, site=site, views=views)
+            chosen = self._choose(grid, nodes, before, candidates, rec, site=site, views=views, temps=temps)
             widths: dict[str, Any] = {}
             for w in readers.get(site, []) if chosen else []:   # the narrower widths reading its slice
                 widths[tier_name(w)] = {}
@@ -448,7 +507,8 @@ class HeadRound:
                                                 **({"widths": widths} if widths else {})}
         record["temperature"] = {site: record["sites"][site or "final"]["temperature"] for site in sites}
         final = record["sites"]["final"] if "" in sites else {}
-        record.update({k: final[k] for k in ("client-accuracy", "federated") if k in final})
+        record.update({k: final[k] for k in ("client-accuracy", "federated", "client-loss", "calibration", "loss-rose")
+                       if k in final})
         record["kept"] = final.get("kept", "head")
         record["seconds"] = time.perf_counter() - t0
         log(INFO, "fedfuse head round: classifiers solved from %d nodes' statistics, kept: %s", record["valid"],
@@ -485,14 +545,14 @@ class HeadRound:
                 name = "" if r == 1.0 else tier_site(r)
                 solved, temps = self._solved(model, stats, [""], reference, stat_site=lambda _, name=name: name)
                 tier: dict[str, Any] = {}
-                chosen = self._choose(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r)
+                chosen = self._choose(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r, temps=temps)
                 tier.update(temperature=temps[tier["solver"]][""], kept="head" if chosen else "before")
                 out[r] = solved[chosen] if chosen else model
                 record["tiers"][tier_name(r)] = tier
             record["rejected"] += [x for t in record["tiers"].values() for x in t.pop("rejected", [])]
             top = record["tiers"][tier_name(1.0)]
-            record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy", "solver")
-                           if k in top})
+            record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy", "solver",
+                                               "client-loss", "calibration", "loss-rose") if k in top})
             log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); "
                 "kept: %s",
                 len(models), len(stats), record["num-examples"],

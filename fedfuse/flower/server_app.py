@@ -25,6 +25,7 @@ match an uninterrupted run).
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenMP spin-waits on shared cores
@@ -44,7 +45,7 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import SCHEMA, ConfigError, RunConfig, load_initial_model, preflight  # noqa: E402
+from fedfuse.config import SCHEMA, ConfigError, RunConfig, config_notes, load_initial_model, preflight  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
 from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
@@ -287,10 +288,18 @@ def warm_start(cfg: RunConfig, strategy: RoundProtocol, out: Path) -> WarmStart:
     return warm
 
 
-def check_run_config(context: Context) -> RunConfig:
+def check_run_config(context: Context, notes: list[str] | None = None) -> RunConfig:
     """The validated run config (``fedfuse.config.preflight``: keys, types, ranges, combinations, the files
-    it names, the model); raises ``ConfigError`` naming the key before any client is contacted."""
-    return preflight(context.run_config, known_strategies=tuple(STRATEGIES))
+    it names, the model); raises ``ConfigError`` naming the key before any client is contacted. What the check
+    resolved for the user (``fedfuse.config.ConfigNote``: e.g. the tiered default for 'auto') is logged here, once
+    per run, as a WARNING (shown on the console) and appended to ``notes`` (``results.json`` ``"config-notes"``)."""
+    with config_notes() as found:
+        cfg = preflight(context.run_config, known_strategies=tuple(STRATEGIES))
+    for note in found:
+        log(WARNING, "fedfuse: %s", note)
+    if notes is not None:
+        notes.extend(found)
+    return cfg
 
 
 class RoundEvaluation:
@@ -543,6 +552,30 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         evaluation(head_rnd - evaluation.done, ArrayRecord(model.state_dict()))
     finally:
         evaluation.references = references
+    head_round_loss_check(evaluation.recorder.rows, head_rnd, record)
+
+
+def head_round_loss_check(rows: list[dict], head_rnd: int, record: dict) -> None:
+    """Loss and accuracy before and after the head round, on the server's test set (central evaluation) or the
+    clients' validation splits (federated), into the round's record (``"loss-check"``); a loss that rose is a
+    WARNING naming both, even when the accuracy rose (issue 45: test loss 1.94 -> 5.84 while the accuracy rose
+    0.47 -> 0.74, with no warning)."""
+    by_round = {r.get("round"): r for r in rows}
+    before, after = by_round.get(head_rnd - 1), by_round.get(head_rnd)
+    if before is None or after is None:
+        return
+    for kind in ("test", "federated"):
+        lb, la = before.get(f"{kind}-loss"), after.get(f"{kind}-loss")
+        ab, aa = before.get(f"{kind}-accuracy"), after.get(f"{kind}-accuracy")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lb, la, ab, aa)):
+            continue
+        check = {"loss-before": lb, "loss-after": la, "accuracy-before": ab, "accuracy-after": aa}
+        record.setdefault("loss-check", {})[kind] = check
+        if la > lb:
+            where = "test" if kind == "test" else "federated (clients' validation)"
+            log(WARNING, "fedfuse head round: the %s loss rose from %.4f to %.4f (accuracy %.4f -> %.4f)%s", where,
+                lb, la, ab, aa, "; the clients scored the model before it higher and it was kept"
+                if record.get("kept") == "before" else "")
 
 
 def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper | None = None) -> None:
@@ -552,7 +585,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     ``start``-ed; history and results still come from the wrapped fedfuse strategy).
     """
     limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
-    cfg, account = private_config(check_run_config(context))   # a DP run: its config and (epsilon, delta) account
+    notes: list[str] = []
+    cfg, account = private_config(check_run_config(context, notes))   # a DP run: its config and (epsilon, delta) account
     out = output_dir(cfg)
     data, model_fn, strategy = setup(cfg)
     test = getattr(data, "test", None)
@@ -565,6 +599,8 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
     recorder = RunRecorder(out, {**cfg.to_dict(), "num-classes": data.num_classes,
                                  "input-shape": list(data.input_shape), "fusion-set-samples": len(strategy.fusion_inputs)
                                  if strategy.fusion_inputs is not None else 0})
+    if notes:
+        recorder.extra["config-notes"] = notes
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round and account is None:   # the head round's temperature reads the last round's client models

@@ -196,9 +196,48 @@ def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
                                 f"(samples of shape {list(fusion_inputs.shape[1:])}): {str(exc).splitlines()[0]}") from None
 
 
+#: fusion-set samples on which the input models' and the fused model's logits are checked for being finite
+OUTPUT_CHECK_SAMPLES = 1024
+
+
+def nonfinite_outputs(model: nn.Module, inputs: torch.Tensor, batch_size: int = 256) -> int:
+    """How many of ``inputs`` (at most ``OUTPUT_CHECK_SAMPLES``) ``model`` maps to logits with a NaN or an infinity
+    (eval mode, no gradients; the model's train/eval flags are restored)."""
+    flags = [(mod, mod.training) for mod in model.modules()]
+    first = next((t for t in model.state_dict().values() if t.is_floating_point()), None)
+    x = inputs[:OUTPUT_CHECK_SAMPLES]
+    if first is not None:
+        x = x.to(device=first.device, dtype=first.dtype)
+    bad = 0
+    try:
+        model.eval()
+        with torch.no_grad():
+            for i in range(0, x.shape[0], batch_size):
+                out = model(x[i:i + batch_size])
+                if not all_finite(out):
+                    bad += int((~torch.isfinite(out.reshape(out.shape[0], -1))).any(1).sum())
+    finally:
+        for mod, training in flags:
+            mod.training = training
+    return bad
+
+
+def check_teacher_outputs(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor) -> None:
+    """Every input model maps the fusion set to finite logits: ``NumericalFusionError`` naming the model otherwise.
+    Finite weights can still overflow (weights x 1e25): ``kd`` then distilled a NaN loss for every epoch and returned
+    model 0 unchanged, ``feddf`` returned non-finite outputs, silently."""
+    n = min(len(fusion_inputs), OUTPUT_CHECK_SAMPLES)
+    for i, m in enumerate(models):
+        bad = nonfinite_outputs(m, fusion_inputs)
+        if bad:
+            raise NumericalFusionError(f"fuse: model {i} maps {bad} of {n} fusion-set samples to non-finite logits "
+                                       f"(finite weights, overflowing outputs); method {method!r} cannot learn from "
+                                       "or align to it")
+
+
 def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] | None]) -> None:
-    """Importance scores must name the models' fusion levels (``fedfuse.models.levels``) with one finite value per
-    unit; a level a dict leaves out is scored uniformly by the method. ``FusionOptionError`` naming the model, the
+    """Importance scores must name the models' fusion levels (``fedfuse.models.levels``) with one finite, non-negative
+    value per unit; a level a dict leaves out is scored uniformly by the method. ``FusionOptionError`` naming the model, the
     key and the valid levels otherwise (silently ignoring a misspelled key would fuse with uniform scores)."""
     for i, (m, sc) in enumerate(zip(models, scores)):
         if sc is None:
@@ -217,6 +256,10 @@ def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] |
                                         f"{widths[key]} units")
             if not bool(torch.isfinite(t).all()):
                 raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has NaN or infinite values")
+            if bool((t < 0).any()):   # the reply path rejects them too (fedfuse.flower.replies)
+                raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has {int((t < 0).sum())} negative value(s) "
+                                        f"(min {float(t.min()):.3g}); importance scores are non-negative (an "
+                                        f"attribution's magnitude, e.g. neuron_importance's output)")
 
 
 def normalise_scores(scores: list[dict[str, torch.Tensor] | None] | None
@@ -301,6 +344,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
     if fusion_inputs is not None:
         check_fusion_inputs(models[0], fusion_inputs)
+        if spec.needs_data or "distill" in steps:   # methods that read the models' outputs on the fusion set
+            check_teacher_outputs(method, models, fusion_inputs)
     if scores is not None and spec.uses_scores and problem is None:
         check_scores(models, scores)
         scores = normalise_scores(scores)
@@ -333,6 +378,12 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                                  fusion_inputs=fusion_inputs, prior=prior, seed=seed, device=dev))
         fused = fused.cpu().eval()
         check_finite(f"{method} (refined)", fused)
+    if fusion_inputs is not None:
+        bad = nonfinite_outputs(fused, fusion_inputs)
+        if bad:
+            raise NumericalFusionError(f"fusion method {method!r} produced a model with finite weights that maps {bad} "
+                                       f"of {min(len(fusion_inputs), OUTPUT_CHECK_SAMPLES)} fusion-set samples to "
+                                       "non-finite logits")
     return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)
 
 
@@ -387,5 +438,5 @@ def _import_all() -> None:
 _import_all()
 
 __all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
-           "normalise_weights", "normalise_scores", "check_dtypes", "check_fusion_inputs", "check_scores", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "normalise_weights", "normalise_scores", "check_dtypes", "check_fusion_inputs", "check_scores", "check_teacher_outputs", "nonfinite_outputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

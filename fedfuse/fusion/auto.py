@@ -93,6 +93,15 @@ class AutoOptions:
                 isinstance(p, (list, tuple)) and len(p) == 2 and torch.is_tensor(p[0]) and torch.is_tensor(p[1])
                 and p[0].shape[0] == p[1].shape[0] > 0 for p in self.validation)
             require(ok, "validation", "a non-empty list of (x [N, ...], y [N]) tensor pairs", type(self.validation))
+            for i, (x, y) in enumerate(self.validation):
+                if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
+                    what = "NaN or infinite values" if x.is_floating_point() else f"dtype {x.dtype}"
+                    raise FusionOptionError(f"auto: option 'validation': set {i}'s inputs x have {what}; every "
+                                            "candidate would score the same accuracy on them and 'average' would "
+                                            "win silently (need finite floating-point inputs)")
+                if y.dim() != 1 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+                    raise FusionOptionError(f"auto: option 'validation': set {i}'s labels y must be a 1-D integer "
+                                            f"tensor of class indices, got dtype {y.dtype} shape {tuple(y.shape)}")
         for name in self.candidates:
             if name == "auto":
                 raise FusionOptionError("auto: option 'candidates' cannot contain 'auto'")
@@ -123,6 +132,8 @@ def fuse_auto(models, *, fusion_inputs, scores, weights, device, seed, options: 
     disagreement is 0: the average)."""
     x = torch.as_tensor(fusion_inputs).float()
     members = [m.cpu().eval() for m in models]
+    if options.validation is not None:
+        check_validation(members[0], options.validation)
     trial = _Trial(members, scores, weights, device, seed, options.max_seconds)
     if options.validation is not None:   # labels: every candidate fitted on the whole fusion set, most accurate kept
         for name in _variants(options):
@@ -207,6 +218,27 @@ def _variants(options: AutoOptions) -> list[str]:
     return [m if r == "none" else f"{m}+{r}" for m in options.candidates for r in options.refines]
 
 
+def check_validation(model: nn.Module, validation) -> None:
+    """Every ``(x, y)`` validation set fits ``model`` (model 0): its inputs map to logits, and its labels are class
+    indices of those logits; ``FusionOptionError`` (a ``FusionError``) saying why otherwise. Labels out of range
+    scored every candidate 0 on them, so ``average`` (the first) won silently; a wrong x shape was a raw
+    ``RuntimeError``."""
+    for i, (x, y) in enumerate(validation):
+        x = torch.as_tensor(x).float()
+        try:
+            with torch.no_grad():
+                out = model(x[:2])
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise FusionOptionError(f"auto: option 'validation': model 0 cannot take set {i}'s inputs of shape "
+                                    f"{list(x.shape)} (samples of shape {list(x.shape[1:])}): "
+                                    f"{str(exc).splitlines()[0]}") from None
+        classes = int(out.shape[-1])
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= classes:
+            raise FusionOptionError(f"auto: option 'validation': set {i}'s labels span [{lo}, {hi}], but the models "
+                                    f"have {classes} classes (0..{classes - 1})")
+
+
 def validation_accuracy(model: nn.Module, validation) -> float:
     """Sample-weighted accuracy of ``model`` over the ``(x, y)`` validation sets."""
     correct = total = 0
@@ -218,4 +250,4 @@ def validation_accuracy(model: nn.Module, validation) -> float:
     return correct / total
 
 
-__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "validation_accuracy", "DEFAULT_CANDIDATES", "CRITERIA"]
+__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "check_validation", "validation_accuracy", "DEFAULT_CANDIDATES", "CRITERIA"]

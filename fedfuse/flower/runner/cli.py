@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import ConfigError, RunConfig, preflight
+from fedfuse.config import ConfigError, RunConfig, config_notes, preflight
 
 EXIT_CONFIG_ERROR = 2
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -162,7 +162,8 @@ def config_error_exit(exc: ConfigError) -> "SystemExit":
 def preflight_or_exit(run_config: dict[str, Any]) -> RunConfig:
     """``fedfuse.config.preflight`` or exit with ``fedfuse: config error: ...`` (status 2)."""
     try:
-        return preflight(run_config)
+        with config_notes():   # what the check resolved is the ServerApp's to say (logged once, recorded)
+            return preflight(run_config)
     except ConfigError as exc:
         raise config_error_exit(exc) from None
 

@@ -7,7 +7,8 @@ plots the runs' accuracy per round (``comparison.png``):
 
 | column | meaning |
 |---|---|
-| final accuracy | central test accuracy of the global model after the last round |
+| final accuracy | central test accuracy of the global model after the last round; with ``evaluation='federated'`` (no
+server test set) the clients' sample-weighted accuracy on their validation splits, marked ``(federated)`` |
 | best (round) | the highest test accuracy over rounds 1.., and its round |
 | first round ≥ <baseline>'s final | first round (1..) whose accuracy reaches the baseline's final accuracy; ``never`` |
 | client ensemble, uniform (final round) | the reference: averaged softmax of that round's client models (if recorded) |
@@ -87,11 +88,24 @@ class RunSummary:
             error = f"no results.json in {out_dir}"
         return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir), references=references)
 
+    @property
+    def metric(self) -> str:
+        """The accuracy the comparison reads: ``test-accuracy`` (central) when any round has it, else
+        ``federated-accuracy`` (``evaluation='federated'``: the clients' validation splits)."""
+        for key in ("test-accuracy", "federated-accuracy"):
+            if any(isinstance(r.get(key), (int, float)) and r.get("round", 0) > 0 for r in self.rows):
+                return key
+        return "test-accuracy"
+
+    @property
+    def federated(self) -> bool:
+        return self.metric == "federated-accuracy"
+
     def split_head(self) -> list["RunSummary"]:
         """``[self]`` without a head round; otherwise ``[the run without its head-round row (labelled as it is),
         the whole run labelled '<label> + head round']``: FedAvg as Flower users run it and FedAvg with fedfuse's
         post-step, from one run."""
-        rows = [r for r in self.rows if isinstance(r.get("test-accuracy"), (int, float))]
+        rows = [r for r in self.rows if isinstance(r.get(self.metric), (int, float))]
         if self.error or len(rows) < 2 or head_round_record(rows[-1]) is None:
             return [self]
         cut = self.rows.index(rows[-1])
@@ -100,9 +114,9 @@ class RunSummary:
                                   self.references)]
 
     def curve(self) -> list[tuple[int, float]]:
-        """``[(round, test accuracy)]`` of rounds with an accuracy, round 0 (initial model) included."""
-        return [(int(r["round"]), float(r["test-accuracy"])) for r in self.rows
-                if isinstance(r.get("test-accuracy"), (int, float))]
+        """``[(round, accuracy)]`` of rounds with an accuracy (``metric``), round 0 (initial model) included."""
+        key = self.metric
+        return [(int(r["round"]), float(r[key])) for r in self.rows if isinstance(r.get(key), (int, float))]
 
     @property
     def final(self) -> float | None:
@@ -141,7 +155,8 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
     for run in runs:
         name = run.label + (" (baseline)" if run.label == baseline else "")
         if run.error or run.final is None:
-            why = (run.error or "no rounds").splitlines()[0][:120]
+            why = (run.error or ("no round has an accuracy (neither central test-accuracy nor federated-accuracy)"
+                                 if run.rows else "no rounds")).splitlines()[0][:120]
             lines.append(f"| {name} | {run.engine} | failed: {why} | | | | |")
             continue
         best = run.best()
@@ -150,7 +165,8 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
             k = run.first_round_reaching(target)
             reach = str(k) if k is not None else "never"
         counts = " / ".join(str(len(run.marked_rounds(k))) for k in ("fallback", "guard", "skipped"))
-        lines.append(f"| {name} | {run.engine} | {_f(run.final)} | {_f(best[1])} ({best[0]}) | {reach} | "
+        fed = " (federated)" if run.federated else ""
+        lines.append(f"| {name} | {run.engine} | {_f(run.final)}{fed} | {_f(best[1])} ({best[0]}) | {reach} | "
                      f"{_f(run.ensemble_final())} | {counts} |")
     return "\n".join(lines)
 
@@ -170,7 +186,7 @@ def references_table(run: RunSummary) -> str | None:
     """A one-shot run's fused model next to its references (``fedfuse.references``: best and mean client, weighted
     ensemble, one-shot FedAvg, KD, FedDF) on the same test set, with the share of the best-client-to-ensemble gap
     the fused model recovers; a line saying why when they are unavailable; ``None`` when the run has none."""
-    from fedfuse.references import REFERENCE_LABELS, gap_recovered
+    from fedfuse.references import REFERENCE_LABELS
 
     refs = run.references
     if not refs:
@@ -188,7 +204,7 @@ def references_table(run: RunSummary) -> str | None:
              f"{'-' if fused_s is None else f'{fused_s:.2f}'} |"]
     if head:   # head-round: the last training round's model too
         r1 = next((r for r in run.rows if r.get("round") == 1), {})
-        one, one_s = r1.get("test-accuracy"), r1.get("fusion-seconds")
+        one, one_s = r1.get(run.metric), r1.get("fusion-seconds")
         diff = "-" if final is None or one is None else f"{final - one:+.4f}"
         lines.append(f"| {run.label}, one-shot round (round 1) | {_f(one)} | {diff} | "
                      f"{'-' if one_s is None else f'{one_s:.2f}'} |")
@@ -203,15 +219,35 @@ def references_table(run: RunSummary) -> str | None:
         lines.append(f"| {label} | {_f(r['accuracy'])} | {diff} | {sec} |")
     acc = {r["key"]: r["accuracy"] for r in refs.get("rows", []) if "accuracy" in r}
     if final is not None and "best-client" in acc and "ensemble" in acc:
-        share = gap_recovered(final, acc["best-client"], acc["ensemble"])
-        if share is not None and share > 1:
-            lines += ["", f"{run.label} is {100 * (final - acc['ensemble']):.1f} points above the clients' ensemble "
-                          f"({100 * share:.0f}% of the gap between the best client and the ensemble; one seed)"]
+        best, ens = acc["best-client"], acc["ensemble"]
+        one = next((r.get(run.metric) for r in run.rows if r.get("round") == 1), None) if head else None
+        if head and isinstance(one, (int, float)):
+            # the fused round's own part and the head round's: the head round's classifier is solved from the
+            # clients' statistics (one more exchange), so its gain is not the fusion's (issue 45: "ot is 62.7 points
+            # above the ensemble" while the fused round scored 0.30)
+            lines += ["", f"{run.label}'s fused round (round 1, {one:.4f}) {_gap_text(one, best, ens)}; the head round "
+                          f"adds {final - one:+.4f} (the classifier solved from the clients' statistics), so the final "
+                          f"model ({final:.4f}) {_gap_text(final, best, ens)} (one seed)"]
         else:
-            lines += ["", f"{run.label} recovers " + ("- (the ensemble is not above the best client)" if share is None
-                                                      else f"{100 * share:.0f}%") +
-                      " of the gap between the best client and the ensemble (one seed)"]
+            lines += ["", f"{run.label} {_gap_text(final, best, ens)} (one seed)"]
     return "\n".join(lines)
+
+
+def _gap_text(acc: float, best: float, ensemble: float) -> str:
+    """Where ``acc`` stands between the best client and the clients' ensemble: the share of that gap it recovers, or,
+    below the best client / above the ensemble, by how many points (the share of a small gap would read as thousands
+    of percent)."""
+    from fedfuse.references import gap_recovered
+
+    share = gap_recovered(acc, best, ensemble)
+    if share is None:
+        return "recovers - of the gap between the best client and the ensemble (the ensemble is not above the best client)"
+    if share < 0:
+        return f"is {100 * (best - acc):.1f} points below the best client"
+    if share > 1:
+        return (f"is {100 * (acc - ensemble):.1f} points above the clients' ensemble (which is "
+                f"{100 * (ensemble - best):.1f} points above the best client)")
+    return f"recovers {100 * share:.0f}% of the gap between the best client and the ensemble"
 
 
 def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
@@ -224,7 +260,8 @@ def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
     parts = [f"{r.label} {r.final - ref.final:+.4f}" + _head_share(r) for r in others]
     if not parts:
         return None
-    line = f"final accuracy vs {baseline}: " + ", ".join(parts)
+    what = "final federated accuracy (clients' validation splits)" if ref.federated else "final accuracy"
+    line = f"{what} vs {baseline}: " + ", ".join(parts)
     if headed is not None:   # what the aggregation adds on top of the baseline given the same head round
         own = [f"{r.label} {r.final - headed.final:+.4f}" for r in others if _head_share(r)]
         if own:
@@ -236,13 +273,14 @@ def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
 def _head_share(run: RunSummary) -> str:
     """`` (+x from the head round)`` when the run ended with a head round, so that the aggregation's share and the
     head round's are not mistaken for each other; empty otherwise."""
-    rows = [r for r in run.rows if isinstance(r.get("test-accuracy"), (int, float))]
+    key = run.metric
+    rows = [r for r in run.rows if isinstance(r.get(key), (int, float))]
     if len(rows) < 2 or head_round_record(rows[-1]) is None:
         return ""
-    return f" ({rows[-1]['test-accuracy'] - rows[-2]['test-accuracy']:+.4f} of it from the head round)"
+    return f" ({rows[-1][key] - rows[-2][key]:+.4f} of it from the head round)"
 
 
-def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
+def round_curves(series: list[dict], path: Path, title: str = "", ylabel: str = "test accuracy") -> Path:
     """Test accuracy per round of several runs on one axis (the default run: the strategy next to FedAvg).
 
     Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model) and
@@ -278,10 +316,13 @@ def round_curves(series: list[dict], path: Path, title: str = "") -> Path:
                 ax.plot(*zip(*at), zorder=5, **style)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:   # nothing to draw: say so on the figure rather than leave it empty
+        ax.text(0.5, 0.5, "no round has an accuracy", ha="center", va="center", transform=ax.transAxes)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()

@@ -27,10 +27,14 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
 ROUND_LINE = re.compile(r"^fedfuse round (\d+): ")          # the ServerApp's INFO line after each evaluation
 ROUND_ACCURACY = re.compile(r"test-accuracy ([0-9.eE+-]+|nan)")
-# WARNING messages fedfuse itself logs (fedfuse.flower.*, the in-process grid): shown on the console
-USER_PREFIXES = ("fedfuse", "aggregate_train", "strategy ", "LocalGrid", "configure_train", "ClientApp")
+# WARNING messages fedfuse itself logs (fedfuse.flower.*, the in-process grid): shown on the console. Every
+# log(WARNING, ...) in fedfuse starts with one of them (tests/test_default_run.py scans the sources)
+USER_PREFIXES = ("fedfuse", "aggregate_train", "strategy ", "LocalGrid", "configure_train", "ClientApp", "auto: ",
+                 "robust screen")
 USER_WORDS = ("fell back", "fallback", "guard", "rejected", "failed", "no reply", "diverged", "timed out", "timeout")
 PY_WARNING = re.compile(r"\b[A-Za-z]*Warning: ")
+# a Python warning raised in fedfuse's own code ("/.../fedfuse/data/partition.py:149: UserWarning: ...")
+FEDFUSE_PY_WARNING = re.compile(r"[/\\]fedfuse[/\\][^:]*\.py:\d+: ([A-Za-z]*Warning: .*)$")
 MAX_WARNING_CHARS = 400
 
 
@@ -67,7 +71,8 @@ def classify(line: str) -> tuple[str, str]:
     if level == "WARNING":
         return ("warning", message) if is_user_warning(message) else ("hidden-warning", message)
     if not level and PY_WARNING.search(message):  # a Python/Ray warning printed by a Flower process
-        return "hidden-warning", message
+        own = FEDFUSE_PY_WARNING.search(message)   # fedfuse's own: shown, never counted as Flower/Ray's
+        return ("warning", own.group(1)) if own else ("hidden-warning", message)
     return "log", message
 
 

@@ -202,9 +202,10 @@ def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | No
     if check_config is None:
         check_config = is_fedfuse_app(app_dir)
     if check_config:
-        from fedfuse.config import preflight
+        from fedfuse.config import config_notes, preflight
 
-        preflight(cfg)
+        with config_notes():   # what the check resolved is the ServerApp's to say (logged once, recorded)
+            preflight(cfg)
 
 
 def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cpus_per_client: float = 1.0,

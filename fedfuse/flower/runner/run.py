@@ -247,8 +247,11 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
                "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped")} for r in runs]
     if reference_points(runs[0]):   # one-shot: the fused model next to its references, as bars
         reference_bars(runs[0], out_dir / "comparison.png", title=title)
-    else:
-        round_curves(series, out_dir / "comparison.png", title=title)
+    else:   # evaluation='federated': the clients' accuracy on their validation splits (no server test set)
+        federated = all(r.federated for r in runs if r.curve())
+        round_curves(series, out_dir / "comparison.png", title=title,
+                     ylabel="federated accuracy (clients' validation splits)" if federated and any(
+                         r.curve() for r in runs) else "test accuracy")
     png = "the fused model and its references" if refs and reference_points(runs[0]) else "accuracy per round"
     print(f"fedfuse: results in {out_dir}: comparison.png ({png}), comparison.md, run.log, "
           f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
