@@ -523,8 +523,8 @@ class HeadRound:
         tier, each tier's head is solved and checked on its own (``record["tiers"][<tier>]``); the record's
         ``kept`` / ``federated`` / ``temperature`` / ``solver`` are the global model's."""
         t0 = time.perf_counter()
-        if self.privacy is not None:
-            raise ValueError("head round: the private head round takes one architecture, not width tiers")
+        if self.privacy is not None or self.secure:
+            raise ValueError("head round: the private / secure head round takes one architecture, not width tiers")
         if 1.0 not in models:
             raise ValueError(f"head round: the tiers' models need the global one (tier 1), got {sorted(models)}")
         narrower = {r: m for r, m in models.items() if r != 1.0}
@@ -532,12 +532,7 @@ class HeadRound:
                   **{tier_site(r): head_sites(m)[""].classifier.in_features for r, m in narrower.items()}}
         content = head_query_content(models[1.0].state_dict(), ("",), {r: m.state_dict() for r, m in narrower.items()})
         record: dict[str, Any] = {}
-        if self.secure:
-            if list(widths) != [""]:
-                raise ValueError("head round: secure aggregation sums one classifier's statistics")
-            nodes, stats = self._collect_secure(grid, model, widths[""], num_classes, record)
-        else:
-            nodes, stats = self._collect(grid, content, widths, num_classes, record)
+        nodes, stats = self._collect(grid, content, widths, num_classes, record)
         out = dict(models)
         if stats:
             record["tiers"] = {}

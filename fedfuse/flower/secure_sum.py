@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.logger import log
 
 TASK = "fedfuse-task"   # FitIns config: what the node sums
