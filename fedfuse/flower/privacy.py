@@ -293,7 +293,7 @@ def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap
     A Flower DP wrapper the user adds is checked as the config's DP is (``ConfigError`` before any client trains):
     its noise bounds averaging strategies only, and the head round would send its statistics unnoised."""
     from fedfuse.choices import DP_STRATEGIES
-    from fedfuse.config import ConfigError
+    from fedfuse.config import ConfigError, dp_strategy
 
     runner = strategy
     if account is not None:
@@ -304,7 +304,7 @@ def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap
     runner = wrap_strategy(runner, context)
     if account is None and (found := _flower_dp_wrapper(runner, strategy)) is not None:
         name = type(found).__name__
-        if cfg.strategy not in DP_STRATEGIES:
+        if dp_strategy(cfg) not in DP_STRATEGIES:
             raise ConfigError(f"run-config key 'strategy': {cfg.strategy!r} inside Flower's {name}: the wrapper's "
                               f"noise bounds averaging strategies only ({', '.join(DP_STRATEGIES)}); a strategy that "
                               "reads each client's model on its own is not covered (set the dp-* keys instead of "
