@@ -70,17 +70,24 @@ class PrivacyAccount:
             sampling_method=SamplingMethod.NO_AMPLIFICATION, max_epsilon=max_epsilon))
         self.releases: list[dict[str, Any]] = []
 
-    def spend(self, noise_multiplier: float, sample_size: int, what: str) -> float:
-        """Compose one release (``noise_multiplier``: noise std ÷ the release's L2 sensitivity) and return ε
-        so far; ``PrivacyBudgetError`` (nothing composed) when it would exceed ``max_epsilon``."""
-        event = GaussianPrivacyEvent(noise_multiplier=float(noise_multiplier),
-                                     sample_size=max(1, min(int(sample_size), self.population)),
-                                     population_size=self.population)
+    def _event(self, noise_multiplier: float, sample_size: int) -> GaussianPrivacyEvent:
+        return GaussianPrivacyEvent(noise_multiplier=float(noise_multiplier),
+                                    sample_size=max(1, min(int(sample_size), self.population)),
+                                    population_size=self.population)
+
+    def check(self, noise_multiplier: float, sample_size: int, what: str) -> None:
+        """``PrivacyBudgetError`` when one more release would take ε above ``max_epsilon``."""
         limit = self.accountant.config.max_epsilon
-        if limit is not None and self.accountant.would_exceed(event):
+        if limit is not None and self.accountant.would_exceed(self._event(noise_multiplier, sample_size)):
             raise PrivacyBudgetError(f"the next private release ({what}) would take epsilon above dp-max-epsilon "
                                      f"{limit} (spent so far: {self.epsilon:.3f} at delta {self.delta:g})")
-        self.accountant.compose(event)
+
+    def spend(self, noise_multiplier: float, sample_size: int, what: str, check: bool = True) -> float:
+        """Compose one release (``noise_multiplier``: noise std ÷ the release's L2 sensitivity) and return ε
+        so far; ``PrivacyBudgetError`` (nothing composed) when it would exceed ``max_epsilon`` (``check``)."""
+        if check:
+            self.check(noise_multiplier, sample_size, what)
+        self.accountant.compose(self._event(noise_multiplier, sample_size))
         eps = self.epsilon
         self.releases.append({"what": what, "noise-multiplier": float(noise_multiplier), "epsilon": eps})
         return eps
@@ -203,8 +210,21 @@ class PrivateRounds(Strategy):
                 "replies": len(replies), "valid": ok, "failures": failures, "rejected": [], "fallback": None,
                 "skipped": f"dp: {record['skipped']}", "fusion-info": None})
             return None, None
-        self.account.spend(self.noise_multiplier, self.num_sampled_clients, f"round {server_round}")
+        self.account.check(self.noise_multiplier, self.num_sampled_clients, f"round {server_round}")
+        history = getattr(self.strategy, "history", [])
+        before = len(history)
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
+        # a reply fedfuse rejected after Flower clipped it leaves an average over fewer: the noise, calibrated to
+        # all n, is then sigma * valid / n of that average's sensitivity, and that is what the account composes
+        valid = next((int(h["valid"]) for h in history[before:] if isinstance(h.get("valid"), int)), ok)
+        multiplier = self.noise_multiplier * min(valid, ok) / self.num_sampled_clients
+        if multiplier < self.noise_multiplier:
+            record["effective-noise-multiplier"] = multiplier
+            log(WARNING, "fedfuse dp: round %d averaged %d of %d replies: accounted at noise multiplier %.3g",
+                server_round, valid, self.num_sampled_clients, multiplier)
+        if arrays is not None or valid > 0:
+            self.account.spend(max(multiplier, 1e-6), self.num_sampled_clients, f"round {server_round}",
+                               check=False)
         record["epsilon"] = self.account.epsilon
         self.history.append(record)
         log(INFO, "fedfuse dp: round %d released; epsilon %.3f at delta %g", server_round, self.account.epsilon,
