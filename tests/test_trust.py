@@ -111,9 +111,9 @@ def _random_weights(g: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 
 # `core-positive` drops only replies pointing away from the majority: a random-weight update is near-orthogonal to it
 # (either sign), and in the benchmark the norm check drops those (docs/trust.md, "Clustering the updates")
-@pytest.mark.parametrize("liar,mode,min_samples", [("random", "flame", 1), ("random", "core", 1),
-                                                   ("sign-flip", "flame", 1), ("sign-flip", "core", 1),
-                                                   ("sign-flip", "core-positive", 1), ("sign-flip", "core-positive", 0)])
+@pytest.mark.parametrize("liar,mode,min_samples", [
+    ("random", "flame", 1), ("random", "core", 1), ("sign-flip", "flame", 1), ("sign-flip", "core", 1),
+    ("sign-flip", "core-positive", 1), ("sign-flip", "core-positive", 0)])
 def test_the_cluster_rule_drops_three_lying_replies_among_honest_ones(liar, mode, min_samples):
     g = _mlp()
     gs = g.state_dict()

@@ -78,8 +78,8 @@ class ClientScreen:
         cluster: ``"off"`` (the direction check against the round's median update), ``"flame"`` (FLAME's clustering of
             the updates' pairwise cosine distances replaces it: only the majority cluster is kept) or ``"core"`` (the
             majority cluster is kept, and every other reply must pass the direction check against the majority
-            cluster's median update) or ``"core-positive"`` (the majority cluster kept, the others kept when their cosine
-            with its median update is positive); module docstring.
+            cluster's median update) or ``"core-positive"`` (the majority cluster kept, the others kept when their
+            cosine with its median update is positive); module docstring.
         min_samples: HDBSCAN's ``min_samples`` in the clustering (FLAME's 1; 0 = the minimum cluster size
             ``n // 2 + 1``, scikit-learn's default: each update's density is measured at the majority's scale, so a
             small group of near-identical liars does not look denser than the honest majority).
@@ -312,4 +312,5 @@ def agreements(models: list[nn.Module], inputs: torch.Tensor, batch_size: int = 
     return (votes == consensus).double().mean(1).numpy()
 
 
-__all__ = ["ClientScreen", "CLUSTER_MODES", "update_norm", "median_cosines", "pairwise_cosines", "cluster_labels", "shrink", "agreements"]
+__all__ = ["ClientScreen", "CLUSTER_MODES", "update_norm", "median_cosines", "pairwise_cosines", "cluster_labels",
+           "shrink", "agreements"]

@@ -19,8 +19,9 @@ which an honest client was dropped (false positives) and in which every liar was
 FLAME's clustering in the robust screen (``robust-cluster``; docs/trust.md, "Clustering the updates"): the
 strategies ``auto[robust=true robust-cluster='core']``, ``...='core-positive'``, ``...='core-positive'
 robust-cluster-min-samples=0`` and ``...='flame'`` with ``--liars 3 --threats clean,random,sign-flip,label-flip,scale``
-and ``--liars 1 --threats random,sign-flip`` into ``--out results/trust-cluster``, and at 20 clients ``--threats clean``
-into ``--out results/trust-cluster-c20``. The screen's table counts honest client-rounds dropped too.
+and ``--liars 1 --threats random,sign-flip`` into ``--out results/trust-cluster``, and at 20 clients ``--liars 6
+--threats clean`` (``random,sign-flip`` too for min-samples 0) into ``--out results/trust-cluster-c20``; the commands
+are in docs/trust.md. The screen's table counts honest client-rounds dropped too.
 
 Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
 (clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
