@@ -225,6 +225,15 @@ class RunConfig:
                         "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
                         "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
                         "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen; docs/trust.md)")
+    robust_cluster: str = _key("off", "robust: 'off' (drop updates pointing away from the round's median update), "
+                               "'flame' (FLAME's clustering instead: HDBSCAN on the updates' pairwise cosine "
+                               "distances, min cluster size n // 2 + 1; the replies outside the majority cluster are "
+                               "dropped), 'core' (the majority cluster kept; the others checked against its median "
+                               "update) or 'core-positive' (the majority cluster kept; the others kept when their "
+                               "cosine with its median update is positive); fedfuse.flower.screen, docs/trust.md",
+                               choices=("off", "flame", "core", "core-positive"))
+    robust_cluster_min_samples: int = _key(1, "robust-cluster: HDBSCAN's min_samples (FLAME's 1; 0 = the minimum "
+                                           "cluster size n // 2 + 1, scikit-learn's default)", ge=0)
     dp_noise_multiplier: float = _key(0.0, "client-level central differential privacy (docs/trust.md): the Gaussian "
                                       "noise's multiplier (std = multiplier x dp-clipping-norm / the round's clients, on "
                                       "the average of clipped updates: Flower's DP wrappers); 0 = off. Averaging "

@@ -102,6 +102,49 @@ def test_screen_bounds_a_scaled_update_and_leaves_a_clean_round_alone():
     assert update_norm(bounded.state, g.state_dict()) == pytest.approx(2 * info["median-norm"], rel=1e-5)
 
 
+def _random_weights(g: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """``simulations.attacks``' ``random``: every tensor replaced by Gaussian noise of its standard deviation."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=gen) * (v.std() if v.numel() > 1 else v.abs() + 1e-3)
+            for k, v in g.state_dict().items()}
+
+
+# `core-positive` drops only replies pointing away from the majority: a random-weight update is near-orthogonal to it
+# (either sign), and in the benchmark the norm check drops those (docs/trust.md, "Clustering the updates")
+@pytest.mark.parametrize("liar,mode,min_samples", [
+    ("random", "flame", 1), ("random", "core", 1), ("sign-flip", "flame", 1), ("sign-flip", "core", 1),
+    ("sign-flip", "core-positive", 1), ("sign-flip", "core-positive", 0)])
+def test_the_cluster_rule_drops_three_lying_replies_among_honest_ones(liar, mode, min_samples):
+    g = _mlp()
+    gs = g.state_dict()
+    honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(7)]
+    if liar == "random":
+        bad = [ClientUpdate(20 + j, 20 + j, _random_weights(g, 50 + j), None, 100, {}) for j in range(3)]
+    else:   # the negated updates of clients that trained honestly
+        bad = [ClientUpdate(20 + j, 20 + j, {k: 2 * gs[k] - v for k, v in _moved(g, 0.02, 30 + j).items()}, None,
+                            100, {}) for j in range(3)]
+    # the norm checks off: the clustering alone must find them
+    kept, info = _screen(honest + bad, g, ClientScreen(stale=0, max_norm=0, norm_clip=0, cluster=mode,
+                                                       min_samples=min_samples))
+    assert {d["node-id"] for d in info["dropped"]} >= {20, 21, 22}
+    assert all("majority cluster" in d["reason"] for d in info["dropped"])
+    assert set(info["clients"]) == {str(i) for i in (*range(7), 20, 21, 22)}
+    assert all("cluster" in c for c in info["clients"].values()) and set(info["majority-cluster"]) <= set(range(7))
+    if mode != "flame":   # the honest replies outside the majority cluster pass the direction check against it
+        assert {u.node_id for u in kept} == set(range(7))
+
+
+@pytest.mark.parametrize("mode,min_samples", [("core", 1), ("core-positive", 1), ("core-positive", 0)])
+def test_the_cluster_rule_keeps_every_honest_reply_of_a_clean_round(mode, min_samples):
+    g = _mlp()
+    honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(10)]
+    kept, info = _screen(honest, g, ClientScreen(cluster=mode, min_samples=min_samples))
+    assert info["dropped"] == [] and [u.node_id for u in kept] == list(range(10))
+    assert "no-majority-cluster" not in info and len(info["majority-cluster"]) >= 6
+    with pytest.raises(ValueError, match="cluster"):
+        ClientScreen(cluster="yes")
+
+
 def test_screen_needs_three_replies_and_checks_its_options():
     g = _mlp()
     two = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(2)]

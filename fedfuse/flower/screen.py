@@ -13,6 +13,16 @@ fusion set, and the screen uses it. Per round, in order:
    ``cosine_ratio`` × the replies' median cosine is dropped: a sign-flipped update points against the median,
    random weights and a model trained on flipped labels across it, while honest clients, however non-IID, share part
    of the descent direction of the global model they all start from.
+   With ``cluster`` on, FLAME's clustering step comes first (Nguyen et al., "FLAME: Taming Backdoors in Federated
+   Learning", USENIX Security 2022): HDBSCAN (scikit-learn's ``sklearn.cluster.HDBSCAN``, ``min_cluster_size =
+   n // 2 + 1``, ``min_samples = 1``, a single cluster allowed) on the pairwise cosine distances
+   ``1 − cos(Δ_i, Δ_j)`` of the remaining updates. ``cluster="flame"`` drops every reply outside the majority
+   cluster (FLAME); ``cluster="core"`` keeps the majority cluster and applies the direction check above to the
+   others, with the majority cluster's coordinate-wise median update as the reference (liars cannot pull it) and the
+   members' median cosine, each against the median update of the other members, as the scale of the threshold;
+   ``cluster="core-positive"`` keeps the majority cluster and drops the others whose cosine with the majority
+   cluster's median update is not positive (they point away from the trusted majority). If
+   HDBSCAN finds no cluster of a majority, the direction check runs as without ``cluster`` (recorded).
 3. **Disagreement on the fusion set** (off by default, ``agreement_mads=0``): every remaining model labels the fusion
    set; the consensus is the per-sample majority vote of the models (one vote each, whatever sample count they claim). A model whose agreement with the
    consensus lies more than ``agreement_mads`` scaled median absolute deviations *and* more than ``min_gap`` below
@@ -46,6 +56,9 @@ from torch import nn
 from fedfuse.flower.replies import ClientUpdate
 
 
+CLUSTER_MODES = ("off", "flame", "core", "core-positive")
+
+
 @dataclass(frozen=True)
 class ClientScreen:
     """Options of the robust setting's reply screen (module docstring).
@@ -62,6 +75,14 @@ class ClientScreen:
             rounds of a clean run.
         min_gap: ... and at least this far below the median agreement (honest non-IID clients differ a little).
         norm_clip: bound each update's norm to this multiple of the round's median (0 = off).
+        cluster: ``"off"`` (the direction check against the round's median update), ``"flame"`` (FLAME's clustering of
+            the updates' pairwise cosine distances replaces it: only the majority cluster is kept) or ``"core"`` (the
+            majority cluster is kept, and every other reply must pass the direction check against the majority
+            cluster's median update) or ``"core-positive"`` (the majority cluster kept, the others kept when their
+            cosine with its median update is positive); module docstring.
+        min_samples: HDBSCAN's ``min_samples`` in the clustering (FLAME's 1; 0 = the minimum cluster size
+            ``n // 2 + 1``, scikit-learn's default: each update's density is measured at the majority's scale, so a
+            small group of near-identical liars does not look denser than the honest majority).
         batch_size: fusion-set batch size of the models' forward passes.
     """
 
@@ -72,11 +93,17 @@ class ClientScreen:
     min_gap: float = 0.1
     norm_clip: float = 2.0
     batch_size: int = 512
+    cluster: str = "off"
+    min_samples: int = 1
 
     def __post_init__(self) -> None:
         for name in ("stale", "max_norm", "cosine_ratio", "agreement_mads", "min_gap", "norm_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClientScreen: {name} must be >= 0, got {getattr(self, name)}")
+        if self.cluster not in CLUSTER_MODES:
+            raise ValueError(f"ClientScreen: cluster must be one of {CLUSTER_MODES}, got {self.cluster!r}")
+        if self.min_samples < 0:
+            raise ValueError(f"ClientScreen: min_samples must be >= 0, got {self.min_samples}")
         if self.batch_size < 1:
             raise ValueError(f"ClientScreen: batch_size must be >= 1, got {self.batch_size}")
 
@@ -112,7 +139,54 @@ class ClientScreen:
                     self._drop(info, updates[i], f"update norm {norms[i]:.3g} is above {self.max_norm:g} × the round's "
                                                  f"median {median:.3g} (a scaled update or random weights)")
         median_cos = float(np.median(cosines))
-        if self.cosine_ratio > 0 and median_cos > 0:
+        core: list[int] | None = None
+        if self.cluster != "off" and len(keep) >= 3:
+            labels = cluster_labels([updates[i] for i in keep], global_state, self.min_samples)
+            for i, lab in zip(keep, labels):
+                info["clients"][str(updates[i].partition_id)]["cluster"] = int(lab)
+            ids, counts = np.unique(labels[labels >= 0], return_counts=True)
+            if len(ids) and counts.max() > len(keep) // 2:
+                major = int(ids[np.argmax(counts)])
+                core = [i for i, lab in zip(keep, labels) if lab == major]
+                info["majority-cluster"] = [updates[i].partition_id for i in core]
+            else:
+                info["no-majority-cluster"] = True
+        if core is not None and self.cluster == "flame":
+            for i in [i for i in keep if i not in core]:
+                keep.remove(i)
+                lab = info["clients"][str(updates[i].partition_id)]["cluster"]
+                self._drop(info, updates[i], "its update lies outside the majority cluster of the round's updates "
+                                             f"(HDBSCAN on pairwise cosine distances: "
+                                             f"{'noise' if lab < 0 else f'cluster {lab}'}; the majority holds "
+                                             f"{len(core)} of {len(labels)})")
+        elif core is not None and self.cosine_ratio > 0:   # "core*": the others against the majority's median update
+            ref = median_cosines(updates, global_state, reference=[updates[i] for i in core])
+            # what an honest cosine with a reference it did not shape looks like: each member against the median
+            # update of the other members (a member's cosine with a median it is part of is biased upwards)
+            loo = np.array([median_cosines([updates[j]], global_state,
+                                           reference=[updates[i] for i in core if i != j])[0] for j in core])
+            for u, c in zip(updates, ref):
+                info["clients"][str(u.partition_id)]["core-cosine"] = round(float(c), 4)
+            for j, c in zip(core, loo):
+                info["clients"][str(updates[j].partition_id)]["core-cosine-others"] = round(float(c), 4)
+            median_loo = float(np.median(loo))
+            info["core-median-cosine"] = round(median_loo, 4)
+            if self.cluster == "core-positive":   # outside the majority: must point at least partly along it
+                for i in [i for i in keep if i not in core]:
+                    if ref[i] <= 0:
+                        keep.remove(i)
+                        self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
+                                                     f"and its update's cosine with that cluster's median update is "
+                                                     f"{ref[i]:.2f}, not positive")
+            elif median_loo > 0:
+                for i in [i for i in keep if i not in core]:
+                    if ref[i] < self.cosine_ratio * median_loo:
+                        keep.remove(i)
+                        self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
+                                                     f"and its update's cosine with that cluster's median update is "
+                                                     f"{ref[i]:.2f}, below {self.cosine_ratio:g} × the cluster "
+                                                     f"members' median {median_loo:.2f} (each against the others)")
+        elif core is None and self.cosine_ratio > 0 and median_cos > 0:
             for i in list(keep):
                 if cosines[i] < self.cosine_ratio * median_cos:
                     keep.remove(i)
@@ -162,9 +236,12 @@ def update_norm(state: dict[str, torch.Tensor], global_state: dict[str, torch.Te
     return total ** 0.5
 
 
-def median_cosines(updates: list[ClientUpdate], global_state: dict[str, torch.Tensor]) -> np.ndarray:
-    """``[M]``: the cosine between each update ``w_i − g`` and the coordinate-wise median of the updates (one tensor
-    at a time, so memory stays at one tensor × the number of clients)."""
+def median_cosines(updates: list[ClientUpdate], global_state: dict[str, torch.Tensor],
+                   reference: list[ClientUpdate] | None = None) -> np.ndarray:
+    """``[M]``: the cosine between each update ``w_i − g`` and the coordinate-wise median of the updates of
+    ``reference`` (default: ``updates`` themselves; one tensor at a time, so memory stays at one tensor × the number
+    of clients)."""
+    reference = updates if reference is None else reference
     dots = np.zeros(len(updates))
     sq = np.zeros(len(updates))
     msq = 0.0
@@ -172,12 +249,44 @@ def median_cosines(updates: list[ClientUpdate], global_state: dict[str, torch.Te
         if not g.is_floating_point():
             continue
         d = torch.stack([u.state[k].double() - g.double() for u in updates]).reshape(len(updates), -1)   # [M, P_k]
-        m = d.median(0).values
+        m = (d if reference is updates else
+             torch.stack([u.state[k].double() - g.double() for u in reference]).reshape(len(reference), -1)
+             ).median(0).values
         dots += (d @ m).numpy()
         sq += d.pow(2).sum(1).numpy()
         msq += float(m.pow(2).sum())
     denom = np.sqrt(sq) * np.sqrt(msq)
     return np.where(denom > 0, dots / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+def pairwise_cosines(updates: list[ClientUpdate], global_state: dict[str, torch.Tensor]) -> np.ndarray:
+    """``[M, M]``: the cosines between the updates ``w_i − g`` (floating-point entries; a zero update has cosine 0
+    with every other)."""
+    gram = torch.zeros(len(updates), len(updates), dtype=torch.float64)
+    for k, g in global_state.items():
+        if not g.is_floating_point():
+            continue
+        d = torch.stack([u.state[k].double() - g.double() for u in updates]).reshape(len(updates), -1)   # [M, P_k]
+        gram += d @ d.T
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    denom = norms[:, None] * norms[None, :]
+    return torch.where(denom > 0, gram / torch.where(denom > 0, denom, torch.ones_like(denom)),
+                       torch.zeros_like(gram)).clamp(-1, 1).numpy()
+
+
+def cluster_labels(updates: list[ClientUpdate], global_state: dict[str, torch.Tensor], min_samples: int = 1
+                   ) -> np.ndarray:
+    """``[M]``: FLAME's clustering of the updates (HDBSCAN on ``1 − cos``, ``min_cluster_size = M // 2 + 1``,
+    ``min_samples`` (FLAME: 1; 0: ``min_cluster_size``, scikit-learn's default), a single cluster allowed); ``-1``
+    marks noise."""
+    from sklearn.cluster import HDBSCAN
+
+    dist = 1.0 - pairwise_cosines(updates, global_state)
+    np.fill_diagonal(dist, 0.0)
+    dist = np.clip((dist + dist.T) / 2, 0.0, None)
+    size = len(updates) // 2 + 1
+    return HDBSCAN(min_cluster_size=size, min_samples=min_samples or size, metric="precomputed",
+                   allow_single_cluster=True, copy=True).fit(dist).labels_
 
 
 def shrink(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], factor: float
@@ -203,4 +312,5 @@ def agreements(models: list[nn.Module], inputs: torch.Tensor, batch_size: int = 
     return (votes == consensus).double().mean(1).numpy()
 
 
-__all__ = ["ClientScreen", "update_norm", "median_cosines", "shrink", "agreements"]
+__all__ = ["ClientScreen", "CLUSTER_MODES", "update_norm", "median_cosines", "pairwise_cosines", "cluster_labels",
+           "shrink", "agreements"]

@@ -145,7 +145,9 @@ def setup(cfg: RunConfig):
                                                  num_malicious_nodes=cfg.num_malicious_nodes,
                                                  num_nodes_to_select=cfg.num_nodes_to_select),
                               # the robust setting (multi-round: the config check refuses it in one-shot mode)
-                              **({"screen": ClientScreen()} if cfg.robust else {}))
+                              **({"screen": ClientScreen(cluster=cfg.robust_cluster,
+                                                          min_samples=cfg.robust_cluster_min_samples)}
+                                 if cfg.robust else {}))
     return data, model_fn, strategy
 
 

@@ -16,6 +16,13 @@ which an honest client was dropped (false positives) and in which every liar was
     .venv/bin/python -m simulations.bench.trust --threats clean,scale --liars 1 --seeds 0 --rounds 5   # a smoke run
     .venv/bin/python -m simulations.bench.trust --summary results/trust
 
+FLAME's clustering in the robust screen (``robust-cluster``; docs/trust.md, "Clustering the updates"): the
+strategies ``auto[robust=true robust-cluster='core']``, ``...='core-positive'``, ``...='core-positive'
+robust-cluster-min-samples=0`` and ``...='flame'`` with ``--liars 3 --threats clean,random,sign-flip,label-flip,scale``
+and ``--liars 1 --threats random,sign-flip`` into ``--out results/trust-cluster``, and at 20 clients ``--liars 6
+--threats clean`` (``random,sign-flip`` too for min-samples 0) into ``--out results/trust-cluster-c20``; the commands
+are in docs/trust.md. The screen's table counts honest client-rounds dropped too.
+
 Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
 (clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
 
@@ -112,6 +119,7 @@ def _run(job: dict) -> dict:
                 seen[f"norm-{side}"].append(v["norm"])
     row["screen-seen"] = {k: [round(min(v), 3), round(max(v), 3)] if v else None for k, v in seen.items()}
     row["screened-rounds"] = screened_rounds
+    row.update(client_round_drops(hist, job["liars"]))
     row["honest-dropped"] = honest_dropped
     row["liars-dropped"] = liars_dropped
     if job["threat"] == "backdoor":
@@ -125,6 +133,18 @@ def _run(job: dict) -> dict:
             pred = model.eval()(torch.as_tensor(stamp(x[keep]))).argmax(1).numpy()
         row["attack-success"] = float((pred == BACKDOOR_CLASS).mean())
     return row
+
+
+def client_round_drops(hist: list[dict], bad: list[int]) -> dict:
+    """The screen's drops counted per client-round: honest client-rounds screened and dropped."""
+    honest = dropped = 0
+    for h in hist:
+        s = h.get("screened")
+        if not s:
+            continue
+        honest += sum(1 for pid in s.get("clients", {}) if int(pid) not in bad)
+        dropped += sum(1 for d in s.get("dropped", []) if d.get("partition-id") not in bad)
+    return {"honest-client-rounds": honest, "honest-client-rounds-dropped": dropped}
 
 
 def jobs_for(args) -> list[dict]:
@@ -205,17 +225,22 @@ def table(rows: list[dict]) -> str:
         lines.append("")
     screened = [r for r in rows if r.get("screened-rounds")]
     if screened:
+        per_client = all("honest-client-rounds" in r for r in screened)
         lines += ["## The robust screen's decisions", "",
                   "| strategy | threat | liars | rounds screened | rounds an honest client was dropped | "
-                  "rounds every liar was dropped |", "|---|---|---|---|---|---|"]
+                  "rounds every liar was dropped |" + (" honest client-rounds dropped |" if per_client else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if per_client else "")]
         for (lab, threat, f) in dict.fromkeys((r["label"], r["threat"], r["f"] if r["threat"] != "clean" else 0)
                                               for r in screened):
             got = [r for r in screened if (r["label"], r["threat"]) == (lab, threat)
                    and (r["f"] == f or threat == "clean")]
             n = sum(r["screened-rounds"] for r in got)
+            hcr = max(1, sum(r.get("honest-client-rounds", 0) for r in got))
+            client_rate = (f" {100 * sum(r.get('honest-client-rounds-dropped', 0) for r in got) / hcr:.1f} % |"
+                           if per_client else "")
             lines.append(f"| `{lab}` | {threat} | {f} | {n} | {100 * sum(r['honest-dropped'] for r in got) / n:.1f} % | "
                          + ("—" if threat == "clean" else f"{100 * sum(r['liars-dropped'] for r in got) / n:.1f} %")
-                         + " |")
+                         + " |" + client_rate)
     seen = [r for r in screened if r.get("screen-seen")]
     if seen:
         lines += ["", "## What the screen saw (every round, before it decided)", "",
