@@ -447,15 +447,15 @@ class HeadRound:
         widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         record: dict[str, Any] = {}
         p = self.privacy
-        content = head_query_content(model.state_dict(), sites, dp_clip=None if p is None else p.clip,
-                                     dp_projection=None if p is None else p.projection)
         if p is not None and p.projection is not None:   # the statistics are of the k projected features
             widths = {site: p.projection.shape[1] for site in widths}
         if self.secure:
             if list(widths) != [""]:
                 raise ValueError("head round: secure aggregation sums one classifier's statistics")
             nodes, stats = self._collect_secure(grid, model, widths[""], num_classes, record)
-        else:
+        else:   # the query: the model, and the bound and projection of bounded statistics
+            content = head_query_content(model.state_dict(), sites, dp_clip=None if p is None else p.clip,
+                                         dp_projection=None if p is None else p.projection)
             nodes, stats = self._collect(grid, content, widths, num_classes, record)
         if not stats:
             record["seconds"] = time.perf_counter() - t0
