@@ -38,8 +38,3 @@ DP_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 ONE_SHOT_REFERENCES = ("all", "models", "none")
 # class prior of the "calibrate" refinement
 PRIORS = ("auto", "class-counts", "uniform")
-# strategy names and what they read: one registry entry per strategy (fedfuse.strategy_specs)
-from fedfuse.strategy_specs import (FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES,  # noqa: E402
-                                    PAPER_SERVER_STEP, STRATEGY_KEYS_ALL, TIER_STRATEGIES, key_applies, key_users)
-
-STRATEGY_KEYS = {key: key_users(key) for key in STRATEGY_KEYS_ALL}

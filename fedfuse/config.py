@@ -41,12 +41,12 @@ from typing import Any, Mapping
 
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
-                             MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, NON_FUSION_STRATEGIES, OPTIMIZERS, PARTITIONINGS)
+                             MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
-from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, STRATEGY_KEYS, key_applies  # noqa: E402
 from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
-from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, SUBMODEL_METHODS,  # noqa: E402
+from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
+                                    NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
                                     WIDTH_DEPTH_TIER_METHODS, check_candidates)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
@@ -980,7 +980,7 @@ def _check_candidate_setup(cfg: RunConfig) -> None:
 
 
 def _check_strategy_keys(cfg: RunConfig) -> None:
-    """Keys only some strategies read (``fedfuse.choices.STRATEGY_KEYS``) must not be set for another one, and
+    """Keys only some strategies read (``fedfuse.strategy_specs.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
     if cfg.momentum != SCHEMA["momentum"].default and cfg.optimizer != "sgd":
         raise ConfigError(f"run-config key 'momentum' ({cfg.momentum}) applies to optimizer='sgd' only, not "
@@ -1157,6 +1157,16 @@ def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'ini
     return model.state_dict()
 
 
+def data_options(cfg: RunConfig, num_clients: int | None = None) -> dict[str, Any]:
+    """The arguments of ``fedfuse.data.FederatedData.build`` for the run (every process builds the identical data
+    from them): the one place that maps run-config keys to the data's options."""
+    return {"dataset": cfg.dataset, "num_clients": num_clients or cfg.num_clients, "partitioning": cfg.partitioning,
+            "alpha": cfg.dirichlet_alpha, "classes_per_client": cfg.classes_per_client,
+            "fusion_size": cfg.fusion_set_size, "fusion_source": cfg.fusion_set_source,
+            "public_fraction": cfg.public_fraction, "root": cfg.data_root, "seed": cfg.seed,
+            "test_fraction": cfg.test_fraction}
+
+
 #: datasets generated or shipped in-process: their partitions are cheap to check before Flower starts
 LOCAL_DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-flat", "synthetic")
 
@@ -1164,14 +1174,14 @@ LOCAL_DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-fla
 def check_partitions(cfg: RunConfig) -> None:
     """Every client's partition holds enough samples to train (and to keep a validation split when ``val-fraction``
     is set): ``ConfigError`` naming ``num-clients`` / ``partitioning`` and the smallest clients otherwise. Checked
-    on the partitions the clients will build (``fedfuse.task.federated_data``, deterministic) for the in-process
+    on the partitions the clients will build (``data_options``, deterministic) for the in-process
     datasets; ``partition-files`` are checked by ``check_files``, and remote datasets when the server loads them."""
     if cfg.partition_files or cfg.dataset not in LOCAL_DATASETS:
         return
-    from fedfuse.task import federated_data
+    from fedfuse.data import FederatedData
 
     try:
-        data = federated_data(cfg)
+        data = FederatedData.build(**data_options(cfg))
     except ValueError as exc:
         raise ConfigError(f"run-config key 'partitioning': {cfg.partitioning!r} over num-clients={cfg.num_clients} "
                           f"cannot be built: {exc}") from None
@@ -1213,7 +1223,7 @@ def describe() -> str:
 
 __all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
-           "check_model", "check_partitions", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
+           "check_model", "check_partitions", "data_options", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
            "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
 

@@ -241,11 +241,15 @@ def key_users(key: str) -> tuple[str, ...]:
     return special + (("<fusion strategies>",) if key in FUSION_RUN_KEYS else ())
 
 
+#: run-config key -> the strategies that read it (for the config's "key applies to" checks)
+STRATEGY_KEYS = {key: key_users(key) for key in STRATEGY_KEYS_ALL}
+
+
 def with_tiers(spec: StrategySpec) -> StrategySpec:
     """The entry as a tiered strategy uses it (``tier_refine`` replaces ``default_refine``)."""
     return replace(spec, default_refine=spec.tier_refine) if spec.tier_refine is not None else spec
 
 
-__all__ = ["WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
+__all__ = ["STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.config import RunConfig
+from fedfuse.config import RunConfig, data_options
 from fedfuse.importance import neuron_importance, uniform_importance
 from fedfuse.models import build_model
 from fedfuse.training import evaluate, train
@@ -22,11 +22,7 @@ def federated_data(cfg: RunConfig, num_clients: int | None = None):
     """The run's ``FederatedData`` (deterministic: every process builds the identical one)."""
     from fedfuse.data import FederatedData
 
-    return FederatedData.build(cfg.dataset, num_clients or cfg.num_clients, cfg.partitioning,
-                               alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
-                               fusion_size=cfg.fusion_set_size, fusion_source=cfg.fusion_set_source,
-                               public_fraction=cfg.public_fraction, root=cfg.data_root, seed=cfg.seed,
-                               test_fraction=cfg.test_fraction)
+    return FederatedData.build(**data_options(cfg, num_clients))
 
 
 def global_model(cfg: RunConfig, num_classes: int, input_shape: tuple[int, ...], seed: int | None = None) -> nn.Module:

@@ -85,8 +85,8 @@ def test_registry_and_errors():
 
 def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     methods = {n for n, spec in METHOD_SPECS.items() if spec.same_architecture and not n.startswith("test-")}
-    from fedfuse.choices import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
-    from fedfuse.choices import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
+    from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
+    from fedfuse.strategy_specs import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
 
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_baselines)
 

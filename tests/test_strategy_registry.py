@@ -126,7 +126,7 @@ def test_an_unknown_strategy_name_says_the_closest_one():
 
 
 def test_registry_entries_are_well_formed_and_fold_the_old_name_lists():
-    from fedfuse.choices import FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES, TIER_STRATEGIES
+    from fedfuse.strategy_specs import FLOWER_BASELINE_STRATEGIES, NON_FUSION_STRATEGIES, TIER_STRATEGIES
     from fedfuse.hetero.tiers import SUBMODEL_METHODS
 
     assert FLOWER_BASELINE_STRATEGIES == ("fedavgm", "fedadam", "fedyogi", "fedprox", "fedmedian", "fedtrimmedavg", "krum",

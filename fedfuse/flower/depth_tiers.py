@@ -309,17 +309,4 @@ class DepthTieredStrategy(FusionStrategy):
                 **round_tier_records(self.history, server_round)}
 
 
-_MOVED = ("DepthFLStrategy", "DepthFLFedAvgStrategy", "InclusiveFLStrategy", "DEPTH_STRATEGY_CLASSES",
-          "build_depth_strategy")
-
-
-def __getattr__(name: str):
-    """The baselines live in ``fedfuse.flower.depth_baselines``; their import path from here keeps working."""
-    if name in _MOVED:
-        from fedfuse.flower import depth_baselines
-
-        return getattr(depth_baselines, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["DepthTieredStrategy", "DEPTH_METHODS", "depth_label"]

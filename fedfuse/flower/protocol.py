@@ -40,7 +40,7 @@ from torch import nn
 from fedfuse.choices import FALLBACKS
 from fedfuse.flower.client_replies import WEIGHT_KEY
 from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
-from fedfuse.flower.replies import ClientUpdate, _npy_view
+from fedfuse.flower.replies import ClientUpdate, _npy_view, state_to_record
 from fedfuse.flower.screen import ClientScreen
 from fedfuse.training import resolve_device
 from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
@@ -299,11 +299,6 @@ def array_copy(array, like: torch.Tensor) -> np.ndarray:
     """A writable numpy copy of a Flower ``Array`` (the fast ``.npy`` view when its header is the expected one)."""
     view = _npy_view(array, tuple(like.shape), like.detach().cpu().numpy().dtype)
     return np.array(view if view is not None else array.numpy(), copy=True)
-
-
-def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
-    """A torch state dict → ``ArrayRecord`` (CPU, contiguous)."""
-    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})
 
 
 __all__ = ["RoundProtocol", "ClientsDivergedError", "ReplyContractError", "WEIGHT_CAP", "weight_limit", "cap_update", "cap_weights", "aggregate_metrics", "state_to_record", "array_copy",

@@ -221,3 +221,8 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
                         partition_id=int(pid) if isinstance(pid, (int, float)) else -1,
                         state=state, scores=scores, num_examples=int(n), metrics=dict(metrics),
                         class_counts=[int(c) for c in counts] if isinstance(counts, list) else None)
+
+
+def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    """A torch state dict → ``ArrayRecord`` (CPU, contiguous)."""
+    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in state.items()})

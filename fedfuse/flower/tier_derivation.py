@@ -17,7 +17,7 @@ then guards each derived tier model against the tier's slice of the sub-model av
 from __future__ import annotations
 
 from logging import WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.common.logger import log
@@ -29,10 +29,8 @@ from fedfuse.hetero import slice_state, tier_name
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.models import levels
 from fedfuse.training import resolve_device
+from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.replies import ClientUpdate
-
-if TYPE_CHECKING:
-    from fedfuse.flower.tiered import TieredFusionStrategy
 
 
 class TierModels:
@@ -45,7 +43,7 @@ class TierModels:
             ``DistillRefineOptions`` table) and ``PruneOptions`` keys.
     """
 
-    def __init__(self, strategy: TieredFusionStrategy, tier_models: str, prune_options: dict[str, Any]) -> None:
+    def __init__(self, strategy: FusionStrategy, tier_models: str, prune_options: dict[str, Any]) -> None:
         self.strategy = strategy
         self.tier_models = tier_models
         self.prune_options = prune_options

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -40,13 +40,9 @@ from torch import nn
 
 from fedfuse.choices import BEST_CLIENT
 from fedfuse.fusion import fuse_result, get_spec
-from fedfuse.flower.protocol import state_to_record
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.replies import ClientUpdate, state_to_record
 from fedfuse.models import levels
 from fedfuse.strategy_specs import DEPTH_WARM_START
-
-if TYPE_CHECKING:
-    from fedfuse.flower.protocol import RoundProtocol
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ class WarmStart:
         """The importance vectors' lengths a reply must have (``None`` when no scores are read)."""
         return {lv.name: lv.width for lv in levels(model_fn())} if self.needs_scores else None
 
-    def combine(self, protocol: "RoundProtocol", server_round: int, updates: list[ClientUpdate]
+    def combine(self, protocol: Any, server_round: int, updates: list[ClientUpdate]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
         """``(fused state, info, seconds)`` from the round's valid replies; ``FusionError`` when the method fails."""
         t0 = time.perf_counter()
@@ -169,7 +165,7 @@ def _why(record: dict[str, Any]) -> str:
     return f" (e.g. node {first['node-id']}: {first['reason'][-300:]})" if first else ""
 
 
-def warm_start_round(protocol: "RoundProtocol", server_round: int, ok: list[Message], failures: list[dict],
+def warm_start_round(protocol: Any, server_round: int, ok: list[Message], failures: list[dict],
                      record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """Round 1 of a warm-start run: validate, combine with ``protocol.warm_start``, reset the server state, record."""
     warm: WarmStart = protocol.warm_start
