@@ -121,7 +121,8 @@ class RunConfig:
                        ge=0)
     strategy: str = _key("auto", "auto, fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
                          "that keeps the architecture; the default 'auto' = FedAvg's average below auto-fusion-epochs "
-                         "local epochs, and from there every round the candidate aggregation (auto-candidates: the "
+                         "local epochs (FedAvgM's momentum step for plain-SGD clients sampled partly: auto-momentum), "
+                         "and from there every round the candidate aggregation (auto-candidates: the "
                          "plain average, the average with server momentum, FedDF) the clients score best on their "
                          "own data (measured across the regime cells: docs/multi-round.md)")
     fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2: distillation holds "
@@ -204,8 +205,15 @@ class RunConfig:
                                 "kf-linear alone for mlp/cnn, feddf alone for resnet/vit (the best measured features "
                                 "under the solved head)")
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
-                                   "always); below it auto chooses between the average with and without server "
-                                   "momentum", ge=0)
+                                   "always); below it auto takes one array candidate every round, with no query "
+                                   "(auto-momentum says which)", ge=0)
+    auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
+                              "auto = the average with server momentum (the 'average' candidate; momentum 0.9 "
+                              "unless server-momentum is set: FedAvgM) when the clients train plain SGD "
+                              "(optimizer='sgd', momentum=0) and only some of them a round (fraction-train < 1), else "
+                              "the first array candidate (the plain average by default); on = the momentum step "
+                              "always; off = the first array candidate always",
+                              choices=("auto", "on", "off"))
     align_to: str = _key("model-0", "rebasin | ot (methods that align units): the units the round's clients are "
                          "aligned onto: model-0 (the first reply's, averaged in) | global (the round's global model, "
                          "which every client started from, not averaged in); multi-round only",
@@ -540,12 +548,39 @@ def one_shot_depth_default(cfg: RunConfig) -> str:
     return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
 
 
-def dp_strategy(cfg: RunConfig) -> str:
-    """The strategy a DP run aggregates with: ``cfg.strategy``, or ``fedavg`` for ``auto`` without a fusion candidate
-    (``local-epochs`` below ``auto-fusion-epochs`` with ``fedavg`` first: exactly what ``auto`` would do)."""
-    if cfg.strategy == "auto" and cfg.local_epochs < cfg.auto_fusion_epochs and \
-            cfg.auto_candidates.split(",")[0].strip() == "fedavg":
+#: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set:
+#: Hsu et al.'s FedAvgM setting (arXiv 1909.06335) and Flower's fedavgm baseline's; chosen on MNIST-1D cross-device
+#: cells (docs/multi-round.md, "Cross-device: server momentum for plain-SGD clients")
+AUTO_SERVER_MOMENTUM = 0.9
+
+
+def auto_round_aggregation(cfg: RunConfig) -> str | None:
+    """What ``auto`` takes every round when it builds no fusion candidate (multi-round, ``local-epochs`` below
+    ``auto-fusion-epochs``): ``"average"`` (the momentum step) or ``"fedavg"`` (the plain average); ``None`` when
+    fusion candidates are built (one-shot, long local training) or the strategy is not ``auto``.
+
+    Why the rule (``auto-momentum='auto'``): server momentum is FedAvgM's step (Hsu et al., arXiv 1909.06335); it
+    helps where each round's average is a small, noisy step (plain-SGD clients, a few sampled a round: Flower's
+    fedavgm baseline) and breaks runs whose clients already take large steps with their own momentum or Adam
+    (docs/multi-round.md)."""
+    if cfg.strategy != "auto" or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
+        return None
+    arrays = [c for c in cfg.auto_candidate_names if c in ("fedavg", "average")]
+    plain_sgd_cross_device = cfg.optimizer == "sgd" and cfg.momentum == 0 and cfg.fraction_train < 1
+    if "average" in arrays and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd_cross_device)):
+        return "average"
+    if cfg.auto_momentum == "off" and "fedavg" in arrays:
         return "fedavg"
+    return arrays[0] if arrays else None
+
+
+def dp_strategy(cfg: RunConfig) -> str:
+    """The strategy a DP run aggregates with: ``cfg.strategy``, or for ``auto`` without a fusion candidate what it
+    takes every round (``auto_round_aggregation``): ``fedavg`` for the plain average, ``fedavgm`` for the momentum
+    step (post-processing of the noised average)."""
+    take = auto_round_aggregation(cfg)
+    if take is not None:
+        return {"fedavg": "fedavg", "average": "fedavgm"}[take]
     return cfg.strategy
 
 
@@ -1003,7 +1038,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
         if cfg.mode == "one-shot":
             raise ConfigError("run-config key 'align-to': 'global' needs a global model the clients trained from; "
                               "in mode='one-shot' they start from independent initialisations")
-    for key in ("auto-candidates", "auto-fusion-epochs"):
+    for key in ("auto-candidates", "auto-fusion-epochs", "auto-momentum"):
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy != "auto":
             raise ConfigError(f"run-config key {key!r} applies to strategy 'auto' only, not {cfg.strategy!r}")
     if cfg.strategy == "auto":
@@ -1017,6 +1052,13 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
                               f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")
+        if cfg.auto_momentum != SCHEMA["auto-momentum"].default and auto_round_aggregation(cfg) is None:
+            raise ConfigError(f"run-config key 'auto-momentum': {cfg.auto_momentum!r} applies to multi-round runs below "
+                              f"auto-fusion-epochs (local-epochs {cfg.local_epochs}, auto-fusion-epochs "
+                              f"{cfg.auto_fusion_epochs}, mode {cfg.mode!r}): there the clients' vote picks the step")
+        if cfg.auto_momentum == "on" and "average" not in cfg.auto_candidate_names:
+            raise ConfigError("run-config key 'auto-momentum': 'on' takes the 'average' candidate (the momentum step), "
+                              f"which auto-candidates {cfg.auto_candidates!r} does not list")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
         raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
                           "method; set fusion-rounds=0")
@@ -1223,7 +1265,7 @@ def describe() -> str:
 
 __all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
-           "check_model", "check_partitions", "data_options", "preflight", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
+           "check_model", "check_partitions", "data_options", "preflight", "auto_round_aggregation", "AUTO_SERVER_MOMENTUM", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
            "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
 

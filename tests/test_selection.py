@@ -241,3 +241,39 @@ def test_fusion_candidates_are_off_below_the_local_epochs_threshold(identity):
     assert on.fusion_off is None
     with pytest.raises(ValueError, match="every candidate is a fusion"):
         _strategy(candidates=("kd",), local_epochs=1)
+
+
+def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients_sampled_partly():
+    """Below auto-fusion-epochs auto takes one array candidate with no query: the momentum step (FedAvgM, 0.9) when
+    the clients train plain SGD and only some of them a round, else the plain average; ``auto-momentum`` overrides,
+    and where it cannot apply it names the key."""
+    from fedfuse.config import auto_round_aggregation
+    from fedfuse.flower.server_app import selection_options
+
+    plain = {"optimizer": "sgd", "momentum": 0.0, "local-epochs": 1, "num-clients": 10}
+    cross = parse_run_config({**plain, "fraction-train": 0.5})
+    assert auto_round_aggregation(cross) == "average"
+    opts = selection_options(cross)
+    assert opts["candidates"][0] == "average" and opts["server_momentum"] == 0.9
+    # every client every round, client momentum, Adam: the plain average as before
+    for other in ({**plain}, {**plain, "fraction-train": 0.5, "momentum": 0.9},
+                  {"optimizer": "adam", "fraction-train": 0.5}):
+        cfg = parse_run_config(other)
+        assert auto_round_aggregation(cfg) == "fedavg"
+        assert selection_options(cfg)["candidates"][0] == "fedavg" and "server_momentum" not in selection_options(cfg)
+    # a user's server momentum is kept (baseline_options passes it), 'off' and 'on' override the rule
+    assert "server_momentum" not in selection_options(parse_run_config({**plain, "fraction-train": 0.5,
+                                                                          "server-momentum": 0.5}))
+    assert auto_round_aggregation(parse_run_config({**plain, "fraction-train": 0.5, "auto-momentum": "off"})) == "fedavg"
+    assert auto_round_aggregation(parse_run_config({"auto-momentum": "on", "local-epochs": 1})) == "average"
+    # long local training: the clients' vote, not the rule; one-shot: no rounds to carry momentum
+    assert auto_round_aggregation(parse_run_config({**plain, "fraction-train": 0.5, "local-epochs": 10})) is None
+    with pytest.raises(ConfigError, match="'auto-momentum'"):
+        parse_run_config({"auto-momentum": "on", "local-epochs": 10})
+    with pytest.raises(ConfigError, match="'auto-momentum'"):
+        parse_run_config({"auto-momentum": "on", "mode": "one-shot", "num-server-rounds": 1})
+    with pytest.raises(ConfigError, match="'auto-momentum'"):
+        parse_run_config({"auto-momentum": "on", "local-epochs": 1, "auto-candidates": "fedavg,feddf"})
+    with pytest.raises(ConfigError, match="'auto-momentum' applies to strategy 'auto' only"):
+        parse_run_config({"strategy": "fedavg", "auto-momentum": "off"})
+

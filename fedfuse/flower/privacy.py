@@ -277,15 +277,17 @@ def private_config(cfg):
     publish each client's model's accuracy) and a fresh ``PrivacyAccount``; else ``(cfg, None)``."""
     import dataclasses
 
-    from fedfuse.config import dp_strategy
+    from fedfuse.config import AUTO_SERVER_MOMENTUM, dp_strategy
 
     if cfg.dp_noise_multiplier <= 0:
         return cfg, None
     changes = {}
     if dp_strategy(cfg) != cfg.strategy:
         changes["strategy"] = dp_strategy(cfg)
-        log(INFO, "fedfuse dp: strategy 'auto' has no fusion candidate at local-epochs %d: it runs as 'fedavg'",
-            cfg.local_epochs)
+        if changes["strategy"] == "fedavgm" and cfg.server_momentum < 0:   # auto's momentum step, as without DP
+            changes["server_momentum"] = AUTO_SERVER_MOMENTUM
+        log(INFO, "fedfuse dp: strategy 'auto' has no fusion candidate at local-epochs %d: it runs as %r",
+            cfg.local_epochs, changes["strategy"])
     if cfg.client_references:
         changes["client_references"] = False
         log(INFO, "fedfuse dp: no per-client reference columns (each client's model's accuracy is not covered by the "

@@ -45,7 +45,8 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
-from fedfuse.config import SCHEMA, ConfigError, RunConfig, config_notes, load_initial_model, preflight  # noqa: E402
+from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig, auto_round_aggregation,  # noqa: E402
+                            config_notes, load_initial_model, preflight)
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
 from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
@@ -231,8 +232,13 @@ def selection_options(cfg: RunConfig) -> dict:
         # head round); FedDF for the block families kf-linear cannot take (ViT: 1.8-3.4 points above kf-gradient)
         candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
             ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
-    return {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
-            "fusion_min_epochs": cfg.auto_fusion_epochs}
+    out = {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
+           "fusion_min_epochs": cfg.auto_fusion_epochs}
+    if auto_round_aggregation(cfg) == "average":   # below auto-fusion-epochs the first array candidate is taken
+        out["candidates"] = ("average",) + tuple(c for c in candidates if c != "average")
+        if cfg.server_momentum < 0:   # else baseline_options passes the user's value
+            out["server_momentum"] = AUTO_SERVER_MOMENTUM
+    return out
 
 
 def federated_evaluation_options(cfg: RunConfig) -> dict:
