@@ -28,6 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from fedfuse.config import HF_PREFIX, SCHEMA, ConfigError, describe, parse_run_config, strategy_names
+from fedfuse.data.fusion_set import load_fusion_file, write_fusion_set_file, write_test_set_file
+
 EXIT_USAGE = 2
 
 # fedfuse bench <name> -> the benchmark module of the repository (each has main(argv)); not in the package
@@ -78,13 +81,13 @@ def _exit_code(value: object) -> int:
 
 # ------------------------------------------------------------------------------------------ run / compare / bench
 def cmd_run(argv: list[str]) -> int:
-    from fedfuse.flower.runner import run
+    from fedfuse.flower.runner import run  # deferred: Flower (flwr), imported by fedfuse.flower only
 
     return _exit_code(run.main(argv, prog="fedfuse run"))
 
 
 def cmd_compare(argv: list[str]) -> int:
-    from fedfuse.flower.runner import sweep
+    from fedfuse.flower.runner import sweep  # deferred: Flower (flwr), imported by fedfuse.flower only
 
     return _exit_code(sweep.main(argv, prog="fedfuse compare"))
 
@@ -119,8 +122,6 @@ def cmd_bench(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------------- fusion-set
 def fusion_set_parser() -> argparse.ArgumentParser:
-    from fedfuse.config import SCHEMA
-
     ap = argparse.ArgumentParser(
         prog="fedfuse fusion-set", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write the server's fusion set to PATH (.npz: x [B, *input_shape] float32, y [B] int64; .pt: "
@@ -154,11 +155,9 @@ def fusion_set_parser() -> argparse.ArgumentParser:
 def fusion_set_config(args: argparse.Namespace):
     """The validated run config the file is drawn for (``fedfuse.config.parse_run_config``: a bad value fails
     naming its run-config key)."""
-    from fedfuse.config import parse_run_config
-
     overrides: dict = {}
     if args.run_config:
-        from fedfuse.flower.runner.cli import parse_run_config_arg
+        from fedfuse.flower.runner.cli import parse_run_config_arg  # deferred: Flower (fedfuse.flower imports flwr)
 
         overrides.update(parse_run_config_arg(args.run_config))
     for key, value in (("dataset", args.dataset), ("fusion-set-size", args.size), ("seed", args.seed),
@@ -170,9 +169,6 @@ def fusion_set_config(args: argparse.Namespace):
 
 def cmd_fusion_set(argv: list[str]) -> int:
     args = fusion_set_parser().parse_args(argv)
-    from fedfuse.config import ConfigError
-    from fedfuse.data.fusion_set import load_fusion_file, write_fusion_set_file, write_test_set_file
-
     try:
         cfg = fusion_set_config(args)
     except ConfigError as exc:
@@ -211,8 +207,6 @@ def config_parser() -> argparse.ArgumentParser:
 
 def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
     """The schema as plain text, one block per key: ``key  type  default  allowed`` and the help, wrapped."""
-    from fedfuse.config import HF_PREFIX, SCHEMA, strategy_names
-
     keys = list(keys or SCHEMA)
     unknown = [k for k in keys if k not in SCHEMA]
     if unknown:
@@ -237,8 +231,6 @@ def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
 def cmd_config(argv: list[str]) -> int:
     args = config_parser().parse_args(argv)
     if args.markdown:
-        from fedfuse.config import describe
-
         text = describe()
         if args.keys:
             config_text(args.keys)  # unknown keys fail the same way

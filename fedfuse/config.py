@@ -24,7 +24,7 @@ Every failure is a ``ConfigError`` (a ``ValueError``) with one line that names t
 about a dataset without loading it (input shape, classes, value scale) comes from
 ``fedfuse.data.sources.SOURCE_INFO``; ``hf:<name>`` datasets are only known once loaded, so their
 shape checks run in the ServerApp (``check_files(cfg, input_shape=..., num_classes=...)``).
-This module imports no Flower; ``fedfuse.fusion`` / ``fedfuse.data`` are imported by the checks only.
+This module imports no Flower; ``fedfuse.fusion`` is imported by the checks only (``_fusion_registry``).
 """
 
 from __future__ import annotations
@@ -47,9 +47,15 @@ from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
-                                    WIDTH_DEPTH_TIER_METHODS, check_candidates)
+                                    WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates,
+                                    strategy_names as registry_names)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
+from fedfuse.data import FederatedData  # noqa: E402
+from fedfuse.data.fusion_set import check_fusion_inputs, load_fusion_file  # noqa: E402
+from fedfuse.data.node_data import load_node_data  # noqa: E402
+from fedfuse.data.sources import IDX_SOURCES, TORCHVISION_SOURCES, idx_files_problem, source_info  # noqa: E402
+from fedfuse.models import build_model  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -745,10 +751,18 @@ def _check_warm_start(cfg: RunConfig) -> None:
     _check_warm_start_fusion(cfg)
 
 
+def _fusion_registry():
+    """``(METHOD_SPECS, FusionError)`` of ``fedfuse.fusion``, for the method checks: the one place this module
+    imports ``fedfuse.fusion``, on first use."""
+    from fedfuse.fusion import METHOD_SPECS, FusionError  # deferred: +30% on `import fedfuse.config` (scipy, methods)
+
+    return METHOD_SPECS, FusionError
+
+
 def warm_start_fusions() -> tuple[str, ...]:
     """The values of ``warm-start-fusion``: every fusion method whose result is one model of the models'
     architecture, and ``best-client``."""
-    from fedfuse.fusion import METHOD_SPECS
+    METHOD_SPECS, _ = _fusion_registry()
 
     return tuple(sorted(n for n, s in METHOD_SPECS.items() if s.same_architecture)) + (BEST_CLIENT,)
 
@@ -761,7 +775,7 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
             raise ConfigError("run-config key 'warm-start-fusion-options': warm-start-fusion='best-client' fuses "
                               f"nothing and takes no options, got {options}; set warm-start-fusion-options=''")
         return
-    from fedfuse.fusion import METHOD_SPECS, FusionError
+    METHOD_SPECS, FusionError = _fusion_registry()
 
     names = warm_start_fusions()
     if fusion not in names:
@@ -851,7 +865,7 @@ def _check_tiers(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} averages sub-models and "
                               "derives tier models by slicing; use tier-models='slice'")
         return
-    from fedfuse.fusion import METHOD_SPECS
+    METHOD_SPECS, _ = _fusion_registry()
 
     spec = METHOD_SPECS.get(cfg.strategy)
     if spec is None or cfg.strategy in NON_FUSION_STRATEGIES or not spec.mixed_widths:
@@ -924,8 +938,6 @@ def _parse_fusion_options(text: str, key: str = "fusion-options") -> dict[str, A
 def strategy_names() -> tuple[str, ...]:
     """Every strategy name (``fedfuse.strategy_specs``): FedAvg, Flower's baselines, the tier baselines and every
     fusion method whose result keeps the global architecture."""
-    from fedfuse.strategy_specs import strategy_names as registry_names
-
     return registry_names()
 
 
@@ -953,7 +965,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"run-config key 'strategy': unknown strategy {cfg.strategy!r}{hint}; choose one of "
                           f"{sorted(strategies)}")
-    from fedfuse.fusion import METHOD_SPECS, FusionError
+    METHOD_SPECS, FusionError = _fusion_registry()
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(cfg.strategy)
@@ -994,8 +1006,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
 def _check_candidate_setup(cfg: RunConfig) -> None:
     """Every fusion method the user named in ``auto-candidates`` can run on this setup (clients per round, model
     family, a fusion set): otherwise auto skipped it every round, with a warning per round and no error."""
-    from fedfuse.fusion import METHOD_SPECS, FusionError
-    from fedfuse.strategy_specs import ARRAY_CANDIDATES
+    METHOD_SPECS, FusionError = _fusion_registry()
 
     n = clients_per_round(cfg)
     family = MODEL_FAMILIES[cfg.model]
@@ -1028,7 +1039,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
     if cfg.align_to != SCHEMA["align-to"].default:
-        from fedfuse.fusion import METHOD_SPECS
+        METHOD_SPECS, _ = _fusion_registry()
 
         able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
         spec = METHOD_SPECS.get(cfg.strategy)
@@ -1072,8 +1083,6 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
 def dataset_info(dataset: str):
     """``fedfuse.data.sources.SourceInfo`` of ``dataset`` (shape, classes, scale) or ``None`` when it is only
     known after loading (``hf:<name>``)."""
-    from fedfuse.data.sources import source_info
-
     return source_info(dataset)
 
 
@@ -1091,8 +1100,6 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
     ``input_shape`` / ``num_classes`` override the dataset metadata (the ServerApp passes the loaded
     data's; needed for ``hf:<name>``, whose shape is unknown before loading).
     """
-    from fedfuse.data.sources import IDX_SOURCES, TORCHVISION_SOURCES, idx_files_problem
-
     if cfg.data_root:
         from pathlib import Path
 
@@ -1111,8 +1118,6 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
         read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=input_shape, num_classes=num_classes,
                         key="test-set-path")
     if cfg.partition_files:
-        from fedfuse.data.node_data import load_node_data
-
         info = dataset_info(cfg.dataset)
         for pid in range(cfg.num_clients):
             path = partition_file(cfg, pid)
@@ -1129,8 +1134,6 @@ def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...
 
     Returns ``(x float32 [B, *input_shape], y int64 [B] or None)``; ``ConfigError`` naming the key and path.
     """
-    from fedfuse.data.fusion_set import check_fusion_inputs, load_fusion_file
-
     try:
         x, y = load_fusion_file(path)
         check_fusion_inputs(x, y, dataset=dataset, info=dataset_info(dataset) if dataset else None,
@@ -1157,8 +1160,6 @@ def check_model(cfg: RunConfig) -> None:
     if info is None:
         return
     import torch
-
-    from fedfuse.models import build_model
 
     try:
         model = build_model(cfg.model, num_classes=info.num_classes, input_shape=info.input_shape,
@@ -1220,8 +1221,6 @@ def check_partitions(cfg: RunConfig) -> None:
     datasets; ``partition-files`` are checked by ``check_files``, and remote datasets when the server loads them."""
     if cfg.partition_files or cfg.dataset not in LOCAL_DATASETS:
         return
-    from fedfuse.data import FederatedData
-
     try:
         data = FederatedData.build(**data_options(cfg))
     except ValueError as exc:

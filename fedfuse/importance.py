@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fedfuse.models.levels import Level, levels as model_levels, neuron_axis_sum
+from fedfuse.tofu import suspended
 
 IMPORTANCE_METHODS = IMPORTANCE  # one list: fedfuse.choices
 EPS = 1e-8
@@ -49,8 +50,6 @@ def neuron_importance(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
         raise ValueError("importance: method %r needs targets (labels) for the attribution" % method)
     if len(inputs) == 0:
         raise ValueError("importance: no scoring samples")
-    from fedfuse.tofu import suspended
-
     # Token Fusion (if a client applied it) must be off: every model's level outputs need the same tokens
     with suspended(model):
         return _attribute(model, inputs, targets, method, batch_size, n_steps, device, levels)

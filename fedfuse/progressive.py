@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fedfuse.fusion import fuse
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters.base import AFFINE_LAYERS
 
@@ -363,8 +364,6 @@ def fuse_suffixes(method: str, prefix: nn.Module, suffixes: list[nn.Module], fus
                   weights=None, seed: int = 0, device: str | torch.device = "cpu", **options) -> nn.Sequential:
     """The fused model ``prefix → fuse(method, suffixes)``: the clients' upper parts (all trained on the same frozen
     ``prefix``) fused on the fusion set passed through the prefix. The prefix is shared, not copied."""
-    from fedfuse.fusion import fuse
-
     with torch.no_grad():
         inner = prefix.eval()(fusion_inputs)
     upper = fuse(method, suffixes, fusion_inputs=inner, weights=weights, seed=seed, device=device, **options)

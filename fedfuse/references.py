@@ -29,6 +29,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from fedfuse.fusion import fuse
+from fedfuse.fusion.average import average_state_dicts
 from fedfuse.training import metrics_from_logits, predict_logits
 
 REFERENCE_KEYS = ("best-client", "mean-client", "ensemble", "ensemble-uniform", "average", "kd", "feddf")
@@ -83,9 +85,6 @@ def one_shot_references(models: Sequence[nn.Module], weights: Sequence[float], p
     ``logits`` (the models' test logits, when the caller has them) saves the clients' test passes. Returns
     ``{"rows": [{"key", "accuracy", ["partition-id"], ["seconds"]} or {"key", "unavailable"}],
     "client-accuracy": {partition id: accuracy}, "seconds": total}``."""
-    from fedfuse.fusion import fuse
-    from fedfuse.fusion.average import average_state_dicts
-
     if not models:
         raise ValueError("one-shot references: no client models")
     t0 = time.perf_counter()

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from fedfuse.hetero.tiers import tier_sort_key
+from fedfuse.references import REFERENCE_LABELS
+
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -198,8 +201,6 @@ class RunRecorder:
         key = "test-accuracy" if any(r.get("test-accuracy") is not None for r in self.rows) else "federated-accuracy"
         ax.plot(rounds, [r.get(key) for r in self.rows], "o-",
                 label="global model" if key == "test-accuracy" else "global model (clients' validation splits)")
-        from fedfuse.hetero.tiers import tier_sort_key
-
         tiers = sorted({t for r in self.rows for t in (r.get("tier-accuracy") or {}) if tier_sort_key(t) != (1, 1)},
                        key=tier_sort_key, reverse=True)
         for t in tiers:   # capacity tiers: every narrower tier's model (tier 1 is the global model)
@@ -241,8 +242,6 @@ class RunRecorder:
 
     def _reference_lines(self) -> list[tuple[str, float]]:
         """``[(label, accuracy)]`` of the one-shot references in ``extra`` (``fedfuse.references``), else ``[]``."""
-        from fedfuse.references import REFERENCE_LABELS
-
         rows = (self.extra.get("one-shot-references") or {}).get("rows", [])
         return [(REFERENCE_LABELS.get(r["key"], r["key"]), float(r["accuracy"])) for r in rows
                 if isinstance(r.get("accuracy"), (int, float))]

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.config import RunConfig, data_options
+from fedfuse import tofu
+from fedfuse.config import RunConfig, data_options, read_fusion_set
+from fedfuse.data import FederatedData
+from fedfuse.hetero.depth import multi_exit
 from fedfuse.importance import neuron_importance, uniform_importance
 from fedfuse.models import build_model
 from fedfuse.training import evaluate, train
@@ -20,8 +23,6 @@ from fedfuse.training import evaluate, train
 
 def federated_data(cfg: RunConfig, num_clients: int | None = None):
     """The run's ``FederatedData`` (deterministic: every process builds the identical one)."""
-    from fedfuse.data import FederatedData
-
     return FederatedData.build(**data_options(cfg, num_clients))
 
 
@@ -34,8 +35,6 @@ def global_model(cfg: RunConfig, num_classes: int, input_shape: tuple[int, ...],
                         depth=cfg.model_depth, seed=seed)
     if not cfg.depth_tiers:
         return model
-    from fedfuse.hetero.depth import multi_exit
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 7)
         return multi_exit(model, cfg.depth_tiers, num_classes)
@@ -53,8 +52,6 @@ def load_fusion_inputs(path: str, *, dataset: str = "", input_shape: tuple[int, 
 
     Returns ``(x float32 [B, *input_shape], y int64 [B] or None)``.
     """
-    from fedfuse.config import read_fusion_set
-
     return read_fusion_set(path, dataset=dataset, input_shape=input_shape, num_classes=num_classes)
 
 
@@ -73,8 +70,6 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
     Returns ``{"state": state dict, "scores": {level: [W]} | None, "metrics": {...}}``.
     """
     if cfg.tofu_r > 0:  # Token Fusion for local training/evaluation only (importance suspends it)
-        from fedfuse import tofu
-
         tofu.apply(model, r=cfg.tofu_r)
     epochs = cfg.local_epochs if epochs is None else int(epochs)
     stats = train(model, train_set.x, train_set.y, epochs=epochs, batch_size=cfg.batch_size,
@@ -95,8 +90,6 @@ def client_round(cfg: RunConfig, model: nn.Module, train_set, val_set, *, need_i
             scores = neuron_importance(model, eval_set.x[:n], eval_set.y[:n], method=cfg.importance, device=device)
     score_seconds = time.perf_counter() - t0
     if cfg.tofu_r > 0:
-        from fedfuse import tofu
-
         tofu.remove(model)  # weights are untouched by ToFu; the reply is a plain model
     model.cpu()
     metrics = {

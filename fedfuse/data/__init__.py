@@ -59,7 +59,7 @@ _NODE_DATA = ("load_node_data", "write_node_data", "write_partition_files")
 
 def __getattr__(name: str):
     if name in _NODE_DATA:
-        from fedfuse.data import node_data
+        from fedfuse.data import node_data  # deferred: a script too (runpy, see above)
 
         return getattr(node_data, name)
     raise AttributeError(f"module 'fedfuse.data' has no attribute {name!r}")

@@ -32,7 +32,7 @@ import torch
 
 from fedfuse.choices import FUSION_SET_SOURCES
 from fedfuse.data.partition import PARTITIONERS, partition_indices, split_train_val
-from fedfuse.data.sources import ArrayDataset, SourceInfo, load_source
+from fedfuse.data.sources import ArrayDataset, SourceInfo, load_source, source_info
 
 
 def _balanced_sample(pool: np.ndarray, labels: np.ndarray, size: int, seed: int) -> np.ndarray:
@@ -367,8 +367,6 @@ def write_fusion_set_file(path: str | Path, *, dataset: str, size: int, seed: in
     data = FederatedData.build(dataset, num_clients, partitioning, alpha=alpha, classes_per_client=classes_per_client,
                                fusion_size=size, fusion_source=source, public_fraction=public_fraction,
                                root=data_root, seed=seed, test_fraction=test_fraction)
-    from fedfuse.data.sources import source_info
-
     info = source_info(dataset)
     check_fusion_inputs(data.fusion_x, data.fusion_y, dataset=dataset, info=info, num_classes=data.num_classes)
     return _save_xy(Path(path).expanduser(), data.fusion_x, data.fusion_y if with_labels else None)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedfuse.data.fusion_set import check_fusion_inputs
+from fedfuse.data.fusion_set import FederatedData, check_fusion_inputs
 from fedfuse.data.partition import split_train_val
 from fedfuse.data.sources import ArrayDataset, SourceInfo
 
@@ -121,8 +121,6 @@ def write_partition_files(out_dir: str | Path, *, dataset: str, num_partitions: 
                           test_fraction: float = 0.2, suffix: str = ".npz") -> list[Path]:
     """Split ``dataset`` as a run would (``FederatedData``: the public fusion pool held out, then partitioned)
     and write ``<out_dir>/node-<i><suffix>`` for each node; returns the paths."""
-    from fedfuse.data.fusion_set import FederatedData
-
     data = FederatedData.build(dataset, num_partitions, partitioning, alpha=alpha,
                                classes_per_client=classes_per_client, fusion_source="public",
                                fusion_size=0, public_fraction=public_fraction, root=data_root, seed=seed, test_fraction=test_fraction)

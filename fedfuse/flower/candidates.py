@@ -24,6 +24,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedfuse.flower.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
+from fedfuse.privacy import gaussian_accuracy_noise
 
 ACTION = "score_candidates"
 MESSAGE_TYPE = f"query.{ACTION}"
@@ -147,8 +148,6 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
         accs = [s + n * v for s, v in zip(accs, a)]
         losses = [s + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, s in enumerate(losses)]
     if out.examples and private is not None:
-        from fedfuse.privacy import gaussian_accuracy_noise
-
         std = gaussian_accuracy_noise(private[0], len(states))
         noise = torch.randn(len(states), dtype=torch.float64, generator=private[1]) * std
         out.accuracy = [(v + float(e)) / out.clients for v, e in zip(accs, noise)]

@@ -38,7 +38,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import RunConfig, config_notes, load_initial_model, parse_run_config, partition_file  # noqa: E402
+from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_model, parse_run_config,  # noqa: E402
+                            partition_file)
+from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
@@ -87,9 +89,6 @@ def _node(context: Context, cfg: RunConfig) -> tuple[int, int]:
 def _node_local_data(cfg: RunConfig, pid: int, path: str, key: str = "node-config 'data-path'") -> NodeData:
     """The node's own file (node-config ``data-path`` or run-config ``partition-files``), checked against the run's
     dataset; a ``ValueError`` naming ``key``."""
-    from fedfuse.config import dataset_info
-    from fedfuse.data.node_data import load_node_data
-
     info = dataset_info(cfg.dataset)
     if info is None:
         raise ValueError(f"{key} needs a dataset whose classes and input shape are known without "

@@ -36,6 +36,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from torch import nn
 
 from fedfuse.flower.replies import (ARRAYS_KEY, IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, NUM_EXAMPLES_KEY)
+from fedfuse.importance import IMPORTANCE_METHODS, neuron_importance, uniform_importance
 
 NEED_IMPORTANCE = "need-importance"
 NEED_CLASS_COUNTS = "need-class-counts"
@@ -92,8 +93,6 @@ def read_train_message(msg: Message, *, config_key: str = CONFIG_KEY) -> TrainRe
 
 def _scores(model: nn.Module, val_data, importance: str, importance_samples: int,
             device: str | torch.device) -> dict[str, torch.Tensor]:
-    from fedfuse.importance import IMPORTANCE_METHODS, neuron_importance, uniform_importance
-
     if importance not in IMPORTANCE_METHODS:
         raise ValueError(f"importance: unknown method {importance!r}; choose one of {list(IMPORTANCE_METHODS)}")
     if importance == "uniform":

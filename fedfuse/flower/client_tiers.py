@@ -19,7 +19,8 @@ from torch import nn
 from fedfuse.config import config_notes, parse_run_config
 from fedfuse.hetero import attach_width_scaler, parse_tier_value, tier_of
 from fedfuse.hetero.tiers import parse_tier_pair
-from fedfuse.hetero.ordered_dropout import ordered_dropout
+from fedfuse.hetero.depth import ExitsView, MultiExit, exit_submodel, held_keys, mutual_distillation_loss
+from fedfuse.hetero.ordered_dropout import OrderedDropout, draw_weights, ordered_dropout
 from fedfuse.models import adapter_for
 
 QUERY_KIND = "fedfuse-tier"        # config["query"] of a tier query
@@ -114,8 +115,6 @@ def depth_tier(model: nn.Module, config, received: dict | None, *, base: nn.Modu
     ``config[OD_KEY]`` (the run's narrower widths): each batch runs the exits of one nested width of the node's model
     (FjORD's ordered dropout; ``base`` the global ``MultiExit`` the widths are relative to, ``seed`` the draws').
     Returns ``(model, loss_fn, held keys)``, or ``(model, None, None)`` without depth tiers."""
-    from fedfuse.hetero.depth import MultiExit, held_keys, mutual_distillation_loss
-
     if DEPTH_KEY not in config:
         return model, None, None
     if not isinstance(model, MultiExit):
@@ -153,9 +152,6 @@ def _od_widths(config, widths) -> tuple[float, list[float]]:
 
 def _depth_ordered_dropout(model, config, base, seed: int, input_shape):
     """The ordered-dropout forward over the exits of a width × depth node (``depth_tier``), or ``None``."""
-    from fedfuse.hetero.depth import ExitsView, exit_submodel
-    from fedfuse.hetero.ordered_dropout import OrderedDropout, draw_weights
-
     widths = config.get(OD_KEY)
     if not widths:
         return None
@@ -176,8 +172,6 @@ def _depth_ordered_dropout(model, config, base, seed: int, input_shape):
 def tier_model(model: nn.Module, config, *, seed: int, input_shape: tuple[int, ...]) -> nn.Module:
     """``model`` at the width multiplier of ``config[TIER_KEY]`` (unchanged when the strategy sends none),
     with the width scaler hooks when ``config[SCALER_KEY]``."""
-    from fedfuse.hetero.depth import MultiExit
-
     if TIER_KEY not in config:
         return model
     r = parse_tier_value(config[TIER_KEY], key=f"train config {TIER_KEY!r}")
@@ -194,8 +188,6 @@ def tier_forward(base: nn.Module, model: nn.Module, config, *, seed: int, input_
     ``config[OD_KEY]`` (width multipliers of the narrower tiers, relative to the global model ``base``; with
     ``config[OD_DRAW_KEY]`` how widths are drawn: ``fedfuse.hetero.ordered_dropout.draw_weights``); ``None`` otherwise
     (plain ``model(x)``)."""
-    from fedfuse.hetero.depth import MultiExit
-
     widths = config.get(OD_KEY)
     if TIER_KEY not in config or not widths or isinstance(model, MultiExit):   # depth tiers: depth_tier's loss
         return None

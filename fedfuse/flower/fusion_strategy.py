@@ -19,7 +19,7 @@ import torch
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.fusion import FusionError, FusionResult, MissingInputError, fuse_result
+from fedfuse.fusion import METHOD_SPECS, FusionError, FusionResult, MissingInputError, fuse_result, get_spec
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
@@ -111,8 +111,6 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         if align_to not in ("model-0", "global"):
             raise ValueError(f"strategy: align_to must be 'model-0' or 'global', got {align_to!r}")
         if align_to == "global" and not (self.spec is not None and self.spec.any_reference):
-            from fedfuse.fusion import METHOD_SPECS
-
             able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
             raise ValueError(f"strategy: align_to='global' needs a method that aligns onto a reference model "
                              f"({able}), not {method!r}")
@@ -159,8 +157,6 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
     def _method_spec(self, method: str):
         if self.entry.aggregation != "fusion":
             return None
-        from fedfuse.fusion import get_spec
-
         try:
             return get_spec(method)
         except FusionError as exc:

@@ -48,7 +48,7 @@ import copy
 import math
 import time
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -56,13 +56,13 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedfuse.flower.candidates import score_candidates
+from fedfuse.flower.privacy import HeadPrivacy
+from fedfuse.flower.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
+                                       secure_sum)
 from fedfuse.hetero import tier_name
-from fedfuse.privacy import add_noise, bounded_sum, check_bounded, raw_feature_head
+from fedfuse.privacy import add_noise, bounded_sum, check_bounded, gaussian_accuracy_noise, raw_feature_head
 from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_temperature, head_sites, solve_classifier,
                                  with_head)
-
-if TYPE_CHECKING:
-    from fedfuse.flower.privacy import HeadPrivacy
 
 #: when the clients' loss with the kept solved head is above the model before's, the head's logits are scaled by each of
 #: these factors (one more scoring query) and the factor with the lowest client loss is kept: a positive scale keeps
@@ -284,9 +284,6 @@ class HeadRound:
                         ) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
         """``secure-aggregation=true``: the nodes' bounded statistics summed by Flower's SecAgg+
         (``fedfuse.flower.secure_sum``); the server sees the sum only."""
-        from fedfuse.flower.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
-                                               secure_sum)
-
         p = self.privacy
         nodes = list(grid.get_node_ids())
         record.update({"queried": len(nodes), "rejected": [], "fallback": None, "secure-aggregation": True})
@@ -364,8 +361,6 @@ class HeadRound:
                       "federated-examples": scores.examples} for a, l_ in zip(acc, scores.loss)]
         margin = 0.0
         if private is not None and scores.clients:   # noised scores: keep the head only if it is clearly better
-            from fedfuse.privacy import gaussian_accuracy_noise
-
             # two standard deviations of the difference of two noised means (a worse head passes ~2 % of the time)
             margin = 2 * math.sqrt(2) * gaussian_accuracy_noise(private[0], len(states)) / scores.clients
             record["check-margin"] = margin

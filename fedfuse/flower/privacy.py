@@ -44,6 +44,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedfuse.choices import DP_CLIPPINGS
 from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
                                                SamplingMethod)
+from fedfuse.choices import DP_STRATEGIES
+from fedfuse.config import AUTO_SERVER_MOMENTUM, ConfigError, dp_strategy
+from fedfuse.privacy import feature_clip_bound, public_projection
 
 
 
@@ -277,8 +280,6 @@ def private_config(cfg):
     publish each client's model's accuracy) and a fresh ``PrivacyAccount``; else ``(cfg, None)``."""
     import dataclasses
 
-    from fedfuse.config import AUTO_SERVER_MOMENTUM, dp_strategy
-
     if cfg.dp_noise_multiplier <= 0:
         return cfg, None
     changes = {}
@@ -314,9 +315,6 @@ def compose_runner(cfg, strategy: Strategy, account: PrivacyAccount | None, wrap
     """The strategy a run starts: fedfuse's, behind ``wrap_private`` in a DP run, then the user's ``wrap_strategy``.
     A Flower DP wrapper the user adds is checked as the config's DP is (``ConfigError`` before any client trains):
     its noise bounds averaging strategies only, and the head round would send its statistics unnoised."""
-    from fedfuse.choices import DP_STRATEGIES
-    from fedfuse.config import ConfigError, dp_strategy
-
     runner = strategy
     if account is not None:
         runner = wrap_private(strategy, noise_multiplier=cfg.dp_noise_multiplier, clipping_norm=cfg.dp_clipping_norm,
@@ -346,8 +344,6 @@ def head_privacy(cfg, account: PrivacyAccount | None, model, inputs) -> HeadPriv
     """The private head round of a DP run: its noise multiplier (``dp-head-noise-multiplier``, else the rounds'),
     the public projection and the clip bound, both from the server's own inputs (``dp-head-projection``;
     ``fedfuse.privacy.public_projection``, ``feature_clip_bound``), and a seeded generator."""
-    from fedfuse.privacy import feature_clip_bound, public_projection
-
     if account is None:   # secure-aggregation=true without DP: bounded statistics, every feature, no noise
         return HeadPrivacy(0.0, feature_clip_bound(model, inputs), None, torch.Generator())
     sigma = cfg.dp_head_noise_multiplier or cfg.dp_noise_multiplier

@@ -27,7 +27,7 @@ import dataclasses
 import random
 import time
 from logging import WARNING
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -38,17 +38,16 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.choices import FALLBACKS
+from fedfuse.fusion.average import average_state_dicts
 from fedfuse.flower.client_replies import WEIGHT_KEY
 from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
 from fedfuse.flower.replies import ClientUpdate, _npy_view, state_to_record
 from fedfuse.flower.screen import ClientScreen
 from fedfuse.training import resolve_device
 from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
+from fedfuse.flower.warm_start import WarmStart, warm_start_round
 
 WEIGHT_CAP = 10.0   # × the round's median sample count (RoundProtocol's weight_cap)
-
-if TYPE_CHECKING:
-    from fedfuse.flower.warm_start import WarmStart
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -156,8 +155,6 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
 
     def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """Sample-count-weighted average of the updates' weights (FedAvg; the ``"average"`` fallback)."""
-        from fedfuse.fusion.average import average_state_dicts
-
         w = np.array([u.num_examples for u in updates], dtype=float)
         return average_state_dicts([u.state for u in updates], list(w / w.sum()))
 
@@ -232,8 +229,6 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
                                   "replies": len(replies), "failures": failures, "rejected": [],
                                   "fallback": None, "skipped": None, "fusion-info": None}
         if self.warm_round(server_round):
-            from fedfuse.flower.warm_start import warm_start_round
-
             return warm_start_round(self, server_round, ok, failures, record)
         streamed = self.aggregate_streamed(server_round, ok, failures, record)
         if streamed is not None:

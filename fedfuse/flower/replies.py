@@ -33,6 +33,8 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
 
+from fedfuse.fusion.score_check import score_inconsistency
+
 MAX_NUM_EXAMPLES = 10**9
 ARRAYS_KEY = "arrays"
 METRICS_KEY = "metrics"
@@ -92,8 +94,6 @@ def reject_inconsistent_scores(updates: list[ClientUpdate], build_model: Callabl
     """The updates whose importance scores agree with their own weights on (at most ``max_samples`` of) the fusion
     set (``fedfuse.fusion.score_check.score_inconsistency``); each other one is rejected (``record_rejection``, with
     ``inconsistent-scores``)."""
-    from fedfuse.fusion.score_check import score_inconsistency
-
     inputs, kept = fusion_inputs[:max_samples], []
     for u in updates:
         problem = None if u.scores is None else score_inconsistency(build_model(u.state), u.scores, inputs,

@@ -50,7 +50,7 @@ from fedfuse.flower.candidates import score_candidates
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
-from fedfuse.strategy_specs import ARRAY_CANDIDATES, DEFAULT_CANDIDATES, check_candidates
+from fedfuse.strategy_specs import ARRAY_CANDIDATES, DEFAULT_CANDIDATES, SPECIAL_SPECS, check_candidates
 
 QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's clients
 FUSION_MIN_EPOCHS = 10  # fusion candidates only when the clients train at least this many local epochs a round
@@ -71,8 +71,6 @@ class SelectionStrategy(FusionStrategy):
     def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  local_epochs: int | None = None, fusion_min_epochs: int = FUSION_MIN_EPOCHS,
                  query_timeout: float = QUERY_TIMEOUT, **options: Any) -> None:
-        from fedfuse.strategy_specs import SPECIAL_SPECS
-
         options.setdefault("registry_entry", SPECIAL_SPECS["auto"])
         options.setdefault("guard", False)   # the clients' scores replace the guard
         super().__init__(method, **options)

@@ -46,8 +46,11 @@ from typing import Any, Callable  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig, auto_round_aggregation,  # noqa: E402
-                            config_notes, load_initial_model, preflight)
+                            config_notes, dataset_info, load_initial_model, preflight, read_fusion_set)
+from fedfuse.data.fusion_set import ServerData  # noqa: E402
+from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
+from fedfuse.flower.head_round import HeadRound  # noqa: E402
 from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
@@ -55,7 +58,11 @@ from fedfuse.flower.screen import ClientScreen  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
+from fedfuse.fusion.distillation import teacher_probs  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
+from fedfuse.hetero.depth import classifier_readers, narrow_copy  # noqa: E402
+from fedfuse.progressive import HEAD_SOLVERS  # noqa: E402
+from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
 from fedfuse.results import RunRecorder, dead_model, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
@@ -77,10 +84,6 @@ def server_files(cfg: RunConfig):
     """``fedfuse.data.fusion_set.ServerData`` from the server's own files only (``fusion-set-path`` and
     ``test-set-path``; without a test set, ``evaluation='federated'``: ``test`` is ``None``): no dataset is loaded
     (deployment where every client holds its data, node-config ``data-path``). ``ConfigError`` naming the key."""
-    from fedfuse.config import dataset_info, read_fusion_set
-    from fedfuse.data.fusion_set import ServerData
-    from fedfuse.data.sources import ArrayDataset
-
     info = dataset_info(cfg.dataset)
     if info is None:
         raise ConfigError(f"run-config key 'test-set-path': dataset {cfg.dataset!r} has no known input shape and "
@@ -110,9 +113,6 @@ def setup(cfg: RunConfig):
     data = server_files(cfg) if own_files else federated_data(cfg)
     if cfg.test_set_path and not own_files:
         from dataclasses import replace
-
-        from fedfuse.config import read_fusion_set
-        from fedfuse.data.sources import ArrayDataset
 
         tx, ty = read_fusion_set(cfg.test_set_path, dataset=cfg.dataset, input_shape=tuple(data.input_shape),
                                  num_classes=data.num_classes, key="test-set-path")
@@ -422,8 +422,6 @@ class RoundEvaluation:
         """One-shot mode: ``results.json`` ``"one-shot-references"`` (``fedfuse.references``: best and mean client,
         weighted ensemble, weighted average, KD, FedDF) from the round's client models, logged; without a server test
         set (``evaluation='federated'``) the entry says they are unavailable, with a WARNING naming the key."""
-        from fedfuse.references import REFERENCE_LABELS, one_shot_references
-
         if not self.central:
             reason = ("evaluation='federated': the server holds no test set to evaluate the client models on; use "
                       "evaluation='both' (or 'central') for the one-shot references")
@@ -501,10 +499,6 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
     on the fusion set, kept unless the clients score it lower; recorded (``post-step``) and evaluated as round
     ``num-server-rounds + 1`` (in one-shot mode: progressive fusion with K = 2). Not run when the training rounds
     failed (the run reports that failure)."""
-    from fedfuse.flower.head_round import HeadRound
-    from fedfuse.fusion.distillation import teacher_probs
-    from fedfuse.progressive import HEAD_SOLVERS
-
     if fusion_outcome(strategy.history)["status"] != "completed" or not strategy.history:
         log(WARNING, "fedfuse: no head round: the training rounds produced no global model of their own")
         return
@@ -538,8 +532,6 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
         each = bool(cfg.depth_tiers) and cfg.mode != "one-shot"
         readers, narrow = {}, None
         if each and min(cfg.depth_tier_widths) < 1:   # width x depth tiers: a narrow tier reads a classifier's slice
-            from fedfuse.hetero.depth import classifier_readers, narrow_copy
-
             readers = classifier_readers(model, list(zip(cfg.depth_tier_widths, cfg.depth_tiers)))
             input_shape = strategy.layout.input_shape   # fedfuse.flower.depth_tiers.DepthTieredStrategy's
             narrow = lambda m, w: narrow_copy(m, w, input_shape)  # noqa: E731

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -17,10 +17,9 @@ from torch import nn
 
 from fedfuse.fusion import fuse_result
 from fedfuse.flower.steps import Refinement, RoundData, ServerMomentum
-from fedfuse.flower.replies import MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view
-
-if TYPE_CHECKING:
-    from fedfuse.flower.protocol import Reference, RoundProtocol
+from fedfuse.flower.protocol import Reference, RoundProtocol, cap_update, weight_limit
+from fedfuse.flower.replies import (MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view,
+                                   state_to_record)
 
 
 @dataclasses.dataclass
@@ -53,8 +52,6 @@ def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], lis
 def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message], record: dict[str, Any],
                    keep_members: bool) -> StreamedRound:
     """One pass over the replies: validate (``strategy.check_reply``), accumulate, observe, drop."""
-    from fedfuse.flower.protocol import cap_update, weight_limit
-
     ordered, counts = fusion_order(ok, strategy.weighted_by_key)
     limit = weight_limit(counts, strategy.weight_cap)   # the weight cap, from the metrics before any array
     total = float(np.minimum(np.array(counts, dtype=float), limit if limit is not None else np.inf).sum()) \
@@ -173,8 +170,6 @@ class StreamedRounds:
             lambda: streamed.average, streamed=True)
         seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
         metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
-        from fedfuse.flower.protocol import state_to_record
-
         return (None if state is None else state_to_record(state)), metrics
 
     def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:

@@ -27,6 +27,7 @@ from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble, kl_to
 from fedfuse.hetero import slice_state, tier_name
 from fedfuse.hetero.anchor import align_to_anchor
+from fedfuse.hetero.prune import prune_order
 from fedfuse.models import levels
 from fedfuse.training import resolve_device
 from fedfuse.flower.fusion_strategy import FusionStrategy
@@ -171,8 +172,6 @@ class TierModels:
         the slice is then distilled from the round's client models on the fusion set (``distill_ensemble``,
         held-out early stopping: its units stay those of the slice)."""
         s = self.strategy
-        from fedfuse.hetero.prune import prune_order
-
         tiers = sorted(set(s._node_tier.values()) - {1.0})
         if not tiers:
             return

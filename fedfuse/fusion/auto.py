@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fedfuse.choices import REFINES
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import kl_to
 from fedfuse.fusion.registry import FusionError, FusionOptionError, get_spec, register, require
@@ -82,8 +83,6 @@ class AutoOptions:
         require(self.agree_kl >= 0, "agree_kl", ">= 0", self.agree_kl)
         require(self.max_seconds >= 0, "max_seconds", ">= 0", self.max_seconds)
         require(self.criterion in CRITERIA, "criterion", f"one of {CRITERIA}", self.criterion)
-        from fedfuse.choices import REFINES
-
         require(isinstance(self.refines, (list, tuple)) and len(self.refines) > 0
                 and all(r in REFINES and r != "auto" for r in self.refines), "refines",
                 f"a non-empty list of {[r for r in REFINES if r != 'auto']}", self.refines)
@@ -192,8 +191,7 @@ class _Trial:
             timed: bool = True) -> None:
         """Fuse with ``name`` on ``inputs`` (the package entry point: its checks, seeding and finite check) and
         score the result; a method that cannot take the models, or the spent time budget, skips it."""
-        # imported here: the package imports this module while it registers the methods
-        from fedfuse.fusion import fuse_result
+        from fedfuse.fusion import fuse_result  # deferred: cycle (the package imports this module to register it)
 
         if timed and self.max_seconds and time.perf_counter() - self.t_start > self.max_seconds:
             self.skipped[name] = f"time budget of {self.max_seconds:g} s spent"

@@ -33,9 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.fusion.permute import Map, apply_maps, build_spec, collect_activations
+from fedfuse.fusion.rebasin import activation_matching
+from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
 from fedfuse.hetero.submodel import SubModel, entry_mean, slice_state, submodel
 from fedfuse.models import levels
 from fedfuse.models.adapters import UnsupportedModelError, adapter_for
+from fedfuse.progressive import HeadSite
 
 
 def depth_units(model: nn.Module) -> list[int]:
@@ -173,8 +177,6 @@ class MultiExit(nn.Module):
         """The classifiers a head round solves (``fedfuse.progressive.head_sites``): ``""`` the final one on the base
         model's pre-logit features, ``"<k>"`` exit ``k`` on the level output at unit ``k``. Each site's features run
         the model only up to its classifier."""
-        from fedfuse.progressive import HeadSite
-
         adapter = adapter_for(self.base)
         sites = {"": HeadSite(lambda x: adapter.pre_logits(self.base, x), adapter.classifier(self.base), self.base)}
         for k in self.exit_units:
@@ -412,8 +414,6 @@ def distill_exits(student: MultiExit, teachers: list[nn.Module], weights: list[f
     distillation does not help). The shallow clients' knowledge reaches the deep classifiers, which only the deep
     clients train. Returns ``{"exit-distill": {units: distill_ensemble's info}}``; ``student.active`` is reset to
     full depth."""
-    from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
-
     options = options if options is not None else DistillRefineOptions()
     info = {}
     for k in [student.num_units, *reversed(student.exit_units)]:
@@ -444,9 +444,6 @@ def align_depths(models: Sequence[MultiExit], units: Sequence[int], fusion_input
     activations at the same points; attention groups keep their heads whole. Returns one full ``MultiExit`` state per
     client (the keys it does not hold are its unchanged values: pass only ``held_keys`` on to ``aggregate_held``).
     """
-    from fedfuse.fusion.permute import Map, apply_maps, build_spec, collect_activations
-    from fedfuse.fusion.rebasin import activation_matching
-
     if len(models) != len(units) or not models:
         raise ValueError(f"align_depths: {len(models)} models for {len(units)} depths")
     ref_i = max(range(len(models)), key=lambda i: (units[i], -i))

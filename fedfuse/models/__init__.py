@@ -23,7 +23,7 @@ from fedfuse.models.resnet import ResNet, resnet
 
 
 def _vit(**kw) -> nn.Module:
-    from fedfuse.models.vit import vit  # timm import only when asked for
+    from fedfuse.models.vit import vit  # deferred: timm, imported only when a ViT is asked for
 
     return vit(**kw)
 

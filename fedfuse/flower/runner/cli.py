@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import ConfigError, RunConfig, config_notes, preflight
+from fedfuse.flower.runner.flwr_runner import run_app
 
 EXIT_CONFIG_ERROR = 2
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -191,12 +192,10 @@ def run_with_engine(engine: str, run_config: dict[str, Any], *, num_supernodes: 
     if partitions is not None and engine != "inprocess":
         raise ValueError("a subset of partitions (partitions=) needs engine 'inprocess'")
     if engine == "flwr":
-        from fedfuse.flower.runner.flwr_runner import run_app
-
         return run_app(run_config, num_supernodes=num_supernodes, timeout=timeout, echo=echo,
                        check_config=check_config, on_line=on_line)
     if engine == "inprocess":
-        from fedfuse.flower.runner.inprocess import run_app_inprocess
+        from fedfuse.flower.runner.inprocess import run_app_inprocess  # deferred: its import sets OMP_*, HF_* env
 
         return run_app_inprocess(run_config, num_supernodes=num_supernodes, echo=echo, check_config=check_config,
                                  on_line=on_line, partitions=partitions)

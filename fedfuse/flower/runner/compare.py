@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.flower.runner.console import head_round_record
+from fedfuse.references import REFERENCE_LABELS, gap_recovered
 
 BASELINE = "fedavg"
 HEAD_SUFFIX = " + head round"   # the label of a baseline's row with the head round (RunSummary.split_head)
@@ -174,8 +175,6 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
 def reference_points(run: RunSummary) -> list[tuple[str, float]]:
     """``[(label, test accuracy)]`` of a one-shot run's computed references (``fedfuse.references``), in their
     order; ``[]`` without any."""
-    from fedfuse.references import REFERENCE_LABELS
-
     rows = (run.references or {}).get("rows", [])
     return [(REFERENCE_LABELS.get(r["key"], r["key"]) + (f" (client {r['partition-id']})" if "partition-id" in r
                                                          else ""), float(r["accuracy"]))
@@ -186,8 +185,6 @@ def references_table(run: RunSummary) -> str | None:
     """A one-shot run's fused model next to its references (``fedfuse.references``: best and mean client, weighted
     ensemble, one-shot FedAvg, KD, FedDF) on the same test set, with the share of the best-client-to-ensemble gap
     the fused model recovers; a line saying why when they are unavailable; ``None`` when the run has none."""
-    from fedfuse.references import REFERENCE_LABELS
-
     refs = run.references
     if not refs:
         return None
@@ -237,8 +234,6 @@ def _gap_text(acc: float, best: float, ensemble: float) -> str:
     """Where ``acc`` stands between the best client and the clients' ensemble: the share of that gap it recovers, or,
     below the best client / above the ensemble, by how many points (the share of a small gap would read as thousands
     of percent)."""
-    from fedfuse.references import gap_recovered
-
     share = gap_recovered(acc, best, ensemble)
     if share is None:
         return "recovers - of the gap between the best client and the ensemble (the ensemble is not above the best client)"

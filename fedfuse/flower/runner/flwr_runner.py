@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedfuse.config import config_notes, preflight
 from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
@@ -202,8 +203,6 @@ def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | No
     if check_config is None:
         check_config = is_fedfuse_app(app_dir)
     if check_config:
-        from fedfuse.config import config_notes, preflight
-
         with config_notes():   # what the check resolved is the ServerApp's to say (logged once, recorded)
             preflight(cfg)
 

@@ -69,8 +69,10 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from fedfuse.flower.client_app import app as fedfuse_client_app  # noqa: E402
 from fedfuse.flower.runner.flwr_runner import ROOT, RunOutcome, check_app_config, run_config_arg  # noqa: E402
 from fedfuse.flower.runner.paths import results_dir_for  # noqa: E402
+from fedfuse.flower.server_app import run_server  # noqa: E402
 
 ServerMain = Callable[[Grid, Context], None]
 SERVER_TASK_ID = 1  # the ServerApp's task id (what ``flwr.server.compat`` uses in-process too)
@@ -265,14 +267,10 @@ def fused_run_config(run_config: dict[str, Any], app_dir: Path = ROOT) -> dict[s
 
 
 def _default_client_app() -> ClientApp:
-    from fedfuse.flower.client_app import app
-
-    return app
+    return fedfuse_client_app
 
 
 def _default_server() -> ServerMain:
-    from fedfuse.flower.server_app import run_server
-
     return run_server
 
 

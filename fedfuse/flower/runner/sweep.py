@@ -48,6 +48,7 @@ from fedfuse.flower.runner.paths import default_results_dir
 from fedfuse.flower.runner.progress import progress, progress_print
 from fedfuse.flower.runner.run import run_failure
 from fedfuse.flower.runner.stats import format_mean_std
+from fedfuse.hetero import parse_tier_value, tier_name
 
 
 def mean_std(vals: list[float]) -> str:
@@ -153,8 +154,6 @@ def sweep_keys(extra: dict) -> tuple[list[int] | None, str | None]:
         if not hosted or len(set(hosted)) != len(hosted):
             raise ConfigError(f"sweep-partitions: {hosted!r}: give distinct partition ids")
     if as_tier is not None:
-        from fedfuse.hetero import parse_tier_value, tier_name
-
         try:
             as_tier = tier_name(parse_tier_value(as_tier, key="sweep-as-tier"))
         except ValueError as exc:

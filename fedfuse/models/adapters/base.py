@@ -204,7 +204,7 @@ class Adapter:
 
     def build(self, config: ModelConfig, seed: int = 0) -> nn.Module:
         """A freshly initialised model for ``config`` (``build_model`` with its fields)."""
-        from fedfuse.models import build_model
+        from fedfuse.models import build_model  # deferred: cycle (fedfuse.models imports the adapters)
 
         if config.family != self.family:
             raise UnsupportedModelError(f"{type(self).__name__}.build: config is for family {config.family!r}, "

@@ -7,6 +7,7 @@ from torch import nn
 
 from fedfuse.models.adapters.base import Adapter, Level, ModelConfig, PruningSpec, UnsupportedModelError, compose
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
+from fedfuse.models.resnet import ResNet
 
 
 class ResNetAdapter(Adapter):
@@ -17,8 +18,6 @@ class ResNetAdapter(Adapter):
     family = "resnet"
 
     def matches(self, model: nn.Module) -> bool:
-        from fedfuse.models.resnet import ResNet
-
         return isinstance(model, ResNet)
 
     def levels(self, model: nn.Module) -> list[Level]:

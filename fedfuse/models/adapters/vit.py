@@ -34,7 +34,7 @@ class ViTAdapter(Adapter):
 
     # ------------------------------------------------------------------------------------------ levels
     def levels(self, model: nn.Module) -> list[Level]:
-        from fedfuse.models.vit import vit_embed, vit_head
+        from fedfuse.models.vit import vit_embed, vit_head  # deferred: timm (see above)
 
         blocks = list(model.blocks)
         if not blocks:
@@ -184,7 +184,7 @@ class ViTAdapter(Adapter):
         """``width`` = embedding width, ``depth`` = blocks; ``num_heads``, ``mlp_ratio``, ``patch_size``,
         ``reg_tokens``, ``qkv_bias`` as ``fedfuse.models.vit`` takes them. ViTs that ``vit`` cannot build
         (other pooling, no class token, LayerScale, q/k norms, ...) raise ``UnsupportedModelError``."""
-        from fedfuse.models.vit import VisionTransformer1d
+        from fedfuse.models.vit import VisionTransformer1d  # deferred: timm (see above)
 
         why = []
         if model.global_pool != "token" or getattr(model, "cls_token", None) is None:
