@@ -28,10 +28,23 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from fedfuse.config import HF_PREFIX, SCHEMA, ConfigError, describe, parse_run_config, strategy_names
-from fedfuse.data.fusion_set import load_fusion_file, write_fusion_set_file, write_test_set_file
 
 EXIT_USAGE = 2
+
+
+def _config():
+    """``fedfuse.config``, imported on first use: it loads torch, which ``fedfuse --help`` does not need."""
+    import fedfuse.config  # deferred: torch, for a fast `fedfuse --help`
+
+    return fedfuse.config
+
+
+def _fusion_files():
+    """``fedfuse.data.fusion_set`` (the fusion-set file writers), imported on first use (torch, as ``_config``)."""
+    import fedfuse.data.fusion_set  # noqa: F401  deferred: torch, for a fast `fedfuse --help`
+
+    return sys.modules["fedfuse.data.fusion_set"]   # the package's name `fusion_set` is a function
+
 
 # fedfuse bench <name> -> the benchmark module of the repository (each has main(argv)); not in the package
 BENCHMARKS = {
@@ -137,12 +150,13 @@ def fusion_set_parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-config", default="",
                     help="run-config keys the file must match (dataset, fusion-set-size, fusion-set-source, seed, "
                          "public-fraction, num-clients, partitioning, ...), as for a run; the flags below override")
-    ap.add_argument("--dataset", default=None, help=f"run-config dataset (default {SCHEMA['dataset'].default!r})")
+    schema = _config().SCHEMA
+    ap.add_argument("--dataset", default=None, help=f"run-config dataset (default {schema['dataset'].default!r})")
     ap.add_argument("--size", type=int, default=None,
-                    help=f"run-config fusion-set-size (default {SCHEMA['fusion-set-size'].default})")
-    ap.add_argument("--seed", type=int, default=None, help=f"run-config seed (default {SCHEMA['seed'].default})")
+                    help=f"run-config fusion-set-size (default {schema['fusion-set-size'].default})")
+    ap.add_argument("--seed", type=int, default=None, help=f"run-config seed (default {schema['seed'].default})")
     ap.add_argument("--source", default=None, help="run-config fusion-set-source: public (held-out pool no client "
-                    f"sees) or client0 (default {SCHEMA['fusion-set-source'].default!r})")
+                    f"sees) or client0 (default {schema['fusion-set-source'].default!r})")
     ap.add_argument("--data-root", default=None, help="run-config data-root (torchvision / local datasets)")
     ap.add_argument("--no-labels", action="store_true", help="write the inputs only (labels are needed only for "
                     "server-side importance scores)")
@@ -164,33 +178,34 @@ def fusion_set_config(args: argparse.Namespace):
                        ("fusion-set-source", args.source), ("data-root", args.data_root)):
         if value is not None:
             overrides[key] = value
-    return parse_run_config(overrides)
+    return _config().parse_run_config(overrides)
 
 
 def cmd_fusion_set(argv: list[str]) -> int:
     args = fusion_set_parser().parse_args(argv)
     try:
         cfg = fusion_set_config(args)
-    except ConfigError as exc:
+    except _config().ConfigError as exc:
         raise CliError(f"config error: {exc}") from None
     if cfg.fusion_set_size <= 0:
         raise CliError("config error: run-config key 'fusion-set-size' must be > 0 to write a fusion set")
     path = Path(args.path).expanduser().resolve()
-    written = write_fusion_set_file(path, dataset=cfg.dataset, size=cfg.fusion_set_size, seed=cfg.seed,
-                                    source=cfg.fusion_set_source, public_fraction=cfg.public_fraction,
-                                    num_clients=cfg.num_clients, partitioning=cfg.partitioning,
-                                    alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
-                                    data_root=cfg.data_root, test_fraction=cfg.test_fraction,
-                                    with_labels=not args.no_labels)
-    x, y = load_fusion_file(written)  # read back: what the server will load
+    files = _fusion_files()
+    written = files.write_fusion_set_file(path, dataset=cfg.dataset, size=cfg.fusion_set_size, seed=cfg.seed,
+                                          source=cfg.fusion_set_source, public_fraction=cfg.public_fraction,
+                                          num_clients=cfg.num_clients, partitioning=cfg.partitioning,
+                                          alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
+                                          data_root=cfg.data_root, test_fraction=cfg.test_fraction,
+                                          with_labels=not args.no_labels)
+    x, y = files.load_fusion_file(written)  # read back: what the server will load
     print(f"fedfuse: wrote {written}: x {list(x.shape)} {str(x.dtype).replace('torch.', '')}, values "
           f"[{float(x.min()):.3g}, {float(x.max()):.3g}]" + (f", y {list(y.shape)}" if y is not None else ", no labels") +
           f" ({cfg.dataset}, fusion-set-source={cfg.fusion_set_source!r}, seed {cfg.seed})")
     print(f"fedfuse: use it with --run-config \"fusion-set-path='{written}' dataset='{cfg.dataset}'\"")
     if args.test_set:
-        test = write_test_set_file(Path(args.test_set).expanduser().resolve(), dataset=cfg.dataset, seed=cfg.seed,
-                                   data_root=cfg.data_root, test_fraction=cfg.test_fraction)
-        tx, ty = load_fusion_file(test)
+        test = files.write_test_set_file(Path(args.test_set).expanduser().resolve(), dataset=cfg.dataset,
+                                         seed=cfg.seed, data_root=cfg.data_root, test_fraction=cfg.test_fraction)
+        tx, ty = files.load_fusion_file(test)
         print(f"fedfuse: wrote {test}: test split x {list(tx.shape)}, y {list(ty.shape) if ty is not None else None}")
     return 0
 
@@ -207,21 +222,21 @@ def config_parser() -> argparse.ArgumentParser:
 
 def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
     """The schema as plain text, one block per key: ``key  type  default  allowed`` and the help, wrapped."""
-    keys = list(keys or SCHEMA)
-    unknown = [k for k in keys if k not in SCHEMA]
+    keys = list(keys or _config().SCHEMA)
+    unknown = [k for k in keys if k not in _config().SCHEMA]
     if unknown:
         k = unknown[0]
-        close = difflib.get_close_matches(k, list(SCHEMA), n=1)
+        close = difflib.get_close_matches(k, list(_config().SCHEMA), n=1)
         raise CliError(f"config: unknown run-config key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     width = width or min(110, shutil.get_terminal_size((100, 20)).columns)
     blocks = []
     for key in keys:
-        s = SCHEMA[key]
+        s = _config().SCHEMA[key]
         allowed = " | ".join(map(str, s.choices)) if s.choices else s.range_text()
         if key == "dataset":
-            allowed += f" | {HF_PREFIX}<name>"
+            allowed += f" | {_config().HF_PREFIX}<name>"
         if key == "strategy":
-            allowed = " | ".join(strategy_names())
+            allowed = " | ".join(_config().strategy_names())
         head = f"{key}  ({s.type.__name__}, default {s.default!r})"
         body = s.help.rstrip() + ("" if s.help.rstrip().endswith(".") else ".") + (f" Allowed: {allowed}." if allowed else "")
         blocks.append(head + "\n" + textwrap.fill(body, width=width, initial_indent="    ", subsequent_indent="    "))
@@ -231,7 +246,7 @@ def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
 def cmd_config(argv: list[str]) -> int:
     args = config_parser().parse_args(argv)
     if args.markdown:
-        text = describe()
+        text = _config().describe()
         if args.keys:
             config_text(args.keys)  # unknown keys fail the same way
             text = "\n".join(line for i, line in enumerate(text.splitlines())
