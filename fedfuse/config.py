@@ -214,8 +214,8 @@ class RunConfig:
                                    "always); below it auto takes one array candidate every round, with no query "
                                    "(auto-momentum says which)", ge=0)
     auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
-                              "auto = the average with server momentum (the 'average' candidate; momentum 0.9 "
-                              "unless server-momentum is set: FedAvgM) when the clients train plain SGD "
+                              "auto = the average with server momentum (the 'average' candidate: FedAvgM's step, "
+                              "momentum 0.5 unless server-momentum is set) when the clients train plain SGD "
                               "(optimizer='sgd', momentum=0) and only some of them a round (fraction-train < 1), else "
                               "the first array candidate (the plain average by default); on = the momentum step "
                               "always; off = the first array candidate always",
@@ -554,10 +554,11 @@ def one_shot_depth_default(cfg: RunConfig) -> str:
     return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
 
 
-#: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set:
-#: Hsu et al.'s FedAvgM setting (arXiv 1909.06335) and Flower's fedavgm baseline's; chosen on MNIST-1D cross-device
-#: cells (docs/multi-round.md, "Cross-device: server momentum for plain-SGD clients")
-AUTO_SERVER_MOMENTUM = 0.9
+#: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set
+#: (the ``average`` candidate's own default): on MNIST-1D cross-device cells with plain-SGD clients it gained at both
+#: client lrs and both label skews, where Hsu et al.'s 0.9 (arXiv 1909.06335; Flower's fedavgm baseline) killed runs
+#: at the larger lr (docs/multi-round.md, "Cross-device: server momentum for plain-SGD clients")
+AUTO_SERVER_MOMENTUM = 0.5
 
 
 def auto_round_aggregation(cfg: RunConfig) -> str | None:

@@ -181,7 +181,7 @@ def test_dp_keys_are_checked_before_any_client_trains():
     cross = parse_run_config({**dp, "optimizer": "sgd", "momentum": 0.0, "fraction-train": 0.5})
     assert dp_strategy(cross) == "fedavgm"
     run, _ = private_config(cross)
-    assert run.strategy == "fedavgm" and run.server_momentum == 0.9
+    assert run.strategy == "fedavgm" and run.server_momentum == 0.5
 
 
 # ---------------------------------------------------------------------------------------------- end to end

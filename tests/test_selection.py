@@ -244,7 +244,7 @@ def test_fusion_candidates_are_off_below_the_local_epochs_threshold(identity):
 
 
 def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients_sampled_partly():
-    """Below auto-fusion-epochs auto takes one array candidate with no query: the momentum step (FedAvgM, 0.9) when
+    """Below auto-fusion-epochs auto takes one array candidate with no query: the momentum step (FedAvgM, 0.5) when
     the clients train plain SGD and only some of them a round, else the plain average; ``auto-momentum`` overrides,
     and where it cannot apply it names the key."""
     from fedfuse.config import auto_round_aggregation
@@ -254,7 +254,7 @@ def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients_sampled_par
     cross = parse_run_config({**plain, "fraction-train": 0.5})
     assert auto_round_aggregation(cross) == "average"
     opts = selection_options(cross)
-    assert opts["candidates"][0] == "average" and opts["server_momentum"] == 0.9
+    assert opts["candidates"][0] == "average" and opts["server_momentum"] == 0.5
     # every client every round, client momentum, Adam: the plain average as before
     for other in ({**plain}, {**plain, "fraction-train": 0.5, "momentum": 0.9},
                   {"optimizer": "adam", "fraction-train": 0.5}):
