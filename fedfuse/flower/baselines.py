@@ -191,7 +191,7 @@ class FedAvgMStrategy(FlowerBaselineStrategy):
     Args:
         server_learning_rate: server step size (Flower's default 1.0).
         server_momentum: server momentum. Default 0.5, not Flower's 0.0 (which is plain FedAvg): the best
-            measured setting (docs/multi-round.md); 0.9 diverges at server lr 1.
+            measured setting, where 0.9 diverged at server lr 1 (docs/multi-round.md, "Flower's baselines").
     """
 
     method = "fedavgm"

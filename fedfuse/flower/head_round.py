@@ -38,8 +38,8 @@ them with Gaussian noise, solves, and noises the check's pooled accuracies too, 
 Kept only if the clients agree (``check=True``, the default): one ``query.score_candidates`` message
 (``fedfuse.flower.candidates``) asks the nodes for the accuracy of the model before and after on their own data
 (validation split, else training data); the solved head is kept unless it scores lower. A ridge head is not always
-the better classifier: after 30 rounds of 1 local epoch at Dirichlet α = 0.5 the trained head was 0.4–1.7 points
-better on the test set (docs/multi-round.md); under label skew or long local training the solved head wins by 10–20.
+the better classifier: with mild label skew and short local training the trained head can be better, while under
+label skew or long local training the solved head wins by far (measured: docs/multi-round.md, "The head round").
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ from fedfuse.progressive import (HEAD_SOLVERS, HeadStatistics, copy_head, fit_te
 
 #: when the clients' loss with the kept solved head is above the model before's, the head's logits are scaled by each of
 #: these factors (one more scoring query) and the factor with the lowest client loss is kept: a positive scale keeps
-#: every prediction, hence the accuracy, and the loss is convex in it (issue 45: test loss 1.94 -> 5.84 while the
-#: accuracy rose 0.47 -> 0.74, with no warning)
+#: every prediction, hence the accuracy, and the loss is convex in it (why: a solved head can raise the accuracy and
+#: the loss together; the case: docs/trust.md, "What the server bounds", head round)
 CALIBRATION_FACTORS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 2.0, 4.0)
 
 
@@ -430,8 +430,8 @@ class HeadRound:
         ``check_each``; width × depth tiers: ``fedfuse.hetero.depth.classifier_readers``): the narrower widths that
         read each classifier's top-left slice; a solved classifier is then kept only if the clients do not score it
         lower at any of them either (``narrow(model, width)``: the model as that width's nodes receive it), since the
-        pooled solution on the full width's features is not fitted to a slice of them (MNIST-1D, tiers
-        ``1x1,1x0.5,0.5x0.5``, α = 0.1: the shared exit's solved head cost the narrow tier 8.5 points)."""
+        pooled solution on the full width's features is not fitted to a slice of them (measured: docs/tiers.md,
+        "Width × depth tiers", every exit checked at every width that reads it)."""
         t0 = time.perf_counter()
         every = head_sites(model)
         unknown = sorted(set(sites or ()) - set(every))

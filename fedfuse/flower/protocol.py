@@ -70,8 +70,8 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         weight_cap: a reply's sample count is clipped to ``weight_cap`` × the median count of the round's valid
             replies (with at least 3 of them), so that one client claiming ``num-examples`` × 100 (a free rider)
             cannot take over the average or the fusion; 0 = no cap. The default 10 leaves every honest split measured
-            untouched (largest/median ≤ 7.7 on the anchors' and 20-client Dirichlet splits); clipped replies are
-            recorded in the round's ``capped``.
+            untouched (docs/trust.md, "What the server bounds"); clipped replies are recorded in the round's
+            ``capped``.
         screen: the robust setting (``fedfuse.flower.screen.ClientScreen``): free riders and models that disagree
             with the clients' majority on the fusion set are dropped, updates bounded in norm, before aggregation;
             recorded in the round's ``screened``. ``None`` (default): every valid reply is aggregated.

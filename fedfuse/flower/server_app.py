@@ -228,8 +228,9 @@ def selection_options(cfg: RunConfig) -> dict:
     candidates = cfg.auto_candidate_names
     if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
         # with the head round one candidate: the clients score the candidates before their head is solved, which
-        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: 2-15 points above FedDF after the
-        # head round); FedDF for the block families kf-linear cannot take (ViT: 1.8-3.4 points above kf-gradient)
+        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: its features beat FedDF's under the
+        # head round); FedDF for the block families kf-linear cannot take (ViT: above kf-gradient there). Measured:
+        # docs/one-shot.md, its opening section
         candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
             ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
     out = {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
@@ -558,8 +559,8 @@ def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: 
 def head_round_loss_check(rows: list[dict], head_rnd: int, record: dict) -> None:
     """Loss and accuracy before and after the head round, on the server's test set (central evaluation) or the
     clients' validation splits (federated), into the round's record (``"loss-check"``); a loss that rose is a
-    WARNING naming both, even when the accuracy rose (issue 45: test loss 1.94 -> 5.84 while the accuracy rose
-    0.47 -> 0.74, with no warning)."""
+    WARNING naming both, even when the accuracy rose: a solved head can raise the accuracy and the loss together
+    (the case: docs/trust.md, "What the server bounds", head round)."""
     by_round = {r.get("round"): r for r in rows}
     before, after = by_round.get(head_rnd - 1), by_round.get(head_rnd)
     if before is None or after is None:

@@ -109,8 +109,8 @@ class ServerMomentum:
     """FedAvgM's step on the round's aggregate ``a``: ``v = m·v + (a − x)``, ``x_new = x + lr·v`` with ``x`` the global
     model sent this round. The first step (no momentum yet) with ``lr = 1`` is ``a`` itself. Buffers (BatchNorm's
     running mean / variance and counters) keep the aggregate's values: they are estimates, not trained weights, and
-    a momentum step extrapolates them (a running variance stepped below zero turns every output NaN: measured on
-    ResNet depth tiers). ``info["step-norm"]`` is ``||x_new − x||`` over the parameters."""
+    a momentum step extrapolates them (a running variance stepped below zero turns every output NaN:
+    docs/multi-round.md, "How `average` aggregates"). ``info["step-norm"]`` is ``||x_new − x||`` over the parameters."""
 
     def __init__(self, momentum: float, learning_rate: float = 1.0) -> None:
         if not 0 <= float(momentum) < 1:

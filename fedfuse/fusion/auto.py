@@ -16,9 +16,8 @@ arXiv 1910.05653, align to it implicitly). ``auto`` therefore:
 
 Why top-1 agreement and no distillation among the default candidates: the KL is what distillation (``kd``,
 ``feddf``) minimises on the fit part, so it ranks the distilled candidates first whatever their accuracy; on the
-MNIST-1D one-shot cells (10 clients, α = 0.1 / 0.5, ``simulations/bench/progressive.py``) the lowest KL picked
-``feddf``/``ot``/``kd`` and lost 5–15 points to ``kf-linear``, which top-1 agreement kept in most seeds
-(docs/one-shot.md).
+MNIST-1D one-shot cells the lowest KL picked ``feddf``/``ot``/``kd`` below ``kf-linear``, which top-1 agreement kept
+in most seeds (measured: docs/one-shot.md, "Progressive few-round fusion").
 
 Scores given to ``fuse`` are passed to the candidates that read them; ``auto`` does not itself depend on them (a
 strategy running it does not ask the clients for scores). Clients of different widths have no average: the

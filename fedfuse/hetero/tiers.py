@@ -61,10 +61,11 @@ def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str, mode: st
 def resolve_ordered_dropout_draw(strategy: str | None, draw: str | float, family: str | None = None) -> str | float:
     """``ordered-dropout-draw='auto'`` → the best measured draw (``results/tiers-od-draw/table.md``): ``width`` (each
     width in proportion to itself, ``fedfuse.hetero.ordered_dropout.draw_weights``) for ``average`` and the fusion
-    methods, where it puts the default above HeteroFL, FedRolex and FedDF in 12 of the 13 capacity-tier cells (9 with
-    FjORD's uniform draw); ``uniform`` for ViTs (the width draw cost their smallest tier) and for the strategies
-    whose ordered dropout is off by default (HeteroFL, FedRolex, FedDF: with ``ordered-dropout='all'`` they are the
-    FjORD-style baselines, FjORD's own draw). Any other value is returned as given."""
+    methods, where it puts the default above HeteroFL, FedRolex and FedDF in more capacity-tier cells than FjORD's
+    uniform draw (docs/tiers.md, "Since the width draw"); ``uniform`` for ViTs (the width draw cost their smallest
+    tier) and for the strategies whose ordered dropout is off by default (HeteroFL, FedRolex, FedDF: with
+    ``ordered-dropout='all'`` they are the FjORD-style baselines, FjORD's own draw). Any other value is returned as
+    given."""
     if draw != "auto":
         return draw
     if family == "vit" or _spec_value(strategy, "ordered_dropout_auto") == "off":

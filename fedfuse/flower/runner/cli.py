@@ -180,7 +180,8 @@ def overrides_or_exit(text: str) -> dict[str, Any]:
 ENGINES = ("flwr", "inprocess")
 ENGINE_HELP = ("flwr: a real `flwr run` (SuperLink + Ray simulation engine); inprocess: the same ServerApp body and "
                "ClientApp in this process on a LocalGrid (fedfuse.flower.runner.inprocess; no Ray, no transport, "
-               "~10x faster on small models; same numbers with fraction-train=1)")
+               "faster on small models: simulations/README.md, 'In-process engine'; same numbers with "
+               "fraction-train=1)")
 
 
 def run_with_engine(engine: str, run_config: dict[str, Any], *, num_supernodes: int, timeout: float, echo: bool,

@@ -220,8 +220,8 @@ def references_table(run: RunSummary) -> str | None:
         one = next((r.get(run.metric) for r in run.rows if r.get("round") == 1), None) if head else None
         if head and isinstance(one, (int, float)):
             # the fused round's own part and the head round's: the head round's classifier is solved from the
-            # clients' statistics (one more exchange), so its gain is not the fusion's (issue 45: "ot is 62.7 points
-            # above the ensemble" while the fused round scored 0.30)
+            # clients' statistics (one more exchange), so its gain is not the fusion's: one line for both would credit
+            # the fusion with it (docs/one-shot.md, "What a one-shot run prints")
             lines += ["", f"{run.label}'s fused round (round 1, {one:.4f}) {_gap_text(one, best, ens)}; the head round "
                           f"adds {final - one:+.4f} (the classifier solved from the clients' statistics), so the final "
                           f"model ({final:.4f}) {_gap_text(final, best, ens)} (one seed)"]

@@ -382,10 +382,10 @@ def worst_drop(acc: list[float]) -> float:
 
 
 def summary_table(rows: list[dict], strategies: list[str], part: str, reference: str, at_round: int = 10) -> str:
-    """The issue-12 summary of one partitioning: final and best accuracy, accuracy at ``at_round``, the first
-    round reaching ``reference``'s final accuracy (same seed; mean over seeds), the worst round-over-round
-    drop, the largest deficit of the mean curve below ``reference``'s mean curve (any round), and the rounds
-    that fell back, were skipped or were guarded (summed over seeds)."""
+    """The summary of one partitioning (the table of docs/multi-round.md, "Measured"): final and best accuracy,
+    accuracy at ``at_round``, the first round reaching ``reference``'s final accuracy (same seed; mean over seeds),
+    the worst round-over-round drop, the largest deficit of the mean curve below ``reference``'s mean curve (any
+    round), and the rounds that fell back, were skipped or were guarded (summed over seeds)."""
     import numpy as np
 
     def curves(strategy):

@@ -2,7 +2,8 @@
 
 The matching methods (``ot``, ``rebasin``, ``transfusion``) align one client at a time onto the reference; adding
 each aligned state to ``AlignedAverage`` as it is made keeps one float64 accumulator instead of every client's
-aligned state, so their memory does not grow with the number of clients (issue 24's memory bound).
+aligned state, so their memory does not grow with the number of clients (docs/scaling.md, "Streamed aligned
+averages").
 """
 
 from __future__ import annotations
