@@ -302,11 +302,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "anchor"))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--summary", nargs="+", help="only print the gain-over-FedAvg table of these output folders")
+    ap.add_argument("--reference", default="fedavg", help="with --summary: the row every gain is measured against "
+                    "(its name with its non-lr overrides, e.g. 'fedavg[momentum=0]')")
     ap.add_argument("--plot", help="with --summary: write the gain heat map (one panel per --plot-strategies) here")
     ap.add_argument("--plot-strategies", default="average,feddf,auto")
     args = ap.parse_args(argv)
     if args.summary:
-        print(regime_summary([Path(d) for d in args.summary], metric=args.metric))
+        print(regime_summary([Path(d) for d in args.summary], reference=args.reference, metric=args.metric))
         if args.plot:
             regime_heatmap([Path(d) for d in args.summary], Path(args.plot), split_strategies(args.plot_strategies),
                            metric=args.metric)
