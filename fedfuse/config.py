@@ -127,7 +127,7 @@ class RunConfig:
                        ge=0)
     strategy: str = _key("auto", "auto, fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
                          "that keeps the architecture; the default 'auto' = FedAvg's average below auto-fusion-epochs "
-                         "local epochs (FedAvgM's momentum step for plain-SGD clients sampled partly: auto-momentum), "
+                         "local epochs (FedAvgM's momentum step for plain-SGD clients: auto-momentum), "
                          "and from there every round the candidate aggregation (auto-candidates: the "
                          "plain average, the average with server momentum, FedDF) the clients score best on their "
                          "own data (measured across the regime cells: docs/multi-round.md)")
@@ -216,8 +216,7 @@ class RunConfig:
     auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
                               "auto = the average with server momentum (the 'average' candidate: FedAvgM's step, "
                               "momentum 0.5 unless server-momentum is set) when the clients train plain SGD "
-                              "(optimizer='sgd', momentum=0) and only some of them a round (fraction-train < 1), else "
-                              "the first array candidate (the plain average by default); on = the momentum step "
+                              "(optimizer='sgd', momentum=0), else the first array candidate (the plain average by default); on = the momentum step "
                               "always; off = the first array candidate always",
                               choices=("auto", "on", "off"))
     align_to: str = _key("model-0", "rebasin | ot (methods that align units): the units the round's clients are "
@@ -555,9 +554,9 @@ def one_shot_depth_default(cfg: RunConfig) -> str:
 
 
 #: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set
-#: (the ``average`` candidate's own default): on MNIST-1D cross-device cells with plain-SGD clients it gained at both
-#: client lrs and both label skews, where Hsu et al.'s 0.9 (arXiv 1909.06335; Flower's fedavgm baseline) killed runs
-#: at the larger lr (docs/multi-round.md, "Cross-device: server momentum for plain-SGD clients")
+#: (the ``average`` candidate's own default): chosen on MNIST-1D cells with plain-SGD clients, where Hsu et al.'s 0.9
+#: (arXiv 1909.06335; Flower's fedavgm baseline) also broke runs (docs/multi-round.md, "Server momentum for
+#: plain-SGD clients")
 AUTO_SERVER_MOMENTUM = 0.5
 
 
@@ -566,15 +565,14 @@ def auto_round_aggregation(cfg: RunConfig) -> str | None:
     ``auto-fusion-epochs``): ``"average"`` (the momentum step) or ``"fedavg"`` (the plain average); ``None`` when
     fusion candidates are built (one-shot, long local training) or the strategy is not ``auto``.
 
-    Why the rule (``auto-momentum='auto'``): server momentum is FedAvgM's step (Hsu et al., arXiv 1909.06335); it
-    helps where each round's average is a small, noisy step (plain-SGD clients, a few sampled a round: Flower's
-    fedavgm baseline) and breaks runs whose clients already take large steps with their own momentum or Adam
-    (docs/multi-round.md)."""
+    Why the rule (``auto-momentum='auto'``): server momentum is FedAvgM's step (Hsu et al., arXiv 1909.06335), the
+    momentum that plain-SGD clients (Flower's fedavgm baseline) do not take themselves; on top of clients that already
+    carry their own momentum or Adam it compounds and breaks runs (measured: docs/multi-round.md)."""
     if cfg.strategy != "auto" or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
         return None
     arrays = [c for c in cfg.auto_candidate_names if c in ("fedavg", "average")]
-    plain_sgd_cross_device = cfg.optimizer == "sgd" and cfg.momentum == 0 and cfg.fraction_train < 1
-    if "average" in arrays and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd_cross_device)):
+    plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0   # the clients' own step carries no momentum
+    if "average" in arrays and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd)):
         return "average"
     if cfg.auto_momentum == "off" and "fedavg" in arrays:
         return "fedavg"

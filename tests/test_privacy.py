@@ -175,7 +175,7 @@ def test_dp_keys_are_checked_before_any_client_trains():
     assert cfg.strategy == "auto" and dp_strategy(cfg) == "fedavg"
     for name in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi"):
         assert dp_strategy(parse_run_config({**dp, "strategy": name})) == name
-    # plain-SGD clients sampled partly: auto takes the momentum step, under DP Flower's FedAvgM at auto's momentum
+    # plain-SGD clients: auto takes the momentum step, under DP Flower's FedAvgM at auto's momentum
     from fedfuse.flower.privacy import private_config
 
     cross = parse_run_config({**dp, "optimizer": "sgd", "momentum": 0.0, "fraction-train": 0.5})

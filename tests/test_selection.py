@@ -243,21 +243,21 @@ def test_fusion_candidates_are_off_below_the_local_epochs_threshold(identity):
         _strategy(candidates=("kd",), local_epochs=1)
 
 
-def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients_sampled_partly():
+def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients():
     """Below auto-fusion-epochs auto takes one array candidate with no query: the momentum step (FedAvgM, 0.5) when
-    the clients train plain SGD and only some of them a round, else the plain average; ``auto-momentum`` overrides,
-    and where it cannot apply it names the key."""
+    the clients train plain SGD, else the plain average; ``auto-momentum`` overrides, and where it cannot apply it
+    names the key."""
     from fedfuse.config import auto_round_aggregation
     from fedfuse.flower.server_app import selection_options
 
     plain = {"optimizer": "sgd", "momentum": 0.0, "local-epochs": 1, "num-clients": 10}
-    cross = parse_run_config({**plain, "fraction-train": 0.5})
-    assert auto_round_aggregation(cross) == "average"
-    opts = selection_options(cross)
-    assert opts["candidates"][0] == "average" and opts["server_momentum"] == 0.5
-    # every client every round, client momentum, Adam: the plain average as before
-    for other in ({**plain}, {**plain, "fraction-train": 0.5, "momentum": 0.9},
-                  {"optimizer": "adam", "fraction-train": 0.5}):
+    for participation in (0.5, 1.0):
+        cross = parse_run_config({**plain, "fraction-train": participation})
+        assert auto_round_aggregation(cross) == "average"
+        opts = selection_options(cross)
+        assert opts["candidates"][0] == "average" and opts["server_momentum"] == 0.5
+    # clients with their own momentum, or Adam (the default): the plain average as before
+    for other in ({**plain, "fraction-train": 0.5, "momentum": 0.9}, {"optimizer": "adam", "fraction-train": 0.5}, {}):
         cfg = parse_run_config(other)
         assert auto_round_aggregation(cfg) == "fedavg"
         assert selection_options(cfg)["candidates"][0] == "fedavg" and "server_momentum" not in selection_options(cfg)

@@ -17,8 +17,8 @@ Modules:
   named classes; ``baselines``: Flower's own strategies; ``tiered`` (+ ``tier_layout``, ``tier_derivation``):
   capacity tiers, HeteroFL and FedRolex;
 - ``selection`` (+ ``candidates``): ``SelectionStrategy``, strategy ``auto``: below ``auto-fusion-epochs`` local
-  epochs one array candidate a round with no query (the plain average, or the momentum step for plain-SGD clients
-  sampled partly: ``auto-momentum``); from there the candidate aggregation the round's clients score best on their
+  epochs one array candidate a round with no query (the plain average, or the momentum step for plain-SGD clients:
+  ``auto-momentum``); from there the candidate aggregation the round's clients score best on their
   own data (a ``query.score_candidates`` message);
 - ``screen``: ``ClientScreen``, the robust setting's check of a round's replies (free riders, updates pointing
   away from the round's median, update norms bounded; docs/trust.md);
