@@ -216,8 +216,8 @@ class RunConfig:
     auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
                               "auto = the average with server momentum (the 'average' candidate: FedAvgM's step, "
                               "momentum 0.5 unless server-momentum is set) when the clients train plain SGD "
-                              "(optimizer='sgd', momentum=0), else the first array candidate (the plain average by default); on = the momentum step "
-                              "always; off = the first array candidate always",
+                              "(optimizer='sgd', momentum=0), else the first array candidate (the plain average by "
+                              "default); on = the momentum step always; off = the first array candidate always",
                               choices=("auto", "on", "off"))
     align_to: str = _key("model-0", "rebasin | ot (methods that align units): the units the round's clients are "
                          "aligned onto: model-0 (the first reply's, averaged in) | global (the round's global model, "
