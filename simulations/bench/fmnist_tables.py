@@ -74,7 +74,20 @@ def o1_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def m1_table(rows: list[dict], stock: list[dict]) -> str:
+def partial_row(run: Path) -> dict:
+    """An M1 run folder stopped before its last round (no ``DONE``): its config and ``rounds.csv`` so far."""
+    import csv
+
+    cfg = json.loads((run / "config.json").read_text())
+    cfg = cfg.get("run-config", cfg)
+    curve = [float(r["test-accuracy"]) for r in csv.DictReader((run / "rounds.csv").open())]
+    split = Path(cfg["partition-files"]).parent.name   # fmnist-<part>-n<K>-s<seed>
+    return {"part": split.split("-")[1], "seed": int(cfg["seed"]), "strategy": cfg["strategy"],
+            "rounds": len(curve) - 1, "planned": int(cfg["num-server-rounds"]), "epochs": int(cfg["local-epochs"]),
+            "best": max(curve[1:]), "final": curve[-1], "with-head": None, "curve": curve, "run": str(run)}
+
+
+def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> str:
     lines = ["| split | row | recipe | best over rounds | final | + head round (final model) | published (NIID-Bench, 50 × 10) |",
              "|---|---|---|---|---|---|---|"]
     groups = defaultdict(list)
@@ -89,6 +102,14 @@ def m1_table(rows: list[dict], stock: list[dict]) -> str:
                     and f["rounds"] > r["rounds"]:
                 cut = f["curve"][1:r["rounds"] + 1]
                 groups[(part, r["strategy"], r["rounds"], r["epochs"], f"fedfuse (its first {r['rounds']} rounds)")]\
+                    .append({"best": max(cut), "final": cut[-1]})
+    for r in partial:   # a run stopped before its recipe's last round: every other row cut at its round count
+        groups[(r["part"], r["strategy"], r["rounds"], r["epochs"], f"fedfuse (unfinished: {r['rounds']} of "
+                f"{r['planned']} rounds)")].append(r)
+        for f in rows:
+            if (f["part"], f["epochs"], f["seed"]) == (r["part"], r["epochs"], r["seed"]) and f["rounds"] > r["rounds"]:
+                cut = f["curve"][1:r["rounds"] + 1]
+                groups[(r["part"], f["strategy"], r["rounds"], r["epochs"], f"fedfuse (its first {r['rounds']} rounds)")]\
                     .append({"best": max(cut), "final": cut[-1]})
     for (part, strat, rounds, epochs, who), rs in sorted(groups.items()):
         heads = [r["with-head"] for r in rs if r.get("with-head") is not None]
@@ -149,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--o1", nargs="*", default=[])
     ap.add_argument("--m1", nargs="*", default=[])
     ap.add_argument("--stock", nargs="*", default=[])
+    ap.add_argument("--m1-partial", nargs="*", default=[], help="M1 run folders stopped before their last round")
     ap.add_argument("--m2", nargs="*", default=[])
     ap.add_argument("--out", default="results/fmnist-tables")
     a = ap.parse_args(argv)
@@ -157,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     o1 = [r for f in a.o1 for r in rows_of(Path(f))]
     m1 = [r for f in a.m1 for r in rows_of(Path(f))]
     stock = [json.loads(p.read_text()) for f in a.stock for p in sorted(Path(f).glob("*.json"))]
+    partial = [partial_row(Path(f)) for f in a.m1_partial]
     text = []
     if o1:
         text += ["## O1: one-shot, 5 clients", "", NOTE, "", o1_table(o1), ""]
@@ -164,11 +187,12 @@ def main(argv: list[str] | None = None) -> None:
             [{k: r.get(k) for k in ("part", "seed", "method", "accuracy", "with-head", "fuse-seconds", "epoch-seconds",
                                     "fusion-size", "epochs")} for r in o1], indent=0))
     if m1 or stock:
-        text += ["## M1: NIID-Bench, 10 clients", "", NOTE, "", m1_table(m1, stock), ""]
+        text += ["## M1: NIID-Bench, 10 clients", "", NOTE, "", m1_table(m1, stock, partial), ""]
+        keys = ("part", "seed", "strategy", "rounds", "planned", "epochs", "best", "final", "with-head", "curve")
         (out / "m1-per-seed.json").write_text(json.dumps(
-            [{k: r.get(k) for k in ("part", "seed", "strategy", "rounds", "epochs", "best", "final", "with-head", "curve")}
-             for r in m1] + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "epochs", "best", "final", "curve")},
-                              "split": Path(r["split"]).name, "engine": r.get("engine")} for r in stock], indent=0))
+            [{k: r.get(k) for k in keys} for r in m1 + partial]
+            + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "epochs", "best", "final", "curve")},
+                "split": Path(r["split"]).name, "engine": r.get("engine")} for r in stock], indent=0))
     m2 = [r for f in a.m2 for r in rows_of(Path(f))]
     if m2:
         text += ["## M2: cross-device, 100 clients, 5 a round (Flower's fedavgm baseline recipe, LeNet)", "", NOTE, "",
