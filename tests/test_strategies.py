@@ -98,9 +98,6 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
                                   "fedfuse.flower.selection", "fedfuse.flower.depth_baselines")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
-        if cls.__module__ == "fedfuse.flower.depth_baselines":   # and from where they lived before
-            from fedfuse.flower import depth_tiers
-            assert getattr(depth_tiers, cls.__name__) is cls
     from server.strategies import STRATEGIES as legacy, build_strategy as legacy_build  # public API contract
     assert legacy is STRATEGIES and legacy_build is build_strategy
 
