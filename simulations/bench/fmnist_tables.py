@@ -149,6 +149,12 @@ def m2_table(rows: list[dict]) -> str:
     groups = defaultdict(list)
     for r in stats:
         groups[(r["part"], r["strategy"], r["rounds"])].append(r)
+    for part, n in {(r["part"], r["rounds"]) for r in stats}:   # a shorter run: every longer one cut at its length
+        for r in (r for r in stats if r["part"] == part and r["rounds"] > n):
+            curve = r["curve"][:n + 1]
+            groups[(part, f"{r['strategy']} (its first {n} rounds)", n)].append(
+                {**r, "rounds": n, "curve": curve, "final": curve[-1], "best": max(curve[1:]),
+                 "at-250": curve[min(250, n)], "with-head": None, "aggregation-per-epoch": None})
     for (part, strat, rounds), rs in sorted(groups.items()):
         reach = []
         for r in rs:
