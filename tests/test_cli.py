@@ -111,19 +111,6 @@ def test_the_product_never_imports_the_experiments():
     assert all(mod.startswith("simulations.bench.") for mod, _ in cli.BENCHMARKS.values())
 
 
-def test_simulations_runners_are_the_package_runners():
-    """The old names are aliases of the package's modules (same objects: a patch through either applies)."""
-    import importlib
-
-    for name in ("cli", "compare", "console", "flwr_runner", "inprocess", "progress", "run", "sweep"):
-        assert importlib.import_module(f"simulations.runners.{name}") is importlib.import_module(
-            f"fedfuse.flower.runner.{name}")
-    from simulations.runners.run import main  # the form the benchmarks and tests use
-    from fedfuse.flower.runner import run
-
-    assert main is run.main
-
-
 def test_config_lists_every_key_with_type_and_default(capsys):
     from fedfuse.config import SCHEMA
 

@@ -17,7 +17,7 @@ import torch
 
 from fedfuse.config import (SCHEMA, ConfigError, RunConfig, check_files, check_model, clients_per_round,
                             fusion_options_dict, parse_run_config, preflight, strategy_names)
-from simulations.runners.cli import parse_run_config_arg, split_run_config
+from fedfuse.flower.runner.cli import parse_run_config_arg, split_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -377,7 +377,7 @@ def test_runner_passes_quoted_values_through_flwr_run_config_parser():
     """Values with spaces, braces and double quotes survive flwr's --run-config parser (no escapes there)."""
     from flwr.common.config import parse_config_args
 
-    from simulations.runners.flwr_runner import run_config_arg
+    from fedfuse.flower.runner.flwr_runner import run_config_arg
 
     cfg = {"fusion-options": '{match="balanced", ridge=0.01}', "seed": 3, "dataset": "digits", "resume": True,
            "lr": 0.005, "data-root": "/tmp/a b"}
@@ -389,7 +389,7 @@ def test_runner_passes_quoted_values_through_flwr_run_config_parser():
 
 
 def test_sweep_strategy_labels_keep_quoted_commas():
-    from simulations.runners.sweep import parse_strategy, split_strategies
+    from fedfuse.flower.runner.sweep import parse_strategy, split_strategies
 
     labels = split_strategies("fedavg, kf-linear[fusion-rounds=3 fusion-options=\"{ridge=1e-3, head_weights=true}\"]")
     assert labels == ["fedavg", "kf-linear[fusion-rounds=3 fusion-options=\"{ridge=1e-3, head_weights=true}\"]"]
@@ -401,7 +401,7 @@ def test_sweep_strategy_labels_keep_quoted_commas():
 def test_runner_exits_on_a_bad_key_before_any_flower_process(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "simulations.runners.run", "--run-config", "num-round=5",
+    res = subprocess.run([sys.executable, "-m", "fedfuse.flower.runner.run", "--run-config", "num-round=5",
                           "--output-dir", str(tmp_path / "out")], cwd=str(ROOT), env=env, capture_output=True,
                          text=True, timeout=120)
     seconds = time.perf_counter() - t0
@@ -416,7 +416,7 @@ def test_runner_exits_on_a_bad_key_before_any_flower_process(tmp_path):
 
 
 def test_run_app_checks_the_config_before_starting_flower(tmp_path, monkeypatch):
-    from simulations.runners import flwr_runner
+    from fedfuse.flower.runner import flwr_runner
 
     def no_superlink(*a, **k):
         raise AssertionError("a SuperLink was started for a bad config")
@@ -429,7 +429,7 @@ def test_run_app_checks_the_config_before_starting_flower(tmp_path, monkeypatch)
 def test_summary_marks_fallbacks_and_failed_runs(tmp_path, capsys):
     import json
 
-    from simulations.runners.run import report
+    from fedfuse.flower.runner.run import report
 
     rounds = [{"round": 0, "test-accuracy": 0.1, "fallback": None},
               {"round": 1, "test-accuracy": 0.1, "fallback": "IncompatibleModelsError: hf-linear takes 2 models"}]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from simulations.runners.compare import STRATEGY_ONLY_KEYS, RunSummary, baseline_config, comparison_table, verdict
-from simulations.runners.console import QuietConsole, classify, format_round, parse_log_line
+from fedfuse.flower.runner.compare import STRATEGY_ONLY_KEYS, RunSummary, baseline_config, comparison_table, verdict
+from fedfuse.flower.runner.console import QuietConsole, classify, format_round, parse_log_line
 
 ESC = "\x1b"
 
@@ -71,7 +71,7 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
 def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_path):
     """Issue 45: evaluation='federated' (no server test set) completed, but the table and comparison.md said 'failed: no
     rounds' and comparison.png was empty. The comparison reads the clients' federated accuracy, and says so."""
-    from simulations.runners.run import write_comparison
+    from fedfuse.flower.runner.run import write_comparison
 
     def fed(accs, head=False):
         rows = [{"round": 0, "test-accuracy": None}] + [
@@ -155,7 +155,7 @@ def test_the_products_own_warnings_are_shown_never_counted_as_flower_or_rays():
     code is shown (its text, without the source path); Flower's and Ray's are still counted."""
     logged = _logged_warnings()
     assert len(logged) > 20   # the scan sees them
-    from simulations.runners.console import is_user_warning
+    from fedfuse.flower.runner.console import is_user_warning
 
     assert [(f, m) for f, m in logged if not is_user_warning(m)] == []
     assert classify("WARNING :   auto: round 1: candidate 'hf-linear' skipped: takes at most 2 models, got 4\n")[0] == \
@@ -172,7 +172,7 @@ def test_classify_flower_lines():
                      "warning", "round", "error"]
     assert parse_log_line(FLWR_LINES[7]) == ("WARNING", "aggregate_train: round 1: rejected reply from node 42: "
                                                         "contains NaN or Inf")
-    # the in-process engine's format (simulations.runners.inprocess._LineHandler)
+    # the in-process engine's format (fedfuse.flower.runner.inprocess._LineHandler)
     assert classify("WARNING : fedfuse round 2: fusion fell back: previous: FusionError: x\n") == (
         "warning", "fedfuse round 2: fusion fell back: previous: FusionError: x")
     assert classify("INFO    : fedfuse round 2: test-accuracy 0.5\n") == ("round", "2")
@@ -223,7 +223,7 @@ def test_quiet_console_prints_rounds_and_user_warnings_and_logs_everything(tmp_p
 
 
 def test_progress_is_off_without_a_terminal(monkeypatch, capsys):
-    from simulations.runners import progress as prog
+    from fedfuse.flower.runner import progress as prog
 
     monkeypatch.delenv("FEDFUSE_PROGRESS", raising=False)
     items = [1, 2, 3]
@@ -238,7 +238,7 @@ def test_progress_is_off_without_a_terminal(monkeypatch, capsys):
 
 # ---------------------------------------------------------------------------------- the whole command
 def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_logs(tmp_path, capsys):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     rc = main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config",
                "num-clients=2 num-server-rounds=2 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
@@ -273,7 +273,7 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
 
 
 def test_no_compare_runs_the_strategy_only(tmp_path, capsys):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     rc = main(["--engine", "inprocess", "--no-compare", "--output-dir", str(tmp_path), "--run-config",
                "num-clients=2 num-server-rounds=1 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
@@ -283,7 +283,7 @@ def test_no_compare_runs_the_strategy_only(tmp_path, capsys):
 
 
 def test_a_bad_baseline_config_exits_before_anything_runs(tmp_path, capsys):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     with pytest.raises(SystemExit) as exc:   # hf-linear fuses exactly 2 models; the default run has 4 clients
         main(["--engine", "inprocess", "--baseline", "hf-linear", "--output-dir", str(tmp_path)])
@@ -322,7 +322,7 @@ def test_with_capacity_tiers_the_default_baseline_is_heterofl(tmp_path, capsys):
     """README's tier example (``client-tiers`` set): FedAvg cannot aggregate clients of different widths, so the
     default run compares with HeteroFL (and runs HeteroFL alone when it is the strategy)."""
     from fedfuse.config import parse_run_config, preflight
-    from simulations.runners.run import default_baseline, main
+    from fedfuse.flower.runner.run import default_baseline, main
 
     tiered = {"client-tiers": "1,0.5,0.25", "strategy": "kf-linear", "tier-models": "fuse", "dataset": "mnist1d"}
     assert default_baseline(parse_run_config(tiered)) == "heterofl"
@@ -344,7 +344,7 @@ def test_with_depth_tiers_the_default_baseline_is_depthfl(tmp_path, capsys):
     """Depth tiers (``client-tiers`` ``<width>x<depth>``): the default run (strategy 'auto' → the layer-wise average)
     compares with DepthFL."""
     from fedfuse.config import parse_run_config, preflight
-    from simulations.runners.run import default_baseline, main
+    from fedfuse.flower.runner.run import default_baseline, main
 
     depth = {"client-tiers": "1x1,1x0.5", "model-depth": 2}
     assert default_baseline(parse_run_config({**depth, "strategy": "average"})) == "depthfl"

@@ -162,7 +162,7 @@ def test_client_depth_from_the_run_or_its_node_config_and_its_loaded_arrays():
 # ------------------------------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("strategy", ["depthfl", "inclusivefl", "average"])
 def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     out = run_inprocess({**TINY, "strategy": strategy, "output-dir": str(tmp_path), "run-name": "d"}, 4, echo=False)
     res = json.loads((out / "results.json").read_text())
@@ -185,7 +185,7 @@ def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
 
 @pytest.mark.slow
 def test_flwr_run_two_round_depth_tiers(tmp_path):
-    from simulations.runners.flwr_runner import run_app
+    from fedfuse.flower.runner.flwr_runner import run_app
 
     cfg = {**TINY, "strategy": "depthfl", "output-dir": str(tmp_path), "run-name": "depth"}
     outcome = run_app(cfg, num_supernodes=4, timeout=420, echo=False)
@@ -368,7 +368,7 @@ def test_align_depths_undoes_the_clients_unit_orders_at_every_depth(family):
 def test_one_shot_depth_tier_ot_run_inprocess(tmp_path):
     """One-shot depth tiers with ``ot`` (aligned layer-wise average, then the ensemble distilled into every exit), then
     the head round solving every exit's classifier: the run completes with every tier's classifier above chance."""
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     cfg = {**TINY, "mode": "one-shot", "num-server-rounds": 1, "local-epochs": 3, "strategy": "ot",
            "output-dir": str(tmp_path), "run-name": "d"}
@@ -538,7 +538,7 @@ def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shap
 
 @pytest.mark.parametrize("strategy", ["average", "depthfl"])
 def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     cfg = {**TINY, "strategy": strategy, "client-tiers": WXD, "output-dir": str(tmp_path), "run-name": "wd"}
     out = run_inprocess(cfg, 4, echo=False)
@@ -564,7 +564,7 @@ def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
 def test_warm_start_across_depth_tiers_inprocess(tmp_path, tiers, fusion):
     """mode='warm-start' with depth tiers: round 1 combines the clients' own models of several depths (and widths)
     with the depth strategy's one-shot aggregation (the default's choice, warned), then multi-round FL goes on."""
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     cfg = {**TINY, "strategy": "average", "client-tiers": tiers, "mode": "warm-start", "num-server-rounds": 3,
            "warm-start-epochs": 3, "output-dir": str(tmp_path), "run-name": "w"}
@@ -589,7 +589,7 @@ def test_every_model_family_survives_every_tier_shape(tmp_path, model, tiers):
     stays finite and its accuracy above chance for every family and tier shape. ResNet depth tiers used to die in
     round 2 (the momentum step extrapolated BatchNorm's running variance below zero) and ResNet width tiers to
     crash (the pruned units' permutation of the velocity asked for its BatchNorm buffers)."""
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     size = {"resnet": {"model-width": 16}}.get(model, {"model-width": 32})
     cfg = {"dataset": "digits", "model": model, **size, "client-tiers": tiers, "num-clients": 3,

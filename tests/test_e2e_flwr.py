@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from simulations.runners.flwr_runner import run_app
-from simulations.runners.run import report
+from fedfuse.flower.runner.flwr_runner import run_app
+from fedfuse.flower.runner.run import report
 from tests.support.fault_app import write_fault_app
 
 

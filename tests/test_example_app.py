@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.runners.flwr_runner import run_app
+from fedfuse.flower.runner.flwr_runner import run_app
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-flower-app"
 
@@ -29,7 +29,7 @@ def test_own_flower_app_inprocess(tmp_path, monkeypatch):
     """The same app's ClientApp and ServerApp on the in-process engine (Flower's wire format, no Ray): fast."""
     import sys
 
-    from simulations.runners.inprocess import run_app_inprocess
+    from fedfuse.flower.runner.inprocess import run_app_inprocess
 
     monkeypatch.syspath_prepend(str(EXAMPLE))
     for name in [m for m in sys.modules if m == "own_app" or m.startswith("own_app.")]:

@@ -28,7 +28,7 @@ from fedfuse.flower import STRATEGIES, build_strategy
 from fedfuse.flower.server_app import setup
 from fedfuse.fusion import FusionError
 from fedfuse.models import build_model
-from simulations.runners.flwr_runner import run_app
+from fedfuse.flower.runner.flwr_runner import run_app
 from tests.support.fault_app import write_fault_app
 from tests.support.faults import FAULTS_KEY, FusionFaultStrategy, fault_mod, parse_faults
 

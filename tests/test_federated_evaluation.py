@@ -12,8 +12,8 @@ from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.data import write_fusion_set_file
 from fedfuse.flower import server_app
 from fedfuse.flower.server_app import FederatedEvaluation
-from simulations.runners.console import format_round
-from simulations.runners.inprocess import run_inprocess
+from fedfuse.flower.runner.console import format_round
+from fedfuse.flower.runner.inprocess import run_inprocess
 
 TINY = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
         "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "min-train-nodes": 3,

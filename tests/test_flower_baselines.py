@@ -230,7 +230,7 @@ def test_client_round_passes_proximal_mu(monkeypatch):
 
 @pytest.mark.slow
 def test_flwr_run_fedadam_two_rounds(tmp_path):
-    from simulations.runners.flwr_runner import run_app
+    from fedfuse.flower.runner.flwr_runner import run_app
 
     cfg = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
            "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "lr": 0.01, "fusion-set-size": 60,

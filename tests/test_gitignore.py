@@ -25,8 +25,8 @@ def test_results_folders_are_ignored_and_sources_are_not():
     outputs += [f"{run}/baseline-fedavg/accuracy.png", "results/sweep/table.md", "results/sweep/accuracy.png",
                 "results/one_shot/mine/table.md", "examples/quickstart/results/run/accuracy.png"]
     assert _ignored(outputs) == set(outputs)
-    sources = ["fedfuse/cli.py", "simulations/runners/run.py", "tests/test_gitignore.py", "README.md", "docs/index.md",
-               "docs/configuration.md", "pyproject.toml"]
+    sources = ["fedfuse/cli.py", "fedfuse/flower/runner/run.py", "tests/test_gitignore.py", "README.md",
+               "docs/index.md", "docs/configuration.md", "pyproject.toml"]
     assert _ignored(sources) == set()
 
 

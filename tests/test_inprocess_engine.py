@@ -1,4 +1,4 @@
-"""The in-process engine (``simulations.runners.inprocess``): Flower's ``Grid`` contract, the run config as
+"""The in-process engine (``fedfuse.flower.runner.inprocess``): Flower's ``Grid`` contract, the run config as
 ``flwr run`` builds it, the real ServerApp/ClientApp end to end, and (slow) the same per-round numbers as a
 real ``flwr run``."""
 
@@ -10,8 +10,8 @@ from flwr.clientapp import ClientApp
 from flwr.common.config import get_fused_config_from_dir, parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
-from simulations.runners.flwr_runner import ROOT, run_app, run_config_arg
-from simulations.runners.inprocess import (LocalGrid, fused_run_config, run_app_inprocess, run_inprocess,
+from fedfuse.flower.runner.flwr_runner import ROOT, run_app, run_config_arg
+from fedfuse.flower.runner.inprocess import (LocalGrid, fused_run_config, run_app_inprocess, run_inprocess,
                                            task_identity)
 
 RUN_ID = 7

@@ -91,7 +91,7 @@ def test_the_key_applies_to_one_shot_only():
 
 
 def test_a_one_shot_run_prints_and_writes_the_references(tmp_path, capsys):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config", TINY]) == 0
     out = capsys.readouterr().out
@@ -113,7 +113,7 @@ def test_a_one_shot_run_prints_and_writes_the_references(tmp_path, capsys):
 def test_reference_bars_draw_the_fused_model_and_every_reference(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from simulations.runners.compare import RunSummary, reference_bars
+    from fedfuse.flower.runner.compare import RunSummary, reference_bars
 
     drawn = {}
     real = matplotlib.axes.Axes.barh
@@ -132,7 +132,7 @@ def test_the_verdict_line_splits_the_fused_rounds_part_from_the_head_rounds():
     """Issue 45: "ot is 62.7 points above the clients' ensemble (7600% of the gap)" while the fused round scored 0.30:
     the gain was the head round's. With a head round the line says the fused round's own standing and what the head
     round adds."""
-    from simulations.runners.compare import RunSummary, references_table
+    from fedfuse.flower.runner.compare import RunSummary, references_table
 
     refs = {"rows": [{"key": "best-client", "accuracy": 0.36}, {"key": "ensemble", "accuracy": 0.368}],
             "client-accuracy": {"0": 0.36, "1": 0.2}}
@@ -156,7 +156,7 @@ def test_the_verdict_line_splits_the_fused_rounds_part_from_the_head_rounds():
 
 def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_path, capsys):
     """``--baseline fedavg`` trains the same clients again: its one round equals the 'one-shot FedAvg' reference."""
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--baseline", "fedavg",
                  "--run-config", TINY + " one-shot-references='models'"]) == 0
@@ -168,7 +168,7 @@ def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_p
 
 
 def test_federated_evaluation_says_the_references_are_unavailable(tmp_path):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--no-compare", "--run-config",
                  TINY + " evaluation='federated'"]) == 0

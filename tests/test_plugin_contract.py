@@ -17,7 +17,8 @@ from fedfuse.flower import (ReplyRejected, build_strategy, make_train_reply, rea
 from fedfuse.flower.client_app import make_client_app
 from fedfuse.fusion import fuse_result
 from fedfuse.models import build_model, levels
-from simulations.runners.inprocess import SERVER_TASK_ID, SUPERLINK_NODE_ID, LocalGrid, fused_run_config, task_identity
+from fedfuse.flower.runner.inprocess import (SERVER_TASK_ID, SUPERLINK_NODE_ID, LocalGrid, fused_run_config,
+                                             task_identity)
 
 SHAPE = (1, 8, 8)
 

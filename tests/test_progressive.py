@@ -421,7 +421,7 @@ def test_run_config_errors_name_the_key():
 
 
 def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, capsys):
-    from simulations.runners.run import main
+    from fedfuse.flower.runner.run import main
 
     cfg = ("mode='one-shot' num-server-rounds=1 num-clients=3 local-epochs=2 model-width=16 model-depth=1 "
            "fusion-set-size=60 importance='uniform' strategy='kf-linear' one-shot-references='models' "

@@ -18,7 +18,7 @@ import torch
 
 from fedfuse.results import load_checkpoint, save_checkpoint
 from simulations.runners.deployment import kill_tree
-from simulations.runners.flwr_runner import (_superlink_pids, flwr_env, run_app, run_config_arg,
+from fedfuse.flower.runner.flwr_runner import (_superlink_pids, flwr_env, run_app, run_config_arg,
                                     start_local_superlink, stop_superlink)
 from tests.support.fault_app import write_fault_app
 

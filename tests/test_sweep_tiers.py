@@ -3,7 +3,7 @@
 import pytest
 
 from fedfuse.config import ConfigError
-from simulations.runners.sweep import aggregation_seconds, parse_strategy, sweep_keys, tier_table
+from fedfuse.flower.runner.sweep import aggregation_seconds, parse_strategy, sweep_keys, tier_table
 
 
 def test_sweep_only_keys_are_popped_and_checked():

@@ -270,7 +270,7 @@ def test_tier_models_auto_default_prunes_for_fusion_and_slices_for_the_submodel_
 
 @pytest.mark.parametrize("strategy", ["kf-linear", "average"])
 def test_two_round_inprocess_run_with_tier_models_prune(tmp_path, strategy):
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     cfg = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 2,
            "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 120,

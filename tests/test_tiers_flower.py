@@ -55,7 +55,7 @@ def test_client_builds_the_tier_it_is_sent():
                                             ("heterofl", {}), ("fedrolex", {}), ("average", {}), ("feddf", {}),
                                             ("average", {"tier-models": "distill"})])
 def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
-    from simulations.runners.inprocess import run_inprocess
+    from fedfuse.flower.runner.inprocess import run_inprocess
 
     out = run_inprocess({**TINY, **extra, "strategy": strategy, "output-dir": str(tmp_path), "run-name": "t"}, 3,
                         echo=False)
@@ -102,7 +102,7 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
 
 @pytest.mark.slow
 def test_flwr_run_two_round_tiers(tmp_path):
-    from simulations.runners.flwr_runner import run_app
+    from fedfuse.flower.runner.flwr_runner import run_app
 
     cfg = {**TINY, "strategy": "kf-linear", "output-dir": str(tmp_path), "run-name": "tiers"}
     outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)

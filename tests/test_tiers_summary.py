@@ -3,7 +3,7 @@
 import json
 
 from simulations.bench import tiers_summary
-from simulations.runners.sweep import epoch_ratios, tier_fields
+from fedfuse.flower.runner.sweep import epoch_ratios, tier_fields
 
 
 def _row(strategy, seed, glob, tiers, **kw):

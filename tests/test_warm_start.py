@@ -211,7 +211,7 @@ def _check_round_1(cfg, out, row):
 @pytest.mark.slow
 def test_flwr_run_warm_start(tmp_path):
     """``flwr run`` (SuperLink + Ray) of a warm-start run: completes, round 1 is the warm start, round 2 FedAvg."""
-    from simulations.runners.flwr_runner import run_app
+    from fedfuse.flower.runner.flwr_runner import run_app
 
     cfg = {**TINY, "mode": "warm-start", "strategy": "average", "warm-start-epochs": 2, "output-dir": str(tmp_path),
            "run-name": "warm-e2e"}

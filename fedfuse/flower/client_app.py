@@ -1,7 +1,7 @@
 """fedfuse ClientApp: train locally on this node's data, score neurons when asked, reply.
 
 Its replies follow the reply contract of ``fedfuse.flower.replies`` and are built by the same helper a
-user's own ClientApp uses (``fedfuse.flower.client.make_train_reply``). Reply of a ``train`` message
+user's own ClientApp uses (``fedfuse.flower.client_replies.make_train_reply``). Reply of a ``train`` message
 (``RecordDict``):
 - the trained weights (``ArrayRecord`` of the model's state dict) under the name the global model arrived in
   (the strategy's ``arrayrecord_key``, ``"arrays"`` by default);

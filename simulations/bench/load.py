@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from simulations.runners.flwr_runner import ROOT, run_app
+from fedfuse.flower.runner.flwr_runner import ROOT, run_app
 
 
 def summarize(res: dict, n_clients: int, wall: float) -> dict:

@@ -4,12 +4,12 @@
         --rounds 10 --method kf-linear --options '{"match": "balanced"}'
 
 Mirrors one ``flwr run`` multi-round simulation (same ``FederatedData``, ``client_round``, seeds and
-sample-count weights as ``fedfuse/flower/client_app.py`` / ``fedfuse/flower/strategy.py``, all clients
+sample-count weights as ``fedfuse/flower/client_app.py`` / ``fedfuse/flower/fusion_strategy.py``, all clients
 every round) without Ray, so a 20-round run takes seconds. Prints per round: the global model's test accuracy,
 the weighted average and the (weighted) probability ensemble of that round's clients (references), every
 parameter's norm and the fraction of dead ReLU units per hidden layer — what showed that fusing
 every round inflates weights (``simulations/README.md``). Reported accuracies come from the real
-Flower sweeps (``python -m simulations.runners.sweep``); this loop is for diagnosis.
+Flower sweeps (``python -m fedfuse.flower.runner.sweep``); this loop is for diagnosis.
 """
 
 from __future__ import annotations

@@ -16,6 +16,6 @@ for name in "$@"; do
   cfg=$(echo "$line" | sed -E 's/^Run config: `(.*)`; seeds \[(.*)\]$/\1/')
   seeds=$(echo "$line" | sed -E 's/^Run config: `(.*)`; seeds \[(.*)\]$/\2/' | tr -d ' ')
   echo "$(date +%T) $name seeds $seeds"
-  $PY -m simulations.runners.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$ROWS" \
+  $PY -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$ROWS" \
     --run-config "$cfg" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
 done

@@ -19,7 +19,7 @@ for spec in "mlp 0.1 1,0.125" "mlp 0.1 1,0.5,0.25" "mlp 0.5 1,0.125" "mlp 0.5 1,
   model=$MLP; [ "$fam" = cnn ] && model=$CNN
   name="mnist1d-$fam-a$a-t$(echo "$tiers" | tr ',' '-' | tr -d '.')"
   echo "$(date +%T) $name"
-  $PY -m simulations.runners.sweep --engine inprocess --partitions dirichlet --seeds 0,1,2 --strategies average \
+  $PY -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet --seeds 0,1,2 --strategies average \
     --run-config "dataset='mnist1d' dirichlet-alpha=$a $COMMON $model client-tiers='$tiers'" \
     --out "$OUT/sweeps/$name" > "$OUT/sweeps/$name.log" 2>&1
 done

@@ -3,7 +3,7 @@
 #   bash simulations/bench/tiers.sh [A|B|all] [OUT]
 # Lane A: the MLP cells (MNIST-1D and digits; Dirichlet alpha 0.1 / 0.5; tiers 1,0.5,0.25 and 1,0.125) then their
 # FedDF rows; lane B: CNN and ViT cells, the one-shot cells, their FedDF rows. The two lanes can run side by side
-# (2 cores). Each cell is `python -m simulations.runners.sweep --engine inprocess` over seeds 0,1,2 (the same
+# (2 cores). Each cell is `python -m fedfuse.flower.runner.sweep --engine inprocess` over seeds 0,1,2 (the same
 # ServerApp/ClientApp code as `flwr run`, no Ray); per cell tiers.md/tiers.png/table.md; then
 # `python -m simulations.bench.tiers_summary --root OUT` writes OUT/summary.md.
 set -uo pipefail
@@ -13,7 +13,10 @@ OUT=$(realpath -m "${2:-results/tiers}")
 mkdir -p "$OUT"
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 SEEDS=0,1,2
-PY() { ${PYTHON:-.venv/bin/python} -m simulations.runners.sweep --engine inprocess --partitions dirichlet --seeds "$SEEDS" "$@"; }
+PY() {
+  ${PYTHON:-.venv/bin/python} -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet \
+    --seeds "$SEEDS" "$@"
+}
 COMMON="local-epochs=1 num-clients=10 num-server-rounds=30 batch-size=32 min-train-nodes=5 fusion-set-size=300"
 MLP="model='mlp' optimizer='sgd' lr=0.2 model-width=256 model-depth=2"
 CNN="model='cnn' optimizer='sgd' lr=0.2 model-width=32 model-depth=2"

@@ -33,7 +33,7 @@ for name in "${CELLS[@]}"; do
     rows="average,heterofl,fedrolex,$fedavg"
   fi
   echo "$(date +%T) $name lane $LANE seeds $seeds"
-  $PY -m simulations.runners.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$rows" \
+  $PY -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$rows" \
     --run-config "$cfg" --out "$OUT/$LANE/$name" > "$OUT/$LANE/$name.log" 2>&1 || echo "FAILED $name lane $LANE"
 done
 echo "$(date +%T) lane $LANE done"

@@ -30,7 +30,7 @@ while IFS='|' read -r name rowsA rowB; do
   seeds=$(echo "$line" | sed -E 's/^Run config: `(.*)`; seeds \[(.*)\]$/\2/' | tr -d ' ')
   rows=$rowsA; [ "$LANE" = B ] && rows=$rowB
   echo "$(date +%T) $name lane $LANE"
-  $PY -m simulations.runners.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$rows" \
+  $PY -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet --seeds "$seeds" --strategies "$rows" \
     --run-config "$cfg" --out "$OUT/$LANE/$name" > "$OUT/$LANE/$name.log" 2>&1 || echo "FAILED $name lane $LANE"
 done <<< "$ROWS"
 echo "$(date +%T) lane $LANE done"

@@ -2,7 +2,7 @@
 
     python -m simulations.bench.tiers_summary --root results/tiers
 
-A cell is a folder ``<root>/<cell>/sweep.json`` written by ``simulations.runners.sweep`` (its own ``tiers.md``
+A cell is a folder ``<root>/<cell>/sweep.json`` written by ``fedfuse.flower.runner.sweep`` (its own ``tiers.md``
 has every column); folder names say the cell: ``<dataset>-<model>-a<alpha>-t<tiers>`` (multi-round) and
 ``oneshot-<dataset>-<model>-a<alpha>`` (one round, clients trained independently). Writes ``summary.md``.
 
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from simulations.bench.stats import format_mean_std, mean_std
-from simulations.runners.sweep import epoch_ratios, render
+from fedfuse.flower.runner.sweep import epoch_ratios, render
 
 MULTI = [("average", "average (default)"), ("average[ordered-dropout='off']", "average, no OD"),
          ("heterofl", "HeteroFL"), ("fedrolex", "FedRolex"), ("feddf", "FedDF"),

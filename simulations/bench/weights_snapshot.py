@@ -7,7 +7,7 @@
 import hashlib, json, sys, os
 
 import torch
-from simulations.runners.inprocess import run_inprocess
+from fedfuse.flower.runner.inprocess import run_inprocess
 
 BASE = {"num-server-rounds": 3, "output-dir": "/tmp/snapruns"}
 CASES = {

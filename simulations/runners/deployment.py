@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simulations.runners.flwr_runner import (ROOT, RunOutcome, check_app_config, descendants, flwr_env,  # noqa: F401
+from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, descendants, flwr_env,  # noqa: F401
                                              free_port, kill_tree, run_config_arg, toml_value)
 
 CONNECTION = "fedfuse-deploy"
@@ -299,7 +299,7 @@ def main() -> None:
     ap.add_argument("--run-config", default="", help='e.g. "num-server-rounds=2 strategy=\'kf-linear\'"')
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
-    from simulations.runners.cli import overrides_or_exit, preflight_or_exit
+    from fedfuse.flower.runner.cli import overrides_or_exit, preflight_or_exit
 
     overrides = overrides_or_exit(a.run_config)
     overrides.setdefault("num-clients", a.supernodes)
