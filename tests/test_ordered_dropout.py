@@ -82,7 +82,7 @@ def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
     for mode, want in expected.items():
         s = build_tier_strategy("average", tiers=(1.0, 0.5, 0.25), input_shape=(40,), seed=0, ordered_dropout=mode,
                                 model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
-        s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+        s.tier_layout.node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
         grid = Mock()
         grid.get_node_ids.return_value = [1, 2, 3]
         arrays = state_to_record(build_model("mlp", 10, (40,), width=16, depth=2).state_dict())
@@ -94,7 +94,7 @@ def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
                             ("heterofl", {}, None)):
         s = build_tier_strategy(name, tiers=(1.0, 0.5, 0.25), input_shape=(40,), seed=0,
                                 model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
-        s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+        s.tier_layout.node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
         msgs = list(s.configure_train(1, arrays, ConfigRecord(cfg), grid))
         got = {int(m.metadata.dst_node_id): m.content.config_records[s.configrecord_key].get(OD_KEY) for m in msgs}
         assert got[1] == want, (name, cfg)
@@ -174,7 +174,7 @@ def test_strategy_sends_the_draw_with_the_narrower_tiers(monkeypatch):
                             model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
     s = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(40,), seed=0, ordered_dropout_draw="width",
                             model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2))
-    s._node_tier = {1: 1.0, 2: 0.5}
+    s.tier_layout.node_tier = {1: 1.0, 2: 0.5}
     grid = Mock()
     grid.get_node_ids.return_value = [1, 2]
     arrays = state_to_record(build_model("mlp", 10, (40,), width=16, depth=2).state_dict())

@@ -11,7 +11,8 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from fedfuse.config import ConfigError, preflight
-from fedfuse.flower.head_round import HeadRound, head_reply_content, read_head_reply
+from fedfuse.flower.head_messages import head_reply_content, read_head_reply
+from fedfuse.flower.head_round import HeadRound
 from fedfuse.models import build_model
 from fedfuse.progressive import (HeadStatistics, cut_points, features, fit_temperature, freeze, fuse_suffixes, head_statistics,
                                  lift_suffix, model_equivalents, solve_head, split, with_head)
@@ -488,7 +489,7 @@ def test_head_round_solves_every_exit_of_a_depth_tier_model(identity):
 
 def test_head_round_solves_the_classifiers_it_asks_for(identity):
     """``sites``: the query names the classifiers (multi-round depth tiers: the final one only); the exits stay."""
-    from fedfuse.flower.head_round import read_head_sites
+    from fedfuse.flower.head_messages import read_head_sites
     from fedfuse.hetero.depth import multi_exit
 
     x, y = _data()
@@ -520,7 +521,7 @@ class _TierGrid(_Grid):
 
         from fedfuse.flower.candidates import read_score_tier
         from fedfuse.flower.client_tiers import tier_model
-        from fedfuse.flower.head_round import read_head_query, read_head_tiers, tier_site
+        from fedfuse.flower.head_messages import read_head_query, read_head_tiers, tier_site
 
         msgs = list(msgs)
         self.sent += msgs

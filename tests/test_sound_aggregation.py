@@ -255,7 +255,7 @@ def test_server_momentum_is_fedavgms_step_on_the_aggregate():
     """x_{t+1} = x_t + v_t, v_t = m v_{t-1} + (a_t - x_t); the first round is the aggregate itself."""
     x0 = _mlp(7).state_dict()
     s = build_strategy("average", model_fn=model_fn, fusion_inputs=_x(50), refine="none", server_momentum=0.5)
-    assert build_strategy("average", model_fn=model_fn).server_momentum == 0.5  # the measured default
+    assert build_strategy("average", model_fn=model_fn).momentum_step.momentum == 0.5  # the measured default
     s._global = ArrayRecord({k: v.clone() for k, v in x0.items()})
     a1, _ = s.aggregate_train(1, [reply(1, 1), reply(2, 2)])
     avg1 = average_state_dicts([_mlp(1).state_dict(), _mlp(2).state_dict()], [0.5, 0.5])
@@ -270,7 +270,7 @@ def test_server_momentum_is_fedavgms_step_on_the_aggregate():
     assert s.history[-1]["fusion-info"]["step-norm"] > 0
     # a fallback restarts the momentum (the next global model did not come from it)
     s.reset_server_state()
-    assert s._momentum is None
+    assert s.momentum_step.velocity is None
     with pytest.raises(ValueError, match="server_momentum"):
         build_strategy("average", model_fn=model_fn, server_momentum=1.0)
     with pytest.raises(ValueError, match="plain FedAvg"):

@@ -102,11 +102,17 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     assert legacy is STRATEGIES and legacy_build is build_strategy
 
 
-def test_constructor_has_fedavgs_options_written_out():
-    params = inspect.signature(FusionStrategy.__init__).parameters
+def test_constructor_takes_one_typed_object_per_concern_and_fedavgs_options_by_name():
+    from dataclasses import fields
+
+    from fedfuse.flower.options import ProtocolOptions
+    named = [p for p in inspect.signature(FusionStrategy.__init__).parameters.values()
+             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert len(named) <= 12   # the options are objects (fusion, guard, momentum, refine, protocol), not 35 keywords
     fedavg = [p for p in inspect.signature(FedAvg.__init__).parameters if p != "self"]
-    assert set(fedavg) <= set(params)
-    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # no **kwargs
+    assert set(fedavg) <= {f.name for f in fields(ProtocolOptions)}   # Flower's FedAvg options keep their names
+    with pytest.raises(TypeError, match="fraction_trian"):   # a misspelled flat keyword is refused, named
+        KfLinearStrategy(model_fn=model_fn, fusion_inputs=torch.zeros(4, *SHAPE), fraction_trian=0.5)
     s = KfLinearStrategy(model_fn=model_fn, fusion_inputs=torch.zeros(4, *SHAPE), fraction_train=0.5,
                          min_train_nodes=3, min_available_nodes=4, weighted_by_key="n", arrayrecord_key="w")
     assert (s.fraction_train, s.min_train_nodes, s.min_available_nodes, s.weighted_by_key, s.arrayrecord_key) == \

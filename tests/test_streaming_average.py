@@ -77,7 +77,7 @@ def test_calibration_check_reads_the_ensemble_only_when_a_calibration_fired(monk
     monkeypatch.setattr(s, "_stream_ensemble", lambda *a: calls.append(1) or original(*a))
     s.aggregate_train(1, replies)
     assert s.history[-1]["fusion-info"].get("calibration-skipped") == 1 and not calls
-    s.calibrate_min_gap = 0.0
+    s.refinement.calibrate_min_gap = 0.0
     s.aggregate_train(2, replies)
     assert "refine-kept" in s.history[-1]["fusion-info"] and calls == [1]
 

@@ -177,12 +177,12 @@ def test_mocked_round_with_tier_models_prune_sends_every_node_its_pruned_tier(ti
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
     s = _strategy(tier_models=tier_models, guard=False)
-    s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+    s.tier_layout.node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
     ups = _updates(s)
     torch.manual_seed(1)
     fused = build_model("mlp", 10, (40,), width=16, depth=2, seed=3).state_dict()
     s._global = state_to_record(fused)
-    s._momentum = {k: v.double().clone() for k, v in fused.items()}   # the server momentum follows the units
+    s.momentum_step.velocity = {k: v.double().clone() for k, v in fused.items()}   # the server momentum follows the units
     arrays, _ = _mock_round(s, ups, fused)
     new = arrays.to_torch_state_dict()
     x = torch.randn(20, 40)
@@ -192,7 +192,7 @@ def test_mocked_round_with_tier_models_prune_sends_every_node_its_pruned_tier(ti
     with torch.no_grad():
         assert torch.allclose(a.eval()(x), b.eval()(x), atol=1e-5)       # reordered, same function
     assert not all(torch.equal(new[k], fused[k]) for k in fused)         # ... and really reordered
-    assert all(torch.equal(s._momentum[k].float(), new[k]) for k in new)
+    assert all(torch.equal(s.momentum_step.velocity[k].float(), new[k]) for k in new)
     rec = s.history[-1]["tier-prune"]
     assert set(rec) == {"0.5", "0.25"}
     if tier_models == "prune":   # the tier model is the pruned global = the reordered global's top-left slice
@@ -207,7 +207,7 @@ def test_mocked_round_with_tier_models_prune_sends_every_node_its_pruned_tier(ti
     msgs = list(s.configure_train(2, arrays, ConfigRecord({}), grid))
     assert len(msgs) == 3
     for m in msgs:
-        r = s._node_tier[int(m.metadata.dst_node_id)]
+        r = s.tier_layout.node_tier[int(m.metadata.dst_node_id)]
         got = m.content.array_records[s.arrayrecord_key].to_torch_state_dict()
         assert _shapes(got) == _shapes(s.skeleton(r).state_dict())
         assert m.content.config_records[s.configrecord_key]["tier-width-mult"] == r
@@ -230,14 +230,14 @@ def test_aggregated_scores_average_the_clients_holding_each_unit():
 
 def test_a_guarded_pruned_tier_keeps_the_unpermuted_sub_model_average():
     s = _strategy(tier_models="prune")
-    s._node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
+    s.tier_layout.node_tier = {1: 1.0, 2: 0.5, 3: 0.25}
     ups = _updates(s)
     s._global = state_to_record(s.skeleton(1.0).state_dict())
     average = s.weighted_average(ups)
     arrays, _ = _mock_round(s, ups, {k: v * 1e3 for k, v in average.items()})   # a diverged "fused" global
     got = arrays.to_torch_state_dict()
     assert all(torch.allclose(got[k], average[k]) for k in average)
-    assert "tier-guard" in s.history[-1] and s._pruned is None and s._derived == {}
+    assert "tier-guard" in s.history[-1] and s.tier_models_step.take_round()[1] is None and s.tier_models_step.derived == {}
 
 
 def test_tier_models_prune_config():
@@ -255,17 +255,17 @@ def test_tier_models_auto_default_prunes_for_fusion_and_slices_for_the_submodel_
     # the run-config default is 'auto': the measured best per strategy (prune above slice on every MNIST-1D cell)
     assert parse_run_config({"client-tiers": "1,0.5"}).tier_models == "auto"
     for name in ("average", "kf-linear"):
-        assert _strategy(name).tier_models == "prune"
+        assert _strategy(name).tier_models_step.tier_models == "prune"
     for name in ("heterofl", "fedrolex", "feddf"):
         assert parse_run_config({"client-tiers": "1,0.5", "strategy": name})      # auto is valid for them
-        assert _strategy(name).tier_models == "slice"
-    assert _strategy("average", tier_models="slice").tier_models == "slice"
+        assert _strategy(name).tier_models_step.tier_models == "slice"
+    assert _strategy("average", tier_models="slice").tier_models_step.tier_models == "slice"
     # ViTs: slicing measured above pruning (results/tiers/explore-vit-slice)
     from fedfuse.flower.tiered import build_tier_strategy
 
     vit = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(1, 8, 8), seed=0,
                               model_fn=lambda: build_model("vit", 10, (1, 8, 8)))
-    assert vit.tier_models == "slice"
+    assert vit.tier_models_step.tier_models == "slice"
 
 
 @pytest.mark.parametrize("strategy", ["kf-linear", "average"])

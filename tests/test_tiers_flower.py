@@ -131,8 +131,8 @@ def test_width_scaler_only_with_normalisation_layers_and_tiered_defaults():
     assert _strategy("heterofl", model="cnn", model_kw={"batchnorm": True}).width_scaler is True
     assert _strategy("heterofl", width_scaler=True).width_scaler is True
     avg = _strategy("average")
-    assert avg.refine_steps == () and avg.server_momentum == 0.5 and avg.anchor
-    assert _strategy("feddf").server_momentum == 0.0
+    assert avg.refine_steps == () and avg.momentum_step.momentum == 0.5 and avg.anchor
+    assert _strategy("feddf").momentum_step.momentum == 0.0
     with pytest.raises(ValueError, match="tier_models='fuse'"):
         _strategy("average", tier_models="fuse")
 
@@ -166,27 +166,27 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
 
     s = _strategy("kf-linear", tier_models="fuse")
     torch.manual_seed(0)
-    s._node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
+    s.tier_layout.node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
     ups = [ClientUpdate(node_id=i, partition_id=i, num_examples=10, state=s.skeleton(r).state_dict(),
                         metrics={"tier": r}, scores=None, class_counts=None) for i, r in enumerate((1.0, 0.5, 0.25))]
     for i, u in enumerate(ups):   # distinct client models
         u.state.update({k: torch.randn_like(v) * 0.3 for k, v in u.state.items()})
     s._global = state_to_record(s.skeleton(1.0).state_dict())
     good = slice_state(s.weighted_average(ups), s.layout(0.5, 0))
-    s._derived = {}
-    s._derived[0.5] = {k: v * 1e3 for k, v in good.items()}   # a blown-up tier model: guarded
-    s._derived[0.25] = slice_state(s.weighted_average(ups), s.layout(0.25, 0))   # the safe slice itself: kept
-    kept = {k: v.clone() for k, v in s._derived[0.25].items()}
-    s._tier_guarded = {}
+    s.tier_models_step.derived = {}
+    s.tier_models_step.derived[0.5] = {k: v * 1e3 for k, v in good.items()}   # a blown-up tier model: guarded
+    s.tier_models_step.derived[0.25] = slice_state(s.weighted_average(ups), s.layout(0.25, 0))   # the safe slice itself: kept
+    kept = {k: v.clone() for k, v in s.tier_models_step.derived[0.25].items()}
+    s.tier_models_step.guarded = {}
     s.guard_tiers(1, ups)
-    assert set(s._tier_guarded) == {"0.5"} and "KL" in s._tier_guarded["0.5"]
-    assert all(torch.equal(s._derived[0.5][k], good[k]) for k in good)
-    assert all(torch.equal(s._derived[0.25][k], kept[k]) for k in kept)
+    assert set(s.tier_models_step.guarded) == {"0.5"} and "KL" in s.tier_models_step.guarded["0.5"]
+    assert all(torch.equal(s.tier_models_step.derived[0.5][k], good[k]) for k in good)
+    assert all(torch.equal(s.tier_models_step.derived[0.25][k], kept[k]) for k in kept)
     s.guard = False
-    s._derived[0.5] = {k: v * 1e3 for k, v in good.items()}
-    s._tier_guarded = {}
+    s.tier_models_step.derived[0.5] = {k: v * 1e3 for k, v in good.items()}
+    s.tier_models_step.guarded = {}
     s.guard_tiers(1, ups)
-    assert s._tier_guarded == {}
+    assert s.tier_models_step.guarded == {}
 
 
 def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
@@ -196,7 +196,7 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     from fedfuse.flower.protocol import state_to_record
 
     s = _strategy("kf-linear")
-    s._node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
+    s.tier_layout.node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
     torch.manual_seed(0)
     ups = [ClientUpdate(node_id=i, partition_id=i, num_examples=10,
                         state={k: torch.randn_like(v) * 0.3 for k, v in s.skeleton(r).state_dict().items()},
@@ -207,7 +207,7 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     s.history.append({"round": 1})
     s.last_updates = ups
     s.derive_tier_models(1, ups)
-    assert s._tier_guarded and s._tier_fallback is not None
+    assert s.tier_models_step.guarded and s.tier_models_step._tier_fallback is not None
     import fedfuse.flower.fusion_strategy as base
 
     orig = base.FusionStrategy.aggregate_train
@@ -218,4 +218,4 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
         base.FusionStrategy.aggregate_train = orig
     got = arrays.to_torch_state_dict()
     assert all(torch.allclose(got[k], average[k]) for k in average)
-    assert s._derived == {} and "tier guard" in s.history[-1]["guard"] and s._tier_fallback is None
+    assert s.tier_models_step.derived == {} and "tier guard" in s.history[-1]["guard"] and s.tier_models_step._tier_fallback is None

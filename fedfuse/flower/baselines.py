@@ -100,7 +100,6 @@ class FlowerBaselineStrategy(RoundProtocol):
             raise ValueError(f"strategy {self.method!r}: Bulyan needs at least 4f + 3 = {4 * f + 3} replies a round "
                              f"(f = {f} malicious nodes); min_train_nodes is {self.min_train_nodes} "
                              "(run-config key 'min-train-nodes')")
-        self.refine_steps: tuple[str, ...] = ()
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
             fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
@@ -110,9 +109,6 @@ class FlowerBaselineStrategy(RoundProtocol):
             train_metrics_aggr_fn=_no_metrics, **self.flower_options)
         self._replies: list[Message] = []
         self._warned_resume = False
-
-    wants_client_scores = False
-    wants_class_counts = False
 
     def round_method(self, server_round: int) -> str:
         return self.method

@@ -45,7 +45,7 @@ from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query,
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.head_round import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
+from fedfuse.flower.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tiers, tier_site)
 from fedfuse.flower.privacy import dp_clipping_mod  # noqa: E402
 from fedfuse.flower.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402

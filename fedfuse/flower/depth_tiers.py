@@ -40,13 +40,15 @@ from torch import nn
 
 from fedfuse.fusion import FusionResult
 from fedfuse.hetero import slice_state
-from fedfuse.hetero.depth import MultiExit, aggregate_held, align_depths, distill_exits, units_at
+from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, classifier_readers, distill_exits,
+                                  narrow_copy, units_at)
 from fedfuse.hetero.depth_layout import DepthLayout
 from fedfuse.hetero.tiers import resolve_ordered_dropout
 from fedfuse.strategy_specs import DEPTH_WARM_START, WIDTH_DEPTH_TIER_METHODS, strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.head_step import HeadPlan
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
@@ -287,6 +289,22 @@ class DepthTieredStrategy(FusionStrategy):
     def adopt(self, arrays: ArrayRecord) -> None:
         """A model made after the rounds (the head round's) becomes the global model the tiers' evaluation reads."""
         self._global = arrays
+
+    def head_plan(self, model: nn.Module, final_round: int, one_shot: bool) -> HeadPlan:
+        """Every exit's classifier; after multi-round training each is checked on its own (a solved exit may beat its
+        trained one or not: docs/tiers.md, "Depth tiers"), with width × depth tiers also at every narrower width that
+        reads its slice; one-shot: every classifier, one check."""
+        if one_shot:
+            return HeadPlan({1.0: model})
+        tiers = list(zip(self.tier_layout.tiers, self.tier_layout.depths))
+        if min(self.tier_layout.tiers) >= 1:
+            return HeadPlan({1.0: model}, check_each=True)
+        shape = self.layout.input_shape
+        return HeadPlan({1.0: model}, check_each=True, readers=classifier_readers(model, tiers),
+                        narrow=lambda m, w: narrow_copy(m, w, shape))
+
+    def adopt_head(self, models: dict[float, nn.Module]) -> None:
+        self.adopt(ArrayRecord(models[1.0].state_dict()))
 
     # ---------------------------------------------------------------- evaluation (results)
     def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:

@@ -24,19 +24,13 @@ from fedfuse.fusion.refine import parse_refine
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
-from fedfuse.flower.protocol import WEIGHT_CAP, MetricsAggrFn, RoundProtocol
+from fedfuse.flower.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions, take_options
+from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
-from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
 from fedfuse.flower.streaming import StreamedRounds
 from fedfuse.flower.server_importance import server_importance_options
-
-
-def delegate(part: str, name: str) -> property:
-    """A strategy attribute that reads and writes ``getattr(strategy, part).name``."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, value: setattr(getattr(self, part), name, value))
 
 
 class FusionStrategy(StreamedRounds, RoundProtocol):
@@ -69,29 +63,23 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
     method: str | None = None
     reads_scores = True   # a subclass whose aggregation never reads the method's importance scores says False
 
-    def __init__(self, method: str | None = None, *, fusion_options: dict[str, Any] | None = None,
-                 importance: str = "client", fusion_rounds: int = 0,
-                 fuse_fn: Callable[..., FusionResult] = fuse_result, refine: str | None = None,
-                 prior: str = "auto", guard: bool = True, guard_ratio: float = 2.0,
-                 server_momentum: float | None = None, server_learning_rate: float = 1.0,
-                 refine_check: bool = True, calibrate_min_gap: float = 0.2, align_to: str = "model-0",
-                 score_check: bool = True,
-                 registry_entry: StrategySpec | None = None,
-                 model_fn: Callable[[], nn.Module] | None = None, fusion_inputs: torch.Tensor | None = None,
-                 fusion_labels: torch.Tensor | None = None, fallback: str = "previous", min_valid_replies: int = 1,
-                 device: str = "cpu", seed: int = 0, weight_cap: float = WEIGHT_CAP, screen: ClientScreen | None = None,
-                 fraction_train: float = 1.0, fraction_evaluate: float = 0.0,
-                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
-                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
-                 configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
-                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
-        super().__init__(model_fn=model_fn, fusion_inputs=fusion_inputs, fusion_labels=fusion_labels,
-                         fallback=fallback, min_valid_replies=min_valid_replies, device=device, seed=seed,
-                         weight_cap=weight_cap, screen=screen, fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
-                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
-                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
-                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
-                         train_metrics_aggr_fn=train_metrics_aggr_fn, evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
+    def __init__(self, method: str | None = None, *, model_fn: Callable[[], nn.Module] | None = None,
+                 fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
+                 device: str = "cpu", seed: int = 0, fusion: FusionOptions | None = None,
+                 guard: GuardOptions | None = None, momentum: MomentumOptions | None = None,
+                 refine: RefineOptions | None = None, registry_entry: StrategySpec | None = None,
+                 **options: Any) -> None:
+        # flat keywords (Flower's style: ``server_momentum=0.5``) into the objects of their concerns, once
+        if isinstance(guard, bool):   # ``guard=False``, the flat keyword of GuardOptions.enabled
+            options["guard"], guard = guard, None
+        if isinstance(refine, str):   # ``refine="calibrate"``, the flat keyword of RefineOptions.refine
+            options["refine"], refine = refine, None
+        fusion = take_options(FusionOptions, fusion, options)
+        guard = take_options(GuardOptions, guard, options)
+        momentum = take_options(MomentumOptions, momentum, options)
+        refine = take_options(RefineOptions, refine, options)
+        super().__init__(model_fn=model_fn, fusion_inputs=fusion_inputs, fusion_labels=fusion_labels, device=device,
+                         seed=seed, **options)
         cls_method = type(self).method
         if method is not None and cls_method is not None and method != cls_method:
             raise ValueError(f"strategy: {type(self).__name__} aggregates with {cls_method!r}, not {method!r}; "
@@ -99,56 +87,51 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         method = method or cls_method
         if method is None:
             raise ValueError("strategy: FusionStrategy needs method= (a name in fedfuse.fusion.METHOD_SPECS)")
-        if importance not in ("client", "server"):
-            raise ValueError(f"strategy: importance must be 'client' or 'server', got {importance!r}")
-        if int(fusion_rounds) < 0:
-            raise ValueError(f"strategy: fusion_rounds must be >= 0, got {fusion_rounds}")
         self.entry = registry_entry or strategy_spec(method)
         self.method = method
         self.spec = self._method_spec(method)
-        self.fusion_options = dict(fusion_options or {})
+        self.fusion_options = dict(fusion.fusion_options)
         self._check_options(self.fusion_options)
-        if align_to not in ("model-0", "global"):
-            raise ValueError(f"strategy: align_to must be 'model-0' or 'global', got {align_to!r}")
-        if align_to == "global" and not (self.spec is not None and self.spec.any_reference):
+        if fusion.align_to == "global" and not (self.spec is not None and self.spec.any_reference):
             able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
             raise ValueError(f"strategy: align_to='global' needs a method that aligns onto a reference model "
                              f"({able}), not {method!r}")
-        self.align_to = align_to
-        self.score_check = bool(score_check)
-        self.importance = importance
-        self.fusion_rounds = int(fusion_rounds)
-        self.fuse_fn = fuse_fn
+        self.align_to = fusion.align_to
+        self.score_check = fusion.score_check
+        self.importance = fusion.importance
+        self.fusion_rounds = fusion.fusion_rounds
+        self.fuse_fn = fusion.fuse_fn
         self.uses_scores = bool(self.reads_scores and self.spec is not None and self.spec.uses_scores)
         self.needs_data = bool(self.spec is not None and self.spec.needs_data)
-        if importance == "server" or self.fusion_options.get("importance") in ("conductance", "deeplift"):
+        if self.importance == "server" or self.fusion_options.get("importance") in ("conductance", "deeplift"):
             self.fusion_options = server_importance_options(self, self.fusion_options, self.fusion_labels)
             self.importance = "server"
         if self.needs_data and self.fusion_inputs is None:
             raise ValueError(f"strategy: method {method!r} needs fusion_inputs (the server fusion set)")
         if self.model_fn is None and self.spec is not None:
             raise ValueError(f"strategy: method {method!r} needs model_fn to rebuild client models")
-        # the steps (fedfuse.flower.steps), from the registry entry's defaults
-        self.momentum_step = ServerMomentum(self.entry.default_server_momentum if server_momentum is None
-                                            else server_momentum, server_learning_rate)
-        self.guard = bool(guard)
-        self.guard_step = DivergenceGuard(guard_ratio)
+        # the steps (fedfuse.flower.steps), configured from the options and the registry entry's defaults
+        self.momentum_step = ServerMomentum(self.entry.default_server_momentum if momentum.momentum is None
+                                            else momentum.momentum, momentum.learning_rate)
+        self.guard = guard.enabled
+        self.guard_step = DivergenceGuard(guard.ratio)
         try:  # the default refinement needs the fusion set; without one (e.g. a plug-in 'average') it is off
-            steps = parse_refine(refine if refine is not None else
+            steps = parse_refine(refine.refine if refine.refine is not None else
                                  (self.entry.default_refine if self.fusion_inputs is not None else "none"))
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
         if steps and not self.entry.can_refine:
             raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
-                             f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")
+                             f"refine step (got refine={refine.refine!r}); use a fusion strategy such as 'average'")
         if steps and self.fusion_inputs is None:
             raise ValueError(f"strategy: refine={'+'.join(steps)!r} needs fusion_inputs (the server fusion set); "
                              "pass refine='none' to aggregate without one")
-        self.refinement = Refinement(steps, prior=prior, check=refine_check, calibrate_min_gap=calibrate_min_gap,
+        self.refinement = Refinement(steps, prior=refine.prior, check=refine.check,
+                                     calibrate_min_gap=refine.calibrate_min_gap,
                                      prior_fn=lambda updates: self.class_prior(updates))
         self.static_bn_step = StaticBatchNorm() if self.entry.static_bn else None
         self._level_widths: dict[str, int] | None = None
-        if self.model_fn is not None and self.uses_scores and importance == "client":
+        if self.model_fn is not None and self.uses_scores and self.importance == "client":
             self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
         self._probe: nn.Module | None = None      # the streamed ensemble's forward passes
         self._work: nn.Module | None = None       # the streamed round's aggregate, reused
@@ -171,15 +154,10 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
     def _accepts_option(self, name: str) -> bool:
         return self.spec is not None and name in {f.name for f in dataclasses.fields(self.spec.options)}
 
-    # the steps' options, read and set on the strategy as before the steps existed
-    refine_steps = delegate("refinement", "steps")
-    prior = delegate("refinement", "prior")
-    refine_check = delegate("refinement", "check")
-    calibrate_min_gap = delegate("refinement", "calibrate_min_gap")
-    server_momentum = delegate("momentum_step", "momentum")
-    server_learning_rate = delegate("momentum_step", "learning_rate")
-    guard_ratio = delegate("guard_step", "ratio")
-    _momentum = delegate("momentum_step", "velocity")
+    @property
+    def refine_steps(self) -> tuple[str, ...]:
+        """The refine steps this strategy runs after its aggregation (``()``: none)."""
+        return self.refinement.steps
 
     @property
     def wants_client_scores(self) -> bool:
@@ -192,10 +170,10 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         """Whether the clients must send their per-class training counts (they reveal the label distribution):
         fusion option ``head_weights`` and ``calibrate`` with prior ``class-counts``/``auto`` only."""
         head = bool(self.fusion_options.get("head_weights")) and "class_counts" not in self.fusion_options
-        return head or ("calibrate" in self.refine_steps and self.prior in ("class-counts", "auto"))
+        return head or ("calibrate" in self.refine_steps and self.refinement.prior in ("class-counts", "auto"))
 
     def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
-        return class_prior(self.prior, updates)
+        return class_prior(self.refinement.prior, updates)
 
     def on_fallback(self) -> None:
         self.momentum_step.reset()

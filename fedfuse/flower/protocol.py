@@ -37,17 +37,16 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from fedfuse.choices import FALLBACKS
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.flower.client_replies import WEIGHT_KEY
 from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
 from fedfuse.flower.replies import ClientUpdate, _npy_view, state_to_record
-from fedfuse.flower.screen import ClientScreen
+from fedfuse.flower.head_step import HeadPlan
+from fedfuse.flower.options import WEIGHT_CAP, ProtocolOptions, refuse_unknown, take_options
 from fedfuse.training import resolve_device
 from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
 from fedfuse.flower.warm_start import WarmStart, warm_start_round
 
-WEIGHT_CAP = 10.0   # × the round's median sample count (RoundProtocol's weight_cap)
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -80,34 +79,27 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
             ``class-counts`` lists are summed).
     """
 
+    refine_steps: tuple[str, ...] = ()   # the refine steps after the aggregation (``FusionStrategy``'s)
+    wants_class_counts = False   # whether the clients must send their per-class counts (``FusionStrategy``'s)
+    wants_client_scores = False   # whether the clients must send importance scores (``FusionStrategy``'s)
+
     def __init__(self, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
-                 fallback: str = "previous", min_valid_replies: int = 1, device: str = "cpu", seed: int = 0,
-                 weight_cap: float = WEIGHT_CAP, screen: ClientScreen | None = None, fraction_train: float = 1.0, fraction_evaluate: float = 0.0, min_train_nodes: int = 2,
-                 min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
-                 weighted_by_key: str = "num-examples", arrayrecord_key: str = "arrays",
-                 configrecord_key: str = "config", train_metrics_aggr_fn: MetricsAggrFn | None = None,
-                 evaluate_metrics_aggr_fn: MetricsAggrFn | None = None) -> None:
-        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
-                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
-                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
-                         arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
-                         train_metrics_aggr_fn=train_metrics_aggr_fn,
-                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
-        if fallback not in FALLBACKS:
-            raise ValueError(f"strategy: fallback must be one of {FALLBACKS}, got {fallback!r}")
+                 device: str = "cpu", seed: int = 0, protocol: ProtocolOptions | None = None, **options: Any) -> None:
+        protocol = take_options(ProtocolOptions, protocol, options)   # flat keywords (``fraction_train=...``)
+        refuse_unknown(type(self), options)
+        super().__init__(**protocol.flower())
+        self.protocol = protocol
+        self.fallback = protocol.fallback
+        self.min_valid_replies = protocol.min_valid_replies
+        self.weight_cap = protocol.weight_cap
+        self.screen = protocol.screen
+        self._user_train_metrics_aggr_fn = protocol.train_metrics_aggr_fn
         self.model_fn = model_fn
         self.fusion_inputs = fusion_inputs
         self.fusion_labels = fusion_labels
-        self.fallback = fallback
-        self.min_valid_replies = max(1, int(min_valid_replies))
-        if not weight_cap >= 0:
-            raise ValueError(f"strategy: weight_cap must be >= 0 (0 = no cap), got {weight_cap}")
-        self.weight_cap = float(weight_cap)
-        self.screen = screen
         self.device = device
         self.seed = seed
-        self._user_train_metrics_aggr_fn = train_metrics_aggr_fn
         self._global: ArrayRecord | None = None
         self._template: nn.Module | None = None   # model_fn() once: build_model copies it (no re-initialisation)
         self._reference_cache: Reference | None = None
@@ -159,6 +151,23 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         return average_state_dicts([u.state for u in updates], list(w / w.sum()))
 
     weighted_average = average   # the name strategies and tests use
+
+    def head_plan(self, model: nn.Module, final_round: int, one_shot: bool) -> HeadPlan:
+        """What the head round after the last round solves (``fedfuse.flower.head_step``): the global model's
+        classifier(s), one check. A strategy with other models to solve (width tiers, depth tiers' exits) says so."""
+        return HeadPlan({1.0: model})
+
+    def narrower_tier_models(self, server_round: int) -> dict[float, nn.Module]:
+        """Every narrower width tier's model as round ``server_round`` would send it (``{}``: one architecture)."""
+        return {}
+
+    def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
+        """The results row's per-tier entries (``tier-accuracy``, ...); ``{}``: one architecture."""
+        return {}
+
+    def adopt_head(self, models: dict[float, nn.Module]) -> None:
+        """After the head round: the models it kept (``{tier: model}``, the global one at tier 1). The run evaluates
+        the global one; a strategy whose evaluation reads its own state takes them here."""
 
     def on_fallback(self) -> None:
         """Forget server state the fallen-back round did not produce (e.g. momentum)."""

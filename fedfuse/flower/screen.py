@@ -116,13 +116,35 @@ class ClientScreen:
         info: dict[str, Any] = {"dropped": [], "clipped": []}
         record["screened"] = info
         norms = np.array([update_norm(u.state, global_state) for u in updates])
+        cosines = median_cosines(updates, global_state)
         median = float(np.median(norms))
         info["median-norm"] = median
-        cosines = median_cosines(updates, global_state)
         info["clients"] = {str(u.partition_id): {"norm": round(float(n / median), 4) if median > 0 else None,
                                                  "cosine": round(float(c), 4)}
                            for u, n, c in zip(updates, norms, cosines)}
         keep = list(range(len(updates)))
+        median = self._norm_checks(updates, norms, keep, info)
+        core = self._majority_cluster(updates, global_state, keep, info) if self.cluster != "off" else None
+        if core is not None and self.cluster == "flame":
+            self._outside_cluster(updates, keep, core, len(keep), info)
+        elif core is not None and self.cosine_ratio > 0:   # "core*": the others against the majority's median update
+            self._against_cluster(updates, global_state, keep, core, info)
+        elif core is None and self.cosine_ratio > 0:
+            self._against_median(updates, cosines, keep, info)
+        if self.agreement_mads > 0 and fusion_inputs is not None and len(keep) >= 3:
+            self._agreement_check(updates, build_model, fusion_inputs, device, keep, info)
+        if not keep:   # nothing left to aggregate: a screen that drops every reply is no defence; say so, keep them
+            info["dropped-all"] = True
+            log(WARNING, "robust screen: every reply failed a check (%s); the round aggregates all of them",
+                "; ".join(d["reason"] for d in info["dropped"][:3]))
+            keep = list(range(len(updates)))
+        return [self._clipped(updates[i], norms[i], median, global_state, info) for i in keep]
+
+    def _norm_checks(self, updates: list[ClientUpdate], norms: np.ndarray, keep: list[int],
+                     info: dict[str, Any]) -> float:
+        """Free riders (``stale``), then outsized updates (``max_norm``) against the trained replies' median norm,
+        which is returned (the clip's reference)."""
+        median = info["median-norm"]
         if self.stale > 0 and median > 0:
             for i in list(keep):
                 if norms[i] < self.stale * median:
@@ -138,88 +160,105 @@ class ClientScreen:
                     keep.remove(i)
                     self._drop(info, updates[i], f"update norm {norms[i]:.3g} is above {self.max_norm:g} × the round's "
                                                  f"median {median:.3g} (a scaled update or random weights)")
-        median_cos = float(np.median(cosines))
-        core: list[int] | None = None
-        if self.cluster != "off" and len(keep) >= 3:
-            labels = cluster_labels([updates[i] for i in keep], global_state, self.min_samples)
-            for i, lab in zip(keep, labels):
-                info["clients"][str(updates[i].partition_id)]["cluster"] = int(lab)
-            ids, counts = np.unique(labels[labels >= 0], return_counts=True)
-            if len(ids) and counts.max() > len(keep) // 2:
-                major = int(ids[np.argmax(counts)])
-                core = [i for i, lab in zip(keep, labels) if lab == major]
-                info["majority-cluster"] = [updates[i].partition_id for i in core]
-            else:
-                info["no-majority-cluster"] = True
-        if core is not None and self.cluster == "flame":
+        return median
+
+    def _majority_cluster(self, updates: list[ClientUpdate], global_state: dict[str, torch.Tensor], keep: list[int],
+                          info: dict[str, Any]) -> list[int] | None:
+        """The indices of the majority cluster of the kept updates (HDBSCAN on pairwise cosine distances), or
+        ``None`` when no cluster holds more than half of them."""
+        if len(keep) < 3:
+            return None
+        labels = cluster_labels([updates[i] for i in keep], global_state, self.min_samples)
+        for i, lab in zip(keep, labels):
+            info["clients"][str(updates[i].partition_id)]["cluster"] = int(lab)
+        ids, counts = np.unique(labels[labels >= 0], return_counts=True)
+        if not len(ids) or counts.max() <= len(keep) // 2:
+            info["no-majority-cluster"] = True
+            return None
+        major = int(ids[np.argmax(counts)])
+        core = [i for i, lab in zip(keep, labels) if lab == major]
+        info["majority-cluster"] = [updates[i].partition_id for i in core]
+        return core
+
+    def _outside_cluster(self, updates: list[ClientUpdate], keep: list[int], core: list[int], clustered: int,
+                         info: dict[str, Any]) -> None:
+        """``cluster="flame"``: only the majority cluster (of the ``clustered`` kept updates) is kept."""
+        for i in [i for i in keep if i not in core]:
+            keep.remove(i)
+            lab = info["clients"][str(updates[i].partition_id)]["cluster"]
+            self._drop(info, updates[i], "its update lies outside the majority cluster of the round's updates "
+                                         f"(HDBSCAN on pairwise cosine distances: "
+                                         f"{'noise' if lab < 0 else f'cluster {lab}'}; the majority holds "
+                                         f"{len(core)} of {clustered})")
+
+    def _against_cluster(self, updates: list[ClientUpdate], global_state: dict[str, torch.Tensor], keep: list[int],
+                         core: list[int], info: dict[str, Any]) -> None:
+        """``cluster="core"`` / ``"core-positive"``: a reply outside the majority cluster against the cluster's median
+        update."""
+        ref = median_cosines(updates, global_state, reference=[updates[i] for i in core])
+        # what an honest cosine with a reference it did not shape looks like: each member against the median
+        # update of the other members (a member's cosine with a median it is part of is biased upwards)
+        loo = np.array([median_cosines([updates[j]], global_state,
+                                       reference=[updates[i] for i in core if i != j])[0] for j in core])
+        for u, c in zip(updates, ref):
+            info["clients"][str(u.partition_id)]["core-cosine"] = round(float(c), 4)
+        for j, c in zip(core, loo):
+            info["clients"][str(updates[j].partition_id)]["core-cosine-others"] = round(float(c), 4)
+        median_loo = float(np.median(loo))
+        info["core-median-cosine"] = round(median_loo, 4)
+        if self.cluster == "core-positive":   # outside the majority: must point at least partly along it
             for i in [i for i in keep if i not in core]:
+                if ref[i] <= 0:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
+                                                 f"and its update's cosine with that cluster's median update is "
+                                                 f"{ref[i]:.2f}, not positive")
+        elif median_loo > 0:
+            for i in [i for i in keep if i not in core]:
+                if ref[i] < self.cosine_ratio * median_loo:
+                    keep.remove(i)
+                    self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
+                                                 f"and its update's cosine with that cluster's median update is "
+                                                 f"{ref[i]:.2f}, below {self.cosine_ratio:g} × the cluster "
+                                                 f"members' median {median_loo:.2f} (each against the others)")
+
+    def _against_median(self, updates: list[ClientUpdate], cosines: np.ndarray, keep: list[int],
+                        info: dict[str, Any]) -> None:
+        """The direction check: a reply whose cosine with the round's median update is far below the replies'
+        median cosine (skipped when that median is not positive)."""
+        median_cos = float(np.median(cosines))
+        if median_cos <= 0:
+            return
+        for i in list(keep):
+            if cosines[i] < self.cosine_ratio * median_cos:
                 keep.remove(i)
-                lab = info["clients"][str(updates[i].partition_id)]["cluster"]
-                self._drop(info, updates[i], "its update lies outside the majority cluster of the round's updates "
-                                             f"(HDBSCAN on pairwise cosine distances: "
-                                             f"{'noise' if lab < 0 else f'cluster {lab}'}; the majority holds "
-                                             f"{len(core)} of {len(labels)})")
-        elif core is not None and self.cosine_ratio > 0:   # "core*": the others against the majority's median update
-            ref = median_cosines(updates, global_state, reference=[updates[i] for i in core])
-            # what an honest cosine with a reference it did not shape looks like: each member against the median
-            # update of the other members (a member's cosine with a median it is part of is biased upwards)
-            loo = np.array([median_cosines([updates[j]], global_state,
-                                           reference=[updates[i] for i in core if i != j])[0] for j in core])
-            for u, c in zip(updates, ref):
-                info["clients"][str(u.partition_id)]["core-cosine"] = round(float(c), 4)
-            for j, c in zip(core, loo):
-                info["clients"][str(updates[j].partition_id)]["core-cosine-others"] = round(float(c), 4)
-            median_loo = float(np.median(loo))
-            info["core-median-cosine"] = round(median_loo, 4)
-            if self.cluster == "core-positive":   # outside the majority: must point at least partly along it
-                for i in [i for i in keep if i not in core]:
-                    if ref[i] <= 0:
-                        keep.remove(i)
-                        self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
-                                                     f"and its update's cosine with that cluster's median update is "
-                                                     f"{ref[i]:.2f}, not positive")
-            elif median_loo > 0:
-                for i in [i for i in keep if i not in core]:
-                    if ref[i] < self.cosine_ratio * median_loo:
-                        keep.remove(i)
-                        self._drop(info, updates[i], f"it lies outside the majority cluster of the round's updates "
-                                                     f"and its update's cosine with that cluster's median update is "
-                                                     f"{ref[i]:.2f}, below {self.cosine_ratio:g} × the cluster "
-                                                     f"members' median {median_loo:.2f} (each against the others)")
-        elif core is None and self.cosine_ratio > 0 and median_cos > 0:
-            for i in list(keep):
-                if cosines[i] < self.cosine_ratio * median_cos:
-                    keep.remove(i)
-                    self._drop(info, updates[i], f"its update's cosine with the round's median update is "
-                                                 f"{cosines[i]:.2f}, below {self.cosine_ratio:g} × the replies' "
-                                                 f"median {median_cos:.2f}")
-        if self.agreement_mads > 0 and fusion_inputs is not None and len(keep) >= 3:
-            agree = agreements([build_model(updates[i].state) for i in keep], fusion_inputs, self.batch_size, device)
-            for i, a in zip(keep, agree):
-                info["clients"][str(updates[i].partition_id)]["agreement"] = round(float(a), 4)
-            med = float(np.median(agree))
-            spread = max(self.agreement_mads * 1.4826 * float(np.median(np.abs(agree - med))), self.min_gap)
-            for i, a in zip(list(keep), agree):
-                if a < med - spread:
-                    keep.remove(i)
-                    self._drop(info, updates[i], f"agrees with the clients' majority vote on {a:.0%} of the fusion set, "
-                                                 f"the round's median is {med:.0%} (limit {med - spread:.0%})")
-        if not keep:   # nothing left to aggregate: a screen that drops every reply is no defence; say so, keep them
-            info["dropped-all"] = True
-            log(WARNING, "robust screen: every reply failed a check (%s); the round aggregates all of them",
-                "; ".join(d["reason"] for d in info["dropped"][:3]))
-            keep = list(range(len(updates)))
-        out = []
-        for i in keep:
-            u = updates[i]
-            limit = self.norm_clip * median
-            if self.norm_clip > 0 and norms[i] > limit > 0:
-                u = dataclasses.replace(u, state=shrink(u.state, global_state, limit / norms[i]))
-                info["clipped"].append({"node-id": int(u.node_id), "partition-id": u.partition_id,
-                                        "norm": round(float(norms[i]), 4),
-                                        "limit": round(limit, 4)})
-            out.append(u)
-        return out
+                self._drop(info, updates[i], f"its update's cosine with the round's median update is "
+                                             f"{cosines[i]:.2f}, below {self.cosine_ratio:g} × the replies' "
+                                             f"median {median_cos:.2f}")
+
+    def _agreement_check(self, updates: list[ClientUpdate], build_model, fusion_inputs: torch.Tensor, device,
+                         keep: list[int], info: dict[str, Any]) -> None:
+        """A reply that agrees with the clients' majority vote on the fusion set far less than the others."""
+        agree = agreements([build_model(updates[i].state) for i in keep], fusion_inputs, self.batch_size, device)
+        for i, a in zip(keep, agree):
+            info["clients"][str(updates[i].partition_id)]["agreement"] = round(float(a), 4)
+        med = float(np.median(agree))
+        spread = max(self.agreement_mads * 1.4826 * float(np.median(np.abs(agree - med))), self.min_gap)
+        for i, a in zip(list(keep), agree):
+            if a < med - spread:
+                keep.remove(i)
+                self._drop(info, updates[i], f"agrees with the clients' majority vote on {a:.0%} of the fusion set, "
+                                             f"the round's median is {med:.0%} (limit {med - spread:.0%})")
+
+    def _clipped(self, u: ClientUpdate, norm: float, median: float, global_state: dict[str, torch.Tensor],
+                 info: dict[str, Any]) -> ClientUpdate:
+        """``u`` with its update's norm bounded to ``norm_clip`` × the median (recorded when it was)."""
+        limit = self.norm_clip * median
+        if self.norm_clip > 0 and norm > limit > 0:
+            u = dataclasses.replace(u, state=shrink(u.state, global_state, limit / norm))
+            info["clipped"].append({"node-id": int(u.node_id), "partition-id": u.partition_id,
+                                    "norm": round(float(norm), 4), "limit": round(limit, 4)})
+        return u
 
     @staticmethod
     def _drop(info: dict[str, Any], u: ClientUpdate, reason: str) -> None:

@@ -120,7 +120,7 @@ class SelectionStrategy(FusionStrategy):
         rd = self.round_data(server_round, updates)
         average = self.weighted_average(updates)   # once: the base of both array candidates
         teachers: list[nn.Module] = []              # the client models, built when a fusion candidate needs them
-        velocity = self._velocity_copy()
+        velocity = self.momentum_step.snapshot()
         built, after = {}, None
         # fusion off: no vote, so only the first array candidate is built
         skipped = {c: self.fusion_off for c in self.candidates if self.fusion_off and c not in ARRAY_CANDIDATES}
@@ -133,7 +133,7 @@ class SelectionStrategy(FusionStrategy):
                 skipped[name] = str(exc)
                 log(WARNING, "auto: round %d: candidate %r skipped: %s", server_round, name, exc)
             if name == "average":
-                after, self.momentum_step.velocity = self.momentum_step.velocity, velocity
+                after = self.momentum_step.swap(velocity)   # the candidate's step, undone until it is chosen
         if not built:
             raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
         names = list(built)
@@ -171,24 +171,17 @@ class SelectionStrategy(FusionStrategy):
                              seed=self.seed + server_round)
         return result.model.state_dict()
 
-    def _velocity_copy(self):
-        v = self.momentum_step.velocity
-        return None if v is None else {k: t.clone() for k, t in v.items()}
-
     def _set_velocity(self, choice: str, after, state: dict[str, torch.Tensor]) -> None:
         """Momentum follows the chosen step: the ``average`` candidate's velocity, else restarted at the step
         just taken (``v = x_new − x``)."""
         if not self.momentum_step.active or not self._tracks_momentum:
             return
         if choice == "average":
-            self.momentum_step.velocity = after
-            return
-        if self._global is None:
-            self.momentum_step.velocity = None
-            return
-        prev = self._global.to_torch_state_dict()
-        self.momentum_step.velocity = {k: (v.to(torch.float64) - prev[k].to(torch.float64))
-                                       for k, v in state.items() if v.is_floating_point()}
+            self.momentum_step.swap(after)
+        elif self._global is None:
+            self.momentum_step.reset()
+        else:
+            self.momentum_step.restart_at(self._global.to_torch_state_dict(), state)
 
     def _score(self, server_round: int, updates: list[ClientUpdate], states: list[dict[str, torch.Tensor]]
                ) -> tuple[list[float] | None, int]:

@@ -50,18 +50,15 @@ from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
-from fedfuse.flower.head_round import HeadRound  # noqa: E402
+from fedfuse.flower.head_step import HeadRoundOptions, HeadRoundStep, ensemble_reference  # noqa: E402
 from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
-from fedfuse.flower.strategies import STRATEGIES, build_strategy  # noqa: E402
+from fedfuse.flower.strategies import STRATEGIES  # noqa: E402
 from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.screen import ClientScreen  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
-from fedfuse.fusion.distillation import teacher_probs  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
-from fedfuse.hetero.depth import classifier_readers, narrow_copy  # noqa: E402
-from fedfuse.progressive import HEAD_SOLVERS  # noqa: E402
 from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
 from fedfuse.results import RunRecorder, dead_model, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
@@ -343,7 +340,7 @@ class RoundEvaluation:
         m = self._central(arrays, row)
         if self.federated is not None and server_round > 0:  # this round's Flower evaluate round
             row.update(self.federated.take())
-        if self.central and hasattr(self.strategy, "evaluate_tiers"):  # capacity tiers: each tier model
+        if self.central:  # capacity tiers: each tier model (``{}`` for one architecture)
             row.update(self.strategy.evaluate_tiers(server_round, self.test_x, self.test_y, self.device))
         now = time.perf_counter()
         row["round-seconds"] = now - self._clock
@@ -471,9 +468,8 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     recorder.write()
     # the last global model (Result.arrays stays empty when every round was skipped)
     recorder.save_model(last_arrays.to_torch_state_dict())
-    if _width_tiered(strategy):   # and every narrower tier's final model beside it
-        for r, tier in strategy.narrower_tier_models(cfg.num_server_rounds + 2).items():
-            recorder.save_model(tier.state_dict(), f"tier-{tier_name(r)}_model.pt")
+    for r, tier in strategy.narrower_tier_models(cfg.num_server_rounds + 2).items():   # width tiers: each beside it
+        recorder.save_model(tier.state_dict(), f"tier-{tier_name(r)}_model.pt")
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
     if crash is not None:
         log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
@@ -488,65 +484,30 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     log(INFO, "fedfuse: results written to %s", out)
 
 
-def _width_tiered(strategy) -> bool:
-    """Whether ``strategy`` aggregates width tiers (``fedfuse.flower.tiered``: a model per tier)."""
-    return callable(getattr(strategy, "narrower_tier_models", None))
-
-
 def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
                num_classes: int, account: PrivacyAccount | None = None) -> None:
-    """The round after the last of a ``head-round=true`` run (``fedfuse.flower.head_round``): the global model's
-    classifier solved from every node's ridge statistics, its temperature set from the last round's clients' ensemble
-    on the fusion set, kept unless the clients score it lower; recorded (``post-step``) and evaluated as round
-    ``num-server-rounds + 1`` (in one-shot mode: progressive fusion with K = 2). Not run when the training rounds
-    failed (the run reports that failure)."""
+    """The round after the last of a ``head-round=true`` run: the strategy's ``HeadRoundStep``
+    (``fedfuse.flower.head_step``: what it solves is the strategy's ``head_plan``), recorded (``post-step``) and
+    evaluated as round ``num-server-rounds + 1`` (in one-shot mode: progressive fusion with K = 2). Not run when the
+    training rounds failed (the run reports that failure)."""
     if fusion_outcome(strategy.history)["status"] != "completed" or not strategy.history:
         log(WARNING, "fedfuse: no head round: the training rounds produced no global model of their own")
         return
     model = strategy.build_model(evaluation.last_arrays.to_torch_state_dict())
-    reference = None   # the last round's clients' ensemble on the fusion set sets the head's temperature
-    privacy = None
     inputs = strategy.fusion_inputs if strategy.fusion_inputs is not None else evaluation.test_x
-    if account is not None or cfg.secure_aggregation:   # bounded statistics (fedfuse.privacy), noised under DP
-        privacy = head_privacy(cfg, account, model, inputs)
-    if account is not None:   # DP: the temperature from the (released) model itself
-        with torch.no_grad():
-            reference = (inputs.float(), torch.softmax(model.eval()(inputs.float()), -1))
-    elif strategy.fusion_inputs is not None and strategy.last_updates:
-        members = [strategy.build_model(u.state).eval() for u in strategy.last_updates]
-        total = sum(u.num_examples for u in strategy.last_updates)
-        with torch.no_grad():
-            reference = (strategy.fusion_inputs.float(), teacher_probs(
-                members, strategy.fusion_inputs.float(), [u.num_examples / total for u in strategy.last_updates]))
-    head = HeadRound(cfg.head_ridge, timeout=cfg.round_timeout,
-                     solvers=HEAD_SOLVERS if cfg.head_solver == "best" else (cfg.head_solver,), privacy=privacy,
-                     secure=cfg.secure_aggregation)
-    if _width_tiered(strategy):   # every tier's classifier, each checked
-        tiers = {**strategy.narrower_tier_models(cfg.num_server_rounds + 1), 1.0: model}
-        tiers, record = head.run_tiers(grid, tiers, num_classes, reference)
-        model = tiers[1.0]
-        strategy.adopt_tier_models(tiers)
-    else:
-        # multi-round depth tiers: every classifier, each checked on its own (a solved exit may beat its trained one
-        # or not: results/depth-tiers-head-multiround, -head-solver-*), with width x depth tiers also at every narrower
-        # width that reads its slice; one-shot: every classifier, one check
-        each = bool(cfg.depth_tiers) and cfg.mode != "one-shot"
-        readers, narrow = {}, None
-        if each and min(cfg.depth_tier_widths) < 1:   # width x depth tiers: a narrow tier reads a classifier's slice
-            readers = classifier_readers(model, list(zip(cfg.depth_tier_widths, cfg.depth_tiers)))
-            input_shape = strategy.layout.input_shape   # fedfuse.flower.depth_tiers.DepthTieredStrategy's
-            narrow = lambda m, w: narrow_copy(m, w, input_shape)  # noqa: E731
-        model, record = head.run(grid, model, num_classes, reference, check_each=each, readers=readers,
-                                 narrow=narrow)
+    # bounded statistics (fedfuse.privacy), noised under DP; DP: the temperature from the released model itself
+    privacy = head_privacy(cfg, account, model, inputs) if account is not None or cfg.secure_aggregation else None
+    reference = ensemble_reference(strategy, model, inputs, private=account is not None)
     head_rnd = cfg.num_server_rounds + 1
+    step = HeadRoundStep(HeadRoundOptions(cfg.head_ridge, cfg.head_solver, cfg.round_timeout, cfg.secure_aggregation),
+                         privacy)
+    model, record = step(grid, strategy, model, num_classes, head_rnd, reference, one_shot=cfg.mode == "one-shot")
     strategy.history.append({"round": head_rnd, "post-step": "head-round", "valid": record["valid"],
                              "rejected": record["rejected"], "failures": [], "fallback": record["fallback"],
                              "skipped": None, "guard": None, "fusion-seconds": record["seconds"],
                              "fusion-info": {"head-round": record}})
     if evaluation.federated is not None:   # the clients' scores of the kept model are this round's federated evaluation
         evaluation.federated.pending = dict(record.get("federated") or {"federated-clients": 0})
-    if callable(getattr(strategy, "adopt", None)):   # depth tiers: their exits' evaluation reads the strategy's model
-        strategy.adopt(ArrayRecord(model.state_dict()))
     # the last round's clients stay the reference columns of this row; the one-shot references are not redone
     references, evaluation.references = evaluation.references, "none"
     try:

@@ -23,17 +23,16 @@ from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.choices import PRIORS
 from fedfuse.fusion import MissingInputError, check_finite
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import classifier_bias, kl_to, refine_model
 from fedfuse.hetero import reestimate_batchnorm
 from fedfuse.training import resolve_device
+from fedfuse.flower.options import GuardOptions, MomentumOptions, RefineOptions
 from fedfuse.flower.protocol import array_copy
 from fedfuse.flower.replies import ClientUpdate, bounded_class_counts
 
@@ -79,9 +78,7 @@ class DivergenceGuard:
     ``info["guard"]`` (the round's record)."""
 
     def __init__(self, ratio: float = 2.0) -> None:
-        if not float(ratio) > 1:
-            raise ValueError(f"strategy: guard_ratio must be > 1, got {ratio}")
-        self.ratio = float(ratio)
+        self.ratio = GuardOptions(ratio=ratio).ratio   # the check, written once (``fedfuse.flower.options``)
 
     def __call__(self, fused: nn.Module, rd: RoundData) -> tuple[nn.Module, dict[str, Any]]:
         x = torch.as_tensor(rd.fusion_inputs).float()
@@ -113,12 +110,8 @@ class ServerMomentum:
     docs/multi-round.md, "How `average` aggregates"). ``info["step-norm"]`` is ``||x_new − x||`` over the parameters."""
 
     def __init__(self, momentum: float, learning_rate: float = 1.0) -> None:
-        if not 0 <= float(momentum) < 1:
-            raise ValueError(f"strategy: server_momentum must be in [0, 1), got {momentum}")
-        if not float(learning_rate) > 0:
-            raise ValueError(f"strategy: server_learning_rate must be > 0, got {learning_rate}")
-        self.momentum = float(momentum)
-        self.learning_rate = float(learning_rate)
+        options = MomentumOptions(float(momentum), learning_rate)   # the checks, written once
+        self.momentum, self.learning_rate = options.momentum, options.learning_rate
         self.velocity: dict[str, torch.Tensor] | None = None   # v, over the floating-point arrays
 
     @property
@@ -127,6 +120,26 @@ class ServerMomentum:
 
     def reset(self) -> None:
         self.velocity = None
+
+    def snapshot(self) -> dict[str, torch.Tensor] | None:
+        """A copy of the velocity (``None`` before the first step)."""
+        return None if self.velocity is None else {k: t.clone() for k, t in self.velocity.items()}
+
+    def swap(self, velocity: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """Set the velocity to ``velocity`` and return the one it had (a candidate step taken and undone)."""
+        old, self.velocity = self.velocity, velocity
+        return old
+
+    def restart_at(self, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+        """Restart the velocity at the step just taken from ``before`` to ``after``: ``v = after − before`` over the
+        floating-point arrays (a round whose model another aggregation chose)."""
+        self.velocity = {k: (v.to(torch.float64) - before[k].to(torch.float64))
+                         for k, v in after.items() if v.is_floating_point()}
+
+    def remap(self, fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+        """Apply ``fn`` to the velocity (its units reordered with the model's), if there is one."""
+        if self.velocity is not None:
+            self.velocity = fn(self.velocity)
 
     def __call__(self, model: nn.Module, rd: RoundData) -> tuple[nn.Module, dict[str, Any]]:
         if rd.global_arrays is None:
@@ -185,14 +198,9 @@ class Refinement:
     def __init__(self, steps: tuple[str, ...], *, prior: str = "auto", check: bool = True,
                  calibrate_min_gap: float = 0.2,
                  prior_fn: Callable[[list[ClientUpdate]], tuple[torch.Tensor | None, str]] | None = None) -> None:
-        if prior not in PRIORS:
-            raise ValueError(f"strategy: prior must be one of {PRIORS}, got {prior!r}")
-        if not 0 <= float(calibrate_min_gap) < 1:
-            raise ValueError(f"strategy: calibrate_min_gap must be in [0, 1), got {calibrate_min_gap}")
+        options = RefineOptions(None, prior, check, calibrate_min_gap)   # the checks, written once
         self.steps = tuple(steps)
-        self.prior = prior
-        self.check = bool(check)
-        self.calibrate_min_gap = float(calibrate_min_gap)
+        self.prior, self.check, self.calibrate_min_gap = options.prior, options.check, options.calibrate_min_gap
         self.prior_fn = prior_fn or (lambda updates: class_prior(self.prior, updates))
 
     def _refine(self, model: nn.Module, rd: RoundData, teachers, weights) -> tuple[nn.Module, dict[str, Any]]:

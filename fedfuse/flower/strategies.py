@@ -16,33 +16,49 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
 from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.options import arrays_only
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.selection import SelectionStrategy
+from fedfuse.flower.streaming import StreamedRounds
 from fedfuse.flower.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import key_applies, strategy_names, strategy_spec
 
 
-class FedAvgStrategy(FusionStrategy):
+class FedAvgStrategy(StreamedRounds, RoundProtocol):
     """Federated averaging (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
     Data", arXiv 1602.05629) over validated replies: the sample-weighted mean of every floating-point array;
-    integer buffers (BatchNorm counters) come from the first reply. Works on the arrays alone (``model_fn``
-    optional); takes no ``fusion_options`` and no server step."""
+    integer buffers (BatchNorm counters) come from the first reply. The round protocol and nothing else: works on the
+    arrays alone (``model_fn`` optional; rounds stream the replies into a running sum), no fusion, no server step,
+    no refinement. The fusion strategies' flat options are accepted where they change nothing (``guard``, ``prior``,
+    ...); one that would (``fusion_options``, ``refine``, ``server_momentum``, ``fusion_rounds``) is a ``ValueError``."""
 
     method = "fedavg"
 
     def __init__(self, method: str | None = None, **options: Any) -> None:
-        if options.get("server_momentum") or options.get("server_learning_rate", 1.0) != 1.0:
-            raise ValueError("strategy 'fedavg' is plain FedAvg: server_momentum / server_learning_rate do not apply; "
-                             "use 'fedavgm' (Flower's FedAvgM) or a fusion strategy such as 'average'")
-        super().__init__(method, **options)
+        if method not in (None, type(self).method):
+            raise ValueError(f"strategy: {type(self).__name__} aggregates with {type(self).method!r}, not {method!r}")
+        arrays_only(type(self).method, "plain FedAvg", options)
+        super().__init__(**options)
+        self.entry = strategy_spec(type(self).method)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]):
         return self.average(updates), {}, 0.0   # the arrays only: no model built, no step
+
+    def streaming_round(self, server_round: int) -> bool:
+        return not self.keep_updates and self.screen is None
+
+    def stream_checks_calibration(self) -> bool:
+        return False
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor], probs, updates):
+        return average, {}, 0.0   # no step after the average
 
 
 FlowerFedAvg = FedAvgStrategy  # an earlier name

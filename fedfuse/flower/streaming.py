@@ -152,7 +152,7 @@ class StreamedRounds:
         if not self.streaming_round(server_round):
             return None
         t_start = time.perf_counter()
-        ensemble = (self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None)
+        ensemble = self.stream_checks_calibration()
         streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
         record["valid"] = len(streamed.metrics_only)
         self.last_updates = []
@@ -171,6 +171,10 @@ class StreamedRounds:
         seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
         metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
         return (None if state is None else state_to_record(state)), metrics
+
+    def stream_checks_calibration(self) -> bool:
+        """Whether the streamed round keeps its members to check a ``calibrate`` step against their ensemble."""
+        return self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None
 
     def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
         """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""

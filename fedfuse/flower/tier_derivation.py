@@ -48,17 +48,28 @@ class TierModels:
         self.strategy = strategy
         self.tier_models = tier_models
         self.prune_options = prune_options
-        self._derived: dict[float, dict[str, torch.Tensor]] = {}   # tier -> derived state
-        self._tier_guarded: dict[str, str] = {}   # tier -> why its derived model was replaced
+        self.derived: dict[float, dict[str, torch.Tensor]] = {}   # tier -> derived state (the step's product)
+        self.guarded: dict[str, str] = {}   # tier -> why its derived model was replaced, this round
         self._tier_fallback: dict[str, torch.Tensor] | None = None   # the round's sub-model average when guarded
         self._pruned: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None   # (state, perms)
+
+    def take_round(self) -> tuple[dict[str, torch.Tensor] | None, tuple | None]:
+        """``(the sub-model average the whole round falls back to when a tier was guarded, or None; (the reordered
+        global state, its unit permutations) when the tiers were pruned, or None)``, once per round."""
+        out = (self._tier_fallback, self._pruned)
+        self._tier_fallback = self._pruned = None
+        return out
+
+    def forget(self) -> None:
+        """Every tier gets the global model's slice next round (a fallback kept the previous global model)."""
+        self.derived.clear()
 
     def derive_tier_models(self, server_round: int, updates: list[ClientUpdate]) -> None:
         """``tier_models="fuse"``: fuse the round's client models into every narrower tier's width. ``feddf``:
         every narrower tier's slice of the new global model is a student of the ensemble of all clients."""
         s = self.strategy
-        self._derived.clear()   # a tier without a derivation this round gets the new global model's slice
-        self._tier_guarded = {}
+        self.derived.clear()   # a tier without a derivation this round gets the new global model's slice
+        self.guarded = {}
         self._pruned = None
         if not updates or s.spec is None:
             return
@@ -83,7 +94,7 @@ class TierModels:
         if (not s.guard or s.fusion_inputs is None or s.submodel_round(server_round)
                 or len(updates) == 0):
             return
-        tiers = sorted(set(s._node_tier.values()) - {1.0})
+        tiers = sorted(set(s.tier_layout.node_tier.values()) - {1.0})
         if not tiers:
             return
         x = torch.as_tensor(s.fusion_inputs).float()
@@ -93,7 +104,7 @@ class TierModels:
         nxt = s.window(server_round + 1)
         for r in tiers:
             layout = s.layout(r, nxt)
-            candidate = self._derived.get(r)
+            candidate = self.derived.get(r)
             if candidate is None:
                 candidate = slice_state(s.global_state(), layout)
             safe = slice_state(average, layout)
@@ -101,14 +112,14 @@ class TierModels:
                 logits = s.build_model(candidate)(x)
                 kl_c = kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("inf")
                 kl_s = kl_to(target, s.build_model(safe)(x))
-            if not kl_c <= s.guard_ratio * kl_s + 0.05:
+            if not kl_c <= s.guard_step.ratio * kl_s + 0.05:
                 reason = (f"tier {tier_name(r)}: its model's KL to the clients' ensemble on the fusion set is "
-                          f"{kl_c:.4g}, above {s.guard_ratio:g} x the sub-model average's slice's {kl_s:.4g} + 0.05")
+                          f"{kl_c:.4g}, above {s.guard_step.ratio:g} x the sub-model average's slice's {kl_s:.4g} + 0.05")
                 log(WARNING, "aggregate_train: round %d: tier guard: %s; the tier gets that slice", server_round,
                     reason)
-                self._tier_guarded[tier_name(r)] = reason
-                self._derived[r] = {k: v.detach().clone() for k, v in safe.items()}
-        if self._tier_guarded:
+                self.guarded[tier_name(r)] = reason
+                self.derived[r] = {k: v.detach().clone() for k, v in safe.items()}
+        if self.guarded:
             self._tier_fallback = average
 
     def _fuse_tiers(self, server_round: int, updates: list[ClientUpdate]) -> None:
@@ -116,7 +127,7 @@ class TierModels:
         s = self.strategy
         models = [s.build_model(u.state) for u in updates]
         scores = [u.scores for u in updates] if s.wants_client_scores and all(u.scores for u in updates) else None
-        for r in sorted({s._node_tier[n] for n in s._node_tier} - {1.0}):
+        for r in sorted({s.tier_layout.node_tier[n] for n in s.tier_layout.node_tier} - {1.0}):
             try:
                 res = fuse_result(s.method, models, fusion_inputs=s.fusion_inputs, scores=scores,
                                   weights=[u.num_examples for u in updates], device=s.device,
@@ -130,9 +141,9 @@ class TierModels:
                     slice_model = s.build_model(slice_state(s.global_state(),
                                                                s.layout(r, s.window(server_round + 1))))
                     model, _ = align_to_anchor(model, slice_model, seed=s.seed + server_round)
-                self._derived[r] = model.state_dict()
+                self.derived[r] = model.state_dict()
             except ValueError as exc:   # FusionError: this tier keeps the slice of the global model
-                self._derived.pop(r, None)
+                self.derived.pop(r, None)
                 log(WARNING, "aggregate_train: round %d: fusing tier %s failed (%s); it gets the global model's slice",
                     server_round, tier_name(r), exc)
 
@@ -172,14 +183,14 @@ class TierModels:
         the slice is then distilled from the round's client models on the fusion set (``distill_ensemble``,
         held-out early stopping: its units stay those of the slice)."""
         s = self.strategy
-        tiers = sorted(set(s._node_tier.values()) - {1.0})
+        tiers = sorted(set(s.tier_layout.node_tier.values()) - {1.0})
         if not tiers:
             return
         opts = dict(self.prune_options)
         recover = opts.pop("recover", False)
         criterion = opts.pop("criterion", "auto")
-        if s.input_shape is not None and "input_shape" not in opts:
-            opts["input_shape"] = s.input_shape
+        if s.tier_layout.input_shape is not None and "input_shape" not in opts:
+            opts["input_shape"] = s.tier_layout.input_shape
         glob = s.build_model(s.global_state())
         x = torch.as_tensor(s.fusion_inputs).float() if s.fusion_inputs is not None else None
         scores = self.aggregated_scores(updates)
@@ -190,7 +201,7 @@ class TierModels:
         for r in tiers:
             sliced = slice_state(state, s.layout(r, 0))
             if not recover:   # the pruned tier model is its slice
-                self._derived[r] = {k: v.detach().cpu() for k, v in sliced.items()}
+                self.derived[r] = {k: v.detach().cpu() for k, v in sliced.items()}
                 continue
             student = s.build_model(sliced)
             ropts = DistillRefineOptions(**recover) if isinstance(recover, dict) else DistillRefineOptions()
@@ -198,7 +209,7 @@ class TierModels:
                                                              ropts, seed=s.seed + server_round, device=dev)
             student = student.cpu()
             check_finite(f"prune (tier {tier_name(r)})", student)
-            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+            self.derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
         if s.history and s.history[-1].get("round") == server_round:
             s.history[-1]["tier-prune"] = {k: {kk: vv for kk, vv in v.items() if kk != "recover"}
                                               for k, v in info.items()}
@@ -212,9 +223,9 @@ class TierModels:
         # feddf's own distillation options; other methods: the refine step's defaults (Adam 1e-3, early stopping)
         options = s.spec.parse_options(s.fusion_options) if s.entry.tier_distill else DistillRefineOptions()
         dev = resolve_device(s.device)
-        for r in sorted(set(s._node_tier.values()) - {1.0}):
+        for r in sorted(set(s.tier_layout.node_tier.values()) - {1.0}):
             student = s.build_model(slice_state(s.global_state(), s.layout(r, s.window(server_round + 1))))
             distill_ensemble(student, teachers, s._norm_weights(updates), s.fusion_inputs, options,
                              seed=s.seed + server_round, device=dev)
             check_finite(f"feddf (tier {tier_name(r)})", student.cpu())
-            self._derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}
+            self.derived[r] = {k: v.detach().cpu() for k, v in student.state_dict().items()}

@@ -39,13 +39,15 @@ from fedfuse.fusion.refine import distill_ensemble
 from fedfuse.hetero import aggregate_states, reestimate_batchnorm, slice_state, tier_name
 from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import permutation_layout
-from fedfuse.hetero.tiers import TIER_MODELS, resolve_ordered_dropout, resolve_tier_models
+from fedfuse.hetero.tiers import resolve_ordered_dropout, resolve_tier_models
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.client_tiers import SCALER_KEY, TIER_KEY
-from fedfuse.flower.fusion_strategy import FusionStrategy, delegate
+from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.head_step import HeadPlan
+from fedfuse.flower.options import TierOptions, take_options
 from fedfuse.flower.protocol import state_to_record
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.tier_derivation import TierModels
@@ -77,61 +79,44 @@ class TieredFusionStrategy(FusionStrategy):
         Everything else: ``FusionStrategy``'s options.
     """
 
-    def __init__(self, method: str | None = None, *, tiers: tuple[float, ...] = (1.0,), tier_models: str = "auto",
-                 input_shape: tuple[int, ...] | None = None, weighting: str = "examples",
-                 width_scaler: bool | None = False, anchor: bool = True, ordered_dropout: str | bool = "auto",
-                 ordered_dropout_draw: str | float = "auto", prune_options: dict[str, Any] | None = None,
-                 **options: Any) -> None:
+    def __init__(self, method: str | None = None, *, tiering: TierOptions | None = None, **options: Any) -> None:
+        tiering = take_options(TierOptions, tiering, options)   # flat keywords (``tiers=...``) into TierOptions
         entry = with_tiers(strategy_spec(method or type(self).method))
         super().__init__(method, registry_entry=entry, **options)
-        if tier_models not in TIER_MODELS:
-            raise ValueError(f"strategy: tier_models must be one of {TIER_MODELS}, got {tier_models!r}")
         if self.model_fn is None:
             raise ValueError("strategy: a tiered strategy needs model_fn (the global, widest architecture)")
-        tier_models = resolve_tier_models(self.method, tier_models, adapter_for(self.model_fn()).family)
-        if weighting not in ("examples", "uniform"):
-            raise ValueError(f"strategy: weighting must be 'examples' or 'uniform', got {weighting!r}")
-        self.tier_layout = TierLayout(self.model_fn, tiers, input_shape, window_rolls=self.entry.window_rolls)
+        tier_models = resolve_tier_models(self.method, tiering.tier_models, adapter_for(self.model_fn()).family)
+        self.tier_layout = TierLayout(self.model_fn, tiering.tiers, tiering.input_shape,
+                                      window_rolls=self.entry.window_rolls)
         submodel = self.entry.submodel_tiers
-        if self.spec is not None and len(set(self.tiers)) > 1 and not self.spec.mixed_widths and not submodel:
+        if (self.spec is not None and len(set(self.tier_layout.tiers)) > 1 and not self.spec.mixed_widths
+                and not submodel):
             raise ValueError(f"strategy: method {self.method!r} cannot fuse clients of different widths")
         if tier_models == "fuse" and (submodel or self.spec is not None and not self.spec.any_target):
             raise ValueError(f"strategy: tier_models='fuse' needs a fusion method that builds into another width; "
                              f"{self.method!r} averages sub-models or cannot")
-        prune_options = dict(prune_options or {})
+        prune_options = dict(tiering.prune_options)
         if tier_models == "prune-recover":
             prune_options.setdefault("recover", True)
         needs_set = tier_models == "distill" or tier_models.startswith("prune") and prune_options.get("recover")
         if needs_set and self.fusion_inputs is None:
             raise ValueError(f"strategy: tier_models={tier_models!r} needs fusion_inputs (the server fusion set)")
         self.tier_models_step = TierModels(self, tier_models, prune_options)
-        self.weighting = weighting
+        self.weighting = tiering.weighting
+        width_scaler = tiering.width_scaler
         if width_scaler is None:
             width_scaler = any(isinstance(m, BATCHNORMS) for m in self.model_fn().modules())
         self.width_scaler = bool(width_scaler)
-        if ordered_dropout is True or ordered_dropout is False:
-            ordered_dropout = "all" if ordered_dropout else "off"
         try:   # validated here; 'auto' is resolved per round (the round's mode)
-            resolve_ordered_dropout(self.method, ordered_dropout)
+            resolve_ordered_dropout(self.method, tiering.ordered_dropout)
         except ValueError as exc:
             raise ValueError(f"strategy: {exc}") from None
-        self.ordered_dropout = ordered_dropout
-        self.ordered_dropout_draw = checked_draw(self.method, ordered_dropout_draw, self.model_fn())
-        self.anchor = bool(anchor)
+        self.ordered_dropout = tiering.ordered_dropout
+        self.ordered_dropout_draw = checked_draw(self.method, tiering.ordered_dropout_draw, self.model_fn())
+        self.anchor = tiering.anchor
         self._round_tiers: dict[str, Any] = {}
         self._offset = 0   # the window offset of the round being aggregated
         self._level_widths = None   # per tier (TierLayout.level_widths)
-
-    # ---------------------------------------------------------------- the layout's view
-    tiers = delegate("tier_layout", "tiers")
-    input_shape = delegate("tier_layout", "input_shape")
-    _node_tier = delegate("tier_layout", "node_tier")
-    tier_models = delegate("tier_models_step", "tier_models")
-    prune_options = delegate("tier_models_step", "prune_options")
-    _derived = delegate("tier_models_step", "_derived")
-    _tier_guarded = delegate("tier_models_step", "_tier_guarded")
-    _tier_fallback = delegate("tier_models_step", "_tier_fallback")
-    _pruned = delegate("tier_models_step", "_pruned")
 
     def skeleton(self, r: float) -> nn.Module:
         return self.tier_layout.skeleton(r)
@@ -152,8 +137,9 @@ class TieredFusionStrategy(FusionStrategy):
 
     def tier_state(self, r: float, server_round: int) -> dict[str, torch.Tensor]:
         """The state dict tier ``r`` receives in ``server_round`` (its derived model, else its slice)."""
-        if r != 1 and r in self._derived:
-            return self._derived[r]
+        derived = self.tier_models_step.derived
+        if r != 1 and r in derived:
+            return derived[r]
         return self.tier_layout.slice(self.global_state(), r, server_round)
 
     def submodel_round(self, server_round: int) -> bool:
@@ -167,7 +153,7 @@ class TieredFusionStrategy(FusionStrategy):
     def on_fallback(self) -> None:
         """Also forget the tier models derived this round: the next round slices the kept global model."""
         super().on_fallback()
-        self._derived.clear()
+        self.tier_models_step.forget()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -180,18 +166,18 @@ class TieredFusionStrategy(FusionStrategy):
         counts: dict[str, int] = {}
         for msg in messages:
             node = int(msg.metadata.dst_node_id)
-            if node not in self._node_tier:
+            if node not in self.tier_layout.node_tier:
                 continue
-            r = self._node_tier[node]
+            r = self.tier_layout.node_tier[node]
             if r not in states:
                 states[r] = state_to_record(self.tier_state(r, server_round))
             cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
             cfg[TIER_KEY] = float(r)
             cfg[SCALER_KEY] = self.width_scaler
-            narrower = sorted({t for t in (*self.tiers, *self._node_tier.values()) if t < r}, reverse=True)
+            narrower = sorted({t for t in (*self.tier_layout.tiers, *self.tier_layout.node_tier.values()) if t < r}, reverse=True)
             dropout = resolve_ordered_dropout(self.method, self.ordered_dropout, str(cfg.get("mode", "multi-round")))
             request_ordered_dropout(cfg, narrower, dropout, self.ordered_dropout_draw,
-                                    narrow_node=r < max(self.tiers, default=1.0))
+                                    narrow_node=r < max(self.tier_layout.tiers, default=1.0))
             content = RecordDict({self.arrayrecord_key: states[r], self.configrecord_key: cfg})
             out.append(Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN))
             count_sent(sent_bytes, counts, tier_name(r), states[r])
@@ -203,17 +189,17 @@ class TieredFusionStrategy(FusionStrategy):
 
     # ---------------------------------------------------------------- replies
     def reply_reference(self, server_round: int, node_id: int):
-        r = self._node_tier.get(node_id, 1.0)
+        r = self.tier_layout.node_tier.get(node_id, 1.0)
         widths = self.tier_layout.level_widths(r) if self.round_needs_scores(server_round) else None
         return self.tier_layout.reference(r), widths
 
     def rejected_extra(self, node_id: int) -> dict[str, Any]:
-        return {"tier": self._node_tier.get(node_id, 1.0)}
+        return {"tier": self.tier_layout.node_tier.get(node_id, 1.0)}
 
     def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], **kw: Any) -> ClientUpdate | None:
         u = super().check_reply(server_round, msg, record, **kw)
         if u is not None:
-            u.metrics["tier"] = self._node_tier.get(u.node_id, 1.0)
+            u.metrics["tier"] = self.tier_layout.node_tier.get(u.node_id, 1.0)
         return u
 
     def update_key(self, update: ClientUpdate) -> tuple:
@@ -281,28 +267,26 @@ class TieredFusionStrategy(FusionStrategy):
         t0 = time.perf_counter()
         step.derive_tier_models(server_round, self.last_updates)
         record["tier-derivation-seconds"] = time.perf_counter() - t0
-        if step._tier_guarded:
-            record["tier-guard"] = dict(step._tier_guarded)
-            if step._tier_fallback is not None:
+        fallback, pruned = step.take_round()
+        if step.guarded:
+            record["tier-guard"] = dict(step.guarded)
+            if fallback is not None:
                 # the tiers must stay nested slices of the global model: the whole round uses the sub-model average
-                arrays = state_to_record(step._tier_fallback)
+                arrays = state_to_record(fallback)
                 self._global = arrays
-                step._derived.clear()
+                step.forget()
                 self.reset_server_state()
-                record["guard"] = record.get("guard") or f"average (tier guard: {'; '.join(step._tier_guarded.values())})"
+                record["guard"] = record.get("guard") or f"average (tier guard: {'; '.join(step.guarded.values())})"
                 log(WARNING, "aggregate_train: round %d: tier guard: the round uses the sub-model average for the "
                     "global model and every tier", server_round)
-        if step._pruned is not None and not step._tier_guarded:
+        if pruned is not None and not step.guarded:
             # the new global model with its units reordered (same function) so that every tier's pruned model is
-            # its top-left slice; the server momentum follows the units
-            state, perms = step._pruned
+            # its top-left slice; the server momentum follows the units (over the parameters only)
+            state, perms = pruned
             arrays = state_to_record(state)
             self._global = arrays
-            if self._momentum is not None:   # the velocity covers the parameters only (no BatchNorm buffers)
-                layout = permutation_layout(self.skeleton(1.0), perms).restricted_to(self._momentum)
-                self._momentum = slice_state(self._momentum, layout)
-        step._pruned = None
-        step._tier_fallback = None
+            self.momentum_step.remap(lambda v: slice_state(
+                v, permutation_layout(self.skeleton(1.0), perms).restricted_to(v)))
         return arrays
 
     # the derivation step's entry points, under the names plug-ins and tests use
@@ -322,6 +306,14 @@ class TieredFusionStrategy(FusionStrategy):
             return {}
         return {r: self.tier_model(r, server_round) for r in self.tier_layout.all_tiers() if r != 1.0}
 
+    def head_plan(self, model: nn.Module, final_round: int, one_shot: bool) -> HeadPlan:
+        """Every tier's classifier, each checked on its own (the narrower tiers' models as the next round sends
+        them)."""
+        return HeadPlan({**self.narrower_tier_models(final_round), 1.0: model}, per_tier=True)
+
+    def adopt_head(self, models: dict[float, nn.Module]) -> None:
+        self.adopt_tier_models(models)
+
     def adopt_tier_models(self, models: dict[float, nn.Module]) -> None:
         """After the last round (the head round of width tiers): the global model and the narrower tiers' models
         are these (``{tier: model}``, the global one at tier 1; each keeps its own classifier, so the narrower
@@ -331,7 +323,7 @@ class TieredFusionStrategy(FusionStrategy):
             if r == 1.0:
                 self._global = state_to_record(state)
             else:
-                self._derived[r] = state
+                self.tier_models_step.derived[r] = state
 
     # ---------------------------------------------------------------- evaluation (results)
     def tier_model(self, r: float, server_round: int) -> nn.Module:

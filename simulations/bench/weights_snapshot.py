@@ -30,6 +30,12 @@ CASES = {
   "fedrolex": {"strategy": "fedrolex", "client-tiers": "1,0.5,0.25"},
   "one-shot": {"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 3, "strategy": "kf-linear", "fusion-set-source": "client0"},
   "fusion-rounds": {"strategy": "kf-linear", "fusion-rounds": 1},
+  "auto-sgd": {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05},
+  "robust": {"strategy": "average", "robust": True},
+  "depth-tiers": {"client-tiers": "1x1,1x0.5,0.5x0.5", "num-clients": 6},
+  "depthfl": {"strategy": "depthfl", "client-tiers": "1x1,1x0.5", "num-clients": 4},
+  "no-head": {"head-round": False},
+  "refine-distill": {"strategy": "average", "refine": "calibrate+distill", "head-round": False},
 }
 only = sys.argv[2:] or list(CASES)
 out = {}
