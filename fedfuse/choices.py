@@ -20,7 +20,8 @@ MODEL_SIZES = {"mlp": (64, 2), "cnn": (64, 2), "lenet": (6, 2), "resnet": (64, 2
 PARTITIONINGS = ("iid", "dirichlet", "shards", "full")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 # the head round's closed-form classifier (fedfuse.progressive.HEAD_SOLVERS); "best": both, the clients choose
-HEAD_SOLVER_CHOICES = ("best", "ridge", "lda")
+HEAD_SOLVERS = ("ridge", "lda")   # the closed-form heads (fedfuse.progressive.solve_classifier)
+HEAD_SOLVER_CHOICES = ("best", *HEAD_SOLVERS)
 IMPORTANCE = ("uniform", "conductance", "deeplift")
 FUSION_SET_SOURCES = ("public", "client0")
 FALLBACKS = ("previous", "average", "raise")
@@ -38,3 +39,8 @@ DP_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 ONE_SHOT_REFERENCES = ("all", "models", "none")
 # class prior of the "calibrate" refinement
 PRIORS = ("auto", "class-counts", "uniform")
+
+
+def no_fusion_options(strategy: str, options) -> str:
+    """The one sentence for fusion options given to a strategy that is not a fusion method (run config, strategies)."""
+    return f"strategy {strategy!r} is not a fusion method and takes no fusion_options, got {sorted(options)}"

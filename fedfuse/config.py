@@ -44,7 +44,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
                              MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
-from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
+from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
                                     WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates,
@@ -973,8 +973,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
             raise ConfigError(f"run-config key 'refine': strategy {cfg.strategy!r} aggregates the arrays only and "
                               f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")
         if options:
-            raise ConfigError(f"run-config key 'fusion-options': strategy {cfg.strategy!r} is not a fusion method "
-                              f"and takes no fusion options, got {options}")
+            raise ConfigError(f"run-config key 'fusion-options': {no_fusion_options(cfg.strategy, options)}")
         return
     try:
         spec.parse_options(options)

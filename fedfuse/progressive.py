@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from fedfuse.choices import HEAD_SOLVERS
 from fedfuse.fusion import fuse
 from fedfuse.models import adapter_for
 from fedfuse.models.adapters.base import AFFINE_LAYERS
@@ -258,7 +259,6 @@ def solve_lda_head(stats: list[HeadStatistics], shrinkage: float = DEFAULT_LDA_S
     return head
 
 
-HEAD_SOLVERS = ("ridge", "lda")   # the closed-form heads of solve_classifier (head-solver='best': both)
 
 
 def solve_classifier(stats: list[HeadStatistics], solver: str = "ridge", ridge: float = DEFAULT_HEAD_RIDGE) -> nn.Linear:

@@ -34,6 +34,7 @@ from flwr.serverapp.exception import AggregationError, InconsistentMessageReplie
 from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, FedYogi, Krum,
                                      MultiKrum)
 
+from fedfuse.choices import no_fusion_options
 from fedfuse.fusion import FusionError, NumericalFusionError
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.strategy_specs import key_applies, strategy_spec
@@ -86,8 +87,7 @@ class FlowerBaselineStrategy(RoundProtocol):
                 raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} "
                                 f"(Flower's {self.flower_class.__name__} options are its own)")
         if fusion_options:
-            raise ValueError(f"strategy {self.method!r} (Flower's {self.flower_class.__name__}) takes no "
-                             f"fusion_options, got {sorted(fusion_options)}")
+            raise ValueError(no_fusion_options(self.method, fusion_options))
         if refine is not None and parse_refine(refine):
             raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
                              f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")

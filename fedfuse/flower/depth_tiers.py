@@ -271,7 +271,7 @@ class DepthTieredStrategy(FusionStrategy):
             # the feddf strategy: its own options; ot and a warm start's feddf: FedDF's server step at its defaults
             own = method == "feddf" and self.method == "feddf"
             info = distill_exits(model, models, [u.num_examples / total for u in updates], self.fusion_inputs,
-                                 self.spec.parse_options(self.fusion_options) if own else None,
+                                 self.method_options if own else None,
                                  seed=self.seed + server_round, device=resolve_device(self.device))
             model = model.cpu().eval()
         return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)

@@ -19,6 +19,7 @@ import torch
 from flwr.common.logger import log
 from torch import nn
 
+from fedfuse.choices import no_fusion_options
 from fedfuse.fusion import METHOD_SPECS, FusionError, FusionResult, MissingInputError, fuse_result, get_spec
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.training import resolve_device
@@ -38,6 +39,13 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
 
     Use ``build_strategy(name)``, a named class (``KfLinearStrategy``, ...) or ``FusionStrategy(method=...)``.
     The ClientApps must follow the reply contract of ``fedfuse.flower.replies``.
+
+    The options come as one typed, frozen object per concern (``fedfuse.flower.options``): ``fusion``
+    (``FusionOptions``: ``fusion_options``, ``importance``, ``fusion_rounds``, ``fuse_fn``, ``align_to``,
+    ``score_check``), ``guard`` (``GuardOptions``: ``guard``, ``guard_ratio``), ``momentum`` (``MomentumOptions``:
+    ``server_momentum``, ``server_learning_rate``), ``refine`` (``RefineOptions``: ``refine``, ``prior``,
+    ``refine_check``, ``calibrate_min_gap``) and the protocol's (``ProtocolOptions``), or as the flat keywords named
+    here, which the constructor moves into those objects once (an unknown keyword is a ``TypeError``).
 
     Args:
         method: a name in ``fedfuse.fusion.METHOD_SPECS`` whose result keeps the global architecture.
@@ -146,10 +154,14 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
             raise ValueError(f"strategy: {exc}") from None
 
     def _check_options(self, options: dict[str, Any]) -> None:
+        """Validate the fusion options once, at the strategy's door: ``method_options`` is the method's typed options
+        object every later step reads (``None`` for a strategy that is not a fusion method)."""
         if self.spec is not None:
-            self.spec.parse_options(options)
+            self.method_options = self.spec.parse_options(options)
         elif options:
-            raise ValueError(f"strategy {self.method!r} takes no fusion_options, got {sorted(options)}")
+            raise ValueError(no_fusion_options(self.method, options))
+        else:
+            self.method_options = None
 
     def _accepts_option(self, name: str) -> bool:
         return self.spec is not None and name in {f.name for f in dataclasses.fields(self.spec.options)}
@@ -163,7 +175,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
     def wants_client_scores(self) -> bool:
         """Whether the clients must send importance scores (the method reads them under these options)."""
         return (self.uses_scores and self.importance == "client" and self.spec is not None
-                and self.spec.reads_client_scores(self.fusion_options))
+                and self.spec.reads_client_scores(self.method_options))
 
     @property
     def wants_class_counts(self) -> bool:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, TypeVar
 
-from fedfuse.choices import FALLBACKS, PRIORS
+from fedfuse.choices import FALLBACKS, PRIORS, no_fusion_options
 from fedfuse.fusion import FusionResult, fuse_result
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.hetero.tiers import TIER_MODELS
@@ -202,7 +202,7 @@ def arrays_only(name: str, what: str, options: dict[str, Any]) -> None:
     momentum = take_options(MomentumOptions, None, options)
     refine = take_options(RefineOptions, None, options)
     if fusion.fusion_options:
-        raise ValueError(f"strategy {name!r} takes no fusion_options, got {sorted(fusion.fusion_options)}")
+        raise ValueError(no_fusion_options(name, fusion.fusion_options))
     if fusion.fusion_rounds:
         raise ValueError(f"strategy {name!r} is {what}, not a fusion method: fusion_rounds must be 0, "
                          f"got {fusion.fusion_rounds}")

@@ -221,7 +221,7 @@ class TierModels:
         s = self.strategy
         teachers = [s.build_model(u.state) for u in updates]
         # feddf's own distillation options; other methods: the refine step's defaults (Adam 1e-3, early stopping)
-        options = s.spec.parse_options(s.fusion_options) if s.entry.tier_distill else DistillRefineOptions()
+        options = s.method_options if s.entry.tier_distill else DistillRefineOptions()
         dev = resolve_device(s.device)
         for r in sorted(set(s.tier_layout.node_tier.values()) - {1.0}):
             student = s.build_model(slice_state(s.global_state(), s.layout(r, s.window(server_round + 1))))

@@ -76,6 +76,7 @@ class TieredFusionStrategy(FusionStrategy):
             (``fedfuse.hetero.tiers.resolve_ordered_dropout_draw``: the measured best for the method and family),
             ``"uniform"`` (FjORD), ``"width"`` (each width in proportion to itself) or the probability of its own
             width (``fedfuse.hetero.ordered_dropout.draw_weights``).
+        The tier options come as one ``TierOptions`` (``tiering=``) or as these flat keywords.
         Everything else: ``FusionStrategy``'s options.
     """
 
@@ -232,7 +233,7 @@ class TieredFusionStrategy(FusionStrategy):
             if self.entry.tier_distill and method == self.method:
                 teachers = models if models is not None else [self.build_model(u.state) for u in updates]
                 info.update(distill_ensemble(model, teachers, self._norm_weights(updates), self.fusion_inputs,
-                                             self.spec.parse_options(self.fusion_options),
+                                             self.method_options,
                                              seed=self.seed + server_round, device=resolve_device(self.device)))
                 model = model.cpu().eval()
             return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)

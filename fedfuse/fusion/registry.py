@@ -121,8 +121,11 @@ def parse_options(method: str, cls: type, options: Mapping[str, Any] | None, *, 
 
     Keys may use ``-`` or ``_``. Raises ``FusionOptionError`` naming the key on an unknown key (with the
     valid keys and a close match) or a value of the wrong type / outside a ``Literal``'s choices.
-    ``what`` replaces ``fusion method '<method>'`` at the start of messages (nested option tables).
+    ``what`` replaces ``fusion method '<method>'`` at the start of messages (nested option tables). An instance
+    of ``cls`` (options validated before) is returned as it is.
     """
+    if isinstance(options, cls):   # already validated (a typed options object): trusted as it is
+        return options
     what = what or f"fusion method {method!r}"
     if options is not None and not isinstance(options, Mapping):
         raise FusionOptionError(f"{what}: options must be a table of key = value, got {options!r}")
