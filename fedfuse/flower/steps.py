@@ -99,6 +99,8 @@ class DivergenceGuard:
         return fused, info
 
     def limit(self, kl_reference: float) -> float:
+        """The highest KL to the clients' ensemble a model may have against a reference's (the guard's rule, written
+        once: the tier guard of ``fedfuse.flower.tier_derivation`` reads it too)."""
         return self.ratio * kl_reference + 0.05
 
 

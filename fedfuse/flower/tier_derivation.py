@@ -112,7 +112,7 @@ class TierModels:
                 logits = s.build_model(candidate)(x)
                 kl_c = kl_to(target, logits) if bool(torch.isfinite(logits).all()) else float("inf")
                 kl_s = kl_to(target, s.build_model(safe)(x))
-            if not kl_c <= s.guard_step.ratio * kl_s + 0.05:
+            if not kl_c <= s.guard_step.limit(kl_s):   # the divergence guard's rule (DivergenceGuard.limit)
                 reason = (f"tier {tier_name(r)}: its model's KL to the clients' ensemble on the fusion set is "
                           f"{kl_c:.4g}, above {s.guard_step.ratio:g} x the sub-model average's slice's {kl_s:.4g} + 0.05")
                 log(WARNING, "aggregate_train: round %d: tier guard: %s; the tier gets that slice", server_round,
