@@ -432,3 +432,21 @@ def test_a_free_rider_claiming_100x_its_samples_is_capped(name):
     assert "capped" not in off.history[-1]
     with pytest.raises(ValueError, match="weight_cap must be >= 0"):
         build_strategy("fedavg", model_fn=model_fn, weight_cap=-1)
+
+
+def test_typed_options_and_flat_keywords_build_the_same_strategy():
+    from fedfuse.flower.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions
+    fx = torch.zeros(4, *SHAPE)
+    typed = FusionStrategy("kf-linear", model_fn=model_fn, fusion_inputs=fx,
+                           fusion=FusionOptions(fusion_rounds=2, align_to="model-0"),
+                           guard=GuardOptions(ratio=3.0), momentum=MomentumOptions(0.3, 0.5),
+                           refine=RefineOptions("none"))
+    flat = build_strategy("kf-linear", model_fn=model_fn, fusion_inputs=fx, fusion_rounds=2, guard_ratio=3.0,
+                          server_momentum=0.3, server_learning_rate=0.5, refine="none")
+    for s in (typed, flat):
+        assert (s.fusion_rounds, s.guard_step.ratio, s.momentum_step.momentum, s.momentum_step.learning_rate,
+                s.refine_steps) == (2, 3.0, 0.3, 0.5, ())
+    with pytest.raises(ValueError, match="guard_ratio must be > 1"):   # checked once, when the object is made
+        GuardOptions(ratio=0.5)
+    with pytest.raises(ValueError, match="server_momentum must be in"):
+        build_strategy("average", model_fn=model_fn, server_momentum=1.5)

@@ -33,23 +33,26 @@ from fedfuse.flower.baselines import (FLOWER_BASELINES, BulyanStrategy, FedAdamS
                                       FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
 from fedfuse.flower.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
 from fedfuse.flower.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
-from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy, FlowerFedAvg,
+from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
 from fedfuse.choices import FALLBACKS
 from fedfuse.flower.fusion_strategy import FusionStrategy
+from fedfuse.flower.options import (FusionOptions, GuardOptions, MomentumOptions, ProtocolOptions, RefineOptions,
+                                    TierOptions)
 from fedfuse.flower.protocol import ClientsDivergedError, ReplyContractError, RoundProtocol, state_to_record
 from fedfuse.flower.screen import ClientScreen
 from fedfuse.flower.selection import SelectionStrategy
 from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
 __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
-           "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy", "FlowerFedAvg",
+           "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
            "FsMergeStrategy", "FsMergeSeqStrategy", "FedDfStrategy", "FLOWER_BASELINES", "FlowerBaselineStrategy",
            "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy", "FedMedianStrategy",
            "FedTrimmedAvgStrategy", "KrumStrategy", "MultiKrumStrategy", "BulyanStrategy", "ClientsDivergedError", "ReplyContractError",
            "ClientScreen", "ClientUpdate", "ReplyRejected", "NonFiniteWeights", "validate_reply", "state_to_record",
-           "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train"]
+           "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "FusionOptions", "GuardOptions",
+           "MomentumOptions", "RefineOptions", "ProtocolOptions", "TierOptions"]

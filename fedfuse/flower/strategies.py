@@ -61,7 +61,6 @@ class FedAvgStrategy(StreamedRounds, RoundProtocol):
         return average, {}, 0.0   # no step after the average
 
 
-FlowerFedAvg = FedAvgStrategy  # an earlier name
 
 _PAPERS = {
     "average": "Weighted averaging of the client models with FedAvgM's server step and the calibration refinement: "
@@ -168,7 +167,7 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]):
                                  "ordered_dropout_draw": ordered_dropout_draw(cfg)}
 
 
-__all__ = ["STRATEGIES", "build_strategy", "strategy_builder", "FedAvgStrategy", "FlowerFedAvg", "AverageStrategy", "KdStrategy",
+__all__ = ["STRATEGIES", "build_strategy", "strategy_builder", "FedAvgStrategy", "AverageStrategy", "KdStrategy",
            "LpStrategy", "HfLinearStrategy", "KfLinearStrategy", "HfGradientStrategy", "KfGradientStrategy",
            "OtStrategy", "RebasinStrategy", "TransfusionStrategy", "FsMergeStrategy", "FsMergeSeqStrategy",
            "FedDfStrategy", "SelectionStrategy"]
