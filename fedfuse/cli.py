@@ -6,27 +6,24 @@
     fedfuse fusion-set /abs/fusion.npz [--dataset digits --size 250 --seed 0 | --run-config "..."]
                                                                     the server's fusion-set file for a deployment
     fedfuse config [KEY ...] [--markdown]                           the run-config keys: type, default, help
-    fedfuse bench one-shot --datasets digits ...                    a benchmark (repository checkout only)
 
 ``run`` and ``compare`` are the package's runners (``fedfuse.flower.runner``): installed from a wheel they use the
 Flower app configuration shipped in the package and write under ``./results``; in a checkout they use the
-checkout's ``pyproject.toml`` and ``results/``. ``bench`` runs the benchmarks, which are experiments of the
-repository (``simulations/bench``, not in the package): it works in a checkout (``scripts/setup.sh`` installs
-fedfuse from it in editable mode) and otherwise exits with status 2 saying so. ``fedfuse <command> --help`` shows
-each command's options. This module imports no Flower itself (the runners it calls do).
+checkout's ``pyproject.toml`` and ``results/``. The command is the product's only: the repository's experiments
+(benchmarks) have their own entry point in the repository and are neither named nor imported here.
+``fedfuse <command> --help`` shows each command's options. This module imports no Flower itself (the runners it
+calls do).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import shutil
 import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 
 EXIT_USAGE = 2
@@ -46,23 +43,10 @@ def _fusion_files():
     return sys.modules["fedfuse.data.fusion_set"]   # the package's name `fusion_set` is a function
 
 
-# fedfuse bench <name> -> the benchmark module of the repository (each has main(argv)); not in the package
-BENCHMARKS = {
-    "one-shot": ("simulations.bench.one_shot", "one-shot fusion of independently trained clients vs best client, "
-                 "ensemble, averaging, KD"),
-    "ot": ("simulations.bench.ot", "width-heterogeneous OT fusion and task-vector transport"),
-    "fs-merge": ("simulations.bench.fs_merge", "FS-Merge low-data sweep, time and memory vs KD"),
-    "fusion-time": ("simulations.bench.fusion_time", "fusion time vs average, a forward pass and a client epoch"),
-    "tofu": ("simulations.bench.tofu", "Token Fusion on ViT clients"),
-    "scaling": ("simulations.bench.scaling", "aggregation time and server memory vs number of clients"),
-    "load": ("simulations.bench.load", "a flwr run with many clients (fraction-train < 1)"),
-}
-
 COMMANDS = {
     "run": "the default run: the strategy through `flwr run`, then FedAvg on the same split and seed, side by side "
            "(fedfuse.flower.runner.run)",
     "compare": "several strategies x partitionings x seeds, mean ± std table and plot (fedfuse.flower.runner.sweep)",
-    "bench": "benchmarks, in a repository checkout only: " + ", ".join(BENCHMARKS),
     "fusion-set": "write the server's fusion-set file (.npz/.pt), preprocessed exactly as a run loads it",
     "config": "list the run-config keys (type, default, allowed values, meaning)",
 }
@@ -72,27 +56,11 @@ class CliError(Exception):
     """A usage problem reported as one ``fedfuse: ...`` line with exit status 2."""
 
 
-def repository_module(name: str, command: str) -> ModuleType:
-    """``importlib.import_module(name)`` for a command that runs one of the repository's experiments
-    (``simulations/``, never part of the package); ``CliError`` saying where they are when fedfuse was installed
-    without its repository."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == "simulations" or exc.name.startswith("simulations.")):
-            raise CliError(f"`fedfuse {command}` runs a benchmark, and the benchmarks are scripts of the fedfuse "
-                           f"repository (simulations/bench), not part of the installed package ({exc.name} not "
-                           f"found): in a checkout of the repository run `python -m {name}` (or `fedfuse {command}` "
-                           "after `bash scripts/setup.sh` there, which installs fedfuse in editable mode); "
-                           "`fedfuse run` and `fedfuse compare` work from the package alone") from None
-        raise
-
-
 def _exit_code(value: object) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-# ------------------------------------------------------------------------------------------ run / compare / bench
+# -------------------------------------------------------------------------------------------------- run / compare
 def cmd_run(argv: list[str]) -> int:
     from fedfuse.flower.runner import run  # deferred: Flower (flwr), imported by fedfuse.flower only
 
@@ -103,34 +71,6 @@ def cmd_compare(argv: list[str]) -> int:
     from fedfuse.flower.runner import sweep  # deferred: Flower (flwr), imported by fedfuse.flower only
 
     return _exit_code(sweep.main(argv, prog="fedfuse compare"))
-
-
-def bench_help() -> str:
-    width = max(len(n) for n in BENCHMARKS)
-    lines = ["usage: fedfuse bench <benchmark> [options]   (fedfuse bench <benchmark> --help: its options)", "",
-             "The benchmarks are scripts of the fedfuse repository (simulations/bench), not part of the installed",
-             "package: run them in a checkout (`python -m <module>`, or `fedfuse bench` after scripts/setup.sh).", "",
-             "benchmarks (seeded; tables and plots under --out):"]
-    lines += [f"  {name:<{width}}  {what}  [python -m {mod}]" for name, (mod, what) in BENCHMARKS.items()]
-    return "\n".join(lines)
-
-
-def cmd_bench(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(bench_help())
-        return 0 if argv else EXIT_USAGE
-    name, rest = argv[0], argv[1:]
-    if name not in BENCHMARKS:
-        close = difflib.get_close_matches(name, list(BENCHMARKS), n=1)
-        raise CliError(f"bench: unknown benchmark {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "") +
-                       f"; choose one of {', '.join(BENCHMARKS)}")
-    module = repository_module(BENCHMARKS[name][0], f"bench {name}")
-    if name == "one-shot" and any(a in ("-h", "--help") for a in rest) and hasattr(module, "build_parser"):
-        parser = module.build_parser()
-        parser.prog = "fedfuse bench one-shot"
-        parser.print_help()
-        return 0
-    return _exit_code(module.main(rest))
 
 
 # ------------------------------------------------------------------------------------------------- fusion-set
@@ -258,7 +198,7 @@ def cmd_config(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- main
-HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": cmd_run, "compare": cmd_compare, "bench": cmd_bench,
+HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": cmd_run, "compare": cmd_compare,
                                                    "fusion-set": cmd_fusion_set, "config": cmd_config}
 
 

@@ -1,11 +1,14 @@
-"""Write results/INDEX.md: every tracked evidence folder under results/, what it holds and the pages citing it.
+"""Write results/INDEX.md: every tracked evidence folder under results/, what it holds and the pages citing it;
+and store every tracked ``results/**/*.json`` compact (no indentation: the same JSON value, parsed back identical),
+which keeps the tracked files under the 20 MB that ``tests/test_evidence.py`` checks.
 
-    python scripts/results_index.py
+    python scripts/results_index.py            # run it after `git add -f` / `git rm --cached` under results/
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -14,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAD = """# results/: the tracked evidence
 
 Run and benchmark outputs are written under `results/` and ignored (`.gitignore`); what the documentation cites is
-tracked here: tables (`*.md`), per-seed and per-run JSON, the plots a page shows, and a few logs of GPU runs. Raw run
-folders (`rounds.csv`, `run.log`, models, checkpoints) and plots no page shows are not tracked. Each line: a folder (or
-file), what it holds, and the pages citing it. This index is written by `python scripts/results_index.py`; a new piece
-of evidence gets its folder re-included in `.gitignore` and a line here.
+tracked here: tables (`*.md`), per-seed and per-run JSON (stored compact, one line: the same values), the plots a
+page shows, and a few logs of GPU runs a page cites. Raw run folders (`rounds.csv`, `run.log`, models, checkpoints),
+plots no page shows, and the raw sweeps of folders no page cites (their tables stay) are not tracked; all tracked
+files together stay under 20 MB, and every `results/` path a page cites exists (`tests/test_evidence.py`). Each line:
+a folder (or file), what it holds, and the pages citing it. This index is written by
+`python scripts/results_index.py`; a new piece of evidence gets its folder re-included in `.gitignore` and a line here.
 
 | evidence | files | cited by |
 |---|---|---|
@@ -53,9 +58,32 @@ def _cites(key: str, texts: dict[str, str]) -> list[str]:
     return sorted(set(out))
 
 
+def compact_json(paths: list[str]) -> int:
+    """Rewrite each JSON file without indentation (same value: keys in order, floats as Python wrote them);
+    bytes saved. A file that does not parse is left as it is."""
+    saved = 0
+    for rel in paths:
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        compact = json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
+        if compact != text:
+            path.write_text(compact, encoding="utf-8")
+            saved += len(text.encode()) - len(compact.encode())
+    return saved
+
+
 def main() -> None:
     tracked = subprocess.run(["git", "ls-files", "--cached"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
+    saved = compact_json([f for f in tracked if f.startswith("results/") and f.endswith(".json")])
+    if saved:
+        print(f"results_index: tracked results JSON stored compact, {saved} bytes fewer")
     pages = [f for f in tracked if f.endswith(".md") and not f.startswith(("results/", "tests/"))]
     texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in pages}
     groups: dict[str, list[str]] = collections.defaultdict(list)

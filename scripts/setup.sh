@@ -29,7 +29,7 @@ fi
 echo "setup: installing fedfuse into .venv (first time: torch + CUDA wheels, a few minutes)"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-# editable: the `fedfuse` command (fedfuse.cli) then also finds the repository's benchmarks (fedfuse bench = simulations/bench)
+# editable: the `fedfuse` command (fedfuse.cli) runs the checkout's code; the benchmarks: python -m simulations.bench
 .venv/bin/python -m pip install --quiet -e ".[dev]"
 .venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot; print('setup: torch', torch.__version__, '| flwr', flwr.__version__)"
 .venv/bin/fedfuse --version

@@ -22,16 +22,17 @@ def test_pyproject_installs_the_fedfuse_command():
 def test_help_lists_every_command(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("run", "compare", "bench", "fusion-set", "config"):
+    for command in ("run", "compare", "fusion-set", "config"):
         assert f"  {command} " in out
+    assert "bench" not in out and "simulations" not in out  # the experiments have their own entry point
     assert cli.main([]) == 2  # no command: the help, usage status
 
 
 def test_unknown_command_is_one_line_with_a_suggestion(capsys):
     assert cli.main(["rnu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fedfuse: unknown command 'rnu' (did you mean 'run'?); commands: run, compare, bench, fusion-set, "
-                   "config (fedfuse --help)"]
+    assert err == ["fedfuse: unknown command 'rnu' (did you mean 'run'?); commands: run, compare, fusion-set, config "
+                   "(fedfuse --help)"]
 
 
 @pytest.mark.parametrize("command,module,prog", [("run", "fedfuse.flower.runner.run", "fedfuse run"),
@@ -58,57 +59,55 @@ def test_subcommand_help_is_the_runners_help(capsys, command):
         assert "--no-compare" in out and "--verbose" in out and "--baseline" in out
 
 
-def test_bench_dispatches_to_the_benchmark_module(monkeypatch, capsys):
-    import simulations.bench.one_shot as one_shot
-
-    seen = {}
-    monkeypatch.setattr(one_shot, "main", lambda argv: seen.setdefault("argv", argv) and None)
-    assert cli.main(["bench", "one-shot", "--datasets", "digits", "--seeds", "0"]) == 0
-    assert seen["argv"] == ["--datasets", "digits", "--seeds", "0"]
-    assert cli.main(["bench", "one-shot", "--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: fedfuse bench one-shot")
-    assert cli.main(["bench", "--help"]) == 0 and "one-shot" in capsys.readouterr().out
-    assert cli.main(["bench", "one_shot"]) == 2
-    assert "did you mean 'one-shot'?" in capsys.readouterr().err
-
-
-def test_run_and_compare_need_no_repository_but_bench_does(monkeypatch, capsys):
-    """Without the repository's experiments (an installed wheel), ``run`` and ``compare`` still work (package
-    runners); ``bench`` says the benchmarks are repository scripts and how to run them in a checkout."""
-    import importlib
-
-    real = importlib.import_module
-
-    def no_simulations(name, *a, **k):
-        if name.startswith("simulations"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name="simulations")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(cli.importlib, "import_module", no_simulations)
-    for argv in (["bench", "one-shot"], ["bench", "ot", "--seeds", "0"]):
-        assert cli.main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"fedfuse: `fedfuse {' '.join(argv[:2])}` runs a benchmark") and err.count("\n") == 1
-        assert "repository" in err and f"python -m {cli.BENCHMARKS[argv[1]][0]}" in err
-    assert cli.main(["bench", "--help"]) == 0  # the list is there, saying where the benchmarks live
-    assert "not part of the installed" in capsys.readouterr().out
-    for command in ("run", "compare"):
-        with pytest.raises(SystemExit) as exc:
-            cli.main([command, "--help"])
-        assert exc.value.code == 0 and capsys.readouterr().out.startswith(f"usage: fedfuse {command} ")
-
-
-def test_the_product_never_imports_the_experiments():
-    """``fedfuse/`` is the installable product: no module of it imports ``simulations`` (at any level); the
-    only mention is ``fedfuse bench``'s table of repository benchmark modules, imported by name on demand."""
+def test_the_product_never_names_the_experiments(capsys):
+    """``fedfuse/`` is the installable product: no module of it imports ``simulations`` (at any level), and its
+    command line does not even name them; ``fedfuse bench`` is an unknown command."""
     import ast
 
     for path in (ROOT / "fedfuse").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "import_module", "__import__", "run_module"):
+                names += [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             assert not any(n == "simulations" or n.startswith("simulations.") for n in names), path
-    assert all(mod.startswith("simulations.bench.") for mod, _ in cli.BENCHMARKS.values())
+    source = (ROOT / "fedfuse" / "cli.py").read_text()
+    assert "simulations" not in source and "BENCHMARKS" not in source and not hasattr(cli, "cmd_bench")
+    assert cli.main(["bench", "one-shot"]) == 2
+    assert "unknown command 'bench'" in capsys.readouterr().err
+
+
+def test_the_experiments_entry_point_lists_and_dispatches(monkeypatch, capsys):
+    """``python -m simulations.bench``: every benchmark module listed (read from the sources), one dispatched
+    with its arguments (dash or underscore name), a close match suggested for an unknown name."""
+    from simulations.bench import __main__ as bench
+
+    table = bench.benchmarks()
+    for name in ("one-shot", "ot", "fs-merge", "fusion-time", "tofu", "scaling", "load", "warm-start", "progressive"):
+        assert name in table and table[name][0] == "simulations.bench." + name.replace("-", "_"), name
+    assert not {"clients", "specs", "stats", "tables", "plots", "report", "cells", "timing"} & set(table)
+    assert bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m simulations.bench <benchmark>") and all(f"  {n} " in out for n in table)
+    assert bench.main([]) == 2
+
+    import simulations.bench.one_shot as one_shot
+
+    seen = {}
+    monkeypatch.setattr(one_shot, "main", lambda argv: seen.setdefault("argv", argv) and None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert bench.main(["one-shot", "--datasets", "digits", "--seeds", "0"]) == 0
+    assert bench.main(["one_shot", "--seeds", "1"]) == 0 and seen["argv"] == ["--datasets", "digits", "--seeds", "0"]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["one-sht"])
+    assert exc.value.code == 2 and "did you mean 'one-shot'?" in capsys.readouterr().err
+
+
+def test_the_experiments_entry_point_runs_as_a_module():
+    res = subprocess.run([sys.executable, "-m", "simulations.bench", "--help"], cwd=str(ROOT), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "one-shot" in res.stdout and "fs-merge" in res.stdout, res.stderr
 
 
 def test_config_lists_every_key_with_type_and_default(capsys):
