@@ -63,7 +63,8 @@ class StrategySpec:
             (``tier_models_auto`` ``None``: ``prune``, or ``slice`` for ViTs).
         selects: the round chooses between candidate aggregations by the clients' scores
             (``fedfuse.flower.selection``).
-        paper: the paper (title and arXiv id) the strategy follows, for the docs.
+        paper: what the strategy is and the paper (title and arXiv id) it follows: the docs and the docstring of its
+            strategy class (a plain fusion method's entry takes its ``MethodSpec.paper``).
     """
 
     name: str
@@ -131,7 +132,9 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("bulyan", flower_class="Bulyan", **{**_FLOWER, "run_keys": ("num-malicious-nodes",)},
                  paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
-                 submodel_tiers=True, tier_refine="none"),
+                 submodel_tiers=True, tier_refine="none",
+                 paper="Weighted averaging of the client models with FedAvgM's server step and the calibration "
+                       "refinement: fedfuse's default multi-round aggregation."),
     StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
                  can_refine=False, selects=True, run_keys=("server-momentum",),
                  paper="fedfuse: FedAvg's average while the clients train few local epochs; from auto-fusion-epochs, "
@@ -139,7 +142,9 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                        "accuracy on the clients' own data"),
     StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
                  submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
-                 paper="Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv 2006.07242"),
+                 paper='FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", '
+                       'arXiv 2006.07242): the weighted average, then the clients\' ensemble distilled into it on '
+                       'the fusion set.'),
     StrategySpec("heterofl", **_TIER_BASELINE,
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
@@ -172,9 +177,9 @@ STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta",
                      "num-nodes-to-select", "mom-beta")
 
 
-def fusion_spec(method: str) -> StrategySpec:
+def fusion_spec(method: str, paper: str = "") -> StrategySpec:
     """The entry of a plain fusion method (``fedfuse.fusion`` defaults: calibrate, no server momentum)."""
-    return StrategySpec(method, "fusion", method=method)
+    return StrategySpec(method, "fusion", method=method, paper=paper)
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -201,7 +206,7 @@ def strategy_spec(name: str) -> StrategySpec:
         why = (f"; method {name!r} does not return the global architecture, so it cannot be a round's aggregation"
                if spec is not None else "")
         raise ValueError(f"strategy: unknown strategy {name!r}{hint}{why}; choose one of {sorted(names)}")
-    return fusion_spec(name)
+    return fusion_spec(name, spec.paper)
 
 
 #: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.selection``)
