@@ -72,6 +72,8 @@ class StrategySpec:
         distils_exits: with depth tiers, the clients' ensemble is then distilled into every exit (FedDF's step); the
             divergence guard stays on.
         aligns_depths: with depth tiers, the clients are aligned (OT) before the layer-wise average (one width only).
+        dp_average: its aggregate is an average of the (clipped) updates, so differential privacy's Gaussian noise
+            is calibrated to it (FedAvg, FedProx; FedAvgM / FedAdam / FedYogi post-process that average).
         self_distills: with depth tiers, the clients distil their exits into each other (DepthFL's
             self-distillation; ``False``: the paper's DepthFL (FedAvg) ablation).
         paper: what the strategy is and the paper (title and arXiv id) it follows: the docs and the docstring of its
@@ -105,6 +107,7 @@ class StrategySpec:
     distils_exits: bool = False
     aligns_depths: bool = False
     self_distills: bool = True
+    dp_average: bool = False
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -146,16 +149,16 @@ _TIER_BASELINE = dict(aggregation="submodel", server_step="paper", needs_tiers=T
 
 #: the strategies that are not a plain ``fedfuse.fusion`` method with fedfuse's defaults
 SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
-    StrategySpec("fedavg", "arrays", server_step="paper", streams=True, **_ARRAYS,
+    StrategySpec("fedavg", "arrays", server_step="paper", streams=True, dp_average=True, **_ARRAYS,
                  paper="Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"),
     StrategySpec("fedavgm", **_flower("FedAvgM", ("server-lr", "server_learning_rate"),
-                                      ("server-momentum", "server_momentum")),
+                                      ("server-momentum", "server_momentum"), dp_average=True),
                  paper="Measuring the Effects of Non-Identical Data Distribution, arXiv 1909.06335"),
-    StrategySpec("fedadam", **_flower("FedAdam", ("server-lr", "eta")),
+    StrategySpec("fedadam", **_flower("FedAdam", ("server-lr", "eta"), dp_average=True),
                  paper="Adaptive Federated Optimization, arXiv 2003.00295"),
-    StrategySpec("fedyogi", **_flower("FedYogi", ("server-lr", "eta")),
+    StrategySpec("fedyogi", **_flower("FedYogi", ("server-lr", "eta"), dp_average=True),
                  paper="Adaptive Federated Optimization, arXiv 2003.00295"),
-    StrategySpec("fedprox", **_flower("FedProx", ("proximal-mu", "proximal_mu")),
+    StrategySpec("fedprox", **_flower("FedProx", ("proximal-mu", "proximal_mu"), dp_average=True),
                  paper="Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"),
     # Byzantine-robust aggregation (Flower's own implementations, behind fedfuse's reply validation; their defaults:
     # FedTrimmedAvg beta 0.2, Krum / MultiKrum / Bulyan num_malicious_nodes 0)
@@ -227,10 +230,12 @@ DEPTH_WARM_START = tuple(sorted(_depth_order("distils_exits"), key=lambda n: n n
 SELECTING_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.selects)
 #: the fusion strategies that are the plain sample-weighted mean (run as a stream over the replies)
 MEAN_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "fusion" and s.streams)
-PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
+PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.aggregation != "arrays")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
-STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
-                     "num-nodes-to-select", "mom-beta")
+#: every strategy-specific run-config key (the entries' run_keys)
+STRATEGY_KEYS_ALL = tuple(dict.fromkeys(k for s in SPECIAL_SPECS.values() for k in s.run_keys))
+#: differential privacy's strategies: their aggregate is an average of the clipped updates (``dp_average``)
+DP_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.dp_average)
 
 
 def fusion_spec(method: str, paper: str = "") -> StrategySpec:
@@ -314,6 +319,6 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
 
 
 __all__ = ["STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
-           "SELECTING_STRATEGIES", "MEAN_METHODS", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
+           "SELECTING_STRATEGIES", "MEAN_METHODS", "DP_STRATEGIES", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]
