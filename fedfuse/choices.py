@@ -31,9 +31,9 @@ REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill
 EVALUATIONS = ("central", "federated", "both")
 # differential privacy (fedfuse.flower.privacy): where updates are clipped (Flower's server- / client-side fixed
 # clipping wrappers), and the strategies whose aggregate is an average of the clipped updates (what the Gaussian
-# mechanism's noise is calibrated to; fedavgm / fedadam / fedyogi post-process that average)
+# mechanism's noise is calibrated to: the registry entries' dp_average)
 DP_CLIPPINGS = ("server", "client")
-DP_STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
+from fedfuse.strategy_specs import DP_STRATEGIES  # noqa: E402  (imports nothing of fedfuse)
 # one-shot mode: the reference rows the server computes from the round's client models (fedfuse.references): all
 # (clients, ensemble, average, KD and FedDF), models (no distillation), none
 ONE_SHOT_REFERENCES = ("all", "models", "none")

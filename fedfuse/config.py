@@ -47,8 +47,8 @@ from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
-                                    WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates,
-                                    strategy_names as registry_names)
+                                    WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS,
+                                    SELECTING_STRATEGIES, strategy_spec, strategy_names as registry_names)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
 from fedfuse.data import FederatedData  # noqa: E402
@@ -482,7 +482,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             continue
         values[key.replace("-", "_")] = _coerce(key, value, spec.type)
     cfg = RunConfig(**values)
-    if cfg.strategy == "auto" and cfg.client_tiers.strip():
+    if cfg.strategy in SELECTING_STRATEGIES and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except in
         # one-shot mode, whose clients start from their own initialisations: their plain (sub-model) average is at
         # chance, so there the default fuses them (one_shot_width_default) or, across depths, aligns them first ('ot')
@@ -526,14 +526,24 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
 def robust_min_replies(cfg: RunConfig) -> int:
     """The replies a round that ``cfg.strategy`` needs with ``num-malicious-nodes`` f: Bulyan 4f + 3, Krum / MultiKrum
     f + 3 (each model scored by its n - f - 2 nearest others); 1 for any other strategy."""
-    f = cfg.num_malicious_nodes
-    return 4 * f + 3 if cfg.strategy == "bulyan" else f + 3 if cfg.strategy in ("krum", "multikrum") else 1
+    a, b = _min_replies(cfg)
+    return a * cfg.num_malicious_nodes + b
+
+
+def _min_replies(cfg: RunConfig) -> tuple[int, int]:
+    """The entry's ``min_replies`` ``(a, b)`` (``a * f + b``); ``(0, 1)`` for an unknown strategy (checked later)."""
+    try:
+        return strategy_spec(cfg.strategy).min_replies
+    except ValueError:
+        return 0, 1
 
 
 def _robust_rule(cfg: RunConfig) -> str:
     f = cfg.num_malicious_nodes
-    return (f"Flower's Bulyan: 4f + 3, f = {f}: 'num-malicious-nodes'" if cfg.strategy == "bulyan" else
-            f"Krum scores each model by its n - f - 2 nearest others: f + 3, f = {f}: 'num-malicious-nodes'")
+    a, b = _min_replies(cfg)
+    return (f"Flower's {strategy_spec(cfg.strategy).flower_class}: {a}f + {b}, f = {f}: 'num-malicious-nodes'"
+            if a > 1 else
+            f"Krum scores each model by its n - f - 2 nearest others: f + {b}, f = {f}: 'num-malicious-nodes'")
 
 
 def one_shot_width_default(cfg: RunConfig) -> str:
@@ -568,9 +578,9 @@ def auto_round_aggregation(cfg: RunConfig) -> str | None:
     Why the rule (``auto-momentum='auto'``): server momentum is FedAvgM's step (Hsu et al., arXiv 1909.06335), the
     momentum that plain-SGD clients (Flower's fedavgm baseline) do not take themselves; on top of clients that already
     carry their own momentum or Adam it compounds and breaks runs (measured: docs/multi-round.md)."""
-    if cfg.strategy != "auto" or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
+    if cfg.strategy not in SELECTING_STRATEGIES or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
         return None
-    arrays = [c for c in cfg.auto_candidate_names if c in ("fedavg", "average")]
+    arrays = [c for c in cfg.auto_candidate_names if c in ARRAY_CANDIDATES]
     plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0   # the clients' own step carries no momentum
     if "average" in arrays and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd)):
         return "average"
@@ -606,7 +616,7 @@ def _check_privacy(cfg: RunConfig) -> None:
     if strategy not in DP_STRATEGIES:
         why = ("'auto' builds fusion candidates from each client's model and asks the clients to score them "
                f"(local-epochs {cfg.local_epochs} >= auto-fusion-epochs {cfg.auto_fusion_epochs})"
-               if cfg.strategy == "auto" else
+               if cfg.strategy in SELECTING_STRATEGIES else
                f"{cfg.strategy!r} reads each client's model on its own (fusion, distillation, selection, medians), so "
                "one client's influence on its result is not the clipping norm / n that the noise is calibrated to")
         raise ConfigError(f"run-config key 'strategy': differential privacy (dp-noise-multiplier > 0) bounds averaging "
@@ -644,14 +654,16 @@ def _check_rules(cfg: RunConfig) -> None:
         # one-shot fusion is one round by definition; say so rather than silently overriding
         raise ConfigError("run-config key 'num-server-rounds' must be 1 when 'mode' is 'one-shot'")
     f = cfg.num_malicious_nodes
-    if cfg.strategy == "bulyan" and cfg.min_train_nodes < 4 * f + 3:
-        raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}): strategy 'bulyan' needs at least "
-                          f"4f + 3 = {4 * f + 3} replies a round (Flower's Bulyan, f = {f}: 'num-malicious-nodes')")
-    if cfg.strategy in ("krum", "multikrum") and cfg.min_train_nodes < f + 3:
+    (a, b), need = _min_replies(cfg), robust_min_replies(cfg)
+    if a > 1 and cfg.min_train_nodes < need:   # Bulyan
+        raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}): strategy {cfg.strategy!r} needs "
+                          f"at least {a}f + {b} = {need} replies a round (Flower's "
+                          f"{strategy_spec(cfg.strategy).flower_class}, f = {f}: 'num-malicious-nodes')")
+    if a == 1 and cfg.min_train_nodes < need:   # Krum, MultiKrum
         raise ConfigError(f"run-config key 'num-malicious-nodes' ({f}): Krum scores each model by its n - f - 2 nearest "
-                          f"others, so it needs at least f + 3 = {f + 3} replies a round; 'min-train-nodes' is "
+                          f"others, so it needs at least f + {b} = {need} replies a round; 'min-train-nodes' is "
                           f"{cfg.min_train_nodes}")
-    if cfg.strategy == "multikrum" and cfg.num_nodes_to_select > cfg.min_train_nodes:
+    if key_applies("num-nodes-to-select", cfg.strategy) and cfg.num_nodes_to_select > cfg.min_train_nodes:
         raise ConfigError(f"run-config key 'num-nodes-to-select' ({cfg.num_nodes_to_select}) is more than the "
                           f"{cfg.min_train_nodes} replies a round ('min-train-nodes')")
     if cfg.robust:
@@ -876,7 +888,7 @@ def _check_tiers(cfg: RunConfig) -> None:
                           f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
 
 
-DEPTH_TIER_METHODS = DEPTH_TIER_STRATEGIES + ("average", "feddf", "ot")   # fedfuse.flower.depth_tiers.DEPTH_METHODS
+DEPTH_TIER_METHODS = DEPTH_METHODS   # the registry's (fedfuse.flower.depth_tiers reads the same)
 
 
 def _check_depth_tiers(cfg: RunConfig) -> None:
@@ -1048,16 +1060,16 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             raise ConfigError("run-config key 'align-to': 'global' needs a global model the clients trained from; "
                               "in mode='one-shot' they start from independent initialisations")
     for key in ("auto-candidates", "auto-fusion-epochs", "auto-momentum"):
-        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy != "auto":
+        if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy not in SELECTING_STRATEGIES:
             raise ConfigError(f"run-config key {key!r} applies to strategy 'auto' only, not {cfg.strategy!r}")
-    if cfg.strategy == "auto":
+    if cfg.strategy in SELECTING_STRATEGIES:
         try:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
         if cfg.auto_candidates != SCHEMA["auto-candidates"].default:
             _check_candidate_setup(cfg)
-        if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ("average", "fedavg")
+        if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ARRAY_CANDIDATES
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
                               f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")

@@ -63,7 +63,21 @@ class StrategySpec:
             (``tier_models_auto`` ``None``: ``prune``, or ``slice`` for ViTs).
         selects: the round chooses between candidate aggregations by the clients' scores
             (``fedfuse.flower.selection``).
-        paper: the paper (title and arXiv id) the strategy follows, for the docs.
+        flower_options: ``(run-config key, Flower keyword)`` pairs: the run-config keys a ``"flower"`` aggregation
+            reads (its ``run_keys``) and the keyword option of Flower's class each one sets.
+        min_replies: ``(a, b)``: a round needs ``a * f + b`` replies with ``num-malicious-nodes`` f (Krum: f + 3,
+            Bulyan: 4f + 3; ``(0, 1)``: one reply).
+        depth_tiers: aggregates clients of different depths (``fedfuse.flower.depth_tiers``).
+        width_depth_tiers: with depth tiers, also takes tiers narrower than the global model (width x depth tiers).
+        distils_exits: with depth tiers, the clients' ensemble is then distilled into every exit (FedDF's step); the
+            divergence guard stays on.
+        aligns_depths: with depth tiers, the clients are aligned (OT) before the layer-wise average (one width only).
+        dp_average: its aggregate is an average of the (clipped) updates, so differential privacy's Gaussian noise
+            is calibrated to it (FedAvg, FedProx; FedAvgM / FedAdam / FedYogi post-process that average).
+        self_distills: with depth tiers, the clients distil their exits into each other (DepthFL's
+            self-distillation; ``False``: the paper's DepthFL (FedAvg) ablation).
+        paper: what the strategy is and the paper (title and arXiv id) it follows: the docs and the docstring of its
+            strategy class (a plain fusion method's entry takes its ``MethodSpec.paper``).
     """
 
     name: str
@@ -86,6 +100,14 @@ class StrategySpec:
     tier_models_auto: str | None = None
     ordered_dropout_auto: str = "all"
     selects: bool = False
+    flower_options: tuple[tuple[str, str], ...] = ()
+    min_replies: tuple[int, int] = (0, 1)
+    depth_tiers: bool = False
+    width_depth_tiers: bool = False
+    distils_exits: bool = False
+    aligns_depths: bool = False
+    self_distills: bool = True
+    dp_average: bool = False
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -99,39 +121,62 @@ class StrategySpec:
         """A fusion strategy (fedfuse's own server step and refine steps apply)."""
         return self.aggregation == "fusion" and self.server_step == "fedfuse"
 
+    @property
+    def keyword_options(self) -> tuple[tuple[str, str], ...]:
+        """``(run-config key, keyword option)`` pairs the strategy's class takes from the run config: Flower's own
+        (``flower_options``), or fedfuse's server step (FedAvgM's) for a strategy that reads ``server-momentum``."""
+        if self.aggregation == "flower":
+            return self.flower_options
+        return _SERVER_STEP_OPTIONS if "server-momentum" in self.run_keys else ()
 
+
+_SERVER_STEP_OPTIONS = (("server-momentum", "server_momentum"), ("server-lr", "server_learning_rate"))
 _ARRAYS = dict(default_refine="none", can_refine=False, run_keys=())
 _FLOWER = dict(aggregation="flower", server_step="flower", **_ARRAYS)
+
+
+def _flower(flower_class: str, *options: tuple[str, str], **extra) -> dict:
+    """The fields of a Flower strategy's entry: ``options`` are its ``(run-config key, Flower keyword)`` pairs."""
+    return {**_FLOWER, "flower_class": flower_class, "run_keys": tuple(k for k, _ in options),
+            "flower_options": options, **extra}
+
+
+_KRUM = ("num-malicious-nodes", "num_malicious_nodes")
+_DEPTH = dict(aggregation="depth", server_step="paper", needs_depth_tiers=True, depth_tiers=True,
+              ordered_dropout_auto="off", **_ARRAYS)
 _TIER_BASELINE = dict(aggregation="submodel", server_step="paper", needs_tiers=True, submodel_tiers=True,
                       static_bn=True, tier_models_auto="slice", ordered_dropout_auto="off", **_ARRAYS)
 
 #: the strategies that are not a plain ``fedfuse.fusion`` method with fedfuse's defaults
 SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
-    StrategySpec("fedavg", "arrays", server_step="paper", streams=True, **_ARRAYS,
+    StrategySpec("fedavg", "arrays", server_step="paper", streams=True, dp_average=True, **_ARRAYS,
                  paper="Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"),
-    StrategySpec("fedavgm", flower_class="FedAvgM", **{**_FLOWER, "run_keys": ("server-lr", "server-momentum")},
+    StrategySpec("fedavgm", **_flower("FedAvgM", ("server-lr", "server_learning_rate"),
+                                      ("server-momentum", "server_momentum"), dp_average=True),
                  paper="Measuring the Effects of Non-Identical Data Distribution, arXiv 1909.06335"),
-    StrategySpec("fedadam", flower_class="FedAdam", **{**_FLOWER, "run_keys": ("server-lr",)},
+    StrategySpec("fedadam", **_flower("FedAdam", ("server-lr", "eta"), dp_average=True),
                  paper="Adaptive Federated Optimization, arXiv 2003.00295"),
-    StrategySpec("fedyogi", flower_class="FedYogi", **{**_FLOWER, "run_keys": ("server-lr",)},
+    StrategySpec("fedyogi", **_flower("FedYogi", ("server-lr", "eta"), dp_average=True),
                  paper="Adaptive Federated Optimization, arXiv 2003.00295"),
-    StrategySpec("fedprox", flower_class="FedProx", **{**_FLOWER, "run_keys": ("proximal-mu",)},
+    StrategySpec("fedprox", **_flower("FedProx", ("proximal-mu", "proximal_mu"), dp_average=True),
                  paper="Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"),
     # Byzantine-robust aggregation (Flower's own implementations, behind fedfuse's reply validation; their defaults:
     # FedTrimmedAvg beta 0.2, Krum / MultiKrum / Bulyan num_malicious_nodes 0)
-    StrategySpec("fedmedian", flower_class="FedMedian", **_FLOWER,
+    StrategySpec("fedmedian", **_flower("FedMedian"),
                  paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
-    StrategySpec("fedtrimmedavg", flower_class="FedTrimmedAvg", **{**_FLOWER, "run_keys": ("trim-beta",)},
+    StrategySpec("fedtrimmedavg", **_flower("FedTrimmedAvg", ("trim-beta", "beta")),
                  paper="Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates, arXiv 1803.01498"),
-    StrategySpec("krum", flower_class="Krum", **{**_FLOWER, "run_keys": ("num-malicious-nodes",)},
+    StrategySpec("krum", **_flower("Krum", _KRUM, min_replies=(1, 3)),
                  paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
-    StrategySpec("multikrum", flower_class="MultiKrum",
-                 **{**_FLOWER, "run_keys": ("num-malicious-nodes", "num-nodes-to-select")},
+    StrategySpec("multikrum", **_flower("MultiKrum", _KRUM, ("num-nodes-to-select", "num_nodes_to_select"),
+                                        min_replies=(1, 3)),
                  paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
-    StrategySpec("bulyan", flower_class="Bulyan", **{**_FLOWER, "run_keys": ("num-malicious-nodes",)},
+    StrategySpec("bulyan", **_flower("Bulyan", _KRUM, min_replies=(4, 3)),
                  paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
-                 submodel_tiers=True, tier_refine="none"),
+                 submodel_tiers=True, tier_refine="none", depth_tiers=True, width_depth_tiers=True,
+                 paper="Weighted averaging of the client models with FedAvgM's server step and the calibration "
+                       "refinement: fedfuse's default multi-round aggregation."),
     StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
                  can_refine=False, selects=True, run_keys=("server-momentum",),
                  paper="fedfuse: FedAvg's average while the clients train few local epochs; from auto-fusion-epochs, "
@@ -139,20 +184,22 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                        "accuracy on the clients' own data"),
     StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
                  submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
-                 paper="Ensemble Distillation for Robust Model Fusion in Federated Learning, arXiv 2006.07242"),
+                 depth_tiers=True, width_depth_tiers=True, distils_exits=True,
+                 paper='FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", '
+                       'arXiv 2006.07242): the weighted average, then the clients\' ensemble distilled into it on '
+                       'the fusion set.'),
     StrategySpec("heterofl", **_TIER_BASELINE,
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
     StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
                  paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
                        "arXiv 2212.01548"),
-    StrategySpec("depthfl", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off", **_ARRAYS,
+    StrategySpec("depthfl", **_DEPTH, width_depth_tiers=True,
                  paper="DepthFL: Depthwise Federated Learning for Heterogeneous Clients, ICLR 2023 (openreview "
                        "pf8RIZTMU58)"),
-    StrategySpec("depthfl-fedavg", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off", **_ARRAYS,
+    StrategySpec("depthfl-fedavg", **_DEPTH, width_depth_tiers=True, self_distills=False,
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
-    StrategySpec("inclusivefl", "depth", server_step="paper", needs_depth_tiers=True, ordered_dropout_auto="off",
-                 **{**_ARRAYS, "run_keys": ("mom-beta",)},
+    StrategySpec("inclusivefl", **{**_DEPTH, "run_keys": ("mom-beta",)},
                  paper="No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices, KDD 2022, "
                        "arXiv 2202.08036"),
 )}
@@ -162,19 +209,39 @@ NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregati
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
 DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_depth_tiers)
+#: what a plain fusion method's entry adds to ``fusion_spec``'s defaults (ot: aligned, then distilled, across depths)
+FUSION_TRAITS: dict[str, dict] = {"ot": dict(depth_tiers=True, distils_exits=True, aligns_depths=True)}
+
+
+def _depth_order(flag: str) -> tuple[str, ...]:
+    """The names whose entry sets ``flag``: the depth-tier baselines, then the other entries, then ``FUSION_TRAITS``."""
+    special = sorted((s for s in SPECIAL_SPECS.values() if getattr(s, flag)), key=lambda s: not s.needs_depth_tiers)
+    return tuple(s.name for s in special) + tuple(n for n, t in FUSION_TRAITS.items() if t.get(flag))
+
+
+#: the strategies that aggregate clients of different depths (``fedfuse.flower.depth_tiers``)
+DEPTH_METHODS = _depth_order("depth_tiers")
 #: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
-WIDTH_DEPTH_TIER_METHODS = ("depthfl", "depthfl-fedavg", "average", "feddf")
-#: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``)
-DEPTH_WARM_START = ("ot", "feddf")
-PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.name != "fedavg")
+WIDTH_DEPTH_TIER_METHODS = _depth_order("width_depth_tiers")
+#: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``):
+#: the strategies that distil into every exit, the aligning one first
+DEPTH_WARM_START = tuple(sorted(_depth_order("distils_exits"), key=lambda n: n not in _depth_order("aligns_depths")))
+#: the strategies whose round chooses between candidates by the clients' scores (``auto``)
+SELECTING_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.selects)
+#: the fusion strategies that are the plain sample-weighted mean (run as a stream over the replies)
+MEAN_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "fusion" and s.streams)
+PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.aggregation != "arrays")
 SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
-STRATEGY_KEYS_ALL = ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
-                     "num-nodes-to-select", "mom-beta")
+#: every strategy-specific run-config key (the entries' run_keys)
+STRATEGY_KEYS_ALL = tuple(dict.fromkeys(k for s in SPECIAL_SPECS.values() for k in s.run_keys))
+#: differential privacy's strategies: their aggregate is an average of the clipped updates (``dp_average``)
+DP_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.dp_average)
 
 
-def fusion_spec(method: str) -> StrategySpec:
-    """The entry of a plain fusion method (``fedfuse.fusion`` defaults: calibrate, no server momentum)."""
-    return StrategySpec(method, "fusion", method=method)
+def fusion_spec(method: str, paper: str = "") -> StrategySpec:
+    """The entry of a plain fusion method (``fedfuse.fusion`` defaults: calibrate, no server momentum; its
+    ``FUSION_TRAITS``)."""
+    return StrategySpec(method, "fusion", method=method, paper=paper, **FUSION_TRAITS.get(method, {}))
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -201,12 +268,13 @@ def strategy_spec(name: str) -> StrategySpec:
         why = (f"; method {name!r} does not return the global architecture, so it cannot be a round's aggregation"
                if spec is not None else "")
         raise ValueError(f"strategy: unknown strategy {name!r}{hint}{why}; choose one of {sorted(names)}")
-    return fusion_spec(name)
+    return fusion_spec(name, spec.paper)
 
 
 #: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.selection``)
 DEFAULT_CANDIDATES = ("fedavg", "average", "feddf")
-ARRAY_CANDIDATES = ("average", "fedavg")
+#: the candidates that are the round's weighted average (no model built per client): the mean, then FedAvg
+ARRAY_CANDIDATES = MEAN_METHODS + tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "arrays")
 
 
 def check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
@@ -250,6 +318,7 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
     return replace(spec, default_refine=spec.tier_refine) if spec.tier_refine is not None else spec
 
 
-__all__ = ["STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
+__all__ = ["STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
+           "SELECTING_STRATEGIES", "MEAN_METHODS", "DP_STRATEGIES", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

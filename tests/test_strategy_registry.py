@@ -233,3 +233,93 @@ def test_no_module_imports_upward(layer, forbidden):
     for path in (ROOT / layer).rglob("*.py"):
         bad = {m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+# ------------------------------------------------------------------------------------------ identity in one place
+def _ident(node: ast.AST) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """The str literal, or the str literals of a tuple / set / list of them (else nothing)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if (isinstance(node, (ast.Tuple, ast.Set, ast.List)) and node.elts
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)):
+        return [e.value for e in node.elts]
+    return []
+
+
+def strategy_name_comparisons(source: str, rel: str, names) -> list[str]:
+    """The comparisons in ``source`` (file ``rel``, relative to the root) of a strategy against a registered
+    strategy name: one side a name ending in ``strategy`` (or ``method`` / ``name`` in ``fedfuse/flower/`` and
+    ``fedfuse/config.py``), the other a str literal (or a tuple / set / list of them) naming a strategy."""
+    narrow = rel.startswith("fedfuse/flower/") or rel == "fedfuse/config.py"
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        idents = [n for n in map(_ident, sides) if n and (n.endswith("strategy") or (narrow and n in ("method", "name")))]
+        if idents and any(v in names for side in sides for v in _literals(side)):
+            found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_code_compares_strategy_names_outside_the_registry():
+    """Issue 46: a strategy's capabilities are data on its registry entry (``fedfuse.strategy_specs``); no code
+    outside the registry (and the fusion methods' own package) compares a strategy against a strategy name."""
+    names = set(strategy_names())
+    found = []
+    for path in sorted((ROOT / "fedfuse").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "fedfuse/strategy_specs.py" or rel.startswith("fedfuse/fusion/"):
+            continue
+        found += strategy_name_comparisons(path.read_text(), rel, names)
+    assert not found, "compare the registry entry's capability instead:\n" + "\n".join(found)
+    # the scan sees what it is for
+    assert strategy_name_comparisons('if cfg.strategy == "fedavg": pass', "fedfuse/x.py", names)
+    assert strategy_name_comparisons('ok = name not in ("feddf", "ot")', "fedfuse/flower/x.py", names)
+    assert not strategy_name_comparisons('ok = name == "feddf"', "fedfuse/data/x.py", names)
+    assert not strategy_name_comparisons('ok = cfg.refine == "calibrate"', "fedfuse/config.py", names)
+
+
+def test_capabilities_on_the_entries_give_the_old_name_lists():
+    from fedfuse.choices import DP_STRATEGIES
+    from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEPTH_METHODS, DEPTH_WARM_START, MEAN_METHODS,
+                                        SELECTING_STRATEGIES, STRATEGY_KEYS_ALL, WIDTH_DEPTH_TIER_METHODS)
+    from fedfuse.flower.baselines import baseline_options
+
+    assert DEPTH_METHODS == ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf", "ot")
+    assert WIDTH_DEPTH_TIER_METHODS == ("depthfl", "depthfl-fedavg", "average", "feddf")
+    assert DEPTH_WARM_START == ("ot", "feddf") and SELECTING_STRATEGIES == ("auto",)
+    assert MEAN_METHODS == ("average",) and ARRAY_CANDIDATES == ("average", "fedavg")
+    assert set(DP_STRATEGIES) == {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi"}
+    assert STRATEGY_KEYS_ALL == ("server-lr", "server-momentum", "proximal-mu", "trim-beta", "num-malicious-nodes",
+                                 "num-nodes-to-select", "mom-beta")
+    assert {n: strategy_spec(n).min_replies for n in ("krum", "multikrum", "bulyan", "fedavg", "ot")} == {
+        "krum": (1, 3), "multikrum": (1, 3), "bulyan": (4, 3), "fedavg": (0, 1), "ot": (0, 1)}
+    for name, spec in SPECIAL_SPECS.items():   # a Flower entry's run-config keys are its Flower options' keys
+        if spec.aggregation == "flower":
+            assert spec.run_keys == tuple(k for k, _ in spec.flower_options), name
+    assert not strategy_spec("depthfl-fedavg").self_distills and strategy_spec("depthfl").self_distills
+    assert strategy_spec("ot").aligns_depths and strategy_spec("ot").distils_exits and strategy_spec("feddf").distils_exits
+    kw = dict(server_lr=0.5, server_momentum=0.9, proximal_mu=0.1, trim_beta=0.3, num_malicious_nodes=1,
+              num_nodes_to_select=2)
+    assert baseline_options("fedavgm", **kw) == {"server_momentum": 0.9, "server_learning_rate": 0.5}
+    assert baseline_options("fedadam", **kw) == {"eta": 0.5} and baseline_options("fedyogi", server_lr=0) == {}
+    assert baseline_options("fedprox", **kw) == {"proximal_mu": 0.1}
+    assert baseline_options("fedtrimmedavg", **kw) == {"beta": 0.3} and baseline_options("fedtrimmedavg") == {}
+    assert baseline_options("krum", **kw) == {"num_malicious_nodes": 1} == baseline_options("bulyan", **kw)
+    assert baseline_options("multikrum", **kw) == {"num_malicious_nodes": 1, "num_nodes_to_select": 2}
+    assert baseline_options("average", **kw) == {"server_momentum": 0.9, "server_learning_rate": 0.5}
+    assert baseline_options("feddf", **kw) == {} == baseline_options("fedmedian", **kw) == baseline_options("nope", **kw)
+    assert baseline_options("average", server_lr=0.0) == {}
+
+
+def test_strategy_classes_take_their_docstring_from_the_registry_entry():
+    from fedfuse.flower.strategies import FedDfStrategy, KdStrategy, OtStrategy
+
+    assert OtStrategy.__doc__ == strategy_spec("ot").paper and "arXiv 1910.05653" in OtStrategy.__doc__
+    assert KdStrategy.__doc__ == strategy_spec("kd").paper and "arXiv 2006.07242" in FedDfStrategy.__doc__
+    assert FedDfStrategy.__doc__ == SPECIAL_SPECS["feddf"].paper

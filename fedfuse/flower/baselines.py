@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian
 from fedfuse.choices import no_fusion_options
 from fedfuse.fusion import FusionError, NumericalFusionError
 from fedfuse.fusion.refine import parse_refine
-from fedfuse.strategy_specs import key_applies, strategy_spec
+from fedfuse.strategy_specs import strategy_spec
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 
@@ -343,28 +343,14 @@ def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: 
     """The typed options of Flower baseline ``strategy`` from the run-config keys ``server-lr`` (0 = the
     strategy's default), ``server-momentum``, ``proximal-mu``, ``trim-beta``, ``num-malicious-nodes`` and
     ``num-nodes-to-select``; ``{}`` for any other strategy."""
-    if strategy == "fedtrimmedavg":
-        return {} if trim_beta is None else {"beta": trim_beta}
-    if strategy in ("krum", "multikrum", "bulyan"):
-        out = {} if num_malicious_nodes is None else {"num_malicious_nodes": num_malicious_nodes}
-        if strategy == "multikrum" and num_nodes_to_select is not None:
-            out["num_nodes_to_select"] = num_nodes_to_select
-        return out
-    if strategy == "fedavgm":
-        out: dict[str, Any] = {} if server_momentum is None else {"server_momentum": server_momentum}
-        if server_lr > 0:
-            out["server_learning_rate"] = server_lr
-        return out
-    if strategy in ("fedadam", "fedyogi"):
-        return {"eta": server_lr} if server_lr > 0 else {}
-    if strategy == "fedprox":
-        return {} if proximal_mu is None else {"proximal_mu": proximal_mu}
-    if key_applies("server-momentum", strategy):  # a fusion strategy: FedAvgM's step on its aggregate
-        out = {} if server_momentum is None else {"server_momentum": server_momentum}
-        if server_lr > 0:
-            out["server_learning_rate"] = server_lr
-        return out
-    return {}
+    values = {"server-lr": server_lr if server_lr > 0 else None, "server-momentum": server_momentum,
+              "proximal-mu": proximal_mu, "trim-beta": trim_beta, "num-malicious-nodes": num_malicious_nodes,
+              "num-nodes-to-select": num_nodes_to_select}
+    try:   # the entry's (run-config key, keyword) pairs: Flower's options, or fedfuse's server step (FedAvgM's)
+        pairs = strategy_spec(strategy).keyword_options
+    except ValueError:
+        return {}
+    return {option: values[key] for key, option in pairs if values[key] is not None}
 
 
 __all__ = ["FlowerBaselineStrategy", "flower_baseline_class", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",

@@ -231,7 +231,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
                      models: list[nn.Module] | None = None) -> FusionResult:
         """Fuse validated updates (``fuse_fn``); raises ``FusionError`` when the method cannot fuse them."""
         method = self.round_method(server_round)
-        if method != self.method or (method == "average" and models is None and self.fuse_fn is fuse_result):
+        if method != self.method or (self.entry.streams and models is None and self.fuse_fn is fuse_result):
             t0 = time.perf_counter()   # plain weighted averaging on the states, no model per client
             model = self.build_model(self.weighted_average(updates))
             return FusionResult(method=method, model=model, info={}, seconds=time.perf_counter() - t0)
@@ -285,7 +285,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         t0 = time.perf_counter()
         method = self.round_method(server_round)
         steps = self.post_steps(server_round)
-        needs_models = ((self.spec is not None and method == self.method and method != "average")
+        needs_models = ((self.spec is not None and method == self.method and not self.entry.streams)
                         or self.guard_step in steps
                         or "distill" in self.refine_steps)
         teachers = [self.build_model(u.state) for u in updates] if needs_models else None

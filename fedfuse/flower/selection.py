@@ -50,7 +50,8 @@ from fedfuse.flower.candidates import score_candidates
 from fedfuse.flower.fusion_strategy import FusionStrategy
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
-from fedfuse.strategy_specs import ARRAY_CANDIDATES, DEFAULT_CANDIDATES, SPECIAL_SPECS, check_candidates
+from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
+                                    check_candidates)
 
 QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's clients
 FUSION_MIN_EPOCHS = 10  # fusion candidates only when the clients train at least this many local epochs a round
@@ -132,7 +133,7 @@ class SelectionStrategy(FusionStrategy):
             except FusionError as exc:
                 skipped[name] = str(exc)
                 log(WARNING, "auto: round %d: candidate %r skipped: %s", server_round, name, exc)
-            if name == "average":
+            if name in MEAN_METHODS:
                 after = self.momentum_step.swap(velocity)   # the candidate's step, undone until it is chosen
         if not built:
             raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
@@ -162,7 +163,7 @@ class SelectionStrategy(FusionStrategy):
                    average: dict[str, torch.Tensor], teachers: list[nn.Module], rd) -> dict[str, torch.Tensor]:
         """The state dict of candidate ``name`` (``average``: the round's weighted average)."""
         if name in ARRAY_CANDIDATES:
-            if name == "fedavg" or not self.momentum_step.active:
+            if name not in MEAN_METHODS or not self.momentum_step.active:   # fedavg: no step
                 return average
             model, _ = self.momentum_step(self.build_model(average), rd)
             return model.state_dict()
@@ -176,7 +177,7 @@ class SelectionStrategy(FusionStrategy):
         just taken (``v = x_new − x``)."""
         if not self.momentum_step.active or not self._tracks_momentum:
             return
-        if choice == "average":
+        if choice in MEAN_METHODS:
             self.momentum_step.swap(after)
         elif self._global is None:
             self.momentum_step.reset()

@@ -46,7 +46,7 @@ from typing import Any, Callable  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig, auto_round_aggregation,  # noqa: E402
-                            config_notes, dataset_info, load_initial_model, preflight, read_fusion_set)
+                            config_notes, dataset_info, load_initial_model, preflight, read_fusion_set, SELECTING_STRATEGIES)
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
@@ -218,7 +218,7 @@ ONE_SHOT_AUTO_CANDIDATES = ("average", "feddf", "kf-linear")
 
 def selection_options(cfg: RunConfig) -> dict:
     """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
-    if cfg.strategy != "auto":
+    if cfg.strategy not in SELECTING_STRATEGIES:
         return {}
     # one-shot: a single round, so no later round can suffer from its choice; fusion candidates are always on, and
     # the default list trades the momentum step (in one round the same model as the average) for kf-linear

@@ -61,38 +61,13 @@ class FedAvgStrategy(StreamedRounds, RoundProtocol):
         return average, {}, 0.0   # no step after the average
 
 
-
-_PAPERS = {
-    "average": "Weighted averaging of the client models with FedAvgM's server step and the calibration refinement: "
-               "fedfuse's default multi-round aggregation.",
-    "kd": 'Multi-teacher knowledge distillation into the global architecture on the fusion set (Hinton et al., '
-          '"Distilling the Knowledge in a Neural Network", arXiv 1503.02531).',
-    "lp": "Linear probing: model 0's classifier refit on the fusion set against the ensemble's averaged softmax.",
-    "hf-linear": 'Neuron interpolation, HF grouping, closed-form linear level fits ("Model Fusion via Neuron '
-                 'Interpolation", arXiv 2507.00037).',
-    "kf-linear": 'Neuron interpolation, KF (k-means) grouping, closed-form linear level fits ("Model Fusion via '
-                 'Neuron Interpolation", arXiv 2507.00037).',
-    "hf-gradient": "Neuron interpolation, HF grouping, gradient-based level fits (arXiv 2507.00037).",
-    "kf-gradient": "Neuron interpolation, KF grouping, gradient-based level fits (arXiv 2507.00037).",
-    "ot": 'Optimal-transport fusion (Singh & Jaggi, "Model Fusion via Optimal Transport", arXiv 1910.05653).',
-    "rebasin": 'Git Re-Basin alignment then averaging (Ainsworth et al., "Git Re-Basin: Merging Models modulo '
-               'Permutation Symmetries", arXiv 2209.04836).',
-    "transfusion": "Data-free TransFusion alignment to model 0 (head-aware weight matching), then averaging.",
-    "fs-merge": 'FS-Merge (Kinderman et al., "Foldable SuperNets: Scalable Merging of Transformers with Different '
-                'Initializations and Tasks", arXiv 2410.01483).',
-    "fs-merge-seq": "Sequential FS-Merge: models 0 and 1, then the result with model 2, ...",
-    "feddf": 'FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", arXiv '
-             '2006.07242): the weighted average, then the clients\' ensemble distilled into it on the fusion set.',
-}
-
-
 def _class_name(method: str) -> str:
     return "".join(p.capitalize() for p in re.split(r"[-_]", method)) + "Strategy"
 
 
 def _named(method: str, name: str | None = None) -> type[FusionStrategy]:
     """A thin alias class of ``FusionStrategy`` that fixes ``method``."""
-    doc = _PAPERS.get(method, f"``FusionStrategy`` with fusion method ``{method}``.")
+    doc = strategy_spec(method).paper or f"``FusionStrategy`` with fusion method ``{method}``."
     return type(name or _class_name(method), (FusionStrategy,), {"method": method, "__doc__": doc,
                                                                   "__module__": __name__})
 

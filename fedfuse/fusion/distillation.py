@@ -245,7 +245,9 @@ def _fusion_tensor(method: str, fusion_inputs) -> torch.Tensor:
     return torch.as_tensor(fusion_inputs).float()
 
 
-@register("kd", options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True, any_target=True)
+PAPER_KD = ('Multi-teacher knowledge distillation into the global architecture on the fusion set (Hinton et al., '
+            '"Distilling the Knowledge in a Neural Network", arXiv 1503.02531).')
+@register("kd", paper=PAPER_KD, options=KDOptions, uses_scores=False, mixed_widths=True, any_module=True, any_target=True)
 def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KDOptions, info: dict,
             target: nn.Module | None = None) -> nn.Module:
     """Multi-teacher knowledge distillation on the fusion set: the student (model 0's copy or
@@ -274,7 +276,8 @@ def fuse_kd(models, *, fusion_inputs, scores, weights, device, seed, options: KD
     return st.eval()
 
 
-@register("lp", options=LPOptions, uses_scores=False, mixed_widths=True)
+PAPER_LP = ("Linear probing: model 0's classifier refit on the fusion set against the ensemble's averaged softmax.")
+@register("lp", paper=PAPER_LP, options=LPOptions, uses_scores=False, mixed_widths=True)
 def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LPOptions, info: dict) -> nn.Module:
     """Linear probing: refit only model 0's classifier level against the ensemble's averaged softmax.
 

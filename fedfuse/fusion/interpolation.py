@@ -950,11 +950,17 @@ def _make(grouping: str, fit: str, any_target: bool = False):
 # sequential family); gradient fits train any differentiable level (ResNet and ViT blocks too).
 _LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential",), affine_only=True)
 _GRADIENT = dict(options=GradientInterpolationOptions, uses_scores=True)
-fuse_hf_linear = register("hf-linear", **_LINEAR, min_models=2, max_models=2)(_make("hf", "linear"))
+PAPER_HF_LINEAR = ('Neuron interpolation, HF grouping, closed-form linear level fits ("Model Fusion via Neuron '
+                   'Interpolation", arXiv 2507.00037).')
+fuse_hf_linear = register("hf-linear", paper=PAPER_HF_LINEAR, **_LINEAR, min_models=2, max_models=2)(_make("hf", "linear"))
 # KF clusters the neurons of all models into any number of fused neurons: it builds into any width (target=)
-fuse_kf_linear = register("kf-linear", **_LINEAR, mixed_widths=True, any_target=True)(_make("kf", "linear", True))
-fuse_hf_gradient = register("hf-gradient", **_GRADIENT, min_models=2, max_models=2)(_make("hf", "gradient"))
-fuse_kf_gradient = register("kf-gradient", **_GRADIENT, mixed_widths=True, any_target=True)(
+PAPER_KF_LINEAR = ('Neuron interpolation, KF (k-means) grouping, closed-form linear level fits ("Model Fusion via '
+                   'Neuron Interpolation", arXiv 2507.00037).')
+fuse_kf_linear = register("kf-linear", paper=PAPER_KF_LINEAR, **_LINEAR, mixed_widths=True, any_target=True)(_make("kf", "linear", True))
+PAPER_HF_GRADIENT = ("Neuron interpolation, HF grouping, gradient-based level fits (arXiv 2507.00037).")
+fuse_hf_gradient = register("hf-gradient", paper=PAPER_HF_GRADIENT, **_GRADIENT, min_models=2, max_models=2)(_make("hf", "gradient"))
+PAPER_KF_GRADIENT = ("Neuron interpolation, KF grouping, gradient-based level fits (arXiv 2507.00037).")
+fuse_kf_gradient = register("kf-gradient", paper=PAPER_KF_GRADIENT, **_GRADIENT, mixed_widths=True, any_target=True)(
     _make("kf", "gradient", True))
 
 __all__ = ["neuron_interpolation", "design_matrix", "write_affine", "SETTINGS", "InterpolationOptions",

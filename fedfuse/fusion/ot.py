@@ -154,7 +154,8 @@ class OTOptions(AlignOptions):
         return self.marginals == "importance" or (self.selective and self.importance == "auto")
 
 
-@register("ot", options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True, any_reference=True)
+PAPER_OT = ('Optimal-transport fusion (Singh & Jaggi, "Model Fusion via Optimal Transport", arXiv 1910.05653).')
+@register("ot", paper=PAPER_OT, options=OTOptions, needs_data=False, uses_scores=True, mixed_widths=True, any_reference=True)
 def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OTOptions, info: dict,
             reference: nn.Module | None = None) -> nn.Module:
     """OTFusion of ``models`` (any widths, same depth/family) into model 0's architecture, or onto ``reference``

@@ -232,7 +232,9 @@ class RebasinOptions(AlignOptions):
         return self.importance_weighted
 
 
-@register("rebasin", options=RebasinOptions, needs_data=False, uses_scores=True, any_reference=True)
+PAPER_REBASIN = ('Git Re-Basin alignment then averaging (Ainsworth et al., "Git Re-Basin: Merging Models modulo '
+                 'Permutation Symmetries", arXiv 2209.04836).')
+@register("rebasin", paper=PAPER_REBASIN, options=RebasinOptions, needs_data=False, uses_scores=True, any_reference=True)
 def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, options: RebasinOptions,
                  info: dict, reference: nn.Module | None = None) -> nn.Module:
     """Git Re-Basin fusion of ``models`` into model 0's units (equal widths required), or into ``reference``'s

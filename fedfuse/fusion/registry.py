@@ -217,6 +217,7 @@ class MethodSpec:
     affine_only: bool = False
     any_module: bool = False
     any_reference: bool = False
+    paper: str = ""
 
     def parse_options(self, options: Mapping[str, Any] | None) -> Any:
         """Validated options instance (raises ``FusionOptionError`` naming the key)."""

@@ -107,7 +107,8 @@ class TransFusionOptions(AlignOptions):
         require(self.top_k is None or self.top_k >= 1, "top_k", ">= 1 or None", self.top_k)
 
 
-@register("transfusion", options=TransFusionOptions, needs_data=False)
+PAPER_TRANSFUSION = ("Data-free TransFusion alignment to model 0 (head-aware weight matching), then averaging.")
+@register("transfusion", paper=PAPER_TRANSFUSION, options=TransFusionOptions, needs_data=False)
 def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, options: TransFusionOptions,
                      info: dict) -> nn.Module:
     """Data-free TransFusion alignment of every model to model 0, then weighted averaging.
