@@ -30,10 +30,8 @@ REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill
 # how the global model is evaluated: by the server on its test set, by the clients on their validation splits, or both
 EVALUATIONS = ("central", "federated", "both")
 # differential privacy (fedfuse.flower.privacy): where updates are clipped (Flower's server- / client-side fixed
-# clipping wrappers), and the strategies whose aggregate is an average of the clipped updates (what the Gaussian
-# mechanism's noise is calibrated to: the registry entries' dp_average)
+# clipping wrappers); the strategies DP accepts are the registry's (fedfuse.strategy_specs.DP_STRATEGIES)
 DP_CLIPPINGS = ("server", "client")
-from fedfuse.strategy_specs import DP_STRATEGIES  # noqa: E402  (imports nothing of fedfuse)
 # one-shot mode: the reference rows the server computes from the round's client models (fedfuse.references): all
 # (clients, ensemble, average, KD and FedDF), models (no distillation), none
 ONE_SHOT_REFERENCES = ("all", "models", "none")

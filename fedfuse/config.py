@@ -43,9 +43,9 @@ from typing import Any, Mapping
 from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX, IMPORTANCE,  # noqa: E402
                              MODEL_FAMILIES, MODEL_SIZES, MODELS, MODES, OPTIMIZERS, PARTITIONINGS)
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
-from fedfuse.choices import DP_CLIPPINGS, DP_STRATEGIES  # noqa: E402
+from fedfuse.choices import DP_CLIPPINGS  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
-from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
+from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, DP_STRATEGIES, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
                                     WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS,
                                     SELECTING_STRATEGIES, strategy_spec, strategy_names as registry_names)

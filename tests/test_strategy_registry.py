@@ -285,7 +285,7 @@ def test_no_code_compares_strategy_names_outside_the_registry():
 
 
 def test_capabilities_on_the_entries_give_the_old_name_lists():
-    from fedfuse.choices import DP_STRATEGIES
+    from fedfuse.strategy_specs import DP_STRATEGIES
     from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEPTH_METHODS, DEPTH_WARM_START, MEAN_METHODS,
                                         SELECTING_STRATEGIES, STRATEGY_KEYS_ALL, WIDTH_DEPTH_TIER_METHODS)
     from fedfuse.flower.baselines import baseline_options

@@ -44,7 +44,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedfuse.choices import DP_CLIPPINGS
 from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
                                                SamplingMethod)
-from fedfuse.choices import DP_STRATEGIES
+from fedfuse.strategy_specs import DP_STRATEGIES
 from fedfuse.config import AUTO_SERVER_MOMENTUM, ConfigError, dp_strategy
 from fedfuse.privacy import feature_clip_bound, public_projection
 
