@@ -39,7 +39,7 @@ from simulations.bench.fmnist_splits import _data, dirichlet_niid, public_split 
 PUBLIC = 1000
 TEST_SEED = 47
 # the recipe every cell shares (a run config; the cell adds its model, tiers and split files)
-BASE = ("dataset='fashion-mnist' num-clients=10 num-server-rounds={rounds} local-epochs={epochs} optimizer='sgd' "
+BASE = ("dataset='fashion-mnist' num-clients=10 num-server-rounds={rounds} local-epochs={epochs} optimizer='{opt}' "
         "lr={lr} batch-size=32 val-fraction=0.0 fusion-set-size=500 head-round=true")
 # cell -> (Dirichlet α, model config, tiers, rows)
 WIDTH_ROWS = ("average,heterofl,fedrolex,feddf,fedavg[model-width=4 client-tiers='' sweep-as-tier=0.25]")
@@ -77,9 +77,9 @@ def write_split(out: Path, alpha: float, seed: int, train: int, test: int, clien
     return folder
 
 
-def run_config(cell: str, folder: Path, out: Path, rounds: int, epochs: int, lr: float) -> str:
+def run_config(cell: str, folder: Path, out: Path, rounds: int, epochs: int, lr: float, opt: str) -> str:
     alpha, model, tiers, _ = CELLS[cell]
-    return (BASE.format(rounds=rounds, epochs=epochs, lr=lr) + f" {model} client-tiers='{tiers}' dirichlet-alpha={alpha}"
+    return (BASE.format(rounds=rounds, epochs=epochs, lr=lr, opt=opt) + f" {model} client-tiers='{tiers}' dirichlet-alpha={alpha}"
             f" partition-files='{folder.resolve()}/node-{{partition-id}}.npz'"
             f" test-set-path='{folder.resolve()}/test.npz'"
             f" fusion-set-path='{(out / 'splits' / f'fmnist-public{PUBLIC}.npz').resolve()}'")
@@ -94,7 +94,7 @@ def run(a) -> None:
             folder = write_split(out, CELLS[cell][0], seed, a.train, a.test)
             cmd = [sys.executable, "-m", "fedfuse.flower.runner.sweep", "--engine", "inprocess", "--partitions",
                    "dirichlet", "--seeds", str(seed), "--strategies", rows, "--run-config",
-                   run_config(cell, folder, out, a.rounds, a.epochs, a.lr), "--out", str(out / "runs" / cell / f"s{seed}")]
+                   run_config(cell, folder, out, a.rounds, a.epochs, a.lr, a.optimizer), "--out", str(out / "runs" / cell / f"s{seed}")]
             line = " ".join(shlex.quote(c if c != sys.executable else ".venv/bin/python") for c in cmd)
             with open(cmds, "a") as f:
                 f.write(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} cell {cell} seed {seed}\n{line}\n")
@@ -140,8 +140,8 @@ def table(a) -> None:
         alpha, model, ctiers, _ = CELLS.get(cell, ("?", "?", "?", ""))
         cfg = next((r.get("run-config") for r in runs), {}) or {}
         text.append(f"\n### {cell}: `{model}`, tiers `{ctiers}`, Dirichlet α {alpha}\n")
-        text.append(f"{cfg.get('num-server-rounds')} rounds × {cfg.get('local-epochs')} local epoch(s), SGD lr "
-                    f"{cfg.get('lr')}, batch 32, every row with the head round.\n")
+        text.append(f"{cfg.get('num-server-rounds')} rounds × {cfg.get('local-epochs')} local epoch(s), "
+                    f"{cfg.get('optimizer')} lr {cfg.get('lr')} (every row), batch 32, every row with the head round.\n")
         text.append("| row | seeds ok / run | global | " + " | ".join(f"tier {t}" for t in tiers) + " | s per run |")
         text.append("|---|---|---|" + "---|" * len(tiers) + "---|")
         for label in labels:
@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cells", default="w-a0.5,w-a0.1")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rows", default="", help="override the cell's rows (a --strategies list)")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--optimizer", default="adam")
+    ap.add_argument("--lr", type=float, default=0.001)
     ap.add_argument("--train", type=int, default=6000)
     ap.add_argument("--test", type=int, default=2000)
     ap.add_argument("--out", default="results/fmnist-tiers")
