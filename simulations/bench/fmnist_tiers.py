@@ -101,7 +101,8 @@ def run(a) -> None:
             t = time.time()
             print(f"{time.strftime('%H:%M:%S')} {cell} seed {seed}: {rows}", flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True)
-            (out / "runs" / cell / f"s{seed}.log").write_text(proc.stdout + proc.stderr)
+            with open(out / "runs" / cell / f"s{seed}.log", "a") as f:   # a later call (more rows) appends
+                f.write(proc.stdout + proc.stderr)
             print(f"  rc {proc.returncode} {time.time() - t:.0f}s; "
                   + " | ".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if "sweep:" in ln)[-1500:],
                   flush=True)
@@ -142,8 +143,9 @@ def table(a) -> None:
         text.append(f"\n### {cell}: `{model}`, tiers `{ctiers}`, Dirichlet α {alpha}\n")
         text.append(f"{cfg.get('num-server-rounds')} rounds × {cfg.get('local-epochs')} local epoch(s), "
                     f"{cfg.get('optimizer')} lr {cfg.get('lr')} (every row), batch 32, every row with the head round.\n")
-        text.append("| row | seeds ok / run | global | " + " | ".join(f"tier {t}" for t in tiers) + " | s per run |")
-        text.append("|---|---|---|" + "---|" * len(tiers) + "---|")
+        text.append("| row | seeds ok / run | global | " + " | ".join(f"tier {t}" for t in tiers)
+                    + " | global, last training round (no head) | s per run |")
+        text.append("|---|---|---|" + "---|" * len(tiers) + "---|---|")
         for label in labels:
             rs = [r for r in runs if r["strategy"] == label]
             ok = [r for r in rs if r.get("final-accuracy") is not None and r["status"] != "failed"]
@@ -156,13 +158,21 @@ def table(a) -> None:
                 tier_cells.append(_ms(v))
             glob = "" if all(r.get("as-tier") is not None for r in ok) and ok else _ms([r["final-accuracy"] for r in ok])
             secs = statistics.mean(r["seconds"] for r in rs if r.get("seconds")) if rs else 0
+            pre = _ms([r["accuracy-per-round"][-2] for r in ok if len(r.get("accuracy-per-round") or []) > 1])
             text.append(f"| `{label}` | {len(ok)} / {len(rs)} | {glob} | " + " | ".join(tier_cells)
-                        + f" | {secs:.0f} |" + (f" failed: {'; '.join(fails)}" if fails else ""))
+                        + f" | {pre} | {secs:.0f} |" + (f" failed: {'; '.join(fails)}" if fails else ""))
         text.append("")
         text.append(goal(runs, tiers))
     (out / "runs.json").write_text(json.dumps(rows_out, indent=1))
-    body = "\n".join(text)
-    (out / "tables.md").write_text(body + "\n")
+    head = ("Capacity tiers on Fashion-MNIST (issue 47, part 3): final test accuracy after the head round, mean ± "
+            "sample std over the seeds, on the cheap recipe of `simulations/bench/fmnist_tiers.py` (per seed a "
+            "6,000-image subset of the 59,000 client images split over 10 clients by NIID-Bench's Dirichlet, 2,000 "
+            "test images, the 1,000-image public pool as the fusion set). The global model is the full-width model; "
+            "FedAvg at the smallest size trains every client at that size (its model is that tier). Exact commands: "
+            "`commands.txt`; every run of every seed: `runs.json`. Table: `.venv/bin/python -m "
+            "simulations.bench.fmnist_tiers table --out " + a.out + "`.\n")
+    body = head + "\n".join(text)
+    (out / "table.md").write_text(body + "\n")
     print(body)
 
 
