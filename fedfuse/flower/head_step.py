@@ -22,13 +22,13 @@ from torch import nn
 from fedfuse.flower.head_round import HeadRound
 from fedfuse.flower.privacy import HeadPrivacy
 from fedfuse.fusion.distillation import teacher_probs
-from fedfuse.progressive import HEAD_SOLVERS
+from fedfuse.choices import HEAD_SOLVERS
 
 
 @dataclass(frozen=True)
 class HeadRoundOptions:
     """The head round's options (run-config keys ``head-ridge``, ``head-solver``, ``round-timeout``,
-    ``secure-aggregation``): ``solver`` is a name of ``fedfuse.progressive.HEAD_SOLVERS`` or ``"best"`` (every one,
+    ``secure-aggregation``): ``solver`` is a name of ``fedfuse.choices.HEAD_SOLVERS`` or ``"best"`` (every one,
     the clients keep the best)."""
 
     ridge: float = 1e-3

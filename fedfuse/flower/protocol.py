@@ -89,7 +89,6 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         protocol = take_options(ProtocolOptions, protocol, options)   # flat keywords (``fraction_train=...``)
         refuse_unknown(type(self), options)
         super().__init__(**protocol.flower())
-        self.protocol = protocol
         self.fallback = protocol.fallback
         self.min_valid_replies = protocol.min_valid_replies
         self.weight_cap = protocol.weight_cap
