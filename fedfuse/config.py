@@ -47,7 +47,7 @@ from fedfuse.choices import DP_CLIPPINGS  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, DP_STRATEGIES, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
-                                    WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS,
+                                    WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS, MEAN_METHODS,
                                     SELECTING_STRATEGIES, strategy_spec, strategy_names as registry_names)
 from fedfuse.hetero.tiers import (ORDERED_DROPOUT, ORDERED_DROPOUT_DRAWS, TIER_MODELS, TIER_STRATEGIES,  # noqa: E402
                                   has_depth_tiers, parse_tier_pairs, parse_tiers, resolve_tier_models)
@@ -581,11 +581,13 @@ def auto_round_aggregation(cfg: RunConfig) -> str | None:
     if cfg.strategy not in SELECTING_STRATEGIES or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
         return None
     arrays = [c for c in cfg.auto_candidate_names if c in ARRAY_CANDIDATES]
+    step = next((c for c in arrays if c in MEAN_METHODS), None)       # the mean with fedfuse's server step
+    plain = next((c for c in arrays if c not in MEAN_METHODS), None)  # FedAvg's average
     plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0   # the clients' own step carries no momentum
-    if "average" in arrays and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd)):
-        return "average"
-    if cfg.auto_momentum == "off" and "fedavg" in arrays:
-        return "fedavg"
+    if step and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd)):
+        return step
+    if cfg.auto_momentum == "off" and plain:
+        return plain
     return arrays[0] if arrays else None
 
 
@@ -594,9 +596,9 @@ def dp_strategy(cfg: RunConfig) -> str:
     takes every round (``auto_round_aggregation``): ``fedavg`` for the plain average, ``fedavgm`` for the momentum
     step (post-processing of the noised average)."""
     take = auto_round_aggregation(cfg)
-    if take is not None:
-        return {"fedavg": "fedavg", "average": "fedavgm"}[take]
-    return cfg.strategy
+    if take is None:
+        return cfg.strategy
+    return "fedavgm" if take in MEAN_METHODS else take
 
 
 def _check_privacy(cfg: RunConfig) -> None:
@@ -1077,7 +1079,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key 'auto-momentum': {cfg.auto_momentum!r} applies to multi-round runs below "
                               f"auto-fusion-epochs (local-epochs {cfg.local_epochs}, auto-fusion-epochs "
                               f"{cfg.auto_fusion_epochs}, mode {cfg.mode!r}): there the clients' vote picks the step")
-        if cfg.auto_momentum == "on" and "average" not in cfg.auto_candidate_names:
+        if cfg.auto_momentum == "on" and not any(c in MEAN_METHODS for c in cfg.auto_candidate_names):
             raise ConfigError("run-config key 'auto-momentum': 'on' takes the 'average' candidate (the momentum step), "
                               f"which auto-candidates {cfg.auto_candidates!r} does not list")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:

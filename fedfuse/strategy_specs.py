@@ -34,6 +34,57 @@ SERVER_STEPS = ("fedfuse", "paper", "flower")
 
 
 @dataclass(frozen=True)
+class WidthTiers:
+    """How an entry aggregates clients of different widths (capacity tiers, ``client-tiers='1,0.5'``).
+
+    Attributes:
+        required: a capacity-tier baseline (the strategy exists only with tiers).
+        submodel: averages HeteroFL's nested sub-models (units keep their index) instead of fusing into the global
+            width.
+        refine: the entry's ``default_refine`` when tiered (``None``: the same).
+        distill: every narrower tier's slice is distilled from all the round's clients (FedDF with architecture
+            groups).
+        window_rolls: FedRolex's rolling sub-model window.
+        static_bn: HeteroFL's static batch normalisation after aggregation.
+        models_auto: what ``tier-models='auto'`` means (``None``: ``prune``, or ``slice`` for ViTs).
+        ordered_dropout_auto: what ``ordered-dropout='auto'`` means in multi-round runs.
+    """
+
+    required: bool = False
+    submodel: bool = False
+    refine: str | None = None
+    distill: bool = False
+    window_rolls: bool = False
+    static_bn: bool = False
+    models_auto: str | None = None
+    ordered_dropout_auto: str = "all"
+
+
+@dataclass(frozen=True)
+class DepthTiers:
+    """How an entry aggregates clients of different depths (``client-tiers='1x1,1x0.5'``,
+    ``fedfuse.flower.depth_tiers``).
+
+    Attributes:
+        aggregates: the strategy takes depth tiers at all.
+        required: a depth-tier baseline (the strategy exists only with depth tiers).
+        width_tiers: also takes tiers narrower than the global model (width x depth tiers).
+        distils_exits: the clients' ensemble is then distilled into every exit (FedDF's step); the divergence
+            guard stays on.
+        aligns: the clients are aligned (OT) before the layer-wise average (one width only).
+        self_distills: the clients distil their exits into each other (DepthFL's self-distillation; ``False``: the
+            paper's DepthFL (FedAvg) ablation).
+    """
+
+    aggregates: bool = False
+    required: bool = False
+    width_tiers: bool = False
+    distils_exits: bool = False
+    aligns: bool = False
+    self_distills: bool = True
+
+
+@dataclass(frozen=True)
 class StrategySpec:
     """What a strategy name means.
 
@@ -48,34 +99,18 @@ class StrategySpec:
             aggregate is the new global model, as in the strategy's paper) or ``"flower"`` (Flower's own).
         default_server_momentum: the momentum of the ``"fedfuse"`` server step when not set.
         streams: rounds that are a plain weighted average run as a stream over the replies.
-        submodel_tiers: with capacity tiers, the strategy averages HeteroFL's nested sub-models (units keep
-            their index) instead of fusing into the global width.
-        tier_refine: ``default_refine`` when tiered (``None``: the same).
-        tier_distill: with capacity tiers, every narrower tier's slice is distilled from all the round's clients
-            (FedDF with architecture groups).
-        window_rolls: FedRolex's rolling sub-model window.
-        static_bn: HeteroFL's static batch normalisation after aggregation.
-        needs_tiers: a capacity-tier baseline (the strategy exists only with tiers).
-        needs_depth_tiers: a depth-tier baseline (the strategy exists only with depth tiers).
         run_keys: the strategy-specific run-config keys it reads (``server-lr``, ``server-momentum``,
             ``proximal-mu``); setting one of those keys for another strategy is a config error.
-        tier_models_auto / ordered_dropout_auto: what ``tier-models='auto'`` / ``ordered-dropout='auto'`` mean
-            (``tier_models_auto`` ``None``: ``prune``, or ``slice`` for ViTs).
         selects: the round chooses between candidate aggregations by the clients' scores
             (``fedfuse.flower.selection``).
         flower_options: ``(run-config key, Flower keyword)`` pairs: the run-config keys a ``"flower"`` aggregation
             reads (its ``run_keys``) and the keyword option of Flower's class each one sets.
         min_replies: ``(a, b)``: a round needs ``a * f + b`` replies with ``num-malicious-nodes`` f (Krum: f + 3,
             Bulyan: 4f + 3; ``(0, 1)``: one reply).
-        depth_tiers: aggregates clients of different depths (``fedfuse.flower.depth_tiers``).
-        width_depth_tiers: with depth tiers, also takes tiers narrower than the global model (width x depth tiers).
-        distils_exits: with depth tiers, the clients' ensemble is then distilled into every exit (FedDF's step); the
-            divergence guard stays on.
-        aligns_depths: with depth tiers, the clients are aligned (OT) before the layer-wise average (one width only).
         dp_average: its aggregate is an average of the (clipped) updates, so differential privacy's Gaussian noise
             is calibrated to it (FedAvg, FedProx; FedAvgM / FedAdam / FedYogi post-process that average).
-        self_distills: with depth tiers, the clients distil their exits into each other (DepthFL's
-            self-distillation; ``False``: the paper's DepthFL (FedAvg) ablation).
+        tiers: how it takes capacity (width) tiers (``WidthTiers``).
+        depth: how it takes depth tiers (``DepthTiers``).
         paper: what the strategy is and the paper (title and arXiv id) it follows: the docs and the docstring of its
             strategy class (a plain fusion method's entry takes its ``MethodSpec.paper``).
     """
@@ -89,25 +124,13 @@ class StrategySpec:
     server_step: str = "fedfuse"
     default_server_momentum: float = 0.0
     streams: bool = False
-    submodel_tiers: bool = False
-    tier_refine: str | None = None
-    tier_distill: bool = False
-    window_rolls: bool = False
-    static_bn: bool = False
-    needs_tiers: bool = False
-    needs_depth_tiers: bool = False
     run_keys: tuple[str, ...] = FUSION_RUN_KEYS
-    tier_models_auto: str | None = None
-    ordered_dropout_auto: str = "all"
     selects: bool = False
     flower_options: tuple[tuple[str, str], ...] = ()
     min_replies: tuple[int, int] = (0, 1)
-    depth_tiers: bool = False
-    width_depth_tiers: bool = False
-    distils_exits: bool = False
-    aligns_depths: bool = False
-    self_distills: bool = True
     dp_average: bool = False
+    tiers: WidthTiers = WidthTiers()
+    depth: DepthTiers = DepthTiers()
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -142,10 +165,9 @@ def _flower(flower_class: str, *options: tuple[str, str], **extra) -> dict:
 
 
 _KRUM = ("num-malicious-nodes", "num_malicious_nodes")
-_DEPTH = dict(aggregation="depth", server_step="paper", needs_depth_tiers=True, depth_tiers=True,
-              ordered_dropout_auto="off", **_ARRAYS)
-_TIER_BASELINE = dict(aggregation="submodel", server_step="paper", needs_tiers=True, submodel_tiers=True,
-                      static_bn=True, tier_models_auto="slice", ordered_dropout_auto="off", **_ARRAYS)
+_DEPTH = dict(aggregation="depth", server_step="paper", tiers=WidthTiers(ordered_dropout_auto="off"), **_ARRAYS)
+_TIER_BASELINE = dict(aggregation="submodel", server_step="paper", **_ARRAYS)
+_SUBMODELS = dict(required=True, submodel=True, static_bn=True, models_auto="slice", ordered_dropout_auto="off")
 
 #: the strategies that are not a plain ``fedfuse.fusion`` method with fedfuse's defaults
 SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
@@ -174,7 +196,7 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("bulyan", **_flower("Bulyan", _KRUM, min_replies=(4, 3)),
                  paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
     StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
-                 submodel_tiers=True, tier_refine="none", depth_tiers=True, width_depth_tiers=True,
+                 tiers=WidthTiers(submodel=True, refine="none"), depth=DepthTiers(aggregates=True, width_tiers=True),
                  paper="Weighted averaging of the client models with FedAvgM's server step and the calibration "
                        "refinement: fedfuse's default multi-round aggregation."),
     StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
@@ -183,23 +205,24 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                        "per round the candidate (plain average, average with server momentum, FedDF) with the best "
                        "accuracy on the clients' own data"),
     StrategySpec("feddf", "fusion", method="feddf", default_refine="none", server_step="paper", run_keys=(),
-                 submodel_tiers=True, tier_distill=True, tier_models_auto="slice", ordered_dropout_auto="off",
-                 depth_tiers=True, width_depth_tiers=True, distils_exits=True,
+                 tiers=WidthTiers(submodel=True, distill=True, models_auto="slice", ordered_dropout_auto="off"),
+                 depth=DepthTiers(aggregates=True, width_tiers=True, distils_exits=True),
                  paper='FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", '
                        'arXiv 2006.07242): the weighted average, then the clients\' ensemble distilled into it on '
                        'the fusion set.'),
-    StrategySpec("heterofl", **_TIER_BASELINE,
+    StrategySpec("heterofl", **_TIER_BASELINE, tiers=WidthTiers(**_SUBMODELS),
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
-    StrategySpec("fedrolex", window_rolls=True, **_TIER_BASELINE,
+    StrategySpec("fedrolex", **_TIER_BASELINE, tiers=WidthTiers(**_SUBMODELS, window_rolls=True),
                  paper="FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model Extraction, "
                        "arXiv 2212.01548"),
-    StrategySpec("depthfl", **_DEPTH, width_depth_tiers=True,
+    StrategySpec("depthfl", **_DEPTH, depth=DepthTiers(aggregates=True, required=True, width_tiers=True),
                  paper="DepthFL: Depthwise Federated Learning for Heterogeneous Clients, ICLR 2023 (openreview "
                        "pf8RIZTMU58)"),
-    StrategySpec("depthfl-fedavg", **_DEPTH, width_depth_tiers=True, self_distills=False,
+    StrategySpec("depthfl-fedavg", **_DEPTH,
+                 depth=DepthTiers(aggregates=True, required=True, width_tiers=True, self_distills=False),
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
-    StrategySpec("inclusivefl", **{**_DEPTH, "run_keys": ("mom-beta",)},
+    StrategySpec("inclusivefl", **{**_DEPTH, "run_keys": ("mom-beta",)}, depth=DepthTiers(aggregates=True, required=True),
                  paper="No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices, KDD 2022, "
                        "arXiv 2202.08036"),
 )}
@@ -207,31 +230,33 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
 #: names whose aggregation is not a fusion method (FedAvg and Flower's own strategies)
 NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation in ("arrays", "flower"))
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
-TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_tiers)
-DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.needs_depth_tiers)
+TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.tiers.required)
+DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.depth.required)
 #: what a plain fusion method's entry adds to ``fusion_spec``'s defaults (ot: aligned, then distilled, across depths)
-FUSION_TRAITS: dict[str, dict] = {"ot": dict(depth_tiers=True, distils_exits=True, aligns_depths=True)}
+FUSION_TRAITS: dict[str, dict] = {"ot": dict(depth=DepthTiers(aggregates=True, distils_exits=True, aligns=True))}
 
 
 def _depth_order(flag: str) -> tuple[str, ...]:
-    """The names whose entry sets ``flag``: the depth-tier baselines, then the other entries, then ``FUSION_TRAITS``."""
-    special = sorted((s for s in SPECIAL_SPECS.values() if getattr(s, flag)), key=lambda s: not s.needs_depth_tiers)
-    return tuple(s.name for s in special) + tuple(n for n, t in FUSION_TRAITS.items() if t.get(flag))
+    """The names whose entry sets ``DepthTiers`` ``flag``: the depth-tier baselines, then the other entries, then
+    ``FUSION_TRAITS``."""
+    special = sorted((s for s in SPECIAL_SPECS.values() if getattr(s.depth, flag)), key=lambda s: not s.depth.required)
+    traits = tuple(n for n, t in FUSION_TRAITS.items() if getattr(t.get("depth", DepthTiers()), flag))
+    return tuple(s.name for s in special) + traits
 
 
 #: the strategies that aggregate clients of different depths (``fedfuse.flower.depth_tiers``)
-DEPTH_METHODS = _depth_order("depth_tiers")
+DEPTH_METHODS = _depth_order("aggregates")
 #: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
-WIDTH_DEPTH_TIER_METHODS = _depth_order("width_depth_tiers")
+WIDTH_DEPTH_TIER_METHODS = _depth_order("width_tiers")
 #: how a warm start combines the clients' own models with depth tiers (``DepthTieredStrategy.fuse_own_models``):
 #: the strategies that distil into every exit, the aligning one first
-DEPTH_WARM_START = tuple(sorted(_depth_order("distils_exits"), key=lambda n: n not in _depth_order("aligns_depths")))
+DEPTH_WARM_START = tuple(sorted(_depth_order("distils_exits"), key=lambda n: n not in _depth_order("aligns")))
 #: the strategies whose round chooses between candidates by the clients' scores (``auto``)
 SELECTING_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.selects)
 #: the fusion strategies that are the plain sample-weighted mean (run as a stream over the replies)
 MEAN_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "fusion" and s.streams)
 PAPER_SERVER_STEP = tuple(n for n, s in SPECIAL_SPECS.items() if s.server_step == "paper" and s.aggregation != "arrays")
-SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.submodel_tiers and not s.needs_tiers)
+SUBMODEL_METHODS = tuple(n for n, s in SPECIAL_SPECS.items() if s.tiers.submodel and not s.tiers.required)
 #: every strategy-specific run-config key (the entries' run_keys)
 STRATEGY_KEYS_ALL = tuple(dict.fromkeys(k for s in SPECIAL_SPECS.values() for k in s.run_keys))
 #: differential privacy's strategies: their aggregate is an average of the clipped updates (``dp_average``)
@@ -314,11 +339,11 @@ STRATEGY_KEYS = {key: key_users(key) for key in STRATEGY_KEYS_ALL}
 
 
 def with_tiers(spec: StrategySpec) -> StrategySpec:
-    """The entry as a tiered strategy uses it (``tier_refine`` replaces ``default_refine``)."""
-    return replace(spec, default_refine=spec.tier_refine) if spec.tier_refine is not None else spec
+    """The entry as a tiered strategy uses it (``tiers.refine`` replaces ``default_refine``)."""
+    return replace(spec, default_refine=spec.tiers.refine) if spec.tiers.refine is not None else spec
 
 
-__all__ = ["STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
+__all__ = ["WidthTiers", "DepthTiers", "STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
            "SELECTING_STRATEGIES", "MEAN_METHODS", "DP_STRATEGIES", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

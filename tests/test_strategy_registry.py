@@ -35,7 +35,7 @@ def model_fn(seed=0, depth_tiers=False):
 
 
 def _depth(name):
-    return strategy_spec(name).needs_depth_tiers
+    return strategy_spec(name).depth.required
 
 
 def _x(n=60):
@@ -302,8 +302,9 @@ def test_capabilities_on_the_entries_give_the_old_name_lists():
     for name, spec in SPECIAL_SPECS.items():   # a Flower entry's run-config keys are its Flower options' keys
         if spec.aggregation == "flower":
             assert spec.run_keys == tuple(k for k, _ in spec.flower_options), name
-    assert not strategy_spec("depthfl-fedavg").self_distills and strategy_spec("depthfl").self_distills
-    assert strategy_spec("ot").aligns_depths and strategy_spec("ot").distils_exits and strategy_spec("feddf").distils_exits
+    assert not strategy_spec("depthfl-fedavg").depth.self_distills and strategy_spec("depthfl").depth.self_distills
+    assert strategy_spec("ot").depth.aligns and strategy_spec("ot").depth.distils_exits
+    assert strategy_spec("feddf").depth.distils_exits
     kw = dict(server_lr=0.5, server_momentum=0.9, proximal_mu=0.1, trim_beta=0.3, num_malicious_nodes=1,
               num_nodes_to_select=2)
     assert baseline_options("fedavgm", **kw) == {"server_momentum": 0.9, "server_learning_rate": 0.5}

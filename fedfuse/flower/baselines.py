@@ -34,10 +34,9 @@ from flwr.serverapp.exception import AggregationError, InconsistentMessageReplie
 from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, FedYogi, Krum,
                                      MultiKrum)
 
-from fedfuse.choices import no_fusion_options
 from fedfuse.fusion import FusionError, NumericalFusionError
-from fedfuse.fusion.refine import parse_refine
 from fedfuse.strategy_specs import strategy_spec
+from fedfuse.flower.options import refuse_fusion_steps
 from fedfuse.flower.protocol import RoundProtocol
 from fedfuse.flower.replies import ClientUpdate
 
@@ -79,27 +78,15 @@ class FlowerBaselineStrategy(RoundProtocol):
                  **options: Any) -> None:
         self.method = method or type(self).method
         self.entry = strategy_spec(self.method)
-        if int(fusion_rounds) != 0:
-            raise ValueError(f"strategy {self.method!r} is Flower's {self.flower_class.__name__}, "
-                             f"not a fusion method: fusion_rounds must be 0, got {fusion_rounds}")
+        refuse_fusion_steps(self.method, f"Flower's {self.flower_class.__name__}", fusion_options, fusion_rounds,
+                            refine)
         for name in ("server_momentum", "server_learning_rate", "refine_check"):
             if name in options:  # fedfuse's own server step / refine check: Flower's strategy has its own optimizer
                 raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} "
                                 f"(Flower's {self.flower_class.__name__} options are its own)")
-        if fusion_options:
-            raise ValueError(no_fusion_options(self.method, fusion_options))
-        if refine is not None and parse_refine(refine):
-            raise ValueError(f"strategy: {type(self).__name__} aggregates the arrays as Flower does and takes no "
-                             f"refine step (got refine={refine!r}); use a fusion strategy such as 'average'")
         for name in _FUSION_ONLY:
             options.pop(name, None)
         super().__init__(**options)
-        # Bulyan (arXiv 1802.07927) needs n >= 4f + 3 replies; with fewer Flower's Bulyan returns nothing every round
-        f = int(dict(flower_options or {}).get("num_malicious_nodes", 0))
-        if self.flower_class.__name__ == "Bulyan" and self.min_train_nodes < 4 * f + 3:
-            raise ValueError(f"strategy {self.method!r}: Bulyan needs at least 4f + 3 = {4 * f + 3} replies a round "
-                             f"(f = {f} malicious nodes); min_train_nodes is {self.min_train_nodes} "
-                             "(run-config key 'min-train-nodes')")
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
             fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate,
@@ -317,6 +304,12 @@ class BulyanStrategy(FlowerBaselineStrategy):
 
     def __init__(self, method: str | None = None, *, num_malicious_nodes: int = 0, **options: Any) -> None:
         super().__init__(method, flower_options={"num_malicious_nodes": int(num_malicious_nodes)}, **options)
+        # with fewer than 4f + 3 replies Flower's Bulyan returns nothing every round
+        f = int(num_malicious_nodes)
+        if self.min_train_nodes < 4 * f + 3:
+            raise ValueError(f"strategy {self.method!r}: Bulyan needs at least 4f + 3 = {4 * f + 3} replies a round "
+                             f"(f = {f} malicious nodes); min_train_nodes is {self.min_train_nodes} "
+                             "(run-config key 'min-train-nodes')")
 
 
 FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for cls in (

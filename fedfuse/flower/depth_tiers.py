@@ -103,14 +103,14 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
                              "refinements act on one classifier, a depth-tier model has one per depth")
         options["refine"] = "none"   # ot's default (calibrate) too: feddf and ot distil into every exit instead
-        if not strategy_spec(name).distils_exits:
+        if not strategy_spec(name).depth.distils_exits:
             options["guard"] = False   # the guard checks a fused model against the average; these rounds are it
         super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
         skeleton = self.model_fn() if self.model_fn is not None else None
         if not isinstance(skeleton, MultiExit):
             raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "
                              "(fedfuse.hetero.depth.multi_exit)")
-        self.self_distill = self.entry.self_distills if self_distill is None else bool(self_distill)
+        self.self_distill = self.entry.depth.self_distills if self_distill is None else bool(self_distill)
         self.tier_layout = TierLayout(self.model_fn, widths, input_shape=input_shape, depths=tuple(depths))
         self.ordered_dropout = resolve_ordered_dropout(name, ordered_dropout) if min(widths) < 1 else "off"
         self.ordered_dropout_draw = checked_draw(name, ordered_dropout_draw, skeleton.base)
@@ -251,7 +251,7 @@ class DepthTieredStrategy(FusionStrategy):
         if method not in DEPTH_WARM_START:
             raise ValueError(f"strategy: a warm start across depth tiers combines the clients' own models with one of "
                              f"{list(DEPTH_WARM_START)}, not {method!r}")
-        if strategy_spec(method).aligns_depths and any(self.node_width(u.node_id) < 1 for u in updates):
+        if strategy_spec(method).depth.aligns and any(self.node_width(u.node_id) < 1 for u in updates):
             raise ValueError("strategy: 'ot' aligns models of one width; width x depth tiers take 'feddf'")
         return self.fuse_as(method, server_round, updates)
 
@@ -260,15 +260,15 @@ class DepthTieredStrategy(FusionStrategy):
         """``fuse_updates`` with the aggregation ``method`` given."""
         t0 = time.perf_counter()
         entry = strategy_spec(method)
-        if entry.distils_exits and models is None:
+        if entry.depth.distils_exits and models is None:
             models = [self.build_model(u.state) for u in updates]
-        model = self.build_model(self.aligned_average(server_round, updates, models) if entry.aligns_depths
+        model = self.build_model(self.aligned_average(server_round, updates, models) if entry.depth.aligns
                                  else self.average(updates))
         info: dict[str, Any] = {}
-        if entry.distils_exits:
+        if entry.depth.distils_exits:
             total = sum(u.num_examples for u in updates)
             # the feddf strategy: its own options; ot and a warm start's feddf: FedDF's server step at its defaults
-            own = method == self.method and not entry.aligns_depths
+            own = method == self.method and not entry.depth.aligns
             info = distill_exits(model, models, [u.num_examples / total for u in updates], self.fusion_inputs,
                                  self.method_options if own else None,
                                  seed=self.seed + server_round, device=resolve_device(self.device))

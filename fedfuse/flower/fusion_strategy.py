@@ -137,7 +137,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         self.refinement = Refinement(steps, prior=refine.prior, check=refine.check,
                                      calibrate_min_gap=refine.calibrate_min_gap,
                                      prior_fn=lambda updates: self.class_prior(updates))
-        self.static_bn_step = StaticBatchNorm() if self.entry.static_bn else None
+        self.static_bn_step = StaticBatchNorm() if self.entry.tiers.static_bn else None
         self._level_widths: dict[str, int] | None = None
         if self.model_fn is not None and self.uses_scores and self.importance == "client":
             self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}

@@ -201,17 +201,24 @@ def arrays_only(name: str, what: str, options: dict[str, Any]) -> None:
     take_options(GuardOptions, None, options)
     momentum = take_options(MomentumOptions, None, options)
     refine = take_options(RefineOptions, None, options)
-    if fusion.fusion_options:
-        raise ValueError(no_fusion_options(name, fusion.fusion_options))
-    if fusion.fusion_rounds:
-        raise ValueError(f"strategy {name!r} is {what}, not a fusion method: fusion_rounds must be 0, "
-                         f"got {fusion.fusion_rounds}")
-    if refine.refine is not None and parse_refine(refine.refine):
-        raise ValueError(f"strategy: {name!r} aggregates the arrays as Flower does and takes no refine step (got "
-                         f"refine={refine.refine!r}); use a fusion strategy such as 'average'")
+    refuse_fusion_steps(name, what, fusion.fusion_options, fusion.fusion_rounds, refine.refine)
     if not momentum.is_default:
         raise ValueError(f"strategy {name!r} is {what}: server_momentum / server_learning_rate do not apply; use "
                          "'fedavgm' (Flower's FedAvgM) or a fusion strategy such as 'average'")
+
+
+def refuse_fusion_steps(name: str, what: str, fusion_options: dict[str, Any] | None, fusion_rounds: int,
+                        refine: str | None) -> None:
+    """A ``ValueError`` when a strategy that aggregates arrays (``what``: plain FedAvg, one of Flower's) is given
+    a fusion method's step: fusion options, fusion rounds, a refine step."""
+    if fusion_options:
+        raise ValueError(no_fusion_options(name, fusion_options))
+    if int(fusion_rounds):
+        raise ValueError(f"strategy {name!r} is {what}, not a fusion method: fusion_rounds must be 0, "
+                         f"got {fusion_rounds}")
+    if refine is not None and parse_refine(refine):
+        raise ValueError(f"strategy: {name!r} aggregates the arrays as {what} does and takes no refine step (got "
+                         f"refine={refine!r}); use a fusion strategy such as 'average'")
 
 
 def refuse_unknown(owner: type, flat: dict[str, Any]) -> None:
@@ -221,4 +228,4 @@ def refuse_unknown(owner: type, flat: dict[str, Any]) -> None:
 
 
 __all__ = ["WEIGHT_CAP", "FusionOptions", "GuardOptions", "MomentumOptions", "RefineOptions", "ProtocolOptions", "TierOptions",
-           "take_options", "arrays_only", "refuse_unknown"]
+           "take_options", "arrays_only", "refuse_fusion_steps", "refuse_unknown"]

@@ -92,7 +92,7 @@ class SelectionStrategy(FusionStrategy):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
         # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the
         # round then costs what the average does)
-        self._tracks_momentum = not (self.fusion_off and self._first_array() == "fedavg")
+        self._tracks_momentum = not (self.fusion_off and self._first_array() not in MEAN_METHODS)
 
     def summary(self) -> None:
         log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data when a "

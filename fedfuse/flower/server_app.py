@@ -57,6 +57,7 @@ from fedfuse.flower.baselines import baseline_options  # noqa: E402
 from fedfuse.flower.screen import ClientScreen  # noqa: E402
 from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
 from fedfuse.flower.warm_start import WarmStart  # noqa: E402
+from fedfuse.strategy_specs import MEAN_METHODS  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
 from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
@@ -232,8 +233,9 @@ def selection_options(cfg: RunConfig) -> dict:
             ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
     out = {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
            "fusion_min_epochs": cfg.auto_fusion_epochs}
-    if auto_round_aggregation(cfg) == "average":   # below auto-fusion-epochs the first array candidate is taken
-        out["candidates"] = ("average",) + tuple(c for c in candidates if c != "average")
+    take = auto_round_aggregation(cfg)
+    if take in MEAN_METHODS:   # below auto-fusion-epochs the first array candidate is taken: the momentum step
+        out["candidates"] = (take,) + tuple(c for c in candidates if c != take)
         if cfg.server_momentum < 0:   # else baseline_options passes the user's value
             out["server_momentum"] = AUTO_SERVER_MOMENTUM
     return out

@@ -135,7 +135,7 @@ def strategy_builder(cfg, input_shape: tuple[int, ...]):
                                       "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
                                       "ordered_dropout_draw": ordered_dropout_draw(cfg),
                                       **({"mom_beta": cfg.mom_beta} if key_applies("mom-beta", cfg.strategy) else {})}
-    if not cfg.tiers and not strategy_spec(cfg.strategy).needs_tiers:
+    if not cfg.tiers and not strategy_spec(cfg.strategy).tiers.required:
         return build_strategy, {}
     return build_tier_strategy, {"tiers": cfg.tiers or (1.0,), "tier_models": cfg.tier_models,
                                  "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,

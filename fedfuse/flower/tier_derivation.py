@@ -75,9 +75,9 @@ class TierModels:
             return
         if self.tier_models.startswith("prune"):   # (with feddf: instead of its per-tier distillation)
             self._prune_tiers(server_round, updates)
-        elif self.tier_models == "distill" or (s.entry.tier_distill and s.round_method(server_round) == s.method):
+        elif self.tier_models == "distill" or (s.entry.tiers.distill and s.round_method(server_round) == s.method):
             self._distill_tiers(server_round, updates)
-        elif self.tier_models == "fuse" and not s.entry.submodel_tiers:
+        elif self.tier_models == "fuse" and not s.entry.tiers.submodel:
             self._fuse_tiers(server_round, updates)
         self.guard_tiers(server_round, updates)
 
@@ -221,7 +221,7 @@ class TierModels:
         s = self.strategy
         teachers = [s.build_model(u.state) for u in updates]
         # feddf's own distillation options; other methods: the refine step's defaults (Adam 1e-3, early stopping)
-        options = s.method_options if s.entry.tier_distill else DistillRefineOptions()
+        options = s.method_options if s.entry.tiers.distill else DistillRefineOptions()
         dev = resolve_device(s.device)
         for r in sorted(set(s.tier_layout.node_tier.values()) - {1.0}):
             student = s.build_model(slice_state(s.global_state(), s.layout(r, s.window(server_round + 1))))

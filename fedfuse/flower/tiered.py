@@ -8,7 +8,7 @@
   node *its own* message: the tier model's arrays and ``tier-width-mult`` (Flower's Message API), and replies are
   validated against their tier's shapes;
 - the aggregation: HeteroFL's count-weighted sub-model average for the strategies whose registry entry says
-  ``submodel_tiers`` (``average``, ``feddf``, HeteroFL, FedRolex), else the fusion method into the global
+  ``tiers.submodel`` (``average``, ``feddf``, HeteroFL, FedRolex), else the fusion method into the global
   architecture (``fuse(..., target=global)``) with the fused units permuted onto the sub-model average's
   (``fedfuse.hetero.anchor``) so that unit ``i`` stays the unit every tier's slice holds. The sub-model average is
   also what the divergence guard and the ``"average"`` fallback use;
@@ -88,8 +88,8 @@ class TieredFusionStrategy(FusionStrategy):
             raise ValueError("strategy: a tiered strategy needs model_fn (the global, widest architecture)")
         tier_models = resolve_tier_models(self.method, tiering.tier_models, adapter_for(self.model_fn()).family)
         self.tier_layout = TierLayout(self.model_fn, tiering.tiers, tiering.input_shape,
-                                      window_rolls=self.entry.window_rolls)
-        submodel = self.entry.submodel_tiers
+                                      window_rolls=self.entry.tiers.window_rolls)
+        submodel = self.entry.tiers.submodel
         if (self.spec is not None and len(set(self.tier_layout.tiers)) > 1 and not self.spec.mixed_widths
                 and not submodel):
             raise ValueError(f"strategy: method {self.method!r} cannot fuse clients of different widths")
@@ -145,7 +145,7 @@ class TieredFusionStrategy(FusionStrategy):
 
     def submodel_round(self, server_round: int) -> bool:
         """Whether round ``server_round`` aggregates by HeteroFL's sub-model average."""
-        return self.entry.submodel_tiers or self.round_method(server_round) == "average"
+        return self.entry.tiers.submodel or self.round_method(server_round) == "average"
 
     def streaming_round(self, server_round: int) -> bool:
         return False   # mixed widths: the sub-model average reads every reply's layout
@@ -229,8 +229,8 @@ class TieredFusionStrategy(FusionStrategy):
         if self.submodel_round(server_round):
             t0 = time.perf_counter()
             model = self.build_model(self.weighted_average(updates))
-            info: dict[str, Any] = {"window-offset": self._offset} if self.entry.needs_tiers else {}
-            if self.entry.tier_distill and method == self.method:
+            info: dict[str, Any] = {"window-offset": self._offset} if self.entry.tiers.required else {}
+            if self.entry.tiers.distill and method == self.method:
                 teachers = models if models is not None else [self.build_model(u.state) for u in updates]
                 info.update(distill_ensemble(model, teachers, self._norm_weights(updates), self.fusion_inputs,
                                              self.method_options,

@@ -19,12 +19,12 @@ TIER_MODELS = ("auto", "slice", "fuse", "distill", "prune", "prune-recover")
 
 def resolve_tier_models(strategy: str | None, tier_models: str, family: str | None = None) -> str:
     """``tier-models='auto'`` → the best measured setting for ``strategy`` and the model ``family``: the strategy's
-    registry entry (``tier_models_auto``: ``slice`` for HeteroFL / FedRolex, their papers' sub-models, and FedDF,
+    registry entry (``tiers.models_auto``: ``slice`` for HeteroFL / FedRolex, their papers' sub-models, and FedDF,
     its per-tier distillation), else ``prune`` (units chosen by importance), except ViTs: ``slice`` (pruning heads
     lost to slicing there). The figures are in docs/tiers.md. Any other value is returned as given."""
     if tier_models != "auto":
         return tier_models
-    auto = _spec_value(strategy, "tier_models_auto")
+    auto = _spec_value(strategy, "models_auto")
     if auto is not None:
         return auto
     return "slice" if family == "vit" else "prune"
@@ -32,7 +32,7 @@ def resolve_tier_models(strategy: str | None, tier_models: str, family: str | No
 
 def _spec_value(strategy: str | None, attr: str):
     try:
-        return getattr(strategy_spec(strategy), attr) if strategy is not None else None
+        return getattr(strategy_spec(strategy).tiers, attr) if strategy is not None else None
     except ValueError:
         return None
 
@@ -43,7 +43,7 @@ ORDERED_DROPOUT_DRAWS = ("uniform", "width", "sandwich")   # ordered-dropout-dra
 
 def resolve_ordered_dropout(strategy: str | None, ordered_dropout: str, mode: str = "multi-round") -> str:
     """``ordered-dropout='auto'`` → the best measured setting for ``strategy`` (its registry entry's
-    ``ordered_dropout_auto``): ``off`` for HeteroFL / FedRolex / FedDF (their papers' local training) and in
+    ``tiers.ordered_dropout_auto``): ``off`` for HeteroFL / FedRolex / FedDF (their papers' local training) and in
     one-shot mode, ``all`` for ``average`` and the fusion methods in multi-round mode. ``"all"``: every client also
     trains its narrower tiers' sub-models (FjORD's ordered dropout, "FjORD: Fair and Accurate Federated Learning
     under heterogeneous targets with Ordered Dropout", arXiv 2102.13451); ``"narrow"``: every client but those of

@@ -8,27 +8,16 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
 from torch import nn
 
 from fedfuse.models.adapters import (ADAPTERS, Adapter, ModelConfig, UnsupportedModelError, adapter_for,
                                      check_width_mult, model_family, register_adapter)
 from fedfuse.models.cnn import cnn
+from fedfuse.models.factories import MODELS, build
 from fedfuse.models.lenet import lenet
 from fedfuse.models.levels import Level, level_outputs, levels, neuron_axis_sum, neurons_last, neurons_restore
 from fedfuse.models.mlp import mlp
 from fedfuse.models.resnet import ResNet, resnet
-
-
-def _vit(**kw) -> nn.Module:
-    from fedfuse.models.vit import vit  # deferred: timm, imported only when a ViT is asked for
-
-    return vit(**kw)
-
-
-MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "lenet": lenet, "resnet": resnet, "vit": _vit}
 
 
 def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] = (1, 8, 8), width: int | None = None,
@@ -43,8 +32,6 @@ def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] =
     with heads and MLP width, head dim kept; ``ceil`` rounding, so a tier of ``width_mult`` is nested in the
     full model). The global torch RNG is left untouched.
     """
-    if name not in MODELS:
-        raise ValueError(f"model: unknown model {name!r}; choose one of {sorted(MODELS)}")
     if width_mult is not None:
         check_width_mult(width_mult, "model: width_mult")
     kw = dict(options)
@@ -52,9 +39,7 @@ def build_model(name: str, num_classes: int = 10, input_shape: tuple[int, ...] =
         kw["width"] = width
     if depth is not None:
         kw["depth"] = depth
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kw)
+    model = build(name, num_classes, input_shape, seed=seed, **kw)
     if width_mult is None or width_mult == 1:
         return model
     return adapter_for(model).at_width_mult(model, width_mult, seed=seed, input_shape=tuple(input_shape))

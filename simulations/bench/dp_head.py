@@ -40,8 +40,9 @@ from fedfuse.fusion import fuse
 from fedfuse.privacy import (feature_clip_bound, noisy_head_sum, private_head_statistics, public_projection,
                              raw_feature_head)
 from fedfuse.progressive import HeadStatistics, head_statistics, solve_classifier, with_head
-from fedfuse.task import client_round, federated_data, global_model
+from fedfuse.task import federated_data, global_model
 from fedfuse.training import evaluate
+from simulations.bench.multiround_inprocess import train_clients
 
 DELTA = 1e-5
 
@@ -60,14 +61,7 @@ def run_cell(seed: int, clients: int, args) -> dict:
     parts = [tr for tr, _ in splits]
     t0 = time.process_time()
     for r in range(1, args.rounds + 1):
-        models, weights = [], []
-        for pid, (tr, va) in enumerate(splits):
-            m = copy.deepcopy(g)
-            o = client_round(cfg, m, tr, va, need_importance=False, device=torch.device("cpu"),
-                             seed=cfg.seed * 7919 + pid * 131 + r)
-            m.load_state_dict(o["state"])
-            models.append(m)
-            weights.append(o["metrics"]["num-examples"])
+        models, weights, _ = train_clients(cfg, g, splits, r)
         g = fuse("average", models, weights=weights)
     train_s = time.process_time() - t0
     acc = lambda m: evaluate(m, data.test.x, data.test.y, num_classes=data.num_classes)["accuracy"]  # noqa: E731

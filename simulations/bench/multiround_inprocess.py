@@ -40,6 +40,22 @@ def dead_fractions(model: torch.nn.Module, x: torch.Tensor) -> list[float]:
     return out
 
 
+def train_clients(cfg, g: torch.nn.Module, splits: list, server_round: int,
+                  need_importance: bool = False) -> tuple[list[torch.nn.Module], list[int], list[dict]]:
+    """One round of local training in-process: each ``(train, val)`` split trains a copy of ``g`` (``client_round``,
+    seeded per client and round); the trained models, their sample counts and ``client_round``'s outputs."""
+    models, weights, outs = [], [], []
+    for pid, (tr, va) in enumerate(splits):
+        m = copy.deepcopy(g)
+        o = client_round(cfg, m, tr, va, need_importance=need_importance, device=torch.device("cpu"),
+                         seed=cfg.seed * 7919 + pid * 131 + server_round)
+        m.load_state_dict(o["state"])
+        models.append(m)
+        weights.append(o["metrics"]["num-examples"])
+        outs.append(o)
+    return models, weights, outs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="digits")
@@ -66,17 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     accs = []
     for r in range(1, args.rounds + 1):
         fusing = args.method != "fedavg" and not (args.fusion_rounds and r > args.fusion_rounds)
-        models, weights, scores, counts = [], [], [], []
-        for pid in range(cfg.num_clients):
-            tr, va = data.client_data(pid, cfg.val_fraction, cfg.seed)
-            m = copy.deepcopy(g)
-            o = client_round(cfg, m, tr, va, need_importance=fusing, device=torch.device("cpu"),
-                             seed=cfg.seed * 7919 + pid * 131 + r)
-            m.load_state_dict(o["state"])
-            models.append(m)
-            weights.append(o["metrics"]["num-examples"])
-            scores.append(o["scores"])
-            counts.append(o["metrics"]["class-counts"])
+        splits = [data.client_data(pid, cfg.val_fraction, cfg.seed) for pid in range(cfg.num_clients)]
+        models, weights, outs = train_clients(cfg, g, splits, r, need_importance=fusing)
+        scores = [o["scores"] for o in outs]
+        counts = [o["metrics"]["class-counts"] for o in outs]
         if fusing:
             extra = dict(options)
             if extra.get("head_weights"):

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fedfuse.models.factories import build
+
 # the layers whose output neurons are fusion units, and the norms that may follow them (one definition)
 AFFINE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
@@ -204,13 +206,11 @@ class Adapter:
 
     def build(self, config: ModelConfig, seed: int = 0) -> nn.Module:
         """A freshly initialised model for ``config`` (``build_model`` with its fields)."""
-        from fedfuse.models import build_model  # deferred: cycle (fedfuse.models imports the adapters)
-
         if config.family != self.family:
             raise UnsupportedModelError(f"{type(self).__name__}.build: config is for family {config.family!r}, "
                                         f"not {self.family!r}")
-        return build_model(config.name, num_classes=config.num_classes, input_shape=config.input_shape,
-                           width=config.width, depth=config.depth, seed=seed, **config.options)
+        return build(config.name, config.num_classes, config.input_shape, seed=seed, width=config.width,
+                     depth=config.depth, **config.options)
 
     def resized_config(self, config: ModelConfig, width: int | None, depth: int | None) -> ModelConfig:
         """``config`` at another width/depth (families that scale more than one knob override this)."""
