@@ -21,6 +21,8 @@ Threats (``THREATS``):
 ``inflate-scores``  its importance scores × 1000
 ``concentrate``     all of its importance mass on one unit per level (× 1000)
 ``lie-counts``      class counts claiming 100 × its samples, all of one class (``head_weights``/calibration)
+``absent``          not an attack: the client answers every message with an error, so the run is the honest
+                    clients' alone (the oracle screen that drops exactly the liars, and nothing else)
 =================== ======================================================================================
 """
 
@@ -31,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord
 
 THREATS = ("scale", "sign-flip", "random", "label-flip", "backdoor", "free-ride", "free-ride-noise",
-           "inflate-scores", "concentrate", "lie-counts")
+           "inflate-scores", "concentrate", "lie-counts", "absent")
 DATA_THREATS = ("label-flip", "backdoor")
 TRIGGER = {0: 4.0, 1: -4.0, 2: 4.0, 3: -4.0}   # feature index -> value (MNIST-1D's features lie in about ±4.5)
 BACKDOOR_CLASS = 0
@@ -84,6 +86,8 @@ class Attack:
         pid = int(context.node_config.get("partition-id", -1))
         if pid not in self.clients:
             return call_next(msg, context)
+        if self.threat == "absent":
+            return Message(Error(code=0, reason="absent: this client takes no part"), reply_to=msg)
         if self.threat in DATA_THREATS:   # its own (poisoned) data for every message, as a deployed node has
             context = dataclasses.replace(context, node_config={**context.node_config,
                                                                 "data-path": str(self._data_file(pid, context))})

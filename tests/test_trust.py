@@ -363,6 +363,22 @@ def test_robust_run_drops_random_sign_flipped_and_free_riding_clients_every_roun
     assert json.loads((out / "results.json").read_text())["rounds"][-1]["test-accuracy"] > 0.5
 
 
+def test_absent_clients_leave_a_run_of_the_others(tmp_path):
+    """The trust bench's oracle (``absent``): the named clients answer every message with an error, so every round
+    aggregates exactly the others (the quorum set to them), and the run still trains."""
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    out = run_inprocess({**TINY, "num-clients": 6, "min-train-nodes": 4, "strategy": "fedavg",
+                         "output-dir": str(tmp_path), "run-name": "r"},
+                        echo=False, client_app=make_client_app(mods=[Attack("absent", frozenset({1, 4})).mod]))
+    history = _history(out)
+    assert len(history) == 2
+    for h in history:
+        assert h["replies"] == 6 and len(h["failures"]) == 2, h
+        assert all("absent" in f["reason"] for f in h["failures"])
+    assert json.loads((out / "results.json").read_text())["rounds"][-1]["test-accuracy"] > 0.5
+
+
 @pytest.mark.parametrize("wrapper", ["server-fixed", "client-fixed"])
 def test_flowers_dp_wrappers_run_around_fedfuses_average(tmp_path, wrapper):
     """Flower's central-DP wrapper strategies around fedfuse's averaging strategy (docs/trust.md: the guarantee holds for

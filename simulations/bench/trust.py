@@ -23,6 +23,13 @@ and ``--liars 1 --threats random,sign-flip`` into ``--out results/trust-cluster`
 --threats clean`` (``random,sign-flip`` too for min-samples 0) into ``--out results/trust-cluster-c20``; the commands
 are in docs/trust.md. The screen's table counts honest client-rounds dropped too.
 
+The oracle (``--threats absent``, ``simulations.attacks``: the liars' clients answer every message with an error,
+so each round is the honest clients' alone, the round's quorum lowered to them): what a screen that drops exactly
+the liars and nothing else would reach, for the goal "3 of 10 liars at most 5 points below clean":
+
+    .venv/bin/python -m simulations.bench.trust --threats absent --liars 1,3 --strategies "fedavg,auto[robust=true]" \
+        --jobs 1 --out results/trust-oracle
+
 Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
 (clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
 
@@ -182,6 +189,8 @@ def jobs_for(args) -> list[dict]:
                     cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds, args.clients, per_round),
                            **cell, "strategy": name, **opts, "head-round": False, "output-dir": str(out / "runs"),
                            "run-name": run_name}
+                    if threat == "absent":   # the oracle: the honest replies are the round (fedfuse's quorum is
+                        cfg["min-train-nodes"] = per_round - len(bad)   # min-train-nodes)
                     jobs.append({"label": label, "threat": threat, "f": f, "seed": seed, "liars": bad,
                                  "clients": args.clients, "config": cfg})
     return jobs
