@@ -245,6 +245,9 @@ class RunConfig:
                                "update) or 'core-positive' (the majority cluster kept; the others kept when their "
                                "cosine with its median update is positive); fedfuse.flower.screen, docs/trust.md",
                                choices=("off", "flame", "core", "core-positive"))
+    robust_cosine_mads: float = _key(0.0, "robust: the direction check's line is the lower of 0.4 x the replies' "
+                                     "median cosine and that median - this many scaled MADs of the cosines (0 = the "
+                                     "ratio alone; fedfuse.flower.screen, docs/trust.md)", ge=0)
     robust_cluster_min_samples: int = _key(1, "robust-cluster: HDBSCAN's min_samples (FLAME's 1; 0 = the minimum "
                                            "cluster size n // 2 + 1, scikit-learn's default)", ge=0)
     dp_noise_multiplier: float = _key(0.0, "client-level central differential privacy (docs/trust.md): the Gaussian "

@@ -67,6 +67,29 @@ def test_screen_keeps_honest_clients_and_drops_free_riders_and_outliers():
     assert set(info["clients"]) == {str(i) for i in (*range(6), 10, 11, 12)}
 
 
+def test_cosine_mads_widens_the_direction_check_with_the_spread_of_honest_cosines():
+    """Issue 45, part 5 (20 clients; an option, off by default): honest non-IID updates whose cosines with the median
+    update spread widely, one of them low but positive (0.14 against a median 0.63, below 0.4 × the median). With
+    ``cosine_mads=3`` the direction line is the lower of 0.4 × the median cosine and the median − 3 scaled MADs, so
+    that client is kept and a sign-flipped update is still dropped; the default (the ratio alone) drops both."""
+    g = _mlp()
+    gs = g.state_dict()
+
+    def update(c: float, seed: int) -> dict[str, torch.Tensor]:   # c × the shared direction + its own part
+        common, own = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(seed)
+        return {k: v + 0.02 * (c * torch.randn(v.shape, generator=common) + torch.randn(v.shape, generator=own))
+                for k, v in gs.items()}
+
+    honest = [ClientUpdate(i, i, update(c, i), None, 100, {})
+              for i, c in enumerate([*np.linspace(0.25, 1.5, 19), 0.12])]
+    flipped = ClientUpdate(99, 99, {k: 2 * gs[k] - v for k, v in update(1.0, 99).items()}, None, 100, {})
+    kept, info = _screen(honest + [flipped], g, ClientScreen(cosine_mads=3))
+    assert {u.node_id for u in kept} == set(range(20))
+    assert [d["node-id"] for d in info["dropped"]] == [99] and "scaled MADs" in info["dropped"][0]["reason"]
+    kept, info = _screen(honest + [flipped], g)
+    assert {d["node-id"] for d in info["dropped"]} == {19, 99}
+
+
 def test_a_screen_that_would_drop_every_reply_keeps_them_and_says_so():
     g = _mlp()
     honest = [ClientUpdate(i, i, _moved(g, 0.02, i), None, 100, {}) for i in range(4)]

@@ -68,6 +68,8 @@ class ClientScreen:
         max_norm: drop replies whose update norm is above this multiple of the free riders' median (0 = off).
         cosine_ratio: drop replies whose update's cosine with the round's median update is below this fraction of the
             replies' median cosine (0 = off; the rule is skipped in a round whose median cosine is not positive).
+        cosine_mads: with > 0, the direction check's line is the lower of ``cosine_ratio`` × the median cosine and
+            the median cosine − this many scaled MADs of the round's cosines (0 = the ratio alone).
         agreement_mads: drop replies whose fusion-set agreement with the majority vote is this many scaled MADs below
             the median (0 = off, the default; needs a fusion set). Off because it does not separate liars from
             honest non-IID clients: on stock Flower's MNIST-1D splits (α = 0.5, 1 local epoch) honest clients agree
@@ -89,6 +91,7 @@ class ClientScreen:
     stale: float = 0.1
     max_norm: float = 3.0
     cosine_ratio: float = 0.4
+    cosine_mads: float = 0.0
     agreement_mads: float = 0.0
     min_gap: float = 0.1
     norm_clip: float = 2.0
@@ -97,7 +100,7 @@ class ClientScreen:
     min_samples: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("stale", "max_norm", "cosine_ratio", "agreement_mads", "min_gap", "norm_clip"):
+        for name in ("stale", "max_norm", "cosine_ratio", "cosine_mads", "agreement_mads", "min_gap", "norm_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClientScreen: {name} must be >= 0, got {getattr(self, name)}")
         if self.cluster not in CLUSTER_MODES:
@@ -225,16 +228,25 @@ class ClientScreen:
     def _against_median(self, updates: list[ClientUpdate], cosines: np.ndarray, keep: list[int],
                         info: dict[str, Any]) -> None:
         """The direction check: a reply whose cosine with the round's median update is far below the replies'
-        median cosine (skipped when that median is not positive)."""
+        median cosine (skipped when that median is not positive). With ``cosine_mads`` > 0 the line is the lower of
+        ``cosine_ratio`` × the median cosine and the median cosine − ``cosine_mads`` scaled MADs of the cosines: it
+        widens with the federation's spread of cosines."""
         median_cos = float(np.median(cosines))
         if median_cos <= 0:
             return
+        line = self.cosine_ratio * median_cos
+        rule = f"{self.cosine_ratio:g} × the replies' median {median_cos:.2f}"
+        if self.cosine_mads > 0:
+            mad_line = median_cos - self.cosine_mads * 1.4826 * float(np.median(np.abs(cosines - median_cos)))
+            info["cosine-line"] = round(min(line, mad_line), 4)
+            if mad_line < line:
+                line, rule = mad_line, (f"the replies' median {median_cos:.2f} − {self.cosine_mads:g} scaled MADs "
+                                        f"({mad_line:.2f})")
         for i in list(keep):
-            if cosines[i] < self.cosine_ratio * median_cos:
+            if cosines[i] < line:
                 keep.remove(i)
                 self._drop(info, updates[i], f"its update's cosine with the round's median update is "
-                                             f"{cosines[i]:.2f}, below {self.cosine_ratio:g} × the replies' "
-                                             f"median {median_cos:.2f}")
+                                             f"{cosines[i]:.2f}, below {rule}")
 
     def _agreement_check(self, updates: list[ClientUpdate], build_model, fusion_inputs: torch.Tensor, device,
                          keep: list[int], info: dict[str, Any]) -> None:

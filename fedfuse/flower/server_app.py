@@ -145,7 +145,8 @@ def setup(cfg: RunConfig):
                                                  num_nodes_to_select=cfg.num_nodes_to_select),
                               # the robust setting (multi-round: the config check refuses it in one-shot mode)
                               **({"screen": ClientScreen(cluster=cfg.robust_cluster,
-                                                          min_samples=cfg.robust_cluster_min_samples)}
+                                                          min_samples=cfg.robust_cluster_min_samples,
+                                                          cosine_mads=cfg.robust_cosine_mads)}
                                  if cfg.robust else {}))
     return data, model_fn, strategy
 
