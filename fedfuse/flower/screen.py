@@ -237,7 +237,7 @@ class ClientScreen:
         line = self.cosine_ratio * median_cos
         rule = f"{self.cosine_ratio:g} × the replies' median {median_cos:.2f}"
         if self.cosine_mads > 0:
-            mad_line = median_cos - self.cosine_mads * 1.4826 * float(np.median(np.abs(cosines - median_cos)))
+            mad_line = median_cos - self.cosine_mads * scaled_mad(cosines, median_cos)
             info["cosine-line"] = round(min(line, mad_line), 4)
             if mad_line < line:
                 line, rule = mad_line, (f"the replies' median {median_cos:.2f} − {self.cosine_mads:g} scaled MADs "
@@ -255,7 +255,7 @@ class ClientScreen:
         for i, a in zip(keep, agree):
             info["clients"][str(updates[i].partition_id)]["agreement"] = round(float(a), 4)
         med = float(np.median(agree))
-        spread = max(self.agreement_mads * 1.4826 * float(np.median(np.abs(agree - med))), self.min_gap)
+        spread = max(self.agreement_mads * scaled_mad(agree, med), self.min_gap)
         for i, a in zip(list(keep), agree):
             if a < med - spread:
                 keep.remove(i)
@@ -276,6 +276,12 @@ class ClientScreen:
     def _drop(info: dict[str, Any], u: ClientUpdate, reason: str) -> None:
         info["dropped"].append({"node-id": int(u.node_id), "partition-id": u.partition_id, "reason": reason})
         log(WARNING, "robust screen: node %d (partition %s) dropped: %s", u.node_id, u.partition_id, reason)
+
+
+def scaled_mad(values: np.ndarray, median: float) -> float:
+    """The median absolute deviation of ``values`` from their ``median``, scaled by 1.4826 (a normal sample's
+    standard deviation): the spread both MAD rules of the screen measure against."""
+    return 1.4826 * float(np.median(np.abs(np.asarray(values) - median)))
 
 
 def update_norm(state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]) -> float:

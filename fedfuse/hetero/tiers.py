@@ -31,6 +31,7 @@ def resolve_tier_models(strategy: str | None, tier_models: str, family: str | No
 
 
 def _spec_value(strategy: str | None, attr: str):
+    """The ``WidthTiers`` field ``attr`` of ``strategy``'s registry entry (``None`` for no or an unknown strategy)."""
     try:
         return getattr(strategy_spec(strategy).tiers, attr) if strategy is not None else None
     except ValueError:
