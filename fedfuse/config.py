@@ -237,7 +237,10 @@ class RunConfig:
     robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
                         "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
                         "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
-                        "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen; docs/trust.md)")
+                        "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen); the head "
+                        "round drops statistics whose class means lie far from the other nodes', and auto's vote and "
+                        "the head round's check count one node, one vote (fedfuse.flower.answer_screen; one-shot: "
+                        "these answers only; docs/trust.md)")
     robust_cluster: str = _key("off", "robust: 'off' (drop updates pointing away from the round's median update), "
                                "'flame' (FLAME's clustering instead: HDBSCAN on the updates' pairwise cosine "
                                "distances, min cluster size n // 2 + 1; the replies outside the majority cluster are "
@@ -508,6 +511,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
                           f"architecture; with depth tiers round 1 combines the clients' models with {fusion!r}. Set "
                           "warm-start-fusion explicitly to silence this.", ConfigNote, stacklevel=2)
             cfg = replace(cfg, warm_start_fusion=fusion)
+    if cfg.robust and cfg.mode == "one-shot":
+        # the update screen compares each update with the global model the clients trained from; one-shot clients
+        # start from their own models, so there only their answers (auto's vote, the head round) are screened
+        warnings.warn("run-config key 'robust': in mode='one-shot' the clients start from their own models, so the "
+                      "update screen does not apply; the robust setting screens their answers only (auto's vote "
+                      "and the head round's statistics and check, docs/trust.md)", ConfigNote, stacklevel=2)
     need = robust_min_replies(cfg)
     if cfg.min_train_nodes == SCHEMA["min-train-nodes"].default and cfg.min_train_nodes < need <= cfg.num_clients:
         # a strategy runs with the defaults: min-train-nodes left at its default (the value pyproject.toml repeats, so
@@ -679,10 +688,6 @@ def _check_rules(cfg: RunConfig) -> None:
         if cfg.client_tiers.strip():
             raise ConfigError("run-config key 'robust' does not take 'client-tiers' yet: the screen compares "
                               "every reply with the global model, and tier replies have other widths")
-        if cfg.mode == "one-shot":
-            raise ConfigError("run-config key 'robust' applies to rounds the clients train from the global model (its "
-                              "checks compare each update with it); in mode='one-shot' they start from their own "
-                              "models")
     if cfg.secure_aggregation:
         if not cfg.head_round:
             raise ConfigError("run-config key 'secure-aggregation' sums the head round's statistics: set "

@@ -21,6 +21,10 @@ Threats (``THREATS``):
 ``inflate-scores``  its importance scores × 1000
 ``concentrate``     all of its importance mass on one unit per level (× 1000)
 ``lie-counts``      class counts claiming 100 × its samples, all of one class (``head_weights``/calibration)
+``lie-votes``       answers every scoring query (``auto``'s vote, the head round's check) with accuracy 1 for the
+                    candidate it scored worst and 0 for the others (losses alike), claiming ``num-examples`` × 100
+``lie-head``        the head round: sends the statistics of reversed labels (``cross``'s columns reversed) claiming
+                    100 × its samples (every sum × 100), and scores the solved heads 1 and the model before 0
 ``absent``          not an attack: the client answers every message with an error, so the run is the honest
                     clients' alone (the oracle screen that drops exactly the liars, and nothing else)
 =================== ======================================================================================
@@ -36,7 +40,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord
 
 THREATS = ("scale", "sign-flip", "random", "label-flip", "backdoor", "free-ride", "free-ride-noise",
-           "inflate-scores", "concentrate", "lie-counts", "absent")
+           "inflate-scores", "concentrate", "lie-counts", "lie-votes", "lie-head", "absent")
+QUERY_THREATS = ("lie-votes", "lie-head")   # threats on the answers to the server's queries, not on train replies
 DATA_THREATS = ("label-flip", "backdoor")
 TRIGGER = {0: 4.0, 1: -4.0, 2: 4.0, 3: -4.0}   # feature index -> value (MNIST-1D's features lie in about ±4.5)
 BACKDOOR_CLASS = 0
@@ -75,6 +80,7 @@ class Attack:
     factor: float = 10.0
     seed: int = 0
     _files: dict[int, Path] = field(default_factory=dict, repr=False)
+    nodes: set[int] = field(default_factory=set, repr=False)   # the liars' node ids seen (in-process engine)
 
     def __post_init__(self) -> None:
         if self.threat not in THREATS:
@@ -86,12 +92,15 @@ class Attack:
         pid = int(context.node_config.get("partition-id", -1))
         if pid not in self.clients:
             return call_next(msg, context)
+        self.nodes.add(int(context.node_id))
         if self.threat == "absent":
             return Message(Error(code=0, reason="absent: this client takes no part"), reply_to=msg)
         if self.threat in DATA_THREATS:   # its own (poisoned) data for every message, as a deployed node has
             context = dataclasses.replace(context, node_config={**context.node_config,
                                                                 "data-path": str(self._data_file(pid, context))})
         reply = call_next(msg, context)
+        if self.threat in QUERY_THREATS and not reply.has_error():
+            lie_in_answer(self.threat, msg.metadata.message_type, reply)
         if msg.metadata.message_type.split(".")[0] == MessageType.TRAIN and not reply.has_error() \
                 and self.threat not in DATA_THREATS:
             self.corrupt(msg, reply, pid)
@@ -164,3 +173,27 @@ class Attack:
             counts = list(metrics["class-counts"])
             metrics["class-counts"] = [sum(counts) * 100 if c == 0 else 0 for c in range(len(counts))]
             content["metrics"] = MetricRecord(metrics)
+
+
+def lie_in_answer(threat: str, message_type: str, reply: Message) -> None:
+    """Change an honest answer to a scoring or head-statistics query (in place) the way ``threat`` says."""
+    content = reply.content
+    if message_type == "query.score_candidates":
+        metrics = dict(content["metrics"])
+        k = sum(1 for key in metrics if key.startswith("accuracy-"))
+        accs = [float(metrics[f"accuracy-{i}"]) for i in range(k)]
+        worst = min(range(k), key=accs.__getitem__)
+        for i in range(k):
+            win = (i == worst) if threat == "lie-votes" else (i > 0)   # lie-head: the solved heads over the model
+            metrics[f"accuracy-{i}"], metrics[f"loss-{i}"] = (1.0, 0.0) if win else (0.0, 10.0)
+        metrics["num-examples"] = int(metrics["num-examples"]) * 100
+        content["metrics"] = MetricRecord(metrics)
+    elif message_type == "query.head_statistics" and threat == "lie-head":
+        stats = {}
+        for key, a in content["head-statistics"].items():
+            v = a.numpy().astype(np.float64) * 100.0
+            stats[key] = v[:, ::-1] if key.startswith("cross") else v   # the labels reversed
+        content["head-statistics"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in stats.items()})
+        metrics = dict(content["metrics"])
+        metrics["num-examples"] = int(metrics["num-examples"]) * 100
+        content["metrics"] = MetricRecord(metrics)

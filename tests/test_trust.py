@@ -333,8 +333,10 @@ def test_robust_keys_fail_before_any_client_trains():
         check_config({"strategy": "krum", "num-malicious-nodes": 3, "min-train-nodes": 4, "num-clients": 4})
     with pytest.raises(ConfigError, match="'num-malicious-nodes'"):
         check_config({"strategy": "fedavg", "num-malicious-nodes": 1})
-    with pytest.raises(ConfigError, match="'robust' applies to rounds"):
-        check_config({"strategy": "auto", "robust": True, "mode": "one-shot", "num-server-rounds": 1})
+    from fedfuse.config import config_notes
+    with config_notes() as notes:   # one-shot: the clients' answers only are screened, and the run says so
+        assert check_config({"strategy": "auto", "robust": True, "mode": "one-shot", "num-server-rounds": 1}).robust
+    assert any("screens their answers only" in n for n in notes)
     with pytest.raises(ConfigError, match="'trim-beta'"):
         check_config({"strategy": "fedavg", "trim-beta": 0.1})
     assert check_config({"strategy": "krum", "num-malicious-nodes": 1, "min-train-nodes": 4,
@@ -353,6 +355,13 @@ def test_robust_strategy_options_reach_flowers_strategy():
     assert trimmed.flower.beta == 0.3
     _, _, robust = setup(parse_run_config({**base, "strategy": "auto", "robust": True}))
     assert isinstance(robust.screen, ClientScreen) and robust.screen.norm_clip == 2.0
+    assert robust.robust_answers   # the vote and the head round too (fedfuse.flower.answer_screen)
+    # one-shot: no update screen (the clients start from their own models), the answers screened
+    _, _, one_shot = setup(parse_run_config({**base, "strategy": "auto", "robust": True, "mode": "one-shot",
+                                             "num-server-rounds": 1}))
+    assert one_shot.screen is None and one_shot.robust_answers
+    _, _, plain = setup(parse_run_config({**base, "strategy": "auto"}))
+    assert plain.screen is None and not plain.robust_answers
 
 
 # ------------------------------------------------------------------------------------------- a federation

@@ -21,7 +21,9 @@ Modules:
   ``auto-momentum``); from there the candidate aggregation the round's clients score best on their
   own data (a ``query.score_candidates`` message);
 - ``screen``: ``ClientScreen``, the robust setting's check of a round's replies (free riders, updates pointing
-  away from the round's median, update norms bounded; docs/trust.md);
+  away from the round's median, update norms bounded; docs/trust.md); ``answer_screen``: the clients' answers to
+  the server's queries (head statistics, candidate scores) checked, their claimed counts capped, and with the robust
+  setting screened (class means) and pooled one node, one vote;
 - ``replies``: the reply contract a ClientApp must follow, and its validation; ``client_replies``:
   ``make_train_reply`` / ``reply_to_train`` for your own ClientApp; ``client_tiers``: the ClientApp's side of
   tiers;

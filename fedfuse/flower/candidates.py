@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedfuse.flower.answer_screen import count_limit, paired_median
 from fedfuse.flower.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
+from fedfuse.flower.options import WEIGHT_CAP
 from fedfuse.privacy import gaussian_accuracy_noise
 
 ACTION = "score_candidates"
@@ -104,6 +106,7 @@ class Scores:
         accuracy / loss: sample-weighted mean per candidate (``None`` when no node answered validly).
         clients / examples: the nodes and samples that answered validly.
         rejected: ``(node id, reason)`` of every malformed answer.
+        capped: ``(node id, claimed, used)`` of every answer whose sample count was capped.
         error: why the query could not be sent (``None`` when it was).
     """
 
@@ -112,16 +115,23 @@ class Scores:
     clients: int = 0
     examples: int = 0
     rejected: list[tuple[int, str]] = field(default_factory=list)
+    capped: list[tuple[int, int, int]] = field(default_factory=list)
     error: str | None = None
 
 
 def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Tensor]],
                      timeout: float | None = None, tier: float | None = None, site: str | None = None,
-                     private: tuple[float, torch.Generator] | None = None) -> Scores:
+                     private: tuple[float, torch.Generator] | None = None, weight_cap: float = WEIGHT_CAP,
+                     robust: bool = False) -> Scores:
     """Send one scoring query for ``states`` to ``node_ids`` through ``grid`` and pool the valid answers (the
     sample-weighted accuracy and loss of each candidate on the nodes' own data); malformed answers are rejected with
     their reason, a grid that cannot send is reported in ``error``. Never raises for the nodes' sake. ``tier``:
     the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit).
+
+    A node's claimed sample count weighs at most ``weight_cap`` × the median of the answers' counts
+    (``fedfuse.flower.answer_screen.count_limit``; 0: no cap; ``capped`` lists who was). ``robust`` (the robust
+    setting): one node, one vote, every candidate after the first pooled as the first's accuracy plus the median of
+    the nodes' paired differences (``answer_screen.paired_median``), losses alike.
 
     ``private = (noise_multiplier, generator)`` (a DP run's head check): each node counts as one, its vector of
     accuracies (L2 norm at most √candidates) is summed with Gaussian noise of std ``noise_multiplier · √candidates``
@@ -134,7 +144,7 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     except Exception as exc:  # noqa: BLE001 - the caller goes on without scores, loudly
         return Scores(error=f"{type(exc).__name__}: {exc}")
     out = Scores()
-    accs, losses = [0.0] * len(states), [0.0] * len(states)
+    nodes, counts, accs, losses = [], [], [], []
     for reply in replies:
         try:
             n, a = read_score_reply(reply, len(states))
@@ -144,17 +154,27 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
         metrics = reply.content.metric_records["metrics"]
         if private is not None:   # each node weighs one, its accuracies clamped to [0, 1]
             n, a = 1, [min(max(float(v), 0.0), 1.0) for v in a]
-        out.clients, out.examples = out.clients + 1, out.examples + n
-        accs = [s + n * v for s, v in zip(accs, a)]
-        losses = [s + n * float(metrics.get(f"loss-{i}", float("nan"))) for i, s in enumerate(losses)]
-    if out.examples and private is not None:
+        nodes.append(int(reply.metadata.src_node_id))
+        counts.append(n)
+        accs.append(a)
+        losses.append([float(metrics.get(f"loss-{i}", float("nan"))) for i in range(len(states))])
+    if not counts:
+        return out
+    limit = None if private is not None else count_limit(counts, weight_cap)
+    if limit is not None and max(counts) > limit:
+        out.capped = [(node, n, max(1, int(limit))) for node, n in zip(nodes, counts) if n > limit]
+        counts = [min(n, max(1, int(limit))) for n in counts]
+    out.clients, out.examples = len(counts), sum(counts)
+    if private is not None:
         std = gaussian_accuracy_noise(private[0], len(states))
         noise = torch.randn(len(states), dtype=torch.float64, generator=private[1]) * std
-        out.accuracy = [(v + float(e)) / out.clients for v, e in zip(accs, noise)]
+        out.accuracy = [(sum(a[i] for a in accs) + float(e)) / out.clients for i, e in enumerate(noise)]
         out.loss = [float("nan")] * len(states)
-    elif out.examples:
-        out.accuracy = [v / out.examples for v in accs]
-        out.loss = [v / out.examples for v in losses]
+    elif robust:
+        out.accuracy, out.loss = paired_median(accs), paired_median(losses)
+    else:
+        out.accuracy = [sum(n * a[i] for n, a in zip(counts, accs)) / out.examples for i in range(len(states))]
+        out.loss = [sum(n * v[i] for n, v in zip(counts, losses)) / out.examples for i in range(len(states))]
     return out
 
 

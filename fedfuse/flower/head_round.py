@@ -55,8 +55,10 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
+from fedfuse.flower.answer_screen import CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics, class_mean_scores
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.flower.head_messages import MESSAGE_TYPE, head_query_content, read_head_reply, tier_site
+from fedfuse.flower.options import WEIGHT_CAP
 from fedfuse.flower.privacy import HeadPrivacy
 from fedfuse.flower.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
                                        secure_sum)
@@ -99,11 +101,15 @@ class HeadQueries:
             accuracies, both spent on the run's account; ``None``: the plain statistics.
         secure: the bounded statistics reach the server only as their sum (Flower's SecAgg+,
             ``fedfuse.flower.secure_sum``; ``secure-aggregation=true``).
+        weight_cap: a node's claimed sample count, in its statistics and in its scores, weighs at most this × the
+            median of the answers' counts (``fedfuse.flower.answer_screen``; 0: no cap).
+        robust: the robust setting (``robust=true``): statistics whose class means lie far from the other nodes'
+            are dropped, and the check's scores are pooled one node, one vote (``fedfuse.flower.answer_screen``).
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
                  solvers: tuple[str, ...] = HEAD_SOLVERS, privacy: HeadPrivacy | None = None,
-                 secure: bool = False) -> None:
+                 secure: bool = False, weight_cap: float = WEIGHT_CAP, robust: bool = False) -> None:
         if not ridge >= 0:
             raise ValueError(f"head round: ridge must be >= 0, got {ridge}")
         unknown = [x for x in solvers if x not in HEAD_SOLVERS]
@@ -114,6 +120,9 @@ class HeadQueries:
         if secure and privacy is None:
             raise ValueError("head round: secure aggregation sums bounded statistics: it needs privacy (the clip)")
         self.privacy, self.secure = privacy, bool(secure)
+        if not weight_cap >= 0:
+            raise ValueError(f"head round: weight_cap must be >= 0 (0 = no cap), got {weight_cap}")
+        self.weight_cap, self.robust = float(weight_cap), bool(robust)
 
     def _collect(self, grid, content: RecordDict, widths: dict[str, int], num_classes: int,
                  record: dict[str, Any]) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
@@ -122,6 +131,7 @@ class HeadQueries:
         msgs = [Message(content=content, dst_node_id=n, message_type=MESSAGE_TYPE) for n in nodes]
         record.update({"queried": len(nodes), "rejected": [], "fallback": None})
         stats: list[dict[str, HeadStatistics]] = []
+        senders: list[int] = []
         try:
             replies = list(grid.send_and_receive(msgs, timeout=self.timeout))
         except Exception as exc:  # noqa: BLE001 - a grid that cannot send: the model stays, loudly
@@ -130,12 +140,21 @@ class HeadQueries:
         for reply in replies:
             try:
                 got = read_head_reply(reply, widths, num_classes)
-                if self.privacy is not None:
-                    for s in got.values():
-                        check_bounded(s)
+                # bounded statistics are clipped means; plain ones obey the identities of honest sums
+                check = check_bounded if self.privacy is not None else check_statistics
+                for s in got.values():
+                    check(s)
                 stats.append(got)
+                senders.append(int(reply.metadata.src_node_id))
             except ValueError as exc:
                 record["rejected"].append({"node": int(reply.metadata.src_node_id), "reason": str(exc)})
+        if self.privacy is None:
+            stats = cap_statistics(stats, senders, self.weight_cap, record)
+            if self.robust:
+                stats = self._screened(stats, senders, record)
+        if record.get("capped"):
+            log(WARNING, "fedfuse head round: sample counts capped at %g x the median: %s", self.weight_cap,
+                "; ".join(f"node {c['node']} claims {c['claimed']}, weighed as {c['used']}" for c in record["capped"]))
         if record["rejected"]:
             log(WARNING, "fedfuse head round: replies rejected: %s",
                 "; ".join(f"node {r['node']}: {r['reason']}" for r in record["rejected"]))
@@ -150,6 +169,26 @@ class HeadQueries:
             stats = [{site: bounded_sum([s[site] for s in stats]) for site in stats[0]}]
             stats = self._noised(stats, record)
         return nodes, stats
+
+    @staticmethod
+    def _screened(stats: list[dict[str, HeadStatistics]], senders: list[int], record: dict[str, Any]
+                  ) -> list[dict[str, HeadStatistics]]:
+        """The robust setting: the nodes' statistics without those whose class means lie far from the others' at any
+        classifier (``answer_screen.class_mean_outliers``); each drop is in ``record["rejected"]`` with its score."""
+        far: dict[int, float] = {}
+        seen: dict[int, float | None] = {n: None for n in senders}
+        for site in stats[0] if stats else ():
+            for i, score in enumerate(class_mean_scores([s[site] for s in stats])):
+                if score is not None:
+                    seen[senders[i]] = max(score, seen[senders[i]] or 0.0)
+                    if score > CLASS_MEAN_THRESHOLD:
+                        far[i] = max(score, far.get(i, 0.0))
+        record["class-mean-scores"] = seen
+        for i, score in sorted(far.items()):
+            record["rejected"].append({"node": senders[i], "reason": (
+                f"robust screen: its class means lie {score:.1f} x the median distance from the nodes' median "
+                f"(threshold {CLASS_MEAN_THRESHOLD:g})")})
+        return [s for i, s in enumerate(stats) if i not in far]
 
     def _noised(self, summed: list[dict[str, HeadStatistics]], record: dict[str, Any]
                 ) -> list[dict[str, HeadStatistics]]:
@@ -226,7 +265,10 @@ class HeadQueries:
             p = self.privacy
             p.account.spend(p.noise_multiplier, len(nodes), "head check")
             private = (p.noise_multiplier, p.generator)
-        scores = score_candidates(grid, nodes, states, self.timeout, tier=tier, site=site or None, private=private)
+        scores = score_candidates(grid, nodes, states, self.timeout, tier=tier, site=site or None, private=private,
+                                  weight_cap=self.weight_cap, robust=self.robust)
+        if scores.capped:
+            record["check-capped"] = [{"node": n, "claimed": c, "used": u} for n, c, u in scores.capped]
         record["rejected"] = record.get("rejected", []) + [{"node": n, "reason": f"scoring: {why}"}
                                                            for n, why in scores.rejected]
         if scores.rejected or scores.error:
@@ -276,7 +318,7 @@ class HeadQueries:
         before, head = record["client-loss"]["before"], record["client-loss"]["head"]
         variants = [scale_head(copy.deepcopy(model), f, site) for f in CALIBRATION_FACTORS]
         scores = score_candidates(grid, nodes, [v.state_dict() for v in variants], self.timeout, tier=tier,
-                                  site=site or None)
+                                  site=site or None, weight_cap=self.weight_cap, robust=self.robust)
         losses = scores.loss if scores.accuracy is not None else None
         cal: dict[str, Any] = {"loss-at-1": head, "factor": 1.0}
         if losses is not None and all(math.isfinite(v) for v in losses):

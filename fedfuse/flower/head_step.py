@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fedfuse.flower.head_round import HeadRound
+from fedfuse.flower.options import WEIGHT_CAP
 from fedfuse.flower.privacy import HeadPrivacy
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.choices import HEAD_SOLVERS
@@ -89,7 +90,11 @@ class HeadRoundStep:
                  ) -> tuple[nn.Module, dict[str, Any]]:
         """``(the global model after the head round, the round's record)``; the strategy adopts every kept model."""
         o = self.options
-        head = HeadRound(o.ridge, timeout=o.timeout, solvers=o.solvers, privacy=self.privacy, secure=o.secure)
+        # the strategy's bounds reach the head round's answers too: its weight cap, and the robust setting
+        # (fedfuse.flower.answer_screen); Flower's own strategies have neither attribute: the defaults
+        head = HeadRound(o.ridge, timeout=o.timeout, solvers=o.solvers, privacy=self.privacy, secure=o.secure,
+                         weight_cap=getattr(strategy, "weight_cap", WEIGHT_CAP),
+                         robust=bool(getattr(strategy, "robust_answers", False)))
         plan = strategy.head_plan(model, final_round, one_shot)
         if plan.per_tier:
             models, record = head.run_tiers(grid, plan.models, num_classes, reference)

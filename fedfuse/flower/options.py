@@ -119,12 +119,15 @@ class RefineOptions:
 @dataclass(frozen=True)
 class ProtocolOptions:
     """The round protocol's options (``fedfuse.flower.protocol.RoundProtocol``) and Flower ``FedAvg``'s own, which
-    keep Flower's names and meanings."""
+    keep Flower's names and meanings. ``robust_answers``: screen the clients' answers to the server's queries
+    (``fedfuse.flower.answer_screen``) without a ``screen`` of their updates (one-shot runs); a ``screen`` implies
+    it."""
 
     fallback: str = "previous"
     min_valid_replies: int = 1
     weight_cap: float = WEIGHT_CAP
     screen: Any = None
+    robust_answers: bool = False
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_train_nodes: int = 2

@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.fusion.average import average_state_dicts
+from fedfuse.flower.answer_screen import count_limit
 from fedfuse.flower.client_replies import WEIGHT_KEY
 from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
 from fedfuse.flower.replies import ClientUpdate, _npy_view, state_to_record
@@ -93,6 +94,8 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         self.min_valid_replies = protocol.min_valid_replies
         self.weight_cap = protocol.weight_cap
         self.screen = protocol.screen
+        # the robust setting reaches the clients' answers to queries too (auto's vote, the head round)
+        self.robust_answers = bool(protocol.robust_answers) or protocol.screen is not None
         self._user_train_metrics_aggr_fn = protocol.train_metrics_aggr_fn
         self.model_fn = model_fn
         self.fusion_inputs = fusion_inputs
@@ -272,12 +275,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
                            device=resolve_device(self.device))
 
 
-def weight_limit(counts: list[float], cap: float) -> float | None:
-    """The largest sample count a reply may weigh with: ``cap`` × the median of ``counts`` (``None``: no cap, with
-    ``cap`` 0 or fewer than 3 counts, where a median cannot tell one liar from the others)."""
-    if cap <= 0 or len(counts) < 3:
-        return None
-    return cap * float(np.median(np.asarray(counts, dtype=float)))
+weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.answer_screen)
 
 
 def cap_update(u: ClientUpdate, limit: float, cap: float, record: dict[str, Any]) -> ClientUpdate:

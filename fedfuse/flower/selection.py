@@ -189,10 +189,15 @@ class SelectionStrategy(FusionStrategy):
         """``(sample-weighted accuracy per candidate or None, clients that answered)``."""
         if self._grid is None:
             return None, 0
-        scores = score_candidates(self._grid, [u.node_id for u in updates], states, self.query_timeout)
+        # the vote is bounded as the replies are: the weight cap, and one node one vote with the robust screen
+        scores = score_candidates(self._grid, [u.node_id for u in updates], states, self.query_timeout,
+                                  weight_cap=self.weight_cap, robust=self.robust_answers)
         if scores.error:   # a grid that cannot send the query: the round goes on, loudly
             log(WARNING, "auto: round %d: the scoring query failed: %s", server_round, scores.error)
             return None, 0
+        if scores.capped:
+            log(WARNING, "auto: round %d: scoring: sample counts capped at %g x the median: %s", server_round,
+                self.weight_cap, "; ".join(f"node {n} claims {c}, weighed as {u}" for n, c, u in scores.capped))
         if scores.rejected:
             log(WARNING, "auto: round %d: scoring replies rejected: %s", server_round,
                 "; ".join(f"node {n}: {why}" for n, why in scores.rejected))

@@ -143,11 +143,13 @@ def setup(cfg: RunConfig):
                                                  proximal_mu=cfg.proximal_mu, trim_beta=cfg.trim_beta,
                                                  num_malicious_nodes=cfg.num_malicious_nodes,
                                                  num_nodes_to_select=cfg.num_nodes_to_select),
-                              # the robust setting (multi-round: the config check refuses it in one-shot mode)
+                              # the robust setting: the update screen where the clients train from the global model,
+                              # and in one-shot runs the clients' answers to the queries only (a ConfigNote says so)
                               **({"screen": ClientScreen(cluster=cfg.robust_cluster,
                                                           min_samples=cfg.robust_cluster_min_samples,
                                                           cosine_mads=cfg.robust_cosine_mads)}
-                                 if cfg.robust else {}))
+                                 if cfg.robust and cfg.mode != "one-shot" else {}),
+                              **({"robust_answers": True} if cfg.robust and cfg.mode == "one-shot" else {}))
     return data, model_fn, strategy
 
 

@@ -30,6 +30,19 @@ the liars and nothing else would reach, for the goal "3 of 10 liars at most 5 po
     .venv/bin/python -m simulations.bench.trust --threats absent --liars 1,3 --strategies "fedavg,auto[robust=true]" \
         --jobs 1 --out results/trust-oracle
 
+The clients' answers to the server's queries (``--head-round``: every run ends with the head round; the query
+threats ``lie-head``, statistics of reversed labels claiming 100 × the samples and votes for the solved head, and
+``lie-votes``, votes for the worst candidate; ``fedfuse.flower.answer_screen``), multi-round, at 10 local epochs
+(``auto``'s vote), and one-shot:
+
+    .venv/bin/python -m simulations.bench.trust --head-round --threats clean,lie-head,lie-votes,label-flip,random,sign-flip \
+        --liars 3 --strategies "fedavg,auto[robust=true]" --jobs 1 --out results/trust-answers
+    .venv/bin/python -m simulations.bench.trust --head-round --local-epochs 10 --lr 0.05 --rounds 5 \
+        --threats clean,lie-votes --liars 3 --strategies "auto,auto[robust=true]" --jobs 1 --out results/trust-vote
+    .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 --head-round \
+        --threats clean,lie-votes,lie-head --liars 3 --strategies "auto,auto[robust=true]" --jobs 1 \
+        --out results/trust-answers-one-shot
+
 Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
 (clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
 
@@ -57,6 +70,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from fedfuse.flower.answer_screen import CLASS_MEAN_THRESHOLD  # noqa: E402
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, anchor_recipe, run_or_read  # noqa: E402
@@ -91,9 +105,9 @@ def _run(job: dict) -> dict:
     from simulations.attacks import BACKDOOR_CLASS, Attack, stamp
 
     cfg = job["config"]
-    mods = [] if job["threat"] == "clean" else \
-        [Attack(job["threat"], frozenset(job["liars"]), workdir=Path(cfg["output-dir"]) / "poisoned",
-                seed=job["seed"]).mod]
+    attack = None if job["threat"] == "clean" else \
+        Attack(job["threat"], frozenset(job["liars"]), workdir=Path(cfg["output-dir"]) / "poisoned", seed=job["seed"])
+    mods = [] if attack is None else [attack.mod]
     # an attack that kills the model fails the run (by design): its accuracy is the result
     out, res, failed = run_or_read(cfg, client_app=make_client_app(mods=mods))
     row = {k: job[k] for k in ("label", "threat", "f", "seed", "liars")}
@@ -102,6 +116,15 @@ def _run(job: dict) -> dict:
     row["failed"] = failed
     row["final"] = res["rounds"][-1]["test-accuracy"]
     row["curve"] = [r["test-accuracy"] for r in res["rounds"]]
+    head = next((h["fusion-info"]["head-round"] for h in res.get("strategy-history", [])
+                 if h.get("post-step") == "head-round"), None)
+    if head is not None:   # the last training round's model vs the head round's, and what the head round dropped
+        row["before-head"] = row["curve"][-2] if len(row["curve"]) > 1 else None
+        row["head"] = {"kept": head.get("kept"), "valid": head.get("valid"), "capped": len(head.get("capped", [])),
+                       "rejected": [r["reason"][:60] for r in head.get("rejected", [])],
+                       "class-mean-scores": head.get("class-mean-scores"),
+                       "liar-nodes": sorted(attack.nodes) if attack is not None else [],
+                       "client-accuracy": head.get("client-accuracy")}
     hist = res.get("strategy-history", [])
     honest_dropped = liars_dropped = 0
     screened_rounds = 0
@@ -161,6 +184,8 @@ def jobs_for(args) -> list[dict]:
     # the cell's run-config beyond the anchor recipe (the 10-client multi-round cell's run names carry none of it)
     cell = {"mode": "one-shot", "num-server-rounds": 1, "one-shot-references": "none"} if one_shot else {}
     cell.update({k: v for k, v in (("local-epochs", args.local_epochs), ("lr", args.lr)) if v is not None})
+    if args.head_round:   # the head round's statistics and check under the query threats (lie-head, lie-votes)
+        cell["head-round"] = True
     suffix = "".join(f"-{k}={v}" for k, v in cell.items() if k not in ("num-server-rounds", "one-shot-references"))
     jobs, seen = [], set()
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -187,7 +212,7 @@ def jobs_for(args) -> list[dict]:
                     seen.add(run_name)
                     per_round = args.per_round or args.clients
                     cfg = {**anchor_recipe(split, public, "mnist1d", seed, args.rounds, args.clients, per_round),
-                           **cell, "strategy": name, **opts, "head-round": False, "output-dir": str(out / "runs"),
+                           "head-round": False, **cell, "strategy": name, **opts, "output-dir": str(out / "runs"),
                            "run-name": run_name}
                     if threat == "absent":   # the oracle: the honest replies are the round (fedfuse's quorum is
                         cfg["min-train-nodes"] = per_round - len(bad)   # min-train-nodes)
@@ -250,6 +275,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| `{lab}` | {threat} | {f} | {n} | {100 * sum(r['honest-dropped'] for r in got) / n:.1f} % | "
                          + ("—" if threat == "clean" else f"{100 * sum(r['liars-dropped'] for r in got) / n:.1f} %")
                          + " |" + client_rate)
+    lines += head_table(rows)
     seen = [r for r in screened if r.get("screen-seen")]
     if seen:
         lines += ["", "## What the screen saw (every round, before it decided)", "",
@@ -267,6 +293,49 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {threat} | {f} | {span('cos-honest')} | {span('cos-liar')} | {span('norm-honest')} | "
                          f"{span('norm-liar')} |")
     return "\n".join(lines) + "\n"
+
+
+def head_table(rows: list[dict]) -> list[str]:
+    """``--head-round``: the model before the head round and after it, how often the solved head was kept, and which
+    statistics the head round dropped (liars' / honest nodes', by the liars' node ids the attack saw)."""
+    headed = [r for r in rows if r.get("head")]
+    if not headed:
+        return []
+    lines = ["", "## The head round", "",
+             "Test accuracy before the head round (the last training round's model) and after it, mean ± sample std "
+             "over seeds; the solved head kept in k of n runs; head statistics dropped (the robust setting's class-"
+             "mean screen) of the liars and of the honest nodes, over the runs; class-mean scores (the screen drops "
+             "above its threshold) of the honest nodes and of the liars.", "",
+             "| strategy | threat | liars | before | after | head kept | liars' statistics dropped | honest dropped | "
+             "honest scores | liars' scores |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (lab, threat, f) in dict.fromkeys((r["label"], r["threat"], r["f"] if r["threat"] != "clean" else 0)
+                                          for r in headed):
+        got = [r for r in headed if (r["label"], r["threat"]) == (lab, threat) and (r["f"] == f or threat == "clean")]
+        liar_drops = honest_drops = liar_total = honest_total = 0
+        scores: dict[str, list[float]] = {"honest": [], "liar": []}
+        for r in got:
+            h = r["head"]
+            liars_seen = {str(n) for n in h.get("liar-nodes", [])}
+            nodes = set(h.get("class-mean-scores") or {})
+            dropped = {n for n, v in (h.get("class-mean-scores") or {}).items()   # the screen's rule
+                       if v is not None and v > CLASS_MEAN_THRESHOLD}
+            liar_total += len(liars_seen & nodes) if nodes else 0
+            honest_total += len(nodes - liars_seen)
+            liar_drops += len(dropped & liars_seen)
+            honest_drops += len(dropped - liars_seen)
+            for node, v in (h.get("class-mean-scores") or {}).items():
+                if v is not None:
+                    scores["liar" if node in liars_seen else "honest"].append(v)
+
+        def span(vals: list[float]) -> str:
+            return f"{min(vals):.2f} – {max(vals):.2f}" if vals else "—"
+        kept = sum(1 for r in got if r["head"]["kept"] == "head")
+        lines.append(f"| `{lab}` | {threat} | {f} | {format_mean_std([r['before-head'] for r in got], digits=3)} | "
+                     f"{format_mean_std([r['final'] for r in got], digits=3)} | {kept} of {len(got)} | "
+                     + (f"{liar_drops} of {liar_total}" if liar_total else "—") + " | "
+                     + (f"{honest_drops} of {honest_total}" if honest_total else "—")
+                     + f" | {span(scores['honest'])} | {span(scores['liar'])} |")
+    return lines
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -309,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-epochs", type=int, help="local epochs (default: the anchor recipe's 1)")
     ap.add_argument("--lr", type=float, help="client lr (default: the anchor recipe's 0.2)")
     ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--head-round", action="store_true", help="end every run with the head round (its statistics and "
+                    "check face the query threats lie-head / lie-votes; the default is head-round=false)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--anchors", default=str(ANCHORS))
