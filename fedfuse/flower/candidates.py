@@ -103,7 +103,8 @@ class Scores:
     """The nodes' answers to one scoring query, pooled.
 
     Attributes:
-        accuracy / loss: sample-weighted mean per candidate (``None`` when no node answered validly).
+        accuracy / loss: sample-weighted mean per candidate, or with ``robust`` the one-node-one-vote pooling
+            (``None`` when no node answered validly).
         clients / examples: the nodes and samples that answered validly.
         rejected: ``(node id, reason)`` of every malformed answer.
         capped: ``(node id, claimed, used)`` of every answer whose sample count was capped.
