@@ -92,6 +92,7 @@ def build_apps(split: str, rounds: int, epochs: int, lr: float, strategy_name: s
             with torch.no_grad():
                 acc = float((model(tx).argmax(1) == ty).float().mean())
             log.append({"round": server_round, "test-accuracy": acc, "time": time.time()})
+            print(json.dumps({"progress": log[-1]}), flush=True)   # a run cut short still leaves its curve
             return MetricRecord({"accuracy": acc})
 
         common = dict(fraction_train=per_round / clients, fraction_evaluate=0.0, min_train_nodes=per_round,

@@ -10,7 +10,7 @@ from unittest.mock import Mock
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 
 from fedfuse.flower.answer_screen import (CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics,
                                           class_mean_outliers, class_mean_scores, count_limit, paired_median)
