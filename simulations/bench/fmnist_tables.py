@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -88,8 +89,9 @@ def partial_row(run: Path) -> dict:
 
 
 def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> str:
-    lines = ["| split | row | recipe | best over rounds | final | + head round (final model) | published (NIID-Bench, 50 × 10) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| split | row | recipe | best over rounds | final | + head round (final model) | "
+             "aggregation s ÷ one local epoch | published (NIID-Bench, 50 × 10) |",
+             "|---|---|---|---|---|---|---|---|"]
     groups = defaultdict(list)
     for r in rows:
         groups[(r["part"], r["strategy"], r["rounds"], r["epochs"], "fedfuse")].append(r)
@@ -114,8 +116,11 @@ def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> s
     for (part, strat, rounds, epochs, who), rs in sorted(groups.items()):
         heads = [r["with-head"] for r in rs if r.get("with-head") is not None]
         label = f"{who} {strat}"
+        costs = [c for r in rs if r.get("run") and (Path(r["run"]) / "results.json").exists()
+                 for c in [aggregation_cost(Path(r["run"]) / "results.json", r["rounds"], epochs)[0]] if c is not None]
         lines.append(f"| {part} | {label} | {rounds} rounds × {epochs} epochs | {_fmt([r['best'] for r in rs])} | "
                      f"{_fmt([r['final'] for r in rs])} | {_fmt(heads) if heads else '—'} | "
+                     f"{f'{statistics.median(costs):.3g} (median of {len(costs)})' if costs else ''} | "
                      f"{M1_PUBLISHED.get((strat, part), '') if (rounds, epochs) == (50, 10) else ''} |")
     return "\n".join(lines)
 
@@ -128,14 +133,22 @@ def m2_stats(row: dict) -> dict:
            "with-head": row.get("with-head"), "curve": row["curve"]}
     res = Path(row["run"]) / "results.json"
     if res.exists():
-        rounds = json.loads(res.read_text())["rounds"][1:row["rounds"] + 1]
-        epoch = [r["client-train-seconds-mean"] for r in rounds if r.get("client-train-seconds-mean")]
-        agg = [r["fusion-seconds"] for r in rounds if r.get("fusion-seconds") is not None]
-        out["aggregation-per-epoch"] = (sum(agg) / len(agg)) / (sum(epoch) / len(epoch)) if agg and epoch else None
-        head = json.loads(res.read_text())["rounds"][-1]
-        out["head-seconds"] = head.get("fusion-seconds")
-        out["epoch-seconds"] = sum(epoch) / len(epoch) if epoch else None
+        out["aggregation-per-epoch"], out["epoch-seconds"] = aggregation_cost(res, row["rounds"], 1)
+        out["head-seconds"] = json.loads(res.read_text())["rounds"][-1].get("fusion-seconds")
     return out
+
+
+def aggregation_cost(res: Path, rounds: int, epochs: int) -> tuple[float | None, float | None]:
+    """``(the aggregation's seconds a round ÷ one client's local epoch, one local epoch's seconds)`` over the first
+    ``rounds`` training rounds of a run's ``results.json`` (its clients train ``epochs`` local epochs a round; the
+    two timed in the same run)."""
+    rows = json.loads(res.read_text())["rounds"][1:rounds + 1]
+    epoch = [r["client-train-seconds-mean"] / epochs for r in rows if r.get("client-train-seconds-mean")]
+    agg = [r["fusion-seconds"] for r in rows if r.get("fusion-seconds") is not None]
+    if not (agg and epoch):
+        return None, None
+    one = sum(epoch) / len(epoch)
+    return (sum(agg) / len(agg)) / one, one
 
 
 def m2_table(rows: list[dict]) -> str:
