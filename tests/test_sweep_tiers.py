@@ -14,6 +14,11 @@ def test_sweep_only_keys_are_popped_and_checked():
         sweep_keys({"sweep-partitions": "0,0"})
     with pytest.raises(ConfigError, match="sweep-as-tier"):
         sweep_keys({"sweep-as-tier": 2})
+    # a width x depth tier, named as the depth-tier runs name theirs
+    _, extra = parse_strategy("fedavg[model-width=8 model-depth=2 sweep-as-tier='0.5x0.5']")
+    assert sweep_keys(extra) == (None, "0.5x0.5")
+    with pytest.raises(ConfigError, match="sweep-as-tier"):
+        sweep_keys({"sweep-as-tier": "0.5x2"})
 
 
 def _row(strategy, seed, acc, tiers=None, secs=(1.0, 1.0), as_tier=None, nbytes=None):

@@ -43,7 +43,7 @@ BASE = ("dataset='fashion-mnist' num-clients=10 num-server-rounds={rounds} local
         "lr={lr} batch-size=32 val-fraction=0.0 fusion-set-size=500 head-round=true")
 # cell -> (Dirichlet α, model config, tiers, rows)
 WIDTH_ROWS = ("average,heterofl,fedrolex,feddf,fedavg[model-width=4 client-tiers='' sweep-as-tier=0.25]")
-DEPTH_ROWS = ("average,depthfl,fedavg[model-width=8 model-depth=1 client-tiers='' sweep-as-tier=0.5x0.5]")
+DEPTH_ROWS = ("average,depthfl,fedavg[model-width=8 model-depth=1 client-tiers='' sweep-as-tier='0.5x0.5']")
 CELLS = {
     "w-a0.5": (0.5, "model='cnn' model-width=16 model-depth=2", "1,0.5,0.25", WIDTH_ROWS),
     "w-a0.1": (0.1, "model='cnn' model-width=16 model-depth=2", "1,0.5,0.25", WIDTH_ROWS),
@@ -51,6 +51,12 @@ CELLS = {
     # depth 3: at 28×28 the depth-2 cnn pools a 7×7 map globally and barely trains in this recipe (FedAvg at full
     # width, seed 0, Adam 1e-3: 0.240 before the head round after 5 rounds; depth 3: 0.479; depth 3 at lr 3e-3: 0.645)
     "w3-a0.5": (0.5, "model='cnn' model-width=16 model-depth=3", "1,0.5,0.25", WIDTH_ROWS),
+    # the depth-3 cnn across width x depth tiers (the 0.5x0.5 tier: width 8, ceil(0.5 x 3) = 2 blocks) and across
+    # depths alone (1x0.5: 2 of the 3 blocks), against DepthFL (and InclusiveFL, which takes one width)
+    "wd3-a0.5": (0.5, "model='cnn' model-width=16 model-depth=3", "1x1,1x0.5,0.5x0.5",
+                 "average,depthfl,fedavg[model-width=8 model-depth=2 client-tiers='' sweep-as-tier='0.5x0.5']"),
+    "d3-a0.5": (0.5, "model='cnn' model-width=16 model-depth=3", "1x1,1x0.5",
+                "average,depthfl,inclusivefl,fedavg[model-depth=2 client-tiers='' sweep-as-tier='1x0.5']"),
 }
 
 

@@ -30,7 +30,8 @@ median over rounds) with its ratio to ``--timing-reference``'s (``heterofl``) of
 sweep-only keys may sit in a strategy's brackets: ``sweep-partitions='0,3,6,9'`` runs a federation of only
 those partition ids of ``num-clients`` (same splits; ``--engine inprocess`` only; e.g. "only the full-width
 clients" FedAvg) and ``sweep-as-tier=0.25`` puts a run without tiers into that tier's column of ``tiers.md``
-(e.g. "everyone at the smallest tier": ``fedavg[model-width=64 sweep-as-tier=0.25]``).
+(e.g. "everyone at the smallest tier": ``fedavg[model-width=64 sweep-as-tier=0.25]``; a width × depth tier is
+quoted: ``sweep-as-tier='0.5x0.5'``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from fedfuse.flower.runner.paths import default_results_dir
 from fedfuse.flower.runner.progress import progress, progress_print
 from fedfuse.flower.runner.run import run_failure
 from fedfuse.flower.runner.stats import format_mean_std
-from fedfuse.hetero import parse_tier_value, tier_name
+from fedfuse.hetero import tier_name
+from fedfuse.hetero.tiers import parse_tier_pair
 
 
 def mean_std(vals: list[float]) -> str:
@@ -155,7 +157,9 @@ def sweep_keys(extra: dict) -> tuple[list[int] | None, str | None]:
             raise ConfigError(f"sweep-partitions: {hosted!r}: give distinct partition ids")
     if as_tier is not None:
         try:
-            as_tier = tier_name(parse_tier_value(as_tier, key="sweep-as-tier"))
+            # a width tier ('0.25') or a width x depth tier ('0.5x0.5', named as the depth-tier runs name it)
+            w, d = parse_tier_pair(as_tier, key="sweep-as-tier")
+            as_tier = tier_name(w) if "x" not in str(as_tier) else f"{tier_name(w)}x{tier_name(d)}"
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return hosted, as_tier
