@@ -43,3 +43,20 @@ def test_tier_table_columns_and_ratio():
     assert "0.305 ± 0.007" in lines["heterofl"] and "1.0×" in lines["heterofl"]
     assert "2.6×" in lines["kf-linear"]          # median (3.0 + 3.5) / 2 = 3.25 vs 1.25
     assert "| — | 0.200 ± 0.000 |" in lines["fedavg"] and "— / 2.000" in lines["fedavg"]
+
+
+def test_depth_tier_names_order_and_time_the_largest_tier(tmp_path):
+    """Width x depth tier labels ('1x1', '1x0.5', '0.5x0.5') sort as tiers and the deepest, widest one is the
+    yardstick of a round's epoch (a sweep over depth tiers used to fail reading '1x1' as a number)."""
+    from fedfuse.flower.runner.sweep import tier_fields
+
+    results = {"config": {"local-epochs": 2}, "rounds": [
+        {"round": 0}, {"round": 1, "tier-accuracy": {"1x1": 0.6, "1x0.5": 0.4, "0.5x0.5": 0.3},
+                       "tier-train-seconds": {"0.5x0.5": 1.0, "1x1": 4.0, "1x0.5": 2.0}, "fusion-seconds": 0.1}]}
+    out = tier_fields(results, tmp_path)
+    assert out["largest-tier-epoch-seconds"] == [2.0] and out["final-tier-accuracy"]["1x1"] == 0.6
+    rows = [_row("average", s, 0.6, {"1x1": 0.6, "1x0.5": 0.4, "0.5x0.5": 0.3 + s / 100}) for s in (0, 1)]
+    rows += [_row("fedavg", s, 0.35, as_tier="0.5x0.5", nbytes=1e6) for s in (0, 1)]
+    header = next(ln for ln in tier_table(rows, ["average", "fedavg"], "dirichlet").splitlines()
+                  if ln.startswith("| strategy"))
+    assert header.index("tier 1x1") < header.index("tier 1x0.5") < header.index("tier 0.5x0.5")

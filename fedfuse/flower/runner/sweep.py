@@ -50,7 +50,7 @@ from fedfuse.flower.runner.progress import progress, progress_print
 from fedfuse.flower.runner.run import run_failure
 from fedfuse.flower.runner.stats import format_mean_std
 from fedfuse.hetero import tier_name
-from fedfuse.hetero.tiers import parse_tier_pair
+from fedfuse.hetero.tiers import parse_tier_pair, tier_sort_key
 
 
 def mean_std(vals: list[float]) -> str:
@@ -261,8 +261,10 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
     return 0
 
 
-def _tier_key(name: str) -> float:
-    return float(name) if name != "all" else 2.0
+def _tier_key(name: str) -> tuple[float, float]:
+    """``(width, depth)`` of a tier label (``"0.5"``, ``"1x0.5"``) to sort tiers, widest and deepest last; ``"all"``
+    (a run without tiers) after every tier."""
+    return (2.0, 2.0) if name == "all" else tier_sort_key(name)
 
 
 def aggregation_seconds(row: dict) -> list[float]:
