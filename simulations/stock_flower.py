@@ -10,6 +10,8 @@ on the folder's ``test.npz`` each round (``evaluate_fn``); the global model star
 
     .venv/bin/python -m simulations.stock_flower --split results/cache/fmnist-splits/fmnist-dir0.5-n10-s0 \\
         --strategy fedavg --rounds 50 --epochs 10 --seed 0 --out results/fmnist-stock/dir0.5-s0-fedavg.json
+    # a run stopped early (its stdout kept): its curve so far, as the JSON a finished run writes
+    .venv/bin/python -m simulations.stock_flower --split ... --rounds 50 --epochs 10 --seed 0 --out ... --from-log run.log
     # M2, Flower's fedavgm baseline recipe: 100 clients, 5 a round, plain SGD lr 0.01, 1 local epoch
     .venv/bin/python -m simulations.stock_flower --split results/cache/fmnist-splits/fmnist-lda0.1-n100-s0 \
         --clients 100 --per-round 5 --momentum 0 --weight-decay 0 --strategy fedavgm --rounds 1000 --epochs 1 ...
@@ -107,6 +109,23 @@ def build_apps(split: str, rounds: int, epochs: int, lr: float, strategy_name: s
     return server_app, client_app
 
 
+def from_log(a) -> None:
+    """``--from-log LOG``: the result of a run stopped before its last round, from the progress lines it printed
+    (``rounds`` = the rounds done, ``planned`` = ``--rounds``)."""
+    curve = [json.loads(line)["progress"]["test-accuracy"] for line in Path(a.from_log).read_text().splitlines()
+             if line.startswith('{"progress"')]
+    if len(curve) < 2:
+        raise SystemExit(f"{a.from_log}: no finished round")
+    out = {"split": a.split, "strategy": a.strategy, "rounds": len(curve) - 1, "planned": a.rounds, "epochs": a.epochs,
+           "lr": a.lr, "clients": a.clients, "per-round": a.per_round or a.clients, "momentum": a.momentum,
+           "weight-decay": a.weight_decay, "seed": a.seed, "curve": curve, "best": max(curve[1:]),
+           "final": curve[-1], "engine": "flwr.simulation.run_simulation (Ray)",
+           "stopped": f"after {len(curve) - 1} of {a.rounds} rounds"}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out))
+    print(json.dumps({k: out[k] for k in ("strategy", "seed", "rounds", "best", "final")}))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", required=True)
@@ -124,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpus", type=int, default=1, help="Ray CPUs (one client trains per CPU)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--from-log", help="a stopped run's stdout: write its result so far (rounds done) and exit")
     a = ap.parse_args(argv)
+    if a.from_log:
+        return from_log(a)
     from flwr.simulation import run_simulation
 
     log: list = []

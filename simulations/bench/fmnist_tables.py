@@ -97,7 +97,9 @@ def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> s
         groups[(r["part"], r["strategy"], r["rounds"], r["epochs"], "fedfuse")].append(r)
     for r in stock:
         part = Path(r["split"]).name.split("-")[1]
-        groups[(part, r["strategy"], r["rounds"], r["epochs"], "stock Flower")].append(r)
+        stopped = r.get("planned", r["rounds"]) > r["rounds"]   # a run stopped early: its progress lines so far
+        who = f"stock Flower (unfinished: {r['rounds']} of {r['planned']} rounds)" if stopped else "stock Flower"
+        groups[(part, r["strategy"], r["rounds"], r["epochs"], who)].append(r)
         # like for like with a shorter stock run: fedfuse's same-recipe run cut at the stock run's round count
         for f in rows:
             if (f["part"], f["strategy"], f["epochs"], f["seed"]) == (part, r["strategy"], r["epochs"], r["seed"]) \
