@@ -42,6 +42,8 @@ threats ``lie-head``, statistics of reversed labels claiming 100 × the samples 
     .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 --head-round \
         --threats clean,lie-votes,lie-head --liars 3 --strategies "auto,auto[robust=true]" --jobs 1 \
         --out results/trust-answers-one-shot
+    .venv/bin/python -m simulations.bench.trust --mode one-shot --local-epochs 20 --lr 0.05 --threats clean,lie-votes \
+        --liars 3 --strategies "auto,auto[robust=true]" --jobs 1 --out results/trust-vote-one-shot
 
 Other cells: 20 clients (splits made with the anchors' recipe by ``simulations.bench.anchor_splits``) and one-shot
 (clients train from independent initialisations, one round, the server aggregates once; ``robust`` does not apply):
