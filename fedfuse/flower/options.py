@@ -127,7 +127,6 @@ class ProtocolOptions:
     min_valid_replies: int = 1
     weight_cap: float = WEIGHT_CAP
     screen: Any = None
-    robust_answers: bool = False
     fraction_train: float = 1.0
     fraction_evaluate: float = 0.0
     min_train_nodes: int = 2
@@ -138,6 +137,7 @@ class ProtocolOptions:
     configrecord_key: str = "config"
     train_metrics_aggr_fn: Callable | None = None
     evaluate_metrics_aggr_fn: Callable | None = None
+    robust_answers: bool = False   # last: the fields before it keep their positions
 
     FLAT: ClassVar[dict[str, str]] = {}   # every field by its own name (filled below)
 
