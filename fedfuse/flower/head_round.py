@@ -175,15 +175,13 @@ class HeadQueries:
                   ) -> list[dict[str, HeadStatistics]]:
         """The robust setting: the nodes' statistics without those whose class means lie far from the others' at any
         classifier (``answer_screen.class_mean_outliers``); each drop is in ``record["rejected"]`` with its score."""
-        far: dict[int, float] = {}
-        seen: dict[int, float | None] = {n: None for n in senders}
+        best: list[float | None] = [None] * len(stats)   # each node's highest score over the classifiers
         for site in stats[0] if stats else ():
             for i, score in enumerate(class_mean_scores([s[site] for s in stats])):
                 if score is not None:
-                    seen[senders[i]] = max(score, seen[senders[i]] or 0.0)
-                    if score > CLASS_MEAN_THRESHOLD:
-                        far[i] = max(score, far.get(i, 0.0))
-        record["class-mean-scores"] = seen
+                    best[i] = max(score, best[i] or 0.0)
+        record["class-mean-scores"] = dict(zip(senders, best))
+        far = {i: v for i, v in enumerate(best) if v is not None and v > CLASS_MEAN_THRESHOLD}
         for i, score in sorted(far.items()):
             record["rejected"].append({"node": senders[i], "reason": (
                 f"robust screen: its class means lie {score:.1f} x the median distance from the nodes' median "

@@ -149,7 +149,7 @@ def setup(cfg: RunConfig):
                                                           min_samples=cfg.robust_cluster_min_samples,
                                                           cosine_mads=cfg.robust_cosine_mads)}
                                  if cfg.robust and cfg.mode != "one-shot" else {}),
-                              **({"robust_answers": True} if cfg.robust and cfg.mode == "one-shot" else {}))
+                              **({"robust_answers": True} if cfg.robust else {}))
     return data, model_fn, strategy
 
 

@@ -318,16 +318,14 @@ def head_table(rows: list[dict]) -> list[str]:
         for r in got:
             h = r["head"]
             liars_seen = {str(n) for n in h.get("liar-nodes", [])}
-            nodes = set(h.get("class-mean-scores") or {})
-            dropped = {n for n, v in (h.get("class-mean-scores") or {}).items()   # the screen's rule
-                       if v is not None and v > CLASS_MEAN_THRESHOLD}
-            liar_total += len(liars_seen & nodes) if nodes else 0
-            honest_total += len(nodes - liars_seen)
+            seen = {n: v for n, v in (h.get("class-mean-scores") or {}).items() if v is not None}
+            dropped = {n for n, v in seen.items() if v > CLASS_MEAN_THRESHOLD}   # the screen's rule
+            liar_total += len(liars_seen & set(seen))
+            honest_total += len(set(seen) - liars_seen)
             liar_drops += len(dropped & liars_seen)
             honest_drops += len(dropped - liars_seen)
-            for node, v in (h.get("class-mean-scores") or {}).items():
-                if v is not None:
-                    scores["liar" if node in liars_seen else "honest"].append(v)
+            for node, v in seen.items():
+                scores["liar" if node in liars_seen else "honest"].append(v)
 
         def span(vals: list[float]) -> str:
             return f"{min(vals):.2f} – {max(vals):.2f}" if vals else "—"
