@@ -551,13 +551,16 @@ def test_two_round_width_x_depth_run_inprocess(tmp_path, strategy):
     b = last["tier-bytes-sent"]   # the narrow shallow node receives the slice of the shallow tier's arrays
     assert b["1x1"] / 2 > b["1x0.5"] > b["0.5x0.5"] > 0   # partitions 0 and 3 are full
     assert last["test-accuracy"] > 0.15   # chance 0.1
-    # the head round checks each classifier; the exit the narrow tier reads is checked at its width too, unless the
-    # full width already kept its trained weights
+    # the head round checks each classifier of the full width, and the narrow width's own exit (the one its tier
+    # uses) solved on its own features and checked at its width; the narrow tier's result is its own model's
     head = next(h for h in res["strategy-history"] if h.get("post-step") == "head-round")["fusion-info"]["head-round"]
-    exit2 = head["sites"]["2"]
-    assert set(head["sites"]) == {"final", "2"} and "widths" not in head["sites"]["final"]
-    assert set(exit2.get("widths", {})) == ({"0.5"} if exit2["client-accuracy"]["head"]
-                                            >= exit2["client-accuracy"]["before"] else set())
+    assert set(head["sites"]) == {"final", "2"} and set(head["tiers"]) == {"1", "0.5"}
+    narrow = head["tiers"]["0.5"]["sites"]
+    assert set(narrow) == {"2"} and set(narrow["2"]["client-accuracy"]) == {"before", "head"}
+    assert narrow["2"]["kept"] == ("head" if narrow["2"]["client-accuracy"]["head"]
+                                   >= narrow["2"]["client-accuracy"]["before"] else "before")
+    final = res["rounds"][-1]
+    assert set(final["tier-accuracy"]) == labels and final["tier-accuracy"]["0.5x0.5"] > 0.15
 
 
 @pytest.mark.parametrize("tiers,fusion", [("1x1,1x0.75,1x0.5,1x0.25", "ot"), (WXD, "feddf")])

@@ -614,13 +614,16 @@ def test_check_each_keeps_every_solved_exit_the_clients_do_not_score_lower(ident
     assert torch.allclose(SiteView(out, "2")(x[:5]), sites["2"].logits(x[:5]))
 
 
-def test_check_each_scores_a_shared_exit_at_every_narrower_width_that_reads_it(identity):
-    """Width × depth tiers: a narrower tier reads the top-left slice of every classifier it holds, so a solved
-    classifier is kept only if the clients score it no lower at the full width and at each narrower width reading it
-    (scoring queries naming the width and the classifier, with that width's sliced candidates)."""
+def test_width_x_depth_head_round_solves_every_width_s_exits_on_its_own_features(identity):
+    """Width × depth tiers: the query carries every narrower width's ``MultiExit`` and names the exits its nodes use
+    (``sites@<tier>``); each node answers them on that width's own features (``tier-<tier>/<k>``), and each width's
+    exit is solved from them and checked at that width (scoring queries naming the width and the exit), so a narrow
+    tier no longer reads a slice of the full width's solved exit."""
     from flwr.app import MetricRecord, RecordDict
 
     from fedfuse.flower.candidates import read_score_query, read_score_site, read_score_tier
+    from fedfuse.flower.head_messages import (read_head_query, read_head_sites, read_head_tier_sites,
+                                              read_head_tiers, tier_site)
     from fedfuse.hetero.depth import classifier_readers, multi_exit, narrow_copy
     from fedfuse.progressive import head_sites
 
@@ -628,39 +631,55 @@ def test_check_each_scores_a_shared_exit_at_every_narrower_width_that_reads_it(i
     model = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5], 4)
     readers = classifier_readers(model, [(1, 1), (1, 0.5), (0.5, 0.5)])
     assert readers == {"2": [0.5]}   # the narrow tier holds exit 2 only
-    trained = head_sites(model)["2"].classifier.weight.clone()
-    parts = (slice(0, 150), slice(150, 300))
-    stats = [{s: head_statistics(model, x[p], y[p], 4, site=s) for s in head_sites(model)} for p in parts]
+    narrow = narrow_copy(model, 0.5, (8,))
+    trained = head_sites(narrow)["2"].classifier.weight.clone()
+    parts = ((x[:150], y[:150]), (x[150:], y[150:]))
     for narrow_scores, want in (((0.7, 0.6), "before"), ((0.6, 0.6), "head")):
         scores = {(None, None): (0.5, 0.6), (None, "2"): (0.5, 0.6), (0.5, "2"): narrow_scores}
-        grid, seen = _Grid([head_reply_content(s) for s in stats]), []
+        seen, asked = [], []
 
-        def send(msgs, timeout=None, scores=scores, seen=seen):
+        def send(msgs, timeout=None, scores=scores, seen=seen, asked=asked):
             msgs = list(msgs)
-            if msgs[0].metadata.message_type != "query.score_candidates":
-                return [_reply(head_reply_content(s), m.metadata.dst_node_id) for m, s in zip(msgs, stats)]
-            key = (read_score_tier(msgs[0]), read_score_site(msgs[0]))
-            seen.append((key, tuple(read_score_query(msgs[0])[0]["exits.2.fc.weight"].shape)))
-            b, h = scores[key]
-            return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b,
-                                                                "accuracy-1": h})}), m.metadata.dst_node_id)
-                    for m in msgs]
+            if msgs[0].metadata.message_type == "query.score_candidates":
+                key = (read_score_tier(msgs[0]), read_score_site(msgs[0]))
+                seen.append((key, tuple(read_score_query(msgs[0])[0]["exits.2.fc.weight"].shape)))
+                b, h = scores[key]
+                return [_reply(RecordDict({"metrics": MetricRecord({"num-examples": 10, "accuracy-0": b,
+                                                                    "accuracy-1": h})}), m.metadata.dst_node_id)
+                        for m in msgs]
+            out = []
+            for m, (px, py) in zip(msgs, parts):   # as a node answers: every model asked, at its own width
+                asked.append((read_head_sites(m), read_head_tier_sites(m)))
+                full = multi_exit(build_model("mlp", 4, (8,), width=16, depth=4, seed=3), [1, 0.5], 4)
+                full.load_state_dict(read_head_query(m))
+                stats = {s: head_statistics(full, px, py, 4, site=s) for s in read_head_sites(m)}
+                for r, state in read_head_tiers(m).items():
+                    tier = full.at_width_mult(r, input_shape=(8,))
+                    tier.load_state_dict(state)
+                    stats.update({tier_site(r, s): head_statistics(tier, px, py, 4, site=s)
+                                  for s in read_head_tier_sites(m)[r]})
+                out.append(_reply(head_reply_content(stats), m.metadata.dst_node_id))
+            return out
 
+        grid = _Grid([None, None])
         grid.send_and_receive = send
-        out, record = HeadRound(1e-3, solvers=("ridge",)).run(grid, model, 4, check_each=True, readers=readers,
-                                          narrow=lambda m, w: narrow_copy(m, w, (8,)))
-        # the full width through each classifier, then the narrow width through the exit it reads, its slice sent
+        out, record = HeadRound(1e-3, solvers=("ridge",)).run_tiers(
+            grid, {1.0: model, 0.5: narrow}, 4, sites={1.0: tuple(head_sites(model)), 0.5: ("2",)})
+        assert asked[0][1] == {0.5: ["2"]} and sorted(asked[0][0]) == sorted(head_sites(model))
+        # the full width through each classifier, the narrow width through its exit at its own size
         assert sorted(seen, key=str) == sorted([((None, None), (4, 16)), ((None, "2"), (4, 16)),
                                                 ((0.5, "2"), (4, 8))], key=str)
-        assert record["sites"]["2"]["kept"] == want and set(record["sites"]["2"]["widths"]) == {"0.5"}
-        # the full width's view of the model kept (the narrow width decided)
-        assert record["sites"]["2"]["federated"]["federated-accuracy"] == (0.5 if want == "before" else 0.6)
-        assert record["sites"]["final"]["kept"] == "head" and "widths" not in record["sites"]["final"]
-        exit2 = head_sites(out)["2"].classifier.weight
-        solved = solve_head([st["2"] for st in stats], 1e-3).weight
+        assert record["tiers"]["0.5"]["sites"]["2"]["kept"] == want
+        assert record["tiers"]["1"]["sites"]["2"]["kept"] == "head" and record["kept"] == "head"
+        full_solved = solve_head([head_statistics(model, px, py, 4, site="2") for px, py in parts], 1e-3).weight
+        got = head_sites(out[0.5])["2"].classifier.weight
         if want == "before":
-            assert torch.equal(exit2, trained)
-        else:
-            assert torch.allclose(exit2, solved, atol=1e-6)
-    with pytest.raises(ValueError, match="narrow"):
-        HeadRound(1e-3).run(grid, model, 4, check_each=True, readers=readers)
+            assert torch.equal(got, trained)
+        else:   # solved on the narrow width's features, not sliced from the full width's solution
+            solved = solve_head([head_statistics(narrow, px, py, 4, site="2") for px, py in parts], 1e-3).weight
+            assert torch.allclose(got, solved, atol=1e-6) and not torch.allclose(got, full_solved[:, :8], atol=1e-3)
+        assert torch.allclose(head_sites(out[1.0])["2"].classifier.weight, full_solved, atol=1e-6)
+    with pytest.raises(ValueError, match="no classifier"):
+        HeadRound(1e-3).run_tiers(grid, {1.0: model, 0.5: narrow}, 4, sites={0.5: ("7",)})
+    with pytest.raises(ValueError, match="no model"):
+        HeadRound(1e-3).run_tiers(grid, {1.0: model}, 4, sites={0.5: ("2",)})

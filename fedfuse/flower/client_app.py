@@ -46,7 +46,8 @@ from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query,
 from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
 from fedfuse.flower.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
-                                       read_head_sites, read_head_tiers, tier_site)
+                                       read_head_sites, read_head_tier_sites, read_head_tiers,
+                                       tier_site)
 from fedfuse.flower.privacy import dp_clipping_mod  # noqa: E402
 from fedfuse.flower.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
                                        PROJECTION_K as SECURE_PROJECTION_K, fitins_task, secagg_if_flagged,
@@ -214,10 +215,13 @@ def head_handler(msg: Message, context: Context) -> Message:
         return Message(content=head_reply_content(stats), reply_to=msg)
     stats = {site: head_statistics(model, node.train.x, node.train.y, node.num_classes, device=device, site=site)
              for site in sites}
-    for r, state in read_head_tiers(msg).items():   # width tiers: every narrower tier's classifier too
+    tier_sites = read_head_tier_sites(msg)
+    for r, state in read_head_tiers(msg).items():   # width tiers: every narrower tier's classifier(s) too
         tier = _tier_model(cfg, node, r)
         tier.load_state_dict(state)
-        stats[tier_site(r)] = head_statistics(tier, node.train.x, node.train.y, node.num_classes, device=device)
+        for site in tier_sites[r]:
+            stats[tier_site(r, site)] = head_statistics(tier, node.train.x, node.train.y, node.num_classes,
+                                                        device=device, site=site)
     return Message(content=head_reply_content(stats), reply_to=msg)
 
 

@@ -46,6 +46,7 @@ from fedfuse.hetero.depth_layout import DepthLayout
 from fedfuse.hetero.tiers import resolve_ordered_dropout
 from fedfuse.strategy_specs import (DEPTH_METHODS, DEPTH_WARM_START, WIDTH_DEPTH_TIER_METHODS, strategy_spec,
                                     with_tiers)
+from fedfuse.progressive import head_sites
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
 from fedfuse.flower.fusion_strategy import FusionStrategy
@@ -118,6 +119,7 @@ class DepthTieredStrategy(FusionStrategy):
         self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
         self.layout = DepthLayout(skeleton, self._units.values(), input_shape, own_exit=self.own_exit)
         self._round_tiers: dict[str, Any] = {}
+        self._width_models: dict[float, dict[str, torch.Tensor]] = {}   # width x depth: the head round's, per width
 
     # ---------------------------------------------------------------- the layout
     def node_units(self, node_id: int) -> int:
@@ -279,6 +281,7 @@ class DepthTieredStrategy(FusionStrategy):
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is not None:
             self._global = arrays   # the tiers' evaluation reads the new global model
+            self._width_models = {}   # ... and its slices
         record = self.history[-1] if self.history else {}
         record.update(self._round_tiers)
         record.update(client_tier_means(self.last_updates, lambda u: depth_label(u.metrics.get("tier-depth", 1.0),
@@ -291,19 +294,28 @@ class DepthTieredStrategy(FusionStrategy):
 
     def head_plan(self, model: nn.Module, final_round: int, one_shot: bool) -> HeadPlan:
         """Every exit's classifier; after multi-round training each is checked on its own (a solved exit may beat its
-        trained one or not: docs/tiers.md, "Depth tiers"), with width × depth tiers also at every narrower width that
-        reads its slice; one-shot: every classifier, one check."""
+        trained one or not: docs/tiers.md, "Depth tiers"); one-shot: every classifier, one check. With width × depth
+        tiers every narrower width also gets its own model, the global model's slice as its nodes receive it, whose
+        exits its nodes use are solved on that width's own features and checked at that width: after the head round
+        the narrow tiers stop reading slices of the full width's exits, as width tiers' models stop being slices (a
+        slice of an exit solved on the full width's features is not fitted to the narrow width's: measured,
+        docs/tiers.md, "Width × depth tiers on Fashion-MNIST")."""
         if one_shot:
             return HeadPlan({1.0: model})
-        tiers = list(zip(self.tier_layout.tiers, self.tier_layout.depths))
         if min(self.tier_layout.tiers) >= 1:
             return HeadPlan({1.0: model}, check_each=True)
-        shape = self.layout.input_shape
-        return HeadPlan({1.0: model}, check_each=True, readers=classifier_readers(model, tiers),
-                        narrow=lambda m, w: narrow_copy(m, w, shape))
+        readers = classifier_readers(model, list(zip(self.tier_layout.tiers, self.tier_layout.depths)))
+        narrower = sorted({w for w in self.tier_layout.tiers if w < 1}, reverse=True)
+        every = tuple(head_sites(model))
+        return HeadPlan({1.0: model, **{w: narrow_copy(model, w, self.layout.input_shape) for w in narrower}},
+                        per_tier=True, sites={1.0: every, **{w: tuple(s for s in every if w in readers.get(s, ()))
+                                                              for w in narrower}})
 
     def adopt_head(self, models: dict[float, nn.Module]) -> None:
+        """The head round's models: the global one, and with width × depth tiers every narrower width's own."""
         self.adopt(ArrayRecord(models[1.0].state_dict()))
+        self._width_models = {w: {k: v.detach().cpu() for k, v in m.state_dict().items()}
+                              for w, m in models.items() if w != 1.0}
 
     # ---------------------------------------------------------------- evaluation (results)
     def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
@@ -317,7 +329,13 @@ class DepthTieredStrategy(FusionStrategy):
         tiers = sorted(set(zip(self.tier_layout.tiers, self.tier_layout.depths)), key=lambda t: (-t[1], -t[0]))
         for w, d in tiers:
             k = self._units[d]
-            tier = copy.copy(model) if w == 1 else self.build_model(self.layout.state(full, w, k))
+            if w == 1:
+                tier = copy.copy(model)
+            elif w in self._width_models:   # its own model after the head round
+                tier = copy.deepcopy(self.layout.narrow(w)[0])
+                tier.load_state_dict(self._width_models[w])
+            else:
+                tier = self.build_model(self.layout.state(full, w, k))
             logits = predict_logits(tier.set_active(k), x, device=device)
             acc[depth_label(d, w)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))

@@ -1,8 +1,9 @@
 """The head round's messages (``fedfuse.flower.head_round``): the server's query and the nodes' replies.
 
 Query ``message_type``: ``"query.head_statistics"``; content: ``ArrayRecord`` ``"model"`` (the global model's state
-dict; width tiers: one ``"model@<tier>"`` more per narrower tier, their widths in the config's ``"tiers"``; DP: the
-config's ``"dp-clip"`` and the ``ArrayRecord`` ``"dp-projection"``). Reply: ``ArrayRecord`` ``"head-statistics"``
+dict; width tiers: one ``"model@<tier>"`` more per narrower tier, their widths in the config's ``"tiers"``, and where a
+tier's model has other classifiers to solve than its own (width × depth tiers: the exits its nodes use) their names in
+the config's ``"sites@<tier>"``; DP: the config's ``"dp-clip"`` and the ``ArrayRecord`` ``"dp-projection"``). Reply: ``ArrayRecord`` ``"head-statistics"``
 with ``gram-upper`` / ``cross`` per classifier site and ``MetricRecord`` ``"metrics"`` with ``num-examples``.
 """
 
@@ -23,9 +24,14 @@ MESSAGE_TYPE = f"query.{ACTION}"
 TIERS = "tiers"   # query config: the narrower tiers' width multipliers (one "model@<tier>" record each)
 
 
-def tier_site(r: float) -> str:
-    """The reply's site name of width tier ``r``'s classifier (``gram-upper@tier-<tier>``)."""
-    return f"tier-{tier_name(r)}"
+def tier_site(r: float, site: str = "") -> str:
+    """The reply's site name of width tier ``r``'s classifier (``gram-upper@tier-<tier>``), or of its classifier
+    ``site`` of ``fedfuse.progressive.head_sites`` (a width × depth tier's exit: ``gram-upper@tier-<tier>/<site>``)."""
+    return f"tier-{tier_name(r)}" + (f"/{site}" if site else "")
+
+
+def _tier_sites_key(r: float) -> str:
+    return f"sites@{tier_name(r)}"
 
 
 DP_CLIP = "dp-clip"   # query config: the private head round's feature clip bound (fedfuse.privacy)
@@ -34,10 +40,12 @@ DP_PROJECTION = "dp-projection"   # query array record: the private head round's
 
 def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | None = None,
                        tier_states: dict[float, dict[str, torch.Tensor]] | None = None,
-                       dp_clip: float | None = None, dp_projection: torch.Tensor | None = None) -> RecordDict:
+                       dp_clip: float | None = None, dp_projection: torch.Tensor | None = None,
+                       tier_sites: dict[float, tuple[str, ...]] | None = None) -> RecordDict:
     """The query: the fused model whose features the nodes summarise, which of its classifiers (``sites`` of
-    ``head_sites``; ``None``: every one), with width tiers every narrower tier's model (``tier_states``), and in a
-    DP run the feature clip bound of the private statistics (``dp_clip``)."""
+    ``head_sites``; ``None``: every one), with width tiers every narrower tier's model (``tier_states``) and which of
+    its classifiers (``tier_sites``; a tier not named there: its own, ``""``), and in a DP run the feature clip bound
+    of the private statistics (``dp_clip``)."""
     content = RecordDict({"model": ArrayRecord(state)})
     config: dict[str, Any] = {}
     if dp_clip is not None:
@@ -50,6 +58,10 @@ def head_query_content(state: dict[str, torch.Tensor], sites: tuple[str, ...] | 
         content[f"model@{tier_name(r)}"] = ArrayRecord(s)
     if tier_states:
         config[TIERS] = [float(r) for r in tier_states]
+    for r, names in (tier_sites or {}).items():
+        if r not in (tier_states or {}):
+            raise ValueError(f"head-statistics query: classifiers named for tier {r}, which the query does not carry")
+        config[_tier_sites_key(r)] = [str(n) for n in names]
     if config:
         content["config"] = ConfigRecord(config)
     return content
@@ -73,6 +85,14 @@ def read_head_tiers(msg: Message) -> dict[float, dict[str, torch.Tensor]]:
             raise ValueError(f"head-statistics query: tier {r} announced, no {key!r} array record")
         out[float(r)] = msg.content.array_records[key].to_torch_state_dict()
     return out
+
+
+def read_head_tier_sites(msg: Message) -> dict[float, list[str]]:
+    """The classifiers asked of each narrower tier's model (``{tier: names}``; ``[""]``, its own, where the query
+    names none)."""
+    config = msg.content.config_records.get("config")
+    tiers = [] if config is None or TIERS not in config else [float(r) for r in config[TIERS]]
+    return {r: [str(n) for n in config[_tier_sites_key(r)]] if _tier_sites_key(r) in config else [""] for r in tiers}
 
 
 def read_head_dp_clip(msg: Message) -> tuple[float | None, torch.Tensor | None]:
@@ -134,5 +154,5 @@ def read_head_reply(msg: Message, features: int | dict[str, int],
 
 
 __all__ = ["ACTION", "MESSAGE_TYPE", "TIERS", "DP_CLIP", "DP_PROJECTION", "tier_site", "head_query_content",
-           "read_head_query", "read_head_tiers", "read_head_dp_clip", "read_head_sites", "head_reply_content",
+           "read_head_query", "read_head_tiers", "read_head_tier_sites", "read_head_dp_clip", "read_head_sites", "head_reply_content",
            "read_head_reply"]

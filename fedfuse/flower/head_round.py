@@ -15,8 +15,7 @@ features' per-class sums), and ``MetricRecord`` ``"metrics"`` with ``num-example
 classifiers (a depth tier's ``MultiExit``: ``fedfuse.progressive.head_sites``) gets one more pair per exit ``k``,
 ``gram-upper@<k>`` / ``cross@<k>``, and every classifier is solved; with ``check_each`` (multi-round depth tiers) the
 clients score each solved classifier on its own, through it (a scoring query naming the site), and each is kept
-unless it scores lower; with width × depth tiers also at every narrower width that reads its top-left slice (a
-scoring query naming the width too).
+unless it scores lower.
 
 Width tiers (``client-tiers`` of width multipliers; ``HeadRound.run_tiers``): the query also carries every narrower
 tier's model (``ArrayRecord`` ``"model@<tier>"``, the widths in the config's ``"tiers"``); each node builds them as
@@ -24,7 +23,10 @@ it builds its training model (``fedfuse.flower.client_tiers.tier_model``) and an
 ``gram-upper@tier-<tier>`` / ``cross@tier-<tier>``, so every tier's classifier is solved from every node's data: the
 forward passes of each tier's model over the node's data, no training (a narrow node holds the global model's
 weights and one batch's activations). Each tier's solved head is kept unless the clients score that tier's model
-lower with it.
+lower with it. Width × depth tiers go the same way: every narrower width's ``MultiExit`` in the query, its exits named
+in the config's ``"sites@<tier>"`` and answered as ``gram-upper@tier-<tier>/<k>``, each solved on that width's own
+features and checked through it at that width (a slice of the full width's solved exit is not fitted to the narrow
+width's features: measured, docs/tiers.md "Width × depth tiers").
 
 A malformed reply (wrong shapes, non-finite numbers, a Gram matrix that does not match its sample count) is rejected
 with a logged reason and the head is solved from the others; with no valid reply the model stays the global model,
@@ -48,7 +50,7 @@ import copy
 import math
 import time
 from logging import INFO, WARNING
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from flwr.app import Message, RecordDict
@@ -348,28 +350,19 @@ class HeadRound(HeadQueries):
     tier's, solved and checked (``HeadQueries``' options)."""
 
     def run(self, grid, model: nn.Module, num_classes: int, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-            sites: tuple[str, ...] | None = None, check_each: bool = False,
-            readers: dict[str, list[float]] | None = None,
-            narrow: Callable[[nn.Module, float], nn.Module] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+            sites: tuple[str, ...] | None = None, check_each: bool = False) -> tuple[nn.Module, dict[str, Any]]:
         """``(model with the solved head, the round's record)``; the record's ``fallback`` says why the head was not
         replaced when no node gave valid statistics (the model is then returned unchanged). ``reference``: unlabeled
         inputs and the clients' ensemble's probabilities on them, to set the head's temperature
         (``fit_temperature``: same accuracy, a loss on the usual scale); ``None``: temperature 1. ``sites``: the
         classifiers to solve (``head_sites``; ``None``: every one). ``check_each``: with several classifiers (a depth
         tier's exits), the clients score each one on its own, through it, and each solved classifier is kept unless
-        it scores lower (``record["sites"]``); else one check of the model's own output. ``readers`` (with
-        ``check_each``; width × depth tiers: ``fedfuse.hetero.depth.classifier_readers``): the narrower widths that
-        read each classifier's top-left slice; a solved classifier is then kept only if the clients do not score it
-        lower at any of them either (``narrow(model, width)``: the model as that width's nodes receive it), since the
-        pooled solution on the full width's features is not fitted to a slice of them (measured: docs/tiers.md,
-        "Width × depth tiers", every exit checked at every width that reads it)."""
+        it scores lower (``record["sites"]``); else one check of the model's own output."""
         t0 = time.perf_counter()
         every = head_sites(model)
         unknown = sorted(set(sites or ()) - set(every))
         if unknown:
             raise ValueError(f"head round: the model has no classifier {unknown}; it has {sorted(every)}")
-        if readers and narrow is None:
-            raise ValueError("head round: readers need narrow (the model at a narrower width)")
         widths = {site: s.classifier.in_features for site, s in every.items() if sites is None or site in sites}
         record: dict[str, Any] = {}
         p = self.privacy
@@ -388,7 +381,11 @@ class HeadRound(HeadQueries):
             return model, record
         solved, temps = self._solved(model, stats, list(widths), reference)
         if check_each and len(widths) > 1:
-            return self._keep_each(grid, nodes, model, solved, temps, list(widths), record, t0, readers or {}, narrow)
+            out = self._keep_each(grid, nodes, model, solved, temps, list(widths), record)
+            record["seconds"] = time.perf_counter() - t0
+            log(INFO, "fedfuse head round: classifiers solved from %d nodes' statistics, kept: %s", record["valid"],
+                ", ".join(f"{k}: {v['kept']} ({v['solver']})" for k, v in record["sites"].items()))
+            return out, record
         chosen = self._choose(grid, nodes, model, solved, record, temps=temps)
         t = temps[chosen or record["solver"]]
         record["temperature"] = t[""] if len(t) == 1 and "" in t else t
@@ -400,86 +397,96 @@ class HeadRound(HeadQueries):
         return (solved[chosen] if chosen else model), record
 
     def _keep_each(self, grid, nodes: list[int], before: nn.Module, solved: dict[str, nn.Module],
-                   temps: dict[str, dict[str, float]], sites: list[str], record: dict[str, Any], t0: float,
-                   readers: dict[str, list[float]],
-                   narrow: Callable[[nn.Module, float], nn.Module] | None) -> tuple[nn.Module, dict[str, Any]]:
+                   temps: dict[str, dict[str, float]], sites: list[str], record: dict[str, Any],
+                   tier: float | None = None) -> nn.Module:
         """``check_each``: every classifier's solved heads scored on their own against the model before (the
-        candidates differ in that classifier only), at the full width and, for the head chosen there, at every
-        narrower width that reads it (``readers``); a classifier the clients score lower at any of them keeps its
-        trained weights."""
+        candidates differ in that classifier only; ``tier``: as that width tier's model); a classifier the clients
+        score lower keeps its trained weights. ``record`` gets ``sites`` (one row each) and the final classifier's
+        check."""
         out = copy.deepcopy(before)
         record["sites"] = {}
         for site in sites:
             rec: dict[str, Any] = {}
-            views: list = []
             candidates = {n: copy_head(m, copy.deepcopy(before), site) for n, m in solved.items()}
-            chosen = self._choose(grid, nodes, before, candidates, rec, site=site, views=views, temps=temps)
-            widths: dict[str, Any] = {}
-            for w in readers.get(site, []) if chosen else []:   # the narrower widths reading its slice
-                widths[tier_name(w)] = {}
-                ok = self._choose(grid, nodes, narrow(before, w), {chosen: narrow(candidates[chosen], w)},
-                                  widths[tier_name(w)], tier=w, site=site)
-                rec["rejected"] = rec.get("rejected", []) + widths[tier_name(w)].pop("rejected", [])
-                if ok is None:
-                    chosen = None
-                    if views:   # the full width's view of the model it keeps
-                        rec["federated"] = views[0]
-                    break
+            chosen = self._choose(grid, nodes, before, candidates, rec, tier=tier, site=site, temps=temps)
             if chosen:
                 copy_head(candidates[chosen], out, site)
-            record["rejected"] += rec.pop("rejected", [])
+            record["rejected"] = record.get("rejected", []) + rec.pop("rejected", [])
             record["sites"][site or "final"] = {"kept": "head" if chosen else "before",
-                                                "temperature": temps[rec["solver"]][site], **rec,
-                                                **({"widths": widths} if widths else {})}
+                                                "temperature": temps[rec["solver"]][site], **rec}
         record["temperature"] = {site: record["sites"][site or "final"]["temperature"] for site in sites}
         final = record["sites"]["final"] if "" in sites else {}
         record.update({k: final[k] for k in ("client-accuracy", "federated", "client-loss", "calibration", "loss-rose")
                        if k in final})
-        record["kept"] = final.get("kept", "head")
-        record["seconds"] = time.perf_counter() - t0
-        log(INFO, "fedfuse head round: classifiers solved from %d nodes' statistics, kept: %s", record["valid"],
-            ", ".join(f"{k}: {v['kept']} ({v['solver']})" for k, v in record["sites"].items()))
-        return out, record
+        kept = [v["kept"] for v in record["sites"].values()]
+        record["kept"] = final["kept"] if final else ("head" if "head" in kept else "before")
+        return out
 
     def run_tiers(self, grid, models: dict[float, nn.Module], num_classes: int,
-                  reference: tuple[torch.Tensor, torch.Tensor] | None = None
+                  reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  sites: dict[float, tuple[str, ...]] | None = None
                   ) -> tuple[dict[float, nn.Module], dict[str, Any]]:
-        """Width tiers: ``({tier: its model with its solved head, or as it was}, the round's record)``. ``models``:
+        """Width tiers: ``({tier: its model with its solved head(s), or as it was}, the round's record)``. ``models``:
         every tier's model, the global one at tier 1; one query carries them all, every node answers for every
         tier, each tier's head is solved and checked on its own (``record["tiers"][<tier>]``); the record's
-        ``kept`` / ``federated`` / ``temperature`` / ``solver`` are the global model's."""
+        ``kept`` / ``federated`` / ``temperature`` / ``solver`` are the global model's. ``sites``: per tier, the
+        classifiers of ``head_sites`` its model has solved (a tier not named: its own, ``""``); a tier with other or
+        more (width × depth tiers: the exits its nodes use, each solved on that width's own features, so a narrow
+        tier stops reading a slice of the full width's exit) has each checked on its own, through it, at its width
+        (``record["tiers"][<tier>]["sites"]``)."""
         t0 = time.perf_counter()
         if self.privacy is not None or self.secure:
             raise ValueError("head round: the private / secure head round takes one architecture, not width tiers")
         if 1.0 not in models:
             raise ValueError(f"head round: the tiers' models need the global one (tier 1), got {sorted(models)}")
+        named = {r: tuple((sites or {}).get(r, ("",))) for r in models}
+        unknown = sorted(set(sites or {}) - set(models))
+        if unknown:
+            raise ValueError(f"head round: classifiers named for tiers {unknown}, which have no model")
+        widths: dict[str, int] = {}
+        for r, model in models.items():
+            every = head_sites(model)
+            missing = sorted(set(named[r]) - set(every))
+            if missing or not named[r]:
+                raise ValueError(f"head round: tier {tier_name(r)}'s model has no classifier {missing or '(none named)'}"
+                                 f"; it has {sorted(every)}")
+            widths.update({_stat_name(r, site): every[site].classifier.in_features for site in named[r]})
         narrower = {r: m for r, m in models.items() if r != 1.0}
-        widths = {"": head_sites(models[1.0])[""].classifier.in_features,
-                  **{tier_site(r): head_sites(m)[""].classifier.in_features for r, m in narrower.items()}}
-        content = head_query_content(models[1.0].state_dict(), ("",), {r: m.state_dict() for r, m in narrower.items()})
+        content = head_query_content(models[1.0].state_dict(), named[1.0], {r: m.state_dict() for r, m in narrower.items()},
+                                     tier_sites={r: named[r] for r in narrower if named[r] != ("",)})
         record: dict[str, Any] = {}
         nodes, stats = self._collect(grid, content, widths, num_classes, record)
         out = dict(models)
         if stats:
             record["tiers"] = {}
             for r, model in models.items():
-                name = "" if r == 1.0 else tier_site(r)
-                solved, temps = self._solved(model, stats, [""], reference, stat_site=lambda _, name=name: name)
+                solved, temps = self._solved(model, stats, list(named[r]), reference,
+                                             stat_site=lambda site, r=r: _stat_name(r, site))
                 tier: dict[str, Any] = {}
-                chosen = self._choose(grid, nodes, model, solved, tier, tier=None if r == 1.0 else r, temps=temps)
-                tier.update(temperature=temps[tier["solver"]][""], kept="head" if chosen else "before")
-                out[r] = solved[chosen] if chosen else model
+                at = None if r == 1.0 else r
+                if named[r] == ("",):
+                    chosen = self._choose(grid, nodes, model, solved, tier, tier=at, temps=temps)
+                    tier.update(temperature=temps[tier["solver"]][""], kept="head" if chosen else "before")
+                    out[r] = solved[chosen] if chosen else model
+                else:
+                    out[r] = self._keep_each(grid, nodes, model, solved, temps, list(named[r]), tier, tier=at)
                 record["tiers"][tier_name(r)] = tier
             record["rejected"] += [x for t in record["tiers"].values() for x in t.pop("rejected", [])]
             top = record["tiers"][tier_name(1.0)]
             record.update({k: top[k] for k in ("temperature", "kept", "federated", "client-accuracy", "solver",
-                                               "client-loss", "calibration", "loss-rose") if k in top})
+                                               "client-loss", "calibration", "loss-rose", "sites") if k in top})
             log(INFO, "fedfuse head round: %d tiers' classifiers solved from %d nodes' statistics (%d samples); "
                 "kept: %s",
                 len(models), len(stats), record["num-examples"],
-                ", ".join(f"{k}: {t['kept']} ({t['solver']})" for k, t in record["tiers"].items()))
+                ", ".join(f"{k}: {t['kept']} ({t.get('solver', 'per classifier')})"
+                          for k, t in record["tiers"].items()))
         record["seconds"] = time.perf_counter() - t0
         return out, record
+
+
+def _stat_name(r: float, site: str) -> str:
+    """The replies' name of tier ``r``'s classifier ``site``: the global model's own names at tier 1."""
+    return site if r == 1.0 else tier_site(r, site)
 
 
 __all__ = ["CALIBRATION_FACTORS", "HeadQueries", "HeadRound", "scale_head"]

@@ -2,7 +2,7 @@
 
 After the training rounds, ``HeadRoundStep`` asks the strategy what to solve (``RoundProtocol.head_plan``: the
 global model's classifier by default; every width tier's model for ``TieredFusionStrategy``; every exit, checked on
-its own, for depth tiers), runs the head round (``fedfuse.flower.head_round.HeadRound``: every node's ridge
+its own, for depth tiers; every width's exits, each width on its own features, for width × depth tiers), runs the head round (``fedfuse.flower.head_round.HeadRound``: every node's ridge
 statistics, the closed-form heads, the clients' check) and hands the kept models back
 (``RoundProtocol.adopt_head``). A plug-in strategy gets the same by inheriting the protocol's two hooks, or
 overrides them to solve something else; the ServerApp only records and evaluates the result.
@@ -14,7 +14,7 @@ Heterogeneous Federated Learning with Closed-form Classifiers", arXiv 2406.01116
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,15 +50,14 @@ class HeadPlan:
         models: ``{width tier: model}``, the global model at tier 1 (width tiers: every tier's model).
         per_tier: solve and check every tier's classifier on its own (``HeadRound.run_tiers``).
         check_each: with several classifiers (a depth tier's exits), check each one on its own.
-        readers: width × depth tiers: the narrower widths that read each classifier's slice
-            (``fedfuse.hetero.depth.classifier_readers``), with ``narrow(model, width)`` their view of the model.
+        sites: with ``per_tier``, the classifiers of each tier's model to solve (``fedfuse.progressive.head_sites``
+            names; a tier not named: its own classifier); width × depth tiers: every width's exits its nodes use.
     """
 
     models: dict[float, nn.Module]
     per_tier: bool = False
     check_each: bool = False
-    readers: dict[str, list[float]] = field(default_factory=dict)
-    narrow: Callable[[nn.Module, float], nn.Module] | None = None
+    sites: dict[float, tuple[str, ...]] = field(default_factory=dict)
 
 
 def ensemble_reference(strategy, model: nn.Module, inputs: torch.Tensor | None,
@@ -97,10 +96,9 @@ class HeadRoundStep:
                          robust=bool(getattr(strategy, "robust_answers", False)))
         plan = strategy.head_plan(model, final_round, one_shot)
         if plan.per_tier:
-            models, record = head.run_tiers(grid, plan.models, num_classes, reference)
+            models, record = head.run_tiers(grid, plan.models, num_classes, reference, sites=plan.sites or None)
         else:
-            solved, record = head.run(grid, plan.models[1.0], num_classes, reference, check_each=plan.check_each,
-                                      readers=plan.readers, narrow=plan.narrow)
+            solved, record = head.run(grid, plan.models[1.0], num_classes, reference, check_each=plan.check_each)
             models = {1.0: solved}
         strategy.adopt_head(models)
         return models[1.0], record
