@@ -603,3 +603,30 @@ def test_every_model_family_survives_every_tier_shape(tmp_path, model, tiers):
     last = json.loads((out / "results.json").read_text())["rounds"][-1]
     assert last["round"] == 2 and math.isfinite(last["test-loss"]), last
     assert last["test-accuracy"] > 0.2, last   # chance 0.1
+
+
+def test_width_x_depth_narrow_models_get_static_batchnorm_on_the_fusion_set():
+    """A narrower width's model (evaluated each round, and the head round's own model of that width) has its
+    BatchNorm statistics re-estimated on the fusion set (HeteroFL's static BN, as width tiers' models): the
+    aggregate's are averaged over nodes of other widths. Without a fusion set it stays the global model's slice."""
+    from fedfuse.flower.depth_baselines import build_depth_strategy as build_strategy
+    from fedfuse.hetero import reestimate_batchnorm
+    from fedfuse.hetero.depth import multi_exit, narrow_copy
+
+    fn = lambda: multi_exit(build_model("resnet", 10, (1, 8, 8), width=8, depth=2, seed=1), [1, 0.5], 10)  # noqa: E731
+    x = torch.rand(40, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    s = build_strategy("average", model_fn=fn, depths=(1.0, 0.5), widths=(1.0, 0.5), input_shape=(1, 8, 8))
+    model = fn()
+    plan = s.head_plan(model, 3, one_shot=False)   # no fusion set: the slice as it is
+    sliced = narrow_copy(model, 0.5, (1, 8, 8))
+    key = next(k for k in sliced.state_dict() if k.endswith("running_var"))
+    assert torch.equal(plan.models[0.5].state_dict()[key], sliced.state_dict()[key])
+    s.fusion_inputs = x
+    plan = s.head_plan(model, 3, one_shot=False)
+    want = reestimate_batchnorm(sliced.set_active(sliced.num_units), x) and sliced
+    got = plan.models[0.5]
+    assert got.active == sliced.active and plan.sites[0.5] == ("1",)
+    assert all(torch.allclose(got.state_dict()[k], want.state_dict()[k]) for k in want.state_dict()
+               if "running" in k)
+    assert not torch.equal(got.state_dict()[key], narrow_copy(model, 0.5, (1, 8, 8)).state_dict()[key])
+    assert plan.models[1.0] is model   # the full width keeps the aggregate's statistics

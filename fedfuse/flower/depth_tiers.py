@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.fusion import FusionResult
-from fedfuse.hetero import slice_state
+from fedfuse.hetero import reestimate_batchnorm, slice_state
 from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, classifier_readers, distill_exits,
                                   narrow_copy, units_at)
 from fedfuse.hetero.depth_layout import DepthLayout
@@ -307,9 +307,22 @@ class DepthTieredStrategy(FusionStrategy):
         readers = classifier_readers(model, list(zip(self.tier_layout.tiers, self.tier_layout.depths)))
         narrower = sorted({w for w in self.tier_layout.tiers if w < 1}, reverse=True)
         every = tuple(head_sites(model))
-        return HeadPlan({1.0: model, **{w: narrow_copy(model, w, self.layout.input_shape) for w in narrower}},
+        return HeadPlan({1.0: model, **{w: self.static_bn(narrow_copy(model, w, self.layout.input_shape))
+                                        for w in narrower}},
                         per_tier=True, sites={1.0: every, **{w: tuple(s for s in every if w in readers.get(s, ()))
                                                               for w in narrower}})
+
+    def static_bn(self, model: MultiExit) -> MultiExit:
+        """A narrower width's model with HeteroFL's static batch normalisation (arXiv 2010.01264 §3): its BatchNorm
+        running statistics re-estimated on the fusion set, every block's, since the aggregate's are averaged over
+        nodes of other widths whose statistics describe other sub-networks; as width tiers' models are
+        (``TieredFusionStrategy.tier_model``). Unchanged without a fusion set or BatchNorm (in place; returned)."""
+        if self.fusion_inputs is not None:
+            active = model.active
+            reestimate_batchnorm(model.set_active(model.num_units), self.fusion_inputs,
+                                 device=resolve_device(self.device))
+            model.set_active(active)
+        return model
 
     def adopt_head(self, models: dict[float, nn.Module]) -> None:
         """The head round's models: the global one, and with width × depth tiers every narrower width's own."""
@@ -335,7 +348,7 @@ class DepthTieredStrategy(FusionStrategy):
                 tier = copy.deepcopy(self.layout.narrow(w)[0])
                 tier.load_state_dict(self._width_models[w])
             else:
-                tier = self.build_model(self.layout.state(full, w, k))
+                tier = self.static_bn(self.build_model(self.layout.state(full, w, k)))
             logits = predict_logits(tier.set_active(k), x, device=device)
             acc[depth_label(d, w)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))

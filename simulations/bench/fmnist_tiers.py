@@ -9,7 +9,7 @@ the 10,000 test images. Written as node files (``partition-files``) under ``<out
 row of a (cell, seed) trains on byte-identical client data. Each (cell, seed) is one
 ``fedfuse.flower.runner.sweep --engine inprocess`` call over the cell's rows, its raw runs in
 ``<out>/runs/<cell>/s<seed>`` (git-ignored); every row gets the head round (``head-round=true``, the default), one
-lr for every row.
+lr for every row. ``table`` reads the raw runs and keeps the tracked ``<out>/runs.json``'s rows that have none here.
 
     .venv/bin/python -m simulations.bench.fmnist_tiers run --cells w-a0.5,w-a0.1 --seeds 0,1,2 --out results/fmnist-tiers
     .venv/bin/python -m simulations.bench.fmnist_tiers table --out results/fmnist-tiers
@@ -56,6 +56,16 @@ CELLS = {
     "wd3-a0.5": (0.5, "model='cnn' model-width=16 model-depth=3", "1x1,1x0.5,0.5x0.5",
                  "average,depthfl,fedavg[model-width=8 model-depth=2 client-tiers='' sweep-as-tier='0.5x0.5']"),
     "d3-a0.5": (0.5, "model='cnn' model-width=16 model-depth=3", "1x1,1x0.5",
+                "average,depthfl,inclusivefl,fedavg[model-depth=2 client-tiers='' sweep-as-tier='1x0.5']"),
+    # the same width x depth tiers at alpha 0.1, and on fedfuse's ResNet (3 stages of one block, 16 / 32 / 64
+    # channels, batch norm: the family whose width x depth tiers died, issue 47 part 1)
+    "wd3-a0.1": (0.1, "model='cnn' model-width=16 model-depth=3", "1x1,1x0.5,0.5x0.5",
+                 "average,depthfl,fedavg[model-width=8 model-depth=2 client-tiers='' sweep-as-tier='0.5x0.5']"),
+    "wdr3-a0.5": (0.5, "model='resnet' model-width=16 model-depth=3", "1x1,1x0.5,0.5x0.5",
+                  "average,depthfl,fedavg[model-width=8 model-depth=2 client-tiers='' sweep-as-tier='0.5x0.5']"),
+    # depth tiers on fedfuse's ViT (timm, width 64, 4 blocks; 1x0.5: 2 blocks with an exit), where one fits a shared
+    # 2-core machine (a batch costs about 5x the depth-3 cnn's)
+    "dv-a0.5": (0.5, "model='vit' model-width=64 model-depth=4", "1x1,1x0.5",
                 "average,depthfl,inclusivefl,fedavg[model-depth=2 client-tiers='' sweep-as-tier='1x0.5']"),
 }
 
@@ -130,21 +140,29 @@ def _tkey(t: str) -> float:
     return float(t)
 
 
+ROW_KEYS = ("strategy", "seed", "status", "error", "seconds", "final-accuracy", "final-tier-accuracy", "as-tier",
+            "accuracy-per-round", "tier-accuracy-per-round", "run-config")
+
+
+def collect(out: Path) -> list[dict]:
+    """Every run's row: the raw runs' (``<out>/runs/<cell>/s*/sweep.json``, git-ignored), and the tracked
+    ``<out>/runs.json``'s rows whose raw run is not here (a fresh clone that adds a row keeps the others)."""
+    rows: dict[tuple, dict] = {}
+    if (out / "runs.json").exists():
+        for r in json.loads((out / "runs.json").read_text()):
+            rows[r["cell"], r["strategy"], r["seed"]] = r
+    for path in sorted((out / "runs").glob("*/s*/sweep.json")) if (out / "runs").exists() else []:
+        cell = path.parent.parent.name
+        for r in json.loads(path.read_text()):
+            rows[cell, r["strategy"], r["seed"]] = {"cell": cell, **{k: r.get(k) for k in ROW_KEYS}}
+    return list(rows.values())
+
+
 def table(a) -> None:
     out = Path(a.out)
-    rows_out, text = [], []
-    cells = sorted(p.name for p in (out / "runs").iterdir() if p.is_dir()) if (out / "runs").exists() else []
-    for cell in cells:
-        runs = []
-        for path in sorted((out / "runs" / cell).glob("s*/sweep.json")):
-            runs += json.loads(path.read_text())
-        for r in runs:
-            rows_out.append({"cell": cell, "strategy": r["strategy"], "seed": r["seed"], "status": r["status"],
-                             "error": r.get("error"), "seconds": r.get("seconds"),
-                             "final-accuracy": r.get("final-accuracy"), "final-tier-accuracy": r.get("final-tier-accuracy"),
-                             "as-tier": r.get("as-tier"), "accuracy-per-round": r.get("accuracy-per-round"),
-                             "tier-accuracy-per-round": r.get("tier-accuracy-per-round"),
-                             "run-config": r.get("run-config")})
+    rows_out, text = collect(out), []
+    for cell in sorted({r["cell"] for r in rows_out}):
+        runs = [r for r in rows_out if r["cell"] == cell]
         labels = list(dict.fromkeys(r["strategy"] for r in runs))
         tiers = sorted({t for r in runs for t in (r.get("final-tier-accuracy") or {})}, key=_tkey, reverse=True)
         alpha, model, ctiers, _ = CELLS.get(cell, ("?", "?", "?", ""))
