@@ -206,8 +206,9 @@ class RunConfig:
                                 "candidate the clients' accuracy on their own data picks one, in rounds without one "
                                 "(local-epochs < auto-fusion-epochs) one array candidate is taken with no query "
                                 "(auto-momentum says which); mode='one-shot' with this default uses "
-                                "average,feddf,kf-linear (one round: the plain average and the momentum step are the "
-                                "same model, and kf-linear is the best measured one-shot fusion), and with head-round "
+                                "feddf,kf-linear (the clients start from their own initialisations: their plain average "
+                                "is at chance, a candidate only lying voters would pick; kf-linear is the best measured "
+                                "one-shot fusion), and with head-round "
                                 "kf-linear alone for mlp/cnn, feddf alone for resnet/vit (the best measured features "
                                 "under the solved head)")
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "

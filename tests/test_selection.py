@@ -114,7 +114,8 @@ def test_run_config_errors_name_the_key():
     vit = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "vit"})
     assert selection_options(vit)["candidates"] == ("feddf",)   # kf-linear takes no transformer blocks
     strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
-    assert selection_options(strict)["candidates"] == ("average", "feddf", "kf-linear")   # strict one-shot
+    # strict one-shot: no plain average of independently initialised models (at chance; a liars' target)
+    assert selection_options(strict)["candidates"] == ("feddf", "kf-linear")
     given = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "auto-candidates": "average,feddf"})
     assert selection_options(given)["candidates"] == ("average", "feddf")   # a user's list is kept
     assert selection_options(parse_run_config({"local-epochs": 2}))["local_epochs"] == 2

@@ -217,7 +217,10 @@ class MemberReference:
         return out
 
 
-ONE_SHOT_AUTO_CANDIDATES = ("average", "feddf", "kf-linear")
+#: one-shot ``auto``'s candidates without the head round. Not the weighted average: one-shot clients train from their
+#: own initialisations, so their average is at chance (Fashion-MNIST O1: 10.0 % in every cell, docs/fashion-mnist.md)
+#: and as a candidate it only gives lying voters a target (docs/trust.md, "One-shot, the vote": 0.113 with it)
+ONE_SHOT_AUTO_CANDIDATES = ("feddf", "kf-linear")
 
 
 def selection_options(cfg: RunConfig) -> dict:
