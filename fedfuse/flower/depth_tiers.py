@@ -119,7 +119,7 @@ class DepthTieredStrategy(FusionStrategy):
         self._units = {d: units_at(d, skeleton.num_units) for d in self.tier_layout.depths}
         self.layout = DepthLayout(skeleton, self._units.values(), input_shape, own_exit=self.own_exit)
         self._round_tiers: dict[str, Any] = {}
-        self._width_models: dict[float, dict[str, torch.Tensor]] = {}   # width x depth: the head round's, per width
+        self._width_models: dict[float, MultiExit] = {}   # width x depth: the head round's model of each narrower width
 
     # ---------------------------------------------------------------- the layout
     def node_units(self, node_id: int) -> int:
@@ -327,8 +327,7 @@ class DepthTieredStrategy(FusionStrategy):
     def adopt_head(self, models: dict[float, nn.Module]) -> None:
         """The head round's models: the global one, and with width × depth tiers every narrower width's own."""
         self.adopt(ArrayRecord(models[1.0].state_dict()))
-        self._width_models = {w: {k: v.detach().cpu() for k, v in m.state_dict().items()}
-                              for w, m in models.items() if w != 1.0}
+        self._width_models = {w: m for w, m in models.items() if w != 1.0}
 
     # ---------------------------------------------------------------- evaluation (results)
     def evaluate_tiers(self, server_round: int, x: torch.Tensor, y: torch.Tensor, device) -> dict[str, Any]:
@@ -336,20 +335,15 @@ class DepthTieredStrategy(FusionStrategy):
         exit}`` of the global model the next round sends, plus the round's tier records."""
         if self._global is None:
             return {}
-        full = self.global_state()
-        model = self.build_model(full)
+        model = self.build_model(self.global_state())
         acc, probs = {}, []
         tiers = sorted(set(zip(self.tier_layout.tiers, self.tier_layout.depths)), key=lambda t: (-t[1], -t[0]))
+        # one model per width (its depths are views of it): the global one, a narrower width's own after the head
+        # round, else its slice of the global model with static BN
+        widths = {w: model if w == 1 else self._width_models.get(w) or self.static_bn(
+            narrow_copy(model, w, self.layout.input_shape)) for w in {w for w, _ in tiers}}
         for w, d in tiers:
-            k = self._units[d]
-            if w == 1:
-                tier = copy.copy(model)
-            elif w in self._width_models:   # its own model after the head round
-                tier = copy.deepcopy(self.layout.narrow(w)[0])
-                tier.load_state_dict(self._width_models[w])
-            else:
-                tier = self.static_bn(self.build_model(self.layout.state(full, w, k)))
-            logits = predict_logits(tier.set_active(k), x, device=device)
+            logits = predict_logits(copy.copy(widths[w]).set_active(self._units[d]), x, device=device)
             acc[depth_label(d, w)] = float(metrics_from_logits(logits, y)["accuracy"])
             probs.append(logits.softmax(-1))
         ens = torch.stack(probs).mean(0)
