@@ -43,7 +43,8 @@ PUBLISHED = {("fedavg", "iid"): "89.23 ± 0.45", ("fedavg", "dir0.5"): "88.09 ±
 # strategy rows: label -> run-config overrides
 ROWS = {"fedavg": {"strategy": "fedavg"}, "fedprox": {"strategy": "fedprox", "proximal-mu": 0.01},
         "fedavgm": {"strategy": "fedavgm", "server-momentum": 0.9}, "auto": {"strategy": "auto"},
-        "feddf": {"strategy": "feddf"}, "average": {"strategy": "average"}}
+        "feddf": {"strategy": "feddf"}, "average": {"strategy": "average"}, "kf-linear": {"strategy": "kf-linear"},
+        "ot": {"strategy": "ot"}, "rebasin": {"strategy": "rebasin"}}
 
 
 def recipe(text: str) -> tuple[int, int]:

@@ -25,6 +25,24 @@ O1_LABELS = {"average": "one-shot FedAvg (weighted average)", "kd": "KD (ensembl
 PUB_ROW = {"average": "one-shot FedAvg", "feddf": "FedDF", "ensemble": "ensemble"}
 
 
+SECTIONS = ("o1", "m1", "m2")
+HEADINGS = {"## O1": "o1", "## M1": "m1", "## M2": "m2"}
+
+
+def read_sections(out: Path) -> dict[str, str]:
+    """The tables already written to ``out``, one per section (``o1.md``, ``m1.md``, ``m2.md``; a ``tables.md`` of
+    an earlier version is cut at its headings): a rerun of one table keeps the others, whose raw runs may not be
+    on this machine."""
+    found = {k: (out / f"{k}.md").read_text() for k in SECTIONS if (out / f"{k}.md").exists()}
+    if not found and (out / "tables.md").exists():
+        key = None
+        for line in (out / "tables.md").read_text().splitlines(keepends=True):
+            key = next((v for h, v in HEADINGS.items() if line.startswith(h)), key)
+            if key:
+                found[key] = found.get(key, "") + line
+    return found
+
+
 def rows_of(folder: Path) -> list[dict]:
     """A bench's rows; a run a later bench invocation read again (its cached folder) counts once."""
     path = folder / "rows.jsonl"
@@ -88,7 +106,18 @@ def partial_row(run: Path) -> dict:
             "best": max(curve[1:]), "final": curve[-1], "with-head": None, "curve": curve, "run": str(run)}
 
 
-def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> str:
+def central_rows(folder: Path) -> list[str]:
+    """The pooled-data ceiling (``simulations.bench.fmnist_central``) as M1 rows: best over epochs and final."""
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*-e*.json"))]
+    by = defaultdict(list)
+    for r in runs:
+        by[r["epochs"]].append(r)
+    return [f"| all (pooled) | centralised LeNet-5 (no federation: every client's images in one model) | "
+            f"{e} epochs | {_fmt([r['best'] for r in rs])} | {_fmt([r['final'] for r in rs])} | — | | |"
+            for e, rs in sorted(by.items())]
+
+
+def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = (), central: list[str] = ()) -> str:
     lines = ["| split | row | recipe | best over rounds | final | + head round (final model) | "
              "aggregation s ÷ one local epoch | published (NIID-Bench, 50 × 10) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -124,7 +153,7 @@ def m1_table(rows: list[dict], stock: list[dict], partial: list[dict] = ()) -> s
                      f"{_fmt([r['final'] for r in rs])} | {_fmt(heads) if heads else '—'} | "
                      f"{f'{statistics.median(costs):.3g} (median of {len(costs)})' if costs else ''} | "
                      f"{M1_PUBLISHED.get((strat, part), '') if (rounds, epochs) == (50, 10) else ''} |")
-    return "\n".join(lines)
+    return "\n".join(lines + list(central))
 
 
 def m2_stats(row: dict) -> dict:
@@ -192,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m1", nargs="*", default=[])
     ap.add_argument("--stock", nargs="*", default=[])
     ap.add_argument("--m1-partial", nargs="*", default=[], help="M1 run folders stopped before their last round")
+    ap.add_argument("--central", nargs="*", default=[], help="fmnist_central output folders (the pooled ceiling)")
     ap.add_argument("--m2", nargs="*", default=[])
     ap.add_argument("--out", default="results/fmnist-tables")
     a = ap.parse_args(argv)
@@ -201,28 +231,33 @@ def main(argv: list[str] | None = None) -> None:
     m1 = [r for f in a.m1 for r in rows_of(Path(f))]
     stock = [json.loads(p.read_text()) for f in a.stock for p in sorted(Path(f).glob("*.json"))]
     partial = [partial_row(Path(f)) for f in a.m1_partial]
-    text = []
+    central = [line for f in a.central for line in central_rows(Path(f))]
+    sections = read_sections(out)
     if o1:
-        text += ["## O1: one-shot, 5 clients", "", NOTE, "", o1_table(o1), ""]
+        sections["o1"] = "\n".join(["## O1: one-shot, 5 clients", "", NOTE, "", o1_table(o1), ""])
         (out / "o1-per-seed.json").write_text(json.dumps(
             [{k: r.get(k) for k in ("part", "seed", "method", "accuracy", "with-head", "fuse-seconds", "epoch-seconds",
                                     "fusion-size", "epochs")} for r in o1], indent=0))
     if m1 or stock:
-        text += ["## M1: NIID-Bench, 10 clients", "", NOTE, "", m1_table(m1, stock, partial), ""]
+        sections["m1"] = "\n".join(["## M1: NIID-Bench, 10 clients", "", NOTE, "", m1_table(m1, stock, partial, central),
+                                    ""])
         keys = ("part", "seed", "strategy", "rounds", "planned", "epochs", "best", "final", "with-head", "curve")
         (out / "m1-per-seed.json").write_text(json.dumps(
             [{k: r.get(k) for k in keys} for r in m1 + partial]
-            + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "epochs", "best", "final", "curve")},
+            + [{**{k: r.get(k) for k in ("strategy", "seed", "rounds", "planned", "epochs", "best", "final", "curve")},
                 "split": Path(r["split"]).name, "engine": r.get("engine")} for r in stock], indent=0))
     m2 = [r for f in a.m2 for r in rows_of(Path(f))]
     if m2:
-        text += ["## M2: cross-device, 100 clients, 5 a round (Flower's fedavgm baseline recipe, LeNet)", "", NOTE, "",
-                 m2_table(m2), ""]
+        sections["m2"] = "\n".join(["## M2: cross-device, 100 clients, 5 a round (Flower's fedavgm baseline recipe, "
+                                    "LeNet)", "", NOTE, "", m2_table(m2), ""])
         (out / "m2-per-seed.json").write_text(json.dumps(
             [{**{k: r.get(k) for k in ("part", "seed", "strategy", "rounds")},
               **{k: v for k, v in m2_stats(r).items()}} for r in m2], indent=0))
-    (out / "tables.md").write_text("\n".join(text))
-    print("\n".join(text))
+    for key, body in sections.items():
+        (out / f"{key}.md").write_text(body)
+    text = "\n".join(sections[k] for k in SECTIONS if k in sections)
+    (out / "tables.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
