@@ -37,6 +37,14 @@ def _broken(models, *, fusion_inputs, scores, weights, device, seed, options, in
     return out
 
 
+def _fails_on_the_whole_set(models, *, fusion_inputs, scores, weights, device, seed, options, info) -> nn.Module:
+    from fedfuse.fusion import FusionError
+
+    if len(fusion_inputs) == len(X):
+        raise FusionError("test: refuses the whole fusion set")
+    return fuse_result("feddf", models, fusion_inputs=fusion_inputs, seed=seed).model   # beats the average's KL
+
+
 @pytest.fixture(autouse=True)
 def broken_method():
     """A deliberately bad candidate, registered when a test runs (not at import: the contract suite parametrizes
@@ -45,6 +53,8 @@ def broken_method():
 
     if "test-auto-broken" not in METHOD_SPECS:
         register("test-auto-broken", needs_data=False, any_module=True)(_broken)
+    if "test-auto-partial" not in METHOD_SPECS:
+        register("test-auto-partial", any_module=True)(_fails_on_the_whole_set)
 
 
 def test_agreeing_clients_get_the_average_without_trying_the_candidates():
@@ -58,7 +68,7 @@ def test_agreeing_clients_get_the_average_without_trying_the_candidates():
 def test_drifted_clients_get_the_candidate_with_the_best_held_out_agreement():
     models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
     res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, criterion="kl",
-                      candidates=["average", "kd", "test-auto-broken"])
+                      candidates=["average", "kd", "test-auto-broken"], refit=False)
     scores = res.info["auto-scores"]
     assert set(scores) == {"average", "kd", "test-auto-broken"}
     assert res.info["auto-choice"] == min(scores, key=scores.get) != "test-auto-broken"
@@ -70,7 +80,8 @@ def test_drifted_clients_get_the_candidate_with_the_best_held_out_agreement():
 
 def test_by_default_the_candidate_whose_top_class_agrees_most_with_the_ensemble_is_kept():
     models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
-    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, candidates=["average", "kd", "kf-linear"])
+    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, candidates=["average", "kd", "kf-linear"],
+                      refit=False)
     agree, kls = res.info["auto-agreement"], res.info["auto-scores"]
     assert res.info["auto-criterion"] == "agreement" and set(agree) == set(kls) == {"average", "kd", "kf-linear"}
     best = max(agree.values())
@@ -80,6 +91,43 @@ def test_by_default_the_candidate_whose_top_class_agrees_most_with_the_ensemble_
     target = teacher_probs(models, held, [0.5, 0.5])
     with torch.no_grad():
         assert (res.model(held).argmax(-1) == target.argmax(-1)).float().mean().item() == pytest.approx(best)
+
+
+def test_the_choice_is_refitted_on_the_whole_fusion_set_by_default():
+    """The held-out part chooses; the returned model is the chosen method fused on the whole fusion set, the same
+    model ``fuse(choice, ...)`` gives with the same seed (``refit=False``: the fit-part model the scores describe)."""
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, candidates=["kd", "kf-linear"])
+    choice = res.info["auto-choice"]
+    assert choice in ("kd", "kf-linear") and res.info["auto-refit"] > 0
+    whole = fuse_result(choice, models, fusion_inputs=X, seed=5).model
+    assert all(torch.equal(v, whole.state_dict()[k]) for k, v in res.model.state_dict().items())
+    part = fuse_result("auto", models, fusion_inputs=X, seed=5, agree_kl=0.0, candidates=["kd", "kf-linear"],
+                       refit=False)
+    assert part.info["auto-choice"] == choice and "auto-refit" not in part.info
+    assert not all(torch.equal(v, whole.state_dict()[k]) for k, v in part.model.state_dict().items())
+
+
+def test_a_refit_that_fails_keeps_the_fit_part_model_and_says_so():
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    with pytest.warns(RuntimeWarning, match="refitting 'test-auto-partial'"):
+        res = fuse_result("auto", models, fusion_inputs=X, seed=0, agree_kl=0.0, candidates=["test-auto-partial"],
+                          criterion="kl")
+    assert res.info["auto-choice"] == "test-auto-partial"
+    assert res.info["auto-refit"].startswith("failed, the fit-part model kept: FusionError: test: refuses")
+
+
+def test_the_default_candidates_include_distillation_and_neuron_interpolation():
+    """Distillation joined the label-free candidates with the top-1 agreement criterion (measured across the
+    MNIST-1D and Fashion-MNIST one-shot cells, docs/one-shot.md)."""
+    from fedfuse.fusion.auto import DEFAULT_CANDIDATES
+
+    assert {"kf-linear", "feddf", "kd"} <= set(DEFAULT_CANDIDATES)
+    models = [_client(1, [0, 1], init_seed=1), _client(2, [2, 3], init_seed=2)]
+    res = fuse_result("auto", models, fusion_inputs=X, seed=0, agree_kl=0.0)
+    assert set(res.info["auto-agreement"]) == set(DEFAULT_CANDIDATES)
+    with pytest.raises(FusionOptionError, match="refit"):
+        fuse_result("auto", models, fusion_inputs=X, refit="yes")
 
 
 def test_refine_variants_are_candidates_too():

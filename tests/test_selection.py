@@ -113,6 +113,8 @@ def test_run_config_errors_name_the_key():
     assert selection_options(one)["candidates"] == ("kf-linear",)   # one-shot with the head round (default)
     vit = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "vit"})
     assert selection_options(vit)["candidates"] == ("feddf",)   # kf-linear takes no transformer blocks
+    lenet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "lenet"})
+    assert selection_options(lenet)["candidates"] == ("kf-linear",)   # Fashion-MNIST O1: kf-linear's features best
     strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
     # strict one-shot: no plain average of independently initialised models (at chance; a liars' target)
     assert selection_options(strict)["candidates"] == ("feddf", "kf-linear")

@@ -221,6 +221,8 @@ class MemberReference:
 #: own initialisations, so their average is at chance (Fashion-MNIST O1: 10.0 % in every cell, docs/fashion-mnist.md)
 #: and as a candidate it only gives lying voters a target (docs/trust.md, "One-shot, the vote": 0.113 with it)
 ONE_SHOT_AUTO_CANDIDATES = ("feddf", "kf-linear")
+#: the model families whose one-shot ``auto`` with the head round is kf-linear (the rest: FedDF)
+KF_LINEAR_HEAD_FAMILIES = ("mlp", "cnn", "lenet")
 
 
 def selection_options(cfg: RunConfig) -> dict:
@@ -232,11 +234,11 @@ def selection_options(cfg: RunConfig) -> dict:
     candidates = cfg.auto_candidate_names
     if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
         # with the head round one candidate: the clients score the candidates before their head is solved, which
-        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN: its features beat FedDF's under the
-        # head round); FedDF for the block families kf-linear cannot take (ViT: above kf-gradient there). Measured:
-        # docs/one-shot.md, its opening section
+        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN/LeNet: its features beat FedDF's under
+        # the head round); FedDF for the block families kf-linear cannot take (ViT: above kf-gradient there).
+        # Measured: docs/one-shot.md, its opening section; LeNet: docs/fashion-mnist.md, O1 (+2.9 to +3.1)
         candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
-            ("kf-linear",) if cfg.model in ("mlp", "cnn") else ("feddf",))
+            ("kf-linear",) if cfg.model in KF_LINEAR_HEAD_FAMILIES else ("feddf",))
     out = {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
            "fusion_min_epochs": cfg.auto_fusion_epochs}
     take = auto_round_aggregation(cfg)

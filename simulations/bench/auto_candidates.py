@@ -12,7 +12,9 @@ Every row of a cell is computed from the same trained clients:
 
 - each fixed candidate, ``fuse(method)`` on the whole fusion set (the table's fixed rows);
 - ``fuse("auto", candidates=S)`` for every set ``S`` of ``--sets`` (``;``-separated, ``|`` between methods;
-  ``default`` is ``fedfuse.fusion.auto.DEFAULT_CANDIDATES``), its choice and test accuracy.
+  ``default`` is ``fedfuse.fusion.auto.DEFAULT_CANDIDATES``, ``old`` the candidates before this bench: average,
+  kf-linear, kf-gradient, ot; a trailing ``|no-refit`` returns the choice as fitted on the fit part, ``refit=False``),
+  its choice and test accuracy.
 
 Cells: ``mnist1d`` = ``simulations.bench.progressive``'s (the anchors' MLP, 20 epochs of SGD lr 0.05, 300 public
 fusion samples; 5 and 10 clients, α 0.1 / 0.3 / 0.5); ``fmnist`` = ``simulations.bench.fmnist_oneshot``'s O1 (5
@@ -40,6 +42,8 @@ from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.fusion.auto import DEFAULT_CANDIDATES  # noqa: E402
 
 FIXED = ("average", "kf-linear", "kf-gradient", "ot", "feddf", "kd")
+#: fuse("auto")'s candidates before this bench (no distillation), its choice returned as fitted on the fit part
+OLD = ("average", "kf-linear", "kf-gradient", "ot")
 
 
 def anchors_cell(alpha: float, clients: int, seed: int, dataset: str = "mnist1d", model: str = "mlp"):
@@ -92,29 +96,32 @@ def accuracy(model, x, y) -> float:
         return float((model.eval()(x).argmax(1) == y).float().mean())
 
 
-def run_cell(models, fusion, xt, yt, n, seed: int, sets: dict[str, tuple[str, ...]]) -> dict:
+def run_cell(models, fusion, xt, yt, n, seed: int, sets: dict, fixed: bool = True) -> dict:
     rec: dict = {"fixed": {}, "auto": {}, "choice": {}, "agreement": {}}
-    for method in FIXED:
+    for method in FIXED if fixed else ():
         try:
             rec["fixed"][method] = accuracy(fuse_result(method, models, fusion_inputs=fusion, weights=n,
                                                         seed=seed).model, xt, yt)
         except ValueError as exc:   # a method that cannot take the models: recorded, not a row
             rec["fixed"][method] = None
             rec.setdefault("n/a", {})[method] = str(exc)[:200]
-    for name, cands in sets.items():
-        res = fuse_result("auto", models, fusion_inputs=fusion, weights=n, seed=seed, candidates=cands)
+    for name, (cands, refit) in sets.items():
+        res = fuse_result("auto", models, fusion_inputs=fusion, weights=n, seed=seed, candidates=cands, refit=refit)
         rec["auto"][name] = accuracy(res.model, xt, yt)
         rec["choice"][name] = res.info.get("auto-choice")
         rec["agreement"][name] = res.info.get("auto-agreement")
     return rec
 
 
-def parse_sets(text: str) -> dict[str, tuple[str, ...]]:
+def parse_sets(text: str) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """``{set text: (candidates, refit)}``."""
+    named = {"default": DEFAULT_CANDIDATES, "old": OLD}
     out = {}
     for s in text.split(";"):
-        cands = tuple(DEFAULT_CANDIDATES) if s == "default" else tuple(
-            m for part in s.split("|") for m in (DEFAULT_CANDIDATES if part == "default" else (part,)))
-        out[s] = cands
+        parts = s.split("|")
+        refit = parts[-1] != "no-refit"
+        cands = tuple(m for part in parts if part != "no-refit" for m in named.get(part, (part,)))
+        out[s] = (tuple(dict.fromkeys(cands)), refit)
     return out
 
 
@@ -125,7 +132,7 @@ def _model(row: dict) -> str:
 def summarise(rows: list[dict]) -> str:
     """Per cell: the best fixed method (on the mean over seeds), each set's auto, its gap and its choices."""
     cells = sorted({(r["data"], _model(r), r["clients"], r["alpha"]) for r in rows})
-    sets = list(rows[0]["auto"])
+    sets = list(dict.fromkeys(k for r in rows for k in r["auto"]))
     lines = ["| data | model | clients | α | best fixed (mean) | " + " | ".join(f"auto [{s.replace('|', ' + ')}]" for s in sets) + " |",
              "|---|---|---|---|---|" + "---|" * len(sets)]
     for cell in cells:
@@ -135,9 +142,12 @@ def summarise(rows: list[dict]) -> str:
         best = max(means, key=means.get)
         cols = []
         for s in sets:
-            a = [100 * r["auto"][s] for r in rs]
+            a = [100 * r["auto"][s] for r in rs if s in r["auto"]]
+            if not a:
+                cols.append("")
+                continue
             sd = f" ± {statistics.stdev(a):.1f}" if len(a) > 1 else ""
-            picks = "/".join(r["choice"][s] for r in rs)
+            picks = "/".join(r["choice"][s] for r in rs if s in r["choice"])
             cols.append(f"{statistics.mean(a):.1f}{sd} ({statistics.mean(a) - means[best]:+.1f}; {picks})")
         lines.append(f"| {cell[0]} | {cell[1]} | {cell[2]} | {cell[3]:g} | {best} {means[best]:.1f} | " + " | ".join(cols) + " |")
     fixed = ["", "| data | model | clients | α | " + " | ".join(FIXED) + " |", "|---|---|---|---|" + "---|" * len(FIXED)]
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alphas", default="0.1,0.3,0.5")
     ap.add_argument("--clients", default="5,10", help="mnist1d only (fmnist: 5)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--sets", default="default;default|feddf|kd;kf-linear|feddf|kd")
+    ap.add_argument("--sets", default="old|no-refit;old;default|no-refit;default")
     ap.add_argument("--cache", default="results/cache/fmnist-oneshot")
     ap.add_argument("--out", default="results/auto-candidates")
     ap.add_argument("--summary-only", action="store_true")
@@ -169,23 +179,34 @@ def main(argv: list[str] | None = None) -> None:
     path = out / "rows.jsonl"
     if not a.summary_only:
         sets = parse_sets(a.sets)
-        done = {(r["data"], _model(r), r["clients"], r["alpha"], r["seed"])
-                for r in map(json.loads, path.open())} if path.exists() else set()
+        old = [json.loads(line) for line in path.open()] if path.exists() else []
+        done = {(r["data"], _model(r), r["clients"], r["alpha"], r["seed"]): r for r in old}
         clients = [int(c) for c in a.clients.split(",")] if a.data != "fmnist" else [5]
         model = a.model if a.data == "mnist1d" else ("lenet" if a.data == "fmnist" else "mlp")
         for c in clients:
             for alpha in (float(x) for x in a.alphas.split(",")):
                 for seed in (int(s) for s in a.seeds.split(",")):
-                    if (a.data, model, c, alpha, seed) in done:
+                    prev = done.get((a.data, model, c, alpha, seed))
+                    todo = {k: v for k, v in sets.items() if prev is None or k not in prev["auto"]}
+                    if not todo:
                         continue
                     cell = fmnist_cell(alpha, seed, Path(a.cache)) if a.data == "fmnist" else anchors_cell(
                         alpha, c, seed, a.data, model)
                     rec = {"data": a.data, "model": model, "clients": c, "alpha": alpha, "seed": seed,
-                           **run_cell(*cell, seed=seed, sets=sets)}
+                           **run_cell(*cell, seed=seed, sets=todo, fixed=prev is None)}
+                    if prev is not None:   # the same clients (seeded); the new sets join the cell's row
+                        for key in ("auto", "choice", "agreement"):
+                            rec[key] = {**prev[key], **rec[key]}
+                        rec["fixed"] = prev["fixed"]
+                        old = [r for r in old if r is not prev]
+                        old.append(rec)
+                        path.write_text("".join(json.dumps(r) + "\n" for r in old))
                     print(json.dumps({k: rec[k] for k in ("data", "model", "clients", "alpha", "seed", "auto", "choice")}),
                           flush=True)
-                    with path.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    if prev is None:
+                        old.append(rec)
+                        with path.open("a") as f:
+                            f.write(json.dumps(rec) + "\n")
     text = summarise([json.loads(line) for line in path.open()])
     (out / "table.md").write_text(text)
     print(text)
