@@ -200,16 +200,21 @@ class _Trial:
         self.skipped: dict[str, str] = {}
         self.best: tuple[float, str, nn.Module] | None = None
 
+    def _fuse(self, name: str, inputs: torch.Tensor):
+        """``fuse_result`` of candidate ``name`` (``"<method>"`` or ``"<method>+<refine>"``) on ``inputs``: the
+        package entry point, with its checks, seeding and finite check."""
+        from fedfuse.fusion import fuse_result  # deferred: cycle (the package imports this module to register it)
+
+        method, _, refine = name.partition("+")
+        return fuse_result(method, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
+                           device=self.device, seed=self.seed, refine=refine or None)
+
     def refit(self, inputs: torch.Tensor, info: dict) -> nn.Module:
         """The chosen candidate fused again on ``inputs`` (the whole fusion set); if that fusion fails, the model
         fitted on the fit part, with the reason in ``info["auto-refit"]`` and a warning."""
-        from fedfuse.fusion import fuse_result  # deferred: cycle
-
         name = self.best[1]
-        method, _, refine = name.partition("+")
         try:
-            res = fuse_result(method, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
-                              device=self.device, seed=self.seed, refine=refine or None)
+            res = self._fuse(name, inputs)
         except FusionError as exc:
             info["auto-refit"] = f"failed, the fit-part model kept: {type(exc).__name__}: {exc}"
             warnings.warn(f"auto: refitting {name!r} on the whole fusion set failed ({exc}); the model fitted on "
@@ -222,15 +227,11 @@ class _Trial:
             timed: bool = True) -> None:
         """Fuse with ``name`` on ``inputs`` (the package entry point: its checks, seeding and finite check) and
         score the result; a method that cannot take the models, or the spent time budget, skips it."""
-        from fedfuse.fusion import fuse_result  # deferred: cycle (the package imports this module to register it)
-
         if timed and self.max_seconds and time.perf_counter() - self.t_start > self.max_seconds:
             self.skipped[name] = f"time budget of {self.max_seconds:g} s spent"
             return
-        method, _, refine = name.partition("+")
         try:
-            res = fuse_result(method, self.members, fusion_inputs=inputs, scores=self.scores, weights=self.weights,
-                              device=self.device, seed=self.seed, refine=refine or None)
+            res = self._fuse(name, inputs)
         except FusionError as exc:
             self.skipped[name] = f"{type(exc).__name__}: {exc}"
             return
