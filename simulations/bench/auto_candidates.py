@@ -31,6 +31,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -179,34 +180,27 @@ def main(argv: list[str] | None = None) -> None:
     path = out / "rows.jsonl"
     if not a.summary_only:
         sets = parse_sets(a.sets)
-        old = [json.loads(line) for line in path.open()] if path.exists() else []
-        done = {(r["data"], _model(r), r["clients"], r["alpha"], r["seed"]): r for r in old}
+        rows = [json.loads(line) for line in path.open()] if path.exists() else []
         clients = [int(c) for c in a.clients.split(",")] if a.data != "fmnist" else [5]
-        model = a.model if a.data == "mnist1d" else ("lenet" if a.data == "fmnist" else "mlp")
-        for c in clients:
-            for alpha in (float(x) for x in a.alphas.split(",")):
-                for seed in (int(s) for s in a.seeds.split(",")):
-                    prev = done.get((a.data, model, c, alpha, seed))
-                    todo = {k: v for k, v in sets.items() if prev is None or k not in prev["auto"]}
-                    if not todo:
-                        continue
-                    cell = fmnist_cell(alpha, seed, Path(a.cache)) if a.data == "fmnist" else anchors_cell(
-                        alpha, c, seed, a.data, model)
-                    rec = {"data": a.data, "model": model, "clients": c, "alpha": alpha, "seed": seed,
-                           **run_cell(*cell, seed=seed, sets=todo, fixed=prev is None)}
-                    if prev is not None:   # the same clients (seeded); the new sets join the cell's row
-                        for key in ("auto", "choice", "agreement"):
-                            rec[key] = {**prev[key], **rec[key]}
-                        rec["fixed"] = prev["fixed"]
-                        old = [r for r in old if r is not prev]
-                        old.append(rec)
-                        path.write_text("".join(json.dumps(r) + "\n" for r in old))
-                    print(json.dumps({k: rec[k] for k in ("data", "model", "clients", "alpha", "seed", "auto", "choice")}),
-                          flush=True)
-                    if prev is None:
-                        old.append(rec)
-                        with path.open("a") as f:
-                            f.write(json.dumps(rec) + "\n")
+        model = {"mnist1d": a.model, "fmnist": "lenet"}.get(a.data, "mlp")
+        alphas, seeds = [float(x) for x in a.alphas.split(",")], [int(s) for s in a.seeds.split(",")]
+        for c, alpha, seed in itertools.product(clients, alphas, seeds):
+            key = (a.data, model, c, alpha, seed)
+            prev = next((r for r in rows if (r["data"], _model(r), r["clients"], r["alpha"], r["seed"]) == key), None)
+            todo = {k: v for k, v in sets.items() if prev is None or k not in prev["auto"]}
+            if not todo:
+                continue
+            cell = fmnist_cell(alpha, seed, Path(a.cache)) if a.data == "fmnist" else anchors_cell(
+                alpha, c, seed, a.data, model)
+            rec = {"data": a.data, "model": model, "clients": c, "alpha": alpha, "seed": seed,
+                   **run_cell(*cell, seed=seed, sets=todo, fixed=prev is None)}
+            if prev is not None:   # the same clients (seeded): the new sets join the cell's row
+                rec = {**rec, "fixed": prev["fixed"], **{k: {**prev[k], **rec[k]} for k in ("auto", "choice", "agreement")}}
+                rows.remove(prev)
+            rows.append(rec)
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            print(json.dumps({k: rec[k] for k in ("data", "model", "clients", "alpha", "seed", "auto", "choice")}),
+                  flush=True)
     text = summarise([json.loads(line) for line in path.open()])
     (out / "table.md").write_text(text)
     print(text)
