@@ -12,6 +12,10 @@ DATASETS = ("digits", "digits-flat", "digits-std", "mnist1d", "mnist1d-flat", "s
             "mnist", "fashion-mnist")
 HF_PREFIX = "hf:"  # dataset "hf:<hub name or save_to_disk folder>"
 MODELS = ("mlp", "cnn", "lenet", "resnet", "vit")
+# model "torchvision:<classification builder>" | "timm:<model name>": a zoo model fitted to the dataset's inputs
+# (fedfuse.models.zoo); its own size, so model-width / model-depth stay 0 and it has no capacity tiers
+TORCHVISION_PREFIX, TIMM_PREFIX = "torchvision:", "timm:"
+ZOO_PREFIXES = (TORCHVISION_PREFIX, TIMM_PREFIX)
 # model name -> fusion family of fedfuse.fusion.MethodSpec (sequential levels are affine: Linear/Conv)
 MODEL_FAMILIES = {"mlp": "sequential", "cnn": "sequential", "lenet": "sequential", "resnet": "resnet", "vit": "vit"}
 # each model's own (width, depth): what model-width / model-depth = 0 (their defaults) build. LeNet-5 as NIID-Bench

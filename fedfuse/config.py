@@ -55,7 +55,8 @@ from fedfuse.data import FederatedData  # noqa: E402
 from fedfuse.data.fusion_set import check_fusion_inputs, load_fusion_file  # noqa: E402
 from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.data.sources import IDX_SOURCES, TORCHVISION_SOURCES, idx_files_problem, source_info  # noqa: E402
-from fedfuse.models import build_model  # noqa: E402
+from fedfuse.models import build_model, levels, model_family  # noqa: E402
+from fedfuse.models.zoo import input_problem as zoo_input_problem, is_zoo_name, zoo_name_problem  # noqa: E402
 
 
 class ConfigError(ValueError):
@@ -102,7 +103,9 @@ class RunConfig:
     dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
     data_root: str = _key("", "folder of the dataset's files: torchvision root (CIFAR), the idx files (MNIST, "
                           "Fashion-MNIST; default: Debian's dataset-fashion-mnist), a save_to_disk folder (hf:)")
-    model: str = _key("mlp", "architecture", choices=MODELS)
+    model: str = _key("mlp", "architecture: fedfuse's own, or a zoo model 'torchvision:<classification builder>' / "
+                      "'timm:<model name>' (random initialisation, never pretrained weights; input channels and, "
+                      "below 32x32, size fitted to the dataset: fedfuse.models.zoo)", choices=MODELS)
     model_width: int = _key(0, "hidden width / channels; 0 = the model's own (64; lenet: 6, the channels of its "
                             "first convolution, as NIID-Bench)", ge=0)
     model_depth: int = _key(0, "hidden layers / blocks; 0 = the model's own (2)", ge=0)
@@ -319,7 +322,10 @@ class RunConfig:
                                    "fresh initialisation (e.g. a client's model; absolute path on the server)")
 
     def __post_init__(self) -> None:
-        # 0 = the model's own size (fedfuse.choices.MODEL_SIZES): resolved here, so every reader sees the real one
+        # 0 = the model's own size (fedfuse.choices.MODEL_SIZES): resolved here, so every reader sees the real one;
+        # a zoo model's size is its own and stays 0 (_check_zoo_model rejects any other value)
+        if is_zoo_name(self.model):
+            return
         width, depth = MODEL_SIZES.get(self.model, (64, 2))
         if self.model_width == 0:
             object.__setattr__(self, "model_width", width)
@@ -463,9 +469,15 @@ def _check_range(spec: KeySpec, value: Any) -> None:
             if len(value) > len(HF_PREFIX):
                 return
             raise ConfigError("run-config key 'dataset': 'hf:' needs a name, e.g. 'hf:uoft-cs/cifar10'")
+        if spec.key == "model" and is_zoo_name(value):
+            problem = zoo_name_problem(value)
+            if problem is None:
+                return
+            raise ConfigError(f"run-config key 'model': {problem}")
         close = difflib.get_close_matches(str(value), [str(c) for c in spec.choices], n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        extra = f" or '{HF_PREFIX}<name>'" if spec.key == "dataset" else ""
+        extra = {"dataset": f" or '{HF_PREFIX}<name>'",
+                 "model": " or a zoo model 'torchvision:<name>' / 'timm:<name>'"}.get(spec.key, "")
         raise ConfigError(f"run-config key {spec.key!r}: {value!r} is not one of {list(spec.choices)}{extra}{hint}")
     ok = ((spec.ge is None or value >= spec.ge) and (spec.gt is None or value > spec.gt)
           and (spec.le is None or value <= spec.le) and (spec.lt is None or value < spec.lt))
@@ -653,8 +665,29 @@ def _check_privacy(cfg: RunConfig) -> None:
                           "class counts, which the DP account does not cover")
 
 
+def _check_zoo_model(cfg: RunConfig) -> None:
+    """A zoo model (``model='torchvision:<name>'`` / ``'timm:<name>'``; its name is checked with the allowed values)
+    has its own size (``model-width`` / ``model-depth`` 0), no capacity tiers, and takes images."""
+    if not is_zoo_name(cfg.model):
+        return
+    for key in ("model-width", "model-depth"):
+        value = getattr(cfg, key.replace("-", "_"))
+        if value != 0:
+            raise ConfigError(f"run-config key {key!r} ({value}): zoo model {cfg.model!r} has its own size; {key} "
+                              f"sizes fedfuse's own models ({', '.join(MODELS)}) only; remove it (0)")
+    if cfg.client_tiers.strip():
+        raise ConfigError(f"run-config key 'client-tiers': capacity tiers build fedfuse's own models at other widths "
+                          f"and depths; zoo model {cfg.model!r} has none; remove client-tiers or use one of "
+                          f"{list(MODELS)}")
+    info = dataset_info(cfg.dataset)
+    problem = zoo_input_problem(cfg.model, info.input_shape) if info is not None else None
+    if problem:
+        raise ConfigError(f"run-config key 'model': {problem} (dataset {cfg.dataset!r})")
+
+
 def _check_rules(cfg: RunConfig) -> None:
     """Rules between keys and the dataset facts known without loading it."""
+    _check_zoo_model(cfg)
     if cfg.resume and not cfg.run_name:
         raise ConfigError("run-config key 'resume' needs a fixed 'run-name' (the run to continue lives in "
                           "<output-dir>/<run-name>)")
@@ -781,6 +814,14 @@ def _fusion_registry():
     return METHOD_SPECS, FusionError
 
 
+def _model_family(cfg: RunConfig) -> tuple[str | None, bool | None]:
+    """``(family, affine_levels)`` of ``cfg.model`` for ``MethodSpec.check_setup``: fedfuse's own models' from
+    ``MODEL_FAMILIES``; ``(None, None)`` (unknown: not checked) for a zoo model, whose structure ``check_model``
+    reads from the built model (``_check_zoo_setup``)."""
+    family = MODEL_FAMILIES.get(cfg.model)
+    return family, (family == "sequential" if family else None)
+
+
 def warm_start_fusions() -> tuple[str, ...]:
     """The values of ``warm-start-fusion``: every fusion method whose result is one model of the models'
     architecture, and ``best-client``."""
@@ -813,11 +854,11 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
                 "warm-start-fusion-options='' for the method's defaults)"
                 if cfg.warm_start_fusion_options == default else "")
         raise ConfigError(f"run-config key 'warm-start-fusion-options': {exc}{hint}") from None
-    family = MODEL_FAMILIES[cfg.model]
+    family, affine = _model_family(cfg)
     problem = fusion_set_problem(cfg)
     try:
         METHOD_SPECS[fusion].check_setup(num_models=clients_per_round(cfg), family=family,
-                                         has_fusion_set=problem is None, affine_levels=family == "sequential")
+                                         has_fusion_set=problem is None, affine_levels=affine)
     except FusionError as exc:
         raise ConfigError(f"run-config key 'warm-start-fusion': {exc}" + (f", but {problem}" if problem else "")
                           ) from None
@@ -1009,9 +1050,9 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         raise ConfigError(f"run-config keys 'strategy'/'num-clients': {exc} ({n} clients per round from "
                           f"num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
                           f"min-train-nodes={cfg.min_train_nodes})") from None
-    family = MODEL_FAMILIES[cfg.model]
+    family, affine = _model_family(cfg)
     try:
-        spec.check_setup(num_models=n, family=family, affine_levels=family == "sequential")
+        spec.check_setup(num_models=n, family=family, affine_levels=affine)
     except FusionError as exc:
         raise ConfigError(f"run-config keys 'strategy'/'model': {exc} (model {cfg.model!r} is of the {family} "
                           "family)") from None
@@ -1030,7 +1071,7 @@ def _check_candidate_setup(cfg: RunConfig) -> None:
     METHOD_SPECS, FusionError = _fusion_registry()
 
     n = clients_per_round(cfg)
-    family = MODEL_FAMILIES[cfg.model]
+    family, affine = _model_family(cfg)
     problem = fusion_set_problem(cfg)
     for name in cfg.auto_candidate_names:
         spec = METHOD_SPECS.get(name)
@@ -1038,7 +1079,7 @@ def _check_candidate_setup(cfg: RunConfig) -> None:
             continue
         try:
             spec.check_setup(num_models=n, family=family, has_fusion_set=problem is None,
-                             affine_levels=family == "sequential")
+                             affine_levels=affine)
         except FusionError as exc:
             why = (f"{n} clients per round from num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
                    f"min-train-nodes={cfg.min_train_nodes}; model {cfg.model!r}" + (f"; {problem}" if problem else ""))
@@ -1182,19 +1223,67 @@ def check_model(cfg: RunConfig) -> None:
         return
     import torch
 
+    zoo = is_zoo_name(cfg.model)
+    # a zoo model's own code states its limits with any of these (timm: AssertionError on an input size)
+    errors = (ValueError, RuntimeError, AssertionError, TypeError, IndexError) if zoo else (ValueError, RuntimeError)
     try:
         model = build_model(cfg.model, num_classes=info.num_classes, input_shape=info.input_shape,
                             width=cfg.model_width, depth=cfg.model_depth, seed=cfg.seed)
         with torch.no_grad():
             out = model.eval()(torch.zeros(2, *info.input_shape))
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"run-config key 'model': {cfg.model!r} (width {cfg.model_width}, depth {cfg.model_depth}) "
-                          f"cannot take dataset {cfg.dataset!r} inputs {info.input_shape}: {exc}") from None
+    except errors as exc:
+        size = "" if zoo else f" (width {cfg.model_width}, depth {cfg.model_depth})"
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0] if zoo else exc
+        if zoo:
+            detail = f"{detail} (zoo models see images of at least 32x32 pixels: fedfuse.models.zoo)"
+        raise ConfigError(f"run-config key 'model': {cfg.model!r}{size} cannot take dataset {cfg.dataset!r} inputs "
+                          f"{info.input_shape}: {detail}") from None
     if tuple(out.shape) != (2, info.num_classes):
         raise ConfigError(f"run-config key 'model': {cfg.model!r} maps inputs {info.input_shape} to "
                           f"{tuple(out.shape[1:])}, expected {info.num_classes} logits")
+    if zoo:
+        _check_zoo_setup(cfg, model)
     if cfg.initial_model_path:
         load_initial_model(cfg.initial_model_path, model)
+
+
+def _check_zoo_setup(cfg: RunConfig, model: Any) -> None:
+    """What the run asks of a zoo model's structure, read from the built ``model`` (``parse_run_config`` cannot
+    know it without building): every fusion method the run uses (``strategy``, ``warm-start-fusion``, the
+    ``auto-candidates`` named) can take it, and the head round can read its classifier. A method that never
+    decomposes the models (``any_module``: averaging, distillation) takes any model."""
+    METHOD_SPECS, FusionError = _fusion_registry()
+
+    uses = []
+    if cfg.strategy in METHOD_SPECS and cfg.strategy not in NON_FUSION_STRATEGIES:
+        uses.append(("strategy", cfg.strategy))
+    if cfg.mode == "warm-start" and cfg.warm_start_fusion in METHOD_SPECS:
+        uses.append(("warm-start-fusion", cfg.warm_start_fusion))
+    if cfg.strategy in SELECTING_STRATEGIES and cfg.auto_candidates != SCHEMA["auto-candidates"].default:
+        uses += [("auto-candidates", c) for c in cfg.auto_candidate_names if c in METHOD_SPECS]
+    if not uses and not cfg.head_round:
+        return
+    try:   # fedfuse.fusion.model_setup for one model: its adapter family and whether every level is affine
+        family = model_family(model)
+        affine, problem = all(lv.affine for lv in levels(model)), None
+    except ValueError as exc:   # UnsupportedModelError: no structure reader takes this model
+        family, affine, problem = None, None, str(exc).splitlines()[0]
+    for key, name in uses:
+        spec = METHOD_SPECS[name]
+        if problem is not None and not spec.any_module:
+            takes_any = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_module)
+            raise ConfigError(f"run-config key {key!r}: fusion method {name!r} reads the models' structure, which "
+                              f"fedfuse cannot read for model {cfg.model!r} ({problem}); use one that takes any "
+                              f"model ({', '.join(takes_any)})")
+        try:
+            spec.check_setup(num_models=clients_per_round(cfg), family=family, affine_levels=affine)
+        except FusionError as exc:
+            raise ConfigError(f"run-config keys {key!r}/'model': {exc} (model {cfg.model!r} is of the {family} "
+                              "family)") from None
+    if problem is not None and cfg.head_round:
+        raise ConfigError(f"run-config key 'head-round': the head round solves the classifier on the model's "
+                          f"features, which fedfuse cannot read for model {cfg.model!r} ({problem}); set "
+                          "head-round=false")
 
 
 def load_initial_model(path: str, model: Any, *, key: str = "run-config key 'initial-model-path'") -> dict[str, Any]:
@@ -1275,6 +1364,8 @@ def describe() -> str:
         allowed = " \\| ".join(s.choices) if s.choices else s.range_text()
         if s.key == "dataset":
             allowed += f" \\| {HF_PREFIX}<name>"
+        if s.key == "model":
+            allowed += " \\| torchvision:<name> \\| timm:<name>"
         if s.key == "strategy":
             allowed = " \\| ".join(strategy_names())
         if s.key == "warm-start-fusion":

@@ -72,10 +72,10 @@ def _attribute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, me
             for lv in lvs:
                 if method == "conductance":
                     algo = LayerConductance(model, lv.module)
-                    attr = algo.attribute(xb, target=yb, n_steps=n_steps)
+                    attr = algo.attribute(xb, target=yb, n_steps=n_steps, attribute_to_layer_input=lv.module_input)
                 else:
                     algo = LayerDeepLift(model, lv.module)
-                    attr = algo.attribute(xb, target=yb)
+                    attr = algo.attribute(xb, target=yb, attribute_to_layer_input=lv.module_input)
                 if isinstance(attr, tuple):
                     attr = attr[0]
                 sums[lv.name] += neuron_axis_sum(attr.detach().abs(), lv.layout).sum(0).double().cpu()

@@ -36,7 +36,7 @@ def _ids(cases):
 
 
 def test_registry_lists_the_families():
-    assert list(ADAPTERS) == ["sequential", "resnet", "vit", "torchvision-resnet"]   # the last: tests/test_torchvision_resnet.py
+    assert list(ADAPTERS) == ["sequential", "resnet", "vit", "torchvision-resnet", "graph"]   # the last: tests/test_torchvision_resnet.py
     for name, fam in FAMILY.items():
         m = build_model(name, 10, (1, 8, 8))
         assert model_family(m) == fam and adapter_for(m) is ADAPTERS[fam]
@@ -156,11 +156,10 @@ def test_outside_timm_vit_is_handled():
 
 
 def test_unsupported_models_raise_clear_errors():
-    with pytest.raises(UnsupportedModelError, match="unsupported model type LSTM"):
-        adapter_for(nn.LSTM(3, 3))
-    with pytest.raises(ValueError, match="levels: unsupported model type GRU"):
+    assert adapter_for(nn.LSTM(3, 3)).family == "graph"   # any other module goes to the generic reader ...
+    with pytest.raises(ValueError, match="graph reader: GRU has no Linear/Conv layer"):   # ... which says what it lacks
         levels(nn.GRU(3, 3))
-    with pytest.raises(ValueError, match="permute: unsupported model type GRU"):
+    with pytest.raises(ValueError, match="graph reader: GRU has no Linear/Conv layer"):
         build_spec(nn.GRU(3, 3))
     odd = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     assert [lv.width for lv in levels(odd)] == [8, 3]                  # levels work for any such stack ...

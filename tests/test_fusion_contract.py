@@ -127,7 +127,7 @@ def test_registration_is_typed_and_has_the_one_signature(method):
                             + (["reference"] if spec.any_reference else [])), f"{method}: {list(params)}"
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())  # no **_
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[1:])
-    assert set(spec.families) <= {"sequential", "resnet", "vit", "torchvision-resnet"} and spec.families
+    assert set(spec.families) <= {"sequential", "resnet", "vit", "torchvision-resnet", "graph"} and spec.families
     assert spec.min_models >= 1 and (spec.max_models is None or spec.max_models >= spec.min_models)
 
 

@@ -82,7 +82,7 @@ def test_width_and_depth_knobs():
 def test_errors():
     with pytest.raises(ValueError, match="unknown model"):
         build_model("transformer-xl")
-    with pytest.raises(ValueError, match="unsupported model type"):
+    with pytest.raises(ValueError, match="graph reader: LSTM has no Linear/Conv layer"):
         levels(nn.LSTM(3, 3))
     with pytest.raises(ValueError, match="unsupported parameterised module"):
         levels(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)))

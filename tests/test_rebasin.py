@@ -106,7 +106,7 @@ def test_bad_inputs_raise_value_error():
         fuse("rebasin", [a, a], fusion_inputs=x, matching="magic")
     with pytest.raises(MissingInputError, match="needs fusion_inputs"):
         fuse("rebasin", [a, a], matching="activations")
-    with pytest.raises(IncompatibleModelsError, match="unsupported model type Linear"):
+    with pytest.raises(IncompatibleModelsError, match="graph reader: Linear's output is not a Linear classifier"):
         fuse("rebasin", [nn.Linear(4, 2), nn.Linear(4, 2)], matching="weights")
     with pytest.raises(IncompatibleModelsError, match="families"):
         fuse("rebasin", [_model("resnet", (1, 8, 8), dict(width=8)), _model("cnn", (1, 8, 8), dict(width=8))],

@@ -73,7 +73,8 @@ def output_dir(cfg: RunConfig) -> Path:
     base = Path(cfg.output_dir).expanduser()
     if not base.is_absolute():
         base = Path(os.environ.get("FEDFUSE_OUTPUT_ROOT", os.getcwd())) / base
-    name = cfg.run_name or (f"{cfg.strategy}-{cfg.dataset}-{cfg.model}-{cfg.partitioning}-{cfg.mode}-s{cfg.seed}-"
+    model = cfg.model.replace(":", "-")   # a zoo model's 'timm:<name>': no colon in the folder name
+    name = cfg.run_name or (f"{cfg.strategy}-{cfg.dataset}-{model}-{cfg.partitioning}-{cfg.mode}-s{cfg.seed}-"
                             f"{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     return base / name
 

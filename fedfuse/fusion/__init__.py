@@ -34,6 +34,7 @@ from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, FusionError, FusionO
                                      NumericalFusionError, get_spec, option_table, register)
 from fedfuse.fusion.refine import parse_refine, refine_model
 from fedfuse.models import levels, model_family
+from fedfuse.models.adapters import set_example_input
 from fedfuse.training import resolve_device
 
 
@@ -336,6 +337,9 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         if bad is not None:
             raise NumericalFusionError(f"fuse: model {i} has non-finite values in {bad!r}; fusing it cannot give a "
                                        f"finite model (method {method!r})")
+    if fusion_inputs is not None and isinstance(fusion_inputs, torch.Tensor):
+        for m in models + [t for t in (target, reference) if isinstance(t, nn.Module)]:
+            set_example_input(m, fusion_inputs)   # the generic structure reader traces the models on it
     family, affine, problem = model_setup(models)
     if problem is not None and not spec.any_module:
         raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models into fusion levels "

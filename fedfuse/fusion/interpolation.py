@@ -948,7 +948,7 @@ def _make(grouping: str, fit: str, any_target: bool = False):
 # HF = Hungarian matching of two equal-width models; KF = k-means over any number of models and widths.
 # Linear fits are closed-form per affine level, so they need a model whose levels are all affine (the
 # sequential family); gradient fits train any differentiable level (ResNet and ViT blocks too).
-_LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential",), affine_only=True)
+_LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential", "graph"), affine_only=True)
 _GRADIENT = dict(options=GradientInterpolationOptions, uses_scores=True)
 PAPER_HF_LINEAR = ('Neuron interpolation, HF grouping, closed-form linear level fits ("Model Fusion via Neuron '
                    'Interpolation", arXiv 2507.00037).')

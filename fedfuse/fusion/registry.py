@@ -174,7 +174,7 @@ def option_table(cls: type) -> list[tuple[str, str, Any]]:
 
 # -------------------------------------------------------------------------------------------- registry
 FusionFn = Callable[..., nn.Module]
-FAMILIES = ("sequential", "resnet", "vit", "torchvision-resnet")
+FAMILIES = ("sequential", "resnet", "vit", "torchvision-resnet", "graph")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from fedfuse.models.cnn import cnn
 from fedfuse.models.lenet import lenet
 from fedfuse.models.mlp import mlp
 from fedfuse.models.resnet import resnet
+from fedfuse.models.zoo import build_zoo, is_zoo_name
 
 
 def _vit(**kw) -> nn.Module:
@@ -27,9 +28,18 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "lenet": 
 
 def build(name: str, num_classes: int, input_shape: tuple[int, ...], seed: int = 0, **kw) -> nn.Module:
     """``MODELS[name](num_classes=..., input_shape=..., **kw)`` initialised from ``seed``; the global torch RNG is
-    left untouched. ``ValueError`` names an unknown ``name``."""
-    if name not in MODELS:
-        raise ValueError(f"model: unknown model {name!r}; choose one of {sorted(MODELS)}")
+    left untouched. ``ValueError`` names an unknown ``name``.
+
+    ``name`` ``torchvision:<builder>`` / ``timm:<model>``: that zoo model, randomly initialised and fitted to
+    ``input_shape`` (``fedfuse.models.zoo.build_zoo``); it takes no options (its size is its own)."""
+    zoo = is_zoo_name(name)
+    if not zoo and name not in MODELS:
+        raise ValueError(f"model: unknown model {name!r}; choose one of {sorted(MODELS)} or 'torchvision:<name>' / "
+                         "'timm:<name>'")
+    if zoo and kw:
+        raise ValueError(f"model: zoo model {name!r} has its own size and takes no options, got {sorted(kw)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if zoo:
+            return build_zoo(name, num_classes, tuple(input_shape))
         return MODELS[name](num_classes=num_classes, input_shape=tuple(input_shape), **kw)

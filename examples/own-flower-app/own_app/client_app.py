@@ -2,9 +2,11 @@
 
 ``read_train_message`` gives the global weights (whatever the strategy's ``arrayrecord_key``) and what the
 strategy asks for; ``reply_to_train`` sends the weights back under the same record name, the sample count
-under ``weight_key`` (the strategy's ``weighted_by_key``), DeepLIFT neuron-importance scores on the validation
-data only if the train config says ``need-importance``, and the class counts only if it says
-``need-class-counts``.
+under ``weight_key`` (the strategy's ``weighted_by_key``), neuron-importance scores on the validation data only if
+the train config says ``need-importance``, and the class counts only if it says ``need-class-counts``.
+
+The scores are conductance, not the default DeepLIFT: captum's DeepLIFT hooks each module once per forward, and
+Flower's ``Net`` applies its one ``self.pool`` twice.
 """
 
 from flwr.app import Context, Message
@@ -26,4 +28,4 @@ def train_handler(msg: Message, context: Context) -> Message:
     loss = train(model, x, y, epochs=int(context.run_config["local-epochs"]), lr=float(context.run_config["lr"]))
     return reply_to_train(msg, model, num_examples=len(x), val_data=(x_val, y_val),   # fedfuse line 2
                           class_counts=y.bincount(minlength=10).tolist(), train_metrics={"train-loss": loss},
-                          partition_id=pid, weight_key="num-train")
+                          partition_id=pid, weight_key="num-train", importance="conductance")

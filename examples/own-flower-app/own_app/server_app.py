@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedfuse.flower import build_strategy
-from own_app.task import Net, accuracy, server_data
+from own_app.task import Net, accuracy, initial_model, server_data
 
 app = ServerApp()
 
@@ -30,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
         model.load_state_dict(arrays.to_torch_state_dict())
         return MetricRecord({"test-accuracy": accuracy(model, test_x, test_y)})
 
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()),
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial_model().state_dict()),
                             num_rounds=int(cfg["num-server-rounds"]), train_config=ConfigRecord({}),
                             evaluate_fn=evaluate)
     rows = [{"round": r, "test-accuracy": float(m["test-accuracy"])}

@@ -26,8 +26,11 @@ def reset_bn_stats(model: nn.Module, inputs: torch.Tensor, *, batch_size: int = 
     if inputs is None or len(inputs) < 2:
         raise MissingInputError("reset_bn_stats: need at least 2 fusion inputs to re-estimate BatchNorm statistics")
     saved = [(m.momentum, m.track_running_stats) for m in bns]
-    model.to(device).train()
+    # only the norms in training mode: dropout and stochastic depth (EfficientNet, ConvNeXt) stay off, so the
+    # statistics are those of the function the model computes at test time
+    model.to(device).eval()
     for m in bns:
+        m.train()
         m.reset_running_stats()
         m.momentum = None
     try:

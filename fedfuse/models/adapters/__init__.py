@@ -18,6 +18,7 @@ from torch import nn
 from fedfuse.models.adapters.base import (AFFINE_LAYERS, BATCHNORMS, Adapter, Level, ModelConfig, PruningSpec,
                                           UnsupportedModelError, check_width_mult)
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
+from fedfuse.models.adapters.graph import GraphAdapter, set_example_input
 from fedfuse.models.adapters.resnet import ResNetAdapter
 from fedfuse.models.adapters.sequential import SequentialAdapter
 from fedfuse.models.adapters.torchvision_resnet import TorchvisionResNetAdapter
@@ -36,13 +37,15 @@ def register_adapter(adapter: Adapter) -> Adapter:
     return adapter
 
 
-for _adapter in (SequentialAdapter(), ResNetAdapter(), ViTAdapter(), TorchvisionResNetAdapter()):
+# the generic reader comes last: it takes every model the hand-written families do not
+for _adapter in (SequentialAdapter(), ResNetAdapter(), ViTAdapter(), TorchvisionResNetAdapter(), GraphAdapter()):
     register_adapter(_adapter)
 
 
 def adapter_for(model: nn.Module) -> Adapter:
     """The adapter of ``model``'s family; ``UnsupportedModelError`` (a ``ValueError``) for other models."""
-    for adapter in ADAPTERS.values():
+    # the generic reader (a fallback) last, also after families registered later
+    for adapter in sorted(ADAPTERS.values(), key=lambda a: getattr(a, "fallback", False)):
         if adapter.matches(model):
             return adapter
     raise UnsupportedModelError(f"unsupported model type {type(model).__name__}; expected nn.Sequential, "
@@ -50,13 +53,13 @@ def adapter_for(model: nn.Module) -> Adapter:
 
 
 def model_family(model: nn.Module) -> str:
-    """``"sequential"`` | ``"resnet"`` | ``"vit"`` | ``"torchvision-resnet"``; ``UnsupportedModelError`` for any other
-    model type."""
+    """``"sequential"`` | ``"resnet"`` | ``"vit"`` | ``"torchvision-resnet"`` | ``"graph"`` (any other ``nn.Module``:
+    the generic structure reader, ``fedfuse.models.adapters.graph``)."""
     return adapter_for(model).family
 
 
 __all__ = ["ADAPTERS", "Adapter", "AFFINE_LAYERS", "BATCHNORMS", "Level", "ModelConfig", "PruningSpec",
            "UnsupportedModelError",
-           "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "ViTAdapter", "TorchvisionResNetAdapter",
+           "PermSpec", "Group", "Axis", "Entry", "SequentialAdapter", "ResNetAdapter", "GraphAdapter", "set_example_input", "ViTAdapter", "TorchvisionResNetAdapter",
            "adapter_for", "model_family", "register_adapter",
            "check_width_mult"]

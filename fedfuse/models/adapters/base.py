@@ -63,6 +63,9 @@ class Level:
         pre: for affine levels, the parameter-free ops applied to the previous output before ``layer``.
         post: parameter-free ops after ``layer``/``norm`` that still belong to this level (trailing
             ops of the last level only; identity otherwise).
+        module_input: the level output is ``module``'s first *input*, not its output (the generic reader's
+            levels whose value no module returns, e.g. ``F.relu(x + block(x))``, read where the next module
+            takes it).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Level:
     norm: nn.Module | None = None
     pre: Callable[[torch.Tensor], torch.Tensor] | None = None
     post: Callable[[torch.Tensor], torch.Tensor] | None = None
+    module_input: bool = False
 
     @property
     def affine(self) -> bool:
