@@ -56,10 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.choices import OPTIMIZERS
+from fedfuse.fusion.interpolation_graph import graph_interpolation
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError, register,
                                      require)
 from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
                                      projected_coordinates, weighted_kmeans)
+from fedfuse.fusion.design import _conv_geometry, design_matrix  # noqa: F401  (public here too)
 from fedfuse.importance import neuron_importance
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
 from fedfuse.training import make_optimizer
@@ -81,43 +83,6 @@ SETTINGS: dict[int, dict[str, Any]] = {
 def _chunked(fn, h: torch.Tensor, chunk: int) -> torch.Tensor:
     """Apply ``fn`` to ``h [B, ...]`` in chunks of ``chunk`` samples; concatenated output ``[B, ...]``."""
     return torch.cat([fn(h[i:i + chunk]) for i in range(0, h.shape[0], chunk)])
-
-
-def _conv_geometry(layer: nn.Module) -> tuple[tuple, tuple, tuple, tuple]:
-    if layer.groups != 1:
-        raise IncompatibleModelsError(f"linear neuron interpolation: grouped convolution ({type(layer).__name__}, "
-                                      f"groups={layer.groups}) is not supported")
-    if isinstance(layer.padding, str) or layer.padding_mode != "zeros":
-        raise IncompatibleModelsError("linear neuron interpolation: conv padding must be explicit integers with "
-                                      "zero padding")
-    if isinstance(layer, nn.Conv1d):
-        return ((1, layer.kernel_size[0]), (1, layer.dilation[0]), (0, layer.padding[0]), (1, layer.stride[0]))
-    return layer.kernel_size, layer.dilation, layer.padding, layer.stride
-
-
-def design_matrix(layer: nn.Module, u: torch.Tensor, bias: bool) -> torch.Tensor:
-    """Rows of the affine map ``layer`` applied to its input ``u``.
-
-    Args:
-        layer: ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d``.
-        u: the layer's input ``[N, in]`` (Linear) or ``[N, C, L]`` / ``[N, C, H, W]`` (conv).
-        bias: append a column of ones.
-    Returns:
-        ``[N*P, cols]`` with ``cols = in_features`` or ``C*k`` (+1); rows ordered like ``neurons_last``
-        of the layer's output, so ``design @ W.T`` reproduces the output.
-    """
-    if isinstance(layer, nn.Linear):
-        d = u.reshape(-1, layer.in_features)
-    elif isinstance(layer, (nn.Conv1d, nn.Conv2d)):
-        k, dil, pad, stride = _conv_geometry(layer)
-        x = u.unsqueeze(2) if isinstance(layer, nn.Conv1d) else u
-        cols = F.unfold(x, kernel_size=k, dilation=dil, padding=pad, stride=stride)  # [N, C*k, P]
-        d = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-    else:
-        raise IncompatibleModelsError(f"linear neuron interpolation: unsupported layer {type(layer).__name__}")
-    if bias:
-        d = torch.cat([d, torch.ones(d.shape[0], 1, dtype=d.dtype, device=d.device)], 1)
-    return d
 
 
 def folded_affine(lv: Level) -> tuple[torch.Tensor, torch.Tensor]:
@@ -856,6 +821,10 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
     level_info: dict[str, dict] = {}
     if info is not None:
         info["levels"] = level_info
+    if fit == "linear" and not all(lv.affine for m in models for lv in model_levels(m)):
+        # residual streams, concatenations, gates: grouping per permutation group, closed form per affine layer
+        return graph_interpolation(models, grouping=grouping, fusion_inputs=fusion_inputs, scores=scores,
+                                   weights=weights, device=device, seed=seed, opts=opts, info=info, target=target)
     x = torch.as_tensor(fusion_inputs).float().to(device)
     parents = [copy.deepcopy(m).to(device).eval() for m in models]
     plv = [model_levels(p) for p in parents]
@@ -946,9 +915,10 @@ def _make(grouping: str, fit: str, any_target: bool = False):
 
 
 # HF = Hungarian matching of two equal-width models; KF = k-means over any number of models and widths.
-# Linear fits are closed-form per affine level, so they need a model whose levels are all affine (the
-# sequential family); gradient fits train any differentiable level (ResNet and ViT blocks too).
-_LINEAR = dict(options=InterpolationOptions, uses_scores=True, families=("sequential", "graph"), affine_only=True)
+# Linear fits are closed-form per affine level on chains of levels; on any other graph (residual streams,
+# concatenations) per permutation group and affine layer (fedfuse.fusion.interpolation_graph); gradient fits train
+# any differentiable level (ResNet and ViT blocks too).
+_LINEAR = dict(options=InterpolationOptions, uses_scores=True)
 _GRADIENT = dict(options=GradientInterpolationOptions, uses_scores=True)
 PAPER_HF_LINEAR = ('Neuron interpolation, HF grouping, closed-form linear level fits ("Model Fusion via Neuron '
                    'Interpolation", arXiv 2507.00037).')

@@ -44,6 +44,7 @@ from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 _PURE_BN = (nn.BatchNorm1d, nn.BatchNorm2d)
+_LEAVES = (nn.Linear, nn.modules.conv._ConvNd, *_NORMS, nn.Embedding, nn.PReLU, nn.MultiheadAttention)
 _EXAMPLES: "weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 _CACHE: dict[tuple, "Structure"] = {}
 INPUT_SITE = ":input"   # a level output read as the input of the module that takes it (no module returns it)
@@ -96,7 +97,9 @@ class _Tracer(fx.Tracer):
         self.where: list[str] = []
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, _NORMS) or super().is_leaf_module(m, qualname)
+        # subclasses of torch's layers too (timm's Linear, BatchNormAct2d; torchvision's LayerNorm2d): one module
+        # call each, so that its parameters stay the module's
+        return isinstance(m, _LEAVES) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         self.where.append(self.path_of_module(m))
@@ -342,7 +345,7 @@ def _plan_levels(model, nodes, values, calls, classifier) -> list[LevelPlan]:
         n = nodes[p]
         mod = model.get_submodule(n.target) if n.op == "call_module" else None
         end = None
-        if isinstance(mod, AFFINE_LAYERS) and cut[p]:
+        if _affine_start(model, nodes, p, cut):
             end, norm = p, None
             users = list(n.users)
             if len(users) == 1 and users[0].op == "call_module" and idx[users[0]] == p + 1 and cut[p + 1] \
@@ -384,8 +387,22 @@ def _plan_levels(model, nodes, values, calls, classifier) -> list[LevelPlan]:
 
 
 def _affine_start(model, nodes, q, cut) -> bool:
+    """Node ``q`` is a Linear / Conv with a closed form (``groups=1``, zero padding given in numbers) that ends a cut."""
     n = nodes[q]
-    return n.op == "call_module" and isinstance(model.get_submodule(n.target), AFFINE_LAYERS) and cut[q]
+    if n.op != "call_module" or not cut[q]:
+        return False
+    return closed_form(model.get_submodule(n.target))
+
+
+def closed_form(m: nn.Module) -> bool:
+    """A Linear, or a Conv1d/2d computing exactly its own ``F.conv`` (not overridden, e.g. timm's dynamic "same"
+    padding), with ``groups=1`` and zero padding given in numbers: its output is a design matrix times its weights."""
+    if isinstance(m, nn.Linear):
+        return True
+    if not isinstance(m, (nn.Conv1d, nn.Conv2d)) or type(m).forward is not (
+            nn.Conv1d.forward if isinstance(m, nn.Conv1d) else nn.Conv2d.forward):
+        return False
+    return m.groups == 1 and not isinstance(m.padding, str) and m.padding_mode == "zeros"
 
 
 def _affine_plan(model, nodes, values, start, p, end, layer, norm, calls, kind) -> LevelPlan:

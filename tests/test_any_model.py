@@ -1,0 +1,247 @@
+"""Fusing the models users bring (issue 57): the generic structure reader on models fedfuse did not write.
+
+For every model of the zoo and every alignment method: ``fuse(method, [m, m])`` computes ``m``'s function, a copy
+``P(m)`` permuted by a random permutation of the reader's own groups computes ``m``'s function, and the matching
+methods undo ``P``: ``fuse(method, [m, P(m)])`` computes ``m``'s function. BatchNorm statistics are taken from the
+fusion set first (re-estimated on the set ``m``'s statistics came from, fusion gives them back). Small inputs
+(3 × 32 × 32) keep it fast; the large torchvision / timm models are slow tests (CI runs them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.fusion import fuse
+from fedfuse.fusion.permute import build_spec, reset_bn_stats
+from fedfuse.fusion.permute.maps import permute_model, random_perms
+from fedfuse.models import adapter_for, levels, set_example_input
+from fedfuse.models.adapters import UnsupportedModelError
+
+# the full-size zoo takes tens of minutes on 2 cores: its own switch (simulations/bench/zoo_table.py writes the table)
+ZOO = pytest.mark.skipif(not os.environ.get("FEDFUSE_ZOO_TESTS"), reason="full-size zoo: FEDFUSE_ZOO_TESTS=1")
+
+
+class Net(nn.Module):
+    """Flower's quickstart-pytorch model, unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(-1, 16 * 5 * 5)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class ListMLP(nn.Module):
+    """Layers in an ``nn.ModuleList``, functional activations, ``torch.flatten`` in ``forward`` (on 4 × 4-pooled
+    pixels: the chain variant's closed form on 3,072 raw inputs costs seconds the suite does not need)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(3 * 8 * 8, 48), nn.Linear(48, 32), nn.Linear(32, 10)])
+
+    def forward(self, x):
+        x = torch.flatten(F.avg_pool2d(x, 4), 1)
+        for layer in self.layers[:-1]:
+            x = F.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+class SkipCNN(nn.Module):
+    """A hand-written skip connection (``x + block(x)``) with BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.block = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                   nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16))
+        self.down = nn.Conv2d(16, 24, 3, stride=2, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(24)
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.stem(x)))
+        x = F.relu(x + self.block(x))
+        x = F.relu(self.bn2(self.down(x)))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class Dense(nn.Module):
+    """A channel concatenation (DenseNet's pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 6, 3, padding=1)
+        self.c = nn.Conv2d(14, 12, 1)
+        self.fc = nn.Linear(12, 10)
+
+    def forward(self, x):
+        a = F.relu(self.a(x))
+        h = torch.cat([a, F.relu(self.b(a))], 1)
+        return self.fc(F.relu(self.c(h)).mean((2, 3)))
+
+
+def _tv(name, **kw):
+    import torchvision
+    return lambda: getattr(torchvision.models, name)(num_classes=10, **kw)
+
+
+def _timm(name, **kw):
+    import timm
+    return lambda: timm.create_model(name, num_classes=10, **kw)
+
+
+FAST = {"quickstart-net": Net, "modulelist-mlp": ListMLP, "skip-cnn": SkipCNN, "concat-cnn": Dense,
+        "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25),
+        "timm:convnext_atto": _timm("convnext_atto"), "timm:mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
+        "timm:vit_tiny": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2)}
+LARGE = {"tv:vgg11_bn": _tv("vgg11_bn"), "tv:resnet18": _tv("resnet18"), "tv:resnet50": _tv("resnet50"),
+         "tv:mobilenet_v2": _tv("mobilenet_v2"), "tv:efficientnet_b0": _tv("efficientnet_b0"),
+         "tv:densenet121": _tv("densenet121"), "tv:convnext_tiny": _tv("convnext_tiny"),
+         "timm:resnet18": _timm("resnet18"), "timm:efficientnet_b0": _timm("efficientnet_b0"),
+         "timm:vit_tiny_patch16_224": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4)}
+MATCHING = ("rebasin", "ot", "kf-linear", "hf-linear")
+OTHERS = ("transfusion",)
+X = torch.randn(24, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def _model(factory) -> nn.Module:
+    torch.manual_seed(0)
+    m = factory().eval()
+    with torch.no_grad():   # norms away from their identity initialisation, statistics from the fusion set
+        g = torch.Generator().manual_seed(1)
+        for mod in m.modules():
+            if isinstance(mod, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)) and mod.weight is not None:
+                mod.weight.add_(0.2 * torch.randn(mod.weight.shape, generator=g))
+                mod.bias.add_(0.2 * torch.randn(mod.bias.shape, generator=g))
+    reset_bn_stats(m, X)
+    set_example_input(m, X)
+    return m
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _f64(model: nn.Module) -> torch.Tensor:
+    """The model's outputs on ``X``, computed in float64 (so that float32 round-off of a deep net's summation
+    order is not mistaken for a wrong permutation)."""
+    import copy
+    with torch.no_grad():
+        return copy.deepcopy(model).double().eval()(X.double())
+
+
+def _check(factory, methods, tol=1e-5):
+    m = _model(factory)
+    y = _f64(m)
+    spec = build_spec(m)
+    p = permute_model(m, random_perms(spec, seed=3))
+    assert _rel(_f64(p), y) <= tol, "P(m) must compute m's function"
+    if any(g.size > 1 for g in spec.groups.values()):
+        assert any(not torch.equal(a, b) for a, b in zip(m.state_dict().values(), p.state_dict().values()))
+    errors = {}
+    for method in methods:
+        same = fuse(method, [m, m], fusion_inputs=X)
+        errors[(method, "m,m")] = _rel(_f64(same), y)
+        if method in MATCHING:
+            undone = fuse(method, [m, p], fusion_inputs=X)
+            errors[(method, "m,P(m)")] = _rel(_f64(undone), y)
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"fusion does not give m back: {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(FAST))
+def test_zoo_models_fuse_exactly(name):
+    _check(FAST[name], MATCHING + OTHERS)
+
+
+@ZOO
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_large_zoo_models_fuse_exactly(name):
+    _check(LARGE[name], ("rebasin", "ot", "kf-linear"))
+
+
+def test_the_reader_takes_user_models_and_finds_their_structure():
+    net = _model(Net)
+    assert adapter_for(net).family == "graph"
+    spec = build_spec(net)
+    assert sorted(spec.groups) == ["conv1", "conv2", "fc1", "fc2"]
+    fc1 = spec.entries["fc1.weight"]   # conv2's 16 channels each own a 5 × 5 block of fc1's 400 inputs
+    assert fc1.view == (120, 16, 25) and {(a.group, a.axis, a.role) for a in fc1.axes} == {("fc1", 0, "out"),
+                                                                                           ("conv2", 1, "in")}
+    assert spec.classifier == ("fc3.weight", "fc3.bias")
+    lv = levels(net)
+    assert [l.name for l in lv] == ["conv1", "conv2", "fc1", "fc2", "fc3"] and all(l.affine for l in lv)
+    h = X
+    for level in lv:
+        h = level.run(h)
+    assert torch.allclose(h, net(X), atol=1e-6)
+    skip = build_spec(_model(SkipCNN))   # the stream: stem, its BN and the block's last conv + BN in one group
+    stream = next(g for g in skip.groups if any(e.name == "block.3.weight" and ax.role == "out"
+                                                for e, ax in skip.entries_of(g)))
+    outs = {e.name for e, ax in skip.entries_of(stream) if ax.role == "out"}
+    assert {"stem.weight", "bn.weight", "block.3.weight", "block.4.weight"} <= outs
+
+
+def test_graph_kf_linear_reports_what_it_refitted():
+    from fedfuse.fusion import fuse_result
+    m = _model(SkipCNN)
+    res = fuse_result("kf-linear", [m, m], fusion_inputs=X)
+    report = res.info["graph"]
+    assert "head" in report["refit"] and "stem" in report["refit"] and "bn" in report["folded"]
+
+
+def test_untraceable_models_get_one_clear_error():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            if x.sum() > 0:   # data-dependent control flow: fx cannot trace it
+                x = -x
+            return self.fc(x)
+
+    m = Branchy()
+    with pytest.raises(UnsupportedModelError, match="torch.fx cannot trace Branchy.*control flow"):
+        adapter_for(m).perm_spec(m)
+    with pytest.raises(ValueError, match="torch.fx cannot trace Branchy.*control flow"):
+        build_spec(m)
+    with pytest.raises(ValueError, match="cannot trace Branchy"):
+        fuse("rebasin", [m, Branchy()], fusion_inputs=torch.randn(8, 4))
+    assert fuse("average", [m, Branchy()]) is not None   # methods that read no structure still take it
+
+
+def test_grouped_convolutions_are_refused_or_frozen_never_a_shape_error():
+    class Grouped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(3, 8, 3, padding=1)
+            self.g = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.g(F.relu(self.a(x)))).mean((2, 3)))
+
+    m = _model(Grouped)
+    spec = build_spec(m)
+    assert any("grouped convolution 'g'" in f for f in spec.frozen)   # its channels stay where they are
+    _check(Grouped, ("rebasin", "ot", "kf-linear"))
