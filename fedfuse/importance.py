@@ -12,6 +12,8 @@ their weights; the server can also compute them on its fusion set.
 
 from __future__ import annotations
 
+import warnings
+
 from fedfuse.choices import IMPORTANCE
 import torch
 from torch import nn
@@ -50,9 +52,39 @@ def neuron_importance(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
         raise ValueError("importance: method %r needs targets (labels) for the attribution" % method)
     if len(inputs) == 0:
         raise ValueError("importance: no scoring samples")
+    if method == "deeplift":
+        shared = reused_nonlinearities(model, inputs[:2].to(device))
+        if shared:
+            # captum's DeepLIFT keeps one input/output per nonlinearity module and refuses a module applied twice
+            # (Flower's quickstart Net applies one MaxPool2d after both convolutions); Conductance has no such
+            # limit, so it scores these models, and says so
+            warnings.warn(f"importance: DeepLIFT cannot score {type(model).__name__}: module(s) {shared} are applied "
+                          "more than once in one forward pass; scoring with 'conductance' instead (set importance="
+                          "'conductance' to silence this, or give each use its own module)", RuntimeWarning,
+                          stacklevel=2)
+            method = "conductance"
     # Token Fusion (if a client applied it) must be off: every model's level outputs need the same tokens
     with suspended(model):
         return _attribute(model, inputs, targets, method, batch_size, n_steps, device, levels)
+
+
+@torch.no_grad()
+def reused_nonlinearities(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """Paths of the parameter-free leaf modules (activations, pooling) that one forward pass of ``model`` on ``x``
+    calls more than once: captum's DeepLIFT cannot attribute through them."""
+    calls: dict[str, int] = {}
+    hooks = [m.register_forward_hook(lambda _m, _i, _o, p=p: calls.__setitem__(p, calls.get(p, 0) + 1))
+             for p, m in model.named_modules()
+             if p and not any(True for _ in m.children()) and not any(True for _ in m.parameters(recurse=False))]
+    was = model.training
+    model.eval()
+    try:
+        model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    return sorted(p for p, n in calls.items() if n > 1)
 
 
 def _attribute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, method: str, batch_size: int,

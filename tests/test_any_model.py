@@ -9,6 +9,7 @@ fusion set first (re-estimated on the set ``m``'s statistics came from, fusion g
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -245,3 +246,32 @@ def test_grouped_convolutions_are_refused_or_frozen_never_a_shape_error():
     spec = build_spec(m)
     assert any("grouped convolution 'g'" in f for f in spec.frozen)   # its channels stay where they are
     _check(Grouped, ("rebasin", "ot", "kf-linear"))
+
+
+def test_client_importance_scores_on_the_readers_levels():
+    from fedfuse.importance import neuron_importance
+    net = _model(Net)
+    y = torch.randint(0, 10, (len(X),), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="DeepLIFT cannot score Net.*'pool'.*conductance"):
+        scores = neuron_importance(net, X, y, method="deeplift")   # Net applies its one MaxPool2d twice
+    assert {k: v.shape[0] for k, v in scores.items()} == {"conv1": 6, "conv2": 16, "fc1": 120, "fc2": 84, "fc3": 10}
+    skip = _model(SkipCNN)   # a block level read at the input of the module that takes it
+    scores = neuron_importance(skip, X, y, method="deeplift")
+    assert all(bool((v > 0).all()) for v in scores.values()) and len(scores) == len(levels(skip))
+    fused = fuse("kf-linear", [skip, _model(SkipCNN)], fusion_inputs=X, scores=[scores, scores])
+    assert torch.isfinite(fused(X)).all()
+
+
+def test_a_zoo_model_federates_with_an_alignment_strategy(tmp_path):
+    """fedfuse's own app with a model it did not write (timm's MobileNetV3: depthwise convs, SE gates,
+    hard-swish) fused by OT each round, on the in-process engine."""
+    from fedfuse.flower.runner.inprocess import run_app_inprocess
+    cfg = {"dataset": "digits", "model": "timm:mobilenetv3_small_050", "num-clients": 2, "partitioning": "iid",
+           "num-server-rounds": 1, "local-epochs": 1, "lr": 0.05, "fusion-set-size": 64, "min-train-nodes": 2,
+           "strategy": "ot", "head-round": True, "output-dir": str(tmp_path), "run-name": "zoo-ot"}
+    outcome = run_app_inprocess(cfg, num_supernodes=2, echo=False)
+    assert outcome.ok, outcome.details
+    res = json.loads((tmp_path / "zoo-ot" / "results.json").read_text())
+    hist = res["strategy-history"]
+    assert hist and all(h["valid"] == 2 and h["fallback"] is None for h in hist), hist
+    assert res["rounds"][-1]["test-accuracy"] > 0.1

@@ -64,6 +64,9 @@ FIXED_POINT_GAPS = {
     **{(m, arch): "BatchNorm statistics are re-estimated on the fusion set after fusion (reset_bn defaults on), "
                   "so a's running statistics are replaced" for m in ("ot", "rebasin", "transfusion")
        for arch in ("cnn", "resnet")},
+    **{(m, "resnet"): "the graph variant of linear neuron interpolation (residual models) re-estimates BatchNorm "
+                      "statistics on the fusion set before its fits, as ot/rebasin do after theirs"
+       for m in ("hf-linear", "kf-linear")},
     **{(m, arch): "block levels (no closed form) start from model 0 perturbed by eps and are trained, so a "
                   "moves" for m in ("hf-gradient", "kf-gradient") for arch in ("vit", "resnet")},
 }

@@ -33,7 +33,7 @@ from torch import nn
 
 from fedfuse.fusion.design import design_matrix
 from fedfuse.fusion.grouping import weighted_kmeans
-from fedfuse.fusion.permute import (AlignedAverage, Map, apply_maps, build_spec, check_compatible,
+from fedfuse.fusion.permute import (load_state, AlignedAverage, Map, apply_maps, build_spec, check_compatible,
                                     collect_activations, reset_bn_stats, standardize, state_on)
 from fedfuse.fusion.rebasin import activation_matching, unit_weights_for
 from fedfuse.fusion.registry import FusionOptionError, IncompatibleModelsError, MissingInputError
@@ -258,7 +258,7 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
         unit_w.append(u)
         avg.add(apply_maps(states[k], specs[k], specs[0], maps[k], states[0]), weights[k], u)
     fused = copy.deepcopy(parents[0])
-    fused.load_state_dict(avg.result())
+    load_state(fused, avg.result())
     fused.eval()
     chunk = int(getattr(opts, "chunk_size", 512) or 512)
     if any(type(m) in BATCHNORMS or isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules()):
@@ -268,6 +268,7 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
     folded = set(pairs.values())
     out_group = {}
     for name, e in specs[0].entries.items():
+        name = name.split("@")[0]   # a part of a tensor a concatenation splits (its input axis): same outputs
         for ax in e.axes:
             if ax.role == "out" and ax.axis == 0 and e.view is None and name.endswith(".weight"):
                 out_group[name[:-len(".weight")]] = ax.group

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (AlignedAverage, Map, PermSpec, activation_cost, apply_maps, block_paths,
+from fedfuse.fusion.permute import (load_state, AlignedAverage, Map, PermSpec, activation_cost, apply_maps, block_paths,
                                     build_spec, check_compatible, collect_activations, marginal_from_scores,
                                     solve_group, standardize, state_on, weight_cost, weight_features)
 from fedfuse.fusion.rebasin import AlignOptions, finish
@@ -214,7 +214,7 @@ def fuse_ot(models, *, fusion_inputs, scores, weights, device, seed, options: OT
         avg.add(aligned, weights[k])
         del aligned
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(avg.result())
+    load_state(fused, avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

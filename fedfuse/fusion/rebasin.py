@@ -33,7 +33,7 @@ from torch import nn
 
 from fedfuse.fusion.finetune import FinetuneOptions, finetune_options, run_finetune
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.permute import (AlignedAverage, Map, PermSpec, apply_maps, assignment, build_spec,
+from fedfuse.fusion.permute import (load_state, AlignedAverage, Map, PermSpec, apply_maps, assignment, build_spec,
                                     check_compatible, collect_activations, has_batchnorm, reset_bn_stats, score_cost, solve_group,
                                     standardize, state_on, weight_score)
 
@@ -280,7 +280,7 @@ def fuse_rebasin(models, *, fusion_inputs, scores, weights, device, seed, option
         avg.add(apply_maps(state_a, spec_a, spec_b, maps, state_b), weights[k],
                 unit_weights_for(scores[k], spec_a, maps) if use_scores else None)
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(avg.result())
+    load_state(fused, avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.permute import (Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
+from fedfuse.fusion.permute import (load_state, Map, activation_cost, apply_maps, assignment, block_paths, build_spec,
                                     exact_block_costs, ot_plan, solve_group, standardize, state_on)
 from fedfuse.fusion.permute.activations import _rows, _subsample
 from fedfuse.fusion.permute.features import marginal_from_scores
@@ -493,7 +493,7 @@ def fuse_selective(models: list[nn.Module], *, fusion_inputs, scores, weights, d
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
     fused = copy.deepcopy(ref).cpu()
     new_state = selective_average(state_b, aligned, weights[k0], ws, ratios, spec_b, frozen)
-    fused.load_state_dict(new_state)
+    load_state(fused, new_state)
     differs = any(v.is_floating_point() and not torch.allclose(v, state_b[n].to(v.device), rtol=1e-6, atol=1e-7)
                   for n, v in new_state.items())
     return fused, differs

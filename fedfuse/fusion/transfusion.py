@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, register, require
-from fedfuse.fusion.permute import (AlignedAverage, PermSpec, apply_maps, build_spec, check_compatible,
+from fedfuse.fusion.permute import (load_state, AlignedAverage, PermSpec, apply_maps, build_spec, check_compatible,
                                     entry_view, state_on)
 from fedfuse.fusion.rebasin import AlignOptions, finish, weight_matching
 
@@ -138,7 +138,7 @@ def fuse_transfusion(models, *, fusion_inputs, scores, weights, device, seed, op
         info["trace_ratio"].append({g: m.trace_ratio() for g, m in maps.items()})
         avg.add(apply_maps(state_a, spec_a, spec_b, maps, state_b), weights[k])
     fused = copy.deepcopy(ref).cpu()
-    fused.load_state_dict(avg.result())
+    load_state(fused, avg.result())
     info["align_seconds"] = time.perf_counter() - t0
     return finish(fused, models, fusion_inputs, reset_bn=o.reset_bn, finetune=o.finetune, weights=weights,
                   device=device, seed=seed, info=info)

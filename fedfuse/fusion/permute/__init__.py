@@ -31,14 +31,14 @@ from fedfuse.fusion.permute.batchnorm import has_batchnorm, reset_bn_stats
 from fedfuse.fusion.permute.features import (activation_cost, marginal_from_scores, score_cost, standardize,
                                              weight_cost, weight_features, weight_score)
 from fedfuse.fusion.permute.maps import (Map, apply_maps, entry_view, map_axis, map_entry, permute_model,
-                                         random_perms, state_on)
+                                         random_perms, state_on, load_state, split_state, join_state)
 from fedfuse.fusion.permute.sinkhorn import sinkhorn_batch, sinkhorn_log_batch
 from fedfuse.fusion.permute.solvers import (assignment, blocked_plan, exact_block_costs, ot_plan, ot_plans,
                                             solve_group)
 from fedfuse.fusion.permute.spec import Axis, Entry, Group, PermSpec, block_paths, build_spec, check_compatible
 
 __all__ = ["Axis", "Entry", "Group", "PermSpec", "block_paths", "build_spec", "check_compatible", "Map", "apply_maps", "entry_view",
-           "map_axis", "map_entry", "permute_model", "random_perms", "state_on", "collect_activations", "sinkhorn_batch",
+           "map_axis", "map_entry", "permute_model", "random_perms", "state_on", "load_state", "split_state", "join_state", "collect_activations", "sinkhorn_batch",
            "sinkhorn_log_batch", "assignment", "blocked_plan", "exact_block_costs", "ot_plan", "ot_plans",
            "solve_group", "activation_cost", "weight_cost", "marginal_from_scores", "score_cost", "standardize", "weight_features", "weight_score", "AlignedAverage", "average_aligned",
            "has_batchnorm", "reset_bn_stats"]

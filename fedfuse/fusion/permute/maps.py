@@ -81,12 +81,57 @@ class Map:
             return float("nan")
         return float(torch.diagonal(self.plan).sum() / self.plan.sum())
 
-def state_on(model: nn.Module, device: torch.device | str) -> dict[str, torch.Tensor]:
+def state_on(model: nn.Module, device: torch.device | str, spec: PermSpec | None = None) -> dict[str, torch.Tensor]:
     """``model``'s state dict with every tensor on ``device`` (the fusion device): the weight-matching methods
     compute on it, whatever device each caller's model sits on (a view of the tensors already there, a copy
-    otherwise; the model itself is not moved)."""
-    return {k: v.to(device) for k, v in model.state_dict().items()}
+    otherwise; the model itself is not moved). Tensors a concatenation shares between groups come split into their
+    parts (``PermSpec.splits``: the generic reader's specs), as the spec's entries name them."""
+    state = {k: v.to(device) for k, v in model.state_dict().items()}
+    if spec is None and _may_split(model):
+        spec = build_spec(model)
+    return split_state(state, spec) if spec is not None and spec.splits else state
 
+
+def _may_split(model: nn.Module) -> bool:
+    from fedfuse.models.adapters import adapter_for
+    return adapter_for(model).family == "graph"
+
+
+def split_state(state: dict[str, torch.Tensor], spec: PermSpec) -> dict[str, torch.Tensor]:
+    """``state`` with every tensor of ``spec.splits`` replaced, in place in the order, by its parts."""
+    out = {}
+    for k, v in state.items():
+        if k in spec.splits:
+            axis, parts = spec.splits[k]
+            for name, lo, hi in parts:
+                out[name] = v.narrow(axis, lo, hi - lo)
+        else:
+            out[k] = v
+    return out
+
+
+def join_state(state: dict[str, torch.Tensor], spec: PermSpec | None) -> dict[str, torch.Tensor]:
+    """The inverse of ``split_state``: parts concatenated back into their tensors."""
+    if spec is None or not spec.splits:
+        return state
+    part_of = {name: k for k, (_, parts) in spec.splits.items() for name, _, _ in parts}
+    out = {}
+    for k, v in state.items():
+        whole = part_of.get(k)
+        if whole is None:
+            out[k] = v
+        elif whole not in out:
+            axis, parts = spec.splits[whole]
+            out[whole] = torch.cat([state[name] for name, _, _ in parts], axis)
+    return out
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], spec: PermSpec | None = None) -> nn.Module:
+    """``model.load_state_dict`` of a state that ``state_on`` may have split (joined first); returns ``model``."""
+    if spec is None and _may_split(model):
+        spec = build_spec(model)
+    model.load_state_dict(join_state(state, spec))
+    return model
 
 def map_axis(t: torch.Tensor, axis: int, m: Map, role: str) -> torch.Tensor:
     """Re-index axis ``axis`` of ``t`` (size ``m_A``) into B's units (size ``m_B``) with map ``m``."""
@@ -158,9 +203,8 @@ def permute_model(model: nn.Module, perms: dict[str, torch.Tensor], residual: st
             raise IncompatibleModelsError(f"permute_model: unknown group {g!r}; groups are {list(spec.groups)}")
     maps = {g: Map.from_perm(perms[g]) if g in perms else Map.identity(grp.size) for g, grp in spec.groups.items()}
     new = copy.deepcopy(model)
-    state = model.state_dict()
-    new.load_state_dict(apply_maps(state, spec, spec, maps, state))
-    return new
+    state = state_on(model, "cpu", spec)
+    return load_state(new, apply_maps(state, spec, spec, maps, state), spec)
 
 def random_perms(spec: PermSpec, seed: int = 0, heads: bool = True) -> dict[str, torch.Tensor]:
     """Random permutation per group; block-structured groups get a random block order composed with

@@ -241,8 +241,9 @@ def _read(model: nn.Module, shape: tuple[int, ...]) -> Structure:
     if len(placeholders) != 1:
         raise UnsupportedModelError(f"graph reader: {type(model).__name__}.forward takes {len(placeholders)} inputs; "
                                     "the reader needs a model of one input tensor")
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(dev)
+    first = next(model.parameters(), None)
+    dev, dtype = (first.device, first.dtype) if first is not None else (torch.device("cpu"), torch.float32)
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(dev, dtype)
     values, calls = _probe(model, nodes, x)
     out_node = nodes[-1]
     if not isinstance(values.get(out_node.args[0]), torch.Tensor) or values[out_node.args[0]].dim() != 2:
@@ -582,32 +583,46 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
         sites[gname] = site
         for t in touched:
             axes.setdefault(t[0], []).append((t[1], gname, t[2], t[3], t[4]))
-    entries: dict[str, Entry] = {}
+    # a concatenation: one raw axis holds the units of several groups, each in its own slice; the tensor is split
+    # there into parts (``name@start:stop``), each part an entry of its own (``split_state`` / ``join_state``)
+    tensors: dict[str, tuple[tuple[int, ...], list]] = {}
+    splits: dict[str, tuple[int, list[tuple[str, int, int]]]] = {}
     for tname, lst in axes.items():
-        e = _entry(tname, tuple(state[tname].shape), lst, spec_groups)
-        if e is None:
-            for _, g, _, _, _ in lst:
-                if g in spec_groups:
-                    frozen.append(f"{g}: {tname} (a concatenation or an interleaved index map)")
-                    spec_groups.pop(g, None)
+        shape = tuple(state[tname].shape)
+        parted = _split_axis(shape, lst)
+        if parted is None:
+            tensors[tname] = (shape, lst)
             continue
-        entries[tname] = e
-    # groups dropped above lose their axes everywhere
-    for tname in list(entries):
-        e = entries[tname]
-        if any(ax.group not in spec_groups for ax in e.axes):
-            rebuilt = _entry(tname, tuple(state[tname].shape), [t for t in axes[tname] if t[1] in spec_groups],
-                             spec_groups)
-            if rebuilt is None or not rebuilt.axes:
-                del entries[tname]
-            else:
-                entries[tname] = rebuilt
+        axis, parts = parted
+        splits[tname] = (axis, [(f"{tname}@{lo}:{hi}", lo, hi) for lo, hi, _ in parts])
+        for lo, hi, members in parts:
+            pshape = shape[:axis] + (hi - lo,) + shape[axis + 1:]
+            others = [t for t in lst if t[0] != axis]
+            mine = [(axis, g, role, [i - lo for i in idxs], roots) for g, role, idxs, roots in members]
+            tensors[f"{tname}@{lo}:{hi}"] = (pshape, others + mine)
+    entries: dict[str, Entry] = {}
+    dropped = True
+    while dropped:   # a group that cannot be described loses its axes everywhere (it stays in place)
+        dropped = False
+        entries = {}
+        for tname, (shape, lst) in tensors.items():
+            live = [t for t in lst if t[1] in spec_groups]
+            if not live:
+                continue
+            e = _entry(tname, shape, live, spec_groups)
+            if e is None:
+                for _, g, _, _, _ in live:
+                    frozen.append(f"{g}: {tname.split('@')[0]} (an index map the reader cannot describe)")
+                    spec_groups.pop(g, None)
+                dropped = True
+                break
+            entries[tname] = e
     for g in list(spec_groups):
         if not any(ax.group == g for e in entries.values() for ax in e.axes if ax.role == "out"):
             spec_groups.pop(g)
     cls_keys = tuple(k for k in (f"{classifier}.weight", f"{classifier}.bias") if k in state)
-    spec = PermSpec("graph", spec_groups, entries, cls_keys)
-    spec.frozen = frozen   # type: ignore[attr-defined]
+    spec = PermSpec("graph", spec_groups, entries, cls_keys, splits=splits)
+    spec.frozen = sorted(set(frozen))   # type: ignore[attr-defined]
     return spec, sites
 
 
@@ -622,6 +637,38 @@ def _site_layout(mod: nn.Module, v: torch.Tensor, size: int) -> str | None:
     if v.shape[-1] == size:
         return "tokens"
     return None
+
+
+def _split_axis(shape: tuple[int, ...], lst):
+    """``(axis, [(start, stop, [(group, role, idxs, roots)])])`` when one axis of a tensor is shared by several
+    groups in contiguous slices (a concatenation; positions no group holds become parts of their own), else
+    ``None``."""
+    by_axis: dict[int, list] = {}
+    for raw_axis, g, role, idxs, roots in lst:
+        by_axis.setdefault(raw_axis, []).append((g, role, idxs, roots))
+    shared = [a for a, members in by_axis.items()
+              if len(members) > 1 or len(members[0][2]) != shape[a]]
+    if len(shared) != 1:
+        return None
+    axis = shared[0]
+    spans = []
+    for g, role, idxs, roots in by_axis[axis]:
+        lo, hi = min(idxs), max(idxs) + 1
+        if hi - lo != len(idxs):
+            return None
+        spans.append((lo, hi, [(g, role, idxs, roots)]))
+    spans.sort()
+    parts, at = [], 0
+    for lo, hi, members in spans:
+        if lo < at:
+            return None   # overlapping slices
+        if lo > at:
+            parts.append((at, lo, []))
+        parts.append((lo, hi, members))
+        at = hi
+    if at < shape[axis]:
+        parts.append((at, shape[axis], []))
+    return axis, parts
 
 
 def _entry(tname: str, shape: tuple[int, ...], lst, groups: dict[str, Group]) -> Entry | None:

@@ -75,6 +75,9 @@ class PermSpec:
     groups: dict[str, Group]
     entries: dict[str, Entry]
     classifier: tuple[str, ...] = ()  # state-dict keys of the class layer (output axis never grouped)
+    # concatenations: tensor → (axis, [(part name, start, stop)]); the matching methods see each part as a tensor
+    # of its own (``fedfuse.fusion.permute.maps.state_on`` splits, ``load_state`` joins)
+    splits: dict[str, tuple[int, list[tuple[str, int, int]]]] = field(default_factory=dict)
 
     def entries_of(self, group: str) -> list[tuple[Entry, Axis]]:
         """All ``(entry, axis)`` pairs that touch ``group``."""
