@@ -275,3 +275,33 @@ def test_a_zoo_model_federates_with_an_alignment_strategy(tmp_path):
     hist = res["strategy-history"]
     assert hist and all(h["valid"] == 2 and h["fallback"] is None for h in hist), hist
     assert res["rounds"][-1]["test-accuracy"] > 0.1
+
+
+def test_groups_that_would_change_the_function_are_left_in_place():
+    """A hand-written attention (a fused q/k/v Linear reshaped into heads): the dependency graph's channel group
+    across q, k and v is not a symmetry; the reader checks every group and keeps such units where they are."""
+    class Attn(nn.Module):
+        def __init__(self, d=16, h=2):
+            super().__init__()
+            self.h = h
+            self.embed = nn.Linear(12, d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.head = nn.Linear(d, 10)
+
+        def forward(self, x):
+            t = self.embed(x.reshape(x.shape[0], 4, 12))     # 4 tokens
+            b, n, d = t.shape
+            q, k, v = self.qkv(t).reshape(b, n, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            a = (q @ k.transpose(-2, -1) / (d // self.h) ** 0.5).softmax(-1)
+            t = t + self.proj((a @ v).transpose(1, 2).reshape(b, n, d))
+            return self.head(t.mean(1))
+
+    x = torch.randn(8, 48)
+    m = Attn().eval()
+    set_example_input(m, x)
+    spec = build_spec(m)
+    p = permute_model(m, random_perms(spec, seed=1))
+    assert torch.allclose(p(x), m(x), atol=1e-5)
+    undone = fuse("rebasin", [m, p], fusion_inputs=x)
+    assert torch.allclose(undone(x), m(x), atol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import METHODS, FusionOptionError, IncompatibleModelsError, MissingInputError, fuse
+from fedfuse.fusion import fuse_result, METHODS, FusionOptionError, IncompatibleModelsError, MissingInputError, fuse
 from fedfuse.models import build_model, levels
 from fedfuse.training import train
 
@@ -133,12 +133,12 @@ def test_fused_width_and_mixed_widths():
         fuse("kf-linear", [a, b], fusion_inputs=x, epochs=3)
 
 
-def test_linear_variants_reject_blocks_and_gradient_handles_vit():
+def test_linear_variants_fit_blocks_per_layer_and_gradient_handles_vit():
     v1 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=0).eval()
     v2 = build_model("vit", input_shape=(1, 8, 8), width=16, depth=2, num_heads=2, seed=1).eval()
     x = torch.randn(40, 1, 8, 8)
-    with pytest.raises(IncompatibleModelsError, match="does not support 'vit' models.*use a gradient variant"):
-        fuse("kf-linear", [v1, v2], fusion_inputs=x)
+    res = fuse_result("kf-linear", [v1, v2], fusion_inputs=x)   # block levels: the graph variant, layer by layer
+    assert res.model(x).shape == (40, 10) and res.info["graph"]["refit"]
     for method in ("kf-gradient", "hf-gradient"):
         fused = fuse(method, [v1, v2], fusion_inputs=x, align_residual=True, **FAST)
         assert fused(x).shape == (40, 10)

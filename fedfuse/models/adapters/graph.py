@@ -251,6 +251,7 @@ def _read(model: nn.Module, shape: tuple[int, ...]) -> Structure:
     classifier = _classifier(model, nodes)
     plans = _plan_levels(model, nodes, values, calls, classifier)
     spec, sites = _perm_spec(model, x, classifier, values, nodes, calls)
+    _verify(model, spec, x)
     by_layer = {p.layer: p.name for p in plans if p.layer} | {p.norm: p.name for p in plans if p.norm}
     for g in spec.groups.values():
         site = sites[g.name]
@@ -703,6 +704,75 @@ def _entry(tname: str, shape: tuple[int, ...], lst, groups: dict[str, Group]) ->
     if not axes:
         return None
     return Entry(tname, tuple(view) if offset else None, tuple(axes))
+
+
+def _permuted_state(state: dict[str, torch.Tensor], spec: PermSpec, perms: dict[str, torch.Tensor]):
+    """``state`` with the units of the groups in ``perms`` re-indexed (splits and views as the spec says)."""
+    parts = {}
+    for k, v in state.items():
+        if k in spec.splits:
+            axis, pieces = spec.splits[k]
+            parts.update({name: v.narrow(axis, lo, hi - lo) for name, lo, hi in pieces})
+        else:
+            parts[k] = v
+    for name, e in spec.entries.items():
+        x = parts[name]
+        shape = x.shape
+        if e.view is not None:
+            x = x.reshape(e.view)
+        for ax in e.axes:
+            if ax.group in perms:
+                x = x.index_select(ax.axis, perms[ax.group])
+        parts[name] = x.reshape(shape)
+    out = {}
+    for k in state:
+        if k in spec.splits:
+            axis, pieces = spec.splits[k]
+            out[k] = torch.cat([parts[name] for name, _, _ in pieces], axis)
+        else:
+            out[k] = parts[k]
+    return out
+
+
+@torch.no_grad()
+def _verify(model: nn.Module, spec: PermSpec, x: torch.Tensor, tol: float = 1e-6) -> None:
+    """Check, in float64 on the example input, that permuting each group's units keeps the model's function; a
+    group that breaks it (an index map the dependency graph got wrong: a reshape into attention heads, say) is
+    dropped from the spec and recorded in ``spec.frozen``, so no method aligns it."""
+    import copy
+
+    ref = copy.deepcopy(model).double().eval()
+    xd = x.double()
+    want = ref(xd)
+    state = ref.state_dict()
+    gen = torch.Generator().manual_seed(0)
+
+    def breaks(groups: list[str]) -> bool:
+        perms = {g: torch.randperm(spec.groups[g].size, generator=gen) for g in groups}
+        trial = copy.deepcopy(ref)
+        trial.load_state_dict(_permuted_state(state, spec, perms))
+        got = trial(xd)
+        return not float((got - want).norm()) <= tol * float(want.norm().clamp_min(1e-12))
+
+    if not spec.groups or not breaks(list(spec.groups)):
+        return
+    bad = [g for g in spec.groups if breaks([g])]
+    frozen = list(getattr(spec, "frozen", []))
+    for g in bad:
+        frozen.append(f"{g}: permuting its units changes the model's function (an index map the reader cannot "
+                      "describe)")
+        del spec.groups[g]
+    for name in list(spec.entries):
+        e = spec.entries[name]
+        axes = tuple(ax for ax in e.axes if ax.group in spec.groups)
+        if not axes:
+            del spec.entries[name]
+        elif len(axes) != len(e.axes):
+            spec.entries[name] = Entry(e.name, e.view, axes, e.qkv)
+    spec.frozen = sorted(set(frozen))   # type: ignore[attr-defined]
+    if spec.groups and breaks(list(spec.groups)):
+        raise UnsupportedModelError("graph reader: the permutation groups read off this model do not keep its "
+                                    f"function even without {bad}; fuse it with average, feddf or kd")
 
 
 # --------------------------------------------------------------------------------------------------- adapter
