@@ -18,6 +18,7 @@ from fedfuse.choices import IMPORTANCE
 import torch
 from torch import nn
 
+from fedfuse.models.adapters.graph import set_example_input
 from fedfuse.models.levels import Level, levels as model_levels, neuron_axis_sum
 from fedfuse.tofu import suspended
 
@@ -46,6 +47,8 @@ def neuron_importance(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     """
     if method not in IMPORTANCE_METHODS:
         raise ValueError(f"importance: unknown method {method!r}; choose one of {list(IMPORTANCE_METHODS)}")
+    if len(inputs):
+        set_example_input(model, inputs)   # the generic reader traces a user's model on these inputs' shape
     if method == "uniform":
         return uniform_importance(model)
     if targets is None:

@@ -39,7 +39,7 @@ from torch import nn
 
 from fedfuse.choices import HEAD_SOLVERS
 from fedfuse.fusion import fuse
-from fedfuse.models import adapter_for
+from fedfuse.models import adapter_for, set_example_input
 from fedfuse.models.adapters.base import AFFINE_LAYERS
 
 DEFAULT_HEAD_RIDGE = 1e-3
@@ -167,6 +167,8 @@ def features(model: nn.Module, x: torch.Tensor, batch_size: int = 512,
              device: str | torch.device = "cpu", site: str = "") -> torch.Tensor:
     """The inputs ``[N, d]`` of the classifier ``site`` (``""``: the model's pre-logit features, its family adapter's
     ``pre_logits``), in eval mode, on CPU."""
+    if len(x):
+        set_example_input(model, x)   # the generic reader traces a user's model on these inputs' shape
     was_training = model.training
     model.eval().to(device)
     fn = _site(model, site).features

@@ -349,3 +349,27 @@ def test_generic_groups_equal_the_hand_written_ones(name):
     if hand.family == "sequential":   # chains: the same levels too
         assert [(lv.name, lv.width, lv.kind) for lv in generic.levels(m)] == \
             [(lv.name, lv.width, lv.kind) for lv in hand.levels(m)]
+
+
+def test_a_user_model_whose_input_the_first_layer_does_not_tell():
+    """The quickstart Net rebuilt for 1 × 28 × 28 (fc1 takes 16·4·4): the reader cannot guess the input, the
+    client-side calls record it from the data they get, and a clear error names what to do otherwise."""
+    from fedfuse.importance import neuron_importance
+    from fedfuse.progressive import head_statistics
+
+    class Net28(Net):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 6, 5)
+            self.fc1 = nn.Linear(16 * 4 * 4, 120)
+
+        def forward(self, x):
+            x = self.pool(F.relu(self.conv2(self.pool(F.relu(self.conv1(x))))))
+            return self.fc3(F.relu(self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))))
+
+    with pytest.raises(ValueError, match="set_example_input"):
+        levels(Net28())
+    x, y = torch.randn(12, 1, 28, 28), torch.randint(0, 10, (12,))
+    scores = neuron_importance(Net28(), x, y, method="uniform")
+    assert scores["fc1"].shape == (120,)
+    assert head_statistics(Net28(), x, y, 10).num_examples == 12
