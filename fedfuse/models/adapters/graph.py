@@ -381,7 +381,10 @@ def _plan_levels(model, nodes, values, calls, classifier) -> list[LevelPlan]:
             attrs = sorted({nodes[i].target for i in range(start, end + 1) if nodes[i].op == "get_attr"
                             and _param_node(model, nodes[i])})
             v = values[nodes[end]]
-            plans.append(LevelPlan(name=hooks[end], kind="block", layout=_layout(v, None), width=_width(v, None),
+            last_mod = next((model.get_submodule(nodes[i].target) for i in range(end, start - 1, -1)
+                             if nodes[i].op == "call_module"), None)
+            layout = _layout(v, last_mod)
+            plans.append(LevelPlan(name=hooks[end], kind="block", layout=layout, width=_width(v, layout),
                                    start=start, end=end, module=hooks[end], modules=mods, attrs=attrs))
         start = end + 1
         pi = next((k for k, q in enumerate(param) if q > end), len(param))
@@ -420,14 +423,19 @@ def _affine_plan(model, nodes, values, start, p, end, layer, norm, calls, kind) 
                      module=norm or layer, layer=layer, norm=norm, pre_end=p, modules=mods)
 
 
-def _layout(v: torch.Tensor, width: int | None) -> str:
+def _layout(v: torch.Tensor, last: nn.Module | None) -> str:
+    """Where a block level's units sit: ``[N, W]`` flat; ``[N, T, W]`` tokens unless a channels-first 1-d layer
+    made it; ``[N, W, H, ...]`` channels unless a channels-last layer (Linear, LayerNorm) made it."""
     if v.dim() == 2:
         return "flat"
-    return "channels"
+    channels_last = isinstance(last, nn.Linear) or type(last) is nn.LayerNorm
+    if v.dim() == 3:
+        return "channels" if isinstance(last, (nn.Conv1d, nn.BatchNorm1d, nn.MaxPool1d, nn.AvgPool1d)) else "tokens"
+    return "tokens" if channels_last else "channels"
 
 
-def _width(v: torch.Tensor, _w) -> int:
-    return int(v.shape[1])
+def _width(v: torch.Tensor, layout: str) -> int:
+    return int(v.shape[1] if layout == "channels" else v.shape[-1])
 
 
 def _module_outputs(model, nodes, values, calls) -> dict[int, str]:
