@@ -111,7 +111,7 @@ def _timm(name, **kw):
 
 FAST = {"quickstart-net": Net, "modulelist-mlp": ListMLP, "skip-cnn": SkipCNN, "concat-cnn": Dense,
         "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25),
-        "timm:convnext_atto": _timm("convnext_atto"), "timm:mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
+        "timm:convnext_atto-small": _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 24, 32, 48)), "timm:mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
         "timm:vit_tiny": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2)}
 LARGE = {"tv:vgg11_bn": _tv("vgg11_bn"), "tv:resnet18": _tv("resnet18"), "tv:resnet50": _tv("resnet50"),
          "tv:mobilenet_v2": _tv("mobilenet_v2"), "tv:efficientnet_b0": _tv("efficientnet_b0"),

@@ -31,7 +31,10 @@ that raises is a row ``refused: <exception>: <message>`` (a ``FusionError``: the
 
 Cost: ``fuse-seconds`` and ``floor-seconds``, the seconds of one forward pass of every client over the fusion set
 (the *physical floor*: what any data-reading fusion has to spend at least), measured in the same process; the table
-shows their ratio only (the machine is shared, so the seconds themselves mean little).
+shows their ratio only (the machine is shared, so the seconds themselves mean little). Most of a run's time is the
+fusion calls and the head rounds (one pass of each fused model over every client's training data), not the local
+training: on one core the 3-seed run of the defaults takes about 2 core-hours, ``--quick`` about 40 core-minutes.
+Each row records ``code``, the commit (and a hash of fedfuse/'s uncommitted diff) it was computed with.
 
     .venv/bin/python -m simulations.bench.zoo_oneshot --quick                  # 1 seed, 2 epochs: a smoke run
     .venv/bin/python -m simulations.bench.zoo_oneshot                          # 3 seeds -> results/zoo-oneshot/
@@ -70,7 +73,9 @@ CLIENTS = 5
 PART = "dir0.3"
 MEAN, STD = 0.2860, 0.3530   # Fashion-MNIST's 60,000 training images
 METHODS = "average,kd,feddf,ot,rebasin,transfusion,kf-linear,hf-linear,kf-gradient,hf-gradient,fs-merge"
-EPOCHS = "net=10,rescnn=5,mobilenet=3"
+# rescnn / mobilenet: 2 local epochs keep a 3-seed run near 2 core-hours on a 1-core client (the fusion calls and
+# the head rounds' passes over the clients' data, not the training, are most of it: see the module docstring)
+EPOCHS = "net=10,rescnn=2,mobilenet=2"
 
 
 # ------------------------------------------------------------------------------------------- the models
@@ -144,6 +149,22 @@ LABELS = {"net": "Flower quickstart Net (1x28x28)", "rescnn": "residual CNN (han
           "mobilenet": "torchvision mobilenet_v2, width 0.25 (1 channel, upsampled to 32x32)"}
 
 
+def code_state() -> str:
+    """``<HEAD commit>[+<sha1 of the uncommitted diff of fedfuse/>]``: which fedfuse code the rows come from
+    (read-only git calls; another engineer may be editing fedfuse while a bench runs)."""
+    import hashlib
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout
+
+    head, diff = git("rev-parse", "--short", "HEAD").strip(), git("diff", "HEAD", "--", "fedfuse")
+    return head + (f"+{hashlib.sha1(diff.encode()).hexdigest()[:10]}" if diff else "")
+
+
+CODE = code_state()
+
+
 def build(name: str, init_seed: int) -> nn.Module:
     torch.manual_seed(init_seed)
     return MODELS[name]()
@@ -204,7 +225,7 @@ def run_cell(name: str, folder: Path, seed: int, epochs: int, methods: list[str]
         fx = normalise(torch.from_numpy(z["x"]))
     models, n = [c["model"] for c in clients], [c["n"] for c in clients]
     floor = floor_seconds(models, fx)
-    base = {"model": name, "part": PART, "seed": seed, "epochs": epochs, "fusion-size": len(fx),
+    base = {"model": name, "code": CODE, "part": PART, "seed": seed, "epochs": epochs, "fusion-size": len(fx),
             "epoch-seconds": float(np.mean([c["epoch-seconds"] for c in clients])), "floor-seconds": floor,
             "parameters": sum(p.numel() for p in models[0].parameters())}
     accs, refs = client_rows([predict_logits(m, tx) for m in models], range(len(models)), n, ty)
