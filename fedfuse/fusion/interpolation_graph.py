@@ -216,6 +216,63 @@ def _reestimate(model: nn.Module, path: str, x: torch.Tensor, chunk: int) -> Non
         bn.eval()
 
 
+CACHE_BYTES = 1 << 30   # the parents' targets of every layer kept between the fits up to this size (float64)
+
+
+def _mean_target(outs: list[torch.Tensor], layer: nn.Module, group: str | None, maps, unit_w, weights) -> torch.Tensor:
+    """The importance-weighted mean of the parents' outputs of one layer, each moved into the fused units:
+    ``[rows, units]`` float64 (the classifier's: the weighted mean of the logits)."""
+    num = den = None
+    for k, out in enumerate(outs):
+        t = _rows(out, layer).double()
+        if group is not None:
+            m = maps[k][group]
+            t = t.index_select(1, m.perm.to(t.device)) if m.perm is not None else t @ m.out_map().to(t)
+            u = (weights[k] * unit_w[k][group]).to(t)
+        else:
+            u = torch.full((t.shape[1],), float(weights[k]), dtype=t.dtype, device=t.device)
+        num = t * u if num is None else num + t * u
+        den = u.clone() if den is None else den + u
+    return num / den.clamp_min(1e-300)
+
+
+@torch.no_grad()
+def _cached_targets(parents, fits, maps, unit_w, weights, x, chunk, budget: int):
+    """Every fitted layer's mean target per chunk, from one forward pass of each parent per chunk (the parents never
+    change); ``None`` when they would take more than ``budget`` bytes (the fits then rerun the parents per layer)."""
+    if not fits:
+        return {}
+    sizes: dict[str, int] = {}
+    hs = [parents[0].get_submodule(site).register_forward_hook(
+        lambda _m, _i, o, path=path: sizes.__setitem__(path, o[:1].numel()))
+        for _, path, site, _, _ in fits]
+    try:
+        parents[0](x[:1])
+    finally:
+        for h in hs:
+            h.remove()
+    if sum(sizes.values()) * len(x) * 8 > budget:
+        return None
+    cache: dict[str, list[torch.Tensor]] = {f[1]: [] for f in fits}
+    for s in range(0, len(x), chunk):
+        xb = x[s:s + chunk]
+        outs: dict[str, list[torch.Tensor]] = {f[1]: [] for f in fits}
+        for p in parents:
+            # a copy: an in-place activation after the module (ReLU6(inplace=True)) would overwrite its output
+            hs = [p.get_submodule(site).register_forward_hook(
+                lambda _m, _i, o, path=path: outs[path].append(o.detach().clone()))
+                  for _, path, site, _, _ in fits]
+            try:
+                p(xb)
+            finally:
+                for h in hs:
+                    h.remove()
+        for _, path, site, group, _ in fits:
+            cache[path].append(_mean_target(outs[path], parents[0].get_submodule(path), group, maps, unit_w,
+                                            weights))
+    return cache
+
+
 def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs, scores, weights, device, seed,
                         opts, info: dict, target=None) -> nn.Module:
     """Linear neuron interpolation of ``models`` (any architecture with a permutation spec) into model 0's.
@@ -274,44 +331,46 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
                 out_group[name[:-len(".weight")]] = ax.group
     classifier = specs[0].classifier[0][:-len(".weight")] if specs[0].classifier else None
     report = {"refit": [], "folded": [], "reestimated": [], "kept": {}}
+    steps: list[tuple] = []   # in forward order: ("bn", path) | ("fit", path, site, group, norm path)
     for path in order:
         mod = fused.get_submodule(path)
         if type(mod) in BATCHNORMS:
             if path not in folded:
-                _reestimate(fused, path, x, chunk)
-                report["reestimated"].append(path)
+                steps.append(("bn", path))
             continue
         group = out_group.get(path)
         why = ("called more than once" if path in shared else None) or \
             (None if closed_form(mod) else "no closed form (grouped/depthwise conv or padding mode)") or \
             (None if group is not None or path == classifier else "its outputs are in no permutation group")
-        if why is not None:
-            report["kept"][path] = why
-            continue
         norm_path = pairs.get(path)
         norm = fused.get_submodule(norm_path) if norm_path else None
         if norm is not None and (norm.weight is None or norm.bias is None):
-            norm, norm_path = None, None   # a BN without affine parameters cannot hold the folded shift
-        if norm is None and mod.bias is None:
-            report["kept"][path] = "no bias to hold the fitted shift"
+            norm_path = None   # a BN without affine parameters cannot hold the folded shift
+        if why is None and norm_path is None and mod.bias is None:
+            why = "no bias to hold the fitted shift"
+        if why is not None:
+            report["kept"][path] = why
+            if norm_path is not None and norm_path in folded:
+                steps.append(("bn", norm_path))   # its BN is then re-estimated like any other
             continue
-        site, want = (norm_path or path), "out"
+        steps.append(("fit", path, norm_path or path, group, norm_path))
+    fits = [st for st in steps if st[0] == "fit"]
+    cache = _cached_targets(parents, fits, maps, unit_w, weights, x, chunk, budget=CACHE_BYTES)
+    report["targets_cached"] = cache is not None
+    for st in steps:
+        if st[0] == "bn":
+            _reestimate(fused, st[1], x, chunk)
+            report["reestimated"].append(st[1])
+            continue
+        _, path, site, group, norm_path = st
+        mod = fused.get_submodule(path)
+        norm = fused.get_submodule(norm_path) if norm_path else None
         xtx = xty = None
-        for s in range(0, len(x), chunk):
+        for c, s in enumerate(range(0, len(x), chunk)):
             xb = x[s:s + chunk]
             d = design_matrix(mod, _capture(fused, path, xb, "in"), True).double()
-            num = den = None
-            for k, p in enumerate(parents):
-                t = _rows(_capture(p, site, xb, want), mod).double()
-                if group is not None:
-                    m = maps[k][group]
-                    t = t.index_select(1, m.perm.to(t.device)) if m.perm is not None else t @ m.out_map().to(t)
-                    u = (weights[k] * unit_w[k][group]).to(t)
-                else:
-                    u = torch.full((t.shape[1],), float(weights[k]), dtype=t.dtype, device=t.device)
-                num = t * u if num is None else num + t * u
-                den = u.clone() if den is None else den + u
-            tb = num / den.clamp_min(1e-300)
+            tb = cache[path][c] if cache is not None else _mean_target(
+                [_capture(p, site, xb, "out") for p in parents], mod, group, maps, unit_w, weights)
             xtx = d.t() @ d if xtx is None else xtx + d.t() @ d
             xty = d.t() @ tb if xty is None else xty + d.t() @ tb
         ridge = getattr(opts, "head_ridge", None) if path == classifier else None

@@ -57,6 +57,8 @@ def collect_activations(model: nn.Module, spec: PermSpec, inputs: torch.Tensor, 
         if total > max_rows:
             idx = _subsample(total, max_rows, seed).to(rows.device)
             rows = rows[idx[(idx >= off) & (idx < off + r)] - off]
+        elif rows.data_ptr() == h.data_ptr():
+            rows = rows.clone()   # a view of the module's output, which an in-place activation after it overwrites
         store[pt].append(rows)
 
     for pt in points:

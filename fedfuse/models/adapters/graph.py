@@ -277,7 +277,9 @@ def _probe(model: nn.Module, nodes: list[fx.Node], x: torch.Tensor):
             elif n.op == "output":
                 continue
             else:
-                values[n] = _eval(n, lambda a: fx.node.map_arg(a, lambda m: values[m]), model)
+                v = _eval(n, lambda a: fx.node.map_arg(a, lambda m: values[m]), model)
+                # copies, so that an in-place op later in the graph leaves this node's value as it was computed
+                values[n] = v.clone() if isinstance(v, torch.Tensor) and n.op != "get_attr" else v
     except Exception as exc:
         raise UnsupportedModelError(f"graph reader: running {type(model).__name__}'s traced graph on an input of shape "
                                     f"{tuple(x.shape[1:])} failed at node {n.name!r} ({type(exc).__name__}: "
@@ -474,7 +476,8 @@ def _module_outputs(model, nodes, values, calls) -> dict[int, str]:
 def _all_module_outputs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every module's output on ``x`` (one forward pass, the model's own), for modules called once."""
     box: dict[str, list] = {}
-    hs = [m.register_forward_hook(lambda _m, _i, o, p=p: box.setdefault(p, []).append(o))
+    hs = [m.register_forward_hook(lambda _m, _i, o, p=p: box.setdefault(p, []).append(
+        o.detach().clone() if isinstance(o, torch.Tensor) else o))   # copies: in-place activations follow
           for p, m in model.named_modules() if p]
     was = model.training
     model.eval()
