@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.permute.spec import Entry, PermSpec, build_spec
+from fedfuse.models.adapters import adapter_for
 from fedfuse.fusion.registry import IncompatibleModelsError
 
 
@@ -93,7 +94,6 @@ def state_on(model: nn.Module, device: torch.device | str, spec: PermSpec | None
 
 
 def _may_split(model: nn.Module) -> bool:
-    from fedfuse.models.adapters import adapter_for
     return adapter_for(model).family == "graph"
 
 
