@@ -17,8 +17,10 @@ set are then the same for m, its copies and its permutations):
 
 It also checks that ``fuse`` left m unchanged. Gradient methods run with ``epochs=2, head_epochs=2`` and
 ``fs-merge`` with ``steps=20`` (``OPTIONS``): the checks are about exactness, not about training. Seconds per
-``fuse`` call are wall-clock on a shared machine (compare them with each other only). A call running past
-``--timeout`` seconds is stopped and recorded as ``timeout``.
+``fuse`` call are wall-clock on a shared machine (compare them with each other only). Each (model, method) runs in
+a worker process of its own with a hard limit of ``--timeout`` seconds and ``--mem-gb`` GiB of address space: a
+call running past them is recorded as ``timeout`` / ``failed`` (e.g. torch's "can't allocate memory") and the
+table goes on (``--in-process``: no workers, no hard limits).
 
     .venv/bin/python -m simulations.bench.zoo_table                                   # everything
     .venv/bin/python -m simulations.bench.zoo_table --models net,tv:resnet18 --methods ot,rebasin
@@ -147,7 +149,9 @@ def _guarded(fn, timeout: float):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def check_model(key: str, methods: list[str], seed: int, timeout: float) -> list[dict]:
+def check_model(key: str, methods: list[str], seed: int, timeout: float, model_checks: bool = True) -> list[dict]:
+    """The records of ``key``'s checks: the model-level ones (build, BN reset, (ii)) when ``model_checks``, and
+    (i) / (iii) for each of ``methods``."""
     what, make = ZOO[key]
     records = []
     torch.manual_seed(seed)
@@ -185,7 +189,10 @@ def check_model(key: str, methods: list[str], seed: int, timeout: float) -> list
         moved = sum(not torch.equal(a, b) for a, b in zip(m.state_dict().values(), pm.state_dict().values()))
         perm_rec.update(outcome="ok", error=e, exact=e <= TOL, tensors_moved=moved,
                         groups=len(build_spec(m).groups))
-    records.append(perm_rec)
+    if model_checks:
+        records.append(perm_rec)
+    else:
+        records = []
     print(f"  (ii) permute: {perm_rec.get('outcome')} {perm_rec.get('error', perm_rec.get('reason', ''))}", flush=True)
 
     for method in methods:
@@ -322,16 +329,67 @@ def write_table(out: Path, records: list[dict]) -> tuple[str, str]:
     return text, summary
 
 
+def _hard_failure(key: str, method: str, outcome: str, reason: str) -> list[dict]:
+    checks = ["i-self"] + (["iii-match"] if method in MATCHING else [])
+    return [{"model": key, "what": ZOO[key][0], "method": method, "check": c, "options": OPTIONS.get(method, {}),
+             "outcome": outcome, "reason": reason} for c in checks]
+
+
+def run_isolated(key: str, method: str | None, a) -> list[dict]:
+    """One worker process for ``key``'s model-level checks (``method`` None) or one method's checks, with a hard
+    wall-clock limit (``--timeout``) and an address-space limit (``--mem-gb``): a call that runs away (hours, or
+    more memory than the machine has) becomes a ``timeout`` / ``failed`` record instead of stopping the table."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res_path = Path(tmp) / "records.json"
+        cmd = [sys.executable, "-m", "simulations.bench.zoo_table", "--worker", str(res_path), "--models", key,
+               "--methods", method or "none", "--seed", str(a.seed), "--timeout", str(a.timeout),
+               "--mem-gb", str(a.mem_gb)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 60)
+        except subprocess.TimeoutExpired:
+            return [] if method is None else _hard_failure(
+                key, method, "timeout", f"no result in {a.timeout + 60:.0f} s (worker killed)")
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+        for ln in lines:
+            print(ln, flush=True)
+        if res_path.exists():
+            return json.loads(res_path.read_text())
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+        why = (f"worker died (exit code {proc.returncode}, after {time.perf_counter() - t0:.0f} s"
+               f"{'; killed: out of memory?' if proc.returncode < 0 else ''}): {tail}")
+        if method is None:
+            return [{"model": key, "what": ZOO[key][0], "method": None, "check": "build", "outcome": "failed",
+                     "reason": why}]
+        return _hard_failure(key, method, "failed", why)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(ZOO), help=f"comma list of {list(ZOO)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per fuse call")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per (model, method) worker")
+    ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space limit of a worker, GiB")
+    ap.add_argument("--in-process", action="store_true", help="no worker processes (no hard limits)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="results/zoo-table")
     ap.add_argument("--table-only", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.worker:   # one isolated job of run_isolated: its records to the file a.worker
+        import resource
+
+        limit = int(a.mem_gb * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        methods = [] if a.methods == "none" else a.methods.split(",")
+        recs = check_model(a.models, methods, a.seed, a.timeout, model_checks=not methods)
+        Path(a.worker).write_text(json.dumps(recs))
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "runs.json"
@@ -342,7 +400,14 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             ap.error(f"unknown models/methods {bad}")
         for key in keys:
-            new = check_model(key, methods, a.seed, a.timeout)
+            if a.in_process:
+                new = check_model(key, methods, a.seed, a.timeout)
+            else:
+                print(f"{key}:", flush=True)
+                new = run_isolated(key, None, a)
+                if not any(r["check"] == "build" for r in new):
+                    for method in methods:
+                        new += run_isolated(key, method, a)
             # replace what was rerun: this model's model-level checks and the methods run now
             records = [r for r in records if not (r["model"] == key and (r.get("method") is None
                                                                           or r.get("method") in methods))]
