@@ -53,7 +53,7 @@ from fedfuse.fusion.permute import build_spec, reset_bn_stats  # noqa: E402
 from fedfuse.fusion.permute.maps import permute_model, random_perms  # noqa: E402
 from fedfuse.fusion.registry import FusionError  # noqa: E402
 from fedfuse.models import build_model, set_example_input  # noqa: E402
-from simulations.bench.zoo_oneshot import Net, ResidualCNN  # noqa: E402
+from simulations.bench.zoo_oneshot import CODE, Net, ResidualCNN  # noqa: E402
 
 TOL = 1e-5
 SHAPE = (3, 32, 32)
@@ -172,7 +172,7 @@ def check_model(key: str, methods: list[str], seed: int, timeout: float, model_c
     m.eval()
     ref = _out(m, x)
     state0 = {k: v.clone() for k, v in m.state_dict().items()}
-    base = {"model": key, "what": what, "parameters": params, "build-seconds": build_s}
+    base = {"model": key, "what": what, "parameters": params, "build-seconds": build_s, "code": CODE}
     print(f"{key}: {params:,} parameters", flush=True)
 
     # (ii) the structure reader's permutation is m's symmetry
@@ -282,6 +282,12 @@ def write_table(out: Path, records: list[dict]) -> tuple[str, str]:
             if r["check"] in ("build", "reset_bn_stats"):
                 problems.append((key, r["check"], r["reason"]))
         cells = []
+        if "build" in by.get((key, None), {}):   # no model: every pair of it counts, none accepted
+            n_total += len(methods)
+            for method in methods:
+                per_method[method][0] += 1
+            lines.append(f"| `{key}` | | build failed | " + " | ".join("" for _ in methods) + " |")
+            continue
         params = next((r.get("parameters") for r in records if r["model"] == key and r.get("parameters")), None)
         for method in methods:
             recs = by.get((key, method), {})
