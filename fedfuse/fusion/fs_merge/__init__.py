@@ -23,6 +23,10 @@ What is implemented:
   ``M_in`` (no U, B.1.1), attention block with one shared U, three merges M^Q/M^K/M^V, output unmerge U^O and
   merge M^O with the residual at merged width (B.1.2), MLP block U¹/M¹/U²/M² with the activation at merged
   hidden width (B.1.3), learned merged LayerNorms (rule iii), final reconstruction ``U_final`` (B.2).
+- any other model fedfuse reads a permutation spec from (a user's ``nn.Module``, torchvision / timm CNNs, fedfuse's
+  CNNs and ResNets): the same rules on the spec's groups (``structure_graph``): one M per group on the layers that
+  produce its units, one U per group on those that consume them, every other per-unit parameter (norms,
+  depthwise convolutions, layer scale) learned at merged width.
 - global feature-reconstruction MSE on each model's final pre-head features (no labels), per-model
   target scaling, a fixed set of augmented copies of the small fusion set, AdamW with a one-cycle
   (linear warm-up, cosine decay) schedule; the per-task loss when ``task_ids`` are given, else the
@@ -49,7 +53,8 @@ classes *it* knows — while a proximity penalty keeps them near the data. These
 features as targets like any other input.
 
 Modules: ``matrices`` (M/U matrices, folding one slot), ``structure`` (``structure_for(models)``: the per-family
-SuperNet layout, ``structure_sequential`` for MLPs and ``structure_vit`` for ViTs, picked by the adapter family),
+SuperNet layout, ``structure_sequential`` for MLPs, ``structure_vit`` for ViTs and ``structure_graph`` for any other
+model, picked by the adapter family),
 ``supernet`` (the SuperNet), ``heads`` (class heads), ``data`` (augmentation,
 synthesised inputs, targets), ``training`` (the reconstruction training), ``options`` (``FSMergeOptions``), ``method`` (the registered
 methods; diagnostics go to ``fuse_result(...).info``).
@@ -65,13 +70,14 @@ from fedfuse.fusion.fs_merge.heads import fold_heads, heads_of
 from fedfuse.fusion.fs_merge.matrices import INITS, MergeMatrix, fold_linear, split_blocks, unmerge, wide_linear
 from fedfuse.fusion.fs_merge.method import fuse_fs_merge, fuse_fs_merge_seq
 from fedfuse.fusion.fs_merge.options import FSMergeOptions, resolve_defaults
-from fedfuse.fusion.fs_merge.structure import STRUCTURES, SequentialMergeStructure, ViTMergeStructure, structure_for
+from fedfuse.fusion.fs_merge.structure import (STRUCTURES, GraphMergeStructure, SequentialMergeStructure, ViTMergeStructure,
+                                             structure_for)
 from fedfuse.fusion.fs_merge.supernet import Features, SuperNet, merge_structure
 from fedfuse.fusion.fs_merge.training import (TrainResult, epochs_to_steps, objective, reconstruction_loss,
                                               train_supernet)
 
 __all__ = ["FSMergeOptions", "resolve_defaults", "fuse_fs_merge", "fuse_fs_merge_seq", "MergeMatrix", "INITS",
            "split_blocks", "fold_linear", "wide_linear", "unmerge", "SuperNet", "Features", "merge_structure",
-           "structure_for", "STRUCTURES", "SequentialMergeStructure", "ViTMergeStructure",
+           "structure_for", "STRUCTURES", "GraphMergeStructure", "SequentialMergeStructure", "ViTMergeStructure",
            "fold_heads", "heads_of", "augment_inputs", "synthesize_inputs", "target_features", "prepare_data",
            "train_supernet", "TrainResult", "objective", "reconstruction_loss", "epochs_to_steps"]

@@ -70,7 +70,7 @@ def _fold(net: SuperNet, models: list[nn.Module], weights: list[float], heads: s
 
 PAPER_FS_MERGE = ('FS-Merge (Kinderman et al., "Foldable SuperNets: Scalable Merging of Transformers with Different '
                   'Initializations and Tasks", arXiv 2410.01483).')
-@register("fs-merge", paper=PAPER_FS_MERGE, options=FSMergeOptions, needs_data=True, min_models=2, families=("sequential", "vit"))
+@register("fs-merge", paper=PAPER_FS_MERGE, options=FSMergeOptions, needs_data=True, min_models=2)
 def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, options: FSMergeOptions,
                   info: dict) -> nn.Module:
     """Global FS-Merge of all ``models`` at once; returns one model of model 0's size (``FSMergeOptions``).
@@ -117,7 +117,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
 
 
 PAPER_FS_MERGE_SEQ = ("Sequential FS-Merge: models 0 and 1, then the result with model 2, ...")
-@register("fs-merge-seq", paper=PAPER_FS_MERGE_SEQ, options=FSMergeOptions, needs_data=True, min_models=2, families=("sequential", "vit"))
+@register("fs-merge-seq", paper=PAPER_FS_MERGE_SEQ, options=FSMergeOptions, needs_data=True, min_models=2)
 def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, options: FSMergeOptions,
                       info: dict) -> nn.Module:
     """FS-Merge seq.: merge models 0 and 1, then the result with model 2, ...

@@ -78,7 +78,7 @@ class FSMergeOptions:
 
 def resolve_defaults(options: FSMergeOptions, kind: str) -> FSMergeOptions:
     """Fill ``rank`` / ``lr`` left at ``None`` with the CPU-size defaults of the structure ``kind``
-    (``"mlp"`` or ``"vit"``)."""
-    rank = options.rank if options.rank is not None else ("full" if kind == "mlp" else 8)
-    lr = options.lr if options.lr is not None else (1e-3 if kind == "mlp" else 1e-2)
+    (``"mlp"``, ``"vit"`` or ``"graph"``: any other model, the MLP's)."""
+    rank = options.rank if options.rank is not None else ("full" if kind in ("mlp", "graph") else 8)
+    lr = options.lr if options.lr is not None else (1e-3 if kind in ("mlp", "graph") else 1e-2)
     return dataclasses.replace(options, rank=rank, lr=lr)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from fedfuse.fusion.fs_merge.structure_graph import GraphMergeStructure
 from fedfuse.fusion.fs_merge.structure_sequential import SequentialMergeStructure
 from fedfuse.fusion.fs_merge.structure_vit import ViTMergeStructure
 from fedfuse.fusion.registry import IncompatibleModelsError
 from fedfuse.models.adapters import UnsupportedModelError, adapter_for
 
 # adapter family -> FS-Merge layout class (constructed with the models; raises IncompatibleModelsError naming
-# the unsupported part)
+# the unsupported part); every other family (the generic reader's "graph", the hand-written ResNets) gets the
+# layout read off its permutation spec
 STRUCTURES: dict[str, type] = {"sequential": SequentialMergeStructure, "vit": ViTMergeStructure}
 
 
@@ -29,13 +31,20 @@ def structure_for(models: list[nn.Module]):
     except UnsupportedModelError as exc:
         raise IncompatibleModelsError(f"fs-merge: {exc}") from None
     if len({a.family for a in adapters}) != 1:
-        raise IncompatibleModelsError("fs-merge: supports nn.Sequential MLPs and timm VisionTransformers (all models "
-                                      f"of one family); got {sorted({type(m).__name__ for m in models})}")
+        raise IncompatibleModelsError("fs-merge: merges models of one architecture; got the families "
+                                      f"{sorted({a.family for a in adapters})} ({sorted({type(m).__name__ for m in models})})")
     family = adapters[0].family
-    if family not in STRUCTURES:
-        raise IncompatibleModelsError(f"fs-merge: no Foldable SuperNet for {family!r} models "
-                                      "(supports nn.Sequential MLPs and timm VisionTransformers)")
-    return STRUCTURES[family](models)
+    if family in STRUCTURES:
+        try:
+            return STRUCTURES[family](models)
+        except IncompatibleModelsError:
+            if family != "sequential":
+                raise
+            # not an MLP (a CNN chain, BatchNorm): the layout read off its permutation spec, below
+    try:
+        return GraphMergeStructure(models)
+    except UnsupportedModelError as exc:
+        raise IncompatibleModelsError(f"fs-merge: {exc}") from None
 
 
-__all__ = ["STRUCTURES", "structure_for", "SequentialMergeStructure", "ViTMergeStructure"]
+__all__ = ["STRUCTURES", "structure_for", "GraphMergeStructure", "SequentialMergeStructure", "ViTMergeStructure"]
