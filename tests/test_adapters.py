@@ -131,13 +131,14 @@ def test_fs_merge_structure_found(name, shape, structure):
         assert torch.allclose(net.features(x), Features(models[0])(x), atol=1e-5)
 
 
-def test_fs_merge_structure_missing_for_resnet_and_cnn():
-    r = build_model("resnet", 10, (1, 8, 8))
-    with pytest.raises(IncompatibleModelsError, match="no Foldable SuperNet for 'resnet'"):
-        structure_for([r, r])
-    c = build_model("cnn", 10, (1, 8, 8))
-    with pytest.raises(IncompatibleModelsError, match="MLP"):
-        structure_for([c, c])
+def test_fs_merge_structure_of_resnet_and_cnn_is_read_off_their_spec():
+    """Families without a hand-built SuperNet (fedfuse's ResNet, CNN chains) take the layout read off their
+    permutation spec; MLPs keep the paper's MLP layout."""
+    for name in ("resnet", "cnn"):
+        m = build_model(name, 10, (1, 8, 8))
+        assert type(structure_for([m, m])).__name__ == "GraphMergeStructure"
+    mlp = build_model("mlp", 10, (1, 8, 8))
+    assert type(structure_for([mlp, mlp])).__name__ == "SequentialMergeStructure"
 
 
 def test_outside_timm_vit_is_handled():

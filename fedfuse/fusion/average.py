@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedfuse.fusion.permute.maps import load_plain
 from fedfuse.fusion.registry import IncompatibleModelsError, NoOptions, register
 
 
@@ -43,7 +44,7 @@ def fuse_average(models, *, fusion_inputs, scores, weights, device, seed, option
     """Weighted parameter average of same-shape models (the vanilla / FedAvg baseline). Fixed point:
     averaging copies of one model returns that model."""
     fused = copy.deepcopy(models[0]).cpu()
-    fused.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights))
+    load_plain(fused, average_state_dicts([m.state_dict() for m in models], weights))
     return fused
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fedfuse.fusion.average import average_state_dicts
+from fedfuse.fusion.permute.maps import load_plain
 from fedfuse.fusion.refine import DistillRefineOptions, distill_ensemble
 from fedfuse.fusion.registry import register
 
@@ -36,7 +37,7 @@ def fuse_feddf(models, *, fusion_inputs, scores, weights, device, seed, options:
     """Average the same-architecture ``models`` with ``weights``, then distil their weighted ensemble into
     the average on ``fusion_inputs [B, *input]`` (early stopping on a held-out part). Returns a CPU model."""
     student = copy.deepcopy(models[0]).cpu()
-    student.load_state_dict(average_state_dicts([m.state_dict() for m in models], weights))
+    load_plain(student, average_state_dicts([m.state_dict() for m in models], weights))
     teachers = [copy.deepcopy(m).to(device).eval() for m in models]
     info.update(distill_ensemble(student.to(device), teachers, weights, fusion_inputs, options, seed=seed,
                                  device=device))

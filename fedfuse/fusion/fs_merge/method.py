@@ -52,6 +52,11 @@ def _check_inputs(models: list[nn.Module], x) -> None:
         m0.train(was_training)
 
 
+def _dtype(models: list[nn.Module]) -> torch.dtype:
+    """The models' floating dtype (the SuperNet trains in float32; the result is given back in the models' dtype)."""
+    return next((p.dtype for p in models[0].parameters() if p.is_floating_point()), torch.float32)
+
+
 def _check_finite(model: nn.Module, what: str) -> None:
     bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
@@ -102,7 +107,7 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
     run = train_supernet(net, data.pool, data.targets, data.mask, torch.tensor(weights, dtype=torch.float32),
                          cfg, steps, gen, device)
     after = reconstruction_loss(net, data.pool, data.targets, cfg.route)
-    fused = _fold(net, models, weights, cfg.heads)
+    fused = _fold(net, models, weights, cfg.heads).to(_dtype(models))
     info.update({"loss_before": before, "loss_after": after, "epoch_losses": run.epoch_losses, "steps": steps,
                  "objective_start": run.start_loss, "objective_exact": run.exact_loss,
                  "objective_best": run.best_loss, "best_step": run.best_step, "kept_exact": run.kept_exact,
@@ -178,7 +183,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         merged = net.fold_body().cpu()
         final = net.final.dense().detach().cpu()
         offset = net.offset.detach().cpu()
-    fused = _fold(net, models, weights, cfg.heads)
+    fused = _fold(net, models, weights, cfg.heads).to(_dtype(models))
     info.update({"stage_losses": hist, "stage_best_steps": best_steps, "stage_kept_exact": kept_exact,
                  "seconds": time.perf_counter() - t0,
                  "pool": len(data.pool)})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,18 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], spec: PermSpec 
     """``model.load_state_dict`` of a state that ``state_on`` may have split (joined first); returns ``model``."""
     if spec is None and _may_split(model):
         spec = build_spec(model)
-    model.load_state_dict(join_state(state, spec))
+    return load_plain(model, join_state(state, spec))
+
+
+def load_plain(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``model.load_state_dict(state)`` keeping the modules' state versions (``_metadata``) of ``model``'s own state
+    dict: a module that migrates old checkpoints (torchvision MNASNet) refuses a state without them; returns
+    ``model``."""
+    meta = getattr(model.state_dict(), "_metadata", None)
+    if meta is not None and getattr(state, "_metadata", None) is None:
+        state = OrderedDict(state)
+        state._metadata = meta
+    model.load_state_dict(state)
     return model
 
 def map_axis(t: torch.Tensor, axis: int, m: Map, role: str) -> torch.Tensor:
