@@ -667,7 +667,8 @@ def _check_privacy(cfg: RunConfig) -> None:
 
 def _check_zoo_model(cfg: RunConfig) -> None:
     """A zoo model (``model='torchvision:<name>'`` / ``'timm:<name>'``; its name is checked with the allowed values)
-    has its own size (``model-width`` / ``model-depth`` 0), no capacity tiers, and takes images."""
+    has its own size (``model-width`` / ``model-depth`` 0), width tiers only (copies narrowed along the reader's
+    groups; no depth tiers), and takes images."""
     if not is_zoo_name(cfg.model):
         return
     for key in ("model-width", "model-depth"):
@@ -676,9 +677,15 @@ def _check_zoo_model(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key {key!r} ({value}): zoo model {cfg.model!r} has its own size; {key} "
                               f"sizes fedfuse's own models ({', '.join(MODELS)}) only; remove it (0)")
     if cfg.client_tiers.strip():
-        raise ConfigError(f"run-config key 'client-tiers': capacity tiers build fedfuse's own models at other widths "
-                          f"and depths; zoo model {cfg.model!r} has none; remove client-tiers or use one of "
-                          f"{list(MODELS)}")
+        from fedfuse.hetero.tiers import parse_tier_pairs
+        try:
+            depths = [d for _, d in parse_tier_pairs(cfg.client_tiers)]
+        except ValueError:
+            depths = []   # the tier syntax is checked with the key itself
+        if any(d != 1.0 for d in depths):
+            raise ConfigError(f"run-config key 'client-tiers' ({cfg.client_tiers!r}): depth tiers build fedfuse's own "
+                              f"models at other depths; zoo model {cfg.model!r} takes width tiers only (narrowed "
+                              f"copies), e.g. '1,0.5'; or use one of {list(MODELS)}")
     info = dataset_info(cfg.dataset)
     problem = zoo_input_problem(cfg.model, info.input_shape) if info is not None else None
     if problem:

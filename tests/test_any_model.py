@@ -119,7 +119,10 @@ LARGE = {"tv:vgg11_bn": _tv("vgg11_bn"), "tv:resnet18": _tv("resnet18"), "tv:res
          "timm:resnet18": _timm("resnet18"), "timm:efficientnet_b0": _timm("efficientnet_b0"),
          "timm:vit_tiny_patch16_224": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4)}
 MATCHING = ("rebasin", "ot", "kf-linear", "hf-linear")
-OTHERS = ("transfusion",)
+OTHERS = ("transfusion", "kf-gradient", "hf-gradient", "fs-merge")
+# budgets of the trained methods: the checks are about exactness (the fixed point), not about training
+OPTIONS = {"kf-gradient": dict(epochs=1, head_epochs=1), "hf-gradient": dict(epochs=1, head_epochs=1),
+           "fs-merge": dict(steps=4)}
 X = torch.randn(24, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
 
@@ -150,7 +153,10 @@ def _f64(model: nn.Module) -> torch.Tensor:
 
 
 def _check(factory, methods, tol=1e-5):
-    m = _model(factory)
+    """The checks on a float64 copy of the model, fused on float64 inputs: each method computes in the models' dtype,
+    so what is measured is the method's exactness, not float32 round-off of tens of refitted layers."""
+    m = _model(factory).double()
+    reset_bn_stats(m, X.double())   # the statistics in float64 too: those the methods that re-estimate them get
     y = _f64(m)
     spec = build_spec(m)
     p = permute_model(m, random_perms(spec, seed=3))
@@ -159,10 +165,10 @@ def _check(factory, methods, tol=1e-5):
         assert any(not torch.equal(a, b) for a, b in zip(m.state_dict().values(), p.state_dict().values()))
     errors = {}
     for method in methods:
-        same = fuse(method, [m, m], fusion_inputs=X)
+        same = fuse(method, [m, m], fusion_inputs=X.double(), **OPTIONS.get(method, {}))
         errors[(method, "m,m")] = _rel(_f64(same), y)
         if method in MATCHING:
-            undone = fuse(method, [m, p], fusion_inputs=X)
+            undone = fuse(method, [m, p], fusion_inputs=X.double())
             errors[(method, "m,P(m)")] = _rel(_f64(undone), y)
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"fusion does not give m back: {bad}"
@@ -373,3 +379,29 @@ def test_a_user_model_whose_input_the_first_layer_does_not_tell():
     scores = neuron_importance(Net28(), x, y, method="uniform")
     assert scores["fc1"].shape == (120,)
     assert head_statistics(Net28(), x, y, 10).num_examples == 12
+
+
+def test_capacity_tiers_with_a_model_fedfuse_did_not_write(tmp_path):
+    """A zoo model federates with capacity tiers: the narrow clients' models are copies cut along the reader's own
+    groups (Torch-Pruning), nested top-left slices of the global model, aggregated back (HeteroFL's rule, ``ot``)."""
+    from fedfuse.flower.runner.inprocess import run_app_inprocess
+    cfg = {"dataset": "digits", "model": "torchvision:mobilenet_v2", "num-clients": 2, "partitioning": "iid",
+           "num-server-rounds": 1, "local-epochs": 1, "lr": 0.05, "fusion-set-size": 64, "min-train-nodes": 2,
+           "strategy": "ot", "client-tiers": "1,0.5", "head-round": False, "output-dir": str(tmp_path),
+           "run-name": "zoo-tiers"}
+    outcome = run_app_inprocess(cfg, num_supernodes=2, echo=False)
+    assert outcome.ok, outcome.details
+    res = json.loads((tmp_path / "zoo-tiers" / "results.json").read_text())
+    hist = res["strategy-history"]
+    assert hist and all(h["valid"] == 2 and h["fallback"] is None for h in hist), hist
+    assert res["rounds"][-1]["test-accuracy"] > 0.1
+
+
+def test_narrow_copies_refuse_a_forward_that_hard_codes_a_width():
+    """The quickstart Net's ``x.view(-1, 16 * 5 * 5)`` cannot run narrower: one clear refusal, not a wrong batch."""
+    m = Net()
+    set_example_input(m, X)
+    with pytest.raises(UnsupportedModelError, match="hard-codes a width"):
+        adapter_for(m).at_width_mult(m, 0.5)
+    narrow = adapter_for(m).at_width_mult(m, 1.0)
+    assert [v.shape for v in narrow.state_dict().values()] == [v.shape for v in m.state_dict().values()]

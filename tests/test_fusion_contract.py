@@ -49,7 +49,8 @@ FAST: dict[str, dict] = {
 # Fixed point (issue 12): copies of one model fuse back to it — [a, a] and [a, a, a] with unequal weights → a,
 # outputs within FIXED_TOL (ensemble: probabilities) and the state within STATE_TOL — with the DEFAULT options, for
 # every registered method and every family its spec supports. How each gets there: closed-form methods are exact;
-# the gradient NI variants start from the closed form (init="auto") and keep only improvements; kd/lp keep the
+# the gradient NI variants start from the closed form (init="auto") or model 0 (block levels: the unperturbed
+# weights are compared with the trained ones after training) and keep only improvements; kd/lp keep the
 # best state on the fusion-set KL incl. the start (keep_best); FS-Merge keeps the best state on its objective among
 # its starts — one is model 0 with an exact reconstruction of every agreeing model (objective 0) — and checkpoints.
 FIXED_POINT = tuple(METHODS)  # every method; a new registration is covered automatically
@@ -67,15 +68,12 @@ FIXED_POINT_GAPS = {
     **{(m, "resnet"): "the graph variant of linear neuron interpolation (residual models) re-estimates BatchNorm "
                       "statistics on the fusion set before its fits, as ot/rebasin do after theirs"
        for m in ("hf-linear", "kf-linear")},
-    **{(m, arch): "block levels (no closed form) start from model 0 perturbed by eps and are trained, so a "
-                  "moves" for m in ("hf-gradient", "kf-gradient") for arch in ("vit", "resnet")},
 }
 # options under which a score-using method reads the scores (``ot`` uses them only as OT marginals)
 SCORE_OPTIONS = {"ot": dict(marginals="importance")}
 # setups the capability flags call supported but the method rejects: the flags cannot say "MLP-only"
 # within the sequential family yet (reported to the lead); a fix makes the test fail until removed here
-KNOWN_GAPS = {("fs-merge", "cnn"): "FS-Merge handles sequential MLPs, not CNNs; families cannot say so",
-              ("fs-merge-seq", "cnn"): "FS-Merge handles sequential MLPs, not CNNs; families cannot say so"}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 SIGNATURE = ["models", "fusion_inputs", "scores", "weights", "device", "seed", "options", "info"]
 
 

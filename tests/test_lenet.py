@@ -17,10 +17,11 @@ from fedfuse.models.lenet import lenet_widths
 torch.set_num_threads(1)
 SHAPE = (1, 28, 28)
 # methods that cannot take a CNN, with the reason they give (FS-Merge's SuperNet has MLP and ViT layouts only)
-NOT_CNN = {"fs-merge": "neither Linear", "fs-merge-seq": "neither Linear"}
+NOT_CNN: dict[str, str] = {}   # every method takes LeNet (FS-Merge: the layout read off its permutation spec)
 TWO_ONLY = {"hf-linear", "hf-gradient"}
 FAST = {"kd": dict(epochs=1), "lp": dict(epochs=1), "feddf": dict(epochs=1), "hf-gradient": dict(epochs=1, head_epochs=1),
-        "kf-gradient": dict(epochs=1, head_epochs=1), "rebasin": dict(max_iter=3), "transfusion": dict(max_iter=3)}
+        "kf-gradient": dict(epochs=1, head_epochs=1), "rebasin": dict(max_iter=3), "transfusion": dict(max_iter=3),
+        "fs-merge": dict(steps=3), "fs-merge-seq": dict(steps=3, stage_steps=2)}
 
 
 def test_lenet_is_niid_benchs_cnn():

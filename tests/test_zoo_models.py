@@ -161,9 +161,12 @@ def test_a_zoo_model_on_non_image_data_is_a_config_error(dataset):
         parse_run_config({"model": "torchvision:resnet18", "dataset": dataset})
 
 
-def test_a_zoo_model_has_no_capacity_tiers():
-    with pytest.raises(ConfigError, match="^run-config key 'client-tiers'"):
-        parse_run_config({"model": "timm:resnet18", "client-tiers": "1,0.5", "strategy": "average"})
+def test_a_zoo_model_takes_width_tiers_not_depth_tiers():
+    """Width tiers narrow a copy along the reader's groups; depth tiers need a model fedfuse builds itself."""
+    cfg = parse_run_config({"model": "timm:resnet18", "client-tiers": "1,0.5", "strategy": "average"})
+    assert cfg.client_tiers == "1,0.5"
+    with pytest.raises(ConfigError, match="^run-config key 'client-tiers'.*depth tiers"):
+        parse_run_config({"model": "timm:resnet18", "client-tiers": "1,1x0.5", "strategy": "average"})
 
 
 def test_check_model_builds_the_zoo_model_for_the_dataset():

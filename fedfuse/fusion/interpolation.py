@@ -59,8 +59,9 @@ from fedfuse.choices import OPTIMIZERS
 from fedfuse.fusion.interpolation_graph import graph_interpolation
 from fedfuse.fusion.registry import (FusionOptionError, IncompatibleModelsError, MissingInputError, register,
                                      require)
-from fedfuse.fusion.grouping import (assignment_matrix, balanced_kmeans, gram_coordinates, hungarian_match, matching_labels,
-                                     projected_coordinates, weighted_kmeans)
+from fedfuse.fusion.grouping import (LeastSquares, assignment_matrix, balanced_kmeans, gram_coordinates,
+                                     hungarian_match, kernel_least_squares, matching_labels, projected_coordinates,
+                                     weighted_kmeans)
 from fedfuse.fusion.design import _conv_geometry, design_matrix  # noqa: F401  (public here too)
 from fedfuse.importance import neuron_importance
 from fedfuse.models.levels import BATCHNORMS, Level, levels as model_levels, neurons_last, neurons_restore
@@ -85,23 +86,24 @@ def _chunked(fn, h: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat([fn(h[i:i + chunk]) for i in range(0, h.shape[0], chunk)])
 
 
-def folded_affine(lv: Level) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights ``[out, in, *k]`` and bias ``[out]`` of ``norm(layer(·))`` with eval-mode BN folded in."""
-    w = lv.layer.weight.detach().double()
-    b = lv.layer.bias.detach().double() if lv.layer.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype,
-                                                                                     device=w.device)
+def folded_affine(lv: Level, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``[out, in, *k]`` and bias ``[out]`` of ``norm(layer(·))`` with eval-mode BN folded in (of the output
+    neurons ``rows``: the same values as those rows of the whole)."""
+    w = lv.layer.weight.detach()[rows].double()
+    b = lv.layer.bias.detach()[rows].double() if lv.layer.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype,
+                                                                                           device=w.device)
     if lv.norm is not None:
         bn = lv.norm
-        scale = (bn.weight.detach().double() if bn.weight is not None else torch.ones_like(b)) / \
-            (bn.running_var.double() + bn.eps).sqrt()
-        shift = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(b)
+        scale = (bn.weight.detach()[rows].double() if bn.weight is not None else torch.ones_like(b)) / \
+            (bn.running_var[rows].double() + bn.eps).sqrt()
+        shift = bn.bias.detach()[rows].double() if bn.bias is not None else torch.zeros_like(b)
         w = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
-        b = scale * (b - bn.running_mean.double()) + shift
+        b = scale * (b - bn.running_mean[rows].double()) + shift
     return w, b
 
 
 def aligned_parent_weights(lv: Level, prev_labels: torch.Tensor | None, k_prev: int, fused: Level,
-                           bias: bool) -> torch.Tensor | None:
+                           bias: bool, rows: slice | None = None) -> torch.Tensor | None:
     """A parent's level weights re-expressed on the fused model's inputs: ``[cols, out]`` or ``None``.
 
     Input neuron ``i`` of the parent was grouped into fused neuron ``prev_labels[i]``, which
@@ -109,20 +111,29 @@ def aligned_parent_weights(lv: Level, prev_labels: torch.Tensor | None, k_prev: 
     first level, where every model reads the same raw input). Used as the prior of the least-squares
     fit: directions the fusion set does not excite (dead pixels, neurons silent on client 0's data)
     keep the parents' interpolated weights instead of the min-norm zero.
+
+    ``rows``: the columns of these output neurons only, ``[cols, len(rows)]`` (a wide level's prior built block by
+    block, ``_prior_blocks``); their group sums are taken by ``index_add`` (the same sums, without the membership
+    product's ``[out, in] × [in, k]`` matmul: 100 GFLOP on a VGG-11's first classifier Linear).
     """
     if not lv.affine or type(lv.layer) is not type(fused.layer):
         return None
-    w, b = folded_affine(lv)
+    w, b = folded_affine(lv, slice(None) if rows is None else rows)
     if prev_labels is not None:
         c_in = prev_labels.shape[0]
-        memb = torch.zeros(c_in, k_prev, dtype=w.dtype, device=w.device)
-        memb[torch.arange(c_in, device=w.device), prev_labels.to(w.device)] = 1.0
-        if isinstance(lv.layer, nn.Linear):
-            if w.shape[1] % c_in:
-                return None
-            w = torch.einsum("ocs,ck->oks", w.reshape(w.shape[0], c_in, -1), memb).reshape(w.shape[0], -1)
+        if isinstance(lv.layer, nn.Linear) and w.shape[1] % c_in:
+            return None
+        if rows is not None:
+            grouped = w.reshape(w.shape[0], c_in, -1) if isinstance(lv.layer, nn.Linear) else w
+            w = grouped.new_zeros(w.shape[0], k_prev, *grouped.shape[2:]).index_add_(
+                1, prev_labels.to(w.device), grouped).reshape(w.shape[0], -1)
         else:
-            w = torch.einsum("oc...,ck->ok...", w, memb)
+            memb = torch.zeros(c_in, k_prev, dtype=w.dtype, device=w.device)
+            memb[torch.arange(c_in, device=w.device), prev_labels.to(w.device)] = 1.0
+            if isinstance(lv.layer, nn.Linear):
+                w = torch.einsum("ocs,ck->oks", w.reshape(w.shape[0], c_in, -1), memb).reshape(w.shape[0], -1)
+            else:
+                w = torch.einsum("oc...,ck->ok...", w, memb)
     w = w.reshape(w.shape[0], -1)
     if w.shape[1] != fused.layer.weight[0].numel():
         return None
@@ -144,7 +155,7 @@ def write_affine(lv: Level, w: torch.Tensor) -> None:
     has_bias = _folded_has_bias(lv)
     weight = w[:-1] if has_bias else w
     with torch.no_grad():
-        layer.weight.copy_(weight.T.reshape(layer.weight.shape).to(layer.weight))
+        layer.weight.copy_(weight.T.reshape(layer.weight.shape))   # copy_ casts: no float32 copy of w on the way
         b = w[-1] if has_bias else None
         if layer.bias is not None:
             layer.bias.copy_(b.to(layer.bias))
@@ -518,12 +529,20 @@ def _group(method: str, coords: torch.Tensor, s: torch.Tensor, widths: list[int]
 # ----------------------------------------------------------------------------------------------------
 
 def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Tensor, *, optimizer: str, lr: float,
-               epochs: int, weight_decay: float, opts: InterpolationOptions, seed: int, device: torch.device) -> dict[str, float]:
+               epochs: int, weight_decay: float, opts: InterpolationOptions, seed: int, device: torch.device,
+               unperturbed: list[torch.Tensor] | None = None) -> dict[str, float]:
     """Train ``lv``'s parameters in place so that ``lv.run(x_in) ≈ target`` (plain MSE).
 
     ``x_in [B, ...]`` level input, ``target [B, ...]`` level-shaped targets. Eval mode (no dropout;
     BatchNorm keeps its running statistics, its affine parameters train). Early stopping on the
     validation MSE with ``patience``; the best state, *including the starting one*, is kept.
+    ``unperturbed``: the level's weights before its start was set (the closed form written or ``eps``
+    perturbation applied: model 0's, or the target's); compared after training (the training itself is unchanged)
+    and kept when its validation MSE is no higher than every state training reached (ties within float32
+    round-off included). Parents that agree on a level
+    (copies of one model) then keep it exactly: the fixed point ``fuse(method, [m, m]) = m`` that a perturbed or
+    refitted start alone misses (by up to its ``eps``, or the ridge fit's held-out error when the level has fewer
+    fusion samples than inputs).
     """
     named = dict(fused.named_parameters())
     params = [named[n] for n in lv.param_names]
@@ -578,7 +597,19 @@ def _fit_level(fused: nn.Module, lv: Level, x_in: torch.Tensor, target: torch.Te
                 p.copy_(q)
         for p in fused.parameters():
             p.requires_grad_(True)
-    return {"epochs": ep, "val_mse_start": first, "val_mse": best}
+    kept_unperturbed = False
+    if unperturbed is not None:
+        with torch.no_grad():
+            for p, q in zip(params, unperturbed):
+                p.copy_(q)
+            v = val_loss()
+            # ties within float32 round-off (1e-10 of the targets' mean square) go to the unperturbed weights
+            if v <= best + 1e-10 * float(target.float().pow(2).mean()):
+                best, kept_unperturbed = v, True
+            else:
+                for p, q in zip(params, best_state):
+                    p.copy_(q)
+    return {"epochs": ep, "val_mse_start": first, "val_mse": best, "kept_unperturbed": kept_unperturbed}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -620,6 +651,16 @@ def _check_parents(name: str, grouping: str, fit: str, plv: list[list[Level]], o
         raise FusionOptionError(f"{name}: option 'fused_width' must equal the parents' width for Hungarian "
                                 "matching")
     return widths_f
+
+
+def _parent(model: nn.Module, device: torch.device) -> nn.Module:
+    """A parent as the fit reads it (level forwards in eval mode, its weights; nothing is written to it): the model
+    itself when it is already in eval mode on ``device``, else an eval-mode copy there. A copy of a 132 M-parameter
+    VGG-11 is 0.5 GB per parent."""
+    tensors = list(model.state_dict().values())
+    if not any(m.training for m in model.modules()) and all(t.device == device for t in tensors):
+        return model
+    return copy.deepcopy(model).to(device).eval()
 
 
 def _fused_start(name: str, models: list[nn.Module], plv: list[list[Level]], widths_f: dict[int, int],
@@ -665,16 +706,43 @@ class _LevelStep:
         return torch.cat([neurons_last(h[i:j], self.layout) for h in self.h_par], 1).double()
 
 
+#: a level's least-squares fit takes the dual (kernel) form when its design matrix has fewer rows (fusion samples ×
+#: output positions) than ``DUAL_ROW_RATIO`` × its columns (``_dual_least_squares``); 0 keeps every fit primal
+DUAL_ROW_RATIO = 1.0
+
+
+def _parents_prior(step: _LevelStep, prev_labels: list[torch.Tensor | None], k_prev: int, bias: bool, d: int,
+                   device: torch.device) -> torch.Tensor:
+    """``[d, Σ widths]``: every parent's weights on the fused inputs (``aligned_parent_weights``; zeros where a
+    parent has none), written block by block into one matrix (no second copy of it)."""
+    prior = torch.zeros(d, sum(step.widths), dtype=torch.float64, device=device)
+    off = 0
+    for m, w in enumerate(step.widths):
+        p = aligned_parent_weights(step.parents[m], prev_labels[m], k_prev, step.fused, bias)
+        if p is not None:
+            prior[:, off:off + w].copy_(p)
+        del p
+        off += w
+    return prior
+
+
 def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: list[torch.Tensor | None],
                    k_prev: int, device: torch.device):
     """Closed-form fit of an affine level: the least-squares coefficients of every parent
     neuron on the fused level's inputs, as a deviation from the parents' own (grouped) weights with
     ``prior="parents"``; returns ``(ls, head_coef)`` — ``ls.coef`` ``[d, Σ widths]`` and ``ls.coords`` (the
-    projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``)."""
+    projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``).
+    The normal equations (``XᵀX [d, d]``) are accumulated chunk by chunk; a design matrix with fewer rows than
+    columns is solved in the dual form instead (``_dual_least_squares``: the same fit, to round-off, returned as a
+    ``_DualFit`` whose ``weights(a)`` is ``coef @ a``)."""
     lvf, widths, k, n = step.fused, step.widths, step.k, len(step.widths)
     nonlinear_head = step.last and opts.head_target != "logits"
     bias = _folded_has_bias(lvf)
     d = lvf.layer.weight[0].numel() + int(bias)
+    with torch.no_grad():
+        per_sample = design_matrix(lvf.layer, lvf.pre(step.h_fus[:1]), bias).shape[0]   # output positions
+    if step.rows * per_sample < DUAL_ROW_RATIO * d:
+        return _dual_least_squares(step, opts, prev_labels, k_prev, device, bias, d)
     xtx = torch.zeros(d, d, dtype=torch.float64, device=device)
     xtz = torch.zeros(d, sum(widths), dtype=torch.float64, device=device)
     # a non-linear head target (head_target="probs") is not Z @ A: accumulate Xᵀ T directly
@@ -692,10 +760,7 @@ def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: li
     ridge = rel * float(torch.diagonal(xtx).mean()) if rel > 0 else 0.0
     ls = projected_coordinates(xtx, xtz, ridge=ridge, rcond=opts.rcond)
     if opts.prior == "parents":
-        pri = [aligned_parent_weights(step.parents[m], prev_labels[m], k_prev, lvf, bias) for m in range(n)]
-        pri = [p if p is not None else torch.zeros(d, widths[m], dtype=torch.float64, device=device)
-               for m, p in enumerate(pri)]
-        prior = torch.cat(pri, 1).to(device)
+        prior = _parents_prior(step, prev_labels, k_prev, bias, d, device)
         # min-norm *deviation from the prior*: same projected outputs, prior kept off the data span
         dev = projected_coordinates(xtx, xtz - xtx @ prior, ridge=ridge, rcond=opts.rcond)
         ls = type(ls)(coef=prior + dev.coef, coords=ls.coords)
@@ -706,6 +771,86 @@ def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: li
         base = prior @ step.head_a if prior is not None else torch.zeros_like(xtt)
         head_coef = base + projected_coordinates(xtx, xtt - xtx @ base, ridge=ridge, rcond=opts.rcond).coef
     return ls, head_coef
+
+
+def _prior_blocks(step: _LevelStep, prev_labels: list[torch.Tensor | None], k_prev: int, bias: bool, d: int,
+                  block: int = 1 << 22):
+    """``_parents_prior`` in column blocks of about ``block`` elements: ``(first column, [d, columns])`` pairs, the
+    parents' weights on the fused inputs built a few output neurons at a time (``aligned_parent_weights(rows=)``);
+    a parent without such weights has no block (its columns are zero)."""
+    step_rows = max(1, block // d)
+    off = 0
+    for m, width in enumerate(step.widths):
+        for r0 in range(0, width, step_rows):
+            p = aligned_parent_weights(step.parents[m], prev_labels[m], k_prev, step.fused, bias,
+                                       rows=slice(r0, min(width, r0 + step_rows)))
+            if p is None:
+                break
+            yield off + r0, p
+        off += width
+
+
+@dataclass
+class _DualFit:
+    """A level's least-squares fit in the dual form (``_dual_least_squares``). Its coefficients ``[d, Σ widths]``
+    (1.6 GB for a VGG-11's first classifier Linear of two parents) are never formed: ``weights(a)`` is ``coef @ a``
+    computed as ``prior @ a + Xᵀ (B @ a)``, the prior rebuilt block by block from the parents' weights."""
+
+    coords: torch.Tensor       # [Σ widths, r] projected outputs' coordinates (grouping)
+    x: torch.Tensor            # [rows, d] the design matrix
+    dual: torch.Tensor         # [rows, Σ widths] dual weights B of the deviation from the prior
+    blocks: Any                # () -> iterator of _prior_blocks, or None (prior="zero")
+
+    def weights(self, a: torch.Tensor) -> torch.Tensor:
+        """``coef @ a`` ``[d, k]`` for ``a [Σ widths, k]``."""
+        a = a.to(self.dual)
+        return _add_prior(self.x.T @ (self.dual @ a), self.blocks, a)
+
+
+def _add_prior(out: torch.Tensor, blocks, a: torch.Tensor) -> torch.Tensor:
+    """``out += prior @ a`` in place, block by block (``_prior_blocks``; nothing when ``blocks`` is ``None``)."""
+    if blocks is not None:
+        for off, p in blocks():
+            out.addmm_(p, a[off:off + p.shape[1]])
+    return out
+
+
+def _dual_least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: list[torch.Tensor | None],
+                        k_prev: int, device: torch.device, bias: bool, d: int):
+    """``_least_squares`` for a design matrix ``X [rows, d]`` with fewer rows than columns, in the dual form
+    (``kernel_least_squares``): ``X`` itself and the kernel ``X Xᵀ [rows, rows]`` instead of ``XᵀX [d, d]`` (5 GB in
+    float64 for the 25,088 inputs of a VGG's first classifier Linear) and ``XᵀZ``. The relative ridge is the
+    primal's, ``λ = ridge × mean diagonal of XᵀX = ridge × trace(X Xᵀ) / d``, so the weights
+    ``prior + Xᵀ B`` and the projected outputs' coordinates are the primal ones to round-off. Returns
+    ``(_DualFit, head_coef)``; nothing of size ``d × Σ widths`` is held (the prior's ``X prior`` is accumulated
+    block by block)."""
+    lvf, n = step.fused, len(step.widths)
+    nonlinear_head = step.last and opts.head_target != "logits"
+    spans = range(0, step.rows, step.chunk)
+    with torch.no_grad():
+        x = torch.cat([design_matrix(lvf.layer, lvf.pre(step.h_fus[i:i + step.chunk]), bias).double() for i in spans])
+        z = torch.cat([step.zcat(i, i + step.chunk) for i in spans])          # [rows, Σ widths]
+        t = head_targets(z, step.head_a, n, opts.head_target, opts.head_temperature, opts.head_floor) \
+            if nonlinear_head else None   # row by row, as the primal's chunks
+    kern = x @ x.T
+    rel = opts.head_ridge if (step.last and opts.head_ridge is not None) else opts.ridge
+    ridge = rel * float(torch.diagonal(kern).sum()) / d if rel > 0 else 0.0
+    kls = kernel_least_squares(kern, ridge=ridge, rcond=opts.rcond)
+    del kern
+    blocks = None
+    xp = torch.zeros_like(z)   # X prior
+    if opts.prior == "parents":
+        def blocks():
+            return _prior_blocks(step, prev_labels, k_prev, bias, d)
+
+        for off, p in blocks():
+            xp[:, off:off + p.shape[1]] = x @ p
+    fit = _DualFit(coords=kls.coords(z), x=x, dual=kls.dual(z - xp), blocks=blocks)
+    head_coef = None
+    if nonlinear_head:  # as the primal: a deviation from the a-averaged parents' head
+        a = step.head_a.to(xp)
+        head_coef = _add_prior(x.T @ kls.dual(t - xp @ a), blocks, a)
+    return fit, head_coef
 
 
 def output_coordinates(step: _LevelStep) -> torch.Tensor:
@@ -758,7 +903,8 @@ def _gradient_targets(step: _LevelStep, a: torch.Tensor, opts: InterpolationOpti
     n = len(step.widths)
     return torch.cat([neurons_restore(
         (head_targets(step.zcat(i, i + step.chunk), a, n, opts.head_target, opts.head_temperature, opts.head_floor)
-         if step.last else step.zcat(i, i + step.chunk) @ a).float(), step.layout, step.h_par[0][i:i + step.chunk])
+         if step.last else step.zcat(i, i + step.chunk) @ a).to(step.h_fus.dtype), step.layout,
+        step.h_par[0][i:i + step.chunk])
         for i in range(0, step.rows, step.chunk)])
 
 
@@ -771,19 +917,23 @@ def _fit_gradient_level(fused: nn.Module, step: _LevelStep, a: torch.Tensor, clo
     target = _gradient_targets(step, a, opts)
     if opts.align_residual and not step.last and step.layout == "tokens" and lvf.kind == "block":
         target = _align_residual(step.h_fus, target, a, step.s, step.layout)
+    named = dict(fused.named_parameters())
+    # the level's weights as copied from model 0 (or the target), before the start replaces them: a candidate
+    # kept after training when it fits better than every state training reached (copies of one model: exactly)
+    unperturbed = [named[pn].detach().clone() for pn in lvf.param_names]
     if closed_form is not None:
         # closed-form start: defence against collapse
         write_affine(lvf, closed_form)
     elif (eps := opts.head_eps if step.last else opts.eps) > 0:
         fresh = _fresh_values(fused, lvf.param_names, seed * 1000 + step.index)
-        named = dict(fused.named_parameters())
         with torch.no_grad():
             for pn, v in fresh.items():
                 named[pn].mul_(1 - eps).add_(eps * v.to(named[pn]))
     hp = (opts.head_optimizer, opts.head_lr, opts.head_epochs, opts.head_weight_decay) if step.last else \
          (opts.optimizer, opts.lr, opts.epochs, opts.weight_decay)
     return _fit_level(fused, lvf, step.h_fus, target, optimizer=hp[0], lr=hp[1], epochs=hp[2],
-                      weight_decay=hp[3], opts=opts, seed=seed * 7919 + step.index, device=device)
+                      weight_decay=hp[3], opts=opts, seed=seed * 7919 + step.index, device=device,
+                      unperturbed=unperturbed)
 
 
 def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fusion_inputs: torch.Tensor,
@@ -825,8 +975,11 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         # residual streams, concatenations, gates: grouping per permutation group, closed form per affine layer
         return graph_interpolation(models, grouping=grouping, fusion_inputs=fusion_inputs, scores=scores,
                                    weights=weights, device=device, seed=seed, opts=opts, info=info, target=target)
-    x = torch.as_tensor(fusion_inputs).float().to(device)
-    parents = [copy.deepcopy(m).to(device).eval() for m in models]
+    # in the models' floating dtype (float32 unless they are float64: a float64 check of exactness)
+    first = next(models[0].parameters(), None)
+    x = torch.as_tensor(fusion_inputs).to(device, first.dtype if first is not None and first.is_floating_point()
+                                          else torch.float32)
+    parents = [_parent(m, device) for m in models]
     plv = [model_levels(p) for p in parents]
     n_levels = len(plv[0])
     widths_f = _check_parents(name, grouping, fit, plv, opts, target)
@@ -861,12 +1014,14 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         labels = _group_level(step, name, grouping, fit, ls, opts, seed, level_info, device)
         # importance-weighted targets (Theorem 1); the head optionally by class counts
         a = head_a if last else assignment_matrix(labels, s, step.k)
-        closed_form = None if ls is None else (head_coef if head_coef is not None else ls.coef @ a)
+        closed_form = None if ls is None else (head_coef if head_coef is not None else
+                                               ls.weights(a) if isinstance(ls, _DualFit) else ls.coef @ a)
         if fit == "linear":  # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
             write_affine(step.fused, closed_form)
         else:
             fit_info = _fit_gradient_level(fused, step, a, closed_form, opts, seed, device)
             level_info.setdefault(plv[0][l].name, {}).update(fit_info)
+        del ls, head_coef, closed_form, a   # written into the fused model: not held through the next level's fit
         if not last:
             h_fus = _chunked(step.fused.run, h_fus, chunk)
             offs = [sum(widths[:m]) for m in range(n)]

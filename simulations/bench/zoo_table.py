@@ -15,6 +15,14 @@ set are then the same for m, its copies and its permutations):
 - **(iii) matching** (``rebasin``, ``ot``, ``kf-linear``, ``hf-linear``): ``fuse(method, [m, P(m)])`` computes
   m's function (the method finds the permutation back).
 
+Every check runs in **float64** (``--dtype``, default float64): the models are converted (``model.double()``, BN
+statistics then set from ``x.double()``), fused on ``x.double()`` (every method computes in its models' dtype) and
+evaluated in float64, as ``tests/test_any_model.py`` does. In float32 a deep network's refitted layers (neuron
+interpolation's least squares, tens of them in a MobileNet) and a permuted summation order round to relative errors
+of 1e-5 … 1e-4 on the large models, which would be mistaken for an inexact fusion; in float64 that round-off is
+about 1e-12, so an error above the tolerance is the method's. ``--dtype float32`` runs the models as users train
+them. Seconds are those of the float64 calls (``simulations/bench/zoo_cost.py`` times float32 against the floor).
+
 It also checks that ``fuse`` left m unchanged. Gradient methods run with ``epochs=2, head_epochs=2`` and
 ``fs-merge`` with ``steps=20`` (``OPTIONS``): the checks are about exactness, not about training. Seconds per
 ``fuse`` call are wall-clock on a shared machine (compare them with each other only). Each (model, method) runs in
@@ -38,6 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
@@ -56,6 +65,7 @@ from fedfuse.models import build_model, set_example_input  # noqa: E402
 from simulations.bench.zoo_oneshot import CODE, Net, ResidualCNN  # noqa: E402
 
 TOL = 1e-5
+DTYPE = torch.float64   # --dtype float32: the models as users train them (round-off of refitted layers included)
 SHAPE = (3, 32, 32)
 METHODS = ["kf-linear", "hf-linear", "kf-gradient", "hf-gradient", "ot", "rebasin", "transfusion", "fs-merge"]
 MATCHING = ("rebasin", "ot", "kf-linear", "hf-linear")
@@ -124,7 +134,9 @@ def _kind(exc: BaseException) -> str:
 
 @torch.no_grad()
 def _out(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model.eval()(x).double()
+    """``model``'s outputs on ``x``, computed in float64 on a float64 copy (the model itself is left as it is), so
+    that float32 round-off of a deep net's summation order is not mistaken for an inexact fusion."""
+    return copy.deepcopy(model).double().eval()(x.double())
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -161,7 +173,8 @@ def check_model(key: str, methods: list[str], seed: int, timeout: float, model_c
     except Exception as exc:  # noqa: BLE001
         return [{"model": key, "method": None, "check": "build", "outcome": _kind(exc), "reason": _reason(exc)}]
     build_s = time.perf_counter() - t0
-    x = torch.randn(32, *SHAPE, generator=torch.Generator().manual_seed(seed))
+    m = m.to(DTYPE)   # the fuse calls too: each method computes in the models' dtype (its exactness, not round-off)
+    x = torch.randn(32, *SHAPE, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
     set_example_input(m, x)
     params = sum(p.numel() for p in m.parameters())
     try:
@@ -172,7 +185,8 @@ def check_model(key: str, methods: list[str], seed: int, timeout: float, model_c
     m.eval()
     ref = _out(m, x)
     state0 = {k: v.clone() for k, v in m.state_dict().items()}
-    base = {"model": key, "what": what, "parameters": params, "build-seconds": build_s, "code": CODE}
+    base = {"model": key, "what": what, "parameters": params, "build-seconds": build_s, "code": CODE,
+            "dtype": str(DTYPE).removeprefix("torch.")}
     print(f"{key}: {params:,} parameters", flush=True)
 
     # (ii) the structure reader's permutation is m's symmetry
@@ -322,8 +336,9 @@ def write_table(out: Path, records: list[dict]) -> tuple[str, str]:
         "Written by `simulations/bench/zoo_table.py` (its docstring: the checks). Every model: num_classes = 10, "
         "random init, eval mode, BatchNorm statistics set from the fusion set `x = torch.randn(32, 3, 32, 32)` "
         "(seed 0). Cell: `i` = fuse(method, [m, m]) ≡ m, `iii` = fuse(method, [m, P(m)]) ≡ m (matching methods), "
-        f"✓ = relative output error ≤ {TOL:g} (✗ shows the error), then the slowest fuse call's seconds "
-        "(a shared 2-core machine: compare the seconds with each other only). `refused`: a `FusionError` (the "
+        f"✓ = relative output error ≤ {TOL:g}, outputs computed in float64 (✗ shows the error), then the slowest "
+        "fuse call's seconds (a shared 2-core machine: compare the seconds with each other only). `refused`: a "
+        "`FusionError` (the "
         "method declined the model), **FAILED**: any other exception. Gradient methods: epochs=2, head_epochs=2; "
         "fs-merge: steps=20.", "",
         f"**{summary}**; P(m) ≡ m for {perm_ok} / {len(models)} models.", "",
@@ -353,7 +368,7 @@ def run_isolated(key: str, method: str | None, a) -> list[dict]:
         res_path = Path(tmp) / "records.json"
         cmd = [sys.executable, "-m", "simulations.bench.zoo_table", "--worker", str(res_path), "--models", key,
                "--methods", method or "none", "--seed", str(a.seed), "--timeout", str(a.timeout),
-               "--mem-gb", str(a.mem_gb)]
+               "--mem-gb", str(a.mem_gb), "--dtype", a.dtype]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout + 60)
@@ -382,10 +397,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per (model, method) worker")
     ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space limit of a worker, GiB")
     ap.add_argument("--in-process", action="store_true", help="no worker processes (no hard limits)")
+    ap.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                    help="the models' and the fusion set's dtype in every check")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="results/zoo-table")
     ap.add_argument("--table-only", action="store_true")
     a = ap.parse_args(argv)
+    global DTYPE
+    DTYPE = getattr(torch, a.dtype)
     torch.set_num_threads(1)
     if a.worker:   # one isolated job of run_isolated: its records to the file a.worker
         import resource
@@ -414,7 +433,9 @@ def main(argv: list[str] | None = None) -> None:
                 if not any(r["check"] == "build" for r in new):
                     for method in methods:
                         new += run_isolated(key, method, a)
-            # replace what was rerun: this model's model-level checks and the methods run now
+            # replace what was rerun: this model's model-level checks and the methods run now, in the file as it is
+            # now (read again: a table run of other models that wrote it meanwhile keeps its records)
+            records = json.loads(path.read_text()) if path.exists() else records
             records = [r for r in records if not (r["model"] == key and (r.get("method") is None
                                                                           or r.get("method") in methods))]
             records += new

@@ -11,7 +11,9 @@ classifier and its features are. ``GraphAdapter`` reads them from one example fo
   through ``flatten`` / ``view`` with the spatial block each channel owns, residual additions across the whole
   stream, depthwise convolutions, squeeze-excitation gates, layer scale and other bare parameters). Each group's
   index mapping says which positions of which axis belong to which unit; this module turns them into the
-  :class:`~fedfuse.models.adapters.permspec.PermSpec` every matching method reads.
+  :class:`~fedfuse.models.adapters.permspec.PermSpec` every matching method reads. Activation matching reads a
+  group's units at the output of every norm that writes them (a residual stream: its start and every block's
+  branch), not at one of them, which can be all zeros (``_activation_sites``).
 - **fusion levels** from ``torch.fx``: the traced graph is cut wherever exactly one input-dependent tensor is live;
   a cut right after a Linear / Conv (+ the BatchNorm on its output) ends an *affine* level (closed-form neuron
   interpolation), any other stretch of parameterised ops (a residual block, a norm) a *block* level, whose output
@@ -150,7 +152,7 @@ class Structure:
     spec: PermSpec
     plans: list[LevelPlan]
     classifier: str
-    sites: dict[str, tuple[str, str]]   # group → (module path, layout) of its importance / activation site
+    sites: dict[str, list[tuple[str, str]]]   # group → [(module path, layout)]: where its activations are read
 
     def levels(self, model: nn.Module) -> list[Level]:
         mods = dict(model.named_modules())
@@ -189,9 +191,14 @@ def _segment(nodes: list[fx.Node], start: int, end: int, model: nn.Module) -> Ca
     when used."""
     inside = nodes[start:end + 1]
     given = nodes[start - 1]
+    # an in-place op in the segment (an ``inplace=True`` activation after the previous cut, ``x.relu_()``) would
+    # overwrite the caller's tensor: a level's input is run many times (gradient fits), so the segment gets a copy
+    copies = any(getattr(model.get_submodule(n.target), "inplace", False) if n.op == "call_module" else
+                 bool(n.kwargs.get("inplace")) if n.op == "call_function" else
+                 n.op == "call_method" and str(n.target).endswith("_") for n in inside)
 
     def run(h: torch.Tensor) -> torch.Tensor:
-        env: dict[fx.Node, Any] = {given: h}
+        env: dict[fx.Node, Any] = {given: h.clone() if copies else h}
 
         def value(a):
             return fx.node.map_arg(a, lambda n: env[n] if n in env else _const(n))
@@ -251,11 +258,11 @@ def _read(model: nn.Module, shape: tuple[int, ...]) -> Structure:
     classifier = _classifier(model, nodes)
     plans = _plan_levels(model, nodes, values, calls, classifier)
     spec, sites = _perm_spec(model, x, classifier, values, nodes, calls)
+    del values   # every node's value on the example: not needed past here, and _verify wants the memory
     _verify(model, spec, x)
     by_layer = {p.layer: p.name for p in plans if p.layer} | {p.norm: p.name for p in plans if p.norm}
     for g in spec.groups.values():
-        site = sites[g.name]
-        g.acts = [(site[0], "out", site[1])]
+        g.acts = [(path, "out", lay) for path, lay in sites[g.name]]
         g.levels = sorted({by_layer[m] for m in _out_modules(spec, g.name) if m in by_layer})
     return Structure(graph, nodes, spec, plans, classifier, sites)
 
@@ -537,7 +544,8 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
     state = model.state_dict()
     spec_groups: dict[str, Group] = {}
     axes: dict[str, list[tuple[int, str, str, list[int], list[int]]]] = {}   # tensor → [(axis, group, role, idx, root)]
-    sites: dict[str, tuple[str, str]] = {}
+    sites: dict[str, list[tuple[str, str]]] = {}
+    call_at = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module"}
     frozen: list[str] = []
     for grp in groups:
         root = grp.items[0].dep.target.module
@@ -545,7 +553,8 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
         size = len(grp.items[0].idxs)
         touched: list[tuple[str, int, str, list[int], list[int]]] = []
         bad = None
-        site = None
+        norm_sites: list[tuple[str, str]] = []
+        affine_sites: list[tuple[str, str]] = []
         for it in grp.items:
             target = it.dep.target.module
             handler = it.dep.handler
@@ -584,9 +593,10 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
                 v = values.get(next((n for n in nodes if n.op == "call_module" and n.target == mname), None))
                 if isinstance(v, torch.Tensor):
                     lay = _site_layout(target, v, size)
-                    if lay is not None and (site is None or isinstance(target, _NORMS)):
-                        site = (mname, lay)
-        if bad is None and site is None:
+                    if lay is not None:
+                        (norm_sites if isinstance(target, _NORMS) else affine_sites).append((mname, lay))
+        site = _activation_sites(norm_sites, affine_sites, call_at)
+        if bad is None and not site:
             bad = "no module output to read its units' activations at"
         if bad is not None:
             frozen.append(f"{gname}: {bad}")
@@ -636,6 +646,26 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
     spec = PermSpec("graph", spec_groups, entries, cls_keys, splits=splits)
     spec.frozen = sorted(set(frozen))   # type: ignore[attr-defined]
     return spec, sites
+
+
+def _activation_sites(norm_sites: list[tuple[str, str]], affine_sites: list[tuple[str, str]],
+                      call_at: dict[str, int]) -> list[tuple[str, str]]:
+    """Where a group's unit activations are read (``Group.acts``): the output of every norm that writes the group's
+    units, in forward order; without one, the first Linear / Conv that does.
+
+    Every site, not one: a residual stream is written at its start (the stem's or a downsample's norm) and by each
+    block's last norm before the addition, and a single one of those can carry no information about the units. timm's
+    ResNets zero-initialise that last norm (``zero_init_last``), so on such a model the residual branches' outputs
+    are identically 0 and matching read there sees a constant cost and keeps the identity: ``rebasin`` / ``ot`` did
+    not find a permuted copy's permutation back. The rows of all sites together (``collect_activations``
+    concatenates them) distinguish the units wherever any one site does; the choice depends on the architecture
+    only, not on the weights of the model read first (a structure is cached per architecture)."""
+    seen: dict[str, str] = {}
+    for path, lay in norm_sites:
+        seen.setdefault(path, lay)
+    if seen:
+        return sorted(seen.items(), key=lambda s: call_at.get(s[0], -1))
+    return affine_sites[:1]
 
 
 def _site_layout(mod: nn.Module, v: torch.Tensor, size: int) -> str | None:
@@ -717,53 +747,91 @@ def _entry(tname: str, shape: tuple[int, ...], lst, groups: dict[str, Group]) ->
     return Entry(tname, tuple(view) if offset else None, tuple(axes))
 
 
-def _permuted_state(state: dict[str, torch.Tensor], spec: PermSpec, perms: dict[str, torch.Tensor]):
-    """``state`` with the units of the groups in ``perms`` re-indexed (splits and views as the spec says)."""
-    parts = {}
+def _permute_in_place(model: nn.Module, spec: PermSpec, perms: dict[str, torch.Tensor]) -> None:
+    """Re-index, in ``model``'s own tensors, the units of the groups in ``perms`` (splits and views as the spec
+    says). One tensor (one part of a split tensor) is permuted at a time, slice by slice (``_select_in_place``), so
+    the extra memory is a few MB, not a second state dict; applying the inverse permutations restores the tensors
+    exactly (a permutation moves values, it does not round them)."""
+    state = model.state_dict(keep_vars=True)
+    parts: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
     for k, v in state.items():
-        if k in spec.splits:
-            axis, pieces = spec.splits[k]
-            parts.update({name: v.narrow(axis, lo, hi - lo) for name, lo, hi in pieces})
-        else:
-            parts[k] = v
-    for name, e in spec.entries.items():
-        x = parts[name]
-        shape = x.shape
-        if e.view is not None:
-            x = x.reshape(e.view)
-        for ax in e.axes:
-            if ax.group in perms:
-                x = x.index_select(ax.axis, perms[ax.group])
-        parts[name] = x.reshape(shape)
-    out = {}
-    for k in state:
-        if k in spec.splits:
-            axis, pieces = spec.splits[k]
-            out[k] = torch.cat([parts[name] for name, _, _ in pieces], axis)
-        else:
-            out[k] = parts[k]
-    return out
+        if v is None:
+            continue
+        v = v.data
+        pieces = [(name, v.narrow(spec.splits[k][0], lo, hi - lo)) for name, lo, hi in spec.splits[k][1]] \
+            if k in spec.splits else [(k, v)]
+        for name, t in pieces:
+            if name not in spec.entries:
+                continue
+            # a tensor reached under several names (tied weights) is permuted once, under its last name (the one
+            # whose value ``load_state_dict`` would have left there)
+            ident = (t.data_ptr(), tuple(t.shape), t.stride())
+            if ident in seen:
+                parts.pop(seen[ident], None)
+            seen[ident] = name
+            parts[name] = t
+    for name, t in parts.items():
+        e = spec.entries[name]
+        axes = [ax for ax in e.axes if ax.group in perms]
+        if not axes:
+            continue
+        copied = False
+        try:
+            y = t.view(e.view) if e.view is not None else t   # shares t's storage
+        except RuntimeError:   # a part of a split tensor that no view describes: permute a copy, write it back
+            y, copied = t.reshape(e.view).clone(), True
+        for ax in axes:
+            _select_in_place(y, ax.axis, perms[ax.group])
+        if copied:
+            t.copy_(y.reshape(t.shape))
+
+
+def _select_in_place(y: torch.Tensor, axis: int, perm: torch.Tensor, block: int = 1 << 22) -> None:
+    """``y.copy_(y.index_select(axis, perm))`` in slices of about ``block`` elements along another axis (each slice
+    is permuted within itself), so a large tensor needs no full-size temporary."""
+    others = [a for a in range(y.dim()) if a != axis]
+    if not others or y.numel() <= block:
+        y.copy_(y.index_select(axis, perm))
+        return
+    c = max(others, key=lambda a: y.shape[a])
+    step = max(1, block * y.shape[c] // y.numel())
+    for i in range(0, y.shape[c], step):
+        s = y.narrow(c, i, min(step, y.shape[c] - i))
+        s.copy_(s.index_select(axis, perm))
 
 
 @torch.no_grad()
 def _verify(model: nn.Module, spec: PermSpec, x: torch.Tensor, tol: float = 1e-6) -> None:
     """Check, in float64 on the example input, that permuting each group's units keeps the model's function; a
     group that breaks it (an index map the dependency graph got wrong: a reshape into attention heads, say) is
-    dropped from the spec and recorded in ``spec.frozen``, so no method aligns it."""
+    dropped from the spec and recorded in ``spec.frozen``, so no method aligns it.
+
+    Memory: one float64 copy of the model, whose tensors are permuted in place one at a time for a trial and put
+    back by the inverse permutations after it (a permuted state dict, and a fresh copy of the model to load it
+    into, per trial took several GB on a 132 M-parameter VGG-11 and ran out of memory under 8 GiB)."""
     import copy
 
-    ref = copy.deepcopy(model).double().eval()
+    # the copy's floating tensors made float64 directly (no float32 copy of the model on the way)
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() and id(t) not in memo:
+            memo[id(t)] = nn.Parameter(t.detach().double(), t.requires_grad) if isinstance(t, nn.Parameter) \
+                else t.detach().double()
+    ref = copy.deepcopy(model, memo).double().eval()
+    del memo
     xd = x.double()
     want = ref(xd)
-    state = ref.state_dict()
     gen = torch.Generator().manual_seed(0)
 
     def breaks(groups: list[str]) -> bool:
         perms = {g: torch.randperm(spec.groups[g].size, generator=gen) for g in groups}
-        trial = copy.deepcopy(ref)
-        trial.load_state_dict(_permuted_state(state, spec, perms))
-        got = trial(xd)
-        return not float((got - want).norm()) <= tol * float(want.norm().clamp_min(1e-12))
+        _permute_in_place(ref, spec, perms)
+        try:
+            got = ref(xd)
+            return not float((got - want).norm()) <= tol * float(want.norm().clamp_min(1e-12))
+        finally:
+            _permute_in_place(ref, spec, {g: torch.argsort(p) for g, p in perms.items()})
 
     if not spec.groups or not breaks(list(spec.groups)):
         return
@@ -827,7 +895,21 @@ class GraphAdapter(Adapter):
     def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         raise UnsupportedModelError(
             f"graph reader: fedfuse can fuse {type(model).__name__} but not rebuild it at another width or depth "
-            "(capacity tiers, resize, a fused target of another width)")
+            "(resize, a fused target of another width); capacity tiers narrow a copy (at_width_mult)")
+
+    def at_width_mult(self, model: nn.Module, width_mult: float, seed: int = 0,
+                      input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """A freshly initialised copy of ``model`` with every permutation group at ``⌈width_mult · width⌉`` units
+        (the first ones: HeteroFL's nested slices), cut by Torch-Pruning along the reader's groups
+        (``graph_tiers.narrowed``); ``UnsupportedModelError`` when the narrow copy does not run."""
+        from fedfuse.models.adapters.graph_tiers import narrowed
+
+        s = structure(model)
+        shape = tuple(input_shape) if input_shape is not None else example_shape(model)
+        narrow = narrowed(model, width_mult, {g: grp.size for g, grp in s.spec.groups.items()}, s.classifier,
+                          torch.zeros(2, *shape), seed=seed)
+        set_example_input(narrow, shape)
+        return narrow
 
 
 __all__ = ["GraphAdapter", "Structure", "structure", "set_example_input", "example_shape"]

@@ -128,9 +128,17 @@ class TorchvisionResNetAdapter(Adapter):
 
     def config(self, model: nn.Module, input_shape: tuple[int, ...] | None = None) -> ModelConfig:
         raise UnsupportedModelError(
-            "torchvision ResNet: fedfuse can fuse it but not rebuild it at another width or depth (capacity tiers, "
-            "resize, a fused target of another width); for that use fedfuse's own ResNet, e.g. "
-            "fedfuse.models.resnet(width=64, depth=4, blocks_per_stage=2, input_shape=(3, 32, 32)) for ResNet-18 size")
+            "torchvision ResNet: fedfuse can fuse it but not rebuild it at another width or depth (resize, a fused "
+            "target of another width); for that use fedfuse's own ResNet, e.g. fedfuse.models.resnet(width=64, "
+            "depth=4, blocks_per_stage=2, input_shape=(3, 32, 32)) for ResNet-18 size; capacity tiers narrow a copy")
+
+    def at_width_mult(self, model: nn.Module, width_mult: float, seed: int = 0,
+                      input_shape: tuple[int, ...] | None = None) -> nn.Module:
+        """Capacity tiers: a fresh copy narrowed along the generic reader's groups (the same channel groups as this
+        adapter's, ``tests/test_any_model.py``), as for any model the reader describes."""
+        from fedfuse.models.adapters.graph import GraphAdapter
+
+        return GraphAdapter().at_width_mult(model, width_mult, seed=seed, input_shape=input_shape)
 
     # ------------------------------------------------------------------------- structured pruning and blocks
     def pruning_spec(self, model: nn.Module) -> PruningSpec:
