@@ -13,7 +13,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-flower-app"
 
 @pytest.mark.slow  # one real `flwr run` (SuperLink + Ray): ~1 min on 2 cores, most of it start-up
 def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(tmp_path):
-    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2}
+    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2,
+           "strategy": strategy}
     outcome = run_app(cfg, num_supernodes=2, app_dir=EXAMPLE, check_config=False, timeout=420, echo=False)
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((tmp_path / "own-app" / "results.json").read_text())
@@ -25,8 +26,10 @@ def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(tmp_path):
     assert len(metrics["class-counts"]) == 10 and "train-loss" in metrics   # calibrate asked for class counts
 
 
-def test_own_flower_app_inprocess(tmp_path, monkeypatch):
-    """The same app's ClientApp and ServerApp on the in-process engine (Flower's wire format, no Ray): fast."""
+@pytest.mark.parametrize("strategy", ["kf-linear", "ot", "fs-merge"])
+def test_own_flower_app_inprocess(tmp_path, monkeypatch, strategy):
+    """The same app's ClientApp and ServerApp on the in-process engine (Flower's wire format, no Ray): fast; the
+    quickstart ``Net`` unchanged, fused by alignment methods (issue 57), no round falling back."""
     import sys
 
     from fedfuse.flower.runner.inprocess import run_app_inprocess
@@ -37,7 +40,8 @@ def test_own_flower_app_inprocess(tmp_path, monkeypatch):
     from own_app.client_app import app as client_app
     from own_app.server_app import main as server_main
 
-    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2}
+    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2,
+           "strategy": strategy}
     outcome = run_app_inprocess(cfg, num_supernodes=2, app_dir=EXAMPLE, check_config=False, echo=False,
                                 client_app=client_app, server=server_main)
     assert outcome.ok, outcome.details

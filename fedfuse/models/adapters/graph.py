@@ -237,7 +237,20 @@ def structure(model: nn.Module) -> Structure:
     if key not in _CACHE:
         if len(_CACHE) > 64:
             _CACHE.clear()
-        _CACHE[key] = _read(model, shape)
+        try:
+            _CACHE[key] = _read(model, shape)
+        except UnsupportedModelError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as exc:   # the reader's own inconsistency on an architecture it misreads: one clear error
+            if "can't allocate memory" in str(exc) or "out of memory" in str(exc):
+                raise
+            raise UnsupportedModelError(
+                f"graph reader: could not read {type(model).__name__}'s structure ({type(exc).__name__}: "
+                f"{str(exc)[:160]}); the dependency graph misreads one of its operations (e.g. a Linear applied "
+                "across tokens after a transpose: token-mixing MLPs); fuse it with a method that reads no structure: "
+                "average, feddf or kd") from None
     return _CACHE[key]
 
 
