@@ -405,3 +405,30 @@ def test_narrow_copies_refuse_a_forward_that_hard_codes_a_width():
         adapter_for(m).at_width_mult(m, 0.5)
     narrow = adapter_for(m).at_width_mult(m, 1.0)
     assert [v.shape for v in narrow.state_dict().values()] == [v.shape for v in m.state_dict().values()]
+
+
+class _TokenMixer(nn.Module):
+    """An MLP-Mixer block in miniature: a Linear across tokens (after a transpose) and one across channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv2d(3, 24, 8, stride=8)                 # 16 tokens of 24 channels at 32 x 32
+        self.tok1, self.tok2 = nn.Linear(16, 20), nn.Linear(20, 16)
+        self.ch1, self.ch2 = nn.Linear(24, 32), nn.Linear(32, 24)
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        h = self.embed(x).flatten(2).transpose(1, 2)               # [N, tokens, channels]
+        h = h + self.tok2(F.gelu(self.tok1(h.transpose(1, 2)))).transpose(1, 2)
+        h = h + self.ch2(F.gelu(self.ch1(h)))
+        return self.head(h.mean(1))
+
+
+def test_a_misread_group_is_left_in_place_and_the_rest_aligned():
+    """Torch-Pruning maps the token-mixing Linear's token axis as if it were channels: that group is frozen (named
+    in ``spec.frozen``), the hidden groups are still permuted, and every method is exact on the model."""
+    m = _model(_TokenMixer)
+    spec = build_spec(m)
+    assert any("positions" in f for f in spec.frozen)
+    assert len(spec.groups) >= 2
+    _check(_TokenMixer, MATCHING + OTHERS)

@@ -608,6 +608,13 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
                     lay = _site_layout(target, v, size)
                     if lay is not None:
                         (norm_sites if isinstance(target, _NORMS) else affine_sites).append((mname, lay))
+        if bad is None:   # an index map past a tensor's axis: an operation the dependency graph misread
+            for full, ax, _, idxs, _ in touched:
+                n_ax = state[full].shape[ax] if full in state else 0
+                if idxs and max(idxs) >= n_ax:
+                    bad = (f"{full} (its axis {ax} has {n_ax} positions, the dependency graph maps "
+                           f"{max(idxs) + 1}: an operation it misreads, e.g. a Linear across tokens)")
+                    break
         site = _activation_sites(norm_sites, affine_sites, call_at)
         if bad is None and not site:
             bad = "no module output to read its units' activations at"
