@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -57,6 +58,14 @@ def _dtype(models: list[nn.Module]) -> torch.dtype:
     return next((p.dtype for p in models[0].parameters() if p.is_floating_point()), torch.float32)
 
 
+def _warn_collapsed(what: str, collapsed: list[int], kept_step: int) -> None:
+    """A loud warning when training reached collapsed states (constant merged features) that were passed over."""
+    if collapsed:
+        warnings.warn(f"{what}: the merged features collapsed to a constant at checkpoint steps {collapsed} (the "
+                      f"reconstruction objective's trivial minimum); those states were not kept, the result is the "
+                      f"state of step {kept_step} (0 = the start); try a lower lr", RuntimeWarning, stacklevel=3)
+
+
 def _check_finite(model: nn.Module, what: str) -> None:
     bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
@@ -107,11 +116,12 @@ def fuse_fs_merge(models, *, fusion_inputs, scores, weights, device, seed, optio
     run = train_supernet(net, data.pool, data.targets, data.mask, torch.tensor(weights, dtype=torch.float32),
                          cfg, steps, gen, device)
     after = reconstruction_loss(net, data.pool, data.targets, cfg.route)
+    _warn_collapsed("fs-merge", run.collapsed, run.best_step)
     fused = _fold(net, models, weights, cfg.heads).to(_dtype(models))
     info.update({"loss_before": before, "loss_after": after, "epoch_losses": run.epoch_losses, "steps": steps,
                  "objective_start": run.start_loss, "objective_exact": run.exact_loss,
                  "objective_best": run.best_loss, "best_step": run.best_step, "kept_exact": run.kept_exact,
-                 "steps_run": run.steps,
+                 "steps_run": run.steps, "collapsed_checkpoints": run.collapsed,
                  "pool": len(data.pool), "seconds": time.perf_counter() - t0,
                  "trainable": sum(p.numel() for p in net.parameters() if p.requires_grad)})
     if run.diverged or not math.isfinite(after):  # the kept state may be finite: a divergence is still reported
@@ -174,6 +184,7 @@ def fuse_fs_merge_seq(models, *, fusion_inputs, scores, weights, device, seed, o
         else:
             pool, targets = data.pool, data.targets[:, :t]
         run = train_supernet(net, pool, targets, mask, tw_all[:t], cfg, steps, gen, device)
+        _warn_collapsed(f"fs-merge-seq stage {stage}", run.collapsed, run.best_step)
         kept_exact.append(run.kept_exact)
         if run.diverged:
             raise NumericalFusionError(f"fs-merge-seq: stage {stage} training diverged (non-finite reconstruction "

@@ -3,6 +3,7 @@ SuperNets, arXiv 2410.19251)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ class TrainResult:
     kept (``best_loss``) and when it was reached (``best_step`` steps; 0 = a start was kept, ``kept_exact`` = it
     was the exact start); the ``steps`` run (fewer than asked after a converged stop); and whether a minibatch
     loss or a measured objective was non-finite (``diverged``: the caller raises rather than return the kept
-    state)."""
+    state); ``collapsed``: the checkpoints passed over because the merged features had collapsed to a constant."""
 
     epoch_losses: list[float]
     start_loss: float
@@ -59,6 +60,7 @@ class TrainResult:
     kept_exact: bool
     steps: int
     diverged: bool = False
+    collapsed: list[int] = dataclasses.field(default_factory=list)
 
 
 def _checkpoints(steps: int, count: int = 10) -> set[int]:
@@ -71,6 +73,18 @@ def _checkpoints(steps: int, count: int = 10) -> set[int]:
 def _min_improvement(loss: float) -> float:
     """A decrease of the objective that counts (more than float round-off): 1e-7 plus 1e-4 of the loss."""
     return 1e-7 + 1e-4 * abs(loss)
+
+
+# a checkpoint whose merged features spread less than this fraction of the start's has collapsed: the reconstruction
+# MSE's trivial minimum (every reconstruction the target mean, through U_final's offset) reached by constant features
+COLLAPSE = 1e-3
+
+
+@torch.no_grad()
+def _spread(net: SuperNet, pool: torch.Tensor, route: str, rows: int = 256) -> float:
+    """The merged pre-head features' mean per-dimension standard deviation on the first ``rows`` pool inputs."""
+    x = pool[:rows].to(net.final.diag.device)
+    return float(net.features(x, route).float().std(0).mean())
 
 
 def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None,
@@ -90,7 +104,10 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
     state AdamW's normalised steps on round-off gradients moved away. Training stops once the kept objective is
     within ``_min_improvement`` of its lower bound 0 (no later state could be kept: an exact shortcut, no step
     at all for agreeing models). Training itself runs from the paper's start (``U_final = I``), as without
-    ``keep_best``: starting it at the exact start measurably lowered accuracy (stuck near model 0).
+    ``keep_best``: starting it at the exact start measurably lowered accuracy (stuck near model 0). A checkpoint
+    whose merged features have collapsed to a constant (spread below ``COLLAPSE`` of the start's: the objective's
+    trivial minimum, each reconstruction the target mean through the offset; measured on MobileNetV2 clients) is
+    never kept; its step is listed in ``collapsed``.
     """
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -103,9 +120,11 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
     tw = target_weights.to(device)
     start = exact = best = float("nan")
     best_state, best_step, kept_exact = None, 0, False
+    collapsed: list[int] = []
     if cfg.keep_best:
         start_state = net.snapshot()
         start = best = objective(net, pool, targets, mask, target_weights, cfg.route)
+        spread0 = _spread(net, pool, cfg.route)
         best_state = start_state
         if net.has_exact_start:
             net.exact_start_()
@@ -140,13 +159,17 @@ def train_supernet(net: SuperNet, pool: torch.Tensor, targets: torch.Tensor, mas
         if step + 1 in checks:
             cur = objective(net, pool, targets, mask, target_weights, cfg.route)
             diverged = diverged or not math.isfinite(cur)
+            if math.isfinite(cur) and _spread(net, pool, cfg.route) < COLLAPSE * spread0:
+                collapsed.append(step + 1)   # the objective's trivial minimum: constant features, U_final's offset
+                continue
             if math.isfinite(cur) and (not math.isfinite(best) or cur < best - _min_improvement(best)):
                 best, best_step, best_state, kept_exact = cur, step + 1, net.snapshot(), False
     if count:                                                   # a partial epoch before a converged stop
         losses.append(running / count)
     if cfg.keep_best and (best_step < done or kept_exact):
         net.restore(best_state)
-    return TrainResult(losses, start, exact, best, best_step if cfg.keep_best else done, kept_exact, done, diverged)
+    return TrainResult(losses, start, exact, best, best_step if cfg.keep_best else done, kept_exact, done, diverged,
+                       collapsed)
 
 
 @torch.no_grad()
