@@ -354,3 +354,15 @@ def test_fedfuse_families_beyond_mlps_take_the_spec_layout(name, kw):
     with torch.no_grad():
         same = fuse("fs-merge", [ms[0], ms[0]], fusion_inputs=x, steps=2).eval()
         assert torch.allclose(same(x), ms[0](x), atol=1e-5)
+
+
+def test_collapsed_checkpoints_are_never_kept(monkeypatch):
+    """A checkpoint whose merged features collapsed (spread under COLLAPSE of the start's) is passed over, loudly:
+    with the threshold forced above any spread, every checkpoint counts as collapsed and a start is kept."""
+    from fedfuse.fusion.fs_merge import training
+    ms = [build_model("mlp", 10, (1, 8, 8), seed=s) for s in range(2)]
+    x = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(training, "COLLAPSE", 1e9)
+    with pytest.warns(RuntimeWarning, match="collapsed to a constant"):
+        res = fuse_result("fs-merge", ms, fusion_inputs=x, steps=20)
+    assert res.info["collapsed_checkpoints"] and res.info["best_step"] == 0
