@@ -677,7 +677,6 @@ def _check_zoo_model(cfg: RunConfig) -> None:
             raise ConfigError(f"run-config key {key!r} ({value}): zoo model {cfg.model!r} has its own size; {key} "
                               f"sizes fedfuse's own models ({', '.join(MODELS)}) only; remove it (0)")
     if cfg.client_tiers.strip():
-        from fedfuse.hetero.tiers import parse_tier_pairs
         try:
             depths = [d for _, d in parse_tier_pairs(cfg.client_tiers)]
         except ValueError:

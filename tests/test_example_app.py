@@ -13,8 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-flower-app"
 
 @pytest.mark.slow  # one real `flwr run` (SuperLink + Ray): ~1 min on 2 cores, most of it start-up
 def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(tmp_path):
-    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2,
-           "strategy": strategy}
+    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2}
     outcome = run_app(cfg, num_supernodes=2, app_dir=EXAMPLE, check_config=False, timeout=420, echo=False)
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((tmp_path / "own-app" / "results.json").read_text())

@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch import nn
 
 from fedfuse.models.adapters.base import AFFINE_LAYERS, Adapter, Level, ModelConfig, UnsupportedModelError
+from fedfuse.models.adapters.graph_tiers import narrowed
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
@@ -922,8 +923,6 @@ class GraphAdapter(Adapter):
         """A freshly initialised copy of ``model`` with every permutation group at ``⌈width_mult · width⌉`` units
         (the first ones: HeteroFL's nested slices), cut by Torch-Pruning along the reader's groups
         (``graph_tiers.narrowed``); ``UnsupportedModelError`` when the narrow copy does not run."""
-        from fedfuse.models.adapters.graph_tiers import narrowed
-
         s = structure(model)
         shape = tuple(input_shape) if input_shape is not None else example_shape(model)
         narrow = narrowed(model, width_mult, {g: grp.size for g, grp in s.spec.groups.items()}, s.classifier,

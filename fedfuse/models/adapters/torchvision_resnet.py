@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fedfuse.models.adapters.base import Adapter, Level, ModelConfig, PruningSpec, UnsupportedModelError, compose
+from fedfuse.models.adapters.graph import GraphAdapter
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec, norm_entries
 
 LAYERS = ("layer1", "layer2", "layer3", "layer4")
@@ -136,8 +137,6 @@ class TorchvisionResNetAdapter(Adapter):
                       input_shape: tuple[int, ...] | None = None) -> nn.Module:
         """Capacity tiers: a fresh copy narrowed along the generic reader's groups (the same channel groups as this
         adapter's, ``tests/test_any_model.py``), as for any model the reader describes."""
-        from fedfuse.models.adapters.graph import GraphAdapter
-
         return GraphAdapter().at_width_mult(model, width_mult, seed=seed, input_shape=input_shape)
 
     # ------------------------------------------------------------------------- structured pruning and blocks
