@@ -271,13 +271,19 @@ def test_client_importance_scores_on_the_readers_levels():
 def test_a_zoo_model_federates_with_an_alignment_strategy(tmp_path):
     """fedfuse's own app with a model it did not write (timm's MobileNetV3: depthwise convs, SE gates,
     hard-swish) fused by OT each round, on the in-process engine."""
+    _federate_two_clients(tmp_path, model="timm:mobilenetv3_small_050", strategy="ot", **{"head-round": True})
+
+
+def _federate_two_clients(tmp_path, **cfg):
+    """One round of fedfuse's app with ``cfg`` (a zoo model) on digits, 2 clients, the in-process engine: every reply
+    fused (no fallback), the model above chance."""
     from fedfuse.flower.runner.inprocess import run_app_inprocess
-    cfg = {"dataset": "digits", "model": "timm:mobilenetv3_small_050", "num-clients": 2, "partitioning": "iid",
-           "num-server-rounds": 1, "local-epochs": 1, "lr": 0.05, "fusion-set-size": 64, "min-train-nodes": 2,
-           "strategy": "ot", "head-round": True, "output-dir": str(tmp_path), "run-name": "zoo-ot"}
+    cfg = {"dataset": "digits", "num-clients": 2, "partitioning": "iid", "num-server-rounds": 1, "local-epochs": 1,
+           "lr": 0.05, "fusion-set-size": 64, "min-train-nodes": 2, "output-dir": str(tmp_path), "run-name": "zoo",
+           **cfg}
     outcome = run_app_inprocess(cfg, num_supernodes=2, echo=False)
     assert outcome.ok, outcome.details
-    res = json.loads((tmp_path / "zoo-ot" / "results.json").read_text())
+    res = json.loads((tmp_path / "zoo" / "results.json").read_text())
     hist = res["strategy-history"]
     assert hist and all(h["valid"] == 2 and h["fallback"] is None for h in hist), hist
     assert res["rounds"][-1]["test-accuracy"] > 0.1
@@ -384,17 +390,8 @@ def test_a_user_model_whose_input_the_first_layer_does_not_tell():
 def test_capacity_tiers_with_a_model_fedfuse_did_not_write(tmp_path):
     """A zoo model federates with capacity tiers: the narrow clients' models are copies cut along the reader's own
     groups (Torch-Pruning), nested top-left slices of the global model, aggregated back (HeteroFL's rule, ``ot``)."""
-    from fedfuse.flower.runner.inprocess import run_app_inprocess
-    cfg = {"dataset": "digits", "model": "torchvision:mobilenet_v2", "num-clients": 2, "partitioning": "iid",
-           "num-server-rounds": 1, "local-epochs": 1, "lr": 0.05, "fusion-set-size": 64, "min-train-nodes": 2,
-           "strategy": "ot", "client-tiers": "1,0.5", "head-round": False, "output-dir": str(tmp_path),
-           "run-name": "zoo-tiers"}
-    outcome = run_app_inprocess(cfg, num_supernodes=2, echo=False)
-    assert outcome.ok, outcome.details
-    res = json.loads((tmp_path / "zoo-tiers" / "results.json").read_text())
-    hist = res["strategy-history"]
-    assert hist and all(h["valid"] == 2 and h["fallback"] is None for h in hist), hist
-    assert res["rounds"][-1]["test-accuracy"] > 0.1
+    _federate_two_clients(tmp_path, model="torchvision:mobilenet_v2", strategy="ot",
+                          **{"client-tiers": "1,0.5", "head-round": False})
 
 
 def test_narrow_copies_refuse_a_forward_that_hard_codes_a_width():

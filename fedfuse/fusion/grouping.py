@@ -72,6 +72,11 @@ class LeastSquares:
     coef: torch.Tensor
     coords: torch.Tensor
 
+    def weights(self, a: torch.Tensor) -> torch.Tensor:
+        """The fit's weights of targets grouped by ``a [M, k]``: ``coef @ a`` ``[cols, k]`` (the dual-form fit of a
+        wide level answers the same call without forming ``coef``)."""
+        return self.coef @ a
+
 
 def projected_coordinates(xtx: torch.Tensor, xtz: torch.Tensor, ridge: float = 0.0,
                           rcond: float = 1e-7) -> LeastSquares:

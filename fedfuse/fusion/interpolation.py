@@ -734,7 +734,7 @@ def _least_squares(step: _LevelStep, opts: InterpolationOptions, prev_labels: li
     projected outputs), and for a non-linear head target the head's coefficients ``[d, k]`` (else ``None``).
     The normal equations (``XᵀX [d, d]``) are accumulated chunk by chunk; a design matrix with fewer rows than
     columns is solved in the dual form instead (``_dual_least_squares``: the same fit, to round-off, returned as a
-    ``_DualFit`` whose ``weights(a)`` is ``coef @ a``)."""
+    ``_DualFit``; both answer ``weights(a)`` = ``coef @ a``)."""
     lvf, widths, k, n = step.fused, step.widths, step.k, len(step.widths)
     nonlinear_head = step.last and opts.head_target != "logits"
     bias = _folded_has_bias(lvf)
@@ -1014,8 +1014,7 @@ def neuron_interpolation(models: list[nn.Module], *, grouping: str, fit: str, fu
         labels = _group_level(step, name, grouping, fit, ls, opts, seed, level_info, device)
         # importance-weighted targets (Theorem 1); the head optionally by class counts
         a = head_a if last else assignment_matrix(labels, s, step.k)
-        closed_form = None if ls is None else (head_coef if head_coef is not None else
-                                               ls.weights(a) if isinstance(ls, _DualFit) else ls.coef @ a)
+        closed_form = None if ls is None else (head_coef if head_coef is not None else ls.weights(a))
         if fit == "linear":  # w_k = Σ s_j a_j / Σ s_j  (= X^+ T_k)
             write_affine(step.fused, closed_form)
         else:

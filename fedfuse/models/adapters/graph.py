@@ -536,98 +536,79 @@ def _param_axes(mod: nn.Module, out: bool) -> list[tuple[str, int]]:
                                 "their axes a unit indexes); fuse with average, feddf or kd, or make it a Linear/Conv")
 
 
-def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes, calls):
+def _dependency_groups(model: nn.Module, x: torch.Tensor, cls: nn.Module):
+    """Torch-Pruning's ``DependencyGraph`` of ``model`` on ``x`` and its pruning groups (the classifier's outputs
+    ignored); ``UnsupportedModelError`` when the graph cannot be built."""
     import torch_pruning as tp
 
-    names = {m: n for n, m in model.named_modules()}
-    pnames = {id(p): n for n, p in model.named_parameters()}
-    cls = model.get_submodule(classifier)
     was = model.training
     model.eval()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             DG = tp.DependencyGraph().build_dependency(model, example_inputs=x)
-            groups = list(DG.get_all_groups(ignored_layers=[cls]))
+            return DG, list(DG.get_all_groups(ignored_layers=[cls]))
     except Exception as exc:
         raise UnsupportedModelError(f"graph reader: Torch-Pruning's dependency graph failed on {type(model).__name__} "
                                     f"({type(exc).__name__}: {str(exc)[:200]})") from None
     finally:
         model.train(was)
-    unwrapped = {id(u.parameters): u.pruning_dim for u in getattr(DG, "unwrapped_parameters", []) or []}
-    state = model.state_dict()
-    spec_groups: dict[str, Group] = {}
-    axes: dict[str, list[tuple[int, str, str, list[int], list[int]]]] = {}   # tensor → [(axis, group, role, idx, root)]
-    sites: dict[str, list[tuple[str, str]]] = {}
-    call_at = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module"}
-    frozen: list[str] = []
-    for grp in groups:
-        root = grp.items[0].dep.target.module
-        gname = names.get(root, f"group{len(spec_groups)}")
-        size = len(grp.items[0].idxs)
-        touched: list[tuple[str, int, str, list[int], list[int]]] = []
-        bad = None
-        norm_sites: list[tuple[str, str]] = []
-        affine_sites: list[tuple[str, str]] = []
-        for it in grp.items:
-            target = it.dep.target.module
-            handler = it.dep.handler
-            is_out = DG.is_out_channel_pruning_fn(handler)
-            if not is_out and not DG.is_in_channel_pruning_fn(handler):
-                continue
-            idxs, roots = list(it.idxs), list(getattr(it, "root_idxs", it.idxs))
-            if any(r is None for r in roots):
-                bad = f"{names.get(target, '?')} (an index mapping without root units)"
-                break
-            if isinstance(target, nn.Parameter):
-                pname = pnames.get(id(target))
-                if pname is None or id(target) not in unwrapped:
-                    bad = "a bare parameter the reader cannot name"
-                    break
-                touched.append((pname, unwrapped[id(target)], "out", idxs, roots))
-                continue
-            if not isinstance(target, nn.Module) or target not in names:
-                continue
-            mname = names[target]
-            if isinstance(target, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and target.groups > 1:
-                depthwise = target.groups == target.in_channels == target.out_channels
-                if not depthwise:
-                    bad = f"grouped convolution {mname!r} (groups={target.groups})"
-                    break
-                if not is_out:
-                    continue   # a depthwise conv's inputs are its outputs (the out handler moves them)
-            if isinstance(target, nn.MultiheadAttention):
-                bad = f"nn.MultiheadAttention {mname!r}"
-                break
-            for pn, ax in _param_axes(target, is_out):
-                full = f"{mname}.{pn}" if mname else pn
-                if full in state and state[full] is not None and state[full].dim() > ax:
-                    touched.append((full, ax, "out" if is_out else "in", idxs, roots))
-            if is_out and calls.get(mname, 0) == 1 and isinstance(target, (*AFFINE_LAYERS, *_NORMS)):
-                v = values.get(next((n for n in nodes if n.op == "call_module" and n.target == mname), None))
-                if isinstance(v, torch.Tensor):
-                    lay = _site_layout(target, v, size)
-                    if lay is not None:
-                        (norm_sites if isinstance(target, _NORMS) else affine_sites).append((mname, lay))
-        if bad is None:   # an index map past a tensor's axis: an operation the dependency graph misread
-            for full, ax, _, idxs, _ in touched:
-                n_ax = state[full].shape[ax] if full in state else 0
-                if idxs and max(idxs) >= n_ax:
-                    bad = (f"{full} (its axis {ax} has {n_ax} positions, the dependency graph maps "
-                           f"{max(idxs) + 1}: an operation it misreads, e.g. a Linear across tokens)")
-                    break
-        site = _activation_sites(norm_sites, affine_sites, call_at)
-        if bad is None and not site:
-            bad = "no module output to read its units' activations at"
-        if bad is not None:
-            frozen.append(f"{gname}: {bad}")
+
+
+def _read_group(grp, DG, names, pnames, unwrapped, state, values, nodes, calls, call_at, size: int):
+    """One pruning group's tensor axes ``[(tensor, axis, role, idxs, roots)]`` and activation sites, or the reason it
+    cannot be permuted (``(touched, sites, bad)``; ``bad`` is ``None`` for a describable group)."""
+    touched: list[tuple[str, int, str, list[int], list[int]]] = []
+    norm_sites: list[tuple[str, str]] = []
+    affine_sites: list[tuple[str, str]] = []
+    for it in grp.items:
+        target = it.dep.target.module
+        handler = it.dep.handler
+        is_out = DG.is_out_channel_pruning_fn(handler)
+        if not is_out and not DG.is_in_channel_pruning_fn(handler):
             continue
-        spec_groups[gname] = Group(gname, size, "hidden")
-        sites[gname] = site
-        for t in touched:
-            axes.setdefault(t[0], []).append((t[1], gname, t[2], t[3], t[4]))
-    # a concatenation: one raw axis holds the units of several groups, each in its own slice; the tensor is split
-    # there into parts (``name@start:stop``), each part an entry of its own (``split_state`` / ``join_state``)
+        idxs, roots = list(it.idxs), list(getattr(it, "root_idxs", it.idxs))
+        if any(r is None for r in roots):
+            return touched, [], f"{names.get(target, '?')} (an index mapping without root units)"
+        if isinstance(target, nn.Parameter):
+            pname = pnames.get(id(target))
+            if pname is None or id(target) not in unwrapped:
+                return touched, [], "a bare parameter the reader cannot name"
+            touched.append((pname, unwrapped[id(target)], "out", idxs, roots))
+            continue
+        if not isinstance(target, nn.Module) or target not in names:
+            continue
+        mname = names[target]
+        if isinstance(target, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and target.groups > 1:
+            if not target.groups == target.in_channels == target.out_channels:
+                return touched, [], f"grouped convolution {mname!r} (groups={target.groups})"
+            if not is_out:
+                continue   # a depthwise conv's inputs are its outputs (the out handler moves them)
+        if isinstance(target, nn.MultiheadAttention):
+            return touched, [], f"nn.MultiheadAttention {mname!r}"
+        for pn, ax in _param_axes(target, is_out):
+            full = f"{mname}.{pn}" if mname else pn
+            if full in state and state[full] is not None and state[full].dim() > ax:
+                touched.append((full, ax, "out" if is_out else "in", idxs, roots))
+        if is_out and calls.get(mname, 0) == 1 and isinstance(target, (*AFFINE_LAYERS, *_NORMS)):
+            v = values.get(next((n for n in nodes if n.op == "call_module" and n.target == mname), None))
+            if isinstance(v, torch.Tensor):
+                lay = _site_layout(target, v, size)
+                if lay is not None:
+                    (norm_sites if isinstance(target, _NORMS) else affine_sites).append((mname, lay))
+    for full, ax, _, idxs, _ in touched:   # an index map past a tensor's axis: an operation the graph misread
+        n_ax = state[full].shape[ax] if full in state else 0
+        if idxs and max(idxs) >= n_ax:
+            return touched, [], (f"{full} (its axis {ax} has {n_ax} positions, the dependency graph maps "
+                                 f"{max(idxs) + 1}: an operation it misreads, e.g. a Linear across tokens)")
+    site = _activation_sites(norm_sites, affine_sites, call_at)
+    return touched, site, None if site else "no module output to read its units' activations at"
+
+
+def _split_tensors(axes: dict, state: dict) -> tuple[dict, dict]:
+    """Every grouped tensor as ``(shape, axes)`` and the concatenations: one raw axis holding the units of several
+    groups, each in its own slice, is split there into parts (``name@start:stop``), each part a tensor of its own
+    (``split_state`` / ``join_state``); returns ``(tensors, splits)``."""
     tensors: dict[str, tuple[tuple[int, ...], list]] = {}
     splits: dict[str, tuple[int, list[tuple[str, int, int]]]] = {}
     for tname, lst in axes.items():
@@ -643,9 +624,15 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
             others = [t for t in lst if t[0] != axis]
             mine = [(axis, g, role, [i - lo for i in idxs], roots) for g, role, idxs, roots in members]
             tensors[f"{tname}@{lo}:{hi}"] = (pshape, others + mine)
+    return tensors, splits
+
+
+def _describe(tensors: dict, spec_groups: dict[str, Group], frozen: list[str]) -> dict[str, Entry]:
+    """The entries of ``tensors``; a group that cannot be described loses its axes everywhere (it stays in place,
+    recorded in ``frozen``; ``spec_groups`` loses it), and a group no entry produces is dropped."""
     entries: dict[str, Entry] = {}
     dropped = True
-    while dropped:   # a group that cannot be described loses its axes everywhere (it stays in place)
+    while dropped:
         dropped = False
         entries = {}
         for tname, (shape, lst) in tensors.items():
@@ -663,6 +650,34 @@ def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes
     for g in list(spec_groups):
         if not any(ax.group == g for e in entries.values() for ax in e.axes if ax.role == "out"):
             spec_groups.pop(g)
+    return entries
+
+
+def _perm_spec(model: nn.Module, x: torch.Tensor, classifier: str, values, nodes, calls):
+    names = {m: n for n, m in model.named_modules()}
+    pnames = {id(p): n for n, p in model.named_parameters()}
+    DG, groups = _dependency_groups(model, x, model.get_submodule(classifier))
+    unwrapped = {id(u.parameters): u.pruning_dim for u in getattr(DG, "unwrapped_parameters", []) or []}
+    state = model.state_dict()
+    spec_groups: dict[str, Group] = {}
+    axes: dict[str, list[tuple[int, str, str, list[int], list[int]]]] = {}   # tensor → [(axis, group, role, idx, root)]
+    sites: dict[str, list[tuple[str, str]]] = {}
+    call_at = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module"}
+    frozen: list[str] = []
+    for grp in groups:
+        gname = names.get(grp.items[0].dep.target.module, f"group{len(spec_groups)}")
+        size = len(grp.items[0].idxs)
+        touched, site, bad = _read_group(grp, DG, names, pnames, unwrapped, state, values, nodes, calls, call_at,
+                                         size)
+        if bad is not None:
+            frozen.append(f"{gname}: {bad}")
+            continue
+        spec_groups[gname] = Group(gname, size, "hidden")
+        sites[gname] = site
+        for t in touched:
+            axes.setdefault(t[0], []).append((t[1], gname, t[2], t[3], t[4]))
+    tensors, splits = _split_tensors(axes, state)
+    entries = _describe(tensors, spec_groups, frozen)
     cls_keys = tuple(k for k in (f"{classifier}.weight", f"{classifier}.bias") if k in state)
     spec = PermSpec("graph", spec_groups, entries, cls_keys, splits=splits)
     spec.frozen = sorted(set(frozen))   # type: ignore[attr-defined]
