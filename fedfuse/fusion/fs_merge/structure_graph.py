@@ -64,7 +64,6 @@ class GraphMergeStructure:
         state = m0.state_dict()
         classifier = set(spec.classifier)
         params = {k for k, _ in m0.named_parameters()}
-        part_of = {p: k for k, (_, parts) in spec.splits.items() for p, _, _ in parts}
         self.folded: dict[str, list[str]] = {}      # tensor key -> its entries (the split parts, or itself)
         self.free: list[str] = []                   # parameters learned at merged width (rule iii)
         self.buffers: list[str] = []                # floating buffers: model 0's or the mean, not trained
@@ -83,12 +82,12 @@ class GraphMergeStructure:
                 self.folded[key] = names
             else:
                 self.free.append(key)
-        del part_of
         self.out_groups = sorted({ax.group for nm in self.folded for e in self._entries(nm) for ax in e.axes
                                   if ax.role == "out"}, key=list(spec.groups).index)
         self.in_groups = sorted({ax.group for nm in self.folded for e in self._entries(nm) for ax in e.axes
                                  if ax.role == "in"}, key=list(spec.groups).index)
         self.sizes = {g: spec.groups[g].size for g in spec.groups}
+        self.fixed: dict[str, torch.Tensor] = {}    # buffers given to the folded model (init="average": the mean)
 
     def _entries(self, key: str):
         return [self.spec.entries[nm] for nm in self.folded[key]]
@@ -107,7 +106,6 @@ class GraphMergeStructure:
     def init_norms(self, lns: nn.ParameterDict, ws: list[dict[str, torch.Tensor]], init: str) -> None:
         """Merged-width parameters (rule iii): model 0's (``init="first"``) or the mean of the models'; the floating
         buffers likewise (kept as fixed tensors)."""
-        self.init = init
         for key in self.free:
             vals = torch.stack([s[key] for s in ws])
             lns[_pkey(key)] = nn.Parameter((vals[0] if init == "first" else vals.mean(0)).clone())
@@ -142,7 +140,7 @@ class GraphMergeStructure:
             {f"m.{k}": v for k, v in parts.items()}
         for key in self.free:
             out[f"m.{key}"] = lns[_pkey(key)]
-        for key, v in getattr(self, "fixed", {}).items():
+        for key, v in self.fixed.items():
             out[f"m.{key}"] = v.to(ws[0][key].device)
         return out
 
