@@ -27,6 +27,15 @@ a folder (or file), what it holds, and the pages citing it. This index is writte
 | evidence | files | cited by |
 |---|---|---|
 """
+# One-off studies whose scripts are archived (issue 58 item 6): the evidence stays, the script is read from the last
+# commit that holds it (docs/benchmarks.md, "Archived one-off studies"). Evidence folder -> the study's module.
+ARCHIVE_COMMIT = "042255d2519935280900c926e9d58dadc5adb28e"
+ARCHIVED = {
+    "results/one_shot/issue27-diag": "dirichlet4_diagnosis",
+    "results/score-inflation": "score_inflation",
+    "results/seed000": "seed000",
+}
+ARCHIVED_WITHOUT_EVIDENCE = ("multiround_inprocess",)   # printed its diagnosis, tracked nothing
 
 
 def _key(path: str) -> str:
@@ -96,9 +105,25 @@ def main() -> None:
         cited = _cites(key, texts)
         where = ", ".join(f"[{p}](../{p})" for p in cited) if cited else \
             f"cited by no page (measured history; `git log -- {key}`)"
+        if key in ARCHIVED:
+            where += f"; archived study: `git show {ARCHIVE_COMMIT[:12]}:simulations/bench/{ARCHIVED[key]}.py`"
         rows.append(f"| `{key}` | {len(groups[key])} ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}) | "
                     f"{where} |")
-    (ROOT / "results" / "INDEX.md").write_text(HEAD + "\n".join(rows) + "\n")
+    (ROOT / "results" / "INDEX.md").write_text(HEAD + "\n".join(rows) + "\n" + archived_section())
+
+
+def archived_section() -> str:
+    """The archived one-off studies: each script at the commit that last holds it, and how to rerun it."""
+    studies = sorted({*ARCHIVED.values(), *ARCHIVED_WITHOUT_EVIDENCE})
+    lines = [f"\n## Archived one-off studies\n\nTheir scripts are not in the tree any more; each is read from commit "
+             f"`{ARCHIVE_COMMIT}`, the last that holds it. To rerun one, put it back beside the harness and run it "
+             f"as before (commands: [docs/benchmarks.md](../docs/benchmarks.md#archived-one-off-studies)):\n",
+             "| study | evidence | rerun |", "|---|---|---|"]
+    for name in studies:
+        evidence = ", ".join(f"`{k}`" for k, v in sorted(ARCHIVED.items()) if v == name) or "none tracked"
+        lines.append(f"| `simulations/bench/{name}.py` | {evidence} | `git show {ARCHIVE_COMMIT[:12]}:simulations/bench/"
+                     f"{name}.py > simulations/bench/{name}.py && .venv/bin/python -m simulations.bench.{name} --help` |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Issue 45: the clients' answers to the server's queries (the head round's statistics, the candidate scores of
 ``auto``'s vote and of the head round's check) bounded always and screened by the robust setting
-(``fedfuse.flower.answer_screen``), and the query threats of the trust benchmark (``simulations.attacks``)."""
+(``fedfuse.flower.answer_screen``), against lying clients (``tests/support/liars.py``)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from fedfuse.flower.answer_screen import (CLASS_MEAN_THRESHOLD, cap_statistics, 
                                           class_mean_outliers, class_mean_scores, count_limit, paired_median)
 from fedfuse.flower.candidates import score_candidates
 from fedfuse.flower.client_app import make_client_app
-from fedfuse.flower.head_messages import head_reply_content
 from fedfuse.progressive import HeadStatistics, head_statistics
 from fedfuse.models import build_model
-from simulations.attacks import Attack, lie_in_answer
+from tests.support.liars import Liar
 
 C, D = 10, 16
 
@@ -137,22 +136,6 @@ def test_the_vote_caps_claimed_counts_and_the_robust_vote_is_one_node_one_vote(i
     assert not uncapped.capped and uncapped.examples == 7 * 100 + 3 * 10000
 
 
-def test_the_query_threats_change_honest_answers_as_documented(identity):
-    scores = RecordDict({"metrics": MetricRecord({"num-examples": 20, "accuracy-0": 0.7, "accuracy-1": 0.4,
-                                                  "accuracy-2": 0.9, "loss-0": 1.0, "loss-1": 2.0, "loss-2": 0.5})})
-    reply = Mock(content=scores)
-    lie_in_answer("lie-votes", "query.score_candidates", reply)
-    m = reply.content["metrics"]
-    assert [m[f"accuracy-{i}"] for i in range(3)] == [0.0, 1.0, 0.0] and m["num-examples"] == 2000
-    s = _federation(0, clients=1)[0]
-    reply = Mock(content=head_reply_content(s))
-    lie_in_answer("lie-head", "query.head_statistics", reply)
-    state = reply.content["head-statistics"].to_torch_state_dict()
-    assert torch.allclose(state["cross"].double(), 100 * s.cross.flip(1))
-    assert torch.allclose(state["gram-upper"].double(), 100 * s.pack())
-    assert reply.content["metrics"]["num-examples"] == 100 * s.num_examples
-
-
 @pytest.mark.slow
 def test_lying_head_answers_poison_the_default_head_round_and_not_the_robust_one(tmp_path):
     """Three of ten clients send reversed-label statistics claiming 100x their samples and vote for the solved head:
@@ -164,7 +147,7 @@ def test_lying_head_answers_poison_the_default_head_round_and_not_the_robust_one
            "lr": 0.05, "fusion-set-size": 150, "min-train-nodes": 10, "strategy": "fedavg", "head-round": True}
     finals, heads = {}, {}
     for robust in (False, True):
-        attack = Attack("lie-head", frozenset({2, 5, 7}))
+        attack = Liar("lie-head", frozenset({2, 5, 7}))
         out = run_inprocess({**cfg, "robust": robust, "output-dir": str(tmp_path), "run-name": f"r{robust}"},
                             echo=False, client_app=make_client_app(mods=[attack.mod]))
         res = json.loads((out / "results.json").read_text())

@@ -23,7 +23,7 @@ from fedfuse.fusion.permute.maps import permute_model, random_perms
 from fedfuse.models import adapter_for, levels, set_example_input
 from fedfuse.models.adapters import UnsupportedModelError
 
-# the full-size zoo takes tens of minutes on 2 cores: its own switch (simulations/bench/zoo_table.py writes the table)
+# the full-size zoo takes tens of minutes on 2 cores: its own switch (the zoo table benchmark writes the table)
 ZOO = pytest.mark.skipif(not os.environ.get("FEDFUSE_ZOO_TESTS"), reason="full-size zoo: FEDFUSE_ZOO_TESTS=1")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedfuse import cli
+from tests.support.layout import EXPERIMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,7 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("run", "compare", "fusion-set", "config"):
         assert f"  {command} " in out
-    assert "bench" not in out and "simulations" not in out  # the experiments have their own entry point
+    assert EXPERIMENTS and "bench" not in out and not any(e in out for e in EXPERIMENTS)  # they have their own
     assert cli.main([]) == 2  # no command: the help, usage status
 
 
@@ -60,10 +61,11 @@ def test_subcommand_help_is_the_runners_help(capsys, command):
 
 
 def test_the_product_never_names_the_experiments(capsys):
-    """``fedfuse/`` is the installable product: no module of it imports ``simulations`` (at any level), and its
+    """``fedfuse/`` is the installable product: no module of it imports the experiments (at any level), and its
     command line does not even name them; ``fedfuse bench`` is an unknown command."""
     import ast
 
+    assert EXPERIMENTS
     for path in (ROOT / "fedfuse").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -71,43 +73,11 @@ def test_the_product_never_names_the_experiments(capsys):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "import_module", "__import__", "run_module"):
                 names += [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            assert not any(n == "simulations" or n.startswith("simulations.") for n in names), path
+            assert not any(n == e or n.startswith(e + ".") for n in names for e in EXPERIMENTS), path
     source = (ROOT / "fedfuse" / "cli.py").read_text()
-    assert "simulations" not in source and "BENCHMARKS" not in source and not hasattr(cli, "cmd_bench")
+    assert not any(e in source for e in EXPERIMENTS) and "BENCHMARKS" not in source and not hasattr(cli, "cmd_bench")
     assert cli.main(["bench", "one-shot"]) == 2
     assert "unknown command 'bench'" in capsys.readouterr().err
-
-
-def test_the_experiments_entry_point_lists_and_dispatches(monkeypatch, capsys):
-    """``python -m simulations.bench``: every benchmark module listed (read from the sources), one dispatched
-    with its arguments (dash or underscore name), a close match suggested for an unknown name."""
-    from simulations.bench import __main__ as bench
-
-    table = bench.benchmarks()
-    for name in ("one-shot", "ot", "fs-merge", "fusion-time", "tofu", "scaling", "load", "warm-start", "progressive"):
-        assert name in table and table[name][0] == "simulations.bench." + name.replace("-", "_"), name
-    assert not {"clients", "specs", "stats", "tables", "plots", "report", "cells", "timing"} & set(table)
-    assert bench.main(["--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m simulations.bench <benchmark>") and all(f"  {n} " in out for n in table)
-    assert bench.main([]) == 2
-
-    import simulations.bench.one_shot as one_shot
-
-    seen = {}
-    monkeypatch.setattr(one_shot, "main", lambda argv: seen.setdefault("argv", argv) and None)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    assert bench.main(["one-shot", "--datasets", "digits", "--seeds", "0"]) == 0
-    assert bench.main(["one_shot", "--seeds", "1"]) == 0 and seen["argv"] == ["--datasets", "digits", "--seeds", "0"]
-    with pytest.raises(SystemExit) as exc:
-        bench.main(["one-sht"])
-    assert exc.value.code == 2 and "did you mean 'one-shot'?" in capsys.readouterr().err
-
-
-def test_the_experiments_entry_point_runs_as_a_module():
-    res = subprocess.run([sys.executable, "-m", "simulations.bench", "--help"], cwd=str(ROOT), capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0 and "one-shot" in res.stdout and "fs-merge" in res.stdout, res.stderr
 
 
 def test_config_lists_every_key_with_type_and_default(capsys):

@@ -295,7 +295,7 @@ def test_a_bad_baseline_config_exits_before_anything_runs(tmp_path, capsys):
 def test_comparison_plot_has_both_curves_marks_and_integer_ticks(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from simulations.bench.plots import round_curves
+    from fedfuse.flower.runner.compare import round_curves
 
     seen = {}
     real = plt.Figure.savefig

@@ -1,6 +1,6 @@
 """The evidence the documentation cites is in the repository, and the repository stays small.
 
-Every ``results/...`` path that README.md, docs/*.md or simulations/README.md cite in their prose (links, images,
+Every ``results/...`` path that README.md, docs/*.md or the experiments' README.md cite in their prose (links, images,
 inline paths; brace lists ``{a,b}`` and globs ``*`` expanded against the tracked files) is tracked. Paths in code
 blocks and after a command-line option (``--out results/x``: where a rerun writes) are outputs, not citations;
 ``results/cache/`` is the local client cache, never tracked. The tracked files together stay under 20 MB
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.layout import EXPERIMENTS
+
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "simulations/README.md", "docs/*.md"]
+PAGES = ["README.md", *(f"{e}/README.md" for e in EXPERIMENTS), "docs/*.md"]
 MAX_TRACKED_BYTES = 20 * 1000 * 1000
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
@@ -91,7 +93,8 @@ def test_citation_parser_keeps_citations_and_skips_outputs():
 @needs_git
 def test_every_results_path_the_docs_cite_is_tracked():
     pages = _pages()
-    assert {"README.md", "simulations/README.md", "docs/results.md"} <= {str(p.relative_to(ROOT)) for p in pages}
+    assert EXPERIMENTS and {"README.md", *(f"{e}/README.md" for e in EXPERIMENTS), "docs/results.md"} <= {
+        str(p.relative_to(ROOT)) for p in pages}
     assert sum(len(cited_paths(p.read_text(encoding="utf-8"))) for p in pages) > 100  # the parser sees the citations
     assert missing_citations(pages, _tracked()) == []
 

@@ -1,6 +1,6 @@
 """Checkpoint and resume: kill the server mid-run, resume with ``resume=true``, get the same results.
 
-Three real ``flwr run`` simulations (slow): an uninterrupted reference run, a run stopped with
+Three real ``flwr run`` simulation runs (slow): an uninterrupted reference run, a run stopped with
 killing its SuperLink by PID (the ServerApp dies with it) right after the round-1 checkpoint is written, and that run
 resumed. The resumed run must run only the remaining rounds and end with the same per-round test
 accuracy and the same global weights as the reference (same seeds; clients seed by the true round).
@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from fedfuse.results import load_checkpoint, save_checkpoint
-from simulations.runners.deployment import kill_tree
-from fedfuse.flower.runner.flwr_runner import (_superlink_pids, flwr_env, run_app, run_config_arg,
+from fedfuse.flower.runner.flwr_runner import (_superlink_pids, flwr_env, kill_tree, run_app, run_config_arg,
                                     start_local_superlink, stop_superlink)
 from tests.support.fault_app import write_fault_app
 

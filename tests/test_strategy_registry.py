@@ -18,6 +18,7 @@ from fedfuse.flower.replies import ClientUpdate
 from fedfuse.importance import uniform_importance
 from fedfuse.models import build_model
 from fedfuse.strategy_specs import SPECIAL_SPECS, StrategySpec, strategy_names, strategy_spec
+from tests.support.layout import EXPERIMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = [n for n in strategy_names() if not n.startswith("test-")]   # (other test modules register test methods)
@@ -225,11 +226,12 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("layer, forbidden", [
-    ("fedfuse/models", ("fedfuse.fusion", "fedfuse.flower", "fedfuse.pruning", "simulations")),
-    ("fedfuse/fusion", ("fedfuse.flower", "simulations")),
-    ("fedfuse", ("simulations", "tests")),
+    ("fedfuse/models", ("fedfuse.fusion", "fedfuse.flower", "fedfuse.pruning", *EXPERIMENTS)),
+    ("fedfuse/fusion", ("fedfuse.flower", *EXPERIMENTS)),
+    ("fedfuse", (*EXPERIMENTS, "tests")),
 ])
 def test_no_module_imports_upward(layer, forbidden):
+    assert EXPERIMENTS
     for path in (ROOT / layer).rglob("*.py"):
         bad = {m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in forbidden)}
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"

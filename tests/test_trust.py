@@ -1,6 +1,7 @@
-"""Issue 25: lying clients. The threat mods (``simulations.attacks``), the robust setting's screen
-(``fedfuse.flower.screen``), score inflation through a strategy, the robust strategies' run-config keys and Flower's
-differential-privacy wrappers around fedfuse's strategies."""
+"""Issue 25: lying clients. The robust setting's screen (``fedfuse.flower.screen``) and a robust run against lying
+clients (``tests/support/liars.py``), score inflation through a strategy, the robust strategies' run-config keys and
+Flower's differential-privacy wrappers around fedfuse's strategies. The trust benchmark's own threats are tested
+with the benchmark."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedfuse.config import ConfigError, parse_run_config as check_config
 from fedfuse.flower import FusionStrategy
@@ -19,7 +20,7 @@ from fedfuse.flower.client_app import make_client_app
 from fedfuse.flower.replies import ClientUpdate
 from fedfuse.flower.screen import ClientScreen, agreements, update_norm
 from fedfuse.models import build_model, levels
-from simulations.attacks import BACKDOOR_CLASS, Attack, poisoned_data, stamp
+from tests.support.liars import Liar
 
 SHAPE = (1, 8, 8)
 
@@ -126,7 +127,7 @@ def test_screen_bounds_a_scaled_update_and_leaves_a_clean_round_alone():
 
 
 def _random_weights(g: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """``simulations.attacks``' ``random``: every tensor replaced by Gaussian noise of its standard deviation."""
+    """A ``random`` liar's weights: every tensor replaced by Gaussian noise of its standard deviation."""
     gen = torch.Generator().manual_seed(seed)
     return {k: torch.randn(v.shape, generator=gen) * (v.std() if v.numel() > 1 else v.abs() + 1e-3)
             for k, v in g.state_dict().items()}
@@ -182,55 +183,6 @@ def test_agreements_is_the_share_of_majority_votes():
     x = _inputs(50)
     agree = agreements([a, copy.deepcopy(a), b], x)
     assert agree[0] == agree[1] == 1.0 and agree[2] < 1.0
-
-
-# ------------------------------------------------------------------------------------------- the threat mods
-def _train_pair(pid: int = 0):
-    g = _mlp()
-    trained = _moved(g, 0.05, 1)
-    sent = Message(RecordDict({"arrays": ArrayRecord({k: Array(v.numpy()) for k, v in g.state_dict().items()}),
-                               "config": ConfigRecord({"server-round": 1, "weight-key": "num-examples"})}),
-                   dst_node_id=1, message_type="train")
-    scores = {lv.name: np.ones(lv.width, dtype=np.float32) for lv in levels(g)}
-    reply_content = RecordDict({"arrays": ArrayRecord({k: Array(v.numpy()) for k, v in trained.items()}),
-                                "metrics": MetricRecord({"num-examples": 50, "partition-id": pid}),
-                                "importance": ArrayRecord({k: Array(v) for k, v in scores.items()})})
-    return g, trained, sent, reply_content
-
-
-@pytest.mark.parametrize("threat", ["scale", "sign-flip", "free-ride", "inflate-scores", "random"])
-def test_reply_threats_change_the_honest_reply_as_documented(threat):
-    from fedfuse.flower.runner.inprocess import task_identity
-
-    with task_identity(1, 1, 1):
-        g, trained, sent, content = _train_pair()
-        reply = Message(content, reply_to=sent)
-    Attack(threat, frozenset({0})).corrupt(sent, reply)
-    got = {k: torch.from_numpy(a.numpy()) for k, a in reply.content["arrays"].items()}
-    gs = g.state_dict()
-    k = "1.weight"
-    if threat == "scale":
-        torch.testing.assert_close(got[k], gs[k] + 10 * (trained[k] - gs[k]))
-    elif threat == "sign-flip":
-        torch.testing.assert_close(got[k], gs[k] - (trained[k] - gs[k]))
-    elif threat == "free-ride":
-        torch.testing.assert_close(got[k], gs[k])
-        assert reply.content["metrics"]["num-examples"] == 5000
-    elif threat == "inflate-scores":
-        assert all(float(a.numpy().min()) == 1000.0 for a in reply.content["importance"].values())
-    else:
-        assert not torch.allclose(got[k], trained[k]) and got[k].shape == trained[k].shape
-
-
-def test_data_threats_poison_labels_and_stamp_a_trigger():
-    x = np.random.default_rng(0).normal(size=(40, 40)).astype(np.float32)
-    y = np.arange(40) % 10
-    _, flipped = poisoned_data("label-flip", x, y, 10)
-    assert (flipped == 9 - y).all()
-    bx, by = poisoned_data("backdoor", x, y, 10)
-    assert len(bx) == 44 and (by[40:] == BACKDOOR_CLASS).all() and np.allclose(bx[40:], stamp(bx[40:]))
-    with pytest.raises(ValueError, match="unknown threat"):
-        Attack("bribe", frozenset({0}))
 
 
 # ------------------------------------------------------------------------------------------- scores through a strategy
@@ -377,8 +329,8 @@ def _history(out: Path) -> list[dict]:
 def test_robust_run_drops_random_sign_flipped_and_free_riding_clients_every_round(tmp_path):
     from fedfuse.flower.runner.inprocess import run_inprocess
 
-    attacks = [Attack("random", frozenset({1})).mod, Attack("free-ride", frozenset({3})).mod,
-               Attack("sign-flip", frozenset({5})).mod, Attack("scale", frozenset({6})).mod]
+    attacks = [Liar("random", frozenset({1})).mod, Liar("free-ride", frozenset({3})).mod,
+               Liar("sign-flip", frozenset({5})).mod, Liar("scale", frozenset({6})).mod]
     out = run_inprocess({**TINY, "num-clients": 8, "min-train-nodes": 8, "strategy": "fedavg", "robust": True,
                          "output-dir": str(tmp_path), "run-name": "r"},
                         echo=False, client_app=make_client_app(mods=attacks))
@@ -392,22 +344,6 @@ def test_robust_run_drops_random_sign_flipped_and_free_riding_clients_every_roun
         # the scaled update (10 × an honest one)
         assert "above 3 × the round's median" in dropped[6]
     assert partitions == set(range(8))
-    assert json.loads((out / "results.json").read_text())["rounds"][-1]["test-accuracy"] > 0.5
-
-
-def test_absent_clients_leave_a_run_of_the_others(tmp_path):
-    """The trust bench's oracle (``absent``): the named clients answer every message with an error, so every round
-    aggregates exactly the others (the quorum set to them), and the run still trains."""
-    from fedfuse.flower.runner.inprocess import run_inprocess
-
-    out = run_inprocess({**TINY, "num-clients": 6, "min-train-nodes": 4, "strategy": "fedavg",
-                         "output-dir": str(tmp_path), "run-name": "r"},
-                        echo=False, client_app=make_client_app(mods=[Attack("absent", frozenset({1, 4})).mod]))
-    history = _history(out)
-    assert len(history) == 2
-    for h in history:
-        assert h["replies"] == 6 and len(h["failures"]) == 2, h
-        assert all("absent" in f["reason"] for f in h["failures"])
     assert json.loads((out / "results.json").read_text())["rounds"][-1]["test-accuracy"] > 0.5
 
 

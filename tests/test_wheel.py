@@ -4,7 +4,7 @@ environment, and ``fedfuse`` is run from a folder outside the checkout with ``PY
 The fresh environment gets the wheel only (``--no-deps``); its dependencies (torch, flwr, ...) come from the test's
 own environment through a ``.pth`` line, which adds that ``site-packages`` as a plain path: the editable install of
 fedfuse there (a ``.pth`` of its own) is not processed, so neither the checkout's ``fedfuse`` nor its
-``simulations`` package is importable; the test asserts both. The wheel is built with the project's build backend
+experiments' package is importable; the test asserts both. The wheel is built with the project's build backend
 (hatchling; from the package index through pip's build isolation when it is not installed).
 
 Checked: the wheel's files (the Flower app configuration shipped in the package, no experiments), ``fedfuse --help``,
@@ -27,6 +27,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.support.layout import EXPERIMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ("num-clients=2 num-server-rounds=1 local-epochs=1 model-width=16 model-depth=1 fusion-set-size=60 "
@@ -104,7 +106,8 @@ def test_the_wheel_ships_the_product_and_its_flower_app_config_only(installed):
     for module in ("run", "sweep", "flwr_runner", "inprocess", "cli", "compare", "console", "progress", "paths"):
         assert f"fedfuse/flower/runner/{module}.py" in names, module
     assert "fedfuse/cli.py" in names and "fedfuse/flower/strategies.py" in names
-    assert not [n for n in names if n.startswith(("simulations/", "tests/", "scripts/", "results/"))]
+    assert EXPERIMENTS and not [n for n in names if n.startswith((*(f"{e}/" for e in EXPERIMENTS), "tests/",
+                                                                    "scripts/", "results/"))]
     assert not [n for n in names if n.startswith("server/")], "the wheel installs a top-level 'server' package"
     assert "fedfuse = fedfuse.cli:main" in entry_points
 
@@ -112,13 +115,13 @@ def test_the_wheel_ships_the_product_and_its_flower_app_config_only(installed):
 def test_installed_fedfuse_runs_and_compares_outside_the_repository(installed):
     _, venv, env, cwd = installed
     probe = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import importlib.util, fedfuse; print(fedfuse.__file__); "
-                            "print(importlib.util.find_spec('simulations'))"],
+                            "import importlib.util, sys, fedfuse; print(fedfuse.__file__); "
+                            "print(*(importlib.util.find_spec(e) for e in sys.argv[1:]))", *EXPERIMENTS],
                            cwd=str(cwd), env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr
-    where, simulations = probe.stdout.split()
+    where, *experiments = probe.stdout.split()
     assert Path(where).resolve().is_relative_to(venv.resolve()), where   # the wheel's fedfuse, not the checkout's
-    assert simulations == "None"                                        # the experiments are not there
+    assert EXPERIMENTS and experiments == ["None"] * len(EXPERIMENTS)    # the experiments are not there
 
     res = _fedfuse(installed, "--help")
     assert res.returncode == 0 and "compare" in res.stdout and "run" in res.stdout, res.stderr
@@ -143,7 +146,8 @@ def test_installed_fedfuse_runs_and_compares_outside_the_repository(installed):
     assert (cwd / "sweep" / "table.md").exists() and (cwd / "sweep" / "accuracy.png").exists()
 
     res = _fedfuse(installed, "bench", "one-shot")  # the experiments are not a command of the product
-    assert res.returncode == 2 and "unknown command 'bench'" in res.stderr and "simulations" not in res.stderr
+    assert res.returncode == 2 and "unknown command 'bench'" in res.stderr
+    assert not any(e in res.stderr for e in EXPERIMENTS)
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ Harness (one concern per module):
 Benchmarks: ``one_shot``, ``ot`` (width-heterogeneous fusion, task-vector transport), ``fs_merge``
 (low-data sweep with time/memory vs KD), ``fusion_time`` (fusion time against ``average``, a forward
 pass and a client's training, measured in the same run), ``tofu`` (Token Fusion), ``load`` (a ``flwr run``
-with many clients), ``multiround_inprocess`` (multi-round loop without Flower, for diagnosis).
+with many clients), and the others ``python -m simulations.bench --help`` lists. One-off studies are archived
+(docs/benchmarks.md, "Archived one-off studies").
 """
 
 import os

@@ -40,11 +40,26 @@ from fedfuse.fusion import fuse
 from fedfuse.privacy import (feature_clip_bound, noisy_head_sum, private_head_statistics, public_projection,
                              raw_feature_head)
 from fedfuse.progressive import HeadStatistics, head_statistics, solve_classifier, with_head
-from fedfuse.task import federated_data, global_model
+from fedfuse.task import client_round, federated_data, global_model
 from fedfuse.training import evaluate
-from simulations.bench.multiround_inprocess import train_clients
 
 DELTA = 1e-5
+
+
+def train_clients(cfg, g: torch.nn.Module, splits: list, server_round: int,
+                  need_importance: bool = False) -> tuple[list[torch.nn.Module], list[int], list[dict]]:
+    """One round of local training in-process: each ``(train, val)`` split trains a copy of ``g`` (``client_round``,
+    seeded per client and round); the trained models, their sample counts and ``client_round``'s outputs."""
+    models, weights, outs = [], [], []
+    for pid, (tr, va) in enumerate(splits):
+        m = copy.deepcopy(g)
+        o = client_round(cfg, m, tr, va, need_importance=need_importance, device=torch.device("cpu"),
+                         seed=cfg.seed * 7919 + pid * 131 + server_round)
+        m.load_state_dict(o["state"])
+        models.append(m)
+        weights.append(o["metrics"]["num-examples"])
+        outs.append(o)
+    return models, weights, outs
 
 
 def run_cell(seed: int, clients: int, args) -> dict:

@@ -1,6 +1,6 @@
 """A real Flower deployment on one machine: one ``flower-superlink``, N ``flower-supernode`` processes.
 
-Used by ``tests/test_deployment.py`` and runnable by hand. Everything the tests need to stay safe:
+Used by ``simulations/tests/test_deployment.py`` and runnable by hand. Everything the tests need to stay safe:
 free loopback ports, a private ``FLWR_HOME``, bounded waits, and every process started here stopped by
 its PID (each is started in its own session, so its process group holds exactly the children it
 spawned: the SuperLink's ServerApp and the SuperNodes' ClientApp processes).
