@@ -12,7 +12,8 @@ Flower app configuration shipped in the package and write under ``./results``; i
 checkout's ``pyproject.toml`` and ``results/``. The command is the product's only: the repository's experiments
 (benchmarks) have their own entry point in the repository and are neither named nor imported here.
 ``fedfuse <command> --help`` shows each command's options. This module imports no Flower itself (the runners it
-calls do).
+calls do). ``fedfuse run`` checks its ``--run-config`` (``fedfuse.config.parse_run_config``) before it imports the
+runner, and with it Flower, Ray and every strategy: a config error is one line and exit status 2 in about a second.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def _fusion_files():
     return sys.modules["fedfuse.data.fusion_set"]   # the package's name `fusion_set` is a function
 
 
+def _parse_run_config_arg(text: str) -> dict:
+    """``--run-config`` text → ``{key: value}`` (``fedfuse.run_config_text``, imported on first use: it imports
+    ``fedfuse.config``)."""
+    from fedfuse.run_config_text import parse_run_config_arg  # deferred: fedfuse.config (torch), for a fast --help
+
+    return parse_run_config_arg(text)
+
+
 COMMANDS = {
     "run": "the default run: the strategy through `flwr run`, then FedAvg on the same split and seed, side by side "
            "(fedfuse.flower.runner.run)",
@@ -61,7 +70,29 @@ def _exit_code(value: object) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- run / compare
+def check_run_config(argv: list[str]) -> None:
+    """``fedfuse run``'s ``--run-config`` read and checked (``fedfuse.config.parse_run_config``) before the runner is
+    imported: a bad key or value fails as the runner reports it (``fedfuse: config error: ...``, status 2) without
+    loading Flower, Ray or the strategies first. The runner checks again, and more (``preflight``: the files, the
+    model, the baseline's config). Nothing to check with ``--help``, or arguments the runner's parser will reject."""
+    if "-h" in argv or "--help" in argv:
+        return
+    ap = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    ap.add_argument("--run-config", default="")
+    try:
+        text = ap.parse_known_args(argv)[0].run_config
+    except argparse.ArgumentError:
+        return
+    config = _config()
+    try:
+        with config.config_notes():   # the runner's check says what it resolved
+            config.parse_run_config(_parse_run_config_arg(text))
+    except config.ConfigError as exc:
+        raise CliError(f"config error: {exc}") from None
+
+
 def cmd_run(argv: list[str]) -> int:
+    check_run_config(argv)
     from fedfuse.flower.runner import run  # deferred: Flower (flwr), imported by fedfuse.flower only
 
     return _exit_code(run.main(argv, prog="fedfuse run"))
@@ -111,9 +142,7 @@ def fusion_set_config(args: argparse.Namespace):
     naming its run-config key)."""
     overrides: dict = {}
     if args.run_config:
-        from fedfuse.flower.runner.cli import parse_run_config_arg  # deferred: Flower (fedfuse.flower imports flwr)
-
-        overrides.update(parse_run_config_arg(args.run_config))
+        overrides.update(_parse_run_config_arg(args.run_config))
     for key, value in (("dataset", args.dataset), ("fusion-set-size", args.size), ("seed", args.seed),
                        ("fusion-set-source", args.source), ("data-root", args.data_root)):
         if value is not None:

@@ -20,9 +20,22 @@ if [ ! -f "$fmnist/t10k-labels-idx1-ubyte.gz" ]; then
 fi
 stamp_of() { { cat pyproject.toml; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1; }
 want=$(stamp_of)
-if [ -x .venv/bin/python ] && [ -f .venv/.fedfuse-stamp ] && [ "$(cat .venv/.fedfuse-stamp)" = "$want" ] \
-   && [ -x .venv/bin/fedfuse ] \
-   && .venv/bin/python -c "import fedfuse, flwr, torch, torchvision, timm, captum, ot" >/dev/null 2>&1; then
+# The reuse check reads files only, no Python import (torch's alone takes seconds): the stamp, written after the
+# last install passed its import check; the `fedfuse` command and the interpreter it names; each package's folder.
+# `rm .venv/.fedfuse-stamp` forces a reinstall and its import check.
+installed() {
+  [ -x .venv/bin/python ] && [ -f .venv/.fedfuse-stamp ] && [ "$(cat .venv/.fedfuse-stamp)" = "$want" ] || return 1
+  [ -x .venv/bin/fedfuse ] && [ -x "$(head -n 1 .venv/bin/fedfuse | sed 's/^#! *//')" ] || return 1
+  local site pkg
+  for site in .venv/lib/python3*/site-packages; do
+    for pkg in "fedfuse-*.dist-info" flwr torch torchvision timm captum ot; do
+      compgen -G "$site/$pkg" >/dev/null || return 1
+    done
+    return 0
+  done
+  return 1
+}
+if installed; then
   echo "setup: reusing up-to-date .venv"
   exit 0
 fi
