@@ -26,6 +26,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS   # light: no torch (the config itself is imported lazily)
+
 
 EXIT_USAGE = 2
 
@@ -191,22 +193,26 @@ def config_parser() -> argparse.ArgumentParser:
 
 def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
     """The schema as plain text, one block per key: ``key  type  default  allowed`` and the help, wrapped."""
-    keys = list(keys or _config().SCHEMA)
-    unknown = [k for k in keys if k not in _config().SCHEMA]
+    schema = _config().SCHEMA
+    every = list(_config().TOP_LEVEL) + [key for entries in OPTION_TABLES.values() for key in entries.values()]
+    known = {**{k: [k] for k in schema}, **{p: [k] for p, k in PATH_KEYS.items()},
+             **{t: list(entries.values()) for t, entries in OPTION_TABLES.items()}}   # a key, a path or a table
+    unknown = [k for k in keys or () if k not in known]
     if unknown:
         k = unknown[0]
-        close = difflib.get_close_matches(k, list(_config().SCHEMA), n=1)
+        close = difflib.get_close_matches(k, list(known), n=1)
         raise CliError(f"config: unknown run-config key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    keys = [key for k in keys for key in known[k]] if keys else every
     width = width or min(110, shutil.get_terminal_size((100, 20)).columns)
     blocks = []
     for key in keys:
-        s = _config().SCHEMA[key]
+        s = schema[key]
         allowed = " | ".join(map(str, s.choices)) if s.choices else s.range_text()
         if key == "dataset":
             allowed += f" | {_config().HF_PREFIX}<name>"
         if key == "strategy":
             allowed = " | ".join(_config().strategy_names())
-        head = f"{key}  ({s.type.__name__}, default {s.default!r})"
+        head = f"{s.path}  ({s.type.__name__}, default {s.default!r})"
         body = s.help.rstrip() + ("" if s.help.rstrip().endswith(".") else ".") + (f" Allowed: {allowed}." if allowed else "")
         blocks.append(head + "\n" + textwrap.fill(body, width=width, initial_indent="    ", subsequent_indent="    "))
     return "\n".join(blocks)
@@ -219,7 +225,9 @@ def cmd_config(argv: list[str]) -> int:
         if args.keys:
             config_text(args.keys)  # unknown keys fail the same way
             text = "\n".join(line for i, line in enumerate(text.splitlines())
-                             if i < 2 or any(line.startswith(f"| `{k}` |") for k in args.keys))
+                             if i < 2 or any(line.startswith(f"| `{_config().SCHEMA[k].path}` |")
+                                             for k in _config().SCHEMA if k in args.keys
+                                             or _config().SCHEMA[k].path in args.keys))
         print(text)
     else:
         print(config_text(args.keys))

@@ -45,6 +45,7 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import DP_CLIPPINGS  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
+from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS, TABLE_PATHS, canonical_run_config, path_of  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, DP_STRATEGIES, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
                                     WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS, MEAN_METHODS,
@@ -98,7 +99,7 @@ class RunConfig:
 
     mode: str = _key("multi-round", "multi-round: clients start each round from the global model; one-shot: one "
                      "round, independently initialised clients, the server fuses once; warm-start: round 1 is a "
-                     "one-shot round (warm-start-epochs, fused with warm-start-fusion), multi-round FL with "
+                     "one-shot round (warm-start-options.epochs, fused with warm-start-options.fusion), multi-round FL with "
                      "'strategy' continues from the fused model (docs/warm-start.md)", choices=MODES)
     dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
     data_root: str = _key("", "folder of the dataset's files: torchvision root (CIFAR), the idx files (MNIST, "
@@ -129,9 +130,9 @@ class RunConfig:
     tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
                        ge=0)
     strategy: str = _key("auto", "auto, fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
-                         "that keeps the architecture; the default 'auto' = FedAvg's average below auto-fusion-epochs "
-                         "local epochs (FedAvgM's momentum step for plain-SGD clients: auto-momentum), "
-                         "and from there every round the candidate aggregation (auto-candidates: the "
+                         "that keeps the architecture; the default 'auto' = FedAvg's average below strategy-options.auto-fusion-epochs "
+                         "local epochs (FedAvgM's momentum step for plain-SGD clients: strategy-options.auto-momentum), "
+                         "and from there every round the candidate aggregation (strategy-options.auto-candidates: the "
                          "plain average, the average with server momentum, FedDF) the clients score best on their "
                          "own data (measured across the regime cells: docs/multi-round.md)")
     fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2: distillation holds "
@@ -142,7 +143,7 @@ class RunConfig:
                                 "least 2 samples)")
     partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
                                 "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
-                                "y_val]); client p trains on exactly that file; the server uses test-set-path and "
+                                "y_val]); client p trains on exactly that file; the server uses data-options.test-set-path and "
                                 "draws fusion-set-size samples (seeded) from the pool in fusion-set-path")
     test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y; the fusion-set format); "
                               "with fusion-set-path the server loads no dataset (clients hold the data: data-path)")
@@ -207,8 +208,8 @@ class RunConfig:
                                 "separated, first preferred on a tie: fedavg (plain average) | average (with server "
                                 "momentum) | a fusion method (feddf, kf-gradient, ...); in rounds with a fusion "
                                 "candidate the clients' accuracy on their own data picks one, in rounds without one "
-                                "(local-epochs < auto-fusion-epochs) one array candidate is taken with no query "
-                                "(auto-momentum says which); mode='one-shot' with this default uses "
+                                "(local-epochs < strategy-options.auto-fusion-epochs) one array candidate is taken with no query "
+                                "(strategy-options.auto-momentum says which); mode='one-shot' with this default uses "
                                 "feddf,kf-linear (the clients start from their own initialisations: their plain average "
                                 "is at chance, a candidate only lying voters would pick; kf-linear is the best measured "
                                 "one-shot fusion), and with head-round "
@@ -216,10 +217,10 @@ class RunConfig:
                                 "under the solved head)")
     auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
                                    "always); below it auto takes one array candidate every round, with no query "
-                                   "(auto-momentum says which)", ge=0)
+                                   "(strategy-options.auto-momentum says which)", ge=0)
     auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
                               "auto = the average with server momentum (the 'average' candidate: FedAvgM's step, "
-                              "momentum 0.5 unless server-momentum is set) when the clients train plain SGD "
+                              "momentum 0.5 unless strategy-options.server-momentum is set) when the clients train plain SGD "
                               "(optimizer='sgd', momentum=0), else the first array candidate (the plain average by "
                               "default); on = the momentum step always; off = the first array candidate always",
                               choices=("auto", "on", "off"))
@@ -258,7 +259,7 @@ class RunConfig:
     robust_cluster_min_samples: int = _key(1, "robust-cluster: HDBSCAN's min_samples (FLAME's 1; 0 = the minimum "
                                            "cluster size n // 2 + 1, scikit-learn's default)", ge=0)
     dp_noise_multiplier: float = _key(0.0, "client-level central differential privacy (docs/trust.md): the Gaussian "
-                                      "noise's multiplier (std = multiplier x dp-clipping-norm / the round's clients, on "
+                                      "noise's multiplier (std = multiplier x dp-options.clipping-norm / the round's clients, on "
                                       "the average of clipped updates: Flower's DP wrappers); 0 = off. Averaging "
                                       "strategies only; the head round runs privatised; (epsilon, delta) printed and "
                                       "recorded", ge=0)
@@ -333,7 +334,8 @@ class RunConfig:
             object.__setattr__(self, "model_depth", depth)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+        """The config in its canonical form (top-level keys and dotted option-table paths, Flower's flat form)."""
+        return {path_of(f.name.replace("_", "-")): getattr(self, f.name) for f in fields(self)}
 
     # parsed once, here: nothing downstream re-parses these strings
     @cached_property
@@ -397,6 +399,12 @@ class KeySpec:
     le: float | None = None
     lt: float | None = None
 
+    @property
+    def path(self) -> str:
+        """Where a user writes the setting: the key, or its option table's dotted path
+        (``fedfuse.config_layout``)."""
+        return path_of(self.key)
+
     def range_text(self) -> str:
         lo = f">= {self.ge}" if self.ge is not None else (f"> {self.gt}" if self.gt is not None else "")
         hi = f"<= {self.le}" if self.le is not None else (f"< {self.lt}" if self.lt is not None else "")
@@ -411,7 +419,12 @@ def _schema() -> dict[str, KeySpec]:
 
 
 SCHEMA: dict[str, KeySpec] = _schema()
-"""run-config key -> ``KeySpec`` (type, default, help, allowed values / range), in declaration order."""
+"""setting key -> ``KeySpec`` (type, default, help, allowed values / range), in declaration order; a setting of an
+option table is written at ``KeySpec.path`` (``dp-noise-multiplier`` at ``dp-options.noise-multiplier``)."""
+#: the top-level settings (every other setting lives in an option table of ``fedfuse.config_layout.OPTION_TABLES``)
+TOP_LEVEL: tuple[str, ...] = tuple(k for k in SCHEMA if k not in TABLE_PATHS)
+#: the keys a run config's top level holds: the top-level settings and the option tables
+TOP_LEVEL_KEYS: tuple[str, ...] = TOP_LEVEL + tuple(OPTION_TABLES)
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -449,7 +462,7 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
         if isinstance(value, dict) and key == "fusion-options":
             raise ConfigError("run-config key 'fusion-options': pass the table as a quoted string, "
                               "e.g. fusion-options=\"{ridge=1e-3}\"")
-    raise ConfigError(f"run-config key {key!r}: expected {typ.__name__}, got {value!r}")
+    raise ConfigError(f"run-config key {path_of(key)!r}: expected {typ.__name__}, got {value!r}")
 
 
 def _unknown_key(key: str, strict: bool) -> None:
@@ -458,7 +471,7 @@ def _unknown_key(key: str, strict: bool) -> None:
     if key.startswith("fusion-options."):  # an unquoted inline table that Flower flattened
         raise ConfigError(f"run-config: unknown key {key!r}; write fusion-options as a quoted string, "
                           "e.g. fusion-options=\"{ridge=1e-3}\"")
-    close = difflib.get_close_matches(key, list(SCHEMA), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, list(TOP_LEVEL_KEYS) + list(PATH_KEYS), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(f"run-config: unknown key {key!r}{hint}; `python -m fedfuse.config` lists all keys")
 
@@ -478,11 +491,11 @@ def _check_range(spec: KeySpec, value: Any) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         extra = {"dataset": f" or '{HF_PREFIX}<name>'",
                  "model": " or a zoo model 'torchvision:<name>' / 'timm:<name>'"}.get(spec.key, "")
-        raise ConfigError(f"run-config key {spec.key!r}: {value!r} is not one of {list(spec.choices)}{extra}{hint}")
+        raise ConfigError(f"run-config key {spec.path!r}: {value!r} is not one of {list(spec.choices)}{extra}{hint}")
     ok = ((spec.ge is None or value >= spec.ge) and (spec.gt is None or value > spec.gt)
           and (spec.le is None or value <= spec.le) and (spec.lt is None or value < spec.lt))
     if not ok:
-        raise ConfigError(f"run-config key {spec.key!r} must be {spec.range_text()}, got {value!r}")
+        raise ConfigError(f"run-config key {spec.path!r} must be {spec.range_text()}, got {value!r}")
 
 
 def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = True,
@@ -494,12 +507,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
     strategy list (``strategy_names()``). Raises ``ConfigError`` naming the key; imports no Flower.
     """
     values: dict[str, Any] = {}
-    for key, value in dict(run_config or {}).items():
-        spec = SCHEMA.get(key)
+    for path, value in canonical(run_config).items():
+        spec = SCHEMA.get(PATH_KEYS.get(path, path))
         if spec is None:
-            _unknown_key(key, strict)
+            _unknown_key(path, strict)
             continue
-        values[key.replace("-", "_")] = _coerce(key, value, spec.type)
+        values[spec.key.replace("-", "_")] = _coerce(path, value, spec.type)
     cfg = RunConfig(**values)
     if cfg.strategy in SELECTING_STRATEGIES and cfg.client_tiers.strip():
         # auto scores candidates of one architecture; the tiered default is 'average' (docs/tiers.md), except in
@@ -520,7 +533,7 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
             # kf-linear fuses models of one architecture; across depths round 1 takes the one-shot depth-tier default
             # (ot aligns models of one width, so width x depth tiers distil). Loud, and recorded in the run's config.
             fusion = one_shot_depth_default(cfg)
-            warnings.warn(f"run-config key 'warm-start-fusion': the default 'kf-linear' fuses models of one "
+            warnings.warn(f"run-config key 'warm-start-options.fusion': the default 'kf-linear' fuses models of one "
                           f"architecture; with depth tiers round 1 combines the clients' models with {fusion!r}. Set "
                           "warm-start-fusion explicitly to silence this.", ConfigNote, stacklevel=2)
             cfg = replace(cfg, warm_start_fusion=fusion)
@@ -535,9 +548,9 @@ def parse_run_config(run_config: Mapping[str, Any] | None, *, strict: bool = Tru
         # a strategy runs with the defaults: min-train-nodes left at its default (the value pyproject.toml repeats, so
         # the ServerApp cannot tell it from an explicit 2) becomes what the strategy needs. Loud, and recorded: the
         # run's config (results.json) holds the value used, "config-notes" this line. A value set below it fails.
-        warnings.warn(f"run-config key 'min-train-nodes': strategy {cfg.strategy!r} needs at least {need} replies a "
-                      f"round ({_robust_rule(cfg)}); min-train-nodes is at its default "
-                      f"{cfg.min_train_nodes}, so the run uses {need}. Set min-train-nodes >= {need} to silence this.",
+        warnings.warn(f"run-config key 'strategy-options.min-train-nodes': strategy {cfg.strategy!r} needs at least {need} replies a "
+                      f"round ({_robust_rule(cfg)}); strategy-options.min-train-nodes is at its default "
+                      f"{cfg.min_train_nodes}, so the run uses {need}. Set strategy-options.min-train-nodes >= {need} to silence this.",
                       ConfigNote, stacklevel=2)
         cfg = replace(cfg, min_train_nodes=need)
     for spec in SCHEMA.values():
@@ -566,9 +579,9 @@ def _min_replies(cfg: RunConfig) -> tuple[int, int]:
 def _robust_rule(cfg: RunConfig) -> str:
     f = cfg.num_malicious_nodes
     a, b = _min_replies(cfg)
-    return (f"Flower's {strategy_spec(cfg.strategy).flower_class}: {a}f + {b}, f = {f}: 'num-malicious-nodes'"
+    return (f"Flower's {strategy_spec(cfg.strategy).flower_class}: {a}f + {b}, f = {f}: 'strategy-options.num-malicious-nodes'"
             if a > 1 else
-            f"Krum scores each model by its n - f - 2 nearest others: f + {b}, f = {f}: 'num-malicious-nodes'")
+            f"Krum scores each model by its n - f - 2 nearest others: f + {b}, f = {f}: 'strategy-options.num-malicious-nodes'")
 
 
 def one_shot_width_default(cfg: RunConfig) -> str:
@@ -633,20 +646,20 @@ def _check_privacy(cfg: RunConfig) -> None:
     if cfg.dp_noise_multiplier == 0:
         for key in dp_keys:
             if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default:
-                raise ConfigError(f"run-config key {key!r} applies to differentially private runs only: set "
-                                  "'dp-noise-multiplier' > 0 (0 = no DP)")
+                raise ConfigError(f"run-config key {path_of(key)!r} applies to differentially private runs only: set "
+                                  "'dp-options.noise-multiplier' > 0 (0 = no DP)")
         return
     if cfg.dp_clipping_norm <= 0:
-        raise ConfigError("run-config key 'dp-clipping-norm' must be > 0 with dp-noise-multiplier > 0 (the bound on "
+        raise ConfigError("run-config key 'dp-options.clipping-norm' must be > 0 with dp-options.noise-multiplier > 0 (the bound on "
                           "each client's update that the noise is calibrated to)")
     strategy = dp_strategy(cfg)
     if strategy not in DP_STRATEGIES:
         why = ("'auto' builds fusion candidates from each client's model and asks the clients to score them "
-               f"(local-epochs {cfg.local_epochs} >= auto-fusion-epochs {cfg.auto_fusion_epochs})"
+               f"(local-epochs {cfg.local_epochs} >= strategy-options.auto-fusion-epochs {cfg.auto_fusion_epochs})"
                if cfg.strategy in SELECTING_STRATEGIES else
                f"{cfg.strategy!r} reads each client's model on its own (fusion, distillation, selection, medians), so "
                "one client's influence on its result is not the clipping norm / n that the noise is calibrated to")
-        raise ConfigError(f"run-config key 'strategy': differential privacy (dp-noise-multiplier > 0) bounds averaging "
+        raise ConfigError(f"run-config key 'strategy': differential privacy (dp-options.noise-multiplier > 0) bounds averaging "
                           f"strategies only ({', '.join(DP_STRATEGIES)}); {why}")
     if cfg.mode != "multi-round":
         raise ConfigError(f"run-config key 'mode': differential privacy applies to multi-round runs, not "
@@ -661,7 +674,7 @@ def _check_privacy(cfg: RunConfig) -> None:
         raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} publishes each round's client metrics, "
                           "which the DP account does not cover; use evaluation='central'")
     if cfg.refine not in ("auto", "none"):
-        raise ConfigError(f"run-config key 'refine': {cfg.refine!r} refines the aggregate with the clients' models or "
+        raise ConfigError(f"run-config key 'strategy-options.refine': {cfg.refine!r} refines the aggregate with the clients' models or "
                           "class counts, which the DP account does not cover")
 
 
@@ -674,7 +687,7 @@ def _check_zoo_model(cfg: RunConfig) -> None:
     for key in ("model-width", "model-depth"):
         value = getattr(cfg, key.replace("-", "_"))
         if value != 0:
-            raise ConfigError(f"run-config key {key!r} ({value}): zoo model {cfg.model!r} has its own size; {key} "
+            raise ConfigError(f"run-config key {path_of(key)!r} ({value}): zoo model {cfg.model!r} has its own size; {key} "
                               f"sizes fedfuse's own models ({', '.join(MODELS)}) only; remove it (0)")
     if cfg.client_tiers.strip():
         try:
@@ -698,9 +711,9 @@ def _check_rules(cfg: RunConfig) -> None:
         raise ConfigError("run-config key 'resume' needs a fixed 'run-name' (the run to continue lives in "
                           "<output-dir>/<run-name>)")
     if cfg.tofu_r > 0 and cfg.model != "vit":
-        raise ConfigError(f"run-config key 'tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
+        raise ConfigError(f"run-config key 'client-options.tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
     if cfg.min_train_nodes > cfg.num_clients:
-        raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}) exceeds 'num-clients' "
+        raise ConfigError(f"run-config key 'strategy-options.min-train-nodes' ({cfg.min_train_nodes}) exceeds 'num-clients' "
                           f"({cfg.num_clients})")
     if not (cfg.device in ("auto", "cpu", "cuda") or (cfg.device.startswith("cuda:") and cfg.device[5:].isdigit())):
         raise ConfigError(f"run-config key 'device': {cfg.device!r} is not auto, cpu, cuda or cuda:N")
@@ -710,16 +723,16 @@ def _check_rules(cfg: RunConfig) -> None:
     f = cfg.num_malicious_nodes
     (a, b), need = _min_replies(cfg), robust_min_replies(cfg)
     if a > 1 and cfg.min_train_nodes < need:   # Bulyan
-        raise ConfigError(f"run-config key 'min-train-nodes' ({cfg.min_train_nodes}): strategy {cfg.strategy!r} needs "
+        raise ConfigError(f"run-config key 'strategy-options.min-train-nodes' ({cfg.min_train_nodes}): strategy {cfg.strategy!r} needs "
                           f"at least {a}f + {b} = {need} replies a round (Flower's "
-                          f"{strategy_spec(cfg.strategy).flower_class}, f = {f}: 'num-malicious-nodes')")
+                          f"{strategy_spec(cfg.strategy).flower_class}, f = {f}: 'strategy-options.num-malicious-nodes')")
     if a == 1 and cfg.min_train_nodes < need:   # Krum, MultiKrum
-        raise ConfigError(f"run-config key 'num-malicious-nodes' ({f}): Krum scores each model by its n - f - 2 nearest "
-                          f"others, so it needs at least f + {b} = {need} replies a round; 'min-train-nodes' is "
+        raise ConfigError(f"run-config key 'strategy-options.num-malicious-nodes' ({f}): Krum scores each model by its n - f - 2 nearest "
+                          f"others, so it needs at least f + {b} = {need} replies a round; 'strategy-options.min-train-nodes' is "
                           f"{cfg.min_train_nodes}")
     if key_applies("num-nodes-to-select", cfg.strategy) and cfg.num_nodes_to_select > cfg.min_train_nodes:
-        raise ConfigError(f"run-config key 'num-nodes-to-select' ({cfg.num_nodes_to_select}) is more than the "
-                          f"{cfg.min_train_nodes} replies a round ('min-train-nodes')")
+        raise ConfigError(f"run-config key 'strategy-options.num-nodes-to-select' ({cfg.num_nodes_to_select}) is more than the "
+                          f"{cfg.min_train_nodes} replies a round ('strategy-options.min-train-nodes')")
     if cfg.robust:
         if cfg.strategy in FLOWER_BASELINE_STRATEGIES:
             raise ConfigError(f"run-config key 'robust' applies to fedfuse's own strategies, not Flower's "
@@ -730,32 +743,32 @@ def _check_rules(cfg: RunConfig) -> None:
                               "every reply with the global model, and tier replies have other widths")
     if cfg.secure_aggregation:
         if not cfg.head_round:
-            raise ConfigError("run-config key 'secure-aggregation' sums the head round's statistics: set "
+            raise ConfigError("run-config key 'head-options.secure-aggregation' sums the head round's statistics: set "
                               "head-round=true (the training rounds' models are not sums Flower's SecAgg+ can carry "
                               "with fedfuse's checks)")
         if cfg.client_tiers.strip():
-            raise ConfigError("run-config key 'secure-aggregation': the secure sum carries one classifier's "
+            raise ConfigError("run-config key 'head-options.secure-aggregation': the secure sum carries one classifier's "
                               "statistics; capacity tiers solve several")
         if cfg.num_clients < 2:
-            raise ConfigError("run-config key 'secure-aggregation' needs at least 2 clients ('num-clients')")
+            raise ConfigError("run-config key 'head-options.secure-aggregation' needs at least 2 clients ('num-clients')")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and not cfg.head_round:
-        raise ConfigError("run-config key 'head-ridge' applies to head-round=true only")
+        raise ConfigError("run-config key 'head-options.ridge' applies to head-round=true only")
     if cfg.head_solver != SCHEMA["head-solver"].default and not cfg.head_round:
-        raise ConfigError("run-config key 'head-solver' applies to head-round=true only")
+        raise ConfigError("run-config key 'head-options.solver' applies to head-round=true only")
     if cfg.head_ridge != SCHEMA["head-ridge"].default and cfg.head_solver == "lda":
-        raise ConfigError("run-config key 'head-ridge' is the ridge head's; head-solver='lda' does not read it")
+        raise ConfigError("run-config key 'head-options.ridge' is the ridge head's; head-options.solver='lda' does not read it")
     if cfg.mode == "one-shot" and not cfg.client_references:
-        raise ConfigError("run-config key 'client-references': false applies to multi-round and warm-start runs; "
-                          "mode='one-shot' takes its reference rows from 'one-shot-references' (set it to 'none')")
+        raise ConfigError("run-config key 'report-options.client-references': false applies to multi-round and warm-start runs; "
+                          "mode='one-shot' takes its reference rows from 'report-options.one-shot-references' (set it to 'none')")
     if cfg.mode != "one-shot" and cfg.one_shot_references != SCHEMA["one-shot-references"].default:
-        raise ConfigError(f"run-config key 'one-shot-references' ({cfg.one_shot_references!r}) applies to "
+        raise ConfigError(f"run-config key 'report-options.one-shot-references' ({cfg.one_shot_references!r}) applies to "
                           f"mode='one-shot' only, not {cfg.mode!r}; leave it unset")
     if cfg.evaluation == "federated" and cfg.test_set_path:
-        raise ConfigError("run-config key 'test-set-path' is read by central evaluation only, but evaluation="
-                          "'federated'; use evaluation='both' or leave test-set-path empty")
+        raise ConfigError("run-config key 'data-options.test-set-path' is read by central evaluation only, but evaluation="
+                          "'federated'; use evaluation='both' or leave data-options.test-set-path empty")
     if cfg.evaluation != "central" and cfg.val_fraction == 0:
         raise ConfigError(f"run-config key 'evaluation': {cfg.evaluation!r} evaluates on the clients' validation "
-                          "splits, but val-fraction=0 holds none out; set val-fraction > 0 or evaluation='central'")
+                          "splits, but data-options.val-fraction=0 holds none out; set data-options.val-fraction > 0 or evaluation='central'")
     _check_privacy(cfg)
     if cfg.partition_files:
         _check_partition_rules(cfg)
@@ -766,12 +779,12 @@ def _check_rules(cfg: RunConfig) -> None:
     info = dataset_info(cfg.dataset)
     if info is not None and cfg.partitioning == "shards":
         if cfg.classes_per_client > info.num_classes:
-            raise ConfigError(f"run-config key 'classes-per-client' ({cfg.classes_per_client}) exceeds the "
+            raise ConfigError(f"run-config key 'data-options.classes-per-client' ({cfg.classes_per_client}) exceeds the "
                               f"{info.num_classes} classes of dataset {cfg.dataset!r}")
         if cfg.classes_per_client == 0 and cfg.num_clients > info.num_classes:
             raise ConfigError(f"run-config key 'num-clients': class-disjoint 'shards' gives each client whole "
                               f"classes, but {cfg.num_clients} clients > {info.num_classes} classes of "
-                              f"{cfg.dataset!r}; set classes-per-client > 0 or use fewer clients")
+                              f"{cfg.dataset!r}; set data-options.classes-per-client > 0 or use fewer clients")
 
 
 WARM_START_KEYS = ("warm-start-epochs", "warm-start-lr", "warm-start-fusion", "warm-start-fusion-options")
@@ -784,7 +797,7 @@ def _check_warm_start(cfg: RunConfig) -> None:
     if cfg.mode != "warm-start":
         for key in WARM_START_KEYS:
             if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default:
-                raise ConfigError(f"run-config key {key!r} applies to mode='warm-start' only, not {cfg.mode!r}; "
+                raise ConfigError(f"run-config key {path_of(key)!r} applies to mode='warm-start' only, not {cfg.mode!r}; "
                                   "remove it or set mode='warm-start'")
         if cfg.mode == "one-shot" and cfg.initial_model_path:
             raise ConfigError("run-config key 'initial-model-path': one-shot clients train independently initialised "
@@ -799,11 +812,11 @@ def _check_warm_start(cfg: RunConfig) -> None:
                           "own models and ignores the global model; remove it or use mode='multi-round'")
     if cfg.depth_tiers:   # the depth-tier strategy combines the clients' own models (fedfuse.flower.warm_start)
         if cfg.warm_start_fusion not in DEPTH_WARM_START or cfg.warm_start_fusion_options_table:
-            raise ConfigError(f"run-config key 'warm-start-fusion': with depth tiers the clients' own models are "
+            raise ConfigError(f"run-config key 'warm-start-options.fusion': with depth tiers the clients' own models are "
                               f"combined across depths by one of {list(DEPTH_WARM_START)} without options "
-                              f"(warm-start-fusion-options=''), got {cfg.warm_start_fusion!r}")
+                              f"(warm-start-options.fusion-options=''), got {cfg.warm_start_fusion!r}")
         if cfg.warm_start_fusion == "ot" and min(cfg.depth_tier_widths) < 1:
-            raise ConfigError("run-config key 'warm-start-fusion': 'ot' aligns models of one width; width x depth "
+            raise ConfigError("run-config key 'warm-start-options.fusion': 'ot' aligns models of one width; width x depth "
                               "tiers take 'feddf'")
         return
     if cfg.client_tiers:
@@ -841,8 +854,8 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
     fusion, options = cfg.warm_start_fusion, cfg.warm_start_fusion_options_table
     if fusion == BEST_CLIENT:   # needs fusion labels: checked by the ServerApp once the fusion set is loaded
         if options:
-            raise ConfigError("run-config key 'warm-start-fusion-options': warm-start-fusion='best-client' fuses "
-                              f"nothing and takes no options, got {options}; set warm-start-fusion-options=''")
+            raise ConfigError("run-config key 'warm-start-options.fusion-options': warm-start-options.fusion='best-client' fuses "
+                              f"nothing and takes no options, got {options}; set warm-start-options.fusion-options=''")
         return
     METHOD_SPECS, FusionError = _fusion_registry()
 
@@ -850,7 +863,7 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
     if fusion not in names:
         close = difflib.get_close_matches(fusion, list(names), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"run-config key 'warm-start-fusion': {fusion!r} is not a fusion method that returns one "
+        raise ConfigError(f"run-config key 'warm-start-options.fusion': {fusion!r} is not a fusion method that returns one "
                           f"model of the clients' architecture{hint}; choose one of {list(names)}")
     try:
         METHOD_SPECS[fusion].parse_options(options)
@@ -859,14 +872,14 @@ def _check_warm_start_fusion(cfg: RunConfig) -> None:
         hint = (f" (the default {default!r} is for {SCHEMA['warm-start-fusion'].default!r}; set "
                 "warm-start-fusion-options='' for the method's defaults)"
                 if cfg.warm_start_fusion_options == default else "")
-        raise ConfigError(f"run-config key 'warm-start-fusion-options': {exc}{hint}") from None
+        raise ConfigError(f"run-config key 'warm-start-options.fusion-options': {exc}{hint}") from None
     family, affine = _model_family(cfg)
     problem = fusion_set_problem(cfg)
     try:
         METHOD_SPECS[fusion].check_setup(num_models=clients_per_round(cfg), family=family,
                                          has_fusion_set=problem is None, affine_levels=affine)
     except FusionError as exc:
-        raise ConfigError(f"run-config key 'warm-start-fusion': {exc}" + (f", but {problem}" if problem else "")
+        raise ConfigError(f"run-config key 'warm-start-options.fusion': {exc}" + (f", but {problem}" if problem else "")
                           ) from None
 
 
@@ -882,16 +895,16 @@ def _check_partition_rules(cfg: RunConfig) -> None:
     """``partition-files``: the pattern names each client's file, the dataset's shape is known without loading it,
     and the server has its own test set (central evaluation)."""
     if PARTITION_ID not in cfg.partition_files:
-        raise ConfigError(f"run-config key 'partition-files': {cfg.partition_files!r} has no {PARTITION_ID} "
+        raise ConfigError(f"run-config key 'data-options.partition-files': {cfg.partition_files!r} has no {PARTITION_ID} "
                           f"placeholder; write e.g. '/abs/dir/node-{PARTITION_ID}.npz'")
     if dataset_info(cfg.dataset) is None:
-        raise ConfigError(f"run-config key 'partition-files' needs a dataset whose input shape and classes are known "
+        raise ConfigError(f"run-config key 'data-options.partition-files' needs a dataset whose input shape and classes are known "
                           f"without loading it (the files' preprocessing); {cfg.dataset!r} is not one")
     if cfg.evaluation != "federated" and not cfg.test_set_path:
-        raise ConfigError("run-config key 'partition-files': the clients' files are all the training data, so central "
-                          "evaluation needs test-set-path (or evaluation='federated')")
+        raise ConfigError("run-config key 'data-options.partition-files': the clients' files are all the training data, so central "
+                          "evaluation needs data-options.test-set-path (or evaluation='federated')")
     if cfg.fusion_set_source != "public":
-        raise ConfigError("run-config key 'fusion-set-source': with partition-files the fusion set is drawn from "
+        raise ConfigError("run-config key 'fusion-set-source': with data-options.partition-files the fusion set is drawn from "
                           "fusion-set-path (a public pool); leave fusion-set-source='public'")
 
 
@@ -906,7 +919,7 @@ def ordered_dropout_draw(cfg: RunConfig) -> str | float:
     except (TypeError, ValueError):
         value = float("nan")
     if not 0 < value < 1:
-        raise ConfigError(f"run-config key 'ordered-dropout-draw': 'auto', 'uniform', 'width', 'sandwich' or a "
+        raise ConfigError(f"run-config key 'tier-options.ordered-dropout-draw': 'auto', 'uniform', 'width', 'sandwich' or a "
                           f"probability in (0, 1), got {text!r}")
     return value
 
@@ -917,22 +930,22 @@ def _check_tiers(cfg: RunConfig) -> None:
     narrow = min(tiers or cfg.depth_tier_widths or (1.0,)) < 1   # width tiers or width x depth tiers
     if ordered_dropout_draw(cfg) not in ("auto", "uniform"):
         if not narrow or cfg.ordered_dropout == "off":
-            raise ConfigError("run-config key 'ordered-dropout-draw': needs capacity tiers with ordered dropout "
-                              "(client-tiers with a width below 1, ordered-dropout not 'off')")
+            raise ConfigError("run-config key 'tier-options.ordered-dropout-draw': needs capacity tiers with ordered dropout "
+                              "(client-tiers with a width below 1, tier-options.ordered-dropout not 'off')")
     if not tiers or len(set(tiers)) == 1 and tiers[0] == 1:
         if cfg.ordered_dropout in ("all", "narrow") and not narrow:
-            raise ConfigError("run-config key 'ordered-dropout': needs capacity tiers (client-tiers with a width "
+            raise ConfigError("run-config key 'tier-options.ordered-dropout': needs capacity tiers (client-tiers with a width "
                               "below 1), there is no narrower sub-model to train")
         return
     tier_models = resolve_tier_models(cfg.strategy, cfg.tier_models, MODEL_FAMILIES.get(cfg.model))
     if cfg.strategy in TIER_STRATEGIES and tier_models != "slice":
-        raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} derives tier models by slicing "
+        raise ConfigError(f"run-config key 'tier-options.models': strategy {cfg.strategy!r} derives tier models by slicing "
                           f"only (its paper's sub-models); {tier_models!r} needs a fusion strategy, e.g. "
                           "strategy='average'")
     if cfg.strategy in TIER_STRATEGIES + SUBMODEL_METHODS:   # sub-model averaging (+ FedDF's distillation)
         if tier_models == "fuse":
-            raise ConfigError(f"run-config key 'tier-models': strategy {cfg.strategy!r} averages sub-models and "
-                              "derives tier models by slicing; use tier-models='slice'")
+            raise ConfigError(f"run-config key 'tier-options.models': strategy {cfg.strategy!r} averages sub-models and "
+                              "derives tier models by slicing; use tier-options.models='slice'")
         return
     METHOD_SPECS, _ = _fusion_registry()
 
@@ -942,8 +955,8 @@ def _check_tiers(cfg: RunConfig) -> None:
         raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} cannot aggregate clients of "
                           f"different widths; use one of {able}")
     if tier_models == "fuse" and not spec.any_target:
-        raise ConfigError(f"run-config key 'tier-models': 'fuse' needs a fusion method that builds into another width "
-                          f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-models='slice'")
+        raise ConfigError(f"run-config key 'tier-options.models': 'fuse' needs a fusion method that builds into another width "
+                          f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-options.models='slice'")
 
 
 DEPTH_TIER_METHODS = DEPTH_METHODS   # the registry's (fedfuse.flower.depth_tiers reads the same)
@@ -973,10 +986,10 @@ def _check_depth_tiers(cfg: RunConfig) -> None:
         (("tier-models", "auto"), ("ordered-dropout", "auto"))   # width x depth tiers take ordered dropout
     for key, default in width_keys:
         if getattr(cfg, key.replace("-", "_")) != default:
-            raise ConfigError(f"run-config key {key!r}: a width-tier option; depth tiers at full width take none "
+            raise ConfigError(f"run-config key {path_of(key)!r}: a width-tier option; depth tiers at full width take none "
                               f"(leave it {default!r})")
     if cfg.refine not in ("auto", "none"):
-        raise ConfigError(f"run-config key 'refine': {cfg.refine!r} refines one classifier; a depth-tier model has "
+        raise ConfigError(f"run-config key 'strategy-options.refine': {cfg.refine!r} refines one classifier; a depth-tier model has "
                           "one per depth (feddf and ot distil into every exit): leave it 'auto'")
 
 
@@ -995,10 +1008,10 @@ def _parse_fusion_options(text: str, key: str = "fusion-options") -> dict[str, A
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"run-config key {key!r}: not a TOML inline table ({exc}): {text!r}; "
+        raise ConfigError(f"run-config key {path_of(key)!r}: not a TOML inline table ({exc}): {text!r}; "
                           "write e.g. \"{ridge=1e-3, solver='sinkhorn'}\"") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"run-config key {key!r}: expected an inline table like '{{ridge=1e-3}}', "
+        raise ConfigError(f"run-config key {path_of(key)!r}: expected an inline table like '{{ridge=1e-3}}', "
                           f"got {text!r}")
     return value
 
@@ -1024,7 +1037,7 @@ def fusion_set_problem(cfg: RunConfig) -> str | None:
                 "give it a public pool (e.g. ../shared/anchors/splits/mnist1d-public.npz)")
     if cfg.public_fraction <= 0:
         return ("fusion-set-source='public' with public-fraction=0 holds no samples and no fusion-set-path is "
-                "given; set public-fraction > 0, fusion-set-source='client0' or fusion-set-path")
+                "given; set data-options.public-fraction > 0, fusion-set-source='client0' or fusion-set-path")
     return None
 
 
@@ -1040,7 +1053,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
     spec = METHOD_SPECS.get(cfg.strategy)
     if spec is None or cfg.strategy in NON_FUSION_STRATEGIES + TIER_STRATEGIES + DEPTH_TIER_STRATEGIES:
         if cfg.refine not in ("auto", "none"):
-            raise ConfigError(f"run-config key 'refine': strategy {cfg.strategy!r} aggregates the arrays only and "
+            raise ConfigError(f"run-config key 'strategy-options.refine': strategy {cfg.strategy!r} aggregates the arrays only and "
                               f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")
         if options:
             raise ConfigError(f"run-config key 'fusion-options': {no_fusion_options(cfg.strategy, options)}")
@@ -1054,7 +1067,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         spec.check_setup(num_models=n)
     except FusionError as exc:
         raise ConfigError(f"run-config keys 'strategy'/'num-clients': {exc} ({n} clients per round from "
-                          f"num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
+                          f"num-clients={cfg.num_clients}, strategy-options.fraction-train={cfg.fraction_train}, "
                           f"min-train-nodes={cfg.min_train_nodes})") from None
     family, affine = _model_family(cfg)
     try:
@@ -1064,7 +1077,7 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
                           "family)") from None
     problem = fusion_set_problem(cfg)
     if problem is not None and cfg.refine not in ("auto", "none"):
-        raise ConfigError(f"run-config key 'refine': refine={cfg.refine!r} needs the server fusion set, but {problem}")
+        raise ConfigError(f"run-config key 'strategy-options.refine': refine={cfg.refine!r} needs the server fusion set, but {problem}")
     try:
         spec.check_setup(num_models=n, has_fusion_set=problem is None)
     except FusionError as exc:
@@ -1087,9 +1100,9 @@ def _check_candidate_setup(cfg: RunConfig) -> None:
             spec.check_setup(num_models=n, family=family, has_fusion_set=problem is None,
                              affine_levels=affine)
         except FusionError as exc:
-            why = (f"{n} clients per round from num-clients={cfg.num_clients}, fraction-train={cfg.fraction_train}, "
+            why = (f"{n} clients per round from num-clients={cfg.num_clients}, strategy-options.fraction-train={cfg.fraction_train}, "
                    f"min-train-nodes={cfg.min_train_nodes}; model {cfg.model!r}" + (f"; {problem}" if problem else ""))
-            raise ConfigError(f"run-config key 'auto-candidates': candidate {name!r} cannot run on this setup: {exc} "
+            raise ConfigError(f"run-config key 'strategy-options.auto-candidates': candidate {name!r} cannot run on this setup: {exc} "
                               f"({why}); auto would skip it every round. Remove it or change the setup") from None
 
 
@@ -1097,14 +1110,14 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
     """Keys only some strategies read (``fedfuse.strategy_specs.STRATEGY_KEYS``) must not be set for another one, and
     Flower's baselines are not fusion methods (no ``fusion-rounds``)."""
     if cfg.momentum != SCHEMA["momentum"].default and cfg.optimizer != "sgd":
-        raise ConfigError(f"run-config key 'momentum' ({cfg.momentum}) applies to optimizer='sgd' only, not "
+        raise ConfigError(f"run-config key 'client-options.momentum' ({cfg.momentum}) applies to optimizer='sgd' only, not "
                           f"{cfg.optimizer!r}; remove it or set optimizer='sgd'")
     if -1 < cfg.server_momentum < 0:
-        raise ConfigError(f"run-config key 'server-momentum': {cfg.server_momentum} is neither -1 (the strategy's "
+        raise ConfigError(f"run-config key 'strategy-options.server-momentum': {cfg.server_momentum} is neither -1 (the strategy's "
                           "default) nor in [0, 1)")
     for key, users in STRATEGY_KEYS.items():
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and not key_applies(key, cfg.strategy):
-            raise ConfigError(f"run-config key {key!r} applies to strategy {' | '.join(users)} only, not "
+            raise ConfigError(f"run-config key {path_of(key)!r} applies to strategy {' | '.join(users)} only, not "
                               f"{cfg.strategy!r}; remove it or choose one of those strategies")
     if cfg.align_to != SCHEMA["align-to"].default:
         METHOD_SPECS, _ = _fusion_registry()
@@ -1112,39 +1125,39 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
         able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
         spec = METHOD_SPECS.get(cfg.strategy)
         if spec is None or not spec.any_reference:
-            raise ConfigError(f"run-config key 'align-to': {cfg.align_to!r} applies to the strategies that align "
+            raise ConfigError(f"run-config key 'strategy-options.align-to': {cfg.align_to!r} applies to the strategies that align "
                               f"units ({' | '.join(able)}), not {cfg.strategy!r}")
         if cfg.mode == "one-shot":
-            raise ConfigError("run-config key 'align-to': 'global' needs a global model the clients trained from; "
+            raise ConfigError("run-config key 'strategy-options.align-to': 'global' needs a global model the clients trained from; "
                               "in mode='one-shot' they start from independent initialisations")
     for key in ("auto-candidates", "auto-fusion-epochs", "auto-momentum"):
         if getattr(cfg, key.replace("-", "_")) != SCHEMA[key].default and cfg.strategy not in SELECTING_STRATEGIES:
-            raise ConfigError(f"run-config key {key!r} applies to strategy 'auto' only, not {cfg.strategy!r}")
+            raise ConfigError(f"run-config key {path_of(key)!r} applies to strategy 'auto' only, not {cfg.strategy!r}")
     if cfg.strategy in SELECTING_STRATEGIES:
         try:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
-            raise ConfigError(f"run-config key 'auto-candidates': {exc}") from None
+            raise ConfigError(f"run-config key 'strategy-options.auto-candidates': {exc}") from None
         if cfg.auto_candidates != SCHEMA["auto-candidates"].default:
             _check_candidate_setup(cfg)
         if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ARRAY_CANDIDATES
                                                              for c in cfg.auto_candidate_names):
-            raise ConfigError(f"run-config key 'auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
-                              f"{cfg.local_epochs} turns fusion candidates off, and auto-candidates has only fusions")
+            raise ConfigError(f"run-config key 'strategy-options.auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "
+                              f"{cfg.local_epochs} turns fusion candidates off, and strategy-options.auto-candidates has only fusions")
         if cfg.auto_momentum != SCHEMA["auto-momentum"].default and auto_round_aggregation(cfg) is None:
-            raise ConfigError(f"run-config key 'auto-momentum': {cfg.auto_momentum!r} applies to multi-round runs below "
-                              f"auto-fusion-epochs (local-epochs {cfg.local_epochs}, auto-fusion-epochs "
+            raise ConfigError(f"run-config key 'strategy-options.auto-momentum': {cfg.auto_momentum!r} applies to multi-round runs below "
+                              f"auto-fusion-epochs (local-epochs {cfg.local_epochs}, strategy-options.auto-fusion-epochs "
                               f"{cfg.auto_fusion_epochs}, mode {cfg.mode!r}): there the clients' vote picks the step")
         if cfg.auto_momentum == "on" and not any(c in MEAN_METHODS for c in cfg.auto_candidate_names):
-            raise ConfigError("run-config key 'auto-momentum': 'on' takes the 'average' candidate (the momentum step), "
-                              f"which auto-candidates {cfg.auto_candidates!r} does not list")
+            raise ConfigError("run-config key 'strategy-options.auto-momentum': 'on' takes the 'average' candidate (the momentum step), "
+                              f"which strategy-options.auto-candidates {cfg.auto_candidates!r} does not list")
     if cfg.strategy in FLOWER_BASELINE_STRATEGIES and cfg.fusion_rounds:
-        raise ConfigError(f"run-config key 'fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
-                          "method; set fusion-rounds=0")
+        raise ConfigError(f"run-config key 'strategy-options.fusion-rounds': strategy {cfg.strategy!r} is Flower's own, not a fusion "
+                          "method; set strategy-options.fusion-rounds=0")
     if cfg.mode == "one-shot" and cfg.fusion_rounds:
-        raise ConfigError(f"run-config key 'fusion-rounds' ({cfg.fusion_rounds}): mode='one-shot' has one round, and it "
-                          "fuses; fusion-rounds (fuse in rounds 1..N, average afterwards) changes nothing there; "
-                          "set fusion-rounds=0")
+        raise ConfigError(f"run-config key 'strategy-options.fusion-rounds' ({cfg.fusion_rounds}): mode='one-shot' has one round, and it "
+                          "fuses; strategy-options.fusion-rounds (fuse in rounds 1..N, average afterwards) changes nothing there; "
+                          "set strategy-options.fusion-rounds=0")
 
 
 # ------------------------------------------------------------------------------------- files and model
@@ -1193,7 +1206,7 @@ def check_files(cfg: RunConfig, *, input_shape: tuple[int, ...] | None = None,
                 load_node_data(path, num_classes=info.num_classes, info=info, dataset=cfg.dataset,
                                val_fraction=cfg.val_fraction, seed=0)
             except ValueError as exc:
-                raise ConfigError(f"run-config key 'partition-files': client {pid}'s file {path!r}: {exc}") from None
+                raise ConfigError(f"run-config key 'data-options.partition-files': client {pid}'s file {path!r}: {exc}") from None
 
 
 def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...] | None = None,
@@ -1217,7 +1230,7 @@ def read_fusion_set(path: str, *, dataset: str = "", input_shape: tuple[int, ...
                              "part of it out for early stopping and fits on the rest, alignment standardises "
                              "activations over samples)")
     except ValueError as exc:
-        raise ConfigError(f"run-config key {key!r} ({path}): {exc}") from None
+        raise ConfigError(f"run-config key {path_of(key)!r} ({path}): {exc}") from None
     return x.float(), (y.long() if y is not None else None)
 
 
@@ -1278,13 +1291,13 @@ def _check_zoo_setup(cfg: RunConfig, model: Any) -> None:
         spec = METHOD_SPECS[name]
         if problem is not None and not spec.any_module:
             takes_any = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_module)
-            raise ConfigError(f"run-config key {key!r}: fusion method {name!r} reads the models' structure, which "
+            raise ConfigError(f"run-config key {path_of(key)!r}: fusion method {name!r} reads the models' structure, which "
                               f"fedfuse cannot read for model {cfg.model!r} ({problem}); use one that takes any "
                               f"model ({', '.join(takes_any)})")
         try:
             spec.check_setup(num_models=clients_per_round(cfg), family=family, affine_levels=affine)
         except FusionError as exc:
-            raise ConfigError(f"run-config keys {key!r}/'model': {exc} (model {cfg.model!r} is of the {family} "
+            raise ConfigError(f"run-config keys {path_of(key)!r}/'model': {exc} (model {cfg.model!r} is of the {family} "
                               "family)") from None
     if problem is not None and cfg.head_round:
         raise ConfigError(f"run-config key 'head-round': the head round solves the classifier on the model's "
@@ -1353,6 +1366,12 @@ def check_partitions(cfg: RunConfig) -> None:
                           f"(e.g. a larger dirichlet-alpha)")
 
 
+def canonical(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``run_config`` in its canonical form (top-level keys and dotted option-table paths: what Flower is handed;
+    ``fedfuse.config_layout.canonical_run_config``); unknown keys are kept for ``parse_run_config`` to name."""
+    return canonical_run_config(run_config, top_level=TOP_LEVEL, error=ConfigError, note=ConfigNote)
+
+
 def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[str, ...] | None = None) -> RunConfig:
     """Everything knowable from the config, before any Flower process: ``parse_run_config``, ``check_files``,
     ``check_model``, ``check_partitions``. Raises ``ConfigError`` naming the key."""
@@ -1366,7 +1385,8 @@ def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[s
 def describe() -> str:
     """The schema as a markdown table (key, type, default, allowed values / range, meaning)."""
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-    for s in SCHEMA.values():
+    order = list(TOP_LEVEL) + [key for entries in OPTION_TABLES.values() for key in entries.values()]
+    for s in (SCHEMA[key] for key in order):
         allowed = " \\| ".join(s.choices) if s.choices else s.range_text()
         if s.key == "dataset":
             allowed += f" \\| {HF_PREFIX}<name>"
@@ -1376,11 +1396,11 @@ def describe() -> str:
             allowed = " \\| ".join(strategy_names())
         if s.key == "warm-start-fusion":
             allowed = " \\| ".join(warm_start_fusions())
-        rows.append(f"| `{s.key}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help.replace('|', chr(92) + '|')} |")
+        rows.append(f"| `{s.path}` | {s.type.__name__} | `{s.default!r}` | {allowed} | {s.help.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
 
 
-__all__ = ["RunConfig", "KeySpec", "SCHEMA", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
+__all__ = ["RunConfig", "KeySpec", "SCHEMA", "TOP_LEVEL", "TOP_LEVEL_KEYS", "canonical", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
            "check_model", "check_partitions", "data_options", "preflight", "auto_round_aggregation", "AUTO_SERVER_MOMENTUM", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",

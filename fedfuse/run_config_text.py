@@ -17,15 +17,13 @@ second. It imports ``fedfuse.config`` only, for ``ConfigError``.
 
 from __future__ import annotations
 
-import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from fedfuse.config import ConfigError
+from fedfuse.config_layout import toml_inline
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def split_run_config(text: str) -> list[tuple[str, str]]:
@@ -76,22 +74,6 @@ def split_run_config(text: str) -> list[tuple[str, str]]:
             raise ConfigError(f"run-config key {key!r}: no value (write {key}='' for an empty string)")
         pairs.append((key, raw))
     return pairs
-
-
-def toml_inline(value: Any) -> str:
-    """A Python value (from ``tomllib``) back as TOML inline text (for tables read from a ``.toml`` file)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # inf / nan are TOML too
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_inline(v) for v in value) + "]"
-    if isinstance(value, dict):
-        keys = (k if _BARE_KEY.fullmatch(k) else json.dumps(k) for k in value)
-        return "{" + ", ".join(f"{k}={toml_inline(v)}" for k, v in zip(keys, value.values())) + "}"
-    raise ConfigError(f"run-config: cannot write {value!r} as TOML")
 
 
 def parse_run_config_arg(text: str) -> dict[str, Any]:

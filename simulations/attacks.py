@@ -108,9 +108,10 @@ class Attack:
 
     def _data_file(self, pid: int, context: Context) -> Path:
         if pid not in self._files:
-            pattern = str(context.run_config.get("partition-files", ""))
+            pattern = str(context.run_config.get("data-options.partition-files", ""))
             if "{partition-id}" not in pattern:
-                raise ValueError("Attack: the data threats read the client's file from run-config 'partition-files'")
+                raise ValueError("Attack: the data threats read the client's file from run-config "
+                                 "'data-options.partition-files'")
             from fedfuse.config import dataset_info
 
             d = np.load(pattern.replace("{partition-id}", str(pid)))

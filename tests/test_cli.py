@@ -88,7 +88,7 @@ def test_config_lists_every_key_with_type_and_default(capsys):
     assert cli.main(["config"]) == 0
     out = capsys.readouterr().out
     for key, spec in SCHEMA.items():
-        assert f"{key}  ({spec.type.__name__}, default {spec.default!r})" in out
+        assert f"{spec.path}  ({spec.type.__name__}, default {spec.default!r})" in out
     assert cli.main(["config", "strategy", "--markdown"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("| key |") and len(lines) == 3 and lines[2].startswith("| `strategy` |")

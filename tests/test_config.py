@@ -17,20 +17,25 @@ import torch
 
 from fedfuse.config import (SCHEMA, ConfigError, RunConfig, check_files, check_model, clients_per_round,
                             fusion_options_dict, parse_run_config, preflight, strategy_names)
+from fedfuse.config_layout import path_of
 from fedfuse.flower.runner.cli import parse_run_config_arg, split_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pyproject_config() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    """``[tool.flwr.app.config]`` as Flower reads it: its option tables flattened to dotted keys."""
+    from flwr.common.config import flatten_dict
+
+    return flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
 
 
 # ------------------------------------------------------------------------------------- one schema
 def test_pyproject_matches_the_schema_value_by_value():
     defaults = _pyproject_config()
-    assert list(defaults) == list(SCHEMA), "pyproject and RunConfig declare different keys (or order)"
-    for key, spec in SCHEMA.items():
+    assert sorted(defaults) == sorted(s.path for s in SCHEMA.values()), "pyproject and RunConfig declare different keys"
+    for spec in SCHEMA.values():
+        key = spec.path
         assert type(defaults[key]) is spec.type, f"{key}: pyproject {type(defaults[key]).__name__}, schema {spec.type}"
         assert defaults[key] == spec.default, f"{key}: pyproject {defaults[key]!r}, schema {spec.default!r}"
     assert parse_run_config(defaults) == RunConfig()
@@ -129,7 +134,7 @@ def test_wrong_type_names_the_key(override, key):
     ({"mode": "one-shot", "num-server-rounds": 1, "fusion-rounds": 2}, "fusion-rounds"),   # one round: did nothing
 ])
 def test_bad_value_or_range_names_the_key(override, key):
-    with pytest.raises(ConfigError, match=f"'{key}'"):
+    with pytest.raises(ConfigError, match=f"'{path_of(key)}'"):
         parse_run_config(override)
 
 
@@ -142,12 +147,12 @@ def test_krum_runs_with_the_default_min_train_nodes():
         with config_notes() as notes:
             cfg = parse_run_config({"strategy": strategy})
         assert cfg.min_train_nodes == need
-        assert len(notes) == 1 and f"the run uses {need}" in notes[0] and "'min-train-nodes'" in notes[0]
+        assert len(notes) == 1 and f"the run uses {need}" in notes[0] and "'strategy-options.min-train-nodes'" in notes[0]
     with config_notes() as notes:
         assert parse_run_config({"strategy": "krum", "num-malicious-nodes": 1}).min_train_nodes == 4
-    with pytest.raises(ConfigError, match="'min-train-nodes' is 1"):
+    with pytest.raises(ConfigError, match="'strategy-options.min-train-nodes' is 1"):
         parse_run_config({"strategy": "krum", "min-train-nodes": 1})
-    with pytest.raises(ConfigError, match="'min-train-nodes'"):   # 4f + 3 = 7 > the 4 clients: nothing to raise it to
+    with pytest.raises(ConfigError, match="'strategy-options.min-train-nodes'"):   # 4f + 3 = 7 > the 4 clients: nothing to raise it to
         parse_run_config({"strategy": "bulyan", "num-malicious-nodes": 1})
     with config_notes() as notes:
         assert parse_run_config({"strategy": "fedavg"}).min_train_nodes == 2

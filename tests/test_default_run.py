@@ -99,7 +99,7 @@ def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_pa
 def test_the_baseline_gets_the_head_round_when_the_strategy_does():
     assert baseline_config({"strategy": "auto"})["head-round"] is True
     assert baseline_config({"strategy": "auto", "head-round": False})["head-round"] is False
-    assert baseline_config({"strategy": "auto", "head-solver": "lda"})["head-solver"] == "lda"
+    assert baseline_config({"strategy": "auto", "head-solver": "lda"})["head-options.solver"] == "lda"
 
 
 def test_comparison_table_reports_a_failed_run_and_a_missing_baseline(tmp_path):

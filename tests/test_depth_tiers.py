@@ -46,11 +46,11 @@ def test_tier_syntax_width_x_depth_and_bare_widths():
     ({"client-tiers": "", "strategy": "depthfl"}, "client-tiers.*needs depth tiers"),
     ({"model-depth": 1}, "client-tiers.*at least 2 blocks"),
     ({"ordered-dropout": "all"}, "ordered-dropout"),
-    ({"tier-models": "prune"}, "tier-models.*width-tier option"),
+    ({"tier-models": "prune"}, "tier-options.models.*width-tier option"),
     ({"mode": "warm-start", "warm-start-fusion": "kd", "warm-start-fusion-options": ""},
-     "warm-start-fusion.*across depths.*'ot', 'feddf'"),
+     "warm-start-options.fusion.*across depths.*'ot', 'feddf'"),
     ({"mode": "warm-start", "warm-start-fusion": "ot", "client-tiers": "1x1,0.5x0.5"},
-     "warm-start-fusion.*'ot' aligns models of one width"),
+     "warm-start-options.fusion.*'ot' aligns models of one width"),
     ({"refine": "distill"}, "refine.*one per depth"),
 ])
 def test_bad_depth_tier_configs_fail_naming_the_key(overrides, match):
@@ -304,7 +304,7 @@ def test_inclusivefl_options_and_client_fail_or_train_their_own_exit():
     from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, depth_tier
 
     assert parse_run_config({**TINY, "strategy": "inclusivefl", "mom-beta": 0.5}).mom_beta == 0.5
-    with pytest.raises(ConfigError, match="'mom-beta' applies to strategy inclusivefl only"):
+    with pytest.raises(ConfigError, match="'strategy-options.mom-beta' applies to strategy inclusivefl only"):
         parse_run_config({**TINY, "strategy": "depthfl", "mom-beta": 0.5})
     with pytest.raises(ConfigError, match="mom-beta"):
         parse_run_config({**TINY, "strategy": "inclusivefl", "mom-beta": 1.5})
@@ -408,9 +408,9 @@ def test_width_x_depth_config_parses_widths_and_fails_naming_the_key():
     # ordered dropout is a width x depth option; with depth tiers at full width it stays refused
     parse_run_config({**TINY, "strategy": "average", "client-tiers": WXD, "ordered-dropout": "off",
                       "ordered-dropout-draw": "uniform"})
-    with pytest.raises(ConfigError, match="'ordered-dropout'.*full width"):
+    with pytest.raises(ConfigError, match="'tier-options.ordered-dropout'.*full width"):
         parse_run_config({**TINY, "strategy": "average", "ordered-dropout": "off"})
-    with pytest.raises(ConfigError, match="'ordered-dropout-draw'.*needs capacity tiers with ordered dropout"):
+    with pytest.raises(ConfigError, match="'tier-options.ordered-dropout-draw'.*needs capacity tiers with ordered dropout"):
         parse_run_config({**TINY, "strategy": "average", "client-tiers": WXD, "ordered-dropout": "off",
                           "ordered-dropout-draw": "width"})
     # one-shot: ot aligns models of one width, so the default distils
@@ -571,7 +571,7 @@ def test_warm_start_across_depth_tiers_inprocess(tmp_path, tiers, fusion):
 
     cfg = {**TINY, "strategy": "average", "client-tiers": tiers, "mode": "warm-start", "num-server-rounds": 3,
            "warm-start-epochs": 3, "output-dir": str(tmp_path), "run-name": "w"}
-    with pytest.warns(UserWarning, match=f"warm-start-fusion.*{fusion!r}"):
+    with pytest.warns(UserWarning, match=f"warm-start-options.fusion.*{fusion!r}"):
         assert parse_run_config(cfg).warm_start_fusion == fusion
     out = run_inprocess(cfg, 4, echo=False)
     res = json.loads((out / "results.json").read_text())

@@ -23,7 +23,7 @@ TINY = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1
 def test_evaluation_key_rules():
     assert parse_run_config({}).evaluation == "central"
     assert parse_run_config({"evaluation": "both", "test-set-path": "/x.npz"}).evaluation == "both"
-    with pytest.raises(ConfigError, match="'test-set-path' is read by central evaluation only"):
+    with pytest.raises(ConfigError, match="'data-options.test-set-path' is read by central evaluation only"):
         parse_run_config({"evaluation": "federated", "test-set-path": "/x.npz"})
     with pytest.raises(ConfigError, match="val-fraction=0"):
         parse_run_config({"evaluation": "federated", "val-fraction": 0.0})

@@ -16,6 +16,7 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvgM, FedMedian, FedPro
                                      MultiKrum)
 
 from fedfuse.config import ConfigError, parse_run_config
+from fedfuse.config_layout import path_of
 from fedfuse.flower import STRATEGIES, build_strategy
 from fedfuse.flower.baselines import (FLOWER_BASELINES, FedAdamStrategy, FlowerBaselineStrategy, baseline_options)
 from fedfuse.models import build_model
@@ -174,7 +175,7 @@ def test_options_and_errors_name_the_key():
     ({"strategy": "average", "server-momentum": -0.5}, "server-momentum"),
 ])
 def test_config_errors_name_the_key(overrides, key):
-    with pytest.raises(ConfigError, match=f"'{key}'"):
+    with pytest.raises(ConfigError, match=f"'{path_of(key)}'"):
         parse_run_config(overrides)
 
 

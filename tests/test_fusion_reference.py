@@ -124,9 +124,9 @@ def test_run_config_key_fails_before_any_client_trains():
     from fedfuse.config import ConfigError, parse_run_config
 
     assert parse_run_config({"strategy": "ot", "align-to": "global"}).align_to == "global"
-    with pytest.raises(ConfigError, match="'align-to'.*not 'feddf'"):
+    with pytest.raises(ConfigError, match="'strategy-options.align-to'.*not 'feddf'"):
         parse_run_config({"strategy": "feddf", "align-to": "global"})
-    with pytest.raises(ConfigError, match="'align-to'.*one-shot"):
+    with pytest.raises(ConfigError, match="'strategy-options.align-to'.*one-shot"):
         parse_run_config({"strategy": "rebasin", "align-to": "global", "mode": "one-shot", "num-server-rounds": 1})
     with pytest.raises(ConfigError, match="align-to"):
         parse_run_config({"strategy": "ot", "align-to": "globl"})

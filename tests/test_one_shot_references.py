@@ -84,7 +84,7 @@ def test_gap_recovered():
 
 def test_the_key_applies_to_one_shot_only():
     assert preflight({"mode": "one-shot", "num-server-rounds": 1, "one-shot-references": "models"})
-    with pytest.raises(ConfigError, match="'one-shot-references'.*one-shot"):
+    with pytest.raises(ConfigError, match="'report-options.one-shot-references'.*one-shot"):
         preflight({"one-shot-references": "none"})
     with pytest.raises(ConfigError, match="one-shot-references"):
         preflight({"mode": "one-shot", "num-server-rounds": 1, "one-shot-references": "yes"})
@@ -164,7 +164,7 @@ def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_p
     base = json.loads((tmp_path / "r" / "baseline-fedavg" / "results.json").read_text())
     avg = next(r for r in res["one-shot-references"]["rows"] if r["key"] == "average")
     assert avg["accuracy"] == pytest.approx(base["rounds"][-1]["test-accuracy"], abs=1e-9)
-    assert "one-shot-references" not in base and base["config"]["one-shot-references"] == "none"
+    assert "one-shot-references" not in base and base["config"]["report-options.one-shot-references"] == "none"
 
 
 def test_federated_evaluation_says_the_references_are_unavailable(tmp_path):

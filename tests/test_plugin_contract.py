@@ -273,7 +273,7 @@ def test_server_with_fusion_and_test_files_loads_no_dataset(tmp_path, monkeypatc
     assert data.test.x.shape[1:] == SHAPE and len(data.test) > 300 and data.num_classes == 10
     assert strategy.fusion_inputs.shape == (50, *SHAPE)
     np.savez(tmp_path / "nolabels.npz", x=data.test.x.numpy())
-    with pytest.raises(ConfigError, match="'test-set-path'.*labels"):
+    with pytest.raises(ConfigError, match="'data-options.test-set-path'.*labels"):
         server_app.setup(parse_run_config({**RUN, "fusion-set-path": str(fusion),
                                            "test-set-path": str(tmp_path / "nolabels.npz")}))
 

@@ -138,7 +138,7 @@ def test_the_account_composes_releases_and_stops_before_the_budget():
     assert 0 < e1 < e2
     limited = PrivacyAccount(10, 1e-5, max_epsilon=e1 * 1.01)
     limited.spend(1.0, 10, "round 1")
-    with pytest.raises(PrivacyBudgetError, match="dp-max-epsilon"):
+    with pytest.raises(PrivacyBudgetError, match="dp-options.max-epsilon"):
         limited.spend(1.0, 10, "round 2")
     assert len(limited.releases) == 1
     sigma = noise_for_epsilon(4.0, 1e-5)
@@ -149,9 +149,9 @@ def test_the_account_composes_releases_and_stops_before_the_budget():
 
 # ----------------------------------------------------------------------------------------------------- config
 def test_dp_keys_are_checked_before_any_client_trains():
-    with pytest.raises(ConfigError, match="'dp-clipping-norm' applies to differentially private runs"):
+    with pytest.raises(ConfigError, match="'dp-options.clipping-norm' applies to differentially private runs"):
         parse_run_config({"dp-clipping-norm": 1.0})
-    with pytest.raises(ConfigError, match="'dp-clipping-norm' must be > 0"):
+    with pytest.raises(ConfigError, match="'dp-options.clipping-norm' must be > 0"):
         parse_run_config({"dp-noise-multiplier": 1.0})
     dp = {"dp-noise-multiplier": 1.0, "dp-clipping-norm": 1.0}
     with pytest.raises(ConfigError, match="'strategy'.*kf-linear"):
@@ -168,7 +168,7 @@ def test_dp_keys_are_checked_before_any_client_trains():
         parse_run_config({**dp, "strategy": "fedavg", "client-tiers": "1,0.5"})
     with pytest.raises(ConfigError, match="'mode'"):
         parse_run_config({**dp, "strategy": "fedavg", "mode": "one-shot", "num-server-rounds": 1})
-    with pytest.raises(ConfigError, match="dp-clipping"):
+    with pytest.raises(ConfigError, match="dp-options.clipping"):
         parse_run_config({**dp, "dp-clipping": "node"})
     # the defaults run: 'auto' below auto-fusion-epochs is fedavg exactly
     cfg = parse_run_config(dp)
@@ -196,7 +196,7 @@ def test_a_dp_run_is_configuration_its_head_round_is_private_and_epsilon_is_reco
     whats = [r["what"] for r in privacy["per-release"]]
     assert whats[:2] == ["round 1", "round 2"] and "head statistics" in whats and "head check" in whats
     assert [r["epsilon"] for r in privacy["per-release"]] == sorted(r["epsilon"] for r in privacy["per-release"])
-    assert results["config"]["strategy"] == "fedavg" and results["config"]["client-references"] is False
+    assert results["config"]["strategy"] == "fedavg" and results["config"]["report-options.client-references"] is False
     head = next(h for h in results["strategy-history"] if h.get("post-step") == "head-round")
     private = head["fusion-info"]["head-round"]["private"]
     assert private["clip"] > 0 and private["noise-multiplier"] == 0.3 and private["projection"] == 8
@@ -253,7 +253,7 @@ def test_secure_aggregation_sums_the_head_statistics_with_flowers_secaggplus(tmp
 
 
 def test_secure_aggregation_keys_are_checked():
-    with pytest.raises(ConfigError, match="'secure-aggregation'.*head-round=true"):
+    with pytest.raises(ConfigError, match="'head-options.secure-aggregation'.*head-round=true"):
         parse_run_config({"secure-aggregation": True, "head-round": False})
-    with pytest.raises(ConfigError, match="'secure-aggregation'.*tiers"):
+    with pytest.raises(ConfigError, match="'head-options.secure-aggregation'.*tiers"):
         parse_run_config({"secure-aggregation": True, "client-tiers": "1,0.5"})

@@ -406,18 +406,18 @@ def test_the_clients_choose_between_the_ridge_and_the_lda_head(identity, accurac
 
 
 def test_run_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="'head-ridge'"):
+    with pytest.raises(ConfigError, match="'head-options.ridge'"):
         preflight({"head-round": False, "head-ridge": 0.1})
     from fedfuse.config import parse_run_config
     assert parse_run_config({}).head_round   # on by default
     assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).head_round   # width tiers: every tier
     with pytest.raises(ConfigError, match="'head-round'"):
         preflight({"head-round": "yes"})
-    with pytest.raises(ConfigError, match="'head-solver'"):
+    with pytest.raises(ConfigError, match="'head-options.solver'"):
         preflight({"head-round": False, "head-solver": "lda"})
-    with pytest.raises(ConfigError, match="'head-solver'"):
+    with pytest.raises(ConfigError, match="'head-options.solver'"):
         preflight({"head-solver": "svm"})
-    with pytest.raises(ConfigError, match="'head-ridge'"):
+    with pytest.raises(ConfigError, match="'head-options.ridge'"):
         preflight({"head-solver": "lda", "head-ridge": 0.1})
 
 

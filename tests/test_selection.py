@@ -43,7 +43,7 @@ def test_candidates_are_checked_naming_the_bad_entry():
 def test_a_candidate_that_cannot_run_with_the_clients_is_refused_at_config_time():
     """Issue 45: hf-linear (at most 2 models) with 4 clients passed the check and was skipped every round, its warning
     hidden among Flower's. Now a ConfigError naming the key, the candidate and why."""
-    with pytest.raises(ConfigError, match=r"'auto-candidates': candidate 'hf-linear' cannot run on this setup: .*at "
+    with pytest.raises(ConfigError, match=r"'strategy-options.auto-candidates': candidate 'hf-linear' cannot run on this setup: .*at "
                                           r"most 2 models, got 4 \(4 clients per round"):
         parse_run_config({"strategy": "auto", "auto-candidates": "fedavg,hf-linear"})
     assert parse_run_config({"strategy": "auto", "auto-candidates": "fedavg,hf-linear", "num-clients": 2}
@@ -90,9 +90,9 @@ def test_the_tiered_default_note_is_said_once_by_the_server_and_recorded(caplog)
 
 
 def test_run_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match="'auto-candidates'.*did you mean"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-candidates'.*did you mean"):
         parse_run_config({"strategy": "auto", "auto-candidates": "average,kf-gradiant"})
-    with pytest.raises(ConfigError, match="'auto-candidates' applies to strategy 'auto' only"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-candidates' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-candidates": "average,feddf"})
     with pytest.warns(UserWarning, match="no capacity-tier form"):
         assert parse_run_config({"strategy": "auto", "client-tiers": "1,0.5"}).strategy == "average"
@@ -102,9 +102,9 @@ def test_run_config_errors_name_the_key():
         assert parse_run_config(one_shot).strategy == "kf-linear"
     with pytest.warns(UserWarning, match="uses 'feddf'"):
         assert parse_run_config({**one_shot, "model": "vit"}).strategy == "feddf"
-    with pytest.raises(ConfigError, match="'auto-fusion-epochs' applies to strategy 'auto' only"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-fusion-epochs' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "average", "auto-fusion-epochs": 3})
-    with pytest.raises(ConfigError, match="'auto-fusion-epochs'"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-fusion-epochs'"):
         parse_run_config({"strategy": "auto", "auto-candidates": "feddf", "local-epochs": 1})
     parse_run_config({"strategy": "auto", "auto-candidates": "feddf", "local-epochs": 1, "mode": "one-shot",
                       "num-server-rounds": 1})   # one round: fusion candidates are always on
@@ -272,12 +272,12 @@ def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients():
     assert auto_round_aggregation(parse_run_config({"auto-momentum": "on", "local-epochs": 1})) == "average"
     # long local training: the clients' vote, not the rule; one-shot: no rounds to carry momentum
     assert auto_round_aggregation(parse_run_config({**plain, "fraction-train": 0.5, "local-epochs": 10})) is None
-    with pytest.raises(ConfigError, match="'auto-momentum'"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-momentum'"):
         parse_run_config({"auto-momentum": "on", "local-epochs": 10})
-    with pytest.raises(ConfigError, match="'auto-momentum'"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-momentum'"):
         parse_run_config({"auto-momentum": "on", "mode": "one-shot", "num-server-rounds": 1})
-    with pytest.raises(ConfigError, match="'auto-momentum'"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-momentum'"):
         parse_run_config({"auto-momentum": "on", "local-epochs": 1, "auto-candidates": "fedavg,feddf"})
-    with pytest.raises(ConfigError, match="'auto-momentum' applies to strategy 'auto' only"):
+    with pytest.raises(ConfigError, match="'strategy-options.auto-momentum' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "fedavg", "auto-momentum": "off"})
 

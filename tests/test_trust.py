@@ -281,15 +281,15 @@ def test_a_reply_whose_scores_disagree_with_its_weights_is_rejected_and_the_roun
 def test_robust_keys_fail_before_any_client_trains():
     with pytest.raises(ConfigError, match="'robust'"):
         check_config({"strategy": "fedmedian", "robust": True})
-    with pytest.raises(ConfigError, match="'num-malicious-nodes'"):
+    with pytest.raises(ConfigError, match="'strategy-options.num-malicious-nodes'"):
         check_config({"strategy": "krum", "num-malicious-nodes": 3, "min-train-nodes": 4, "num-clients": 4})
-    with pytest.raises(ConfigError, match="'num-malicious-nodes'"):
+    with pytest.raises(ConfigError, match="'strategy-options.num-malicious-nodes'"):
         check_config({"strategy": "fedavg", "num-malicious-nodes": 1})
     from fedfuse.config import config_notes
     with config_notes() as notes:   # one-shot: the clients' answers only are screened, and the run says so
         assert check_config({"strategy": "auto", "robust": True, "mode": "one-shot", "num-server-rounds": 1}).robust
     assert any("screens their answers only" in n for n in notes)
-    with pytest.raises(ConfigError, match="'trim-beta'"):
+    with pytest.raises(ConfigError, match="'strategy-options.trim-beta'"):
         check_config({"strategy": "fedavg", "trim-beta": 0.1})
     assert check_config({"strategy": "krum", "num-malicious-nodes": 1, "min-train-nodes": 4,
                          "num-clients": 4}).num_malicious_nodes == 1

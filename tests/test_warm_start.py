@@ -24,18 +24,18 @@ TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1
 
 @pytest.mark.parametrize("overrides, key", [
     ({**WARM, "num-server-rounds": 1}, "'num-server-rounds'"),
-    ({"warm-start-epochs": 5}, "'warm-start-epochs'"),                       # set without mode='warm-start'
-    ({"warm-start-fusion": "ot"}, "'warm-start-fusion'"),
-    ({**WARM, "warm-start-fusion": "kf-lin"}, "'warm-start-fusion'"),       # unknown (close match named)
-    ({**WARM, "warm-start-fusion": "ensemble"}, "'warm-start-fusion'"),     # not one model of the architecture
-    ({**WARM, "warm-start-fusion": "rebasin"}, "'warm-start-fusion-options'"),  # the default options are kf-linear's
-    ({**WARM, "warm-start-fusion-options": "{ridge=1"}, "'warm-start-fusion-options'"),
-    ({**WARM, "warm-start-fusion": "best-client"}, "'warm-start-fusion-options'"),
+    ({"warm-start-epochs": 5}, "'warm-start-options.epochs'"),                       # set without mode='warm-start'
+    ({"warm-start-fusion": "ot"}, "'warm-start-options.fusion'"),
+    ({**WARM, "warm-start-fusion": "kf-lin"}, "'warm-start-options.fusion'"),       # unknown (close match named)
+    ({**WARM, "warm-start-fusion": "ensemble"}, "'warm-start-options.fusion'"),     # not one model of the architecture
+    ({**WARM, "warm-start-fusion": "rebasin"}, "'warm-start-options.fusion-options'"),  # the default options are kf-linear's
+    ({**WARM, "warm-start-fusion-options": "{ridge=1"}, "'warm-start-options.fusion-options'"),
+    ({**WARM, "warm-start-fusion": "best-client"}, "'warm-start-options.fusion-options'"),
     ({**WARM, "initial-model-path": "/x.pt"}, "'initial-model-path'"),
     ({"mode": "one-shot", "num-server-rounds": 1, "initial-model-path": "/x.pt"}, "'initial-model-path'"),
     ({**WARM, "client-tiers": "1,0.5"}, "'client-tiers'"),
     ({**WARM, "fusion-set-source": "public", "public-fraction": 0.0, "warm-start-fusion": "kd",
-      "warm-start-fusion-options": ""}, "'warm-start-fusion'"),               # kd needs a fusion set
+      "warm-start-fusion-options": ""}, "'warm-start-options.fusion'"),               # kd needs a fusion set
 ])
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
@@ -74,7 +74,7 @@ def test_warm_start_options_and_best_client():
         WarmStart(fusion="best-client", options={"ridge": 1.0})
     with pytest.raises(ValueError, match="does not return one model"):
         WarmStart(fusion="ensemble")
-    with pytest.raises(ValueError, match="'warm-start-fusion'"):
+    with pytest.raises(ValueError, match="'warm-start-options.fusion'"):
         WarmStart(fusion="best-client").check_server(torch.zeros(4, 64), None)
     warm = WarmStart(fusion="kf-linear", epochs=7, lr=0.03)
     assert warm.round_config()["mode"] == "one-shot" and warm.round_config()["local-epochs"] == 7

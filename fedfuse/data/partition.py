@@ -98,7 +98,7 @@ def _disjoint_shards(labels: np.ndarray, k: int, seed: int) -> list[np.ndarray]:
     if k > len(classes):
         raise ValueError(
             f"partitioning: 'shards' (class-disjoint) needs num_partitions <= number of classes; "
-            f"got {k} partitions for {len(classes)} classes (set classes-per-client > 0 to allow "
+            f"got {k} partitions for {len(classes)} classes (set data-options.classes-per-client > 0 to allow "
             "shared classes)"
         )
     shuffled = _rng(seed, _STREAM_CLASSES).permutation(classes)

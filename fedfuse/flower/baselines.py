@@ -309,7 +309,7 @@ class BulyanStrategy(FlowerBaselineStrategy):
         if self.min_train_nodes < 4 * f + 3:
             raise ValueError(f"strategy {self.method!r}: Bulyan needs at least 4f + 3 = {4 * f + 3} replies a round "
                              f"(f = {f} malicious nodes); min_train_nodes is {self.min_train_nodes} "
-                             "(run-config key 'min-train-nodes')")
+                             "(run-config key 'strategy-options.min-train-nodes')")
 
 
 FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for cls in (

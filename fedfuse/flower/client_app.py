@@ -114,7 +114,7 @@ def _setup(context: Context) -> tuple[RunConfig, NodeData]:
     if context.node_config.get("data-path"):  # deployment with private data: this node's own file only
         return cfg, _node_local_data(cfg, pid, str(context.node_config["data-path"]))
     if cfg.partition_files:  # simulation from given splits: exactly this client's file
-        return cfg, _node_local_data(cfg, pid, partition_file(cfg, pid), key="run-config key 'partition-files'")
+        return cfg, _node_local_data(cfg, pid, partition_file(cfg, pid), key="run-config key 'data-options.partition-files'")
     data = federated_data(cfg, num_clients=n)
     train_set, val_set = data.client_data(pid, cfg.val_fraction, cfg.seed)
     return cfg, NodeData(pid, data.num_classes, tuple(data.input_shape), train_set, val_set)

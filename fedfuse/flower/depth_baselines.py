@@ -68,7 +68,7 @@ class InclusiveFLStrategy(DepthTieredStrategy):
 
     def __init__(self, method: str | None = None, *, mom_beta: float = 0.2, **options: Any) -> None:
         if isinstance(mom_beta, bool) or not isinstance(mom_beta, (int, float)) or not 0 <= mom_beta <= 1:
-            raise ValueError(f"strategy 'inclusivefl': mom-beta must be a number in [0, 1], got {mom_beta!r}")
+            raise ValueError(f"strategy 'inclusivefl': strategy-options.mom-beta must be a number in [0, 1], got {mom_beta!r}")
         super().__init__(method, self_distill=False, **options)
         self.mom_beta = float(mom_beta)
         skeleton = self._skeleton

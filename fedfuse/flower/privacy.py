@@ -82,7 +82,7 @@ class PrivacyAccount:
         """``PrivacyBudgetError`` when one more release would take ε above ``max_epsilon``."""
         limit = self.accountant.config.max_epsilon
         if limit is not None and self.accountant.would_exceed(self._event(noise_multiplier, sample_size)):
-            raise PrivacyBudgetError(f"the next private release ({what}) would take epsilon above dp-max-epsilon "
+            raise PrivacyBudgetError(f"the next private release ({what}) would take epsilon above dp-options.max-epsilon "
                                      f"{limit} (spent so far: {self.epsilon:.3f} at delta {self.delta:g})")
 
     def spend(self, noise_multiplier: float, sample_size: int, what: str, check: bool = True) -> float:

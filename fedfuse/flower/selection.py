@@ -87,7 +87,7 @@ class SelectionStrategy(FusionStrategy):
             raise ValueError(f"strategy 'auto': fusion_min_epochs must be >= 0, got {fusion_min_epochs}")
         # fusion candidates only after long local training (see the module docstring); None: always
         self.fusion_off = (None if local_epochs is None or int(local_epochs) >= int(fusion_min_epochs) else
-                           f"local epochs {local_epochs} < {fusion_min_epochs} (auto-fusion-epochs)")
+                           f"local epochs {local_epochs} < {fusion_min_epochs} (strategy-options.auto-fusion-epochs)")
         if self.fusion_off and all(c not in ARRAY_CANDIDATES for c in self.candidates):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
         # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the

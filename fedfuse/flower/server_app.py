@@ -45,6 +45,7 @@ from typing import Any, Callable  # noqa: E402
 
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
+from fedfuse.config_layout import path_of  # noqa: E402
 from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig, auto_round_aggregation,  # noqa: E402
                             config_notes, dataset_info, load_initial_model, preflight, read_fusion_set, SELECTING_STRATEGIES)
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
@@ -85,8 +86,8 @@ def server_files(cfg: RunConfig):
     (deployment where every client holds its data, node-config ``data-path``). ``ConfigError`` naming the key."""
     info = dataset_info(cfg.dataset)
     if info is None:
-        raise ConfigError(f"run-config key 'test-set-path': dataset {cfg.dataset!r} has no known input shape and "
-                          "classes before loading; use a named dataset or leave test-set-path empty")
+        raise ConfigError(f"run-config key 'data-options.test-set-path': dataset {cfg.dataset!r} has no known input shape and "
+                          "classes before loading; use a named dataset or leave data-options.test-set-path empty")
     shape, classes = tuple(info.input_shape), info.num_classes
     fx = fy = None
     if cfg.fusion_set_path:
@@ -270,7 +271,7 @@ def _current_rss_mb() -> float | None:
 
 
 # run-config keys that may differ between an interrupted run and its resumption
-RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "round-timeout", "device")
+RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "strategy-options.round-timeout", "device")
 
 
 def _resume_state(cfg: RunConfig, out: Path):
@@ -282,7 +283,7 @@ def _resume_state(cfg: RunConfig, out: Path):
         log(WARNING, "fedfuse: resume=true but %s has no checkpoint; starting from round 0", out / "checkpoint")
         return None
     run_state, state = loaded
-    saved = run_state.get("config", {})
+    saved = {path_of(k): v for k, v in run_state.get("config", {}).items()}   # a checkpoint of the flat layout too
     now = cfg.to_dict()
     differ = sorted(k for k in set(saved) | set(now) if k not in RESUME_MAY_DIFFER and saved.get(k) != now.get(k))
     if differ:
@@ -434,7 +435,7 @@ class RoundEvaluation:
         if not self.central:
             reason = ("evaluation='federated': the server holds no test set to evaluate the client models on; use "
                       "evaluation='both' (or 'central') for the one-shot references")
-            log(WARNING, "fedfuse: run-config key 'one-shot-references': unavailable: %s", reason)
+            log(WARNING, "fedfuse: run-config key 'report-options.one-shot-references': unavailable: %s", reason)
             self.recorder.extra["one-shot-references"] = {"unavailable": reason}
             return
         refs = one_shot_references([m for m, _ in kept], [n for _, n in kept], [p for p, _, _ in members],

@@ -90,7 +90,7 @@ class WarmStart:
     def check_server(self, fusion_inputs: torch.Tensor | None, fusion_labels: torch.Tensor | None) -> None:
         """What the server must hold for this fusion: labels for ``best-client``; ``ValueError`` naming the key."""
         if self.fusion == BEST_CLIENT and (fusion_inputs is None or fusion_labels is None):
-            raise ValueError("run-config key 'warm-start-fusion': 'best-client' picks the client model with the best "
+            raise ValueError("run-config key 'warm-start-options.fusion': 'best-client' picks the client model with the best "
                              "accuracy on the server's labelled fusion set, but the fusion set has no labels 'y' "
                              "(fusion-set-path with x and y, or fusion-set-source='public'); choose a fusion method")
 
@@ -185,8 +185,8 @@ def warm_start_round(protocol: Any, server_round: int, ok: list[Message], failur
         protocol.history.append({**record, "fallback": fallback})
         raise WarmStartFailed(f"round {server_round}: {warm.fusion!r} could not combine the clients' models "
                               f"({fallback}); a warm start from the initial model would be FL from a fresh "
-                              "initialisation, so the run stops (fusion-fallback='average' takes their plain average "
-                              "instead, or choose another warm-start-fusion)")
+                              "initialisation, so the run stops (strategy-options.fusion-fallback='average' takes their plain average "
+                              "instead, or choose another warm-start-options.fusion)")
     # round 2's server step starts from this model: no momentum / optimiser state from "initial → fused"
     protocol.restart_server_state()
     log(INFO, "aggregate_train: round %d: warm start from %d client models (%s); server state reset", server_round,

@@ -100,7 +100,8 @@ def partial_row(run: Path) -> dict:
     cfg = json.loads((run / "config.json").read_text())
     cfg = cfg.get("run-config", cfg)
     curve = [float(r["test-accuracy"]) for r in csv.DictReader((run / "rounds.csv").open())]
-    split = Path(cfg["partition-files"]).parent.name   # fmnist-<part>-n<K>-s<seed>
+    files = cfg.get("data-options.partition-files") or cfg["partition-files"]   # the layered config, or a flat one
+    split = Path(files).parent.name   # fmnist-<part>-n<K>-s<seed>
     return {"part": split.split("-")[1], "seed": int(cfg["seed"]), "strategy": cfg["strategy"],
             "rounds": len(curve) - 1, "planned": int(cfg["num-server-rounds"]), "epochs": int(cfg["local-epochs"]),
             "best": max(curve[1:]), "final": curve[-1], "with-head": None, "curve": curve, "run": str(run)}

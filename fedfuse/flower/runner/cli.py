@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import ConfigError, RunConfig, config_notes, preflight
+from fedfuse.config import ConfigError, RunConfig, canonical, config_notes, preflight
 from fedfuse.flower.runner.flwr_runner import run_app
 from fedfuse.run_config_text import parse_run_config_arg, split_run_config  # noqa: F401  split_run_config: its old home
 
@@ -51,7 +51,8 @@ def absolute_paths(cfg: dict[str, Any]) -> dict[str, Any]:
     """Relative ``output-dir`` / ``fusion-set-path`` / ``data-root`` taken from the caller's directory: the
     Flower processes run elsewhere."""
     out = dict(cfg)
-    for key in ("output-dir", "fusion-set-path", "test-set-path", "data-root", "partition-files"):
+    for key in ("output-dir", "fusion-set-path", "data-options.test-set-path", "data-root",
+                "data-options.partition-files"):
         value = out.get(key)
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
             out[key] = str(Path(value).expanduser().resolve())
@@ -75,7 +76,7 @@ def preflight_or_exit(run_config: dict[str, Any]) -> RunConfig:
 def overrides_or_exit(text: str) -> dict[str, Any]:
     """``parse_run_config_arg`` + ``absolute_paths`` or exit with the one-line config error."""
     try:
-        return absolute_paths(parse_run_config_arg(text))
+        return absolute_paths(canonical(parse_run_config_arg(text)))
     except ConfigError as exc:
         raise config_error_exit(exc) from None
 

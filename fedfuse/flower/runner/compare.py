@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfuse.config import canonical
 from fedfuse.flower.runner.console import head_round_record
 from fedfuse.references import REFERENCE_LABELS, gap_recovered
 
@@ -37,8 +38,10 @@ BASELINE = "fedavg"
 HEAD_SUFFIX = " + head round"   # the label of a baseline's row with the head round (RunSummary.split_head)
 # run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
 # fedfuse.config rejects most of them for fedavg)
-STRATEGY_ONLY_KEYS = ("fusion-options", "fusion-rounds", "refine", "refine-prior", "divergence-guard", "server-lr",
-                      "server-momentum", "proximal-mu", "tier-models", "ordered-dropout")
+STRATEGY_ONLY_KEYS = ("fusion-options", "strategy-options.fusion-rounds", "strategy-options.refine",
+                      "strategy-options.refine-prior", "strategy-options.divergence-guard", "strategy-options.server-lr",
+                      "strategy-options.server-momentum", "strategy-options.proximal-mu", "tier-options.models",
+                      "tier-options.ordered-dropout")
 
 
 def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, output_dir: str | None = None,
@@ -46,14 +49,14 @@ def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, out
     """``run_config`` for ``baseline``: the same keys (dataset, split, seed, clients, training) except the
     strategy, the strategy-only keys (``STRATEGY_ONLY_KEYS``) and the head round; ``output-dir``/``run-name`` when given. A warm
     start's baseline runs from scratch (``mode='multi-round'``, no warm-start keys)."""
-    cfg = {k: v for k, v in run_config.items() if k not in STRATEGY_ONLY_KEYS}
+    cfg = {k: v for k, v in canonical(run_config).items() if k not in STRATEGY_ONLY_KEYS}
     cfg["strategy"] = baseline
     # like for like: the baseline ends with the head round when the strategy does (the key's default: on), so one run
     # gives FedAvg as Flower users run it (its training rounds) and FedAvg + the head round (its last row):
     # ``RunSummary.split_head`` makes them two rows, and the verdict says what the aggregation adds on top of the latter
     cfg["head-round"] = bool(run_config.get("head-round", True))
     if cfg.get("mode") == "warm-start":   # the baseline of a warm start is FedAvg from scratch (docs/warm-start.md)
-        cfg = {k: v for k, v in cfg.items() if not k.startswith("warm-start-")}
+        cfg = {k: v for k, v in cfg.items() if not k.startswith("warm-start-options.")}
         cfg["mode"] = "multi-round"
     if output_dir is not None:
         cfg["output-dir"] = output_dir

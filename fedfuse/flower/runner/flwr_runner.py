@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import config_notes, preflight
-from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for
+from fedfuse.config import canonical, config_notes, preflight
+from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
 # shipped in the package (fedfuse.flower.runner.paths)
@@ -220,7 +220,7 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
     missing (``paths.results_dir_for(app_dir)``, a timestamped name). The whole config is checked first
     (``check_app_config``): a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
     """
-    cfg = dict(run_config)
+    cfg = canonical(run_config) if takes_fedfuse_config(app_dir) else dict(run_config)
     cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
     n = num_supernodes or int(cfg.get("num-clients", 4))

@@ -70,8 +70,9 @@ from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedfuse.flower.client_app import app as fedfuse_client_app  # noqa: E402
+from fedfuse.config import canonical  # noqa: E402
 from fedfuse.flower.runner.flwr_runner import ROOT, RunOutcome, check_app_config, run_config_arg  # noqa: E402
-from fedfuse.flower.runner.paths import results_dir_for  # noqa: E402
+from fedfuse.flower.runner.paths import results_dir_for, takes_fedfuse_config  # noqa: E402
 from fedfuse.flower.server_app import run_server  # noqa: E402
 
 ServerMain = Callable[[Grid, Context], None]
@@ -262,6 +263,8 @@ def fused_run_config(run_config: dict[str, Any], app_dir: Path = ROOT) -> dict[s
     """The run config a ``flwr run <app_dir> --run-config ...`` ServerApp/ClientApp sees: ``run_config``
     written as the runner's ``--run-config`` text, parsed back by flwr's own parser and fused with the
     app's ``[tool.flwr.app.config]`` defaults (flwr's ``get_fused_config_from_dir``; unknown keys raise)."""
+    if run_config and takes_fedfuse_config(app_dir):
+        run_config = canonical(run_config)
     overrides = parse_config_args([run_config_arg(run_config)]) if run_config else {}
     return dict(get_fused_config_from_dir(Path(app_dir), overrides))
 
@@ -338,7 +341,7 @@ def prepare(run_config: dict[str, Any], num_supernodes: int | None, app_dir: Pat
             check_config: bool | None) -> tuple[dict[str, Any], int, Path]:
     """The run config with the runner defaults ``run_app`` fills in (absolute ``output-dir``, a
     ``run-name``, ``num-clients``), checked like ``run_app`` checks it; also the node count and results dir."""
-    cfg = dict(run_config)
+    cfg = canonical(run_config) if takes_fedfuse_config(app_dir) else dict(run_config)
     cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
     n = num_supernodes or int(cfg.get("num-clients", 4))

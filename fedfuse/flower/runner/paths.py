@@ -46,6 +46,19 @@ def is_fedfuse_app(app_dir: str | Path) -> bool:
     return resolved == APP_DIR or resolved == PACKAGE_APP_DIR
 
 
+def takes_fedfuse_config(app_dir: str | Path) -> bool:
+    """Whether ``app_dir``'s run config is fedfuse's layout (fedfuse's app, or a copy that declares its option
+    tables, e.g. a test app with one key more): the runners bring a config for it to the canonical form
+    (``fedfuse.config.canonical``) before Flower, which refuses keys its pyproject does not declare, reads it."""
+    if is_fedfuse_app(app_dir):
+        return True
+    try:
+        config = tomllib.loads((Path(app_dir) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("strategy-options"), dict)
+
+
 def default_results_dir() -> Path:
     """``<checkout>/results`` in a checkout, else ``./results`` of the working directory."""
     return CHECKOUT / "results" if CHECKOUT else Path.cwd().resolve() / "results"

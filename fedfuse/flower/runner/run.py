@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if baseline:
         bcfg = baseline_config(cfg, baseline, output_dir=str(out_dir), run_name=f"baseline-{baseline}")
         if checked.mode == "one-shot":   # the strategy's run computes the references already
-            bcfg["one-shot-references"] = "none"
+            bcfg["report-options.one-shot-references"] = "none"
         try:
             preflight_or_exit(bcfg)
         except SystemExit:
