@@ -45,6 +45,9 @@ from fedfuse.choices import (DATASETS, FALLBACKS, FUSION_SET_SOURCES, HF_PREFIX,
 from fedfuse.choices import BEST_CLIENT  # noqa: E402
 from fedfuse.choices import DP_CLIPPINGS  # noqa: E402
 from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options, ONE_SHOT_REFERENCES, PRIORS, REFINES  # noqa: E402
+# the measured defaults and one-shot rules (one place: fedfuse.plan), re-exported
+from fedfuse.plan import (AUTO_SERVER_MOMENTUM, auto_candidates, auto_round_aggregation, dp_strategy,  # noqa: E402
+                          one_shot_depth_default, one_shot_width_default)
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS, TABLE_PATHS, canonical_run_config, path_of  # noqa: E402
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, DP_STRATEGIES, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
@@ -584,61 +587,6 @@ def _robust_rule(cfg: RunConfig) -> str:
             f"Krum scores each model by its n - f - 2 nearest others: f + {b}, f = {f}: 'strategy-options.num-malicious-nodes'")
 
 
-def one_shot_width_default(cfg: RunConfig) -> str:
-    """How one-shot width tiers combine clients trained from their own initialisations: their sub-model average is
-    near chance (no shared initialisation to average over), so they are fused: ``kf-linear``, the measured best with
-    the head round on the MLP and CNN cells (``results/tiers-head-oneshot``), ``feddf`` for ViTs (kf-linear takes no
-    transformer blocks, and FedDF is above kf-gradient there). Measured: docs/tiers.md, "One-shot"."""
-    return "feddf" if cfg.model == "vit" else "kf-linear"
-
-
-def one_shot_depth_default(cfg: RunConfig) -> str:
-    """How depth tiers combine clients trained from their own initialisations (one-shot, a warm start's round 1):
-    ``ot`` (aligned across depths, then distilled) where measured best, MLPs / plain CNNs and ResNets
-    (``results/depth-tiers-oneshot-head``, ``results/depth-tiers-oneshot-resnet``); ``feddf`` for ViTs (measured level
-    with ``ot`` at alpha 0.1 and above it at 0.5: ``results/depth-tiers-oneshot-vit``) and for width x depth tiers
-    (``ot`` aligns models of one width)."""
-    return "ot" if cfg.model in ("mlp", "cnn", "resnet") and min(cfg.depth_tier_widths) == 1 else "feddf"
-
-
-#: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set
-#: (the ``average`` candidate's own default): chosen on MNIST-1D cells with plain-SGD clients, where Hsu et al.'s 0.9
-#: (arXiv 1909.06335; Flower's fedavgm baseline) also broke runs (docs/multi-round.md, "Server momentum for
-#: plain-SGD clients")
-AUTO_SERVER_MOMENTUM = 0.5
-
-
-def auto_round_aggregation(cfg: RunConfig) -> str | None:
-    """What ``auto`` takes every round when it builds no fusion candidate (multi-round, ``local-epochs`` below
-    ``auto-fusion-epochs``): ``"average"`` (the momentum step) or ``"fedavg"`` (the plain average); ``None`` when
-    fusion candidates are built (one-shot, long local training) or the strategy is not ``auto``.
-
-    Why the rule (``auto-momentum='auto'``): server momentum is FedAvgM's step (Hsu et al., arXiv 1909.06335), the
-    momentum that plain-SGD clients (Flower's fedavgm baseline) do not take themselves; on top of clients that already
-    carry their own momentum or Adam it compounds and breaks runs (measured: docs/multi-round.md)."""
-    if cfg.strategy not in SELECTING_STRATEGIES or cfg.mode == "one-shot" or cfg.local_epochs >= cfg.auto_fusion_epochs:
-        return None
-    arrays = [c for c in cfg.auto_candidate_names if c in ARRAY_CANDIDATES]
-    step = next((c for c in arrays if c in MEAN_METHODS), None)       # the mean with fedfuse's server step
-    plain = next((c for c in arrays if c not in MEAN_METHODS), None)  # FedAvg's average
-    plain_sgd = cfg.optimizer == "sgd" and cfg.momentum == 0   # the clients' own step carries no momentum
-    if step and (cfg.auto_momentum == "on" or (cfg.auto_momentum == "auto" and plain_sgd)):
-        return step
-    if cfg.auto_momentum == "off" and plain:
-        return plain
-    return arrays[0] if arrays else None
-
-
-def dp_strategy(cfg: RunConfig) -> str:
-    """The strategy a DP run aggregates with: ``cfg.strategy``, or for ``auto`` without a fusion candidate what it
-    takes every round (``auto_round_aggregation``): ``fedavg`` for the plain average, ``fedavgm`` for the momentum
-    step (post-processing of the noised average)."""
-    take = auto_round_aggregation(cfg)
-    if take is None:
-        return cfg.strategy
-    return "fedavgm" if take in MEAN_METHODS else take
-
-
 def _check_privacy(cfg: RunConfig) -> None:
     """A DP run (``dp-noise-multiplier`` > 0): what Flower's DP wrappers bound, and nothing they do not."""
     dp_keys = ("dp-clipping-norm", "dp-clipping", "dp-delta", "dp-max-epsilon", "dp-head-noise-multiplier",
@@ -1041,6 +989,16 @@ def fusion_set_problem(cfg: RunConfig) -> str | None:
     return None
 
 
+def _strategy_method(strategy: str) -> str | None:
+    """The fusion method a strategy's rounds run (its registry entry's ``method``): ``None`` for the strategies that
+    are no fusion method themselves (FedAvg, Flower's baselines, ``auto``: the clients' vote between candidates, not
+    the label-free fusion method ``fuse("auto", ...)``); a name the registry does not know is its own method."""
+    try:
+        return strategy_spec(strategy).method
+    except ValueError:
+        return strategy
+
+
 def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
     if cfg.strategy not in strategies:
         close = difflib.get_close_matches(cfg.strategy, list(strategies), n=1, cutoff=0.6)
@@ -1050,10 +1008,12 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
     METHOD_SPECS, FusionError = _fusion_registry()
 
     options = fusion_options_dict(cfg)
-    spec = METHOD_SPECS.get(cfg.strategy)
+    spec = METHOD_SPECS.get(_strategy_method(cfg.strategy))
     if spec is None or cfg.strategy in NON_FUSION_STRATEGIES + TIER_STRATEGIES + DEPTH_TIER_STRATEGIES:
         if cfg.refine not in ("auto", "none"):
-            raise ConfigError(f"run-config key 'strategy-options.refine': strategy {cfg.strategy!r} aggregates the arrays only and "
+            what = ("chooses between candidate aggregations" if cfg.strategy in SELECTING_STRATEGIES else
+                    "aggregates the arrays only")
+            raise ConfigError(f"run-config key 'strategy-options.refine': strategy {cfg.strategy!r} {what} and "
                               f"takes no refinement, got {cfg.refine!r}; use a fusion strategy such as 'average'")
         if options:
             raise ConfigError(f"run-config key 'fusion-options': {no_fusion_options(cfg.strategy, options)}")
@@ -1091,8 +1051,9 @@ def _check_candidate_setup(cfg: RunConfig) -> None:
 
     n = clients_per_round(cfg)
     family, affine = _model_family(cfg)
-    problem = fusion_set_problem(cfg)
-    for name in cfg.auto_candidate_names:
+    # every round takes an array candidate: no fusion candidate is built, so none reads a fusion set
+    problem = fusion_set_problem(cfg) if auto_round_aggregation(cfg) is None else None
+    for name in auto_candidates(cfg):
         spec = METHOD_SPECS.get(name)
         if name in ARRAY_CANDIDATES or spec is None:
             continue
@@ -1138,8 +1099,7 @@ def _check_strategy_keys(cfg: RunConfig) -> None:
             check_candidates(cfg.auto_candidate_names)
         except ValueError as exc:
             raise ConfigError(f"run-config key 'strategy-options.auto-candidates': {exc}") from None
-        if cfg.auto_candidates != SCHEMA["auto-candidates"].default:
-            _check_candidate_setup(cfg)
+        _check_candidate_setup(cfg)
         if cfg.mode != "one-shot" and cfg.local_epochs < cfg.auto_fusion_epochs and all(c not in ARRAY_CANDIDATES
                                                              for c in cfg.auto_candidate_names):
             raise ConfigError(f"run-config key 'strategy-options.auto-fusion-epochs': {cfg.auto_fusion_epochs} > local-epochs "

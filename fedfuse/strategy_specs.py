@@ -199,7 +199,9 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  tiers=WidthTiers(submodel=True, refine="none"), depth=DepthTiers(aggregates=True, width_tiers=True),
                  paper="Weighted averaging of the client models with FedAvgM's server step and the calibration "
                        "refinement: fedfuse's default multi-round aggregation."),
-    StrategySpec("auto", "fusion", method="auto", default_server_momentum=0.5, default_refine="none",
+    # method None: the clients' vote between candidate aggregations, not the label-free fusion method "auto"
+    # (fedfuse.fusion.auto): no fusion options, and no fusion set when every round takes an array candidate
+    StrategySpec("auto", "fusion", method=None, default_server_momentum=0.5, default_refine="none",
                  can_refine=False, selects=True, run_keys=("server-momentum",),
                  paper="fedfuse: FedAvg's average while the clients train few local epochs; from auto-fusion-epochs, "
                        "per round the candidate (plain average, average with server momentum, FedDF) with the best "

@@ -354,7 +354,8 @@ def test_readme_examples_parse_and_pass_preflight():
                  "strategy='fedavg' dataset='mnist1d' partitioning='dirichlet' dirichlet-alpha=0.3 num-server-rounds=10",
                  "mode='one-shot' num-server-rounds=1 local-epochs=30 strategy='kf-linear' fusion-set-source='client0'",
                  "strategy='kf-linear' fusion-options={match='balanced'}",
-                 "strategy='feddf' dirichlet-alpha=0.1 refine='none'", "refine='calibrate+distill' refine-prior='uniform'"]:
+                 "strategy='feddf' dirichlet-alpha=0.1 refine='none'",
+                 "strategy='average' refine='calibrate+distill' refine-prior='uniform'"]:
         preflight(parse_run_config_arg(text))
 
 

@@ -323,10 +323,13 @@ class FederatedData:
             alpha=args["alpha"], classes_per_client=args["classes_per_client"], seed=seed,
         )
         partitions = [pool[p] for p in local]  # back to indices into train (pool is sorted)
-        fx, fy = fusion_set(
-            train, size=args["fusion_size"], source=args["fusion_source"],
-            partitions=partitions, reserved=reserved, seed=seed, return_labels=True,
-        )
+        if args["fusion_source"] == "public" and len(reserved) == 0:   # public-fraction=0: no fusion set at all
+            fx, fy = train.x[:0], train.y[:0]
+        else:
+            fx, fy = fusion_set(
+                train, size=args["fusion_size"], source=args["fusion_source"],
+                partitions=partitions, reserved=reserved, seed=seed, return_labels=True,
+            )
         return cls(
             train=train, test=test, partitions=partitions, reserved=reserved,
             fusion_x=fx, fusion_y=fy, num_classes=train.num_classes,

@@ -97,7 +97,8 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
             raise ValueError("strategy: FusionStrategy needs method= (a name in fedfuse.fusion.METHOD_SPECS)")
         self.entry = registry_entry or strategy_spec(method)
         self.method = method
-        self.spec = self._method_spec(method)
+        # the fusion method the rounds run: the entry's (``None`` for strategy ``auto``, a vote between candidates)
+        self.spec = self._method_spec(method) if self.entry.method is not None else None
         self.fusion_options = dict(fusion.fusion_options)
         self._check_options(self.fusion_options)
         if fusion.align_to == "global" and not (self.spec is not None and self.spec.any_reference):

@@ -76,9 +76,6 @@ class SelectionStrategy(FusionStrategy):
         options.setdefault("guard", False)   # the clients' scores replace the guard
         super().__init__(method, **options)
         self.candidates = check_candidates(candidates)
-        needs_data = [c for c in self.candidates if c not in ARRAY_CANDIDATES and self._method_spec(c).needs_data]
-        if needs_data and self.fusion_inputs is None:
-            raise ValueError(f"strategy 'auto': candidates {needs_data} need fusion_inputs (the server fusion set)")
         if self.model_fn is None:
             raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
         self.query_timeout = float(query_timeout)
@@ -88,6 +85,10 @@ class SelectionStrategy(FusionStrategy):
         # fusion candidates only after long local training (see the module docstring); None: always
         self.fusion_off = (None if local_epochs is None or int(local_epochs) >= int(fusion_min_epochs) else
                            f"local epochs {local_epochs} < {fusion_min_epochs} (strategy-options.auto-fusion-epochs)")
+        # a fusion set only where a fusion candidate is built: a run whose every round averages needs none
+        needs_data = [c for c in self.candidates if c not in ARRAY_CANDIDATES and self._method_spec(c).needs_data]
+        if needs_data and self.fusion_inputs is None and not self.fusion_off:
+            raise ValueError(f"strategy 'auto': candidates {needs_data} need fusion_inputs (the server fusion set)")
         if self.fusion_off and all(c not in ARRAY_CANDIDATES for c in self.candidates):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
         # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the

@@ -46,8 +46,9 @@ from typing import Any, Callable  # noqa: E402
 from flwr.serverapp.strategy import Strategy  # noqa: E402
 
 from fedfuse.config_layout import path_of  # noqa: E402
-from fedfuse.config import (AUTO_SERVER_MOMENTUM, SCHEMA, ConfigError, RunConfig, auto_round_aggregation,  # noqa: E402
-                            config_notes, dataset_info, load_initial_model, preflight, read_fusion_set, SELECTING_STRATEGIES)
+from fedfuse.config import (ConfigError, RunConfig, config_notes, dataset_info, load_initial_model,  # noqa: E402
+                            preflight, read_fusion_set, SELECTING_STRATEGIES)
+from fedfuse.plan import auto_candidates, auto_server_momentum, make_plan  # noqa: E402
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
@@ -118,6 +119,8 @@ def setup(cfg: RunConfig):
                                  num_classes=data.num_classes, key="test-set-path")
         data = replace(data, test=ArrayDataset(tx, ty, data.num_classes))
     fusion_x, fusion_y = data.fusion_x, getattr(data, "fusion_y", None)
+    if fusion_x is not None and len(fusion_x) == 0:   # public-fraction=0: no fusion set (a run that only averages)
+        fusion_x = fusion_y = None
     if cfg.fusion_set_path and not own_files:
         # the same checks as the preflight, now against the loaded data's shape (hf:<name> is only known here)
         fusion_x, fusion_y = load_fusion_inputs(cfg.fusion_set_path, dataset=cfg.dataset,
@@ -219,35 +222,17 @@ class MemberReference:
         return out
 
 
-#: one-shot ``auto``'s candidates without the head round. Not the weighted average: one-shot clients train from their
-#: own initialisations, so their average is at chance (Fashion-MNIST O1: 10.0 % in every cell, docs/fashion-mnist.md)
-#: and as a candidate it only gives lying voters a target (docs/trust.md, "One-shot, the vote": 0.113 with it)
-ONE_SHOT_AUTO_CANDIDATES = ("feddf", "kf-linear")
-#: the model families whose one-shot ``auto`` with the head round is kf-linear (the rest: FedDF)
-KF_LINEAR_HEAD_FAMILIES = ("mlp", "cnn", "lenet")
-
-
 def selection_options(cfg: RunConfig) -> dict:
-    """Strategy ``auto``'s candidates (``fedfuse.flower.selection``); ``{}`` for any other strategy."""
+    """Strategy ``auto``'s options from the run's plan (``fedfuse.plan``: its candidates, the local epochs that decide
+    whether fusion candidates are built, the momentum of its every-round momentum step); ``{}`` for any other
+    strategy."""
     if cfg.strategy not in SELECTING_STRATEGIES:
         return {}
-    # one-shot: a single round, so no later round can suffer from its choice; fusion candidates are always on, and
-    # the default list trades the momentum step (in one round the same model as the average) for kf-linear
-    candidates = cfg.auto_candidate_names
-    if cfg.mode == "one-shot" and cfg.auto_candidates == SCHEMA["auto-candidates"].default:
-        # with the head round one candidate: the clients score the candidates before their head is solved, which
-        # ranks them wrongly for after it. kf-linear where it applies (MLP/CNN/LeNet: its features beat FedDF's under
-        # the head round); FedDF for the block families kf-linear cannot take (ViT: above kf-gradient there).
-        # Measured: docs/one-shot.md, its opening section; LeNet: docs/fashion-mnist.md, O1 (+2.9 to +3.1)
-        candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
-            ("kf-linear",) if cfg.model in KF_LINEAR_HEAD_FAMILIES else ("feddf",))
-    out = {"candidates": candidates, "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
+    out = {"candidates": auto_candidates(cfg), "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
            "fusion_min_epochs": cfg.auto_fusion_epochs}
-    take = auto_round_aggregation(cfg)
-    if take in MEAN_METHODS:   # below auto-fusion-epochs the first array candidate is taken: the momentum step
-        out["candidates"] = (take,) + tuple(c for c in candidates if c != take)
-        if cfg.server_momentum < 0:   # else baseline_options passes the user's value
-            out["server_momentum"] = AUTO_SERVER_MOMENTUM
+    momentum = auto_server_momentum(cfg)
+    if momentum is not None:   # else baseline_options passes the user's value
+        out["server_momentum"] = momentum
     return out
 
 
@@ -575,6 +560,10 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     if notes:
         recorder.extra["config-notes"] = notes
+    plan = make_plan(cfg)   # the choices made for the user (fedfuse.plan): recorded, and said once
+    recorder.extra["plan"] = plan.to_json()
+    for decision in plan.decisions:
+        log(INFO, "fedfuse plan: %s", decision.line())
     log(INFO, "fedfuse: %s on %s/%s, %d clients (%s), results in %s", cfg.strategy, cfg.dataset, cfg.model,
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round and account is None:   # the head round's temperature reads the last round's client models

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
 ROUND_LINE = re.compile(r"^fedfuse round (\d+): ")          # the ServerApp's INFO line after each evaluation
+PLAN_PREFIX = "fedfuse plan: "                                # the ServerApp's INFO line per choice of the run's plan
 ROUND_ACCURACY = re.compile(r"test-accuracy ([0-9.eE+-]+|nan)")
 # WARNING messages fedfuse itself logs (fedfuse.flower.*, the in-process grid): shown on the console. Every
 # log(WARNING, ...) in fedfuse starts with one of them (tests/test_default_run.py scans the sources)
@@ -65,6 +66,8 @@ def classify(line: str) -> tuple[str, str]:
         m = ROUND_LINE.match(message)
         if m:
             return "round", m.group(1)
+        if message.startswith(PLAN_PREFIX):   # a choice the run's plan made for the user (fedfuse.plan): shown
+            return "plan", message[len(PLAN_PREFIX):]
         return "log", message
     if level in ("ERROR", "CRITICAL"):
         return "error", message
@@ -181,6 +184,8 @@ class QuietConsole:
                 m = ROUND_ACCURACY.search(strip_ansi(line))
                 row = {"round": n, "test-accuracy": float(m.group(1)) if m else None}
             self.say(format_round(row, self.num_rounds, self.label))
+        elif kind == "plan":
+            self.say(f"{'':<10}  plan: {text}" if self.label else f"plan: {text}")
         elif kind in ("warning", "error"):
             level = "ERROR" if kind == "error" else "WARNING"
             if len(text) > MAX_WARNING_CHARS:

@@ -1,0 +1,71 @@
+"""The run plan (``fedfuse.plan``): the measured defaults resolved once, recorded, read by the server; ``auto`` is the
+clients' vote, not the fusion method ``auto``, so a run that only averages needs no fusion set."""
+
+import json
+
+import pytest
+
+from fedfuse.config import ConfigError, parse_run_config
+from fedfuse.flower.server_app import selection_options
+from fedfuse.plan import AUTO_SERVER_MOMENTUM, make_plan
+
+TINY = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
+        "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 60}
+
+
+def test_the_default_plan_says_auto_averages_and_why():
+    plan = make_plan(parse_run_config({}))
+    assert plan.round_aggregation == "fedavg" and not plan.fuses and plan.server_momentum is None
+    (decision,) = plan.decisions
+    assert decision.setting == "strategy" and decision.value == "auto -> fedavg"
+    assert "auto-fusion-epochs 10" in decision.why and decision.doc == "docs/multi-round.md"
+    as_json = json.loads(json.dumps(plan.to_json()))
+    assert as_json["round-aggregation"] == "fedavg" and as_json["decisions"][0]["value"] == "auto -> fedavg"
+
+
+def test_plain_sgd_clients_get_the_momentum_step_from_the_plan():
+    plan = make_plan(parse_run_config({"optimizer": "sgd", "client-options.momentum": 0.0}))
+    assert plan.round_aggregation == "average" and plan.server_momentum == AUTO_SERVER_MOMENTUM
+    assert plan.candidates[0] == "average"
+
+
+@pytest.mark.parametrize("given", [
+    {"mode": "one-shot", "num-server-rounds": 1},
+    {"mode": "one-shot", "num-server-rounds": 1, "head-round": False},
+    {"mode": "one-shot", "num-server-rounds": 1, "model": "vit"},
+    {"local-epochs": 10},
+    {"strategy-options.auto-candidates": "average,feddf", "local-epochs": 12},
+])
+def test_the_server_builds_auto_from_the_plan(given):
+    cfg = parse_run_config(given)
+    plan = make_plan(cfg)
+    assert selection_options(cfg)["candidates"] == plan.candidates and plan.fuses
+    assert plan.round_aggregation is None and plan.decisions[0].setting == "strategy-options.auto-candidates"
+
+
+def test_a_run_that_only_averages_needs_no_fusion_set():
+    for given in ({}, {"strategy": "fedavg"}, {"strategy": "average", "strategy-options.refine": "none"}):
+        cfg = parse_run_config({**given, "data-options.public-fraction": 0.0})
+        assert not make_plan(cfg).fuses
+    # a run whose auto builds fusion candidates still needs one, named with the candidate
+    with pytest.raises(ConfigError, match=r"candidate 'feddf' cannot run on this setup: .*needs a fusion set"):
+        parse_run_config({"local-epochs": 10, "data-options.public-fraction": 0.0})
+
+
+def test_auto_is_not_the_fusion_method_auto():
+    with pytest.raises(ConfigError, match="strategy 'auto' is not a fusion method and takes no fusion_options"):
+        parse_run_config({"fusion-options": "{refines=['none']}"})
+    with pytest.raises(ConfigError, match="strategy 'auto' chooses between candidate aggregations and takes no "
+                                          "refinement"):
+        parse_run_config({"strategy-options.refine": "distill"})
+
+
+def test_an_averaging_run_without_a_fusion_set_completes_and_records_its_plan(tmp_path):
+    from fedfuse.flower.runner.inprocess import run_inprocess
+
+    out = run_inprocess({**TINY, "data-options.public-fraction": 0.0, "output-dir": str(tmp_path), "run-name": "p"},
+                        3, echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["fusion-set-samples"] == 0 and res["plan"]["round-aggregation"] == "fedavg"
+    assert res["plan"]["decisions"][0]["value"] == "auto -> fedavg"
+    assert len(res["rounds"]) == 1 + 2 + 1 and res["rounds"][-1]["test-accuracy"] > 0.2   # rounds 0..2, head round
