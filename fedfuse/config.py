@@ -100,24 +100,22 @@ def _key(default: Any, help: str, *, choices: tuple | None = None, ge: float | N
 class RunConfig:
     """Validated run configuration (field ``foo_bar`` is run-config key ``foo-bar``)."""
 
-    mode: str = _key("multi-round", "multi-round: clients start each round from the global model; one-shot: one "
-                     "round, independently initialised clients, the server fuses once; warm-start: round 1 is a "
-                     "one-shot round (warm-start-options.epochs, fused with warm-start-options.fusion), multi-round FL with "
-                     "'strategy' continues from the fused model (docs/warm-start.md)", choices=MODES)
-    dataset: str = _key("digits", f"data source; or {HF_PREFIX}<name> (Hugging Face)", choices=DATASETS)
-    data_root: str = _key("", "folder of the dataset's files: torchvision root (CIFAR), the idx files (MNIST, "
-                          "Fashion-MNIST; default: Debian's dataset-fashion-mnist), a save_to_disk folder (hf:)")
-    model: str = _key("mlp", "architecture: fedfuse's own, or a zoo model 'torchvision:<classification builder>' / "
-                      "'timm:<model name>' (random initialisation, never pretrained weights; input channels and, "
-                      "below 32x32, size fitted to the dataset: fedfuse.models.zoo)", choices=MODELS)
-    model_width: int = _key(0, "hidden width / channels; 0 = the model's own (64; lenet: 6, the channels of its "
-                            "first convolution, as NIID-Bench)", ge=0)
+    mode: str = _key("multi-round", "multi-round FL, one-shot (one round, one fusion) or warm-start (a one-shot "
+                                    "round 1, then multi-round) (docs/configuration.md#top-level-keys)", choices=MODES)
+    dataset: str = _key("digits", f"the data source: a built-in dataset or {HF_PREFIX}<name> (Hugging Face) "
+                                  "(docs/configuration.md#top-level-keys)", choices=DATASETS)
+    data_root: str = _key("", "folder of the dataset's files: torchvision root, idx files or a save_to_disk folder "
+                              "(docs/configuration.md#top-level-keys)")
+    model: str = _key("mlp", "fedfuse's own architecture or a zoo model torchvision:<name> / timm:<name>, randomly "
+                             "initialised (docs/configuration.md#zoo-models)", choices=MODELS)
+    model_width: int = _key(0, "hidden width / channels; 0 = the model's own (64; lenet: 6) "
+                               "(docs/configuration.md#top-level-keys)", ge=0)
     model_depth: int = _key(0, "hidden layers / blocks; 0 = the model's own (2)", ge=0)
     num_clients: int = _key(4, "number of clients (partitions)", ge=1)
     partitioning: str = _key("dirichlet", "how the train pool is split across clients", choices=PARTITIONINGS)
-    dirichlet_alpha: float = _key(0.1, "Dirichlet concentration (dirichlet partitioning; small = skewed)", gt=0)
-    classes_per_client: int = _key(0, "shards: classes per client; 0 = split all classes evenly (class-disjoint)",
-                                   ge=0)
+    dirichlet_alpha: float = _key(0.1, "Dirichlet concentration of partitioning='dirichlet' (small = skewed)", gt=0)
+    classes_per_client: int = _key(0, "partitioning='shards': classes per client; 0 = all classes split evenly "
+                                      "(class-disjoint)", ge=0)
     val_fraction: float = _key(0.1, "each client's validation hold-out", ge=0, lt=1)
     test_fraction: float = _key(0.2, "test split for datasets without one", gt=0, lt=1)
     num_server_rounds: int = _key(10, "federated rounds", ge=1)
@@ -126,204 +124,135 @@ class RunConfig:
     optimizer: str = _key("adam", "client optimizer", choices=OPTIMIZERS)
     lr: float = _key(0.005, "client learning rate", gt=0)
     weight_decay: float = _key(0.0, "client weight decay", ge=0)
-    momentum: float = _key(0.9, "client SGD momentum (optimizer='sgd'; 0 = plain SGD, as Flower's fedavgm baseline)",
+    momentum: float = _key(0.9, "client SGD momentum (optimizer='sgd'); 0 = plain SGD, as Flower's fedavgm baseline",
                            ge=0, lt=1)
     importance: str = _key("deeplift", "neuron-importance method the clients use (captum)", choices=IMPORTANCE)
     importance_samples: int = _key(256, "validation samples each client scores", ge=1)
-    tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training/eval (0 = off)",
-                       ge=0)
-    strategy: str = _key("auto", "auto, fedavg, one of Flower's baselines, or a fusion method (fedfuse.fusion.METHODS) "
-                         "that keeps the architecture; the default 'auto' = FedAvg's average below strategy-options.auto-fusion-epochs "
-                         "local epochs (FedAvgM's momentum step for plain-SGD clients: strategy-options.auto-momentum), "
-                         "and from there every round the candidate aggregation (strategy-options.auto-candidates: the "
-                         "plain average, the average with server momentum, FedDF) the clients score best on their "
-                         "own data (measured across the regime cells: docs/multi-round.md)")
-    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2: distillation holds "
-                                "part out, alignment standardises activations over samples)", ge=2)
-    fusion_set_source: str = _key("public", "public: a held-out pool no client sees; client0: drawn from client "
-                                  "0's partition (skewed)", choices=FUSION_SET_SOURCES)
-    fusion_set_path: str = _key("", "optional .pt/.npz file with the fusion inputs (absolute path on the server; at "
-                                "least 2 samples)")
-    partition_files: str = _key("", "simulation from given client splits: a path pattern with {partition-id}, e.g. "
-                                "'/abs/dir/node-{partition-id}.npz' (node-local format: x_train, y_train [+ x_val, "
-                                "y_val]); client p trains on exactly that file; the server uses data-options.test-set-path and "
-                                "draws fusion-set-size samples (seeded) from the pool in fusion-set-path")
-    test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y; the fusion-set format); "
-                              "with fusion-set-path the server loads no dataset (clients hold the data: data-path)")
-    evaluation: str = _key("central", "how the global model is evaluated every round: central (the server, on "
-                           "test-set-path or the dataset's test split) | federated (Flower's evaluate round: every "
-                           "client on its validation split, weighted by its samples; the server needs no test set, and "
-                           "with fusion-set-path it loads no dataset) | both", choices=EVALUATIONS)
-    one_shot_references: str = _key("all", "mode='one-shot': reference rows from the same client models, on the "
-                                    "server's test set (central evaluation): all = each client, best and mean client, "
-                                    "the weighted ensemble, the weighted average (one-shot FedAvg), KD and FedDF "
-                                    "distilled on the fusion set (some seconds for an MLP: fuse's default 50 epochs) | "
-                                    "models = all but KD and FedDF (test passes only) | none",
+    tofu_r: int = _key(0, "ViT clients: Token Fusion tokens removed per block in local training and evaluation "
+                          "(0 = off)", ge=0)
+    strategy: str = _key("auto", "auto (the average, or the clients' best-scored candidate), fedavg, a Flower "
+                                 "baseline or a fusion method (docs/multi-round.md#strategy-auto)")
+    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2) "
+                                     "(docs/configuration.md#top-level-keys)", ge=2)
+    fusion_set_source: str = _key("public", "public (a held-out pool no client sees) | client0 (drawn from client "
+                                            "0's partition: skewed)", choices=FUSION_SET_SOURCES)
+    fusion_set_path: str = _key("", "optional .pt/.npz file of fusion inputs, an absolute path on the server "
+                                    "(docs/configuration.md#top-level-keys)")
+    partition_files: str = _key("", "simulation on given client splits: a file path pattern with {partition-id}, "
+                                    "one .npz per client (docs/configuration.md#data-options)")
+    test_set_path: str = _key("", "optional .pt/.npz file with the central test set (x, y) "
+                                  "(docs/configuration.md#data-options)")
+    evaluation: str = _key("central", "where the global model is tested every round: central (the server) | "
+                                      "federated (the clients) | both (docs/configuration.md#top-level-keys)",
+                           choices=EVALUATIONS)
+    one_shot_references: str = _key("all", "mode='one-shot': reference rows from the same client models: "
+                                           "all | models (no KD, FedDF) | none "
+                                           "(docs/one-shot.md#what-a-one-shot-run-prints)",
                                     choices=ONE_SHOT_REFERENCES)
-    client_references: bool = _key(True, "multi-round / warm-start with central evaluation: every round, each reply's "
-                                   "and the clients' ensemble's accuracy on the server's test set (ensemble-accuracy, "
-                                   "client-<p>-test-accuracy, best-client-accuracy); one test-set pass per reply, "
-                                   "more than the clients' training in cross-device runs of one local epoch")
-    head_round: bool = _key(True, "after the last round, one more exchange (fedfuse.progressive, docs/one-shot.md): "
-                            "the clients send ridge statistics of their training data on the global model's frozen "
-                            "pre-logit features (no training; about 0.45 model-equivalents for the MLP, class counts "
-                            "included) and the server solves the classifier in closed form, kept unless the clients "
-                            "score it below the model before; mode='one-shot': progressive fusion with K = 2 (false: "
-                            "the strict one-exchange setting); width tiers: every tier's classifier, each kept "
-                            "unless the clients score that tier's model lower; depth tiers: every exit's too, each "
-                            "checked on its own in multi-round mode")
-    secure_aggregation: bool = _key(False, "head-round: the clients' statistics reach the server only as the "
-                                    "federation's sum (Flower's SecAgg+; bounded per-client statistics, each client "
-                                    "weighs one; docs/trust.md)")
-    head_ridge: float = _key(1e-3, "head-round: ridge of the closed-form head, per sample", ge=0)
-    head_solver: str = _key("best", "head-round: the closed-form classifier solved from the clients' statistics: "
-                            "'ridge' (least squares on one-hot labels), 'lda' (linear discriminant analysis: class "
-                            "means and their shared covariance, from the same statistics), 'best' (both; the clients "
-                            "score each beside the model before and the best is kept unless it scores lower)",
+    client_references: bool = _key(True, "every round, each reply's and the clients' ensemble's accuracy on the "
+                                         "server's test set (docs/configuration.md#report-options)")
+    head_round: bool = _key(True, "after the last round, the classifier solved in closed form from the clients' "
+                                  "statistics (docs/multi-round.md#the-head-round)")
+    secure_aggregation: bool = _key(False, "head round: the server sees only the sum of the statistics "
+                                           "(Flower's SecAgg+) "
+                                           "(docs/trust.md#secure-sums-head-optionssecure-aggregationtrue)")
+    head_ridge: float = _key(1e-3, "head round: ridge of the closed-form head, per sample", ge=0)
+    head_solver: str = _key("best", "head round: the closed-form classifier: ridge | lda | best (the clients' "
+                                    "pick) (docs/multi-round.md#the-head-round)",
                             choices=HEAD_SOLVER_CHOICES)
-    fusion_options: str = _key("", "options of the fusion method as a TOML inline table, e.g. "
-                               "\"{head_weights=true, ridge=1e-3}\"")
+    fusion_options: str = _key("", "the fusion method's options as a TOML inline table, e.g. \"{head_weights=true, "
+                                   "ridge=1e-3}\"")
     public_fraction: float = _key(0.2, "share of the train pool held out as the server's public fusion pool",
                                   ge=0, lt=1)
     fraction_train: float = _key(1.0, "fraction of clients sampled per round", gt=0, le=1)
     min_train_nodes: int = _key(2, "minimum clients sampled per round and minimum valid replies", ge=1)
     fusion_fallback: str = _key("previous", "when fusion fails: previous (keep the global model) | average | raise",
                                 choices=FALLBACKS)
-    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards (0 = every round; not "
-                          "mode='one-shot', whose one round fuses)", ge=0)
-    refine: str = _key("auto", "fusion strategies: refinement of every round's aggregate on the fusion set: calibrate "
-                       "(classifier bias to the class prior) | distill (FedDF step) | calibrate+distill | none; "
-                       "auto = the strategy's default (calibrate; none for feddf)", choices=REFINES)
-    refine_prior: str = _key("auto", "class prior of refine=calibrate: class-counts (summed client counts) | uniform "
-                             "| auto (class counts when every client sends them)", choices=PRIORS)
-    divergence_guard: bool = _key(True, "multi-round fusion strategies: use the weighted average in a round whose fused "
-                                  "model agrees much less with the clients' ensemble on the fusion set (WARNING); "
-                                  "off in one-shot mode (independently initialised clients: their average is no "
-                                  "fallback)")
-    server_lr: float = _key(0.0, "fedavgm | fedadam | fedyogi | fusion strategies: server learning rate (Flower's "
-                            "server_learning_rate / eta; a fusion strategy's step on its aggregate's momentum); 0 = the "
-                            "strategy's default (fedavgm 1.0, fedadam 0.1, fedyogi 0.01, fusion 1.0)", ge=0)
-    server_momentum: float = _key(-1.0, "fedavgm | fusion strategies: server momentum on the aggregate's "
-                                  "pseudo-gradient (Flower's FedAvgM; fusion strategies apply the same step to their "
-                                  "fused aggregate before refining); 0 = none; -1 = the strategy's measured default "
-                                  "(fedavgm and average 0.5, other fusion strategies 0)", ge=-1, lt=1)
-    auto_candidates: str = _key("fedavg,average,feddf", "auto: the candidate aggregations of every round, comma-"
-                                "separated, first preferred on a tie: fedavg (plain average) | average (with server "
-                                "momentum) | a fusion method (feddf, kf-gradient, ...); in rounds with a fusion "
-                                "candidate the clients' accuracy on their own data picks one, in rounds without one "
-                                "(local-epochs < strategy-options.auto-fusion-epochs) one array candidate is taken with no query "
-                                "(strategy-options.auto-momentum says which); mode='one-shot' with this default uses "
-                                "feddf,kf-linear (the clients start from their own initialisations: their plain average "
-                                "is at chance, a candidate only lying voters would pick; kf-linear is the best measured "
-                                "one-shot fusion), and with head-round "
-                                "kf-linear alone for mlp/cnn, feddf alone for resnet/vit (the best measured features "
-                                "under the solved head)")
-    auto_fusion_epochs: int = _key(10, "auto: fusion candidates are built only when local-epochs is at least this (0 = "
-                                   "always); below it auto takes one array candidate every round, with no query "
-                                   "(strategy-options.auto-momentum says which)", ge=0)
-    auto_momentum: str = _key("auto", "auto below auto-fusion-epochs (multi-round): the aggregation of every round: "
-                              "auto = the average with server momentum (the 'average' candidate: FedAvgM's step, "
-                              "momentum 0.5 unless strategy-options.server-momentum is set) when the clients train plain SGD "
-                              "(optimizer='sgd', momentum=0), else the first array candidate (the plain average by "
-                              "default); on = the momentum step always; off = the first array candidate always",
+    fusion_rounds: int = _key(0, "fuse in rounds 1..N only, weighted averaging afterwards; 0 = every round (not "
+                                 "mode='one-shot')", ge=0)
+    refine: str = _key("auto", "fusion strategies: how each aggregate is refined on the fusion set; auto = the "
+                               "strategy's default (docs/configuration.md#strategy-options)", choices=REFINES)
+    refine_prior: str = _key("auto", "class prior of refine='calibrate': class-counts | uniform | auto (class "
+                                     "counts when every client sends them)", choices=PRIORS)
+    divergence_guard: bool = _key(True, "multi-round fusion: the average replaces a fused model far from the "
+                                        "clients' ensemble (docs/multi-round.md#how-average-aggregates)")
+    server_lr: float = _key(0.0, "server learning rate of fedavgm | fedadam | fedyogi | fusion strategies; 0 = the "
+                                 "strategy's default (docs/configuration.md#strategy-options)", ge=0)
+    server_momentum: float = _key(-1.0, "fedavgm | fusion strategies: server momentum; 0 = none, -1 = the "
+                                        "strategy's default (docs/configuration.md#strategy-options)", ge=-1, lt=1)
+    auto_candidates: str = _key("fedavg,average,feddf", "strategy='auto': the candidate aggregations, "
+                                                        "comma-separated, first preferred on a tie "
+                                                        "(docs/multi-round.md#strategy-auto)")
+    auto_fusion_epochs: int = _key(10, "strategy='auto': fusion candidates only from this many local-epochs (0 = "
+                                       "always) (docs/multi-round.md#strategy-auto)", ge=0)
+    auto_momentum: str = _key("auto", "auto's server momentum: auto (for plain-SGD clients) | on | off "
+                                      "(docs/multi-round.md#server-momentum-for-plain-sgd-clients-auto-momentum)",
                               choices=("auto", "on", "off"))
-    align_to: str = _key("model-0", "rebasin | ot (methods that align units): the units the round's clients are "
-                         "aligned onto: model-0 (the first reply's, averaged in) | global (the round's global model, "
-                         "which every client started from, not averaged in); multi-round only",
+    align_to: str = _key("model-0", "rebasin | ot: align the clients onto model-0 (the first reply) or global "
+                                    "(docs/multi-round.md#fusion-aligned-to-the-global-model)",
                          choices=("model-0", "global"))
     proximal_mu: float = _key(0.0, "fedprox: weight mu of the clients' proximal term mu/2 ||w - w_global||^2", ge=0)
     trim_beta: float = _key(0.2, "fedtrimmedavg: the fraction of largest and of smallest values cut per coordinate "
-                            "(Flower's beta)", ge=0, lt=0.5)
-    num_malicious_nodes: int = _key(0, "krum | multikrum | bulyan: f, the number of malicious clients tolerated "
-                                    "(Flower's num_malicious_nodes)", ge=0)
-    num_nodes_to_select: int = _key(1, "multikrum: the number of best-scored client models averaged (Flower's "
-                                    "num_nodes_to_select)", ge=1)
-    mom_beta: float = _key(0.2, "inclusivefl: beta of the momentum distillation (the paper's --mom_beta): each "
-                           "shallower depth tier's top-layer update becomes (1 - beta) x its own + beta x the next "
-                           "deeper tier's update averaged over the layers from there up (0 = DepthFL's layer-wise "
-                           "average with one classifier per depth)", ge=0, le=1)
-    robust: bool = _key(False, "the robust setting of fedfuse's own strategies (multi-round): each round drops free "
-                        "riders (update norm < 0.1 x the round's median), outsized updates (> 3 x the median) and "
-                        "updates pointing away from the round's median update (cosine < 0.4 x the median cosine), "
-                        "and bounds every kept update's norm to 2 x the median (fedfuse.flower.screen); the head "
-                        "round drops statistics whose class means lie far from the other nodes', and auto's vote and "
-                        "the head round's check count one node, one vote (fedfuse.flower.answer_screen; one-shot: "
-                        "these answers only; docs/trust.md)")
-    robust_cluster: str = _key("off", "robust: 'off' (drop updates pointing away from the round's median update), "
-                               "'flame' (FLAME's clustering instead: HDBSCAN on the updates' pairwise cosine "
-                               "distances, min cluster size n // 2 + 1; the replies outside the majority cluster are "
-                               "dropped), 'core' (the majority cluster kept; the others checked against its median "
-                               "update) or 'core-positive' (the majority cluster kept; the others kept when their "
-                               "cosine with its median update is positive); fedfuse.flower.screen, docs/trust.md",
+                                 "(Flower's beta)", ge=0, lt=0.5)
+    num_malicious_nodes: int = _key(0, "krum | multikrum | bulyan: f, the malicious clients tolerated (Flower's "
+                                       "num_malicious_nodes)", ge=0)
+    num_nodes_to_select: int = _key(1, "multikrum: the best-scored client models averaged (Flower's "
+                                       "num_nodes_to_select)", ge=1)
+    mom_beta: float = _key(0.2, "inclusivefl: beta of the momentum distillation into shallower tiers; 0 = "
+                                "DepthFL's average (docs/tiers.md#depth-tiers)", ge=0, le=1)
+    robust: bool = _key(False, "fedfuse's reply screen: drop free riders, outsized and off-direction updates, "
+                               "bound norms (docs/trust.md#the-robust-setting-robusttrue)")
+    robust_cluster: str = _key("off", "robust's direction check: off (cosine to the median update) | flame | core "
+                                      "| core-positive (docs/trust.md#clustering-the-updates-flame)",
                                choices=("off", "flame", "core", "core-positive"))
-    robust_cosine_mads: float = _key(0.0, "robust: the direction check's line is the lower of 0.4 x the replies' "
-                                     "median cosine and that median - this many scaled MADs of the cosines (0 = the "
-                                     "ratio alone; fedfuse.flower.screen, docs/trust.md)", ge=0)
-    robust_cluster_min_samples: int = _key(1, "robust-cluster: HDBSCAN's min_samples (FLAME's 1; 0 = the minimum "
-                                           "cluster size n // 2 + 1, scikit-learn's default)", ge=0)
-    dp_noise_multiplier: float = _key(0.0, "client-level central differential privacy (docs/trust.md): the Gaussian "
-                                      "noise's multiplier (std = multiplier x dp-options.clipping-norm / the round's clients, on "
-                                      "the average of clipped updates: Flower's DP wrappers); 0 = off. Averaging "
-                                      "strategies only; the head round runs privatised; (epsilon, delta) printed and "
-                                      "recorded", ge=0)
-    dp_clipping_norm: float = _key(0.0, "DP: the L2 bound on each client's update (needed with dp-noise-multiplier)",
-                                   ge=0)
-    dp_clipping: str = _key("server", "DP: where updates are clipped: server (Flower's "
-                            "DifferentialPrivacyServerSideFixedClipping) | client (Flower's ...ClientSideFixedClipping "
-                            "and fixedclipping_mod on the nodes, so the server never sees an unclipped update)",
+    robust_cosine_mads: float = _key(0.0, "robust: the direction line at most the median cosine minus this many "
+                                          "scaled MADs; 0 = off (docs/configuration.md#robust-options)", ge=0)
+    robust_cluster_min_samples: int = _key(1, "robust-options.cluster: HDBSCAN's min_samples (FLAME's 1; "
+                                              "0 = the minimum cluster size) "
+                                              "(docs/trust.md#clustering-the-updates-flame)", ge=0)
+    dp_noise_multiplier: float = _key(0.0, "client-level central DP: the Gaussian noise multiplier; 0 = off "
+                                           "(docs/trust.md#a-dp-run-is-configuration)", ge=0)
+    dp_clipping_norm: float = _key(0.0, "DP: the L2 bound on each client's update (needed with "
+                                        "dp-options.noise-multiplier)", ge=0)
+    dp_clipping: str = _key("server", "DP: where updates are clipped: server | client (the server never sees an "
+                                      "unclipped update) (docs/trust.md#a-dp-run-is-configuration)",
                             choices=DP_CLIPPINGS)
     dp_delta: float = _key(1e-5, "DP: the delta at which epsilon is reported", gt=0, lt=1)
-    dp_max_epsilon: float = _key(0.0, "DP: stop the run (an error) before a release would take epsilon above this; 0 = "
-                                 "no limit", ge=0)
-    dp_head_noise_multiplier: float = _key(0.0, "DP: the private head round's noise multiplier (its statistics' "
-                                           "Gaussian mechanism, fedfuse.privacy); 0 = dp-noise-multiplier", ge=0)
-    dp_head_projection: int = _key(8, "DP: the private head round summarises the features' top k principal directions "
-                                   "on the server's own inputs (no privacy cost; fewer noised numbers); 0 = all features "
-                                   "(measured on MNIST-1D: docs/trust.md)", ge=0)
+    dp_max_epsilon: float = _key(0.0, "DP: stop the run before a release would take epsilon above this; 0 = no "
+                                      "limit", ge=0)
+    dp_head_noise_multiplier: float = _key(0.0, "DP: the private head round's noise multiplier; "
+                                                "0 = dp-options.noise-multiplier "
+                                                "(docs/trust.md#the-private-head-round)", ge=0)
+    dp_head_projection: int = _key(8, "DP: the private head round keeps the features' top k principal directions; "
+                                      "0 = all (docs/trust.md#the-private-head-round)", ge=0)
     seed: int = _key(0, "seed of everything random", ge=0)
-    device: str = _key("auto", "auto | cpu | cuda | cuda:N (auto: CUDA when present)")
-    output_dir: str = _key("results", "results root; the run writes <output-dir>/<run-name>/")
-    run_name: str = _key("", "results folder name (default: strategy-dataset-model-...-timestamp)")
+    device: str = _key("auto", "auto (CUDA when present) | cpu | cuda | cuda:N")
+    output_dir: str = _key("results", "results root; a run writes <output-dir>/<run-name>/")
+    run_name: str = _key("", "results folder name ('' = strategy-dataset-model-...-timestamp)")
     round_timeout: float = _key(3600.0, "seconds a round waits for client replies", gt=0)
-    resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round")
-    client_tiers: str = _key("", "capacity tiers: comma-separated width multipliers in (0, 1] (one must be 1), "
-                             "assigned to clients round-robin by partition id (one per client with num-clients "
-                             "values), or depth tiers <width>x<depth> (e.g. '1x1,1x0.5': the first half of the "
-                             "blocks with an exit classifier; strategies depthfl, depthfl-fedavg, inclusivefl, "
-                             "average, feddf, ot; width x depth tiers such as '1x1,1x0.5,0.5x0.5': average, depthfl, "
-                             "depthfl-fedavg, feddf); node-config 'tier' overrides per SuperNode; '' = every client "
-                             "at the full model")
-    tier_models: str = _key("auto", "client-tiers with a fusion strategy: each tier's model every round: auto (prune for "
-                            "average and fusion methods, slice for ViTs and heterofl/fedrolex/feddf: measured) | slice (top-left "
-                            "slice of the fused global model, HeteroFL-style) | fuse (the round's clients fused into the "
-                            "tier's width) | distill (the slice, then the ensemble of all the round's clients distilled into it on the fusion "
-                            "set) | prune (the global model structurally pruned to the tier's architecture; its units reordered, same "
-                            "function, so that the pruned model is its slice) | prune-recover (prune, then the round's clients "
-                            "distilled into it on the fusion set)", choices=TIER_MODELS)
-    ordered_dropout: str = _key("auto", "client-tiers: clients also train their narrower tiers' nested sub-models, "
-                                "one width drawn per batch (FjORD's ordered dropout): auto (measured best: all for average and "
-                                "fusion methods in multi-round; off for heterofl/fedrolex/feddf and one-shot) | all (every client) | narrow (every client but the widest "
-                                "tier's) | off", choices=ORDERED_DROPOUT)
-    ordered_dropout_draw: str = _key("auto", "ordered dropout: how a client draws its width per batch: auto "
-                                     "(measured best: width for average and fusion methods, uniform for ViTs and "
-                                     "heterofl/fedrolex/feddf) | uniform (FjORD's draw, every width alike) | width "
-                                     "(each width in proportion to itself) | sandwich (the own width every batch plus "
-                                     "one narrower width, the two losses summed) | a number in (0, 1) (its own width's "
-                                     "probability, the rest split evenly)")
-    warm_start_epochs: int = _key(20, "mode='warm-start': local epochs of round 1, in which every client trains its own "
-                                  "independently initialised model (institutions that already have models)", ge=1)
+    resume: bool = _key(False, "continue <output-dir>/<run-name> from its last checkpointed round "
+                               "(docs/deployment.md#fault-tolerance-and-resume)")
+    client_tiers: str = _key("", "capacity tiers: width multipliers ('1,0.5') or <width>x<depth> ('1x1,1x0.5'), "
+                                 "round-robin by partition id; '' = off (docs/tiers.md)")
+    tier_models: str = _key("auto", "client-tiers: each tier's model every round: auto | slice | fuse | distill | "
+                                    "prune | prune-recover (docs/configuration.md#tier-options)",
+                            choices=TIER_MODELS)
+    ordered_dropout: str = _key("auto", "client-tiers: clients also train narrower tiers' sub-models (FjORD): "
+                                        "auto | all | narrow | off (docs/configuration.md#tier-options)",
+                                choices=ORDERED_DROPOUT)
+    ordered_dropout_draw: str = _key("auto", "ordered dropout's width draw per batch: auto | uniform | width | "
+                                             "sandwich | a number in (0, 1) (docs/configuration.md#tier-options)")
+    warm_start_epochs: int = _key(20, "mode='warm-start': local epochs of round 1, each client training its own "
+                                      "model (docs/warm-start.md)", ge=1)
     warm_start_lr: float = _key(0.0, "mode='warm-start': the clients' learning rate in round 1 (0 = lr)", ge=0)
-    warm_start_fusion: str = _key("kf-linear", "mode='warm-start': how round 1 combines the clients' own models: a "
-                                  "fusion method of fedfuse.fusion.METHODS that keeps the architecture (auto, average "
-                                  "= their plain weighted average, kf-linear, ot, kd, ...) or best-client (the client "
-                                  "model with the best accuracy on the server's labelled fusion set); with depth tiers "
-                                  "ot or feddf across depths (the default maps to ot, feddf for width x depth tiers)")
-    warm_start_fusion_options: str = _key("{importance='uniform'}", "mode='warm-start': options of warm-start-fusion "
-                                          "as a TOML inline table (the default is kf-linear's measured best: uniform "
-                                          "neuron importance, so the clients compute no scores; '' = the method's "
-                                          "defaults)")
-    initial_model_path: str = _key("", "a .pt state dict of the global architecture the run starts from instead of a "
-                                   "fresh initialisation (e.g. a client's model; absolute path on the server)")
+    warm_start_fusion: str = _key("kf-linear", "mode='warm-start': how round 1 combines the clients' models: "
+                                               "a fusion method or best-client "
+                                               "(docs/configuration.md#warm-start-options)")
+    warm_start_fusion_options: str = _key("{importance='uniform'}",
+                                          "mode='warm-start': warm-start-options.fusion's options as a TOML inline "
+                                          "table; '' = its defaults (docs/configuration.md#warm-start-options)")
+    initial_model_path: str = _key("", "a .pt state dict the run starts from instead of a fresh initialisation "
+                                       "(absolute path on the server) (docs/configuration.md#top-level-keys)")
 
     def __post_init__(self) -> None:
         # 0 = the model's own size (fedfuse.choices.MODEL_SIZES): resolved here, so every reader sees the real one;
