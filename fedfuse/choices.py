@@ -33,7 +33,7 @@ FALLBACKS = ("previous", "average", "raise")
 REFINES = ("auto", "none", "calibrate", "distill", "calibrate+distill", "distill+calibrate")
 # how the global model is evaluated: by the server on its test set, by the clients on their validation splits, or both
 EVALUATIONS = ("central", "federated", "both")
-# differential privacy (fedfuse.flower.privacy): where updates are clipped (Flower's server- / client-side fixed
+# differential privacy (fedfuse.flower.trust.privacy): where updates are clipped (Flower's server- / client-side fixed
 # clipping wrappers); the strategies DP accepts are the registry's (fedfuse.strategy_specs.DP_STRATEGIES)
 DP_CLIPPINGS = ("server", "client")
 # one-shot mode: the reference rows the server computes from the round's client models (fedfuse.references): all

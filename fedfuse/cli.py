@@ -214,7 +214,8 @@ def config_text(keys: list[str] | None = None, width: int | None = None) -> str:
             allowed = " | ".join(_config().strategy_names())
         head = f"{s.path}  ({s.type.__name__}, default {s.default!r})"
         body = s.help.rstrip() + ("" if s.help.rstrip().endswith(".") else ".") + (f" Allowed: {allowed}." if allowed else "")
-        blocks.append(head + "\n" + textwrap.fill(body, width=width, initial_indent="    ", subsequent_indent="    "))
+        blocks.append(head + "\n" + textwrap.fill(body, width=width, initial_indent="    ", subsequent_indent="    ",
+                                                  break_on_hyphens=False))
     return "\n".join(blocks)
 
 

@@ -687,7 +687,7 @@ def _check_warm_start(cfg: RunConfig) -> None:
     if cfg.initial_model_path:
         raise ConfigError("run-config key 'initial-model-path': with mode='warm-start' round 1 starts from the clients' "
                           "own models and ignores the global model; remove it or use mode='multi-round'")
-    if cfg.depth_tiers:   # the depth-tier strategy combines the clients' own models (fedfuse.flower.warm_start)
+    if cfg.depth_tiers:   # the depth-tier strategy combines the clients' own models (fedfuse.flower.aggregators.warm_start)
         if cfg.warm_start_fusion not in DEPTH_WARM_START or cfg.warm_start_fusion_options_table:
             raise ConfigError(f"run-config key 'warm-start-options.fusion': with depth tiers the clients' own models are "
                               f"combined across depths by one of {list(DEPTH_WARM_START)} without options "
@@ -836,7 +836,7 @@ def _check_tiers(cfg: RunConfig) -> None:
                           f"(fuse(..., target=)); {cfg.strategy!r} cannot, use tier-options.models='slice'")
 
 
-DEPTH_TIER_METHODS = DEPTH_METHODS   # the registry's (fedfuse.flower.depth_tiers reads the same)
+DEPTH_TIER_METHODS = DEPTH_METHODS   # the registry's (fedfuse.flower.tiers.depth_tiers reads the same)
 
 
 def _check_depth_tiers(cfg: RunConfig) -> None:

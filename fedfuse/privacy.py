@@ -22,7 +22,7 @@ domain", arXiv 1803.02596, whose AdaSSP also sets the ridge from the noise level
   on the model's features.
 
 One release is one Gaussian mechanism of noise multiplier ``noise_multiplier`` (sensitivity-normalised), to be
-composed with the rounds' releases by the caller's accountant (``fedfuse.flower.privacy``). The clip bound should
+composed with the rounds' releases by the caller's accountant (``fedfuse.flower.trust.privacy``). The clip bound should
 not come from the clients' data: the Flower integration takes the median feature norm of the global model on the
 server's own inputs (``feature_clip_bound``). This module imports no Flower.
 """

@@ -14,7 +14,7 @@ Aggregations:
 - ``"submodel"``: HeteroFL's count-weighted average of nested sub-models (capacity tiers only).
 - ``"depth"``: DepthFL's layer-wise average over the clients that hold each layer (depth tiers only).
 
-Round steps after the aggregation (``fedfuse.flower.steps``): the divergence guard (fusion methods
+Round steps after the aggregation (``fedfuse.flower.round.steps``): the divergence guard (fusion methods
 other than ``average``), the server step (FedAvgM's momentum on the pseudo-gradient, Hsu et al.,
 arXiv 1909.06335), the ``refine`` steps (calibrate / distill, kept only when they move the model
 towards the clients' ensemble) and, for HeteroFL, static batch normalisation.
@@ -63,7 +63,7 @@ class WidthTiers:
 @dataclass(frozen=True)
 class DepthTiers:
     """How an entry aggregates clients of different depths (``client-tiers='1x1,1x0.5'``,
-    ``fedfuse.flower.depth_tiers``).
+    ``fedfuse.flower.tiers.depth_tiers``).
 
     Attributes:
         aggregates: the strategy takes depth tiers at all.
@@ -102,7 +102,7 @@ class StrategySpec:
         run_keys: the strategy-specific run-config keys it reads (``server-lr``, ``server-momentum``,
             ``proximal-mu``); setting one of those keys for another strategy is a config error.
         selects: the round chooses between candidate aggregations by the clients' scores
-            (``fedfuse.flower.selection``).
+            (``fedfuse.flower.aggregators.selection``).
         flower_options: ``(run-config key, Flower keyword)`` pairs: the run-config keys a ``"flower"`` aggregation
             reads (its ``run_keys``) and the keyword option of Flower's class each one sets.
         min_replies: ``(a, b)``: a round needs ``a * f + b`` replies with ``num-malicious-nodes`` f (Krum: f + 3,
@@ -246,7 +246,7 @@ def _depth_order(flag: str) -> tuple[str, ...]:
     return tuple(s.name for s in special) + traits
 
 
-#: the strategies that aggregate clients of different depths (``fedfuse.flower.depth_tiers``)
+#: the strategies that aggregate clients of different depths (``fedfuse.flower.tiers.depth_tiers``)
 DEPTH_METHODS = _depth_order("aggregates")
 #: the depth-tier strategies that also take tiers narrower than the global model (width x depth tiers)
 WIDTH_DEPTH_TIER_METHODS = _depth_order("width_tiers")
@@ -298,7 +298,7 @@ def strategy_spec(name: str) -> StrategySpec:
     return fusion_spec(name, spec.paper)
 
 
-#: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.selection``)
+#: strategy ``auto``: the candidate aggregations of every round (``fedfuse.flower.aggregators.selection``)
 DEFAULT_CANDIDATES = ("fedavg", "average", "feddf")
 #: the candidates that are the round's weighted average (no model built per client): the mean, then FedAvg
 ARRAY_CANDIDATES = MEAN_METHODS + tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "arrays")

@@ -164,7 +164,7 @@ def test_bad_options_name_the_key(options, match):
 
 def test_the_label_free_auto_method_as_a_round_aggregation_records_its_choice_every_round():
     """``fuse('auto')`` as a ``FusionStrategy`` method (strategy name ``auto`` is the client-scored selection of
-    ``fedfuse.flower.selection``; the library's label-free ``auto`` stays usable as a round's aggregation)."""
+    ``fedfuse.flower.aggregators.selection``; the library's label-free ``auto`` stays usable as a round's aggregation)."""
     from unittest.mock import Mock
 
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict

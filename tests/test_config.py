@@ -68,7 +68,7 @@ def test_strategies_are_fedavg_plus_same_architecture_methods():
 
     names = strategy_names()
     assert names[0] == "fedavg" and "kf-linear" in names and "ensemble" not in names
-    from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
+    from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.aggregators.baselines)
 
     from fedfuse.hetero.tiers import TIER_STRATEGIES  # heterofl / fedrolex: sub-model averaging (capacity tiers)
 

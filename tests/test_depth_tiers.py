@@ -138,7 +138,7 @@ def _context(node_config, run_config=None):
 
 
 def test_client_depth_from_the_run_or_its_node_config_and_its_loaded_arrays():
-    from fedfuse.flower.client_tiers import DEPTH_KEY, depth_tier, node_depth, node_tier
+    from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, depth_tier, node_depth, node_tier
 
     depths = [1.0, 0.75, 0.5, 0.25]
     assert [node_depth(_context({"partition-id": p}), depths)[1] for p in range(5)] == [1.0, 0.75, 0.5, 0.25, 1.0]
@@ -256,8 +256,8 @@ def test_a_vit_top_block_pairs_by_name_and_its_embedding_takes_no_momentum():
 
 
 def _inclusive_round(beta):
-    from fedfuse.flower.depth_baselines import DepthFLFedAvgStrategy, InclusiveFLStrategy
-    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.tiers.depth_baselines import DepthFLFedAvgStrategy, InclusiveFLStrategy
+    from fedfuse.flower.round.replies import ClientUpdate
 
     def model_fn():   # the same global model every call (the exits' initialisation draws from torch's generator)
         with torch.random.fork_rng():
@@ -301,7 +301,7 @@ def test_inclusivefl_server_step_beta_0_is_depthfl_fedavg_and_beta_mixes_the_sha
 
 
 def test_inclusivefl_options_and_client_fail_or_train_their_own_exit():
-    from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, depth_tier
+    from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, depth_tier
 
     assert parse_run_config({**TINY, "strategy": "inclusivefl", "mom-beta": 0.5}).mom_beta == 0.5
     with pytest.raises(ConfigError, match="'strategy-options.mom-beta' applies to strategy inclusivefl only"):
@@ -472,7 +472,7 @@ def test_width_x_depth_average_is_per_entry_over_the_nodes_that_hold_it():
 
 
 def test_width_x_depth_node_tier_from_the_run_or_its_node_config():
-    from fedfuse.flower.client_tiers import node_width_depth
+    from fedfuse.flower.tiers.client_tiers import node_width_depth
 
     depths, widths = [1.0, 0.5, 0.5], [1.0, 1.0, 0.5]
     assert [node_width_depth(_context({"partition-id": p}), depths, widths)[1:] for p in range(4)] == \
@@ -483,7 +483,7 @@ def test_width_x_depth_node_tier_from_the_run_or_its_node_config():
 
 
 def test_width_x_depth_client_trains_nested_widths_over_its_exits_and_only_its_entries():
-    from fedfuse.flower.client_tiers import DEPTH_KEY, OD_DRAW_KEY, OD_KEY, TIER_KEY, depth_tier, tier_model
+    from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, OD_DRAW_KEY, OD_KEY, TIER_KEY, depth_tier, tier_model
     from fedfuse.hetero import slice_state
     from fedfuse.hetero.depth import exit_submodel
 
@@ -513,7 +513,7 @@ def test_width_x_depth_client_trains_nested_widths_over_its_exits_and_only_its_e
 
 
 def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shapes():
-    from fedfuse.flower.depth_baselines import build_depth_strategy as build_strategy
+    from fedfuse.flower.tiers.depth_baselines import build_depth_strategy as build_strategy
 
     fn = lambda: _me(depths=(1, 0.5))   # noqa: E731
     with pytest.raises(ValueError, match="'inclusivefl' cannot aggregate width x depth"):
@@ -609,7 +609,7 @@ def test_width_x_depth_narrow_models_get_static_batchnorm_on_the_fusion_set():
     """A narrower width's model (evaluated each round, and the head round's own model of that width) has its
     BatchNorm statistics re-estimated on the fusion set (HeteroFL's static BN, as width tiers' models): the
     aggregate's are averaged over nodes of other widths. Without a fusion set it stays the global model's slice."""
-    from fedfuse.flower.depth_baselines import build_depth_strategy as build_strategy
+    from fedfuse.flower.tiers.depth_baselines import build_depth_strategy as build_strategy
     from fedfuse.hetero import reestimate_batchnorm
     from fedfuse.hetero.depth import multi_exit, narrow_copy
 

@@ -1,4 +1,4 @@
-"""Flower's FedAvgM / FedAdam / FedYogi / FedProx as fedfuse strategies (``fedfuse.flower.baselines``).
+"""Flower's FedAvgM / FedAdam / FedYogi / FedProx as fedfuse strategies (``fedfuse.flower.aggregators.baselines``).
 
 The aggregation must be exactly Flower's (compared with Flower's strategy run alone on the same messages),
 only validated replies may reach it, FedProx's proximal term must change local training (and ``mu=0`` must
@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvgM, FedMedian, FedPro
 from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.config_layout import path_of
 from fedfuse.flower import STRATEGIES, build_strategy
-from fedfuse.flower.baselines import (FLOWER_BASELINES, FedAdamStrategy, FlowerBaselineStrategy, baseline_options)
+from fedfuse.flower.aggregators.baselines import (FLOWER_BASELINES, FedAdamStrategy, FlowerBaselineStrategy, baseline_options)
 from fedfuse.models import build_model
 from fedfuse.training import train
 

@@ -74,7 +74,7 @@ def test_ot_reference_does_not_combine_with_selective_transport():
 
 # ---------------------------------------------------------------- the strategy option and its run-config key
 def _updates(models):
-    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.round.replies import ClientUpdate
 
     return [ClientUpdate(i + 1, i, m.state_dict(), None, 10 * (i + 1), {}) for i, m in enumerate(models)]
 

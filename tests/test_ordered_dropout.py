@@ -8,7 +8,7 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.flower.client_tiers import OD_KEY, tier_forward, tier_model
+from fedfuse.flower.tiers.client_tiers import OD_KEY, tier_forward, tier_model
 from fedfuse.hetero import slice_state, submodel
 from fedfuse.hetero.ordered_dropout import OrderedDropout
 from fedfuse.hetero.tiers import resolve_ordered_dropout
@@ -71,8 +71,8 @@ def test_client_forward_from_the_train_config():
 def test_strategy_sends_each_node_its_narrower_tiers(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfuse.flower.protocol import state_to_record
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.round.protocol import state_to_record
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
 
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
@@ -138,7 +138,7 @@ def test_draw_weights_the_widths_as_asked():
 
 
 def test_ordered_dropout_draw_from_run_config_to_the_client():
-    from fedfuse.flower.client_tiers import OD_DRAW_KEY
+    from fedfuse.flower.tiers.client_tiers import OD_DRAW_KEY
 
     for value in ("0.75", "width"):
         cfg = parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "ordered-dropout-draw": value})
@@ -162,9 +162,9 @@ def test_ordered_dropout_draw_from_run_config_to_the_client():
 def test_strategy_sends_the_draw_with_the_narrower_tiers(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
 
-    from fedfuse.flower.client_tiers import OD_DRAW_KEY
-    from fedfuse.flower.protocol import state_to_record
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.tiers.client_tiers import OD_DRAW_KEY
+    from fedfuse.flower.round.protocol import state_to_record
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
 
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
@@ -184,7 +184,7 @@ def test_strategy_sends_the_draw_with_the_narrower_tiers(monkeypatch):
 
 
 def test_draw_auto_is_the_measured_best_per_strategy_and_family():
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
     from fedfuse.hetero.tiers import resolve_ordered_dropout_draw
 
     assert resolve_ordered_dropout_draw("average", "auto", "mlp") == resolve_ordered_dropout_draw("kf-linear", "auto",
@@ -201,7 +201,7 @@ def test_draw_auto_is_the_measured_best_per_strategy_and_family():
 def test_sandwich_rule_trains_the_own_width_every_batch_plus_one_narrower():
     """``ordered-dropout-draw='sandwich'``: the batch loss is the own width's cross-entropy plus one narrower width's
     (drawn uniformly), so the full model's entries get every batch's gradient and a narrower draw adds to its slice."""
-    from fedfuse.flower.client_tiers import OD_DRAW_KEY
+    from fedfuse.flower.tiers.client_tiers import OD_DRAW_KEY
 
     torch.manual_seed(0)
     g = build_model("mlp", 10, (40,), width=32, depth=2, seed=0)

@@ -1,4 +1,4 @@
-"""Differential privacy as run configuration (fedfuse.flower.privacy) and the private head round (fedfuse.privacy)."""
+"""Differential privacy as run configuration (fedfuse.flower.trust.privacy) and the private head round (fedfuse.privacy)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_the_clip_bound_comes_from_the_servers_inputs():
 
 # ------------------------------------------------------------------------------------------------ accounting
 def test_the_account_composes_releases_and_stops_before_the_budget():
-    from fedfuse.flower.privacy import PrivacyAccount, PrivacyBudgetError, noise_for_epsilon
+    from fedfuse.flower.trust.privacy import PrivacyAccount, PrivacyBudgetError, noise_for_epsilon
 
     account = PrivacyAccount(10, 1e-5)
     assert account.epsilon == 0.0
@@ -176,7 +176,7 @@ def test_dp_keys_are_checked_before_any_client_trains():
     for name in ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi"):
         assert dp_strategy(parse_run_config({**dp, "strategy": name})) == name
     # plain-SGD clients: auto takes the momentum step, under DP Flower's FedAvgM at auto's momentum
-    from fedfuse.flower.privacy import private_config
+    from fedfuse.flower.trust.privacy import private_config
 
     cross = parse_run_config({**dp, "optimizer": "sgd", "momentum": 0.0, "fraction-train": 0.5})
     assert dp_strategy(cross) == "fedavgm"

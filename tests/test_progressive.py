@@ -11,8 +11,8 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from fedfuse.config import ConfigError, preflight
-from fedfuse.flower.head_messages import head_reply_content, read_head_reply
-from fedfuse.flower.head_round import HeadRound
+from fedfuse.flower.head.head_messages import head_reply_content, read_head_reply
+from fedfuse.flower.head.head_round import HeadRound
 from fedfuse.models import build_model
 from fedfuse.progressive import (HeadStatistics, cut_points, features, fit_temperature, freeze, fuse_suffixes, head_statistics,
                                  lift_suffix, model_equivalents, solve_head, split, with_head)
@@ -239,7 +239,7 @@ class _LossGrid(_Grid):
     def send_and_receive(self, msgs, timeout=None):
         from flwr.app import MetricRecord, RecordDict
 
-        from fedfuse.flower.candidates import read_score_query
+        from fedfuse.flower.aggregators.candidates import read_score_query
 
         msgs = list(msgs)
         if msgs[0].metadata.message_type != "query.score_candidates":
@@ -263,7 +263,7 @@ def test_a_solved_head_that_raises_the_clients_loss_is_calibrated_or_said(identi
     """Issue 45: the head round raised the test loss 1.94 -> 5.84 while the accuracy rose 0.47 -> 0.74, silently. When
     the clients' loss with the kept head is above the model before's, one more query scores the head's logits at a few
     scales (same predictions) and the lowest loss is kept; a loss still above is a WARNING, recorded."""
-    from fedfuse.flower.head_round import CALIBRATION_FACTORS
+    from fedfuse.flower.head.head_round import CALIBRATION_FACTORS
 
     x, y = _data()
     model = build_model("mlp", 4, (8,), width=16, depth=1, seed=3)
@@ -363,7 +363,7 @@ class _SolverGrid(_Grid):
     def send_and_receive(self, msgs, timeout=None):
         from flwr.app import MetricRecord, RecordDict
 
-        from fedfuse.flower.candidates import read_score_query
+        from fedfuse.flower.aggregators.candidates import read_score_query
 
         msgs = list(msgs)
         if msgs[0].metadata.message_type != "query.score_candidates":
@@ -489,7 +489,7 @@ def test_head_round_solves_every_exit_of_a_depth_tier_model(identity):
 
 def test_head_round_solves_the_classifiers_it_asks_for(identity):
     """``sites``: the query names the classifiers (multi-round depth tiers: the final one only); the exits stay."""
-    from fedfuse.flower.head_messages import read_head_sites
+    from fedfuse.flower.head.head_messages import read_head_sites
     from fedfuse.hetero.depth import multi_exit
 
     x, y = _data()
@@ -519,9 +519,9 @@ class _TierGrid(_Grid):
     def send_and_receive(self, msgs, timeout=None):
         from flwr.app import MetricRecord, RecordDict
 
-        from fedfuse.flower.candidates import read_score_tier
-        from fedfuse.flower.client_tiers import tier_model
-        from fedfuse.flower.head_messages import read_head_query, read_head_tiers, tier_site
+        from fedfuse.flower.aggregators.candidates import read_score_tier
+        from fedfuse.flower.tiers.client_tiers import tier_model
+        from fedfuse.flower.head.head_messages import read_head_query, read_head_tiers, tier_site
 
         msgs = list(msgs)
         self.sent += msgs
@@ -547,7 +547,7 @@ class _TierGrid(_Grid):
 def test_head_round_with_width_tiers_solves_and_checks_every_tier(identity):
     """Width tiers: one query carries every tier's model; each node answers for every tier (its statistics on that
     tier's features); each tier's head is the pooled ridge solution, kept unless the clients score that tier lower."""
-    from fedfuse.flower.client_tiers import tier_model
+    from fedfuse.flower.tiers.client_tiers import tier_model
 
     x, y = _data()
     parts = [(x[:150], y[:150]), (x[150:], y[150:])]
@@ -576,7 +576,7 @@ def test_check_each_keeps_every_solved_exit_the_clients_do_not_score_lower(ident
     query names the site); one the clients score lower goes back to its trained weights, the others stay solved."""
     from flwr.app import MetricRecord, RecordDict
 
-    from fedfuse.flower.candidates import read_score_site
+    from fedfuse.flower.aggregators.candidates import read_score_site
     from fedfuse.hetero.depth import multi_exit
     from fedfuse.progressive import SiteView, head_sites
 
@@ -621,8 +621,8 @@ def test_width_x_depth_head_round_solves_every_width_s_exits_on_its_own_features
     tier no longer reads a slice of the full width's solved exit."""
     from flwr.app import MetricRecord, RecordDict
 
-    from fedfuse.flower.candidates import read_score_query, read_score_site, read_score_tier
-    from fedfuse.flower.head_messages import (read_head_query, read_head_sites, read_head_tier_sites,
+    from fedfuse.flower.aggregators.candidates import read_score_query, read_score_site, read_score_tier
+    from fedfuse.flower.head.head_messages import (read_head_query, read_head_sites, read_head_tier_sites,
                                               read_head_tiers, tier_site)
     from fedfuse.hetero.depth import classifier_readers, multi_exit, narrow_copy
     from fedfuse.progressive import head_sites

@@ -1,4 +1,4 @@
-"""``strategy='auto'`` (``fedfuse.flower.selection``): candidates checked naming the key, the scoring query through
+"""``strategy='auto'`` (``fedfuse.flower.aggregators.selection``): candidates checked naming the key, the scoring query through
 fedfuse's real ClientApp, the choice is the candidate with the best client-scored accuracy, malformed or missing
 scores are rejected with a logged reason, and momentum follows the chosen step."""
 
@@ -10,10 +10,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.flower import build_strategy
-from fedfuse.flower.candidates import read_score_query, score_query_content
+from fedfuse.flower.aggregators.candidates import read_score_query, score_query_content
 from fedfuse.flower.client_app import make_client_app
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.selection import SelectionStrategy
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.aggregators.selection import SelectionStrategy
 from fedfuse.models import build_model
 from fedfuse.strategy_specs import check_candidates
 from fedfuse.flower.runner.inprocess import (SERVER_TASK_ID, SUPERLINK_NODE_ID, LocalGrid, fused_run_config,

@@ -17,7 +17,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedfuse.flower import FusionStrategy, build_strategy
-from fedfuse.flower.protocol import ClientsDivergedError
+from fedfuse.flower.round.protocol import ClientsDivergedError
 from fedfuse.fusion import METHOD_SPECS, METHODS, FusionOptionError, fuse, fuse_result
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.refine import DistillRefineOptions, calibrate_head, distill_ensemble, parse_refine

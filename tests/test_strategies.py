@@ -85,8 +85,8 @@ def test_registry_and_errors():
 
 def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     methods = {n for n, spec in METHOD_SPECS.items() if spec.same_architecture and not n.startswith("test-")}
-    from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.baselines)
-    from fedfuse.strategy_specs import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiered)
+    from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.aggregators.baselines)
+    from fedfuse.strategy_specs import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiers.tiered)
 
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_baselines)
 
@@ -94,8 +94,8 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     for name, cls in STRATEGIES.items():
         assert issubclass(cls, RoundProtocol) and issubclass(cls, FedAvg)
         assert cls.method == name and cls.__name__.endswith("Strategy") and cls.__doc__
-        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.baselines", "fedfuse.flower.tiered",
-                                  "fedfuse.flower.selection", "fedfuse.flower.depth_baselines")
+        assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.aggregators.baselines", "fedfuse.flower.tiers.tiered",
+                                  "fedfuse.flower.aggregators.selection", "fedfuse.flower.tiers.depth_baselines")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
     from server.strategies import STRATEGIES as legacy, build_strategy as legacy_build  # public API contract
@@ -105,7 +105,7 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
 def test_constructor_takes_one_typed_object_per_concern_and_fedavgs_options_by_name():
     from dataclasses import fields
 
-    from fedfuse.flower.options import ProtocolOptions
+    from fedfuse.flower.round.options import ProtocolOptions
     named = [p for p in inspect.signature(FusionStrategy.__init__).parameters.values()
              if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
     assert len(named) <= 12   # the options are objects (fusion, guard, momentum, refine, protocol), not 35 keywords
@@ -435,7 +435,7 @@ def test_a_free_rider_claiming_100x_its_samples_is_capped(name):
 
 
 def test_typed_options_and_flat_keywords_build_the_same_strategy():
-    from fedfuse.flower.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions
+    from fedfuse.flower.round.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions
     fx = torch.zeros(4, *SHAPE)
     typed = FusionStrategy("kf-linear", model_fn=model_fn, fusion_inputs=fx,
                            fusion=FusionOptions(fusion_rounds=2, align_to="model-0"),

@@ -1,7 +1,7 @@
 """Registry-driven contract of every strategy name (``fedfuse.strategy_specs``): it builds, runs one round
 (configure + aggregate) on constructed replies under custom record keys, returns a finite global model of the
 global architecture, records the round, and rejects an unknown option naming it. Plus each round step alone
-(``fedfuse.flower.steps``) and the import direction of the layers."""
+(``fedfuse.flower.round.steps``) and the import direction of the layers."""
 
 import ast
 from pathlib import Path
@@ -13,8 +13,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedfuse.flower import STRATEGIES, build_strategy, state_to_record
-from fedfuse.flower.steps import DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.round.steps import DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm
+from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.importance import uniform_importance
 from fedfuse.models import build_model
 from fedfuse.strategy_specs import SPECIAL_SPECS, StrategySpec, strategy_names, strategy_spec
@@ -291,7 +291,7 @@ def test_capabilities_on_the_entries_give_the_old_name_lists():
     from fedfuse.strategy_specs import DP_STRATEGIES
     from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEPTH_METHODS, DEPTH_WARM_START, MEAN_METHODS,
                                         SELECTING_STRATEGIES, STRATEGY_KEYS_ALL, WIDTH_DEPTH_TIER_METHODS)
-    from fedfuse.flower.baselines import baseline_options
+    from fedfuse.flower.aggregators.baselines import baseline_options
 
     assert DEPTH_METHODS == ("depthfl", "depthfl-fedavg", "inclusivefl", "average", "feddf", "ot")
     assert WIDTH_DEPTH_TIER_METHODS == ("depthfl", "depthfl-fedavg", "average", "feddf")

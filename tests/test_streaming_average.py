@@ -17,7 +17,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedfuse.flower import build_strategy
-from fedfuse.flower.replies import _npy_view
+from fedfuse.flower.round.replies import _npy_view
 from tests.test_strategies import BAD, SHAPE, model_fn, reply, state_of
 
 torch.set_num_threads(1)

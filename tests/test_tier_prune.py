@@ -9,8 +9,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.protocol import state_to_record
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.round.protocol import state_to_record
 from fedfuse.hetero import slice_state, submodel
 from fedfuse.hetero.prune import kept_units, prune_order
 from fedfuse.models import build_model, levels
@@ -136,7 +136,7 @@ def test_prune_order_ranks_after_one_checked_round_and_falls_back_where_ranking_
 
 
 def _strategy(method="kf-linear", **kw):
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
 
     return build_tier_strategy(method, tiers=(1.0, 0.5, 0.25), input_shape=(40,), seed=0,
                                model_fn=lambda: build_model("mlp", 10, (40,), width=16, depth=2),
@@ -157,7 +157,7 @@ def _updates(s):
 
 def _mock_round(s, ups, fused):
     """aggregate_train of a round whose fusion returned ``fused`` (the base aggregation mocked)."""
-    import fedfuse.flower.fusion_strategy as base
+    import fedfuse.flower.aggregators.fusion_strategy as base
 
     s.history.append({"round": 1})
     s.last_updates = ups
@@ -261,7 +261,7 @@ def test_tier_models_auto_default_prunes_for_fusion_and_slices_for_the_submodel_
         assert _strategy(name).tier_models_step.tier_models == "slice"
     assert _strategy("average", tier_models="slice").tier_models_step.tier_models == "slice"
     # ViTs: slicing measured above pruning (results/tiers/explore-vit-slice)
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
 
     vit = build_tier_strategy("average", tiers=(1.0, 0.5), input_shape=(1, 8, 8), seed=0,
                               model_fn=lambda: build_model("vit", 10, (1, 8, 8)))

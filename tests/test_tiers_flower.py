@@ -6,7 +6,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from fedfuse.config import ConfigError, parse_run_config
-from fedfuse.flower.client_tiers import node_tier, tier_model
+from fedfuse.flower.tiers.client_tiers import node_tier, tier_model
 from fedfuse.models import build_model, levels
 
 TINY = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
@@ -34,13 +34,13 @@ def test_bad_client_tiers_fail_in_preflight_naming_the_key():
             parse_run_config({"client-tiers": tiers, "strategy": "kf-linear"})
     with pytest.raises(ConfigError, match="client-tiers.*cannot aggregate clients of different widths"):
         parse_run_config({"client-tiers": "1,0.5", "strategy": "fedavg"})
-    with pytest.raises(ConfigError, match="tier-models"):
+    with pytest.raises(ConfigError, match="tier-options.models"):
         parse_run_config({"client-tiers": "1,0.5", "strategy": "ot", "tier-models": "fuse"})
     assert parse_run_config({"client-tiers": "1, 0.5", "strategy": "heterofl"}).client_tiers == "1, 0.5"
     # sub-model averaging strategies take tiers; their tier models are slices (or distilled slices), never fused
     assert parse_run_config({"client-tiers": "1,0.5", "strategy": "average"}).strategy == "average"
     assert parse_run_config({"client-tiers": "1,0.5", "strategy": "feddf", "tier-models": "distill"})
-    with pytest.raises(ConfigError, match="tier-models"):
+    with pytest.raises(ConfigError, match="tier-options.models"):
         parse_run_config({"client-tiers": "1,0.5", "strategy": "average", "tier-models": "fuse"})
 
 
@@ -116,7 +116,7 @@ def test_flwr_run_two_round_tiers(tmp_path):
 def _strategy(name, model="mlp", model_kw=None, **kw):
     import torch
 
-    from fedfuse.flower.tiered import build_tier_strategy
+    from fedfuse.flower.tiers.tiered import build_tier_strategy
 
     shape = (40,) if model == "mlp" else (1, 40)
     return build_tier_strategy(name, tiers=(1.0, 0.5, 0.25), input_shape=shape,
@@ -140,12 +140,12 @@ def test_width_scaler_only_with_normalisation_layers_and_tiered_defaults():
 def test_tiered_average_is_the_heterofl_average_of_the_replies():
     import torch
 
-    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.round.replies import ClientUpdate
     from fedfuse.hetero import aggregate_states
 
     s = _strategy("average", server_momentum=0.0)
     g = s.skeleton(1.0).state_dict()
-    s._global = __import__("fedfuse.flower.protocol", fromlist=["state_to_record"]).state_to_record(g)
+    s._global = __import__("fedfuse.flower.round.protocol", fromlist=["state_to_record"]).state_to_record(g)
     ups = []
     for i, r in enumerate((1.0, 0.5, 0.25)):
         state = {k: torch.full_like(v, float(i + 1)) for k, v in s.skeleton(r).state_dict().items()}
@@ -160,8 +160,8 @@ def test_tiered_average_is_the_heterofl_average_of_the_replies():
 def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slice():
     import torch
 
-    from fedfuse.flower.replies import ClientUpdate
-    from fedfuse.flower.protocol import state_to_record
+    from fedfuse.flower.round.replies import ClientUpdate
+    from fedfuse.flower.round.protocol import state_to_record
     from fedfuse.hetero import slice_state
 
     s = _strategy("kf-linear", tier_models="fuse")
@@ -192,8 +192,8 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
 def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     import torch
 
-    from fedfuse.flower.replies import ClientUpdate
-    from fedfuse.flower.protocol import state_to_record
+    from fedfuse.flower.round.replies import ClientUpdate
+    from fedfuse.flower.round.protocol import state_to_record
 
     s = _strategy("kf-linear")
     s.tier_layout.node_tier = {0: 1.0, 1: 0.5, 2: 0.25}
@@ -208,7 +208,7 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     s.last_updates = ups
     s.derive_tier_models(1, ups)
     assert s.tier_models_step.guarded and s.tier_models_step._tier_fallback is not None
-    import fedfuse.flower.fusion_strategy as base
+    import fedfuse.flower.aggregators.fusion_strategy as base
 
     orig = base.FusionStrategy.aggregate_train
     base.FusionStrategy.aggregate_train = lambda self, rnd, replies: (self._global, None)

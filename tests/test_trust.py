@@ -1,4 +1,4 @@
-"""Issue 25: lying clients. The robust setting's screen (``fedfuse.flower.screen``) and a robust run against lying
+"""Issue 25: lying clients. The robust setting's screen (``fedfuse.flower.trust.screen``) and a robust run against lying
 clients (``tests/support/liars.py``), score inflation through a strategy, the robust strategies' run-config keys and
 Flower's differential-privacy wrappers around fedfuse's strategies. The trust benchmark's own threats are tested
 with the benchmark."""
@@ -17,8 +17,8 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from fedfuse.config import ConfigError, parse_run_config as check_config
 from fedfuse.flower import FusionStrategy
 from fedfuse.flower.client_app import make_client_app
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.screen import ClientScreen, agreements, update_norm
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.trust.screen import ClientScreen, agreements, update_norm
 from fedfuse.models import build_model, levels
 from tests.support.liars import Liar
 
@@ -236,7 +236,7 @@ def test_scores_on_units_the_model_does_not_use_are_inconsistent():
 
 
 def test_a_reply_whose_scores_disagree_with_its_weights_is_rejected_and_the_round_goes_on():
-    from fedfuse.flower.replies import reject_inconsistent_scores
+    from fedfuse.flower.round.replies import reject_inconsistent_scores
 
     dead = _with_dead_units(_mlp(seed=2), slice(0, 8))
     first = levels(dead)[0].name
@@ -307,7 +307,7 @@ def test_robust_strategy_options_reach_flowers_strategy():
     assert trimmed.flower.beta == 0.3
     _, _, robust = setup(parse_run_config({**base, "strategy": "auto", "robust": True}))
     assert isinstance(robust.screen, ClientScreen) and robust.screen.norm_clip == 2.0
-    assert robust.robust_answers   # the vote and the head round too (fedfuse.flower.answer_screen)
+    assert robust.robust_answers   # the vote and the head round too (fedfuse.flower.trust.answer_screen)
     # one-shot: no update screen (the clients start from their own models), the answers screened
     _, _, one_shot = setup(parse_run_config({**base, "strategy": "auto", "robust": True, "mode": "one-shot",
                                              "num-server-rounds": 1}))
@@ -374,7 +374,7 @@ def test_flowers_dp_wrappers_run_around_fedfuses_average(tmp_path, wrapper):
 
 def test_inflated_class_counts_weigh_no_more_than_the_sample_count():
     """A client claiming 100 × its samples, all of one class, moves the calibration prior only by its sample count."""
-    from fedfuse.flower.steps import class_prior
+    from fedfuse.flower.round.steps import class_prior
 
     honest = [ClientUpdate(i, i, {}, None, 100, {}, [10] * 10) for i in range(3)]
     liar = ClientUpdate(9, 9, {}, None, 100, {}, [10_000] + [0] * 9)

@@ -1,4 +1,4 @@
-"""Warm start (``mode='warm-start'``, ``fedfuse.flower.warm_start``) and ``initial-model-path``.
+"""Warm start (``mode='warm-start'``, ``fedfuse.flower.aggregators.warm_start``) and ``initial-model-path``.
 
 Config errors name the key; round 1 of a warm-start run trains independently initialised client models for
 ``warm-start-epochs`` and its global model is the fused model (not their average); rounds >= 2 are the strategy's own
@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedfuse.config import ConfigError, parse_run_config, preflight
 from fedfuse.flower import build_strategy
-from fedfuse.flower.warm_start import WarmStart, best_client
+from fedfuse.flower.aggregators.warm_start import WarmStart, best_client
 from tests.test_flower_baselines import configure, model_fn, reply
 
 WARM = {"mode": "warm-start", "num-server-rounds": 3}
@@ -134,7 +134,7 @@ def test_round_1_fuses_and_restarts_the_server_state(name, tmp_path):
 @pytest.mark.parametrize("fallback", ["previous", "average"])
 def test_a_failed_warm_fusion_never_continues_from_the_initial_model(fallback, monkeypatch):
     from fedfuse.fusion import NumericalFusionError, fuse
-    from fedfuse.flower import warm_start as module
+    from fedfuse.flower.aggregators import warm_start as module
 
     def broken(*args, **kwargs):
         raise NumericalFusionError("injected")

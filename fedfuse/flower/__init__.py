@@ -7,46 +7,39 @@ training, importance, config) does not.
     from fedfuse.flower.server_app import app as server_app, make_server_app   # pyproject components
     from fedfuse.flower.client_app import app as client_app, make_client_app
 
-Modules:
+Layout, one package per concern (each package's docstring says what it holds):
 
-- ``protocol``: ``RoundProtocol``, Flower's ``FedAvg`` with fedfuse's round (sampling, reply triage and
-  validation, fallback, history) for every strategy;
-- ``fusion_strategy``: ``FusionStrategy``, the protocol aggregating with a ``fedfuse.fusion`` method, then the
-  round steps of ``steps`` (divergence guard, server momentum, refinement; ``streaming`` for average rounds);
-- ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the
-  named classes; ``baselines``: Flower's own strategies; ``tiered`` (+ ``tier_layout``, ``tier_derivation``):
-  capacity tiers, HeteroFL and FedRolex;
-- ``selection`` (+ ``candidates``): ``SelectionStrategy``, strategy ``auto``: below ``auto-fusion-epochs`` local
-  epochs one array candidate a round with no query (the plain average, or the momentum step for plain-SGD clients:
-  ``auto-momentum``); from there the candidate aggregation the round's clients score best on their
-  own data (a ``query.score_candidates`` message);
-- ``screen``: ``ClientScreen``, the robust setting's check of a round's replies (free riders, updates pointing
-  away from the round's median, update norms bounded; docs/trust.md); ``answer_screen``: the clients' answers to
-  the server's queries (head statistics, candidate scores) checked, their claimed counts capped, and with the robust
-  setting screened (class means) and pooled one node, one vote;
-- ``replies``: the reply contract a ClientApp must follow, and its validation; ``client_replies``:
-  ``make_train_reply`` / ``reply_to_train`` for your own ClientApp; ``client_tiers``: the ClientApp's side of
-  tiers;
-- ``server_app`` / ``client_app``: fedfuse's own apps.
+- ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the named
+  classes; ``server_app`` / ``client_app``: fedfuse's own apps (the pyproject's components);
+- ``round``: what every strategy does with a round's messages: the reply contract (``replies``; ``client_replies``
+  for your own ClientApp), triage, the round's record and fallback, ``RoundProtocol``, the typed options, the steps
+  after an aggregation (divergence guard, server momentum, refinement), streamed averages, the broadcast guard;
+- ``aggregators``: what a round aggregates with: ``FusionStrategy`` (a ``fedfuse.fusion`` method), Flower's own
+  strategies, strategy ``auto``'s vote between candidates (``selection``, ``candidates``), a warm start's round 1;
+- ``tiers``: clients of different capacities (width tiers: fusion into the global width, HeteroFL, FedRolex; depth
+  tiers: DepthFL, InclusiveFL) and the ClientApp's side of them;
+- ``head``: the head round (the classifier solved in closed form from the clients' statistics);
+- ``trust``: the robust reply screen, the screen of the clients' answers, differential privacy, secure sums;
+- ``runner``: ``fedfuse run`` / ``compare`` / ``sweep``: the runners around ``flwr run`` and the in-process engine.
 """
 
-from fedfuse.flower.baselines import (FLOWER_BASELINES, BulyanStrategy, FedAdamStrategy, FedAvgMStrategy,
+from fedfuse.flower.aggregators.baselines import (FLOWER_BASELINES, BulyanStrategy, FedAdamStrategy, FedAvgMStrategy,
                                       FedMedianStrategy, FedProxStrategy, FedTrimmedAvgStrategy, FedYogiStrategy,
                                       FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
-from fedfuse.flower.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
-from fedfuse.flower.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
+from fedfuse.flower.round.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
+from fedfuse.flower.round.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
 from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
 from fedfuse.choices import FALLBACKS
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.options import (FusionOptions, GuardOptions, MomentumOptions, ProtocolOptions, RefineOptions,
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.round.options import (FusionOptions, GuardOptions, MomentumOptions, ProtocolOptions, RefineOptions,
                                     TierOptions)
-from fedfuse.flower.protocol import ClientsDivergedError, ReplyContractError, RoundProtocol, state_to_record
-from fedfuse.flower.screen import ClientScreen
-from fedfuse.flower.selection import SelectionStrategy
-from fedfuse.flower.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
+from fedfuse.flower.round.protocol import ClientsDivergedError, ReplyContractError, RoundProtocol, state_to_record
+from fedfuse.flower.trust.screen import ClientScreen
+from fedfuse.flower.aggregators.selection import SelectionStrategy
+from fedfuse.flower.tiers.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
 __all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
            "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy",

@@ -1,7 +1,7 @@
 """fedfuse ClientApp: train locally on this node's data, score neurons when asked, reply.
 
-Its replies follow the reply contract of ``fedfuse.flower.replies`` and are built by the same helper a
-user's own ClientApp uses (``fedfuse.flower.client_replies.make_train_reply``). Reply of a ``train`` message
+Its replies follow the reply contract of ``fedfuse.flower.round.replies`` and are built by the same helper a
+user's own ClientApp uses (``fedfuse.flower.round.client_replies.make_train_reply``). Reply of a ``train`` message
 (``RecordDict``):
 - the trained weights (``ArrayRecord`` of the model's state dict) under the name the global model arrived in
   (the strategy's ``arrayrecord_key``, ``"arrays"`` by default);
@@ -41,20 +41,20 @@ from flwr.clientapp.typing import Mod  # noqa: E402
 from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_model, parse_run_config,  # noqa: E402
                             partition_file)
 from fedfuse.data.node_data import load_node_data  # noqa: E402
-from fedfuse.flower.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
+from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
-from fedfuse.flower.client_replies import make_train_reply, read_train_message  # noqa: E402
-from fedfuse.flower.replies import METRICS_KEY  # noqa: E402
-from fedfuse.flower.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
+from fedfuse.flower.round.client_replies import make_train_reply, read_train_message  # noqa: E402
+from fedfuse.flower.round.replies import METRICS_KEY  # noqa: E402
+from fedfuse.flower.head.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tier_sites, read_head_tiers,
                                        tier_site)
-from fedfuse.flower.privacy import dp_clipping_mod  # noqa: E402
-from fedfuse.flower.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
+from fedfuse.flower.trust.privacy import dp_clipping_mod  # noqa: E402
+from fedfuse.flower.trust.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
                                        PROJECTION_K as SECURE_PROJECTION_K, fitins_task, secagg_if_flagged,
                                        task_model_state, task_reply)
 from fedfuse.privacy import private_head_statistics  # noqa: E402
 from fedfuse.progressive import SiteView, head_sites, head_statistics  # noqa: E402
-from fedfuse.flower.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
+from fedfuse.flower.tiers.client_tiers import (TIER_KEY, depth_tier, query as tier_query, tier_forward,  # noqa: E402
                                          tier_model)
 from fedfuse.task import client_init_seed, client_round, federated_data, global_model  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, resolve_device  # noqa: E402
@@ -130,10 +130,10 @@ def train(msg: Message, context: Context) -> Message:
     one_shot = str(config.get("mode", cfg.mode)) == "one-shot"
     model = global_model(cfg, node.num_classes, node.input_shape,
                          seed=client_init_seed(cfg, node.pid) if one_shot else None)
-    # capacity tiers: the width the strategy sends (fedfuse.flower.client_tiers); unchanged without tiers
+    # capacity tiers: the width the strategy sends (fedfuse.flower.tiers.client_tiers); unchanged without tiers
     base = model
     model = tier_model(model, config, seed=client_init_seed(cfg, node.pid), input_shape=node.input_shape)
-    # depth tiers: the node's blocks and exits, DepthFL's loss over them (fedfuse.flower.client_tiers.depth_tier)
+    # depth tiers: the node's blocks and exits, DepthFL's loss over them (fedfuse.flower.tiers.client_tiers.depth_tier)
     round_seed = cfg.seed * 7919 + node.pid * 131 + request.server_round
     model, loss_fn, held = depth_tier(model, config, None if one_shot else request.state_dict(), base=base,
                                       seed=round_seed, input_shape=node.input_shape)
@@ -180,7 +180,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
 
 
 def score_handler(msg: Message, context: Context) -> Message:
-    """Score the candidate global models of a ``strategy='auto'`` round (``fedfuse.flower.candidates``): each one's
+    """Score the candidate global models of a ``strategy='auto'`` round (``fedfuse.flower.aggregators.candidates``): each one's
     accuracy and loss on this node's validation split, or its training data when it keeps none."""
     cfg, node = _setup(context)
     states = read_score_query(msg)
@@ -199,7 +199,7 @@ def score_handler(msg: Message, context: Context) -> Message:
 
 
 def head_handler(msg: Message, context: Context) -> Message:
-    """The head round of ``head-round=true`` (``fedfuse.flower.head_round``): this node's ridge statistics on
+    """The head round of ``head-round=true`` (``fedfuse.flower.head.head_round``): this node's ridge statistics on
     the fused model's frozen pre-logit features (its training data; no training, no weights sent)."""
     cfg, node = _setup(context)
     model = global_model(cfg, node.num_classes, node.input_shape)
@@ -227,7 +227,7 @@ def head_handler(msg: Message, context: Context) -> Message:
 
 def secure_head_task(msg: Message, context: Context, task: dict) -> Message:
     """The head round's bounded statistics (``fedfuse.privacy``) as a SecAgg+ task's answer
-    (``fedfuse.flower.secure_sum``): the packed Gram matrix and the cross term, masked by ``secaggplus_mod``."""
+    (``fedfuse.flower.trust.secure_sum``): the packed Gram matrix and the cross term, masked by ``secaggplus_mod``."""
     cfg, node = _setup(context)
     model = global_model(cfg, node.num_classes, node.input_shape)
     model.load_state_dict(task_model_state(msg, model.state_dict()))
@@ -251,7 +251,7 @@ def _tier_model(cfg, node: NodeData, r: float | None) -> nn.Module:
 
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers, and innermost
-    ``fedfuse.flower.privacy.dp_clipping_mod`` (Flower's ``fixedclipping_mod`` in runs with ``dp-clipping='client'``;
+    ``fedfuse.flower.trust.privacy.dp_clipping_mod`` (Flower's ``fixedclipping_mod`` in runs with ``dp-clipping='client'``;
     it does nothing otherwise)."""
     # dp_clipping_mod last: Flower's fixedclipping_mod on the update when a DP run clips on the nodes
     client_app = ClientApp(mods=[*mods, dp_clipping_mod])

@@ -51,14 +51,14 @@ from fedfuse.config import (ConfigError, RunConfig, config_notes, dataset_info, 
 from fedfuse.plan import auto_candidates, auto_server_momentum, make_plan  # noqa: E402
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
-from fedfuse.flower.broadcast_guard import guard_broadcast  # noqa: E402
-from fedfuse.flower.head_step import HeadRoundOptions, HeadRoundStep, ensemble_reference  # noqa: E402
-from fedfuse.flower.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
+from fedfuse.flower.round.broadcast_guard import guard_broadcast  # noqa: E402
+from fedfuse.flower.head.head_step import HeadRoundOptions, HeadRoundStep, ensemble_reference  # noqa: E402
+from fedfuse.flower.trust.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES  # noqa: E402
-from fedfuse.flower.baselines import baseline_options  # noqa: E402
-from fedfuse.flower.screen import ClientScreen  # noqa: E402
-from fedfuse.flower.protocol import RoundProtocol  # noqa: E402
-from fedfuse.flower.warm_start import WarmStart  # noqa: E402
+from fedfuse.flower.aggregators.baselines import baseline_options  # noqa: E402
+from fedfuse.flower.trust.screen import ClientScreen  # noqa: E402
+from fedfuse.flower.round.protocol import RoundProtocol  # noqa: E402
+from fedfuse.flower.aggregators.warm_start import WarmStart  # noqa: E402
 from fedfuse.strategy_specs import MEAN_METHODS  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
@@ -129,7 +129,7 @@ def setup(cfg: RunConfig):
     def model_fn() -> torch.nn.Module:
         return global_model(cfg, data.num_classes, data.input_shape)
 
-    make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiered
+    make, tier_options = strategy_builder(cfg, data.input_shape)   # capacity tiers: fedfuse.flower.tiers.tiered
     strategy = make(cfg.strategy, model_fn=model_fn, fusion_options=dict(cfg.fusion_options_table), **tier_options,
                               fusion_inputs=fusion_x, fusion_labels=fusion_y,
                               fraction_train=cfg.fraction_train, min_train_nodes=cfg.min_train_nodes,
@@ -484,7 +484,7 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
 def head_round(cfg: RunConfig, grid: Grid, strategy: RoundProtocol, evaluation: RoundEvaluation,
                num_classes: int, account: PrivacyAccount | None = None) -> None:
     """The round after the last of a ``head-round=true`` run: the strategy's ``HeadRoundStep``
-    (``fedfuse.flower.head_step``: what it solves is the strategy's ``head_plan``), recorded (``post-step``) and
+    (``fedfuse.flower.head.head_step``: what it solves is the strategy's ``head_plan``), recorded (``post-step``) and
     evaluated as round ``num-server-rounds + 1`` (in one-shot mode: progressive fusion with K = 2). Not run when the
     training rounds failed (the run reports that failure)."""
     if fusion_outcome(strategy.history)["status"] != "completed" or not strategy.history:
@@ -568,7 +568,7 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
         cfg.num_clients, cfg.partitioning, out)
     if cfg.head_round and account is None:   # the head round's temperature reads the last round's client models
         strategy.keep_updates = True
-    if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.warm_start)
+    if cfg.mode == "warm-start":   # round 1 combines the clients' own models (fedfuse.flower.aggregators.warm_start)
         strategy.warm_start = warm_start(cfg, strategy, out)
     initial = (load_initial_model(cfg.initial_model_path, model_fn()) if cfg.initial_model_path
                else model_fn().state_dict())

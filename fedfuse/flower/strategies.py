@@ -6,8 +6,8 @@
 
 ``build_strategy`` picks the implementation from the entry's aggregation: a ``FusionStrategy`` for fusion
 methods (``average`` included), ``FedAvgStrategy`` for FedAvg, Flower's own strategies
-(``fedfuse.flower.baselines``) and the sub-model averages of the capacity-tier baselines
-(``fedfuse.flower.tiered``). The named classes are thin aliases that fix ``method``; adding a strategy is
+(``fedfuse.flower.aggregators.baselines``) and the sub-model averages of the capacity-tier baselines
+(``fedfuse.flower.tiers.tiered``). The named classes are thin aliases that fix ``method``; adding a strategy is
 one registry entry (or one fusion method in ``fedfuse.fusion``).
 """
 
@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from fedfuse.flower.baselines import FLOWER_BASELINES, flower_baseline_class
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.options import arrays_only
-from fedfuse.flower.protocol import RoundProtocol
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.selection import SelectionStrategy
-from fedfuse.flower.streaming import StreamedRounds
-from fedfuse.flower.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
-from fedfuse.flower.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
+from fedfuse.flower.aggregators.baselines import FLOWER_BASELINES, flower_baseline_class
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.round.options import arrays_only
+from fedfuse.flower.round.protocol import RoundProtocol
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.aggregators.selection import SelectionStrategy
+from fedfuse.flower.round.streaming import StreamedRounds
+from fedfuse.flower.tiers.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
+from fedfuse.flower.tiers.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import key_applies, strategy_names, strategy_spec
 
@@ -130,7 +130,7 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
 def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
-    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.depth_tiers, depth_baselines (inclusivefl: its beta)
+    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.tiers.depth_tiers, depth_baselines (inclusivefl: its beta)
         return build_depth_strategy, {"depths": cfg.depth_tiers, "widths": cfg.depth_tier_widths,
                                       "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
                                       "ordered_dropout_draw": ordered_dropout_draw(cfg),

@@ -257,7 +257,7 @@ def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] |
                                         f"{widths[key]} units")
             if not bool(torch.isfinite(t).all()):
                 raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has NaN or infinite values")
-            if bool((t < 0).any()):   # the reply path rejects them too (fedfuse.flower.replies)
+            if bool((t < 0).any()):   # the reply path rejects them too (fedfuse.flower.round.replies)
                 raise FusionOptionError(f"fuse: scores[{i}][{key!r}] has {int((t < 0).sum())} negative value(s) "
                                         f"(min {float(t.min()):.3g}); importance scores are non-negative (an "
                                         f"attribution's magnitude, e.g. neuron_importance's output)")

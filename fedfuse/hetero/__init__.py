@@ -7,7 +7,7 @@
     small.load_state_dict(slice_state(global_model.state_dict(), sub))
     new_global = aggregate_states(global_state, [client states], [their SubModels], weights)
 
-No Flower here (the Flower strategies are ``fedfuse.flower.tiered``).
+No Flower here (the Flower strategies are ``fedfuse.flower.tiers.tiered``).
 """
 
 from fedfuse.hetero.scaler import attach_width_scaler

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from flwr.app import ArrayRecord
 
     from fedfuse.flower import build_strategy
-    from fedfuse.flower.replies import ClientUpdate
+    from fedfuse.flower.round.replies import ClientUpdate
     from fedfuse.models import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -9,7 +9,7 @@ blocks on the same signals viewed ``[N, 1, 40]``, Adam lr 0.005; ``--model resne
 with ``--depth`` one-block stages on the same signals) (``1x1,1x0.75,1x0.5,1x0.25``: partitions 0,4,8 full
 depth, 1,5,9 three layers, 2,6 two, 3,7 one). Rows:
 
-- ``depthfl``, ``depthfl-fedavg``, ``inclusivefl``, ``average``, ``feddf`` (``fedfuse.flower.depth_tiers``) with the
+- ``depthfl``, ``depthfl-fedavg``, ``inclusivefl``, ``average``, ``feddf`` (``fedfuse.flower.tiers.depth_tiers``) with the
   depth tiers;
 - ``fedavg-shallowest``: every client trains the smallest tier's model (the shallowest, and of those the narrowest:
   model-depth = its layers, model-width = its width), FedAvg;

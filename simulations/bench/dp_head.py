@@ -14,7 +14,7 @@ epochs, non-private: the model every head is solved on is the same), then on tha
   AdaSSP ridge; clip = the median feature norm on the server's public fusion inputs; ``k``: the features' top-k
   principal directions on those inputs, ``dp-head-projection``; 0 = none) with the noise multiplier whose
   single release spends ε at δ = 1e-5 on the client-level account (``noise_for_epsilon``). The ε is the head
-  round's alone; a DP run composes it with its training rounds' (``fedfuse.flower.privacy.PrivacyAccount``).
+  round's alone; a DP run composes it with its training rounds' (``fedfuse.flower.trust.privacy.PrivacyAccount``).
 
 The clients' check is not applied (each row is the head as solved), so the rows show what the check would choose
 between. Test accuracy on the 10,000 test images; mean ± sample std over seeds in ``table.md``, per seed in
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from fedfuse.config import parse_run_config
-from fedfuse.flower.privacy import noise_for_epsilon
+from fedfuse.flower.trust.privacy import noise_for_epsilon
 from fedfuse.fusion import fuse
 from fedfuse.privacy import (feature_clip_bound, noisy_head_sum, private_head_statistics, public_projection,
                              raw_feature_head)

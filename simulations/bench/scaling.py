@@ -9,7 +9,7 @@ What is measured, all in ONE process (only ratios inside one run are claims; the
 - **Aggregation**: the real strategy objects (``fedfuse.flower.build_strategy(name, model_fn=...,
   fusion_inputs=X)``, the options the ServerApp passes by default: refine ``auto``, guard on, fallback
   ``previous``) driven through ``aggregate_train(server_round, replies)`` with real ``flwr.app.Message``
-  replies that follow the reply contract (``fedfuse.flower.replies``): ``"arrays"`` ArrayRecord,
+  replies that follow the reply contract (``fedfuse.flower.round.replies``): ``"arrays"`` ArrayRecord,
   ``"metrics"`` MetricRecord (num-examples, partition-id, class-counts, train-loss) and, for methods that
   use scores, an ``"importance"`` ArrayRecord (the client's DeepLIFT scores on its validation split, as the
   fedfuse ClientApp sends them). The timed call therefore includes reply validation (deserialising every
@@ -57,7 +57,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 
 from fedfuse.flower import FusionStrategy, build_strategy
-from fedfuse.flower.replies import ARRAYS_KEY, IMPORTANCE_KEY, METRICS_KEY
+from fedfuse.flower.round.replies import ARRAYS_KEY, IMPORTANCE_KEY, METRICS_KEY
 from fedfuse.importance import neuron_importance
 from fedfuse.models import build_model
 from fedfuse.training import train

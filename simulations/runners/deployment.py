@@ -35,8 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedfuse.config import canonical
 from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, descendants, flwr_env,  # noqa: F401
                                              free_port, kill_tree, run_config_arg, toml_value)
+from fedfuse.flower.runner.paths import takes_fedfuse_config
 
 CONNECTION = "fedfuse-deploy"
 
@@ -277,7 +279,8 @@ class Deployment:
         """Submit the app, wait for the run to finish, return its status, logs and results dir.
 
         The whole config is checked first (``flwr_runner.check_app_config``; ``ConfigError`` names the key)."""
-        cfg = dict(run_config)
+        # the canonical layout (option tables as dotted keys): Flower refuses keys its pyproject does not declare
+        cfg = canonical(run_config) if takes_fedfuse_config(self.app_dir) else dict(run_config)
         cfg.setdefault("output-dir", str((self.app_dir / "results").resolve()))
         cfg.setdefault("run-name", f"deploy-{time.strftime('%Y%m%d-%H%M%S')}")
         cfg.setdefault("num-clients", self.n)

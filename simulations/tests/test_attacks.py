@@ -15,7 +15,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedfuse.flower.client_app import make_client_app
-from fedfuse.flower.head_messages import head_reply_content
+from fedfuse.flower.head.head_messages import head_reply_content
 from fedfuse.models import build_model, levels
 from fedfuse.progressive import HeadStatistics
 from simulations.attacks import BACKDOOR_CLASS, Attack, lie_in_answer, poisoned_data, stamp

@@ -4,7 +4,7 @@ where a tier's entries sit inside the global (widest) model.
 A tier is a width multiplier ``r`` in (0, 1] of the global model (HeteroFL, arXiv 2010.01264). Tier ``r``'s
 model is a nested sub-model of the global one: the top-left slice of every level (``fedfuse.hetero.submodel``),
 or, for FedRolex (arXiv 2212.01548), a window that rolls by one unit per round. A node's tier is learnt once by a
-``query`` message its ClientApp answers (``fedfuse.flower.client_tiers``).
+``query`` message its ClientApp answers (``fedfuse.flower.tiers.client_tiers``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fedfuse.hetero import SubModel, parse_tier_value, slice_state, submodel
 from fedfuse.hetero.ordered_dropout import draw_weights
 from fedfuse.hetero.tiers import resolve_ordered_dropout_draw
 from fedfuse.models import adapter_for, levels
-from fedfuse.flower.client_tiers import DEPTHS_KEY, OD_DRAW_KEY, OD_KEY, QUERY_KIND, TIERS_KEY
+from fedfuse.flower.tiers.client_tiers import DEPTHS_KEY, OD_DRAW_KEY, OD_KEY, QUERY_KIND, TIERS_KEY
 
 QUERY_TIMEOUT = 600.0   # seconds a tier query waits for a node
 

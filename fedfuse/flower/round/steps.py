@@ -32,9 +32,9 @@ from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import classifier_bias, kl_to, refine_model
 from fedfuse.hetero import reestimate_batchnorm
 from fedfuse.training import resolve_device
-from fedfuse.flower.options import GuardOptions, MomentumOptions, RefineOptions
-from fedfuse.flower.protocol import array_copy
-from fedfuse.flower.replies import ClientUpdate, bounded_class_counts
+from fedfuse.flower.round.options import GuardOptions, MomentumOptions, RefineOptions
+from fedfuse.flower.round.protocol import array_copy
+from fedfuse.flower.round.replies import ClientUpdate, bounded_class_counts
 
 
 @dataclass
@@ -78,7 +78,7 @@ class DivergenceGuard:
     ``info["guard"]`` (the round's record)."""
 
     def __init__(self, ratio: float = 2.0) -> None:
-        self.ratio = GuardOptions(ratio=ratio).ratio   # the check, written once (``fedfuse.flower.options``)
+        self.ratio = GuardOptions(ratio=ratio).ratio   # the check, written once (``fedfuse.flower.round.options``)
 
     def __call__(self, fused: nn.Module, rd: RoundData) -> tuple[nn.Module, dict[str, Any]]:
         x = torch.as_tensor(rd.fusion_inputs).float()
@@ -100,7 +100,7 @@ class DivergenceGuard:
 
     def limit(self, kl_reference: float) -> float:
         """The highest KL to the clients' ensemble a model may have against a reference's (the guard's rule, written
-        once: the tier guard of ``fedfuse.flower.tier_derivation`` reads it too)."""
+        once: the tier guard of ``fedfuse.flower.tiers.tier_derivation`` reads it too)."""
         return self.ratio * kl_reference + 0.05
 
 

@@ -1,6 +1,6 @@
 """``ClientScreen``: the robust setting's check of a round's validated replies before they are aggregated or fused.
 
-A reply that passes the format checks (``fedfuse.flower.replies``) can still lie in its *content*: a scaled or
+A reply that passes the format checks (``fedfuse.flower.round.replies``) can still lie in its *content*: a scaled or
 sign-flipped update, random weights, a model trained on flipped labels, the global model sent back untrained. Weight-
 only defences (Flower's ``FedMedian``, ``Krum``, …) see the weights alone; a fedfuse server also holds an unlabeled
 fusion set, and the screen uses it. Per round, in order:
@@ -53,7 +53,7 @@ import torch
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.round.replies import ClientUpdate
 
 
 CLUSTER_MODES = ("off", "flame", "core", "core-positive")

@@ -16,7 +16,7 @@ import torch
 from flwr.app import Message, MetricRecord
 from flwr.common.logger import log
 
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError
 
 

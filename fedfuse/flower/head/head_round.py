@@ -19,7 +19,7 @@ unless it scores lower.
 
 Width tiers (``client-tiers`` of width multipliers; ``HeadRound.run_tiers``): the query also carries every narrower
 tier's model (``ArrayRecord`` ``"model@<tier>"``, the widths in the config's ``"tiers"``); each node builds them as
-it builds its training model (``fedfuse.flower.client_tiers.tier_model``) and answers one more pair per tier,
+it builds its training model (``fedfuse.flower.tiers.client_tiers.tier_model``) and answers one more pair per tier,
 ``gram-upper@tier-<tier>`` / ``cross@tier-<tier>``, so every tier's classifier is solved from every node's data: the
 forward passes of each tier's model over the node's data, no training (a narrow node holds the global model's
 weights and one batch's activations). Each tier's solved head is kept unless the clients score that tier's model
@@ -38,7 +38,7 @@ them with Gaussian noise, solves, and noises the check's pooled accuracies too, 
 (ε, δ) account (``record["private"]``).
 
 Kept only if the clients agree (``check=True``, the default): one ``query.score_candidates`` message
-(``fedfuse.flower.candidates``) asks the nodes for the accuracy of the model before and after on their own data
+(``fedfuse.flower.aggregators.candidates``) asks the nodes for the accuracy of the model before and after on their own data
 (validation split, else training data); the solved head is kept unless it scores lower. A ridge head is not always
 the better classifier: with mild label skew and short local training the trained head can be better, while under
 label skew or long local training the solved head wins by far (measured: docs/multi-round.md, "The head round").
@@ -57,12 +57,12 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.flower.answer_screen import CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics, class_mean_scores
-from fedfuse.flower.candidates import score_candidates
-from fedfuse.flower.head_messages import MESSAGE_TYPE, head_query_content, read_head_reply, tier_site
-from fedfuse.flower.options import WEIGHT_CAP
-from fedfuse.flower.privacy import HeadPrivacy
-from fedfuse.flower.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
+from fedfuse.flower.trust.answer_screen import CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics, class_mean_scores
+from fedfuse.flower.aggregators.candidates import score_candidates
+from fedfuse.flower.head.head_messages import MESSAGE_TYPE, head_query_content, read_head_reply, tier_site
+from fedfuse.flower.round.options import WEIGHT_CAP
+from fedfuse.flower.trust.privacy import HeadPrivacy
+from fedfuse.flower.trust.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
                                        secure_sum)
 from fedfuse.hetero import tier_name
 from fedfuse.privacy import add_noise, bounded_sum, check_bounded, gaussian_accuracy_noise, raw_feature_head
@@ -98,15 +98,15 @@ class HeadQueries:
             ``"ridge"``, ``"lda"``); with several (the default, ``head-solver='best'``), the clients score each one
             beside the model before in one query and the best is kept unless it scores lower than the model before;
             without the check the first is kept.
-        privacy: bounded statistics (``fedfuse.flower.privacy.HeadPrivacy``): the nodes send clipped, per-client
+        privacy: bounded statistics (``fedfuse.flower.trust.privacy.HeadPrivacy``): the nodes send clipped, per-client
             mean statistics (``fedfuse.privacy``); in a DP run the server noises their sum and the check's pooled
             accuracies, both spent on the run's account; ``None``: the plain statistics.
         secure: the bounded statistics reach the server only as their sum (Flower's SecAgg+,
-            ``fedfuse.flower.secure_sum``; ``secure-aggregation=true``).
+            ``fedfuse.flower.trust.secure_sum``; ``secure-aggregation=true``).
         weight_cap: a node's claimed sample count, in its statistics and in its scores, weighs at most this × the
-            median of the answers' counts (``fedfuse.flower.answer_screen``; 0: no cap).
+            median of the answers' counts (``fedfuse.flower.trust.answer_screen``; 0: no cap).
         robust: the robust setting (``robust=true``): statistics whose class means lie far from the other nodes'
-            are dropped, and the check's scores are pooled one node, one vote (``fedfuse.flower.answer_screen``).
+            are dropped, and the check's scores are pooled one node, one vote (``fedfuse.flower.trust.answer_screen``).
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
@@ -208,7 +208,7 @@ class HeadQueries:
     def _collect_secure(self, grid, model: nn.Module, width: int, num_classes: int, record: dict[str, Any]
                         ) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
         """``secure-aggregation=true``: the nodes' bounded statistics summed by Flower's SecAgg+
-        (``fedfuse.flower.secure_sum``); the server sees the sum only."""
+        (``fedfuse.flower.trust.secure_sum``); the server sees the sum only."""
         p = self.privacy
         nodes = list(grid.get_node_ids())
         record.update({"queried": len(nodes), "rejected": [], "fallback": None, "secure-aggregation": True})

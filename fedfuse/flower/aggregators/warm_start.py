@@ -40,7 +40,7 @@ from torch import nn
 
 from fedfuse.choices import BEST_CLIENT
 from fedfuse.fusion import fuse_result, get_spec
-from fedfuse.flower.replies import ClientUpdate, state_to_record
+from fedfuse.flower.round.replies import ClientUpdate, state_to_record
 from fedfuse.models import levels
 from fedfuse.strategy_specs import DEPTH_WARM_START
 
@@ -72,7 +72,7 @@ class WarmStart:
             raise ValueError(f"warm start: epochs must be >= 1, got {self.epochs}")
         if self.lr is not None and not float(self.lr) > 0:
             raise ValueError(f"warm start: lr must be > 0 or None, got {self.lr}")
-        if self.depth_tiers:   # the depth-tier strategy's own one-shot aggregations (fedfuse.flower.depth_tiers)
+        if self.depth_tiers:   # the depth-tier strategy's own one-shot aggregations (fedfuse.flower.tiers.depth_tiers)
             if self.fusion not in DEPTH_WARM_START or self.options:
                 raise ValueError(f"warm start: with depth tiers the clients' own models are combined by one of "
                                  f"{list(DEPTH_WARM_START)} without options, got {self.fusion!r} {self.options or ''}")

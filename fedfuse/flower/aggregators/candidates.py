@@ -1,7 +1,7 @@
 """The wire format of a candidate-scoring query: the server sends a round's candidate global models, every node
 answers with each candidate's accuracy on its own data.
 
-``strategy='auto'`` (``fedfuse.flower.selection``) chooses each round between aggregations (the average with
+``strategy='auto'`` (``fedfuse.flower.aggregators.selection``) chooses each round between aggregations (the average with
 server momentum, the plain average, a fusion) by how well they do on the clients' data. The server has no labels;
 the union of the clients' data is the federation's distribution, so the sample-weighted accuracy of a candidate over
 the nodes estimates its accuracy on that distribution (the federated evaluation of Flower's ``evaluate`` round,
@@ -11,7 +11,7 @@ run on several models at once). A node scores on its validation split when it ha
 Query ``message_type``: ``"query.score_candidates"``; content: ``ArrayRecord`` ``"candidate-<i>"`` for ``i < k`` and
 ``ConfigRecord`` ``"config"`` with ``{"candidates": k}`` (and ``"tier-width-mult"`` when the candidates are a width
 tier's models, ``"site"`` when they are scored through one of their classifiers, a depth tier's exit: the head
-round, ``fedfuse.flower.head_round``). Reply: ``MetricRecord`` ``"metrics"`` with
+round, ``fedfuse.flower.head.head_round``). Reply: ``MetricRecord`` ``"metrics"`` with
 ``num-examples``, ``accuracy-<i>`` and ``loss-<i>`` for every candidate.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedfuse.flower.answer_screen import count_limit, paired_median
-from fedfuse.flower.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
-from fedfuse.flower.options import WEIGHT_CAP
+from fedfuse.flower.trust.answer_screen import count_limit, paired_median
+from fedfuse.flower.tiers.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
+from fedfuse.flower.round.options import WEIGHT_CAP
 from fedfuse.privacy import gaussian_accuracy_noise
 
 ACTION = "score_candidates"
@@ -130,7 +130,7 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit).
 
     A node's claimed sample count weighs at most ``weight_cap`` × the median of the answers' counts
-    (``fedfuse.flower.answer_screen.count_limit``; 0: no cap; ``capped`` lists who was). ``robust`` (the robust
+    (``fedfuse.flower.trust.answer_screen.count_limit``; 0: no cap; ``capped`` lists who was). ``robust`` (the robust
     setting): one node, one vote, every candidate after the first pooled as the first's accuracy plus the median of
     the nodes' paired differences (``answer_screen.paired_median``), losses alike.
 

@@ -60,7 +60,7 @@ class FusionOptions:
 
 @dataclass(frozen=True)
 class GuardOptions:
-    """The divergence guard (``fedfuse.flower.steps.DivergenceGuard``): on or off, and its KL ratio."""
+    """The divergence guard (``fedfuse.flower.round.steps.DivergenceGuard``): on or off, and its KL ratio."""
 
     enabled: bool = True
     ratio: float = 2.0
@@ -75,7 +75,7 @@ class GuardOptions:
 
 @dataclass(frozen=True)
 class MomentumOptions:
-    """The server step (``fedfuse.flower.steps.ServerMomentum``); ``momentum=None``: the registry entry's default."""
+    """The server step (``fedfuse.flower.round.steps.ServerMomentum``); ``momentum=None``: the registry entry's default."""
 
     momentum: float | None = None
     learning_rate: float = 1.0
@@ -97,7 +97,7 @@ class MomentumOptions:
 
 @dataclass(frozen=True)
 class RefineOptions:
-    """The refinement step (``fedfuse.flower.steps.Refinement``); ``refine=None``: the registry entry's default
+    """The refinement step (``fedfuse.flower.round.steps.Refinement``); ``refine=None``: the registry entry's default
     when there is a fusion set."""
 
     refine: str | None = None
@@ -118,9 +118,9 @@ class RefineOptions:
 
 @dataclass(frozen=True)
 class ProtocolOptions:
-    """The round protocol's options (``fedfuse.flower.protocol.RoundProtocol``) and Flower ``FedAvg``'s own, which
+    """The round protocol's options (``fedfuse.flower.round.protocol.RoundProtocol``) and Flower ``FedAvg``'s own, which
     keep Flower's names and meanings. ``robust_answers``: screen the clients' answers to the server's queries
-    (``fedfuse.flower.answer_screen``) without a ``screen`` of their updates (one-shot runs); a ``screen`` implies
+    (``fedfuse.flower.trust.answer_screen``) without a ``screen`` of their updates (one-shot runs); a ``screen`` implies
     it."""
 
     fallback: str = "previous"
@@ -160,7 +160,7 @@ ProtocolOptions.FLAT = {f.name: f.name for f in dataclasses.fields(ProtocolOptio
 
 @dataclass(frozen=True)
 class TierOptions:
-    """Capacity tiers (``fedfuse.flower.tiered.TieredFusionStrategy``; each option's meaning is in its docstring)."""
+    """Capacity tiers (``fedfuse.flower.tiers.tiered.TieredFusionStrategy``; each option's meaning is in its docstring)."""
 
     tiers: tuple[float, ...] = (1.0,)
     tier_models: str = "auto"

@@ -1,7 +1,7 @@
 """Client side of the fedfuse reply contract: reply correctly from your own ClientApp in two lines.
 
 The fedfuse strategies (``fedfuse.flower.strategies``) validate every ``train`` reply against the contract
-of ``fedfuse.flower.replies``. These helpers build such a reply from a trained ``torch`` model, so a
+of ``fedfuse.flower.round.replies``. These helpers build such a reply from a trained ``torch`` model, so a
 user's own ClientApp does not need to know record names, level names or config flags:
 
     from fedfuse.flower import read_train_message, reply_to_train
@@ -35,7 +35,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from torch import nn
 
-from fedfuse.flower.replies import (ARRAYS_KEY, IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, NUM_EXAMPLES_KEY)
+from fedfuse.flower.round.replies import (ARRAYS_KEY, IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, NUM_EXAMPLES_KEY)
 from fedfuse.importance import IMPORTANCE_METHODS, neuron_importance, uniform_importance
 
 NEED_IMPORTANCE = "need-importance"
@@ -118,7 +118,7 @@ def make_train_reply(model: nn.Module | Mapping[str, torch.Tensor], *, num_examp
                      scores: Mapping[str, torch.Tensor] | None = None, class_counts: Sequence[int] | None = None,
                      partition_id: int | None = None, arrays_key: str = ARRAYS_KEY,
                      weight_key: str = NUM_EXAMPLES_KEY, device: str | torch.device = "cpu") -> RecordDict:
-    """The content of a valid ``train`` reply (``fedfuse.flower.replies`` contract).
+    """The content of a valid ``train`` reply (``fedfuse.flower.round.replies`` contract).
 
     Args:
         model: the trained model (or its state dict; then ``need_importance`` needs ``scores``).

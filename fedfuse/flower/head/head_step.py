@@ -2,7 +2,7 @@
 
 After the training rounds, ``HeadRoundStep`` asks the strategy what to solve (``RoundProtocol.head_plan``: the
 global model's classifier by default; every width tier's model for ``TieredFusionStrategy``; every exit, checked on
-its own, for depth tiers; every width's exits, each width on its own features, for width × depth tiers), runs the head round (``fedfuse.flower.head_round.HeadRound``: every node's ridge
+its own, for depth tiers; every width's exits, each width on its own features, for width × depth tiers), runs the head round (``fedfuse.flower.head.head_round.HeadRound``: every node's ridge
 statistics, the closed-form heads, the clients' check) and hands the kept models back
 (``RoundProtocol.adopt_head``). A plug-in strategy gets the same by inheriting the protocol's two hooks, or
 overrides them to solve something else; the ServerApp only records and evaluates the result.
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.flower.head_round import HeadRound
-from fedfuse.flower.options import WEIGHT_CAP
-from fedfuse.flower.privacy import HeadPrivacy
+from fedfuse.flower.head.head_round import HeadRound
+from fedfuse.flower.round.options import WEIGHT_CAP
+from fedfuse.flower.trust.privacy import HeadPrivacy
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.choices import HEAD_SOLVERS
 
@@ -90,7 +90,7 @@ class HeadRoundStep:
         """``(the global model after the head round, the round's record)``; the strategy adopts every kept model."""
         o = self.options
         # the strategy's bounds reach the head round's answers too: its weight cap, and the robust setting
-        # (fedfuse.flower.answer_screen); Flower's own strategies have neither attribute: the defaults
+        # (fedfuse.flower.trust.answer_screen); Flower's own strategies have neither attribute: the defaults
         head = HeadRound(o.ridge, timeout=o.timeout, solvers=o.solvers, privacy=self.privacy, secure=o.secure,
                          weight_cap=getattr(strategy, "weight_cap", WEIGHT_CAP),
                          robust=bool(getattr(strategy, "robust_answers", False)))

@@ -1,5 +1,5 @@
 """``FusionStrategy``: the round protocol whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``,
-followed by the round steps of ``fedfuse.flower.steps``:
+followed by the round steps of ``fedfuse.flower.round.steps``:
 
     validated replies → fuse (or the weighted average, streamed) → divergence guard → server momentum
     → refine (calibrate / distill, kept only when it moves the model towards the clients' ensemble)
@@ -25,22 +25,22 @@ from fedfuse.fusion.refine import parse_refine
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
-from fedfuse.flower.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions, take_options
-from fedfuse.flower.protocol import RoundProtocol
-from fedfuse.flower.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
-from fedfuse.flower.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
+from fedfuse.flower.round.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions, take_options
+from fedfuse.flower.round.protocol import RoundProtocol
+from fedfuse.flower.round.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
+from fedfuse.flower.round.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
-from fedfuse.flower.streaming import StreamedRounds
-from fedfuse.flower.server_importance import server_importance_options
+from fedfuse.flower.round.streaming import StreamedRounds
+from fedfuse.flower.aggregators.server_importance import server_importance_options
 
 
 class FusionStrategy(StreamedRounds, RoundProtocol):
     """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``.
 
     Use ``build_strategy(name)``, a named class (``KfLinearStrategy``, ...) or ``FusionStrategy(method=...)``.
-    The ClientApps must follow the reply contract of ``fedfuse.flower.replies``.
+    The ClientApps must follow the reply contract of ``fedfuse.flower.round.replies``.
 
-    The options come as one typed, frozen object per concern (``fedfuse.flower.options``): ``fusion``
+    The options come as one typed, frozen object per concern (``fedfuse.flower.round.options``): ``fusion``
     (``FusionOptions``: ``fusion_options``, ``importance``, ``fusion_rounds``, ``fuse_fn``, ``align_to``,
     ``score_check``), ``guard`` (``GuardOptions``: ``guard``, ``guard_ratio``), ``momentum`` (``MomentumOptions``:
     ``server_momentum``, ``server_learning_rate``), ``refine`` (``RefineOptions``: ``refine``, ``prior``,
@@ -119,7 +119,7 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
             raise ValueError(f"strategy: method {method!r} needs fusion_inputs (the server fusion set)")
         if self.model_fn is None and self.spec is not None:
             raise ValueError(f"strategy: method {method!r} needs model_fn to rebuild client models")
-        # the steps (fedfuse.flower.steps), configured from the options and the registry entry's defaults
+        # the steps (fedfuse.flower.round.steps), configured from the options and the registry entry's defaults
         self.momentum_step = ServerMomentum(self.entry.default_server_momentum if momentum.momentum is None
                                             else momentum.momentum, momentum.learning_rate)
         self.guard = guard.enabled

@@ -1,4 +1,4 @@
-"""The head round's messages (``fedfuse.flower.head_round``): the server's query and the nodes' replies.
+"""The head round's messages (``fedfuse.flower.head.head_round``): the server's query and the nodes' replies.
 
 Query ``message_type``: ``"query.head_statistics"``; content: ``ArrayRecord`` ``"model"`` (the global model's state
 dict; width tiers: one ``"model@<tier>"`` more per narrower tier, their widths in the config's ``"tiers"``, and where a

@@ -48,12 +48,12 @@ from fedfuse.strategy_specs import (DEPTH_METHODS, DEPTH_WARM_START, WIDTH_DEPTH
                                     with_tiers)
 from fedfuse.progressive import head_sites
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
-from fedfuse.flower.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.head_step import HeadPlan
-from fedfuse.flower.protocol import state_to_record
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
+from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.head.head_step import HeadPlan
+from fedfuse.flower.round.protocol import state_to_record
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.tiers.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
                                         request_ordered_dropout, round_tier_records)
 
 
@@ -248,7 +248,7 @@ class DepthTieredStrategy(FusionStrategy):
         return self.fuse_as(self.round_method(server_round), server_round, updates, models)
 
     def fuse_own_models(self, server_round: int, updates: list[ClientUpdate], method: str) -> FusionResult:
-        """A warm start's round 1 (``fedfuse.flower.warm_start``): the clients' own models, trained from their own
+        """A warm start's round 1 (``fedfuse.flower.aggregators.warm_start``): the clients' own models, trained from their own
         initialisations at their tiers, combined by ``method`` (``ot``: aligned across depths; ``feddf``)."""
         if method not in DEPTH_WARM_START:
             raise ValueError(f"strategy: a warm start across depth tiers combines the clients' own models with one of "

@@ -112,7 +112,7 @@ class PrivacyAccount:
 
 @dataclass
 class HeadPrivacy:
-    """The bounded head round's settings (``fedfuse.flower.head_round.HeadRound(privacy=...)``): the feature clip
+    """The bounded head round's settings (``fedfuse.flower.head.head_round.HeadRound(privacy=...)``): the feature clip
     bound and projection the nodes apply (``fedfuse.privacy.private_head_statistics``), and in a DP run the Gaussian
     noise multiplier of its releases (the summed statistics, the check's accuracies), the run's account and the
     noise's generator. ``noise_multiplier`` 0 and no account: bounded statistics summed without noise (what

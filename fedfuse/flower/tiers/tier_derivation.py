@@ -30,8 +30,8 @@ from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import prune_order
 from fedfuse.models import levels
 from fedfuse.training import resolve_device
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.round.replies import ClientUpdate
 
 
 class TierModels:

@@ -2,7 +2,7 @@
 
 What a Flower user would pick instead of fusion, run on the same splits with fedfuse's reply contract:
 
-    replies → fedfuse's round protocol: split off errors, validate each reply (``fedfuse.flower.replies``),
+    replies → fedfuse's round protocol: split off errors, validate each reply (``fedfuse.flower.round.replies``),
     sort by partition id → Flower's strategy: ``aggregate_train(valid replies)`` → cast to the global model's
     dtypes, finite check → new global ArrayRecord
 
@@ -36,9 +36,9 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian
 
 from fedfuse.fusion import FusionError, NumericalFusionError
 from fedfuse.strategy_specs import strategy_spec
-from fedfuse.flower.options import refuse_fusion_steps
-from fedfuse.flower.protocol import RoundProtocol
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.round.options import refuse_fusion_steps
+from fedfuse.flower.round.protocol import RoundProtocol
+from fedfuse.flower.round.replies import ClientUpdate
 
 # Flower state that a fallback or a resume invalidates (FedAvgM: anchor + momentum; FedOpt: moments)
 _SERVER_OPT_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")

@@ -16,9 +16,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from torch import nn
 
 from fedfuse.fusion import fuse_result
-from fedfuse.flower.steps import Refinement, RoundData, ServerMomentum
-from fedfuse.flower.protocol import Reference, RoundProtocol, cap_update, weight_limit
-from fedfuse.flower.replies import (MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view,
+from fedfuse.flower.round.steps import Refinement, RoundData, ServerMomentum
+from fedfuse.flower.round.protocol import Reference, RoundProtocol, cap_update, weight_limit
+from fedfuse.flower.round.replies import (MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate, _metric_record, _npy_view,
                                    state_to_record)
 
 

@@ -3,7 +3,7 @@
 
 ``TieredFusionStrategy`` is ``FusionStrategy`` with three parts composed in:
 
-- a ``TierLayout`` (``fedfuse.flower.tier_layout``): each node's tier, learnt once by a ``query`` message, the
+- a ``TierLayout`` (``fedfuse.flower.tiers.tier_layout``): each node's tier, learnt once by a ``query`` message, the
   tiers' architectures and where their entries sit in the global model. ``configure_train`` sends every sampled
   node *its own* message: the tier model's arrays and ``tier-width-mult`` (Flower's Message API), and replies are
   validated against their tier's shapes;
@@ -12,7 +12,7 @@
   architecture (``fuse(..., target=global)``) with the fused units permuted onto the sub-model average's
   (``fedfuse.hetero.anchor``) so that unit ``i`` stays the unit every tier's slice holds. The sub-model average is
   also what the divergence guard and the ``"average"`` fallback use;
-- ``TierModels`` (``fedfuse.flower.tier_derivation``): each narrower tier's next model (slice, fuse, distill,
+- ``TierModels`` (``fedfuse.flower.tiers.tier_derivation``): each narrower tier's next model (slice, fuse, distill,
   prune) and its guard.
 
 HeteroFL (Diao et al., arXiv 2010.01264) and FedRolex (Alam et al., arXiv 2212.01548) are the same class with
@@ -44,15 +44,15 @@ from fedfuse.models import adapter_for
 from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
-from fedfuse.flower.client_tiers import SCALER_KEY, TIER_KEY
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.head_step import HeadPlan
-from fedfuse.flower.options import TierOptions, take_options
-from fedfuse.flower.protocol import state_to_record
-from fedfuse.flower.replies import ClientUpdate
-from fedfuse.flower.tier_derivation import TierModels
-from fedfuse.flower.tier_layout import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
-from fedfuse.flower.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
+from fedfuse.flower.tiers.client_tiers import SCALER_KEY, TIER_KEY
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.head.head_step import HeadPlan
+from fedfuse.flower.round.options import TierOptions, take_options
+from fedfuse.flower.round.protocol import state_to_record
+from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.flower.tiers.tier_derivation import TierModels
+from fedfuse.flower.tiers.tier_layout import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
+from fedfuse.flower.tiers.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
                                         request_ordered_dropout, round_tier_records)
 
 

@@ -4,7 +4,7 @@ Flower's ``FedAvg`` with its node sampling (made reproducible per round) and mes
 rest of a train round is fedfuse's, once for every strategy:
 
     replies → split off error replies and silent nodes (logged, recorded) → validate each reply against
-    the reply contract (``fedfuse.flower.replies``; a rejected reply is logged with its reason and the
+    the reply contract (``fedfuse.flower.round.replies``; a rejected reply is logged with its reason and the
     round goes on with the others) → sort (partition id: deterministic float sums) → stop when every
     reply diverged, skip the round below ``min_valid_replies`` → ``aggregate(updates)`` under the
     fallback policy → history record + train metrics → new global ArrayRecord
@@ -38,15 +38,15 @@ from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedfuse.fusion.average import average_state_dicts
-from fedfuse.flower.answer_screen import count_limit
-from fedfuse.flower.client_replies import WEIGHT_KEY
-from fedfuse.flower.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
-from fedfuse.flower.replies import ClientUpdate, _npy_view, state_to_record
-from fedfuse.flower.head_step import HeadPlan
-from fedfuse.flower.options import WEIGHT_CAP, ProtocolOptions, refuse_unknown, take_options
+from fedfuse.flower.trust.answer_screen import count_limit
+from fedfuse.flower.round.client_replies import WEIGHT_KEY
+from fedfuse.flower.round.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
+from fedfuse.flower.round.replies import ClientUpdate, _npy_view, state_to_record
+from fedfuse.flower.head.head_step import HeadPlan
+from fedfuse.flower.round.options import WEIGHT_CAP, ProtocolOptions, refuse_unknown, take_options
 from fedfuse.training import resolve_device
-from fedfuse.flower.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
-from fedfuse.flower.warm_start import WarmStart, warm_start_round
+from fedfuse.flower.round.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
+from fedfuse.flower.aggregators.warm_start import WarmStart, warm_start_round
 
 
 MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
@@ -55,8 +55,8 @@ Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
     """Sampling, per-node messages and the train round (see the module docstring); reply triage and validation
-    come from ``ReplyTriage`` (``fedfuse.flower.triage``), the fallback policy and the round's record from
-    ``RoundOutcome`` (``fedfuse.flower.outcome``).
+    come from ``ReplyTriage`` (``fedfuse.flower.round.triage``), the fallback policy and the round's record from
+    ``RoundOutcome`` (``fedfuse.flower.round.outcome``).
 
     Args:
         model_fn: ``() -> nn.Module`` building the global architecture (optional for strategies that
@@ -72,7 +72,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
             cannot take over the average or the fusion; 0 = no cap. The default 10 leaves every honest split measured
             untouched (docs/trust.md, "What the server bounds"); clipped replies are recorded in the round's
             ``capped``.
-        screen: the robust setting (``fedfuse.flower.screen.ClientScreen``): free riders and models that disagree
+        screen: the robust setting (``fedfuse.flower.trust.screen.ClientScreen``): free riders and models that disagree
             with the clients' majority on the fusion set are dropped, updates bounded in norm, before aggregation;
             recorded in the round's ``screened``. ``None`` (default): every valid reply is aggregated.
         Flower ``FedAvg``'s options keep their meaning (``fraction_evaluate`` defaults to 0: fedfuse evaluates
@@ -115,7 +115,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         self.round_offset = 0
         self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
-        # mode='warm-start' (``fedfuse.flower.warm_start.WarmStart``): round 1 combines the clients' own models
+        # mode='warm-start' (``fedfuse.flower.aggregators.warm_start.WarmStart``): round 1 combines the clients' own models
         self.warm_start: WarmStart | None = None
 
     # ---------------------------------------------------------------- hooks
@@ -155,7 +155,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
     weighted_average = average   # the name strategies and tests use
 
     def head_plan(self, model: nn.Module, final_round: int, one_shot: bool) -> HeadPlan:
-        """What the head round after the last round solves (``fedfuse.flower.head_step``): the global model's
+        """What the head round after the last round solves (``fedfuse.flower.head.head_step``): the global model's
         classifier(s), one check. A strategy with other models to solve (width tiers, depth tiers' exits) says so."""
         return HeadPlan({1.0: model})
 
@@ -227,7 +227,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
 
     # ---------------------------------------------------------------- replies
     def warm_round(self, server_round: int) -> bool:
-        """Whether round ``server_round`` is a warm start's round 1 (``fedfuse.flower.warm_start``)."""
+        """Whether round ``server_round`` is a warm start's round 1 (``fedfuse.flower.aggregators.warm_start``)."""
         return self.warm_start is not None and self.warm_start.applies(server_round)
 
     # ---------------------------------------------------------------- aggregation
@@ -275,7 +275,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
                            device=resolve_device(self.device))
 
 
-weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.answer_screen)
+weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.trust.answer_screen)
 
 
 def cap_update(u: ClientUpdate, limit: float, cap: float, record: dict[str, Any]) -> ClientUpdate:

@@ -19,7 +19,7 @@ tracked its test accuracy in every measured round. So each round:
    epoch FedDF wins the clients' vote for ~17 of 30 rounds and the run ends 10 points below FedAvg on the anchor
    splits at α = 0.1 (each chosen model is better that round, but a worse start for the next one), while from
    10 local epochs its early-round wins carry to the end;
-3. when a fusion candidate was built, one ``query.score_candidates`` message (``fedfuse.flower.candidates``) to the
+3. when a fusion candidate was built, one ``query.score_candidates`` message (``fedfuse.flower.aggregators.candidates``) to the
    round's valid clients asks each for every candidate's accuracy on its own data; the server keeps the highest
    sample-weighted accuracy. A round without a fusion candidate (short local training: the clients agree) takes
    the first array candidate at the cost of the average, with no query: on the anchor splits at 1 local epoch the
@@ -46,9 +46,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedfuse.flower.candidates import score_candidates
-from fedfuse.flower.fusion_strategy import FusionStrategy
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.aggregators.candidates import score_candidates
+from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
 from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
                                     check_candidates)

@@ -1,8 +1,8 @@
 """What the clients answer to the server's queries, beside their weights, bounded and screened (issue 45).
 
-Two queries read client answers that the update screen (``fedfuse.flower.screen``) never sees: the head round's
-ridge statistics (``Σ f fᵀ``, ``Σ f onehot(y)ᵀ``, ``fedfuse.flower.head_round``) and the candidate scores of
-``auto``'s vote and of the head round's check (``fedfuse.flower.candidates``). A lying node can claim any sample
+Two queries read client answers that the update screen (``fedfuse.flower.trust.screen``) never sees: the head round's
+ridge statistics (``Σ f fᵀ``, ``Σ f onehot(y)ᵀ``, ``fedfuse.flower.head.head_round``) and the candidate scores of
+``auto``'s vote and of the head round's check (``fedfuse.flower.aggregators.candidates``). A lying node can claim any sample
 count, send the statistics of flipped labels, or vote for the worst candidate.
 
 Always (bounds, as the train replies' ``weight_cap``):

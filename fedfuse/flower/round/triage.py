@@ -1,5 +1,5 @@
 """Reply triage of a train round (a mixin of ``RoundProtocol``): error replies and silent nodes become logged
-failure records, each reply is validated against the reply contract (``fedfuse.flower.replies``; a rejected reply
+failure records, each reply is validated against the reply contract (``fedfuse.flower.round.replies``; a rejected reply
 is logged with its reason and the round goes on), and the valid ones are put in fusion order.
 
 The mixin reads ``RoundProtocol``'s state: ``_sent_msgs``, ``_node_partitions``, ``update_observer``, the record
@@ -14,7 +14,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.common.logger import log
 
-from fedfuse.flower.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
+from fedfuse.flower.round.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
                                     record_rejection, validate_reply)
 
 

@@ -1,5 +1,5 @@
 """The depth-tier baselines: DepthFL, its ablation without self-distillation, and InclusiveFL, each a
-``DepthTieredStrategy`` (``fedfuse.flower.depth_tiers``) that adds its own step; ``build_depth_strategy`` picks the
+``DepthTieredStrategy`` (``fedfuse.flower.tiers.depth_tiers``) that adds its own step; ``build_depth_strategy`` picks the
 class for a strategy name (fedfuse's own aggregations across depths are ``DepthTieredStrategy`` itself).
 """
 
@@ -13,8 +13,8 @@ from flwr.app import Message
 from flwr.common.logger import log
 
 from fedfuse.hetero.depth import aggregate_held, layer_momentum, momentum_distill, unit_arrays
-from fedfuse.flower.depth_tiers import DepthTieredStrategy
-from fedfuse.flower.replies import ClientUpdate
+from fedfuse.flower.tiers.depth_tiers import DepthTieredStrategy
+from fedfuse.flower.round.replies import ClientUpdate
 
 
 class DepthFLStrategy(DepthTieredStrategy):
