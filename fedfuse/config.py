@@ -49,6 +49,7 @@ from fedfuse.choices import EVALUATIONS, HEAD_SOLVER_CHOICES, no_fusion_options,
 from fedfuse.plan import (AUTO_SERVER_MOMENTUM, auto_candidates, auto_round_aggregation, dp_strategy,  # noqa: E402
                           one_shot_depth_default, one_shot_width_default)
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS, TABLE_PATHS, canonical_run_config, path_of  # noqa: E402
+from fedfuse.strategy_specs import AUTO_FUSION_EPOCHS, DEFAULT_CANDIDATES  # noqa: E402  (auto's defaults)
 from fedfuse.strategy_specs import (DEPTH_TIER_STRATEGIES, DEPTH_WARM_START, DP_STRATEGIES, FLOWER_BASELINE_STRATEGIES,  # noqa: E402
                                     NON_FUSION_STRATEGIES, STRATEGY_KEYS, SUBMODEL_METHODS, key_applies,
                                     WIDTH_DEPTH_TIER_METHODS, ARRAY_CANDIDATES, check_candidates, DEPTH_METHODS, MEAN_METHODS,
@@ -180,10 +181,11 @@ class RunConfig:
                                  "strategy's default (docs/configuration.md#strategy-options)", ge=0)
     server_momentum: float = _key(-1.0, "fedavgm | fusion strategies: server momentum; 0 = none, -1 = the "
                                         "strategy's default (docs/configuration.md#strategy-options)", ge=-1, lt=1)
-    auto_candidates: str = _key("fedavg,average,feddf", "strategy='auto': the candidate aggregations, "
+    auto_candidates: str = _key(",".join(DEFAULT_CANDIDATES), "strategy='auto': the candidate aggregations, "
                                                         "comma-separated, first preferred on a tie "
                                                         "(docs/multi-round.md#strategy-auto)")
-    auto_fusion_epochs: int = _key(10, "strategy='auto': fusion candidates only from this many local-epochs (0 = "
+    auto_fusion_epochs: int = _key(AUTO_FUSION_EPOCHS, "strategy='auto': fusion candidates only from this many "
+                                   "local-epochs (0 = "
                                        "always) (docs/multi-round.md#strategy-auto)", ge=0)
     auto_momentum: str = _key("auto", "auto's server momentum: auto (for plain-SGD clients) | on | off "
                                       "(docs/multi-round.md#server-momentum-for-plain-sgd-clients-auto-momentum)",

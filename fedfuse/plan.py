@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedfuse.strategy_specs import (ARRAY_CANDIDATES, MEAN_METHODS, NON_FUSION_STRATEGIES, SELECTING_STRATEGIES,
-                                    strategy_spec)
+                                    SERVER_MOMENTUM, strategy_spec)
 
 #: the server momentum of ``auto``'s momentum step when ``auto-momentum`` takes it and ``server-momentum`` is not set
-#: (the ``average`` candidate's own default): chosen on MNIST-1D cells with plain-SGD clients, where Hsu et al.'s 0.9
-#: (arXiv 1909.06335; Flower's fedavgm baseline) also broke runs (docs/multi-round.md, "Server momentum for
-#: plain-SGD clients")
-AUTO_SERVER_MOMENTUM = 0.5
+#: (the ``average`` candidate's own default, ``fedfuse.strategy_specs.SERVER_MOMENTUM``)
+AUTO_SERVER_MOMENTUM = SERVER_MOMENTUM
 #: one-shot ``auto``'s candidates without the head round. Not the weighted average: one-shot clients train from their
 #: own initialisations, so their average is at chance (Fashion-MNIST O1: 10.0 % in every cell, docs/fashion-mnist.md)
 #: and as a candidate it only gives lying voters a target (docs/trust.md, "One-shot, the vote": 0.113 with it)

@@ -29,6 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 AGGREGATIONS = ("fusion", "arrays", "flower", "submodel", "depth")
+#: the server momentum of fedfuse's measured momentum step: ``average``'s default, ``auto``'s step for plain-SGD
+#: clients, fedfuse's FedAvgM default; chosen on MNIST-1D cells with plain-SGD clients, where Hsu et al.'s 0.9
+#: (arXiv 1909.06335; Flower's fedavgm baseline) also broke runs (docs/multi-round.md, "Server momentum for plain-SGD
+#: clients")
+SERVER_MOMENTUM = 0.5
+#: strategy ``auto``: fusion candidates are built only when the clients train at least this many local epochs a round
+#: (``strategy-options.auto-fusion-epochs``; measured: docs/multi-round.md)
+AUTO_FUSION_EPOCHS = 10
 FUSION_RUN_KEYS = ("server-lr", "server-momentum")   # what fedfuse's server step reads
 SERVER_STEPS = ("fedfuse", "paper", "flower")
 
@@ -195,13 +203,13 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  paper="Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent, NeurIPS 2017"),
     StrategySpec("bulyan", **_flower("Bulyan", _KRUM, min_replies=(4, 3)),
                  paper="The Hidden Vulnerability of Distributed Learning in Byzantium, arXiv 1802.07927"),
-    StrategySpec("average", "fusion", method="average", default_server_momentum=0.5, streams=True,
+    StrategySpec("average", "fusion", method="average", default_server_momentum=SERVER_MOMENTUM, streams=True,
                  tiers=WidthTiers(submodel=True, refine="none"), depth=DepthTiers(aggregates=True, width_tiers=True),
                  paper="Weighted averaging of the client models with FedAvgM's server step and the calibration "
                        "refinement: fedfuse's default multi-round aggregation."),
     # method None: the clients' vote between candidate aggregations, not the label-free fusion method "auto"
     # (fedfuse.fusion.auto): no fusion options, and no fusion set when every round takes an array candidate
-    StrategySpec("auto", "fusion", method=None, default_server_momentum=0.5, default_refine="none",
+    StrategySpec("auto", "fusion", method=None, default_server_momentum=SERVER_MOMENTUM, default_refine="none",
                  can_refine=False, selects=True, run_keys=("server-momentum",),
                  paper="fedfuse: FedAvg's average while the clients train few local epochs; from auto-fusion-epochs, "
                        "per round the candidate (plain average, average with server momentum, FedDF) with the best "
@@ -345,7 +353,7 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
     return replace(spec, default_refine=spec.tiers.refine) if spec.tiers.refine is not None else spec
 
 
-__all__ = ["WidthTiers", "DepthTiers", "STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
+__all__ = ["SERVER_MOMENTUM", "AUTO_FUSION_EPOCHS", "WidthTiers", "DepthTiers", "STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
            "SELECTING_STRATEGIES", "MEAN_METHODS", "DP_STRATEGIES", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
            "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

@@ -35,7 +35,7 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian
                                      MultiKrum)
 
 from fedfuse.fusion import FusionError, NumericalFusionError
-from fedfuse.strategy_specs import strategy_spec
+from fedfuse.strategy_specs import SERVER_MOMENTUM, strategy_spec
 from fedfuse.flower.round.options import refuse_fusion_steps
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
@@ -181,7 +181,7 @@ class FedAvgMStrategy(FlowerBaselineStrategy):
     flower_class = FedAvgM
 
     def __init__(self, method: str | None = None, *, server_learning_rate: float = 1.0,
-                 server_momentum: float = 0.5, **options: Any) -> None:
+                 server_momentum: float = SERVER_MOMENTUM, **options: Any) -> None:
         super().__init__(method, flower_options={"server_learning_rate": float(server_learning_rate),
                                                  "server_momentum": float(server_momentum)}, **options)
 

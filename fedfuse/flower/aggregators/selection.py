@@ -50,11 +50,11 @@ from fedfuse.flower.aggregators.candidates import score_candidates
 from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
-from fedfuse.strategy_specs import (ARRAY_CANDIDATES, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
+from fedfuse.strategy_specs import (ARRAY_CANDIDATES, AUTO_FUSION_EPOCHS, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
                                     check_candidates)
 
 QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's clients
-FUSION_MIN_EPOCHS = 10  # fusion candidates only when the clients train at least this many local epochs a round
+FUSION_MIN_EPOCHS = AUTO_FUSION_EPOCHS  # fusion candidates only from this many local epochs a round (the registry's)
 
 
 class SelectionStrategy(FusionStrategy):
