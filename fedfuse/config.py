@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import sys
 import typing
@@ -1257,6 +1258,21 @@ def check_partitions(cfg: RunConfig) -> None:
                           f"(e.g. a larger dirichlet-alpha)")
 
 
+@functools.lru_cache(maxsize=8)
+def _parse_items(items: tuple[tuple[str, Any], ...]) -> RunConfig:
+    return parse_run_config(dict(items))
+
+
+def parse_once(run_config: Mapping[str, Any] | None) -> RunConfig:
+    """``parse_run_config``, once per distinct run config: a ClientApp reads the run's config on every message, the
+    parse (and its checks) runs on the first (``RunConfig`` is frozen, so the answer can be shared)."""
+    items = tuple(sorted(dict(run_config or {}).items()))
+    try:
+        return _parse_items(items)
+    except TypeError:   # an unhashable value: parse without the cache
+        return parse_run_config(run_config)
+
+
 def canonical(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """``run_config`` in its canonical form (top-level keys and dotted option-table paths: what Flower is handed;
     ``fedfuse.config_layout.canonical_run_config``); unknown keys are kept for ``parse_run_config`` to name."""
@@ -1291,7 +1307,7 @@ def describe() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["RunConfig", "KeySpec", "SCHEMA", "TOP_LEVEL", "TOP_LEVEL_KEYS", "canonical", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
+__all__ = ["RunConfig", "KeySpec", "SCHEMA", "TOP_LEVEL", "TOP_LEVEL_KEYS", "canonical", "parse_once", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
            "check_model", "check_partitions", "data_options", "preflight", "auto_round_aggregation", "AUTO_SERVER_MOMENTUM", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",

@@ -69,3 +69,21 @@ def test_an_averaging_run_without_a_fusion_set_completes_and_records_its_plan(tm
     assert res["config"]["fusion-set-samples"] == 0 and res["plan"]["round-aggregation"] == "fedavg"
     assert res["plan"]["decisions"][0]["value"] == "auto -> fedavg"
     assert len(res["rounds"]) == 1 + 2 + 1 and res["rounds"][-1]["test-accuracy"] > 0.2   # rounds 0..2, head round
+
+
+def test_a_client_app_parses_the_run_config_once(monkeypatch):
+    """Every message handed the ClientApp the whole run config, re-parsed (and re-checked) each time; now the first
+    message's parse is reused for the run (``RunConfig`` is frozen)."""
+    from fedfuse import config
+    from fedfuse.flower import client_app
+    from fedfuse.flower.tiers import client_tiers
+
+    calls = []
+    real = config.parse_run_config
+    monkeypatch.setattr(config, "parse_run_config", lambda rc, **kw: calls.append(1) or real(rc, **kw))
+    config._parse_items.cache_clear()
+    run = {**TINY, "seed": 7}
+    first = config.parse_once(run)
+    assert all(config.parse_once(dict(run)) is first for _ in range(5)) and len(calls) == 1
+    assert config.parse_once({**run, "seed": 8}).seed == 8 and len(calls) == 2
+    assert client_app.parse_once is config.parse_once and client_tiers.parse_once is config.parse_once

@@ -38,7 +38,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.clientapp.typing import Mod  # noqa: E402
 
-from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_model, parse_run_config,  # noqa: E402
+from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_model, parse_once,  # noqa: E402
                             partition_file)
 from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
@@ -105,7 +105,7 @@ def _node_local_data(cfg: RunConfig, pid: int, path: str, key: str = "node-confi
 def _setup(context: Context) -> tuple[RunConfig, NodeData]:
     limit_threads()
     with config_notes():   # what the check resolved (ConfigNote) is the ServerApp's to say, once
-        cfg = parse_run_config(context.run_config)
+        cfg = parse_once(context.run_config)   # parsed on the run's first message only
     if context.node_config.get("data-root"):  # deployment: this SuperNode's own data folder
         cfg = dataclasses.replace(cfg, data_root=str(context.node_config["data-root"]))
     if context.node_config.get("device"):  # deployment: this SuperNode's device (auto | cpu | cuda | cuda:N)

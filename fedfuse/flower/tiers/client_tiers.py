@@ -16,7 +16,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from fedfuse.config import config_notes, parse_run_config
+from fedfuse.config import config_notes, parse_once
 from fedfuse.hetero import attach_width_scaler, parse_tier_value, tier_of
 from fedfuse.hetero.tiers import parse_tier_pair
 from fedfuse.hetero.depth import ExitsView, MultiExit, exit_submodel, held_keys, mutual_distillation_loss
@@ -53,7 +53,7 @@ def node_tier(context: Context, tiers: list[float] | tuple[float, ...] | None = 
     if tiers is not None:
         return pid, tier_of(pid, tuple(parse_tier_value(t, key=f"query config {TIERS_KEY!r}") for t in tiers))
     with config_notes():   # the ServerApp says what the check resolved, once
-        cfg = parse_run_config(context.run_config)
+        cfg = parse_once(context.run_config)
     return pid, tier_of(pid, cfg.tiers)
 
 
