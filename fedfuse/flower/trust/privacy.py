@@ -45,7 +45,8 @@ from fedfuse.choices import DP_CLIPPINGS
 from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
                                                SamplingMethod)
 from fedfuse.strategy_specs import DP_STRATEGIES
-from fedfuse.config import AUTO_SERVER_MOMENTUM, ConfigError, dp_strategy
+from fedfuse.config import ConfigError
+from fedfuse.plan import auto_server_momentum, dp_strategy
 from fedfuse.privacy import feature_clip_bound, public_projection
 
 
@@ -285,8 +286,8 @@ def private_config(cfg):
     changes = {}
     if dp_strategy(cfg) != cfg.strategy:
         changes["strategy"] = dp_strategy(cfg)
-        if changes["strategy"] == "fedavgm" and cfg.server_momentum < 0:   # auto's momentum step, as without DP
-            changes["server_momentum"] = AUTO_SERVER_MOMENTUM
+        if auto_server_momentum(cfg) is not None:   # auto's momentum step (the plan's), as without DP
+            changes["server_momentum"] = auto_server_momentum(cfg)
         log(INFO, "fedfuse dp: strategy 'auto' has no fusion candidate at local-epochs %d: it runs as %r",
             cfg.local_epochs, changes["strategy"])
     if cfg.client_references:
