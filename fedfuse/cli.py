@@ -162,20 +162,31 @@ def cmd_fusion_set(argv: list[str]) -> int:
         raise CliError("config error: run-config key 'fusion-set-size' must be > 0 to write a fusion set")
     path = Path(args.path).expanduser().resolve()
     files = _fusion_files()
-    written = files.write_fusion_set_file(path, dataset=cfg.dataset, size=cfg.fusion_set_size, seed=cfg.seed,
-                                          source=cfg.fusion_set_source, public_fraction=cfg.public_fraction,
-                                          num_clients=cfg.num_clients, partitioning=cfg.partitioning,
-                                          alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
-                                          data_root=cfg.data_root, test_fraction=cfg.test_fraction,
-                                          with_labels=not args.no_labels)
+    test_path = Path(args.test_set).expanduser().resolve() if args.test_set else None
+    for what, p in (("PATH", path), ("--test-set", test_path)):   # before the dataset is drawn
+        if p is not None and p.suffix not in files.FUSION_FILE_SUFFIXES:
+            raise CliError(f"fusion-set: {what} {str(p)!r}: unknown file type {p.suffix or '(none)'!r}; "
+                           f"write one of {', '.join(files.FUSION_FILE_SUFFIXES)}")
+    try:
+        written = files.write_fusion_set_file(path, dataset=cfg.dataset, size=cfg.fusion_set_size, seed=cfg.seed,
+                                              source=cfg.fusion_set_source, public_fraction=cfg.public_fraction,
+                                              num_clients=cfg.num_clients, partitioning=cfg.partitioning,
+                                              alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
+                                              data_root=cfg.data_root, test_fraction=cfg.test_fraction,
+                                              with_labels=not args.no_labels)
+    except OSError as exc:
+        raise CliError(f"fusion-set: cannot write {str(path)!r}: {exc.strerror or exc}") from None
     x, y = files.load_fusion_file(written)  # read back: what the server will load
     print(f"fedfuse: wrote {written}: x {list(x.shape)} {str(x.dtype).replace('torch.', '')}, values "
           f"[{float(x.min()):.3g}, {float(x.max()):.3g}]" + (f", y {list(y.shape)}" if y is not None else ", no labels") +
           f" ({cfg.dataset}, fusion-set-source={cfg.fusion_set_source!r}, seed {cfg.seed})")
     print(f"fedfuse: use it with --run-config \"fusion-set-path='{written}' dataset='{cfg.dataset}'\"")
-    if args.test_set:
-        test = files.write_test_set_file(Path(args.test_set).expanduser().resolve(), dataset=cfg.dataset,
-                                         seed=cfg.seed, data_root=cfg.data_root, test_fraction=cfg.test_fraction)
+    if test_path is not None:
+        try:
+            test = files.write_test_set_file(test_path, dataset=cfg.dataset, seed=cfg.seed, data_root=cfg.data_root,
+                                             test_fraction=cfg.test_fraction)
+        except OSError as exc:
+            raise CliError(f"fusion-set: cannot write --test-set {str(test_path)!r}: {exc.strerror or exc}") from None
         tx, ty = files.load_fusion_file(test)
         print(f"fedfuse: wrote {test}: test split x {list(tx.shape)}, y {list(ty.shape) if ty is not None else None}")
     return 0
@@ -245,7 +256,7 @@ def main_help() -> str:
     lines = ["usage: fedfuse <command> [options]      (fedfuse <command> --help: the command's options)", "",
              "Federated learning on Flower where the server fuses the clients' models.", "", "commands:"]
     lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
-    lines += ["", "examples:", "  fedfuse run                                   # average vs FedAvg, digits Dirichlet "
+    lines += ["", "examples:", "  fedfuse run                                   # auto vs FedAvg, digits Dirichlet "
               "α=0.1, 4 clients, 10 rounds",
               "  fedfuse run --run-config \"dataset='mnist1d' partitioning='dirichlet' num-server-rounds=10\"",
               "  fedfuse compare --strategies average,fedavg,fedavgm --partitions shards --seeds 0,1,2 "

@@ -18,6 +18,8 @@ Checks, all before any Flower process starts and without loading data:
 - ``check_files(cfg)``: the files the config names: ``fusion-set-path`` (existence, format, shape, dtype,
   finite values, value range against the dataset's preprocessing) and ``data-root``.
 - ``check_model(cfg)``: the model builds for the dataset's input shape and maps a batch to logits.
+- ``check_device(cfg)`` / ``check_output_dir(cfg)``: ``device='cuda[:N]'`` has that device here; ``output-dir``
+  can be created and written in.
 - ``preflight(mapping)``: all of the above; every runner calls it before it starts Flower.
 
 Every failure is a ``ConfigError`` (a ``ValueError``) with one line that names the key. What is known
@@ -33,11 +35,14 @@ import contextlib
 import difflib
 import functools
 import math
+import os
 import sys
+import tempfile
 import typing
 import warnings
 from dataclasses import replace, dataclass, field, fields
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Mapping
 
 # allowed values (one place: fedfuse.choices), re-exported as part of the schema
@@ -584,12 +589,26 @@ def _check_zoo_model(cfg: RunConfig) -> None:
         raise ConfigError(f"run-config key 'model': {problem} (dataset {cfg.dataset!r})")
 
 
+def run_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a run's folder inside ``output-dir`` (``None`` when it can): ``<output-dir>/<run-name>``
+    is one folder, so a path separator, ``.`` or ``..`` would write elsewhere (``'../escape'``: beside output-dir)."""
+    if not name:
+        return None
+    if name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")):
+        return ("must be a single folder name (no '/' or '\\', not '.' or '..'): <output-dir>/<run-name> would not be "
+                "a folder of its own inside output-dir; to write elsewhere, set output-dir")
+    return None
+
+
 def _check_rules(cfg: RunConfig) -> None:
     """Rules between keys and the dataset facts known without loading it."""
     _check_zoo_model(cfg)
     if cfg.resume and not cfg.run_name:
         raise ConfigError("run-config key 'resume' needs a fixed 'run-name' (the run to continue lives in "
                           "<output-dir>/<run-name>)")
+    problem = run_name_problem(cfg.run_name)
+    if problem:
+        raise ConfigError(f"run-config key 'run-name' ({cfg.run_name!r}): {problem}")
     if cfg.tofu_r > 0 and cfg.model != "vit":
         raise ConfigError(f"run-config key 'client-options.tofu-r': Token Fusion applies to model 'vit' only, not {cfg.model!r}")
     if cfg.min_train_nodes > cfg.num_clients:
@@ -1279,10 +1298,58 @@ def canonical(run_config: Mapping[str, Any] | None) -> dict[str, Any]:
     return canonical_run_config(run_config, top_level=TOP_LEVEL, error=ConfigError, note=ConfigNote)
 
 
+def check_device(cfg: RunConfig) -> None:
+    """``device='cuda'`` / ``'cuda:N'`` needs that CUDA device on this machine (the server evaluates on it, and in a
+    simulation every client trains on it): ``ConfigError`` naming ``device`` before any process starts, not a failed
+    run a minute later. ``'auto'`` takes CUDA when present and is never an error."""
+    if not cfg.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"run-config key 'device': {cfg.device!r}, but CUDA is not available on this machine "
+                          f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use 'auto' (CUDA "
+                          "when present) or 'cpu'")
+    count = torch.cuda.device_count()
+    index = int(cfg.device[5:]) if cfg.device.startswith("cuda:") else 0
+    if index >= count:
+        raise ConfigError(f"run-config key 'device': {cfg.device!r}, but this machine has {count} CUDA device(s) "
+                          f"(cuda:0 to cuda:{count - 1})")
+
+
+def output_root(output_dir: str) -> Path:
+    """``output-dir`` as a run resolves it: relative to ``FEDFUSE_OUTPUT_ROOT`` or the working directory
+    (``fedfuse.flower.server_app.output_dir``)."""
+    base = Path(output_dir).expanduser()
+    return base if base.is_absolute() else Path(os.environ.get("FEDFUSE_OUTPUT_ROOT", os.getcwd())) / base
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """``output-dir`` is a folder this process can create and write in: its nearest existing ancestor is a folder in
+    which a folder can be made (tried: an empty folder made and removed again; file permissions alone do not tell,
+    e.g. for root under ``/proc``). ``ConfigError`` naming ``output-dir`` otherwise, before any process starts."""
+    root = output_root(cfg.output_dir)
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a folder" if existing == root else f"cannot be created: {str(existing)!r} is a file"
+        raise ConfigError(f"run-config key 'output-dir': {cfg.output_dir!r} {what}")
+    try:
+        Path(tempfile.mkdtemp(prefix=".fedfuse-write-check-", dir=existing)).rmdir()
+    except OSError as exc:
+        what = ("cannot be written in" if existing == root
+                else f"cannot be created (making a folder in {str(existing)!r} fails)")
+        raise ConfigError(f"run-config key 'output-dir': {cfg.output_dir!r} {what}: {exc.strerror or exc}") from None
+
+
 def preflight(run_config: Mapping[str, Any] | None, *, known_strategies: tuple[str, ...] | None = None) -> RunConfig:
-    """Everything knowable from the config, before any Flower process: ``parse_run_config``, ``check_files``,
-    ``check_model``, ``check_partitions``. Raises ``ConfigError`` naming the key."""
+    """Everything knowable from the config, before any Flower process: ``parse_run_config``, ``check_device``,
+    ``check_output_dir``, ``check_files``, ``check_model``, ``check_partitions``. Raises ``ConfigError`` naming the
+    key."""
     cfg = parse_run_config(run_config, known_strategies=known_strategies)
+    check_device(cfg)
+    check_output_dir(cfg)
     check_files(cfg)
     check_model(cfg)
     check_partitions(cfg)
@@ -1309,7 +1376,7 @@ def describe() -> str:
 
 __all__ = ["RunConfig", "KeySpec", "SCHEMA", "TOP_LEVEL", "TOP_LEVEL_KEYS", "canonical", "parse_once", "ConfigError", "ConfigNote", "config_notes", "robust_min_replies", "parse_run_config", "fusion_options_dict", "check_files",
            "read_fusion_set",
-           "check_model", "check_partitions", "data_options", "preflight", "auto_round_aggregation", "AUTO_SERVER_MOMENTUM", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
+           "check_model", "check_partitions", "check_device", "check_output_dir", "output_root", "run_name_problem", "data_options", "preflight", "auto_round_aggregation", "AUTO_SERVER_MOMENTUM", "strategy_names", "clients_per_round", "fusion_set_problem", "dataset_info",
            "describe", "load_initial_model", "warm_start_fusions", "MODES", "DATASETS", "HF_PREFIX", "MODELS", "MODEL_FAMILIES", "PARTITIONINGS", "OPTIMIZERS",
            "IMPORTANCE", "FUSION_SET_SOURCES", "FALLBACKS", "NON_FUSION_STRATEGIES"]
 

@@ -162,6 +162,20 @@ def check_finite(method: str, model: nn.Module) -> None:
                                        f"({int((~torch.isfinite(value)).sum())} of {value.numel()} entries)")
 
 
+def check_materialised(models: list[nn.Module], what: str = "model") -> None:
+    """Every model's weights hold values: a tensor on the ``meta`` device (shapes only: a model built under
+    ``torch.device('meta')``, or loaded lazily and never filled) has none to fuse; ``IncompatibleModelsError`` (a
+    ``ValueError``) naming the model and the first such entry, rather than a torch error from deep inside a method."""
+    for i, m in enumerate(models):
+        bad = next((k for k, v in m.state_dict().items() if v.is_meta), None)
+        if bad is not None:
+            name = f"model {i}" if what == "model" else what
+            raise IncompatibleModelsError(f"fuse: {name}'s {bad!r} is on the 'meta' device (a shape without values: "
+                                          "a model built under torch.device('meta') or never loaded); give it its "
+                                          "weights first, e.g. model.to_empty(device='cpu') then "
+                                          "model.load_state_dict(state)")
+
+
 def check_dtypes(models: list[nn.Module]) -> None:
     """Every model's floating-point weights in one dtype (``IncompatibleModelsError`` naming the odd model)."""
     def dtype(m: nn.Module):
@@ -330,6 +344,9 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     if fusion_inputs is not None and len(fusion_inputs) == 0:
         fusion_inputs = None  # an empty fusion set is no fusion set
     opts = spec.parse_options(options)
+    check_materialised(models)
+    if isinstance(reference, nn.Module):
+        check_materialised([reference], "reference")
     check_dtypes(models)
     for i, m in enumerate(models):   # a NaN teacher would otherwise be distilled for every epoch, silently
         bad = next((k for k, v in m.state_dict().items()
@@ -442,5 +459,5 @@ def _import_all() -> None:
 _import_all()
 
 __all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
-           "normalise_weights", "normalise_scores", "check_dtypes", "check_fusion_inputs", "check_scores", "check_teacher_outputs", "nonfinite_outputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
+           "normalise_weights", "normalise_scores", "check_materialised", "check_dtypes", "check_fusion_inputs", "check_scores", "check_teacher_outputs", "nonfinite_outputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

@@ -72,8 +72,9 @@ class AutoOptions:
         max_seconds: time budget for the candidates after the average (0 = none); candidates not started within it
             are skipped and reported.
         validation: optional labelled validation sets ``[(x_i [N_i, ...], y_i [N_i]), ...]`` (e.g. one per client:
-            federated validation). With them every candidate is tried (no agreement shortcut), fitted on the whole
-            fusion set, and the one with the highest sample-weighted validation accuracy is kept (``auto-accuracy``).
+            federated validation), or one set ``(x, y)`` (``validation_sets``). With them every candidate is tried (no
+            agreement shortcut), fitted on the whole fusion set, and the one with the highest sample-weighted validation
+            accuracy is kept (``auto-accuracy``).
         refit: without ``validation``, fuse the chosen candidate again on the whole fusion set and return that model
             (``auto-refit``: its seconds); ``False`` returns the candidate as fitted on the fit part (the model the
             held-out scores describe).
@@ -99,10 +100,7 @@ class AutoOptions:
         require(len(self.candidates) > 0, "candidates", "at least one method", self.candidates)
         require(isinstance(self.refit, bool), "refit", "True or False", self.refit)
         if self.validation is not None:
-            ok = isinstance(self.validation, (list, tuple)) and len(self.validation) > 0 and all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and torch.is_tensor(p[0]) and torch.is_tensor(p[1])
-                and p[0].shape[0] == p[1].shape[0] > 0 for p in self.validation)
-            require(ok, "validation", "a non-empty list of (x [N, ...], y [N]) tensor pairs", type(self.validation))
+            object.__setattr__(self, "validation", validation_sets(self.validation))   # frozen: set once, here
             for i, (x, y) in enumerate(self.validation):
                 if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
                     what = "NaN or infinite values" if x.is_floating_point() else f"dtype {x.dtype}"
@@ -122,6 +120,40 @@ class AutoOptions:
             if not spec.same_architecture:
                 raise FusionOptionError(f"auto: option 'candidates': {name!r} does not return one model of the "
                                         "global architecture")
+
+
+def _what(value: Any) -> str:
+    return f"a tensor of shape {list(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+
+
+def validation_sets(validation: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``validation`` as a list of ``(x [N, ...], y [N])`` tensor pairs; one pair ``(x, y)`` of tensors is one set.
+    ``FusionOptionError`` saying what is wrong with which set otherwise (the shape of the list, a set that is not a
+    pair of tensors, inputs and labels of different lengths, an empty set)."""
+    if isinstance(validation, (list, tuple)) and len(validation) == 2 and all(torch.is_tensor(t) for t in validation):
+        validation = [tuple(validation)]   # one (x, y) set
+    if not isinstance(validation, (list, tuple)) or not validation:
+        raise FusionOptionError(f"auto: option 'validation' must be a non-empty list of (x [N, ...], y [N]) tensor "
+                                f"pairs, or one such pair; got {_what(validation)}"
+                                + (" (empty)" if isinstance(validation, (list, tuple)) else ""))
+    sets = []
+    for i, pair in enumerate(validation):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(torch.is_tensor(t) for t in pair)):
+            got = (f"{len(pair)} items" if isinstance(pair, (list, tuple)) and len(pair) != 2
+                   else ", ".join(map(_what, pair)) if isinstance(pair, (list, tuple)) else _what(pair))
+            raise FusionOptionError(f"auto: option 'validation': set {i} must be a pair (x [N, ...], y [N]) of "
+                                    f"tensors, got {got}")
+        x, y = pair
+        if x.dim() == 0 or y.dim() != 1:
+            raise FusionOptionError(f"auto: option 'validation': set {i} must be x [N, ...] and y [N] (one label per "
+                                    f"input), got x of shape {list(x.shape)} and y of shape {list(y.shape)}")
+        if x.shape[0] != y.shape[0]:
+            raise FusionOptionError(f"auto: option 'validation': set {i} has {x.shape[0]} inputs (x) but "
+                                    f"{y.shape[0]} labels (y); give one label per input")
+        if x.shape[0] == 0:
+            raise FusionOptionError(f"auto: option 'validation': set {i} is empty (0 inputs)")
+        sets.append((x, y))
+    return sets
 
 
 def split_fusion_set(x: torch.Tensor, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,4 +312,4 @@ def validation_accuracy(model: nn.Module, validation) -> float:
     return correct / total
 
 
-__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "check_validation", "validation_accuracy", "DEFAULT_CANDIDATES", "CRITERIA"]
+__all__ = ["AutoOptions", "fuse_auto", "split_fusion_set", "validation_sets", "check_validation", "validation_accuracy", "DEFAULT_CANDIDATES", "CRITERIA"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import canonical, config_notes, preflight
+from fedfuse.config import ConfigError, canonical, config_notes, preflight
 from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
@@ -197,6 +197,32 @@ class RunOutcome:
         return self.status == "finished:completed"
 
 
+def federation_size(cfg: dict[str, Any], num_supernodes: int | None) -> int:
+    """The number of SuperNodes of a simulation, with ``cfg``'s ``num-clients`` set to it (``cfg`` is changed).
+
+    As in Flower, ``num-supernodes`` is the federation's size: SuperNode ``i`` of ``n`` gets node config
+    ``partition-id=i num-partitions=n``, and fedfuse's ClientApp trains partition ``i`` of ``num-clients``, so the two
+    are one number. ``None`` (not given): ``num-clients`` (the app's default 4 when the config leaves it out); given
+    alone, it sets ``num-clients``; given with a different ``num-clients``, a ``ConfigError`` naming both (not a run
+    that trains some of the partitions, or none: every ClientApp refuses a node config that disagrees). Below 1, a
+    ``ConfigError`` too."""
+    if num_supernodes is None:
+        n = cfg.get("num-clients", 4)
+        n = n if isinstance(n, int) and not isinstance(n, bool) else 4   # a bad value: the config check names it
+        cfg.setdefault("num-clients", n)
+        return n
+    if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
+        raise ConfigError(f"--num-supernodes {num_supernodes!r}: a federation needs at least 1 SuperNode (default: "
+                          "run-config num-clients)")
+    clients = cfg.get("num-clients")
+    if isinstance(clients, int) and not isinstance(clients, bool) and clients != num_supernodes:
+        raise ConfigError(f"--num-supernodes {num_supernodes} but run-config num-clients={clients}: each SuperNode "
+                          f"holds one of the num-clients partitions, so these are one number; give one of them, or "
+                          f"the same value to both")
+    cfg.setdefault("num-clients", num_supernodes)
+    return num_supernodes
+
+
 def check_app_config(cfg: dict[str, Any], app_dir: Path, check_config: bool | None) -> None:
     """``fedfuse.config.preflight`` of the full run config before any Flower process starts; by default for
     the fedfuse app only (a test app with its own keys, e.g. fault injection, checks its own)."""
@@ -217,14 +243,14 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
     ``on_line`` when given (the runners' quiet console: ``fedfuse.flower.runner.console``).
 
     ``run_config`` should hold ``output-dir`` (absolute) and ``run-name``; both are filled in when
-    missing (``paths.results_dir_for(app_dir)``, a timestamped name). The whole config is checked first
-    (``check_app_config``): a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
+    missing (``paths.results_dir_for(app_dir)``, a timestamped name). ``num_supernodes`` and the config's
+    ``num-clients`` are one number (``federation_size``). The whole config is checked first (``check_app_config``):
+    a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
     """
     cfg = canonical(run_config) if takes_fedfuse_config(app_dir) else dict(run_config)
     cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = num_supernodes or int(cfg.get("num-clients", 4))
-    cfg.setdefault("num-clients", n)
+    n = federation_size(cfg, num_supernodes)
     check_app_config(cfg, app_dir, check_config)
     out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
     home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))

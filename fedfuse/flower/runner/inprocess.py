@@ -71,7 +71,8 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedfuse.flower.client_app import app as fedfuse_client_app  # noqa: E402
 from fedfuse.config import canonical  # noqa: E402
-from fedfuse.flower.runner.flwr_runner import ROOT, RunOutcome, check_app_config, run_config_arg  # noqa: E402
+from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, federation_size,  # noqa: E402
+                                              run_config_arg)
 from fedfuse.flower.runner.paths import results_dir_for, takes_fedfuse_config  # noqa: E402
 from fedfuse.flower.server_app import run_server  # noqa: E402
 
@@ -340,12 +341,12 @@ def _logging(echo: bool, on_line: Callable[[str], None] | None = None) -> Iterat
 def prepare(run_config: dict[str, Any], num_supernodes: int | None, app_dir: Path,
             check_config: bool | None) -> tuple[dict[str, Any], int, Path]:
     """The run config with the runner defaults ``run_app`` fills in (absolute ``output-dir``, a
-    ``run-name``, ``num-clients``), checked like ``run_app`` checks it; also the node count and results dir."""
+    ``run-name``, ``num-clients`` = the node count: ``flwr_runner.federation_size``), checked like ``run_app`` checks
+    it; also the node count and results dir."""
     cfg = canonical(run_config) if takes_fedfuse_config(app_dir) else dict(run_config)
     cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = num_supernodes or int(cfg.get("num-clients", 4))
-    cfg.setdefault("num-clients", n)
+    n = federation_size(cfg, num_supernodes)
     check_app_config(cfg, Path(app_dir), check_config)
     return cfg, n, Path(cfg["output-dir"]) / cfg["run-name"]
 

@@ -39,10 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.flower.runner.cli import ENGINE_HELP, ENGINES, overrides_or_exit, preflight_or_exit, run_with_engine
+from fedfuse.config import ConfigError
+from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, preflight_or_exit,
+                                       run_with_engine)
 from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
                                            reference_points, references_table, round_curves, verdict)
 from fedfuse.flower.runner.console import QuietConsole
+from fedfuse.flower.runner.flwr_runner import federation_size
 from fedfuse.flower.runner.paths import default_results_dir
 
 _FALLBACK_WIDTH = 40
@@ -103,8 +106,16 @@ def report(out_dir: Path, flwr_ok: bool, flwr_status: str, *, table: bool = True
         print(f"fedfuse: run failed: {failure or flwr_status}; results at {out_dir}", file=sys.stderr)
         return 1
     if table:
-        print(f"fedfuse: results in {out_dir} (results.json, rounds.csv, accuracy.png)")
+        print(f"fedfuse: results in {out_dir} ({', '.join(existing(out_dir, RUN_FILES))})")
     return 0
+
+
+RUN_FILES = ("results.json", "rounds.csv", "accuracy.png")
+
+
+def existing(folder: Path, names) -> list[str]:
+    """The files of ``names`` that ``folder`` holds, in that order (a failed run may have written none of them)."""
+    return [name for name in names if (folder / name).is_file()]
 
 
 ENGINE_NAMES = {"flwr": "flwr run", "inprocess": "in-process"}
@@ -164,7 +175,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-config", default="", help="overrides, e.g. \"strategy='kf-linear' num-server-rounds=3\", "
                     "or a .toml file of keys (fedfuse config lists them)")
-    ap.add_argument("--num-supernodes", type=int, default=None, help="default: num-clients")
+    ap.add_argument("--num-supernodes", type=int, default=None,
+                    help="the federation's size, as in `flwr run`: run-config num-clients (default); given alone it "
+                         "sets num-clients, with a different num-clients it is a config error")
     ap.add_argument("--output-dir", default=str(default_results_dir()),
                     help="default: results/ of the checkout; installed without one: ./results")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the flwr run (engine flwr)")
@@ -182,12 +195,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     cfg = overrides_or_exit(args.run_config)
+    if args.num_supernodes is not None:   # one number with num-clients (flwr_runner.federation_size)
+        try:
+            federation_size(cfg, args.num_supernodes)
+        except ConfigError as exc:
+            raise config_error_exit(exc) from None
     cfg.setdefault("output-dir", str(Path(args.output_dir).resolve()))
     checked = preflight_or_exit(cfg)  # everything knowable from the config, before Flower starts
     if "run-name" not in cfg:
         cfg["run-name"] = default_run_name(checked)
     out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
-    n = args.num_supernodes or checked.num_clients
+    n = checked.num_clients
     default = args.baseline or default_baseline(checked)
     baseline = None if args.no_compare or checked.strategy == default else default
     if baseline and args.baseline is None and one_shot_references_replace_baseline(checked):
@@ -253,8 +271,10 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
                      ylabel="federated accuracy (clients' validation splits)" if federated and any(
                          r.curve() for r in runs) else "test accuracy")
     png = "the fused model and its references" if refs and reference_points(runs[0]) else "accuracy per round"
-    print(f"fedfuse: results in {out_dir}: comparison.png ({png}), comparison.md, run.log, "
-          f"results.json, rounds.csv" + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
+    written = existing(out_dir, ("comparison.png", "comparison.md", "run.log", "results.json", "rounds.csv"))
+    files = [f"{name} ({png})" if name == "comparison.png" else name for name in written]
+    print(f"fedfuse: results in {out_dir}: {', '.join(files)}"
+          + (f"; {runs[1].label} in {runs[1].out_dir}" if len(runs) > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--timing-reference", default="heterofl",
                     help="capacity tiers: strategy whose aggregation seconds the others' are a ratio to")
     args = ap.parse_args(argv)
+    seeds = seeds_or_exit(args.seeds)
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise config_error_exit(ConfigError(f"--out {args.out!r}: cannot create the results folder: "
+                                            f"{exc.strerror or exc}")) from None
     # rows of earlier sweeps into the same --out are kept (a rerun of a cell replaces its row)
     rows = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else []
     if args.tables_only:
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if hosted is not None and args.engine != "inprocess":
             raise config_error_exit(ConfigError(f"--strategies {label!r}: sweep-partitions needs --engine inprocess"))
         for part in args.partitions.split(","):
-            for seed in (int(s) for s in args.seeds.split(",")):
+            for seed in seeds:
                 name = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{label}-{part}-s{seed}").strip("_")
                 cfg = {**base, **extra, "strategy": strategy, "partitioning": part, "seed": seed,
                        "output-dir": str(out), "run-name": name}
@@ -139,6 +144,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         (out / "sweep.json").write_text(json.dumps(rows, indent=2))
     return render(rows, labels, args.partitions.split(","), args.reference, out, args.run_config,
                   args.timing_reference)
+
+
+def seeds_or_exit(text: str) -> list[int]:
+    """``--seeds`` (``"0,1,2"``) as integers, or the one-line config error (status 2) naming ``--seeds``."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise config_error_exit(ConfigError(f"--seeds {text!r}: give comma-separated integers, e.g. --seeds 0,1,2"))
+    return seeds
 
 
 SWEEP_KEYS = ("sweep-partitions", "sweep-as-tier")
