@@ -12,7 +12,8 @@ node-config ``fault`` (deployment): ``FAULT[@ROUND]``, e.g. ``--node-config "...
 
 Client faults (``fault_mod``): ``crash`` (the ClientApp raises), ``exit`` (the ClientApp process dies:
 ``os._exit``), ``sleep:SECONDS`` (hangs before training; a shorter round-timeout drops it), ``nan`` /
-``inf`` (non-finite weights), ``shape`` (a weight of the wrong shape), ``dtype`` (float64 weights),
+``inf`` (non-finite weights), ``scale:FACTOR`` (every floating-point weight × FACTOR, e.g. ``scale:1e20``: finite
+weights whose model overflows), ``shape`` (a weight of the wrong shape), ``dtype`` (float64 weights),
 ``neg-scores``, ``no-scores``, ``short-scores`` (importance scores negative / missing / too short),
 ``num-examples`` (an absurd sample count). Server fault (``FusionFaultStrategy``): ``fusion:error``
 (fusion raises a ``FusionError`` in that round, so the strategy's configured fallback is taken).
@@ -34,7 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from fedfuse.fusion import FusionError
 
 FAULTS_KEY = "test-faults"
-CLIENT_FAULTS = ("crash", "exit", "sleep", "nan", "inf", "shape", "dtype", "neg-scores", "no-scores",
+CLIENT_FAULTS = ("crash", "exit", "sleep", "nan", "inf", "scale", "shape", "dtype", "neg-scores", "no-scores",
                  "short-scores", "num-examples")
 SERVER_FAULTS = ("error",)
 ABSURD_NUM_EXAMPLES = 10**12
@@ -50,6 +51,7 @@ class Fault:
     kind: str            # one of CLIENT_FAULTS / SERVER_FAULTS
     seconds: float = 0.0  # for sleep
     round: int | None = None
+    factor: float = 1.0   # for scale
 
     def applies(self, server_round: int) -> bool:
         return self.round is None or self.round == server_round
@@ -69,13 +71,18 @@ def _parse_one(target: str, spec: str) -> Fault:
     allowed = SERVER_FAULTS if target == "fusion" else CLIENT_FAULTS
     if kind not in allowed:
         raise ValueError(f"unknown fault {kind!r} for target {target!r}; choose one of {list(allowed)}")
-    seconds = 0.0
+    seconds, factor = 0.0, 1.0
     if kind == "sleep":
         try:
             seconds = float(arg)
         except ValueError:
             raise ValueError(f"fault 'sleep' needs seconds, e.g. 'sleep:30', got {spec!r}") from None
-    return Fault(target=target, kind=kind, seconds=seconds, round=rnd)
+    if kind == "scale":
+        try:
+            factor = float(arg)
+        except ValueError:
+            raise ValueError(f"fault 'scale' needs a factor, e.g. 'scale:1e20', got {spec!r}") from None
+    return Fault(target=target, kind=kind, seconds=seconds, round=rnd, factor=factor)
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -147,10 +154,12 @@ def fault_mod(msg: Message, context: Context, call_next) -> Message:
 def corrupt_reply(fault: Fault, reply: Message) -> None:
     """Make a train reply bad the way ``fault`` says (in place); the server must reject it."""
     content = reply.content
-    if fault.kind in ("nan", "inf", "shape", "dtype"):
+    if fault.kind in ("nan", "inf", "scale", "shape", "dtype"):
         arrays = {k: a.numpy().copy() for k, a in content["arrays"].items()}
         first = next(k for k, a in arrays.items() if a.dtype.kind == "f")
-        if fault.kind in ("nan", "inf"):
+        if fault.kind == "scale":
+            arrays = {k: (a * np.asarray(fault.factor, a.dtype) if a.dtype.kind == "f" else a) for k, a in arrays.items()}
+        elif fault.kind in ("nan", "inf"):
             arrays[first].reshape(-1)[0] = np.nan if fault.kind == "nan" else np.inf
         elif fault.kind == "shape":
             a = arrays[first]

@@ -171,6 +171,7 @@ def warm_start_round(protocol: Any, server_round: int, ok: list[Message], failur
     warm: WarmStart = protocol.warm_start
     record["method"] = warm.label
     updates = protocol.validate_replies(server_round, ok, record)
+    protocol.observe(updates, updates)
     record["valid"] = len(updates)
     protocol.last_updates = updates
     if protocol._stop_or_skip(server_round, len(updates), record):

@@ -9,6 +9,11 @@ round falls back to the last global model: Flower's ``Strategy.start`` keeps the
 ``broadcast-guard`` (the reason, and the replies, with their tiers, whose own models output non-finite values
 or whose arrays hold them), the strategy forgets its server state (momentum) as after any fallback, and a WARNING
 says so. A run every round of which falls back fails as "fusion never succeeded" (``fedfuse.results``).
+
+The guard is the last line. Before any aggregation the divergence screen (``fedfuse.flower.round.divergence``) drops a
+reply whose own model outputs non-finite values on the same probe, or whose weights are outsized against the round's
+others, and the round aggregates the rest: one such client no longer costs the round. ``guard_broadcast`` hands the
+probe to the strategy for it (``reply_probe``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def guard_broadcast(strategy, probe: torch.Tensor | None, device: Any = "cpu") -
         log(WARNING, "fedfuse: broadcast guard off: the server has neither fusion nor test inputs to probe with")
         return
     probe = probe[:PROBE]
+    strategy.reply_probe = probe   # the divergence screen's non-finite-outputs rule reads the same inputs
     inner = strategy.aggregate_train
 
     def aggregate_train(server_round, replies):
@@ -77,8 +83,9 @@ def guard_broadcast(strategy, probe: torch.Tensor | None, device: Any = "cpu") -
         if reason is None:
             return arrays, metrics
         culprits = _reply_culprits(strategy, probe, device)
-        named = "; ".join(f"node {c['node-id']}" + (f" (tier {c['tier']})" if c["tier"] is not None else "")
-                          + f": {c['reason']}" for c in culprits) or "no single reply: the aggregate itself"
+        named = "; ".join(f"node {c['node-id']} (partition {c['partition-id']}"
+                          + (f", tier {c['tier']}" if c["tier"] is not None else "") + f"): {c['reason']}"
+                          for c in culprits) or "no single reply: the aggregate itself"
         record = strategy.history[-1] if getattr(strategy, "history", None) else {}
         record["fallback"] = f"previous: the new global model has {reason}"
         record["broadcast-guard"] = {"reason": reason, "replies": culprits}

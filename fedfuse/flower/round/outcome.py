@@ -72,9 +72,11 @@ class RoundOutcome:
         ``ReplyContractError``; fewer than ``min_valid_replies`` → the round is skipped (logged, recorded; returns
         True)."""
         # a round whose every reply was rejected for one run-stopping reason: no later round can differ
-        for flag, what, error in (("non-finite-weights", "every client returned non-finite weights", self._diverged),
-                                  ("contract", "every reply broke the reply contract", self._contract_broken)):
-            hits = [r for r in record["rejected"] if r.get(flag)]
+        for flags, what, error in ((("non-finite-weights", "non-finite-outputs"),
+                                    "every client returned non-finite weights or a model with non-finite outputs",
+                                    self._diverged),
+                                   (("contract",), "every reply broke the reply contract", self._contract_broken)):
+            hits = [r for r in record["rejected"] if any(r.get(flag) for flag in flags)]
             if not valid and hits and len(hits) == len(record["rejected"]):
                 self.history.append({**record, "skipped": what})
                 raise error(server_round, hits)
@@ -88,8 +90,10 @@ class RoundOutcome:
         return False
 
     def _diverged(self, server_round: int, hits: list[dict[str, Any]]) -> ClientsDivergedError:
+        what = ("non-finite weights" if all(h.get("non-finite-weights") for h in hits)
+                else "non-finite weights or a model with non-finite outputs")
         return ClientsDivergedError(
-            f"round {server_round}: every client that replied ({len(hits)}) returned non-finite weights (e.g. node "
+            f"round {server_round}: every client that replied ({len(hits)}) returned {what} (e.g. node "
             f"{hits[0]['node-id']}: {hits[0]['reason']}); local training diverged, so the run stops here with the "
             "last global model. Lower the clients' 'lr' or use another 'optimizer'.")
 

@@ -4,8 +4,9 @@ Flower's ``FedAvg`` with its node sampling (made reproducible per round) and mes
 rest of a train round is fedfuse's, once for every strategy:
 
     replies → split off error replies and silent nodes (logged, recorded) → validate each reply against
-    the reply contract (``fedfuse.flower.round.replies``; a rejected reply is logged with its reason and the
-    round goes on with the others) → sort (partition id: deterministic float sums) → stop when every
+    the reply contract (``fedfuse.flower.round.replies``) and the divergence screen (``divergence``: outsized
+    weights, non-finite outputs; a rejected reply is logged with its reason and the round goes on with the
+    others) → sort (partition id: deterministic float sums) → stop when every
     reply diverged, skip the round below ``min_valid_replies`` → ``aggregate(updates)`` under the
     fallback policy → history record + train metrics → new global ArrayRecord
 
@@ -244,14 +245,17 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         streamed = self.aggregate_streamed(server_round, ok, failures, record)
         if streamed is not None:
             return streamed
-        updates = cap_weights(self.validate_replies(server_round, ok, record), self.weight_cap, record)
+        validated = self.validate_replies(server_round, ok, record)
+        updates = cap_weights(validated, self.weight_cap, record)
         record["valid"] = len(updates)
         self.last_updates = updates
         if self._stop_or_skip(server_round, len(updates), record):
+            self.observe(validated, updates)
             return None, None
         # after the skip rule: a liar the screen drops was a valid reply, and dropping it must not skip the round
         updates = self.screen_updates(updates, record)
         self.last_updates = updates
+        self.observe(validated, updates)   # the clients' ensemble and per-client columns: the replies kept
         t0 = time.perf_counter()
         average = (lambda: self.average(updates)) if self.round_label(server_round) != "average" else None
         state, fallback, info = self.with_fallback(server_round, len(updates),

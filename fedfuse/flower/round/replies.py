@@ -82,8 +82,11 @@ def bounded_class_counts(update: ClientUpdate) -> list[float] | None:
 
 
 def record_rejection(record: dict[str, Any], server_round: int, node_id: int, reason: str, **fields: Any) -> None:
-    """Log a rejected reply as a WARNING and add it to the round's ``record["rejected"]`` (with ``fields``)."""
-    log(WARNING, "aggregate_train: round %d: rejected reply from node %d: %s", server_round, node_id, reason)
+    """Log a rejected reply as a WARNING (with its partition id when ``fields`` has ``partition-id``) and add it to the
+    round's ``record["rejected"]`` (with ``fields``)."""
+    pid = fields.get("partition-id")
+    log(WARNING, "aggregate_train: round %d: rejected reply from node %d%s: %s", server_round, node_id,
+        f" (partition {pid})" if pid is not None else "", reason)
     record["rejected"].append({"node-id": node_id, "reason": reason, **fields})
 
 
@@ -101,7 +104,8 @@ def reject_inconsistent_scores(updates: list[ClientUpdate], build_model: Callabl
         if problem is None:
             kept.append(u)
         else:
-            record_rejection(record, server_round, u.node_id, problem, **{"inconsistent-scores": True},
+            record_rejection(record, server_round, u.node_id, problem, **{"partition-id": u.partition_id,
+                                                                        "inconsistent-scores": True},
                              **extra(u.node_id))
     return kept
 

@@ -1,9 +1,10 @@
 """Reply triage of a train round (a mixin of ``RoundProtocol``): error replies and silent nodes become logged
-failure records, each reply is validated against the reply contract (``fedfuse.flower.round.replies``; a rejected reply
-is logged with its reason and the round goes on), and the valid ones are put in fusion order.
+failure records, each reply is validated against the reply contract (``fedfuse.flower.round.replies``) and the
+divergence screen (``fedfuse.flower.round.divergence``: outsized weights, non-finite outputs; a rejected reply is
+logged with its reason and partition id and the round goes on), and the valid ones are put in fusion order.
 
-The mixin reads ``RoundProtocol``'s state: ``_sent_msgs``, ``_node_partitions``, ``update_observer``, the record
-keys, and the hooks ``reply_reference``, ``update_key`` and ``warm_round``.
+The mixin reads ``RoundProtocol``'s state: ``_sent_msgs``, ``_node_partitions``, ``_global``, ``update_observer``,
+``reply_probe``, the record keys, and the hooks ``reply_reference``, ``update_key`` and ``warm_round``.
 """
 
 from __future__ import annotations
@@ -11,15 +12,24 @@ from __future__ import annotations
 from logging import INFO, WARNING
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import Message
 from flwr.common.logger import log
 
+from fedfuse.flower.round.broadcast_guard import PROBE, non_finite_outputs
+from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
 from fedfuse.flower.round.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
-                                    record_rejection, validate_reply)
+                                    _metric_record, record_rejection, validate_reply)
+from fedfuse.training import resolve_device
 
 
 class ReplyTriage:
     """Split, validate and order a round's replies (see the module docstring)."""
+
+    outsized_limit: float = OUTSIZED   # the divergence screen's rule 1 (0 = off); ``fedfuse.flower.round.divergence``
+    reply_probe: torch.Tensor | None = None   # its rule 2's inputs (the broadcast guard's; default: the fusion inputs)
+    _outsized: dict[int, dict[str, Any]] = {}
 
     def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
         return failure_record(node_id, reason, code, self._node_partitions.get(node_id))
@@ -46,40 +56,115 @@ class ReplyTriage:
             failures.append(self._failure(node_id, "no reply within the round timeout "
                                                    "(timed out, disconnected or died)"))
         self._sent_msgs = []
+        self._outsized = self._size_up(server_round, ok)
         return ok, failures
+
+    def _reply_reference(self, server_round: int, node: int):
+        """``(reference, level widths)`` that node ``node``'s reply must match in round ``server_round``."""
+        if self.warm_round(server_round) and not self.warm_start.depth_tiers:   # depth tiers: per node, as always
+            return self._reference(), self.warm_start.level_widths(self._model_template)
+        return self.reply_reference(server_round, node)
+
+    def _size_up(self, server_round: int, ok: list[Message]) -> dict[int, dict[str, Any]]:
+        """The divergence screen's rule 1 over the round's replies, before any is validated: ``{node: rejection}``
+        of the replies whose weights' norm is outsized (``fedfuse.flower.round.divergence.outsized_replies``)."""
+        if not self.outsized_limit or len(ok) < 2:
+            return {}
+        norms = {}
+        for m in ok:
+            node = int(m.metadata.src_node_id)
+            try:
+                reference, _ = self._reply_reference(server_round, node)
+            except (RuntimeError, KeyError, ValueError):   # validation says why
+                continue
+            norm = reply_norm(m, self.arrayrecord_key, reference)
+            if norm is not None:
+                norms[node] = norm
+        sent = self._global
+        global_norm = None if sent is None else record_norm(
+            sent, {k: (tuple(a.shape), np.dtype(a.dtype)) for k, a in sent.items()})
+        return outsized_replies(norms, global_norm, self.outsized_limit)
+
+    def _probe_inputs(self) -> torch.Tensor | None:
+        """The divergence screen's rule 2 inputs: ``reply_probe`` (the ServerApp sets the broadcast guard's), else the
+        first ``PROBE`` fusion inputs of a strategy that builds models, else none (rule 2 off)."""
+        if self.reply_probe is not None:
+            return self.reply_probe
+        if self.fusion_inputs is not None and self.model_fn is not None:
+            return self.fusion_inputs[:PROBE]
+        return None
+
+    def diverging(self, server_round: int, update: ClientUpdate) -> dict[str, Any] | None:
+        """The divergence screen (``fedfuse.flower.round.divergence``) on a reply that passed the reply contract: its
+        rejection fields (``reason``, a flag) when it must be dropped, else ``None``."""
+        outsized = self._outsized.get(update.node_id)
+        if outsized is not None:
+            return {**outsized, "outsized-weights": True}
+        probe = self._probe_inputs()
+        if probe is None or len(probe) == 0:
+            return None
+        try:
+            model = self.build_model(update.state)
+        except (RuntimeError, ValueError, KeyError, TypeError):   # not the global architecture (a narrower tier)
+            return None
+        why = non_finite_outputs(model, probe, resolve_device(self.device))
+        if why is None:
+            return None
+        return {"reason": f"its model has {why}: the global model would too", "non-finite-outputs": True}
 
     def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], *, level_widths: bool = True,
                     copy: bool = True) -> ClientUpdate | None:
         """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
         node = int(msg.metadata.src_node_id)
-        if self.warm_round(server_round) and not self.warm_start.depth_tiers:   # depth tiers: per node, as always
-            reference, widths = self._reference(), self.warm_start.level_widths(self._model_template)
-        else:
-            reference, widths = self.reply_reference(server_round, node)
+        reference, widths = self._reply_reference(server_round, node)
         try:
-            return validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
-                                  metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
-                                  weight_key=self.weighted_by_key, copy=copy)
+            update = validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
+                                    metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
+                                    weight_key=self.weighted_by_key, copy=copy)
         except ReplyRejected as exc:
             flags = {"non-finite-weights": True} if isinstance(exc, NonFiniteWeights) else {}
             if isinstance(exc, ContractMismatch):
                 flags["contract"] = True
-            record_rejection(record, server_round, node, str(exc), **self.rejected_extra(node), **flags)
+            record_rejection(record, server_round, node, str(exc), **self._where(msg, node), **flags)
             return None
+        diverging = self.diverging(server_round, update)
+        if diverging is None:
+            return update
+        reason = diverging.pop("reason")
+        record_rejection(record, server_round, node, reason, **self._where(msg, node), **diverging)
+        return None
+
+    def _where(self, msg: Message, node: int) -> dict[str, Any]:
+        """A rejected reply's record fields besides its reason: its partition id (from its metrics, else learnt in an
+        earlier round) and ``rejected_extra``."""
+        metrics = _metric_record(msg.content, METRICS_KEY)
+        pid = metrics.get("partition-id") if metrics is not None else None
+        if isinstance(pid, bool) or not isinstance(pid, (int, float)) or not float(pid).is_integer():
+            pid = self._node_partitions.get(node)
+        return {**({"partition-id": int(pid)} if pid is not None else {}), **self.rejected_extra(node)}
 
     def rejected_extra(self, node_id: int) -> dict[str, Any]:
         """Extra fields of a rejected-reply record (capacity tiers add the node's tier)."""
         return {}
 
     def validate_replies(self, server_round: int, ok: list[Message], record: dict[str, Any]) -> list[ClientUpdate]:
-        """The valid replies in fusion order (``update_key``), each handed to ``update_observer``."""
+        """The valid replies in fusion order (``update_key``); ``observe`` hands those the round keeps to
+        ``update_observer``."""
         updates = [u for u in (self.check_reply(server_round, m, record) for m in ok) if u is not None]
         updates.sort(key=self.update_key)
         self._node_partitions.update({u.node_id: u.partition_id for u in updates})
-        if self.update_observer is not None:
-            for u in updates:
-                self.update_observer(u)
         return updates
+
+    def observe(self, validated: list[ClientUpdate], kept: list[ClientUpdate]) -> None:
+        """Hand each ``validated`` reply the round kept (its node among ``kept``'s, after the later screens: the score
+        check, the robust screen) to ``update_observer``, as the client sent it (not as a screen shrank it), in
+        fusion order: the clients' ensemble and per-client columns leave the dropped replies out."""
+        if self.update_observer is None:
+            return
+        nodes = {u.node_id for u in kept}
+        for u in validated:
+            if u.node_id in nodes:
+                self.update_observer(u)
 
 
 def failure_record(node_id: int, reason: str, code: int | None, partition_id: int | None) -> dict[str, Any]:
