@@ -106,6 +106,13 @@ def fusion_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def head_round_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The head round's row (``fusion-info`` has ``head-round``; ``head-round=true``: the last row), else ``None``."""
+    last = rows[-1] if rows else None
+    info = (last or {}).get("fusion-info")
+    return last if isinstance(info, dict) and "head-round" in info and last.get("round", 0) > 0 else None
+
+
 def integer_round_ticks(ax: Any) -> None:
     """Round numbers are integers: no 0.5 / 1.5 ticks on a plot of a few rounds."""
     from matplotlib.ticker import MaxNLocator
@@ -196,11 +203,20 @@ class RunRecorder:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        rounds = [r["round"] for r in self.rows]
         # evaluation='federated': no server test set; the clients' validation accuracy of the global model
         key = "test-accuracy" if any(r.get("test-accuracy") is not None for r in self.rows) else "federated-accuracy"
-        ax.plot(rounds, [r.get(key) for r in self.rows], "o-",
+        head = head_round_row(self.rows)
+        train = [r for r in self.rows if r is not head]
+        ax.plot([r["round"] for r in train], [r.get(key) for r in train], "o-",
                 label="global model" if key == "test-accuracy" else "global model (clients' validation splits)")
+        if head is not None and isinstance(head.get(key), (int, float)):
+            # the head round is its own step after the last training round: shaded, reached by a dotted segment, a star
+            ax.axvspan(head["round"] - 0.5, head["round"] + 0.5, color="0.92", zorder=0)
+            if train and isinstance(train[-1].get(key), (int, float)):
+                ax.plot([train[-1]["round"], head["round"]], [train[-1][key], head[key]], ":", color="C0")
+            ax.plot([head["round"]], [head[key]], "*", color="C0", markersize=15, markeredgecolor="black",
+                    markeredgewidth=0.6, zorder=6, label="after the head round (classifier solved from the clients' "
+                                                         "statistics)")
         tiers = sorted({t for r in self.rows for t in (r.get("tier-accuracy") or {}) if tier_sort_key(t) != (1, 1)},
                        key=tier_sort_key, reverse=True)
         for t in tiers:   # capacity tiers: every narrower tier's model (tier 1 is the global model)
@@ -210,7 +226,8 @@ class RunRecorder:
                if key == "test-accuracy" and r.get("federated-accuracy") is not None]
         if fed:
             ax.plot(*zip(*fed), "^:", label="global model, federated evaluation (clients' validation splits)")
-        ens = [(r["round"], r["ensemble-accuracy"]) for r in self.rows if r.get("ensemble-accuracy") is not None]
+        # the clients' ensemble of each training round (the head round trains no client: its row repeats the last)
+        ens = [(r["round"], r["ensemble-accuracy"]) for r in train if r.get("ensemble-accuracy") is not None]
         if ens:
             ax.plot(*zip(*ens), "s--", label="ensemble of clients (reference)")
         fell_back = [(r["round"], r.get(key)) for r in self.rows if r.get("fallback")]
@@ -228,11 +245,17 @@ class RunRecorder:
         for i, (label, acc) in enumerate(self._reference_lines()):  # one-shot references: horizontal lines
             ax.axhline(acc, ls=("--", ":", "-.")[i % 3], color=f"C{(i + 2) % 10}", lw=1.1, label=f"{label}: {acc:.3f}")
         integer_round_ticks(ax)
+        if head is not None:   # the head round's tick says so
+            fig.canvas.draw()
+            lo, hi = ax.get_xlim()
+            ticks = [int(t) for t in ax.get_xticks() if lo <= t <= hi and t < head["round"]] + [head["round"]]
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([str(t) for t in ticks[:-1]] + ["head\nround"])
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy" if key == "test-accuracy" else "federated (validation) accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7 if self._reference_lines() else None)
+        ax.legend(fontsize=7 if self._reference_lines() or head is not None else None)
         ax.set_title(title)
         path = self.dir / "accuracy.png"
         fig.tight_layout()

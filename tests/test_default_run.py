@@ -37,6 +37,7 @@ def _rows(accs, **marks):
             rows[r][key] = "x"
     for r in rows[1:]:
         r["ensemble-accuracy"] = 0.7
+        r["best-client-accuracy"] = 0.65
     return rows
 
 
@@ -46,9 +47,10 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     never = RunSummary("kf-linear", "flwr run", _rows([0.1, 0.2, 0.2, 0.3], fallback=[1, 3]))
     table = comparison_table([avg, fedavg, never], "fedavg").splitlines()
     assert "first round ≥ fedavg's final (0.4000)" in table[0] and "client ensemble, uniform (final round)" in table[0]
-    assert table[2] == "| average | flwr run | 0.6000 | 0.6000 (3) | 1 | 0.7000 | 0 / 1 / 0 |"
-    assert table[3] == "| fedavg (baseline) | in-process | 0.4000 | 0.4000 (3) | 3 | 0.7000 | 0 / 0 / 0 |"
-    assert table[4] == "| kf-linear | flwr run | 0.3000 | 0.3000 (3) | never | 0.7000 | 2 / 0 / 0 |"
+    assert "best client (final round)" in table[0]
+    assert table[2] == "| average | flwr run | 0.6000 | 0.6000 (3) | 1 | 0.7000 | 0.6500 | 0 / 1 / 0 |"
+    assert table[3] == "| fedavg (baseline) | in-process | 0.4000 | 0.4000 (3) | 3 | 0.7000 | 0.6500 | 0 / 0 / 0 |"
+    assert table[4] == "| kf-linear | flwr run | 0.3000 | 0.3000 (3) | never | 0.7000 | 0.6500 | 2 / 0 / 0 |"
     assert verdict([avg, fedavg], "fedavg").startswith("final accuracy vs fedavg: average +0.2000 (one seed")
     head = RunSummary(label="auto", engine="flwr run", rows=[
         {"round": 0, "test-accuracy": 0.1}, {"round": 1, "test-accuracy": 0.5},
@@ -61,9 +63,14 @@ def test_comparison_table_final_best_reach_ensemble_and_marks():
     plain, headed = base.split_head()
     assert (plain.label, plain.final, headed.label, headed.final) == ("fedavg", 0.4, "fedavg + head round", 0.75)
     line = verdict([head, plain, headed], "fedavg")
-    assert "auto +0.4000 (+0.3000 of it from the head round)" in line
-    assert "vs fedavg + head round (the same post-step given to fedavg), the aggregation's own part: auto +0.0500" in line
+    # like for like: what the aggregation adds given the same head round leads, then before it and the head round's part
+    assert line.startswith("final accuracy, given the same head round: auto adds +5.00 points on top of fedavg "
+                           "(auto + head round 0.8000 vs fedavg + head round 0.7500); before the head round "
+                           "+10.00 points (0.5000 vs 0.4000); the head round itself adds +30.00 points to auto and "
+                           "+35.00 points to fedavg")
     table = comparison_table([head, plain, headed], "fedavg")
+    # every run that ends with the head round is shown both ways, the strategy too
+    assert "| auto | flwr run | 0.5000 |" in table and "| auto + head round | flwr run | 0.8000 |" in table
     assert "| fedavg + head round | in-process | 0.7500 |" in table
     assert fedavg.split_head() == [fedavg]
 
@@ -85,10 +92,13 @@ def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_pa
     plain, headed = RunSummary("fedavg", "in-process", fed([0.2, 0.4, 0.85], head=True)).split_head()
     assert run.metric == "federated-accuracy" and run.final == 0.9 and plain.final == 0.4 and headed.final == 0.85
     table = comparison_table([run, plain, headed], "fedavg")
-    assert "failed" not in table and "| average | in-process | 0.9000 (federated) | 0.9000 (3) | 2 |" in table
+    assert "failed" not in table
+    assert "| average + head round | in-process | 0.9000 (federated) | 0.9000 (3) | 2 |" in table
+    assert "| average | in-process | 0.6000 (federated) | 0.6000 (2) | 2 |" in table
     line = verdict([run, plain, headed], "fedavg")
-    assert line.startswith("final federated accuracy (clients' validation splits) vs fedavg: average +0.5000 "
-                           "(+0.3000 of it from the head round)")
+    assert line.startswith("final federated accuracy (clients' validation splits), given the same head round: average "
+                           "adds +5.00 points on top of fedavg (average + head round 0.9000 vs fedavg + head round "
+                           "0.8500); before the head round +20.00 points (0.6000 vs 0.4000)")
     write_comparison([run, plain, headed], tmp_path, "fedavg", "t")
     assert "0.9000 (federated)" in (tmp_path / "comparison.md").read_text()
     # a run with rounds but no accuracy at all says that, not 'no rounds'
@@ -253,9 +263,10 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| auto | in-process")
-    assert table[3].startswith("| fedavg (baseline) | in-process") and len(table) == 5
-    assert table[4].startswith("| fedavg + head round | in-process")
-    assert "the aggregation's own part: auto " in out   # the verdict: what auto adds over FedAvg + the head round
+    assert table[3].startswith("| auto + head round | in-process")   # every row both ways
+    assert table[4].startswith("| fedavg (baseline) | in-process") and len(table) == 6
+    assert table[5].startswith("| fedavg + head round | in-process")
+    assert "given the same head round: auto adds " in out   # the verdict: what auto adds over FedAvg + the head round
     run = tmp_path / "r"
     for name in ("comparison.png", "comparison.md", "run.log", "results.json", "rounds.csv", "accuracy.png",
                  "baseline-fedavg/results.json", "baseline-fedavg/run.log"):
@@ -336,7 +347,8 @@ def test_with_capacity_tiers_the_default_baseline_is_heterofl(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     table = [ln for ln in out.splitlines() if ln.startswith("|")]
-    assert table[2].startswith("| average |") and table[3].startswith("| heterofl (baseline) |")
+    assert table[2].startswith("| average |") and table[3].startswith("| average + head round |")
+    assert table[4].startswith("| heterofl (baseline) |")
     assert (tmp_path / "t" / "baseline-heterofl" / "results.json").exists()
 
 
@@ -355,4 +367,5 @@ def test_with_depth_tiers_the_default_baseline_is_depthfl(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     table = [ln for ln in out.splitlines() if ln.startswith("|")]
-    assert table[2].startswith("| average |") and table[3].startswith("| depthfl (baseline) |")
+    assert table[2].startswith("| average |") and table[3].startswith("| average + head round |")
+    assert table[4].startswith("| depthfl (baseline) |")

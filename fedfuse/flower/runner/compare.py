@@ -11,12 +11,14 @@ plots the runs' accuracy per round (``comparison.png``):
 server test set) the clients' sample-weighted accuracy on their validation splits, marked ``(federated)`` |
 | best (round) | the highest test accuracy over rounds 1.., and its round |
 | first round ≥ <baseline>'s final | first round (1..) whose accuracy reaches the baseline's final accuracy; ``never`` |
-| client ensemble, uniform (final round) | the reference: averaged softmax of that round's client models (if recorded) |
+| client ensemble, uniform (final round) | the reference: averaged softmax of the last training round's client models |
+| best client (final round) | the best of the last training round's client models on the same test set (if recorded) |
 | fallback / guarded / skipped | rounds whose fusion fell back / the divergence guard used the average / skipped |
 
-The baseline runs with the head round when the strategy does (like for like); its row without the head round (as Flower
-users run FedAvg) and its row with it (``<baseline> + head round``) come from that one run, and the verdict line says
-what the strategy's aggregation adds on top of the latter.
+Every run that ends with the head round is shown both ways (``RunSummary.split_head``): its last training round's model
+(as Flower users run FedAvg) and ``<label> + head round``. The baseline runs with the head round when the strategy does
+(like for like), and the verdict line says what the strategy's aggregation adds on top of the baseline given the same
+head round, with the numbers.
 
 A one-shot run adds ``references_table``: its fused model next to the references the server computed from the same
 client models (``fedfuse.references``: best and mean client, weighted ensemble, one-shot FedAvg, KD, FedDF), drawn
@@ -136,12 +138,36 @@ class RunSummary:
         return next((r for r, a in self.curve() if r > 0 and a >= target - 1e-9), None)
 
     def ensemble_final(self) -> float | None:
-        last = [r for r in self.rows if r.get("round", 0) > 0]
-        v = last[-1].get("ensemble-accuracy") if last else None
+        """The clients' ensemble's accuracy in the last training round (the head round trains none), else ``None``."""
+        v = (self.last_trained_row() or {}).get("ensemble-accuracy")
         return float(v) if isinstance(v, (int, float)) else None
 
     def marked_rounds(self, key: str) -> list[int]:
         return [int(r["round"]) for r in self.rows if r.get(key)]
+
+    def last_trained_row(self) -> dict[str, Any] | None:
+        """The last training round's row (the head round's row excluded; ``None`` without one)."""
+        rows = [r for r in self.rows if r.get("round", 0) > 0 and head_round_record(r) is None]
+        return rows[-1] if rows else None
+
+    def best_client_final(self) -> float | None:
+        """The best client model's test accuracy in the last training round (``client-references``), else ``None``."""
+        v = (self.last_trained_row() or {}).get("best-client-accuracy")
+        return float(v) if isinstance(v, (int, float)) else None
+
+    def head_round(self) -> bool:
+        """Whether the run's last row with an accuracy is the head round."""
+        rows = [r for r in self.rows if isinstance(r.get(self.metric), (int, float))]
+        return len(rows) >= 2 and head_round_record(rows[-1]) is not None
+
+
+def both_ways(runs: list[RunSummary]) -> list[RunSummary]:
+    """``runs`` with every run that ends with the head round split into its trained model and ``<label> + head
+    round`` (``RunSummary.split_head``); a run already split (or labelled ``... + head round``) is left as it is."""
+    out: list[RunSummary] = []
+    for run in runs:
+        out += [run] if run.label.endswith(HEAD_SUFFIX) else run.split_head()
+    return out
 
 
 def _f(v: float | None) -> str:
@@ -149,19 +175,21 @@ def _f(v: float | None) -> str:
 
 
 def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
-    """Markdown table of ``runs`` side by side (columns: module docstring); the reach column is measured
-    against the run labelled ``baseline`` (absent or failed: ``-``)."""
+    """Markdown table of ``runs`` side by side (columns: module docstring), each run that ends with the head round
+    both ways (``both_ways``); the reach column is measured against the run labelled ``baseline`` (absent or failed:
+    ``-``)."""
+    runs = both_ways(runs)
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     target = ref.final if ref else None
     reach_head = f"first round ≥ {baseline}'s final" + (f" ({target:.4f})" if target is not None else "")
     lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble, uniform (final round) | "
-             "fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|"]
+             "best client (final round) | fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         name = run.label + (" (baseline)" if run.label == baseline else "")
         if run.error or run.final is None:
             why = (run.error or ("no round has an accuracy (neither central test-accuracy nor federated-accuracy)"
                                  if run.rows else "no rounds")).splitlines()[0][:120]
-            lines.append(f"| {name} | {run.engine} | failed: {why} | | | | |")
+            lines.append(f"| {name} | {run.engine} | failed: {why} | | | | | |")
             continue
         best = run.best()
         reach = "-"
@@ -171,7 +199,7 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
         counts = " / ".join(str(len(run.marked_rounds(k))) for k in ("fallback", "guard", "skipped"))
         fed = " (federated)" if run.federated else ""
         lines.append(f"| {name} | {run.engine} | {_f(run.final)}{fed} | {_f(best[1])} ({best[0]}) | {reach} | "
-                     f"{_f(run.ensemble_final())} | {counts} |")
+                     f"{_f(run.ensemble_final())} | {_f(run.best_client_final())} | {counts} |")
     return "\n".join(lines)
 
 
@@ -249,41 +277,129 @@ def _gap_text(acc: float, best: float, ensemble: float) -> str:
 
 
 def verdict(runs: list[RunSummary], baseline: str = BASELINE) -> str | None:
-    """One sentence: how far each strategy ends above or below the baseline (this seed only)."""
+    """One line: how far each strategy ends above or below the baseline (this seed only).
+
+    When both the strategy and the baseline end with the head round (the default: like for like), the line leads with
+    what the strategy's aggregation adds on top of the baseline given the same head round, then the same comparison
+    before the head round, what the head round itself adds to each, and where the strategy's final model stands
+    against its clients' ensemble and best client (its last training round). Otherwise: the final accuracy against the
+    baseline's, with the head round's share of the strategy's gain when only the strategy had one."""
+    runs = both_ways(runs)
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     if ref is None:
         return None
     headed = next((r for r in runs if r.label == baseline + HEAD_SUFFIX and r.final is not None), None)
-    others = [r for r in runs if r is not ref and r is not headed and r.final is not None and not r.error]
-    parts = [f"{r.label} {r.final - ref.final:+.4f}" + _head_share(r) for r in others]
-    if not parts:
+    heads = {r.label[: -len(HEAD_SUFFIX)]: r for r in runs if r.label.endswith(HEAD_SUFFIX) and r is not headed
+             and r.final is not None and not r.error}
+    others = [r for r in runs if r is not ref and r is not headed and not r.label.endswith(HEAD_SUFFIX)
+              and r.final is not None and not r.error]
+    if not others:
         return None
     what = "final federated accuracy (clients' validation splits)" if ref.federated else "final accuracy"
-    line = f"{what} vs {baseline}: " + ", ".join(parts)
-    if headed is not None:   # what the aggregation adds on top of the baseline given the same head round
-        own = [f"{r.label} {r.final - headed.final:+.4f}" for r in others if _head_share(r)]
-        if own:
-            line += (f"; vs {headed.label} (the same post-step given to {baseline}), the aggregation's own part: "
-                     + ", ".join(own))
-    return line + " (one seed; mean ± std over seeds: `fedfuse compare` / fedfuse.flower.runner.sweep)"
+    tail = " (one seed; mean ± std over seeds: `fedfuse compare` / fedfuse.flower.runner.sweep)"
+    if headed is not None and all(r.label in heads for r in others):
+        return f"{what}, given the same head round: " + "; ".join(
+            _like_for_like(r, heads[r.label], ref, headed) for r in others) + tail
+    parts = []
+    for r in others:
+        head = heads.get(r.label)
+        end = head.final if head is not None else r.final
+        parts.append(f"{r.label} {end - ref.final:+.4f}"
+                     + (f" ({head.final - r.final:+.4f} of it from the head round)" if head is not None else ""))
+    return f"{what} vs {baseline}: " + ", ".join(parts) + tail
 
 
-def _head_share(run: RunSummary) -> str:
-    """`` (+x from the head round)`` when the run ended with a head round, so that the aggregation's share and the
-    head round's are not mistaken for each other; empty otherwise."""
-    key = run.metric
-    rows = [r for r in run.rows if isinstance(r.get(key), (int, float))]
-    if len(rows) < 2 or head_round_record(rows[-1]) is None:
-        return ""
-    return f" ({rows[-1][key] - rows[-2][key]:+.4f} of it from the head round)"
+def _points(d: float) -> str:
+    return f"{100 * d:+.2f} points"
+
+
+def _client_references(run: RunSummary) -> list[tuple[str, float]]:
+    """``[(name, accuracy)]`` of the run's last training round's clients for the verdict: their ensemble (the stronger
+    of the uniform one the rows record and, in a one-shot run, the one weighted by samples of its references) and the
+    best client."""
+    acc = {r["key"]: float(r["accuracy"]) for r in (run.references or {}).get("rows", [])
+           if isinstance(r.get("accuracy"), (int, float))}
+    ensembles = [(v, name) for v, name in ((run.ensemble_final(), "their ensemble"),
+                                           (acc.get("ensemble"), "their ensemble (weighted by samples)"))
+                 if v is not None]
+    out = [(name, v) for v, name in sorted(ensembles, key=lambda e: e[0])[-1:]]
+    best = run.best_client_final()
+    best = acc.get("best-client") if best is None else best
+    return out + ([("the best of them", best)] if best is not None else [])
+
+
+def _like_for_like(run: RunSummary, run_head: RunSummary, base: RunSummary, base_head: RunSummary) -> str:
+    """The verdict of one strategy against the baseline, both with the head round (see ``verdict``)."""
+    a, b = run_head.final, base_head.final
+    text = (f"{run.label} adds {_points(a - b)} on top of {base.label} ({run_head.label} {a:.4f} vs "
+            f"{base_head.label} {b:.4f}); before the head round {_points(run.final - base.final)} "
+            f"({run.final:.4f} vs {base.final:.4f}); the head round itself adds {_points(a - run.final)} to "
+            f"{run.label} and {_points(b - base.final)} to {base.label}")
+    refs = _client_references(run)
+    last = (run.last_trained_row() or {}).get("round")
+    if refs:
+        text += (f"; {run_head.label} vs {run.label}'s clients of round {last}: " + ", ".join(
+            f"{name} {v:.4f} ({_points(a - v)})" for name, v in refs))
+    return text
+
+
+# one look per run of a comparison plot (colour, marker, line style): runs whose curves coincide (strategy 'auto' at
+# few local epochs is FedAvg's average) stay distinguishable, and each is drawn slightly beside the others (_DODGE)
+_LOOKS = (("C0", "o", "-"), ("C1", "s", "--"), ("C2", "^", "-."), ("C4", "v", ":"), ("C5", "P", "-"),
+          ("C6", "X", "--"), ("C7", "d", "-."), ("C8", "<", ":"))
+_DODGE = 0.1          # rounds between two runs' markers at the same round (the largest offset is under half a round)
+HEAD_TICK = "head\nround"
+
+
+def head_round_steps(series: list[dict]) -> tuple[dict[int, int], dict[int, int]]:
+    """Which plotted points are a head round: ``({series index: round of its head-round point}, {index of a
+    '<label> + head round' series: index of its twin without it})``.
+
+    A series says so with ``head_round`` (``True``: its last point; an int: that round; ``False``: none). Otherwise it
+    is read from the comparison's own rows: a series labelled ``<x> + head round ...`` whose points are those of the
+    series labelled ``<x> ...`` plus one (``RunSummary.split_head``) has its head round at that last point, and every
+    other series ending at that same round ends with the head round too (the runs of one comparison share their
+    rounds)."""
+    steps: dict[int, int] = {}
+    twins: dict[int, int] = {}
+    for i, s in enumerate(series):
+        label, pts = s.get("label", ""), sorted(s.get("points", []))
+        if HEAD_SUFFIX not in label or len(pts) < 2:
+            continue
+        plain = label.replace(HEAD_SUFFIX, "", 1)
+        j = next((j for j, t in enumerate(series) if j != i and t.get("label") == plain
+                  and sorted(t.get("points", [])) == pts[:-1]), None)
+        if j is not None:
+            twins[i] = j
+            steps[i] = pts[-1][0]
+    inferred = set(steps.values())
+    for i, s in enumerate(series):
+        pts = sorted(s.get("points", []))
+        flag = s.get("head_round")
+        if flag is False or not pts:
+            steps.pop(i, None)
+        elif flag is True:
+            steps[i] = pts[-1][0]
+        elif isinstance(flag, int):
+            steps[i] = flag
+        elif i not in steps and len(inferred) == 1 and len(pts) >= 2 and pts[-1][0] in inferred:
+            steps[i] = pts[-1][0]
+    return steps, twins
 
 
 def round_curves(series: list[dict], path: Path, title: str = "", ylabel: str = "test accuracy") -> Path:
-    """Test accuracy per round of several runs on one axis (the default run: the strategy next to FedAvg).
+    """Test accuracy per round of several runs (the default run: the strategy next to FedAvg), and every run's final
+    accuracy beside it, each row visible.
 
-    Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model) and
-    optional ``fell_back`` / ``guarded`` / ``skipped`` (lists of rounds), marked on the curve (red ×, orange
-    ring, grey diamond). Round ticks are integers."""
+    Each ``series`` item: ``label``, ``points`` (``[(round, accuracy)]``, round 0 = the initial model), optional
+    ``fell_back`` / ``guarded`` / ``skipped`` (lists of rounds, marked on the curve: red ×, orange ring, grey diamond),
+    ``head_round`` (``head_round_steps``), ``ensemble`` / ``best_client`` (the clients' ensemble's and the best client's
+    accuracy in the last training round: dashed reference lines and rows). Left panel: one curve per run, each with
+    its own colour, marker and line style and drawn a little beside the others, so that identical curves stay
+    visible; the head round is its own step after the last training round (shaded, tick 'head round'), reached by a
+    dotted segment and marked with a star; a ``<x> + head round`` series that repeats ``<x>``'s rounds is drawn as
+    that step only. Right panel: every row's final accuracy (a training run's last round, a run with the head round
+    both before and after it, the references), labelled with its value. Round ticks are integers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -295,59 +411,207 @@ def round_curves(series: list[dict], path: Path, title: str = "", ylabel: str = 
                              label="guarded (weighted average used)"),
              "skipped": dict(marker="D", color="gray", fillstyle="none", markersize=10, ls="none",
                              label="round skipped (too few valid replies)")}
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    steps, twins = head_round_steps(series)
+    drawn = [i for i, s in enumerate(series) if s.get("points")]
+    last_round = max((r for s in series for r, _ in s.get("points", [])), default=1)
+    # each run a little beside the others (a share of the axis, so that it shows on long runs too), and its head-round
+    # star further apart inside the head round's band; markers and lines get thinner run by run, so that a run drawn
+    # over an identical one leaves a ring of it visible
+    dodge = min(max(_DODGE, 0.012 * last_round), 0.8 / max(len(drawn), 1))
+    offset = {i: (k - (len(drawn) - 1) / 2) * dodge for k, i in enumerate(drawn)}
+    star_offset = {i: (k - (len(drawn) - 1) / 2) * min(0.22, 0.8 / max(len(drawn), 1)) for k, i in enumerate(drawn)}
+    plain = [i for i in drawn if i not in twins]
+    look = {i: _LOOKS[k % len(_LOOKS)] for k, i in enumerate(plain)}
+    size = {i: max(9.0 - 2.5 * k, 3.5) for k, i in enumerate(plain)}
+    width = {i: max(2.6 - 0.9 * k, 0.9) for k, i in enumerate(plain)}
+    for i, j in twins.items():
+        look[i] = look.get(j, _LOOKS[0])
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(10.4, 4.4), gridspec_kw={"width_ratios": [1.45, 1]})
     labelled: set[str] = set()
-    for s in series:
+    finals: list[tuple[str, float, tuple, bool]] = []   # (row label, accuracy, look, head round) of the right panel
+    last_training = 0
+    for i in drawn:
+        s = series[i]
         pts = sorted(s["points"])
-        if not pts:
+        color, marker, ls = look[i]
+        dx = offset[i]
+        head_at = steps.get(i)
+        train = [(r, a) for r, a in pts if head_at is None or r != head_at]
+        head_pt = next(((r, a) for r, a in pts if r == head_at), None)
+        base = s["label"]
+        if i in twins:   # '<x> + head round': only its head round differs from <x>'s curve
+            j = twins[i]
+            prev = sorted(series[j]["points"])[-1]
+            ax.plot([prev[0] + offset[j], head_pt[0] + star_offset[i]], [prev[1], head_pt[1]], ls=":", color=color,
+                    lw=1.3)
+            ax.plot([head_pt[0] + star_offset[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
+                    markeredgecolor="black", markeredgewidth=0.6, zorder=6, label=base)
+            finals.append((_run_name(base) + HEAD_SUFFIX if HEAD_SUFFIX not in _run_name(base) else _run_name(base),
+                           head_pt[1], look[i], True))
             continue
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, "o-", label=s["label"])
+        if train:
+            xs, ys = zip(*train)
+            ax.plot([x + dx for x in xs], ys, ls=ls, marker=marker, color=color, markersize=size[i], lw=width[i],
+                    label=base, zorder=3 + plain.index(i) * 0.1)
+            last_training = max(last_training, train[-1][0])
+        if head_pt is not None:
+            if train:
+                ax.plot([train[-1][0] + dx, head_pt[0] + star_offset[i]], [train[-1][1], head_pt[1]], ls=":",
+                        color=color, lw=1.3)
+            ax.plot([head_pt[0] + star_offset[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
+                    markeredgecolor="black", markeredgewidth=0.6, zorder=6)
+        name = _run_name(base)
+        if train and train[-1][0] > 0:
+            finals.append((f"{name}, round {train[-1][0]}", train[-1][1], look[i], False))
+        if head_pt is not None:
+            finals.append((f"{name}{HEAD_SUFFIX}", head_pt[1], look[i], True))
         acc = dict(pts)
         for key, style in marks.items():
-            at = [(r, acc[r]) for r in s.get(key, []) if r in acc]
+            at = [(r + dx, acc[r]) for r in s.get(key, []) if r in acc]
             if at:
                 style = dict(style)
                 if style["label"] in labelled:
                     style["label"] = "_nolegend_"
                 labelled.add(style["label"])
                 ax.plot(*zip(*at), zorder=5, **style)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    head_steps = sorted(set(steps.values()))
+    refs = []
+    for key, what, ls in (("ensemble", "clients' ensemble", "--"), ("best_client", "best client", "-.")):
+        owner = next((s for s in series if isinstance(s.get(key), (int, float))), None)
+        if owner is not None:
+            name = _run_name(owner["label"])
+            refs.append((f"{what} ({name}'s last round)", float(owner[key]), ls))
+    for label, value, ls in refs:
+        ax.axhline(value, color="0.35", ls=ls, lw=1.0, label=label, zorder=1)
+        finals.append((label, value, ("0.35", "|", ls), False))
+    if head_steps:   # the head round as its own step: shaded, its own tick
+        h = head_steps[-1]
+        ax.axvspan(h - 0.5, h + 0.5, color="0.92", zorder=0)
+        ax.plot([], [], ls="none", marker="*", markersize=12, color="white", markeredgecolor="black",
+                label="after the head round (classifier solved from the clients' statistics)")
+        train_ticks = [int(t) for t in MaxNLocator(integer=True, nbins=8).tick_values(0, max(last_training, 1))
+                       if 0 <= t <= min(last_training, h - 1)]
+        ax.set_xticks(train_ticks + [h])
+        ax.set_xticklabels([str(t) for t in train_ticks] + [HEAD_TICK])
+        ax.set_xlim(-0.5, h + 0.5)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
     else:   # nothing to draw: say so on the figure rather than leave it empty
         ax.text(0.5, 0.5, "no round has an accuracy", ha="center", va="center", transform=ax.transAxes)
+    _final_rows(side, finals)
     if title:
-        ax.set_title(title, fontsize=9)
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
 
 
-def reference_bars(run: RunSummary, path: Path, title: str = "") -> Path:
-    """``comparison.png`` of a one-shot run: one horizontal bar per model, the fused one (highlighted) and its
-    references (``reference_points``), sorted by test accuracy, each labelled with its accuracy."""
+def _run_name(label: str) -> str:
+    """A series label without its engine (``'auto (flwr run)'`` → ``'auto'``)."""
+    return label.rsplit(" (", 1)[0] if label.endswith(")") and " (" in label else label
+
+
+def _final_rows(ax: Any, finals: list[tuple[str, float, tuple, bool]]) -> None:
+    """The right panel of ``round_curves``: one row per final accuracy, highest on top, a dot (a star after the head
+    round) in its run's colour and its value; the axis spans the rows' values (not 0 to 1), so differences of a point
+    show."""
+    if not finals:
+        ax.axis("off")
+        return
+    rows = sorted(finals, key=lambda f: f[1])
+    lo, hi = min(f[1] for f in rows), max(f[1] for f in rows)
+    pad = max(0.02, 0.08 * (hi - lo))
+    for y, (label, value, (color, marker, _), head) in enumerate(rows):
+        ax.plot([lo - pad, value], [y, y], color="0.85", lw=1, zorder=1)
+        ax.plot([value], [y], ls="none", marker="*" if head else marker, markersize=13 if head else 7, color=color,
+                markeredgecolor="black" if head else color, markeredgewidth=0.6, zorder=3)
+        ax.annotate(f"{value:.4f}", (value, y), xytext=(9, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f[0] for f in rows], fontsize=7)
+    ax.set_xlim(lo - pad, hi + 2.2 * pad)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title("final accuracy of every row", fontsize=8)
+
+
+def baseline_runs(run: RunSummary) -> list[RunSummary]:
+    """The comparison's baseline runs written inside ``run``'s folder (``<run>/baseline-<strategy>/``, as
+    ``fedfuse run`` writes them), each both ways (``RunSummary.split_head``); only those written after ``run`` finished
+    (a folder left by an earlier command of the same run name is not this comparison's)."""
+    if run.out_dir is None or not (Path(run.out_dir) / "results.json").exists():
+        return []
+    finished = (Path(run.out_dir) / "results.json").stat().st_mtime
+    out: list[RunSummary] = []
+    for d in sorted(Path(run.out_dir).glob("baseline-*")):
+        res = d / "results.json"
+        if res.exists() and res.stat().st_mtime >= finished:
+            out += RunSummary.load(d.name[len("baseline-"):], "in-process", d).split_head()
+    return [r for r in out if not r.error and r.final is not None]
+
+
+def reference_bars(run: RunSummary, path: Path, title: str = "", others: list[RunSummary] | None = None) -> Path:
+    """``comparison.png`` of a one-shot run: one horizontal bar per model, sorted by test accuracy, each labelled with
+    its accuracy: the fused one (highlighted; with the head round both ways: the fused round and ``+ head round``, a
+    hatched bar with a star), the comparison's baseline runs (``others``, default ``baseline_runs(run)``; FedAvg and
+    ``FedAvg + head round``) and the references (``reference_points``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items = [(f"{run.label} (fused)", run.final)] if run.final is not None else []
-    items = sorted(items + reference_points(run), key=lambda kv: kv[1])
+    items: list[tuple[str, float, str]] = []   # (label, accuracy, kind: fused | head | baseline | baseline-head | ref)
+    if run.final is not None:
+        if run.head_round():
+            r1 = next((r for r in run.rows if r.get("round") == 1), {})
+            one, choice = r1.get(run.metric), r1.get("choice")   # strategy 'auto': the fusion the clients chose
+            if isinstance(one, (int, float)):
+                items.append((f"{run.label}{f' ({choice})' if choice else ''}, fused round (round 1)", float(one),
+                              "fused"))
+            items.append((f"{run.label}{HEAD_SUFFIX}", run.final, "head"))
+        else:
+            items.append((f"{run.label} (fused)", run.final, "fused"))
+    for other in (baseline_runs(run) if others is None else both_ways(list(others))):
+        if other.final is None or other.error:
+            continue
+        head = other.label.endswith(HEAD_SUFFIX)
+        label = other.label if head else f"{other.label}, round {other.curve()[-1][0]}"
+        items.append((label, other.final, "baseline-head" if head else "baseline"))
+    items = sorted(items + [(label, acc, "ref") for label, acc in reference_points(run)], key=lambda kv: kv[1])
     fig, ax = plt.subplots(figsize=(6.8, 0.45 * len(items) + 1.2))
-    colors = ["C3" if label.endswith("(fused)") else "C0" for label, _ in items]
-    bars = ax.barh([label for label, _ in items], [acc for _, acc in items], color=colors)
-    for bar, (_, acc) in zip(bars, items):
-        ax.text(acc + 0.01, bar.get_y() + bar.get_height() / 2, f"{acc:.3f}", va="center", fontsize=8)
-    ax.set_xlim(0, 1.08)
+    colors = {"fused": "C3", "head": "C3", "baseline": "C1", "baseline-head": "C1", "ref": "C0"}
+    bars = ax.barh([label for label, _, _ in items], [acc for _, acc, _ in items],
+                   color=[colors[kind] for _, _, kind in items])
+    for bar, (_, acc, kind) in zip(bars, items):
+        if kind in ("head", "baseline-head"):   # the head round is its own step: hatched, a star at its end
+            bar.set_hatch("//")
+            bar.set_edgecolor("black")
+            ax.plot([acc], [bar.get_y() + bar.get_height() / 2], ls="none", marker="*", markersize=11,
+                    color=colors[kind], markeredgecolor="black", markeredgewidth=0.6)
+        ax.text(acc + (0.035 if kind in ("head", "baseline-head") else 0.015), bar.get_y() + bar.get_height() / 2,
+                f"{acc:.3f}", va="center", fontsize=8)
+    from matplotlib.patches import Patch
+    present = {kind.split("-")[0] for _, _, kind in items}
+    handles = [Patch(color=colors[k], label=text) for k, text in (
+        ("fused", f"{run.label}: this run's fused model"),
+        ("baseline", "the baseline's run (same clients, lr, epochs)"),
+        ("ref", "references from the same client models")) if k in present or (k == "fused" and "head" in present)]
+    if len(handles) > 1:
+        ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.set_xlim(0, 1.1)
     ax.set_xlabel("test accuracy (server test set)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title((title + "\n" if title else "") + "one-shot: the fused model and its references", fontsize=9)
+    what = "one-shot: the fused model and its references"
+    if any(kind in ("head", "baseline-head") for _, _, kind in items):
+        what += "\nhatched ★: after the head round (the classifier solved from the clients' statistics)"
+    ax.set_title((title + "\n" if title else "") + what, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
