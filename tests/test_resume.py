@@ -50,7 +50,7 @@ def _interrupted_run(cfg: dict, app_dir: Path, timeout: float = 420.0) -> int:
     ckpt = Path(cfg["output-dir"]) / cfg["run-name"] / "checkpoint" / "state.json"
     try:
         start_local_superlink(home, env)  # flwr's own start-up wait (15 s) is too short on a loaded machine
-        res = subprocess.run(["flwr", "run", str(app_dir), "--run-config", run_config_arg(cfg),
+        res = subprocess.run(["flwr", "run", str(app_dir), "--run-config", run_config_arg(cfg, app_dir),
                               "--federation-config", "num-supernodes=3 client-resources-num-cpus=1", "--format",
                               "json"], env=env, cwd=str(app_dir), capture_output=True, text=True, timeout=120)
         run_id = int(json.loads(res.stdout)["run-id"])

@@ -229,7 +229,7 @@ class Deployment:
 
     def submit(self, run_config: dict[str, Any]) -> int:
         """``flwr run <app> <connection>`` without streaming; returns the run id."""
-        res = self.flwr("run", str(self.app_dir), CONNECTION, "--run-config", run_config_arg(run_config),
+        res = self.flwr("run", str(self.app_dir), CONNECTION, "--run-config", run_config_arg(run_config, self.app_dir),
                         "--format", "json", timeout=120)
         try:
             return int(json.loads(res.stdout)["run-id"])

@@ -78,7 +78,12 @@ def toml_value(v: Any) -> str:
     return json.dumps(text)  # a TOML basic string
 
 
-def run_config_arg(cfg: dict[str, Any]) -> str:
+def run_config_arg(cfg: dict[str, Any], app_dir: str | Path | None = None) -> str:
+    """``cfg`` as one ``flwr run --run-config`` string. With ``app_dir`` a fedfuse app (``takes_fedfuse_config``),
+    the config is first brought to its layered form (``fedfuse.config.canonical``): a SuperLink refuses a key the
+    app's pyproject does not declare ("Invalid run configuration"), so former flat spellings must not reach it."""
+    if app_dir is not None and takes_fedfuse_config(app_dir):
+        cfg = canonical(cfg)
     return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())
 
 
