@@ -281,3 +281,33 @@ def test_auto_momentum_rule_takes_fedavgm_step_for_plain_sgd_clients():
     with pytest.raises(ConfigError, match="'strategy-options.auto-momentum' applies to strategy 'auto' only"):
         parse_run_config({"strategy": "fedavg", "auto-momentum": "off"})
 
+
+
+def test_a_candidate_that_reads_importance_scores_gets_the_clients_scores(monkeypatch):
+    """auto's kf-linear candidate is the kf-linear strategy's fusion: the clients are asked for their importance
+    scores and the candidate is fused with them (not with uniform scores, the library's answer to none)."""
+    from fedfuse.flower.aggregators import selection
+
+    calls, real = [], selection.fuse_result
+
+    def spy(name, models, **kw):
+        calls.append((name, kw.get("scores")))
+        return real(name, models, **kw)
+
+    monkeypatch.setattr(selection, "fuse_result", spy)
+    s = _strategy(candidates=("fedavg", "kf-linear"))
+    assert s.wants_client_scores
+    grid = LocalGrid(make_client_app(), fused_run_config({**RUN, "importance": "deeplift"}), 2)
+    with task_identity(grid.run.run_id, SUPERLINK_NODE_ID, SERVER_TASK_ID):
+        msgs = list(s.configure_train(1, ArrayRecord(model_fn().state_dict()), ConfigRecord({}), grid))
+        assert all(m.content["config"]["need-importance"] for m in msgs)
+        replies = list(grid.send_and_receive(msgs))
+        arrays, _ = s.aggregate_train(1, replies)
+    assert arrays is not None and [name for name, _ in calls] == ["kf-linear"]
+    scores = calls[0][1]
+    assert scores is not None and len(scores) == 2
+    level = next(iter(scores[0]))
+    assert not torch.equal(scores[0][level], torch.ones_like(scores[0][level]))   # computed, not uniform
+    # fusion off (short local training): no candidate reads scores, so the clients are not asked for them
+    assert not _strategy(candidates=("fedavg", "kf-linear"), local_epochs=1, fusion_min_epochs=10).wants_client_scores
+    assert not _strategy(candidates=("fedavg", "kd")).wants_client_scores

@@ -13,8 +13,9 @@ tracked its test accuracy in every measured round. So each round:
 2. the server builds ``candidates`` (names, in order of preference on a tie):
    ``"fedavg"`` — the plain weighted average (momentum restarted when it is chosen),
    ``"average"`` — the weighted average with the server momentum step,
-   any same-architecture ``fedfuse.fusion`` method (``"feddf"``, ``"kf-gradient"``, ...) with its default options;
-   a candidate that cannot be built is skipped and recorded. Fusion candidates are built only when the clients
+   any same-architecture ``fedfuse.fusion`` method (``"feddf"``, ``"kf-gradient"``, ...) with its default options
+   (one that reads the clients' importance scores, e.g. ``"kf-linear"``, gets them: the clients are asked to send
+   them, as that method's own strategy asks); a candidate that cannot be built is skipped and recorded. Fusion candidates are built only when the clients
    train at least ``fusion_min_epochs`` local epochs a round (``local_epochs`` given; 10 by default): with 1 local
    epoch FedDF wins the clients' vote for ~17 of 30 rounds and the run ends 10 points below FedAvg on the anchor
    splits at α = 0.1 (each chosen model is better that round, but a worse start for the next one), while from
@@ -50,6 +51,7 @@ from fedfuse.flower.aggregators.candidates import score_candidates
 from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
+from fedfuse.models import levels
 from fedfuse.strategy_specs import (ARRAY_CANDIDATES, AUTO_FUSION_EPOCHS, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
                                     check_candidates)
 
@@ -94,6 +96,17 @@ class SelectionStrategy(FusionStrategy):
         # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the
         # round then costs what the average does)
         self._tracks_momentum = not (self.fusion_off and self._first_array() not in MEAN_METHODS)
+        # the fusion candidates that read the clients' importance scores (kf-linear, ...): the clients send them, as
+        # they would to that method's own strategy, and the candidate is built with them
+        self._score_readers = tuple(c for c in self.candidates if c not in ARRAY_CANDIDATES
+                                    and self._method_spec(c).reads_client_scores(None))
+        if self.wants_client_scores:
+            self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
+
+    @property
+    def wants_client_scores(self) -> bool:
+        """Whether the clients send importance scores: a fusion candidate reads them and fusion is on."""
+        return bool(self._score_readers) and self.importance == "client" and not self.fusion_off
 
     def summary(self) -> None:
         log(INFO, "\t├── fedfuse auto: candidates %s, chosen per round by the clients' accuracy on their data when a "
@@ -168,7 +181,8 @@ class SelectionStrategy(FusionStrategy):
                 return average
             model, _ = self.momentum_step(self.build_model(average), rd)
             return model.state_dict()
-        result = fuse_result(name, teachers, fusion_inputs=self.fusion_inputs,
+        scores = [u.scores for u in updates] if name in self._score_readers and self.wants_client_scores else None
+        result = fuse_result(name, teachers, fusion_inputs=self.fusion_inputs, scores=scores,
                              weights=[u.num_examples for u in updates], device=self.device,
                              seed=self.seed + server_round)
         return result.model.state_dict()
