@@ -33,7 +33,7 @@ def test_every_run_is_shown_both_ways_with_its_ensemble_and_best_client():
     table = comparison_table([fused] + base.split_head(), "fedavg").splitlines()
     assert "| best client (final round) |" in table[0]
     assert table[2] == "| kf-linear | flwr run | 0.7200 | 0.7200 (1) | 1 | 0.6000 | 0.5500 | 0 / 0 / 0 |"
-    assert table[3].startswith("| kf-linear + head round | flwr run | 0.8300 | 0.8300 (2) | 1 |")
+    assert table[3].startswith("| kf-linear + head round | flwr run | 0.8300 | 0.8300 (head round) | 1 |")
     assert table[4].startswith("| fedavg (baseline) | in-process | 0.1000 |")
     assert table[5].startswith("| fedavg + head round | in-process | 0.7800 |")
 

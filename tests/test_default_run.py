@@ -93,7 +93,7 @@ def test_federated_evaluation_runs_are_compared_on_the_federated_accuracy(tmp_pa
     assert run.metric == "federated-accuracy" and run.final == 0.9 and plain.final == 0.4 and headed.final == 0.85
     table = comparison_table([run, plain, headed], "fedavg")
     assert "failed" not in table
-    assert "| average + head round | in-process | 0.9000 (federated) | 0.9000 (3) | 2 |" in table
+    assert "| average + head round | in-process | 0.9000 (federated) | 0.9000 (head round) | 2 |" in table
     assert "| average | in-process | 0.6000 (federated) | 0.6000 (2) | 2 |" in table
     line = verdict([run, plain, headed], "fedavg")
     assert line.startswith("final federated accuracy (clients' validation splits), given the same head round: average "
@@ -257,9 +257,15 @@ def test_default_run_command_in_process_prints_rounds_table_and_writes_plot_and_
     assert rc == 0, out
     lines = out.splitlines()
     rounds = [ln for ln in lines if " round " in ln and " acc " in ln]
-    assert [ln.split()[0] + " " + ln.split()[2] for ln in rounds] == [
-        "auto 0/3", "auto 1/3", "auto 2/3", "auto 3/3", "fedavg 0/3", "fedavg 1/3", "fedavg 2/3", "fedavg 3/3"]
-    assert "head round" in rounds[3] and "head round" in rounds[7]   # like for like: both end with the head round
+    # issue 60 item 5: the head round is its own step, not round 3/3 of num-server-rounds=2
+    assert [" ".join(ln.split()[:3]) for ln in rounds] == [
+        "auto round 0/2", "auto round 1/2", "auto round 2/2", "auto head round", "fedavg round 0/2",
+        "fedavg round 1/2", "fedavg round 2/2", "fedavg head round"]   # like for like: both end with the head round
+    assert "(after round 2: the classifier solved from the clients' statistics)" in rounds[3]
+    assert "auto: 2 rounds + head round, 2 clients" in out and "fedavg: 2 rounds + head round, 2 clients" in out
+    assert ("2 rounds + head round: rows '<strategy> + head round' include the head round (one more exchange after "
+            "round 2: the classifier solved from the clients' statistics); the other rows (auto, fedavg) are the model "
+            "of round 2, without it") in out
     assert "Aggregated MetricRecord" not in out and "Starting" not in out  # Flower's dump stays in run.log
     table = [ln for ln in lines if ln.startswith("|")]
     assert table[0].startswith("| strategy | engine | final accuracy") and table[2].startswith("| auto | in-process")

@@ -429,7 +429,7 @@ def test_a_progressive_one_shot_run_solves_the_head_from_every_client(tmp_path, 
            "head-round=true run-name='r'")
     assert main(["--engine", "inprocess", "--output-dir", str(tmp_path), "--run-config", cfg]) == 0
     out = capsys.readouterr().out
-    assert "round 2/2" in out and "head round" in out and "one-shot round (round 1)" in out
+    assert "round 1/1" in out and "head round   acc" in out and "round 2/2" not in out   # the head round: its own step
     res = json.loads((tmp_path / "r" / "results.json").read_text())
     rounds = {r["round"]: r for r in res["rounds"]}
     head = rounds[2]["fusion-info"]["head-round"]

@@ -63,7 +63,8 @@ from fedfuse.strategy_specs import MEAN_METHODS  # noqa: E402
 from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
 from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
-from fedfuse.results import RunRecorder, dead_model, fusion_outcome, load_checkpoint, save_checkpoint  # noqa: E402
+from fedfuse.results import (RunRecorder, dead_model, fusion_outcome, head_round_row, load_checkpoint,  # noqa: E402
+                             rounds_text, save_checkpoint)
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
 
@@ -467,7 +468,8 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     recorder.save_model(last_arrays.to_torch_state_dict())
     for r, tier in strategy.narrower_tier_models(cfg.num_server_rounds + 2).items():   # width tiers: each beside it
         recorder.save_model(tier.state_dict(), f"tier-{tier_name(r)}_model.pt")
-    recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients")
+    recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients · "
+                  f"{rounds_text(cfg.num_server_rounds, head_round_row(recorder.rows) is not None)}")
     if crash is not None:
         log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
         raise crash

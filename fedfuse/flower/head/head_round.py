@@ -305,8 +305,13 @@ class HeadQueries:
         if not keep:
             which = ((f" of tier {tier_name(tier)}" if tier is not None else "")
                      + (f" of classifier {site}" if site else ""))
-            log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
-                "before it stays", which, acc[best + 1], acc[0])
+            if margin > 0:   # DP: noised scores; the head must beat the model before by the margin, not merely
+                log(INFO, "fedfuse head round: the clients' noised scores do not show the solved head%s better by the "
+                    "DP check's margin %.4f (%.4f for it vs %.4f before, %+.4f): the model before it stays", which,
+                    margin, acc[best + 1], acc[0], acc[best + 1] - acc[0])
+            else:
+                log(INFO, "fedfuse head round: the clients score the solved head%s lower (%.4f < %.4f): the model "
+                    "before it stays", which, acc[best + 1], acc[0])
         return names[best] if keep else None
 
     def _calibrate(self, grid, nodes: list[int], model: nn.Module, record: dict[str, Any], tier: float | None,

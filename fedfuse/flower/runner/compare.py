@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import canonical
-from fedfuse.flower.runner.console import head_round_record
+from fedfuse.flower.runner.console import head_round_record, rounds_text
 from fedfuse.references import REFERENCE_LABELS, gap_recovered
 
 BASELINE = "fedavg"
@@ -160,6 +160,10 @@ class RunSummary:
         rows = [r for r in self.rows if isinstance(r.get(self.metric), (int, float))]
         return len(rows) >= 2 and head_round_record(rows[-1]) is not None
 
+    def head_round_number(self) -> int | None:
+        """The head round's row number (``num-server-rounds + 1``) when the run ends with it, else ``None``."""
+        return int(self.curve()[-1][0]) if self.head_round() else None
+
 
 def both_ways(runs: list[RunSummary]) -> list[RunSummary]:
     """``runs`` with every run that ends with the head round split into its trained model and ``<label> + head
@@ -181,26 +185,61 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
     runs = both_ways(runs)
     ref = next((r for r in runs if r.label == baseline and r.final is not None), None)
     target = ref.final if ref else None
+    # '(baseline)' only beside another strategy: a run of the baseline alone is not compared with anything
+    compared = any(r.label not in (baseline, baseline + HEAD_SUFFIX) for r in runs)
     reach_head = f"first round ≥ {baseline}'s final" + (f" ({target:.4f})" if target is not None else "")
     lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble, uniform (final round) | "
              "best client (final round) | fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        name = run.label + (" (baseline)" if run.label == baseline else "")
+        name = run.label + (" (baseline)" if run.label == baseline and compared else "")
         if run.error or run.final is None:
             why = (run.error or ("no round has an accuracy (neither central test-accuracy nor federated-accuracy)"
                                  if run.rows else "no rounds")).splitlines()[0][:120]
             lines.append(f"| {name} | {run.engine} | failed: {why} | | | | | |")
             continue
         best = run.best()
+        head_at = run.head_round_number()
         reach = "-"
         if target is not None:
             k = run.first_round_reaching(target)
-            reach = str(k) if k is not None else "never"
+            reach = "head round" if k is not None and k == head_at else str(k) if k is not None else "never"
         counts = " / ".join(str(len(run.marked_rounds(k))) for k in ("fallback", "guard", "skipped"))
         fed = " (federated)" if run.federated else ""
-        lines.append(f"| {name} | {run.engine} | {_f(run.final)}{fed} | {_f(best[1])} ({best[0]}) | {reach} | "
+        at = "head round" if best[0] == head_at else best[0]
+        lines.append(f"| {name} | {run.engine} | {_f(run.final)}{fed} | {_f(best[1])} ({at}) | {reach} | "
                      f"{_f(run.ensemble_final())} | {_f(run.best_client_final())} | {counts} |")
-    return "\n".join(lines)
+    note = head_round_note(runs)
+    return "\n".join(lines) + (f"\n\n{note}" if note else "")
+
+
+def steps_title(runs: list[RunSummary]) -> str:
+    """The line a comparison's plot titles carry about the runs' steps: ``"2 rounds + head round: the '+ head round'
+    rows include it, the others end at round 2"``, or ``"2 rounds"`` when no run has the head round."""
+    runs = both_ways(runs)
+    trained = sorted({int(r.last_trained_row()["round"]) for r in runs if r.last_trained_row() is not None})
+    if not trained:
+        return ""
+    if not any(r.head_round() and not r.error for r in runs):
+        return rounds_text(trained[-1], False)
+    last = "/".join(str(t) for t in trained)
+    return (f"{rounds_text(trained[-1], True)}: the '{HEAD_SUFFIX.strip()}' rows include it (★), the others end at "
+            f"round {last}")
+
+
+def head_round_note(runs: list[RunSummary]) -> str | None:
+    """The line under a table whose rows differ by the head round: which rows include it (``<x> + head round``: after
+    it, one more exchange after the last training round) and which end at their last training round (``None`` when no
+    row has the head round)."""
+    headed = [r for r in runs if r.head_round() and not r.error]
+    if not headed:
+        return None
+    trained = sorted({int(r.last_trained_row()["round"]) for r in runs if r.last_trained_row() is not None})
+    last = "round " + "/".join(str(t) for t in trained) if trained else "their last training round"
+    rounds = rounds_text(trained[-1], True) if len(trained) == 1 else "training rounds + head round"
+    plain = [r.label for r in runs if not r.head_round() and not r.error and r.final is not None]
+    return (f"{rounds}: rows '<strategy>{HEAD_SUFFIX}' include the head round (one more exchange after {last}: the "
+            "classifier solved from the clients' statistics)" + (
+                f"; the other rows ({', '.join(plain)}) are the model of {last}, without it" if plain else ""))
 
 
 def reference_points(run: RunSummary) -> list[tuple[str, float]]:

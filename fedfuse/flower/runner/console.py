@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedfuse.results import rounds_text  # noqa: F401  (the console's, tables' and plots' count of a run's steps)
+
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
 ROUND_LINE = re.compile(r"^fedfuse round (\d+): ")          # the ServerApp's INFO line after each evaluation
@@ -106,11 +108,35 @@ def head_round_record(row: dict[str, Any] | None) -> dict[str, Any] | None:
     return (info.get("head-round") or {}) if isinstance(info, dict) and "head-round" in info else None
 
 
+def head_round_text(head: dict[str, Any], after: Any = None) -> str:
+    """What the head round's line adds after its numbers: the classifier solved, or why the model before it stayed,
+    with the clients' scores (a DP run's scores are noised: the solved head must beat the model before by the check's
+    margin, ``check-margin``, which the line names, so that the numbers never read as a contradiction)."""
+    where = f"after round {after}: " if after is not None else ""
+    if head.get("kept") != "before":
+        return f"({where}the classifier solved from the clients' statistics)"
+    acc = head.get("client-accuracy") if isinstance(head.get("client-accuracy"), dict) else {}
+    solved, before = acc.get("head"), acc.get("before")
+    margin = head.get("check-margin")
+    stays = f"the model of round {after} stays" if after is not None else "the model before it stays"
+    if isinstance(margin, (int, float)) and margin > 0 and isinstance(solved, (int, float)) \
+            and isinstance(before, (int, float)):
+        return (f"(solved head not kept: under DP the clients' noised scores must show it better by the check's "
+                f"margin {margin:.4f}; they give {solved:.4f} for it vs {before:.4f} before ({solved - before:+.4f}): "
+                f"{stays})")
+    if isinstance(solved, (int, float)) and isinstance(before, (int, float)):
+        return (f"(solved head not kept: the clients score it lower, {solved:.4f} vs {before:.4f} before: {stays})")
+    return f"(solved head not kept: the clients scored the model before it higher: {stays})"
+
+
 def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str = "") -> str:
     """One console line of a results row, e.g.
-    ``average  round 2/3  acc 0.5571  loss 1.6934  ensemble 0.3482  [GUARDED (average used)]``."""
+    ``average  round 2/3  acc 0.5571  loss 1.6934  ensemble 0.3482  [GUARDED (average used)]``; ``num_rounds``: the
+    run's training rounds. The head round's row is its own step, ``head round`` (not ``round 4/4``), and says
+    after which round it ran."""
     rnd = row.get("round", "?")
-    where = f"round {rnd}/{num_rounds}" if num_rounds else f"round {rnd}"
+    head = head_round_record(row)
+    where = ("head round" if head is not None else f"round {rnd}/{num_rounds}" if num_rounds else f"round {rnd}")
     parts = [f"{label:<10}" if label else "", f"{where:<11}"]
     if row.get("test-accuracy") is not None or row.get("federated-accuracy") is None:
         parts += [f"acc {_num(row.get('test-accuracy'))}", f"loss {_num(row.get('test-loss'))}"]
@@ -121,10 +147,8 @@ def format_round(row: dict[str, Any], num_rounds: int | None = None, label: str 
         parts.append(f"ensemble {_num(row.get('ensemble-accuracy'))}")
     if row.get("choice"):   # strategy 'auto': the aggregation the round's clients chose
         parts.append(f"chose {row['choice']}")
-    head = head_round_record(row)
     if head is not None:
-        parts.append("head round: the clients scored the model before it higher, kept" if head.get("kept") == "before"
-                     else "head round (classifier solved from the clients' statistics)")
+        parts.append(head_round_text(head, rnd - 1 if isinstance(rnd, int) else None))
     if rnd == 0:
         parts.append("(initial model)")
     marks = round_marks(row)
@@ -151,7 +175,7 @@ class QuietConsole:
     Args:
         log: the run's log file (text, line-buffered or flushed by the caller).
         results_path: the run's ``results.json`` (rows are read from it as each round line arrives).
-        num_rounds: rounds of the run (for ``round 2/3``).
+        num_rounds: training rounds of the run (for ``round 2/3``; the head round's line says ``head round``).
         label: the strategy, first column of each round line.
         verbose: only log.
         out: the console (stdout).

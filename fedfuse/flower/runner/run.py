@@ -43,8 +43,9 @@ from fedfuse.config import ConfigError
 from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, preflight_or_exit,
                                        run_with_engine)
 from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
-                                           reference_points, references_table, round_curves, verdict)
-from fedfuse.flower.runner.console import QuietConsole
+                                           reference_points, references_table, round_curves, steps_title,
+                                           verdict)
+from fedfuse.flower.runner.console import QuietConsole, head_round_record, rounds_text
 from fedfuse.flower.runner.flwr_runner import federation_size
 from fedfuse.flower.runner.paths import default_results_dir
 
@@ -52,7 +53,8 @@ _FALLBACK_WIDTH = 40
 
 
 def summary_table(rounds: list[dict[str, Any]]) -> str:
-    """One line per round: accuracies, timings and the fusion fallback (``-`` when the fusion succeeded)."""
+    """One line per round: accuracies, timings and the fusion fallback (``-`` when the fusion succeeded); the head
+    round's row says ``head round`` there."""
     head = (f"{'round':>5} {'test-acc':>9} {'ensemble':>9} {'best-client':>11} {'train-s':>8} {'score-s':>8} "
             f"{'fusion-s':>9} {'round-s':>8}  fallback")
     lines = [head]
@@ -63,6 +65,8 @@ def summary_table(rounds: list[dict[str, Any]]) -> str:
 
         fallback = r.get("fallback")
         fb = "-" if not fallback else str(fallback).splitlines()[0]
+        if head_round_record(r) is not None:   # the head round is its own step after the training rounds
+            fb = "head round" if fb == "-" else f"head round: {fb}"
         if len(fb) > _FALLBACK_WIDTH:
             fb = fb[: _FALLBACK_WIDTH - 1] + "…"
         lines.append(f"{r['round']:>5} {f('test-accuracy', 9)} {f('ensemble-accuracy', 9)} "
@@ -127,8 +131,10 @@ def default_run_name(checked: Any) -> str:
 
 
 def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int, num_rounds: int, timeout: float,
-            verbose: bool) -> tuple[Any, int, Path]:
-    """One run with its quiet console: every line to ``<out>/run.log``; returns (outcome, exit status, out dir)."""
+            verbose: bool, head_round: bool = False) -> tuple[Any, int, Path]:
+    """One run with its quiet console: every line to ``<out>/run.log``; returns (outcome, exit status, out dir).
+    ``num_rounds``: the training rounds; ``head_round``: the run ends with the head round, its own step (the header
+    says ``10 rounds + head round``)."""
     out = Path(cfg["output-dir"]) / cfg["run-name"]
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "run.log"
@@ -136,7 +142,7 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
         console = QuietConsole(log, out / "results.json", num_rounds, label, verbose)
         what = ("a real `flwr run`: SuperLink + Ray simulation, about a minute to start on 2 cores" if engine == "flwr"
                 else "in-process engine: the same ServerApp/ClientApp on a Flower Grid, no Ray")
-        print(f"{label}: {num_rounds} rounds, {num_supernodes} clients ({what})", flush=True)
+        print(f"{label}: {rounds_text(num_rounds, head_round)}, {num_supernodes} clients ({what})", flush=True)
         outcome = run_with_engine(engine, cfg, num_supernodes=num_supernodes, timeout=timeout, echo=verbose,
                                   check_config=False, on_line=console)
         status_line = (f"fedfuse: {label}: run {outcome.run_id} ({engine}) {outcome.status} in {outcome.seconds:.1f}s "
@@ -227,8 +233,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
           f" on {checked.dataset}/{checked.model}, {checked.partitioning} split, {checked.num_clients} clients, "
           f"seed {checked.seed}; results in {out_dir}", flush=True)
     outcome, code, _ = execute(checked.strategy, args.engine, cfg, num_supernodes=n,
-                               num_rounds=checked.num_server_rounds + int(checked.head_round), timeout=args.timeout,
-                               verbose=args.verbose)
+                               num_rounds=checked.num_server_rounds, head_round=checked.head_round,
+                               timeout=args.timeout, verbose=args.verbose)
     runs = [RunSummary.load(checked.strategy, ENGINE_NAMES[args.engine], out_dir,
                             error=None if outcome.ok else f"{outcome.status} {outcome.details}".strip())]
     if baseline and bcfg is not None:
@@ -236,8 +242,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"fedfuse: {checked.strategy} did not complete; {baseline} baseline not run", file=sys.stderr)
             return code
         b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
-                                           num_rounds=checked.num_server_rounds + int(bool(bcfg["head-round"])),
-                                           timeout=args.timeout,
+                                           num_rounds=checked.num_server_rounds,
+                                           head_round=bool(bcfg["head-round"]), timeout=args.timeout,
                                            verbose=args.verbose)
         runs += RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
                                 error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()
@@ -250,7 +256,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title: str) -> None:
-    """Print the side-by-side table; write ``comparison.md`` and ``comparison.png`` (both curves) in ``out_dir``."""
+    """Print the side-by-side table; write ``comparison.md`` and ``comparison.png`` (both curves) in ``out_dir``. The
+    title says the runs' steps (``steps_title``: which rows include the head round)."""
+    steps = steps_title(runs)
+    title = f"{title}\n{steps}" if steps else title
     table = comparison_table(runs, baseline)
     line = verdict(runs, baseline)
     refs = references_table(runs[0])   # a one-shot run's references (None otherwise)
