@@ -15,7 +15,7 @@ Client faults (``fault_mod``): ``crash`` (the ClientApp raises), ``exit`` (the C
 ``inf`` (non-finite weights), ``scale:FACTOR`` (every floating-point weight × FACTOR, e.g. ``scale:1e20``: finite
 weights whose model overflows), ``shape`` (a weight of the wrong shape), ``dtype`` (float64 weights),
 ``neg-scores``, ``no-scores``, ``short-scores`` (importance scores negative / missing / too short),
-``num-examples`` (an absurd sample count). Server fault (``FusionFaultStrategy``): ``fusion:error``
+``num-examples`` (an absurd sample count), ``pad:MB`` (an extra weight of MB megabytes: an oversized reply). Server fault (``FusionFaultStrategy``): ``fusion:error``
 (fusion raises a ``FusionError`` in that round, so the strategy's configured fallback is taken).
 """
 
@@ -36,7 +36,7 @@ from fedfuse.fusion import FusionError
 
 FAULTS_KEY = "test-faults"
 CLIENT_FAULTS = ("crash", "exit", "sleep", "nan", "inf", "scale", "shape", "dtype", "neg-scores", "no-scores",
-                 "short-scores", "num-examples")
+                 "short-scores", "num-examples", "pad")
 SERVER_FAULTS = ("error",)
 ABSURD_NUM_EXAMPLES = 10**12
 
@@ -51,7 +51,7 @@ class Fault:
     kind: str            # one of CLIENT_FAULTS / SERVER_FAULTS
     seconds: float = 0.0  # for sleep
     round: int | None = None
-    factor: float = 1.0   # for scale
+    factor: float = 1.0   # for scale; megabytes for pad
 
     def applies(self, server_round: int) -> bool:
         return self.round is None or self.round == server_round
@@ -77,11 +77,11 @@ def _parse_one(target: str, spec: str) -> Fault:
             seconds = float(arg)
         except ValueError:
             raise ValueError(f"fault 'sleep' needs seconds, e.g. 'sleep:30', got {spec!r}") from None
-    if kind == "scale":
+    if kind in ("scale", "pad"):
         try:
             factor = float(arg)
         except ValueError:
-            raise ValueError(f"fault 'scale' needs a factor, e.g. 'scale:1e20', got {spec!r}") from None
+            raise ValueError(f"fault {kind!r} needs a number, e.g. 'scale:1e20' or 'pad:100', got {spec!r}") from None
     return Fault(target=target, kind=kind, seconds=seconds, round=rnd, factor=factor)
 
 
@@ -166,6 +166,10 @@ def corrupt_reply(fault: Fault, reply: Message) -> None:
             arrays[first] = np.zeros((*a.shape[:-1], a.shape[-1] + 1), dtype=a.dtype)
         else:
             arrays = {k: (a.astype(np.float64) if a.dtype.kind == "f" else a) for k, a in arrays.items()}
+        content["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in arrays.items()})
+    elif fault.kind == "pad":
+        arrays = {k: a.numpy() for k, a in content["arrays"].items()}
+        arrays["fedfuse-test-padding"] = np.zeros(int(fault.factor * 2**20) // 4, dtype=np.float32)
         content["arrays"] = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in arrays.items()})
     elif fault.kind == "num-examples":
         content["metrics"] = MetricRecord({**dict(content["metrics"]), "num-examples": ABSURD_NUM_EXAMPLES})
