@@ -256,6 +256,41 @@ def _current_rss_mb() -> float | None:
         return None
 
 
+def server_data_digest(fusion_x, fusion_y, test) -> dict[str, str | None]:
+    """SHA-256 of the server's fusion set and test set as loaded (``None`` where there is none): recorded in
+    ``results.json`` and the checkpoint, so that a resumed run proves it reads what the interrupted one read (a
+    fusion-set file replaced in between would otherwise mix two runs' data without a word)."""
+    import hashlib
+
+    def digest(*tensors) -> str | None:
+        if tensors[0] is None:
+            return None
+        h = hashlib.sha256()
+        for t in tensors:
+            if t is not None:
+                t = torch.as_tensor(t).detach().cpu().contiguous()
+                h.update(str((tuple(t.shape), str(t.dtype))).encode())
+                h.update(t.numpy().tobytes())
+        return h.hexdigest()
+
+    return {"fusion-set-sha256": digest(fusion_x, fusion_y),
+            "test-set-sha256": None if test is None else digest(getattr(test, "x", None), getattr(test, "y", None))}
+
+
+def check_server_data(saved: dict | None, now: dict, out: Path, cfg: RunConfig) -> None:
+    """``ConfigError`` naming the setting when a resumed run's fusion set or test set is not the checkpointed run's."""
+    if not saved:   # a checkpoint written before digests were recorded: nothing to compare
+        return
+    keys = {"fusion-set-sha256": "fusion-set-path" if cfg.fusion_set_path else "dataset",
+            "test-set-sha256": "data-options.test-set-path" if cfg.test_set_path else "dataset"}
+    for field, key in keys.items():
+        if saved.get(field) != now.get(field):
+            raise ConfigError(f"run-config key {key!r}: the server's {field.split('-sha')[0].replace('-', ' ')} is not "
+                              f"the one the checkpointed run in {out} used (sha256 {str(saved.get(field))[:12]} then, "
+                              f"{str(now.get(field))[:12]} now; was its file replaced?): resuming would mix two runs' "
+                              "data; restore it, or start a fresh run (resume=false)")
+
+
 # run-config keys that may differ between an interrupted run and its resumption
 RESUME_MAY_DIFFER = ("resume", "num-server-rounds", "strategy-options.round-timeout", "device")
 
@@ -354,7 +389,8 @@ class RoundEvaluation:
             save_checkpoint(self.out, server_round, arrays.to_torch_state_dict(),
                             {"num-server-rounds": self.cfg.num_server_rounds, "config": self.cfg.to_dict(),
                              "rows": self.recorder.rows, "strategy-history": self.strategy.history,
-                             "resumed-from-rounds": self.recorder.extra.get("resumed-from-rounds", [])})
+                             "resumed-from-rounds": self.recorder.extra.get("resumed-from-rounds", []),
+                             "server-data": self.recorder.extra.get("server-data")})
         _log_round(server_round, row)
         if m is None:
             return None
@@ -562,6 +598,9 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
                                  if strategy.fusion_inputs is not None else 0})
     if notes:
         recorder.extra["config-notes"] = notes
+    recorder.extra["server-data"] = server_data_digest(strategy.fusion_inputs, strategy.fusion_labels, test)
+    if resumed:
+        check_server_data(resumed[1].get("server-data"), recorder.extra["server-data"], out, cfg)
     plan = make_plan(cfg)   # the choices made for the user (fedfuse.plan): recorded, and said once
     recorder.extra["plan"] = plan.to_json()
     for decision in plan.decisions:
