@@ -62,7 +62,7 @@ def test_every_table_row_says_whether_it_includes_the_head_round():
     assert "head round" not in plain
     from fedfuse.flower.runner.compare import steps_title
 
-    assert steps_title([krum]) == "2 rounds + head round: the '+ head round' rows include it (★), the others end at round 2"
+    assert steps_title([krum]) == "2 rounds + head round: the ★ '+ head round' rows include it, the others end at round 2"
     assert steps_title([RunSummary("krum", "in-process", _rows([0.1, 0.2], head=False))]) == "1 round"
 
 
@@ -99,4 +99,57 @@ def test_an_in_process_run_without_comparison_counts_the_head_round_as_its_own_s
     assert [r["round"] for r in res["rounds"]] == [0, 1, 2, 3]   # results.json keeps the head round's row number
     titles = {path.rsplit("/", 1)[-1]: t for path, t in seen}
     assert any("2 rounds + head round" in t for t in titles["accuracy.png"])
-    assert any("2 rounds + head round: the '+ head round' rows include it" in t for t in titles["comparison.png"])
+    assert any("2 rounds + head round: the ★ '+ head round' rows include it" in t for t in titles["comparison.png"])
+
+
+# ------------------------------------------------------------------------------------------------- item 6
+REFS = {"seconds": 0.2, "client-accuracy": {"0": 0.5, "1": 0.7159},
+        "rows": [{"key": "best-client", "accuracy": 0.7159, "partition-id": 1}, {"key": "ensemble", "accuracy": 0.7688},
+                 {"key": "average", "accuracy": 0.376, "seconds": 0.0}, {"key": "feddf", "accuracy": 0.766,
+                                                                          "seconds": 0.45}]}
+
+
+def _one_shot(head=True):
+    rows = [{"round": 0, "test-accuracy": 0.1142}, {"round": 1, "test-accuracy": 0.727, "fusion-seconds": 0.26}]
+    if head:
+        rows.append({"round": 2, "test-accuracy": 0.9526, "fusion-seconds": 0.42, "fusion-info": HEAD})
+    return RunSummary("kf-linear", "flwr run", rows, references=REFS)
+
+
+def test_the_references_are_measured_against_the_fused_round_not_the_head_round():
+    """Before: '| model | test accuracy | kf-linear minus it |' put the head-rounded 0.9526 first and every reference's
+    difference from it (FedDF +0.1866), though no reference got the head round; the fused round itself (0.7270, below
+    FedDF and the ensemble) was a side row."""
+    lines = references_table(_one_shot()).splitlines()
+    assert lines[2] == "| model | test accuracy | kf-linear's fused round minus it | seconds |"
+    assert lines[4] == ("| **kf-linear, fused round** (round 1: this run's fused model; like every reference below, "
+                        "no head round) | 0.7270 | | 0.26 |")
+    assert lines[5] == ("| kf-linear + head round (one more exchange: the classifier solved from the clients' "
+                        "statistics; no reference below has it) | 0.9526 | -0.2256 | 0.42 |")
+    rows = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[2] for ln in lines[6:] if ln.startswith("| ")}
+    assert rows == {"best client (client 1)": "+0.0111", "ensemble (weighted by samples)": "-0.0418",
+                    "one-shot FedAvg (weighted average)": "+0.3510", "FedDF (ensemble into the average)": "-0.0390"}
+    assert "the head round adds +0.2256" in lines[-1] and "model after the head round (0.9526)" in lines[-1]
+    # without the head round nothing changes: the fused model is the run's model
+    plain = references_table(_one_shot(head=False)).splitlines()
+    assert plain[2] == "| model | test accuracy | kf-linear minus it | seconds |"
+    assert plain[4] == "| **kf-linear** (this run's fused model) | 0.7270 | | 0.26 |" and "+0.0111" in plain[5]
+
+
+def test_the_one_shot_plot_credits_the_head_round_to_its_own_bar_and_legend(tmp_path, monkeypatch):
+    import matplotlib
+
+    from fedfuse.flower.runner.compare import reference_bars
+
+    drawn, legends = {}, []
+    real_barh, real_legend = matplotlib.axes.Axes.barh, matplotlib.axes.Axes.legend
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda self, y, w, **kw: drawn.update(zip(y, w)) or
+                        real_barh(self, y, w, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", lambda self, *a, **kw: legends.append(
+        [h.get_label() for h in kw.get("handles", [])]) or real_legend(self, *a, **kw))
+    reference_bars(_one_shot(), tmp_path / "c.png", "t", others=[])
+    assert drawn["kf-linear, fused round (round 1)"] == 0.727 and drawn["kf-linear + head round"] == 0.9526
+    assert "kf-linear (fused)" not in drawn
+    assert legends[-1] == ["kf-linear: this run's fused model, its fused round",
+                           "references from the same client models (no head round)",
+                           "+ head round: one more exchange after it (not the fusion's gain)"]

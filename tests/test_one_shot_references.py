@@ -140,7 +140,7 @@ def test_the_verdict_line_splits_the_fused_rounds_part_from_the_head_rounds():
             {"round": 2, "test-accuracy": 0.995, "fusion-info": {"head-round": {"kept": "head"}}}]
     line = references_table(RunSummary("ot", "in-process", rows, references=refs)).splitlines()[-1]
     assert line.startswith("ot's fused round (round 1, 0.3000) is 6.0 points below the best client; ")
-    assert "the head round adds +0.6950" in line and "final model (0.9950) is 62.7 points above the clients' " \
+    assert "the head round adds +0.6950" in line and "model after the head round (0.9950) is 62.7 points above the clients' " \
         "ensemble (which is 0.8 points above the best client)" in line and "7600%" not in line
     # without a head round: one line about the fused model, as before
     plain = references_table(RunSummary("ot", "in-process", rows[:2], references=refs)).splitlines()[-1]
@@ -150,8 +150,8 @@ def test_the_verdict_line_splits_the_fused_rounds_part_from_the_head_rounds():
                                                                        {"head-round": {}}}], references=refs))
     assert mid.splitlines()[-1] == ("ot's fused round (round 1, 0.3000) is 6.0 points below the best client; the head "
                                     "round adds +0.1300 (the classifier solved from the clients' statistics), so the "
-                                    "final model (0.4300) recovers 50% of the gap between the best client and the "
-                                    "ensemble (one seed)")
+                                    "model after the head round (0.4300) recovers 50% of the gap between the best "
+                                    "client and the ensemble (one seed)")
 
 
 def test_one_shot_fedavg_reference_equals_the_fedavg_run_on_the_same_split(tmp_path, capsys):

@@ -222,8 +222,7 @@ def steps_title(runs: list[RunSummary]) -> str:
     if not any(r.head_round() and not r.error for r in runs):
         return rounds_text(trained[-1], False)
     last = "/".join(str(t) for t in trained)
-    return (f"{rounds_text(trained[-1], True)}: the '{HEAD_SUFFIX.strip()}' rows include it (★), the others end at "
-            f"round {last}")
+    return f"{rounds_text(trained[-1], True)}: the ★ '{HEAD_SUFFIX.strip()}' rows include it, the others end at round {last}"
 
 
 def head_round_note(runs: list[RunSummary]) -> str | None:
@@ -254,7 +253,9 @@ def reference_points(run: RunSummary) -> list[tuple[str, float]]:
 def references_table(run: RunSummary) -> str | None:
     """A one-shot run's fused model next to its references (``fedfuse.references``: best and mean client, weighted
     ensemble, one-shot FedAvg, KD, FedDF) on the same test set, with the share of the best-client-to-ensemble gap
-    the fused model recovers; a line saying why when they are unavailable; ``None`` when the run has none."""
+    the fused model recovers; a line saying why when they are unavailable; ``None`` when the run has none. With the
+    head round the references are measured against the fused round (round 1), like for like (none of them got the
+    head round), and ``<run> + head round`` is its own row: its gain is one more exchange's, not the fusion's."""
     refs = run.references
     if not refs:
         return None
@@ -262,28 +263,33 @@ def references_table(run: RunSummary) -> str | None:
         return f"one-shot references unavailable: {refs['unavailable']}"
     final = run.final
     n = len(refs.get("client-accuracy", {}))
-    fused_s = (run.rows[-1].get("fusion-seconds") if run.rows else None)
+    last_s = (run.rows[-1].get("fusion-seconds") if run.rows else None)
     head = ", then the head round" if run.rows and head_round_record(run.rows[-1]) is not None else ""
+    sec = (lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-")
     lines = [f"One-shot references: the same {n} client models on the server's test set (no extra client "
-             f"training; {refs.get('seconds', 0.0):.1f}s on the server)", "",
-             f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
-             f"| **{run.label}** (this run's fused model{head}) | {_f(final)} | | "
-             f"{'-' if fused_s is None else f'{fused_s:.2f}'} |"]
-    if head:   # head-round: the last training round's model too
+             f"training; {refs.get('seconds', 0.0):.1f}s on the server)", ""]
+    compared = final   # what the references are measured against: like for like, none of them got the head round
+    if head:   # the fused round (round 1) is the fusion's result; the head round is one more exchange, its own row
         r1 = next((r for r in run.rows if r.get("round") == 1), {})
-        one, one_s = r1.get(run.metric), r1.get("fusion-seconds")
-        diff = "-" if final is None or one is None else f"{final - one:+.4f}"
-        lines.append(f"| {run.label}, one-shot round (round 1) | {_f(one)} | {diff} | "
-                     f"{'-' if one_s is None else f'{one_s:.2f}'} |")
+        one = r1.get(run.metric)
+        compared = one if isinstance(one, (int, float)) else None
+        diff = "-" if final is None or compared is None else f"{compared - final:+.4f}"
+        lines += [f"| model | test accuracy | {run.label}'s fused round minus it | seconds |", "|---|---|---|---|",
+                  f"| **{run.label}, fused round** (round 1: this run's fused model; like every reference below, no "
+                  f"head round) | {_f(compared)} | | {sec(r1.get('fusion-seconds'))} |",
+                  f"| {run.label}{HEAD_SUFFIX} (one more exchange: the classifier solved from the clients' statistics; "
+                  f"no reference below has it) | {_f(final)} | {diff} | {sec(last_s)} |"]
+    else:
+        lines += [f"| model | test accuracy | {run.label} minus it | seconds |", "|---|---|---|---|",
+                  f"| **{run.label}** (this run's fused model) | {_f(final)} | | {sec(last_s)} |"]
     for r in refs.get("rows", []):
         label = REFERENCE_LABELS.get(r["key"], r["key"]) + (f" (client {r['partition-id']})" if "partition-id" in r
                                                             else "")
         if "accuracy" not in r:
             lines.append(f"| {label} | unavailable: {str(r.get('unavailable'))[:100]} | | |")
             continue
-        diff = "-" if final is None else f"{final - r['accuracy']:+.4f}"
-        sec = f"{r['seconds']:.2f}" if isinstance(r.get("seconds"), (int, float)) else "-"
-        lines.append(f"| {label} | {_f(r['accuracy'])} | {diff} | {sec} |")
+        diff = "-" if compared is None else f"{compared - r['accuracy']:+.4f}"
+        lines.append(f"| {label} | {_f(r['accuracy'])} | {diff} | {sec(r.get('seconds'))} |")
     acc = {r["key"]: r["accuracy"] for r in refs.get("rows", []) if "accuracy" in r}
     if final is not None and "best-client" in acc and "ensemble" in acc:
         best, ens = acc["best-client"], acc["ensemble"]
@@ -293,8 +299,8 @@ def references_table(run: RunSummary) -> str | None:
             # clients' statistics (one more exchange), so its gain is not the fusion's: one line for both would credit
             # the fusion with it (docs/one-shot.md, "What a one-shot run prints")
             lines += ["", f"{run.label}'s fused round (round 1, {one:.4f}) {_gap_text(one, best, ens)}; the head round "
-                          f"adds {final - one:+.4f} (the classifier solved from the clients' statistics), so the final "
-                          f"model ({final:.4f}) {_gap_text(final, best, ens)} (one seed)"]
+                          f"adds {final - one:+.4f} (the classifier solved from the clients' statistics), so the model "
+                          f"after the head round ({final:.4f}) {_gap_text(final, best, ens)} (one seed)"]
         else:
             lines += ["", f"{run.label} {_gap_text(final, best, ens)} (one seed)"]
     return "\n".join(lines)
@@ -637,21 +643,27 @@ def reference_bars(run: RunSummary, path: Path, title: str = "", others: list[Ru
                 f"{acc:.3f}", va="center", fontsize=8)
     from matplotlib.patches import Patch
     present = {kind.split("-")[0] for _, _, kind in items}
+    fused_what = f"{run.label}: this run's fused model" + (", its fused round" if "head" in present else "")
     handles = [Patch(color=colors[k], label=text) for k, text in (
-        ("fused", f"{run.label}: this run's fused model"),
+        ("fused", fused_what),
         ("baseline", "the baseline's run (same clients, lr, epochs)"),
-        ("ref", "references from the same client models")) if k in present or (k == "fused" and "head" in present)]
+        ("ref", "references from the same client models (no head round)"))
+        if k in present or (k == "fused" and "head" in present)]
+    if any(kind in ("head", "baseline-head") for _, _, kind in items):   # not the fusion's: one more exchange
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
+                             label="+ head round: one more exchange after it (not the fusion's gain)"))
     if len(handles) > 1:
-        ax.legend(handles=handles, fontsize=7, loc="lower right")
+        # under the axes: inside, it hid the shortest bars' values
+        ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     ax.set_xlim(0, 1.1)
     ax.set_xlabel("test accuracy (server test set)")
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(axis="x", alpha=0.3)
     what = "one-shot: the fused model and its references"
     if any(kind in ("head", "baseline-head") for _, _, kind in items):
-        what += "\nhatched ★: after the head round (the classifier solved from the clients' statistics)"
+        what += "; hatched ★: after the head round"
     ax.set_title((title + "\n" if title else "") + what, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
