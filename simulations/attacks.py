@@ -37,8 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord
+from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType, MetricRecord
 
+from tests.support.liars import corrupt_update, lie_in_answer  # the shared reply corruptions (one implementation)
+
+UPDATE_THREATS = ("scale", "sign-flip", "random", "free-ride", "free-ride-noise")   # tests.support.liars.corrupt_update
 THREATS = ("scale", "sign-flip", "random", "label-flip", "backdoor", "free-ride", "free-ride-noise",
            "inflate-scores", "concentrate", "lie-counts", "lie-votes", "lie-head", "absent")
 QUERY_THREATS = ("lie-votes", "lie-head")   # threats on the answers to the server's queries, not on train replies
@@ -127,36 +130,9 @@ class Attack:
     # ------------------------------------------------------------------ the reply
     def corrupt(self, msg: Message, reply: Message, pid: int = 0) -> None:
         """Change an honest train reply (in place) the way the threat says."""
+        if self.threat in UPDATE_THREATS:
+            corrupt_update(self.threat, msg, reply, pid, factor=self.factor, seed=self.seed)
         content = reply.content
-        config = msg.content["config"] if "config" in msg.content else ConfigRecord()
-        weight_key = str(config.get("weight-key", "num-examples"))
-        arrays_key = next(k for k in content.array_records if k != "importance")
-        # each liar draws its own noise (identical random replies would be a colluding attack)
-        rng = np.random.default_rng([self.seed, int(config.get("server-round", 0)), pid])
-        if self.threat in ("scale", "sign-flip", "random", "free-ride", "free-ride-noise"):
-            sent = msg.content[arrays_key] if arrays_key in msg.content else None
-            new = {}
-            for k, a in content[arrays_key].items():
-                w = a.numpy()
-                g = sent[k].numpy() if sent is not None and k in sent else w
-                if w.dtype.kind != "f":
-                    new[k] = w
-                elif self.threat == "scale":
-                    new[k] = g + self.factor * (w - g)
-                elif self.threat == "sign-flip":
-                    new[k] = g - (w - g)
-                elif self.threat == "random":
-                    new[k] = rng.normal(0.0, float(w.std()) + 1e-3, size=w.shape)
-                elif self.threat == "free-ride":
-                    new[k] = g
-                else:
-                    new[k] = g + rng.normal(0.0, 0.01 * (float(g.std()) + 1e-3), size=g.shape)
-            content[arrays_key] = ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=content[arrays_key][k].numpy().dtype))
-                                               for k, v in new.items()})
-        if self.threat in ("free-ride", "free-ride-noise"):
-            metrics = dict(content["metrics"])
-            metrics[weight_key] = int(metrics[weight_key]) * 100
-            content["metrics"] = MetricRecord(metrics)
         if self.threat in ("inflate-scores", "concentrate") and "importance" in content:
             scores = {}
             for k, a in content["importance"].items():
@@ -174,27 +150,3 @@ class Attack:
             counts = list(metrics["class-counts"])
             metrics["class-counts"] = [sum(counts) * 100 if c == 0 else 0 for c in range(len(counts))]
             content["metrics"] = MetricRecord(metrics)
-
-
-def lie_in_answer(threat: str, message_type: str, reply: Message) -> None:
-    """Change an honest answer to a scoring or head-statistics query (in place) the way ``threat`` says."""
-    content = reply.content
-    if message_type == "query.score_candidates":
-        metrics = dict(content["metrics"])
-        k = sum(1 for key in metrics if key.startswith("accuracy-"))
-        accs = [float(metrics[f"accuracy-{i}"]) for i in range(k)]
-        worst = min(range(k), key=accs.__getitem__)
-        for i in range(k):
-            win = (i == worst) if threat == "lie-votes" else (i > 0)   # lie-head: the solved heads over the model
-            metrics[f"accuracy-{i}"], metrics[f"loss-{i}"] = (1.0, 0.0) if win else (0.0, 10.0)
-        metrics["num-examples"] = int(metrics["num-examples"]) * 100
-        content["metrics"] = MetricRecord(metrics)
-    elif message_type == "query.head_statistics" and threat == "lie-head":
-        stats = {}
-        for key, a in content["head-statistics"].items():
-            v = a.numpy().astype(np.float64) * 100.0
-            stats[key] = v[:, ::-1] if key.startswith("cross") else v   # the labels reversed
-        content["head-statistics"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in stats.items()})
-        metrics = dict(content["metrics"])
-        metrics["num-examples"] = int(metrics["num-examples"]) * 100
-        content["metrics"] = MetricRecord(metrics)

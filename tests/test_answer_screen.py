@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from unittest.mock import Mock
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
@@ -19,27 +18,7 @@ from fedfuse.flower.client_app import make_client_app
 from fedfuse.progressive import HeadStatistics, head_statistics
 from fedfuse.models import build_model
 from tests.support.liars import Liar
-
-C, D = 10, 16
-
-
-def _stats(f: torch.Tensor, y: torch.Tensor) -> HeadStatistics:
-    fa = torch.cat([f.double(), torch.ones(len(f), 1, dtype=torch.float64)], 1)
-    return HeadStatistics(fa.T @ fa, fa.T @ torch.nn.functional.one_hot(y, C).double(), len(y))
-
-
-def _federation(liars: int, seed: int = 0, clients: int = 10) -> list[HeadStatistics]:
-    """Non-IID clients (Dirichlet 0.5 class mixes, 100-400 samples) of shared class-conditional features; the last
-    ``liars`` send the statistics of reversed labels."""
-    rng = np.random.default_rng(seed)
-    centres = torch.as_tensor(rng.normal(0, 2.0, (C, D)))
-    out = []
-    for i in range(clients):
-        n = int(rng.integers(100, 400))
-        y = torch.as_tensor(rng.choice(C, size=n, p=rng.dirichlet([0.5] * C)))
-        f = centres[y] + torch.as_tensor(rng.normal(0, 1.0, (n, D)))
-        out.append(_stats(f, C - 1 - y if i >= clients - liars else y))
-    return out
+from tests.support.trust_cases import C, federation_stats as _federation
 
 
 def test_honest_statistics_obey_the_identities_and_made_up_ones_are_rejected():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.flower.trust.screen import ClientScreen, agreements, update_norm
 from fedfuse.models import build_model, levels
 from tests.support.liars import Liar
+from tests.support.trust_cases import TINY, strategy_history as _history
 
 SHAPE = (1, 8, 8)
 
@@ -317,15 +317,6 @@ def test_robust_strategy_options_reach_flowers_strategy():
 
 
 # ------------------------------------------------------------------------------------------- a federation
-TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 5,
-        "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "lr": 0.05, "fusion-set-size": 150,
-        "min-train-nodes": 5, "head-round": False}
-
-
-def _history(out: Path) -> list[dict]:
-    return json.loads((out / "results.json").read_text())["strategy-history"]
-
-
 def test_robust_run_drops_random_sign_flipped_and_free_riding_clients_every_round(tmp_path):
     from fedfuse.flower.runner.inprocess import run_inprocess
 

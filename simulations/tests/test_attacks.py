@@ -6,7 +6,6 @@ that answers them is the product's (tests/test_trust.py, tests/test_answer_scree
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from unittest.mock import Mock
 
 import numpy as np
@@ -17,11 +16,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedfuse.flower.client_app import make_client_app
 from fedfuse.flower.head.head_messages import head_reply_content
 from fedfuse.models import build_model, levels
-from fedfuse.progressive import HeadStatistics
 from simulations.attacks import BACKDOOR_CLASS, Attack, lie_in_answer, poisoned_data, stamp
+from tests.support.trust_cases import TINY, federation_stats as _federation, strategy_history as _history
 
 SHAPE = (1, 8, 8)
-C, D = 10, 16
+C = 10
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:
@@ -84,25 +83,6 @@ def test_data_threats_poison_labels_and_stamp_a_trigger():
 
 
 # ------------------------------------------------------------------------------------------- the query threats
-def _stats(f: torch.Tensor, y: torch.Tensor) -> HeadStatistics:
-    fa = torch.cat([f.double(), torch.ones(len(f), 1, dtype=torch.float64)], 1)
-    return HeadStatistics(fa.T @ fa, fa.T @ torch.nn.functional.one_hot(y, C).double(), len(y))
-
-
-def _federation(liars: int, seed: int = 0, clients: int = 10) -> list[HeadStatistics]:
-    """Non-IID clients (Dirichlet 0.5 class mixes, 100-400 samples) of shared class-conditional features; the last
-    ``liars`` send the statistics of reversed labels."""
-    rng = np.random.default_rng(seed)
-    centres = torch.as_tensor(rng.normal(0, 2.0, (C, D)))
-    out = []
-    for i in range(clients):
-        n = int(rng.integers(100, 400))
-        y = torch.as_tensor(rng.choice(C, size=n, p=rng.dirichlet([0.5] * C)))
-        f = centres[y] + torch.as_tensor(rng.normal(0, 1.0, (n, D)))
-        out.append(_stats(f, C - 1 - y if i >= clients - liars else y))
-    return out
-
-
 @pytest.fixture
 def identity(monkeypatch):
     from flwr.supercore.task_identity import TaskIdentity
@@ -128,15 +108,6 @@ def test_the_query_threats_change_honest_answers_as_documented(identity):
 
 
 # ------------------------------------------------------------------------------------------- the oracle
-TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 5,
-        "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "lr": 0.05, "fusion-set-size": 150,
-        "min-train-nodes": 5, "head-round": False}
-
-
-def _history(out: Path) -> list[dict]:
-    return json.loads((out / "results.json").read_text())["strategy-history"]
-
-
 def test_absent_clients_leave_a_run_of_the_others(tmp_path):
     """The trust bench's oracle (``absent``): the named clients answer every message with an error, so every round
     aggregates exactly the others (the quorum set to them), and the run still trains."""

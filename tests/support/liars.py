@@ -50,54 +50,67 @@ class Liar:
         if reply.has_error():
             return reply
         if self.threat == "lie-head":
-            _lie_head(msg.metadata.message_type, reply)
+            lie_in_answer(self.threat, msg.metadata.message_type, reply)
         elif msg.metadata.message_type.split(".")[0] == MessageType.TRAIN:
             self._corrupt(msg, reply, pid)
         return reply
 
     def _corrupt(self, msg: Message, reply: Message, pid: int) -> None:
-        """Change an honest train reply (in place) the way the threat says."""
-        content = reply.content
-        config = msg.content["config"] if "config" in msg.content else ConfigRecord()
-        weight_key = str(config.get("weight-key", "num-examples"))
-        arrays_key = next(k for k in content.array_records if k != "importance")
-        # each liar draws its own noise (identical random replies would be a colluding attack)
-        rng = np.random.default_rng([self.seed, int(config.get("server-round", 0)), pid])
-        sent = msg.content[arrays_key] if arrays_key in msg.content else None
-        new = {}
-        for k, a in content[arrays_key].items():
-            w = a.numpy()
-            g = sent[k].numpy() if sent is not None and k in sent else w
-            if w.dtype.kind != "f":
-                new[k] = w
-            elif self.threat == "scale":
-                new[k] = g + self.factor * (w - g)
-            elif self.threat == "sign-flip":
-                new[k] = g - (w - g)
-            elif self.threat == "random":
-                new[k] = rng.normal(0.0, float(w.std()) + 1e-3, size=w.shape)
-            else:   # free-ride
-                new[k] = g
-        content[arrays_key] = ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=content[arrays_key][k].numpy().dtype))
-                                           for k, v in new.items()})
-        if self.threat == "free-ride":
-            metrics = dict(content["metrics"])
-            metrics[weight_key] = int(metrics[weight_key]) * 100
-            content["metrics"] = MetricRecord(metrics)
+        corrupt_update(self.threat, msg, reply, pid, factor=self.factor, seed=self.seed)
 
 
-def _lie_head(message_type: str, reply: Message) -> None:
-    """Change an honest answer to the head round's queries (in place): the solved heads scored 1 and the model
-    before them 0; the statistics of reversed labels; every count × 100."""
+def corrupt_update(threat: str, msg: Message, reply: Message, pid: int, *, factor: float = 10.0, seed: int = 0) -> None:
+    """Change an honest train reply's weights (in place) the way an update threat says (``scale``, ``sign-flip``,
+    ``random``, ``free-ride``, and the trust benchmark's ``free-ride-noise``: the global model plus Gaussian noise of
+    1 % of each tensor's std); the free riders claim ``num-examples`` × 100. Shared with
+    ``simulations/attacks.py``."""
+    content = reply.content
+    config = msg.content["config"] if "config" in msg.content else ConfigRecord()
+    weight_key = str(config.get("weight-key", "num-examples"))
+    arrays_key = next(k for k in content.array_records if k != "importance")
+    # each liar draws its own noise (identical random replies would be a colluding attack)
+    rng = np.random.default_rng([seed, int(config.get("server-round", 0)), pid])
+    sent = msg.content[arrays_key] if arrays_key in msg.content else None
+    new = {}
+    for k, a in content[arrays_key].items():
+        w = a.numpy()
+        g = sent[k].numpy() if sent is not None and k in sent else w
+        if w.dtype.kind != "f":
+            new[k] = w
+        elif threat == "scale":
+            new[k] = g + factor * (w - g)
+        elif threat == "sign-flip":
+            new[k] = g - (w - g)
+        elif threat == "random":
+            new[k] = rng.normal(0.0, float(w.std()) + 1e-3, size=w.shape)
+        elif threat == "free-ride":
+            new[k] = g
+        else:   # free-ride-noise
+            new[k] = g + rng.normal(0.0, 0.01 * (float(g.std()) + 1e-3), size=g.shape)
+    content[arrays_key] = ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=content[arrays_key][k].numpy().dtype))
+                                       for k, v in new.items()})
+    if threat in ("free-ride", "free-ride-noise"):
+        metrics = dict(content["metrics"])
+        metrics[weight_key] = int(metrics[weight_key]) * 100
+        content["metrics"] = MetricRecord(metrics)
+
+
+def lie_in_answer(threat: str, message_type: str, reply: Message) -> None:
+    """Change an honest answer to a scoring or head-statistics query (in place): ``lie-head`` scores the solved heads
+    1 and the model before 0 and sends the statistics of reversed labels; ``lie-votes`` (the trust benchmark's) scores
+    the candidate it scored worst 1 and the others 0; every count × 100. Shared with ``simulations/attacks.py``."""
     content = reply.content
     if message_type == "query.score_candidates":
         metrics = dict(content["metrics"])
         k = sum(1 for key in metrics if key.startswith("accuracy-"))
+        accs = [float(metrics[f"accuracy-{i}"]) for i in range(k)]
+        worst = min(range(k), key=accs.__getitem__)
         for i in range(k):
-            metrics[f"accuracy-{i}"], metrics[f"loss-{i}"] = (1.0, 0.0) if i > 0 else (0.0, 10.0)
+            win = (i == worst) if threat == "lie-votes" else (i > 0)   # lie-head: the solved heads over the model
+            metrics[f"accuracy-{i}"], metrics[f"loss-{i}"] = (1.0, 0.0) if win else (0.0, 10.0)
         metrics["num-examples"] = int(metrics["num-examples"]) * 100
         content["metrics"] = MetricRecord(metrics)
-    elif message_type == "query.head_statistics":
+    elif message_type == "query.head_statistics" and threat == "lie-head":
         stats = {}
         for key, a in content["head-statistics"].items():
             v = a.numpy().astype(np.float64) * 100.0
