@@ -119,12 +119,6 @@ def rounds_text(num_rounds: int, head_round: bool) -> str:
     return f"{num_rounds} round{'' if num_rounds == 1 else 's'}" + (" + head round" if head_round else "")
 
 
-def rounds_text(num_rounds: int, head_round: bool) -> str:
-    """The run's steps as the console, the tables and the plots count them: ``"10 rounds + head round"`` (the head
-    round is its own step after the training rounds, not an 11th round), ``"1 round"``."""
-    return f"{num_rounds} round{'' if num_rounds == 1 else 's'}" + (" + head round" if head_round else "")
-
-
 def integer_round_ticks(ax: Any) -> None:
     """Round numbers are integers: no 0.5 / 1.5 ticks on a plot of a few rounds."""
     from matplotlib.ticker import MaxNLocator

@@ -67,8 +67,6 @@ def summary_table(rounds: list[dict[str, Any]]) -> str:
         fb = "-" if not fallback else str(fallback).splitlines()[0]
         if head_round_record(r) is not None:   # the head round is its own step after the training rounds
             fb = "head round" if fb == "-" else f"head round: {fb}"
-        if head_round_record(r) is not None:   # the head round is its own step after the training rounds
-            fb = "head round" if fb == "-" else f"head round: {fb}"
         if len(fb) > _FALLBACK_WIDTH:
             fb = fb[: _FALLBACK_WIDTH - 1] + "…"
         lines.append(f"{r['round']:>5} {f('test-accuracy', 9)} {f('ensemble-accuracy', 9)} "
