@@ -82,6 +82,13 @@ def outcome_record(outcome) -> dict[str, Any]:
             "log": lines(outcome.log, r"reject|WARNING|ERROR|fail|diverg|non-finite")}
 
 
+def wait_for_checkpoint(run_dir: Path, timeout: float = 360.0) -> None:
+    """Wait (bounded) until the run in ``run_dir`` has checkpointed its first round."""
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "checkpoint" / "state.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def cfg(out: Path, name: str, **kw) -> dict[str, Any]:
     return {**BASE, "output-dir": str(out), "run-name": name, **kw}
 
@@ -150,10 +157,7 @@ def node_restart(dep: Deployment, out: Path) -> dict:
     c = cfg(out, "node-restart", **{"test-faults": "1:sleep:30@2", "round-timeout": 60})
     dep.wait_for_nodes()
     run_id = dep.submit(c)
-    ckpt = out / "node-restart" / "checkpoint" / "state.json"
-    deadline = time.monotonic() + 360
-    while not ckpt.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_checkpoint(out / "node-restart")
     time.sleep(5)   # round 2's messages delivered: node 1 sleeps inside its ClientApp
     dep.kill_supernode(1)
     dep.supernodes[1] = dep.start_supernode(1)
@@ -197,10 +201,7 @@ def flwr_stop(dep: Deployment, out: Path) -> dict:
     c = cfg(out, "stopped", **{"test-faults": "*:sleep:20@2"})
     dep.wait_for_nodes()
     run_id = dep.submit(c)
-    ckpt = out / "stopped" / "checkpoint" / "state.json"
-    deadline = time.monotonic() + 360
-    while not ckpt.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_checkpoint(out / "stopped")
     time.sleep(3)
     stop = dep.flwr("stop", str(run_id), CONNECTION, timeout=90)
     status, details = dep.wait(run_id, timeout=120)
@@ -225,10 +226,7 @@ def fusion_set_replaced(dep: Deployment, out: Path) -> dict:
     c = cfg(out, "fs-replaced", **{"fusion-set-path": str(path), "test-faults": "*:sleep:10@2"})
     dep.wait_for_nodes()
     run_id = dep.submit(c)
-    ckpt = out / "fs-replaced" / "checkpoint" / "state.json"
-    deadline = time.monotonic() + 360
-    while not ckpt.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_checkpoint(out / "fs-replaced")
     write_fusion_set_file(str(path), dataset="digits", size=100, seed=7)
     status, details = dep.wait(run_id, timeout=420)
     log = dep.logs_of(run_id)
@@ -336,24 +334,24 @@ def wrong_ca(dep: Deployment, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------- session: node data
-@case("node-missing-data", "data", "SuperNode 1's node-config data-path names a file that does not exist",
-      "node 1's failure recorded with a reason naming data-path; the others' rounds complete")
-def node_missing_data(dep: Deployment, out: Path) -> dict:
-    rec = outcome_record(dep.run(cfg(out, "missing-data", **{"num-clients": 3, "min-train-nodes": 2}), timeout=420))
-    reasons = [f["reason"] for rnd in rec["results"].get("failures") or [] for f in rnd]
-    rec["as-expected"] = (rec["status"] == "finished:completed" and any("data-path" in r for r in reasons)
-                          and (rec["results"].get("valid-replies") or [0])[0] == 2)
-    return rec
+def _node_case(name: str, node_configs: list[dict], what: str, expected: str, reason_word: str) -> None:
+    @case(name, "data", what, expected)
+    def run(dep: Deployment, out: Path) -> dict:
+        rec = outcome_record(dep.run(cfg(out, name, **{"num-clients": 3, "min-train-nodes": 2}), timeout=420))
+        reasons = [f["reason"] for rnd in rec["results"].get("failures") or [] for f in rnd]
+        rec["as-expected"] = (rec["status"] == "finished:completed" and any(reason_word in r for r in reasons)
+                              and (rec["results"].get("valid-replies") or [0])[0] == 2)
+        return rec
+    run.node_configs = node_configs
 
 
-@case("node-wrong-partitions", "data", "SuperNode 2's node-config says num-partitions=5 in a 3-client federation",
-      "node 2's failure recorded with a reason naming num-partitions / num-clients; the others' rounds complete")
-def node_wrong_partitions(dep: Deployment, out: Path) -> dict:
-    rec = outcome_record(dep.run(cfg(out, "wrong-parts", **{"num-clients": 3, "min-train-nodes": 2}), timeout=420))
-    reasons = [f["reason"] for rnd in rec["results"].get("failures") or [] for f in rnd]
-    rec["as-expected"] = (rec["status"] == "finished:completed" and any("partition" in r for r in reasons)
-                          and (rec["results"].get("valid-replies") or [0])[0] == 2)
-    return rec
+_node_case("node-missing-data", [{}, {"data-path": "/nonexistent/fedfuse/node1.npz"}, {}],
+           "SuperNode 1's node-config data-path names a file that does not exist",
+           "node 1's failure recorded with a reason naming data-path; the others' rounds complete", "data-path")
+_node_case("node-wrong-partitions", [{}, {}, {"num-partitions": 5}],
+           "SuperNode 2's node-config says num-partitions=5 in a 3-client federation",
+           "node 2's failure recorded with a reason naming num-partitions / num-clients; the others' rounds complete",
+           "partition")
 
 
 # ------------------------------------------------------------------------------------- session: the server's disk
@@ -396,10 +394,7 @@ def superlink_killed(dep: Deployment, out: Path) -> dict:
     c = {**cfg(out, "killed", **{"test-faults": "*:sleep:20@2"}), "num-clients": 2, "min-train-nodes": 2}
     dep.wait_for_nodes()
     run_id = dep.submit(c)
-    ckpt = out / "killed" / "checkpoint" / "state.json"
-    deadline = time.monotonic() + 360
-    while not ckpt.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for_checkpoint(out / "killed")
     dep.stop()   # the server machine goes down: SuperLink, ServerApp and SuperNodes by PID
     first = results_of(out / "killed")
     with Deployment(2, tls=dep.tls, auth=dep.auth, app_dir=dep.app_dir) as again:
@@ -419,10 +414,6 @@ SESSIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _node_configs(session: str, n: int) -> list[dict] | None:
-    if session == "data":
-        return [{}, {"data-path": "/nonexistent/fedfuse/node1.npz"}, {"num-partitions": 5}]
-    return None
 
 
 def md_table(records: list[dict]) -> str:
@@ -479,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
             rec: dict[str, Any] = {"case": name, "session": session, "what": c["what"], "expected": c["expected"]}
             try:
                 with Deployment(spec["num_supernodes"], tls=spec["tls"], auth=spec["auth"], app_dir=app,
-                                node_configs=_node_configs(session, spec["num_supernodes"])) as dep:
+                                node_configs=getattr(c["fn"], "node_configs", None)) as dep:
                     rec.update(c["fn"](dep, work / name))
             except Exception as exc:   # noqa: BLE001 - a study error is recorded, the other cases go on
                 rec.update({"status": "study error", "error": f"{type(exc).__name__}: {exc}"[:400],
