@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS   # light: no torch (the config itself is imported lazily)
+from fedfuse.run_control import RunInterrupted, interrupt_signals, signal_name_of   # light: the standard library
 
 
 EXIT_USAGE = 2
@@ -60,6 +61,8 @@ COMMANDS = {
     "compare": "several strategies x partitionings x seeds, mean ± std table and plot (fedfuse.flower.runner.sweep)",
     "fusion-set": "write the server's fusion-set file (.npz/.pt), preprocessed exactly as a run loads it",
     "config": "list the run-config keys (type, default, allowed values, meaning)",
+    "stop-superlink": "stop the local SuperLink (and its SuperExec, ServerApp, Ray) that a plain `flwr run` left "
+                      "running",
 }
 
 
@@ -246,9 +249,32 @@ def cmd_config(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- stop-superlink
+def cmd_stop_superlink(argv: list[str]) -> int:
+    """Stop the SuperLink that a plain ``flwr run <app>`` (no SuperLink address: a local simulation) starts in the
+    background and leaves running for the next ``flwr run`` (Flower's managed local SuperLink), with everything it
+    started; found by PID from its ``--log-file`` under the Flower home. ``fedfuse run`` and the other runners stop
+    their own SuperLinks themselves."""
+    ap = argparse.ArgumentParser(prog="fedfuse stop-superlink", description=cmd_stop_superlink.__doc__)
+    ap.add_argument("--flwr-home", default=None, help="the Flower home of that flwr run (default: $FLWR_HOME, else "
+                    "~/.flwr, as flwr reads it)")
+    args = ap.parse_args(argv)
+    from fedfuse.flower.runner.flwr_runner import default_flwr_home, stop_local_superlink  # deferred: the runner
+
+    home = Path(args.flwr_home).expanduser() if args.flwr_home else default_flwr_home()
+    stopped = stop_local_superlink(home)
+    if stopped:
+        print(f"fedfuse: stopped the local SuperLink of {home} and what it started (pids "
+              f"{', '.join(map(str, stopped))})")
+    else:
+        print(f"fedfuse: no local SuperLink of {home} is running")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------- main
 HANDLERS: dict[str, Callable[[list[str]], int]] = {"run": cmd_run, "compare": cmd_compare,
-                                                   "fusion-set": cmd_fusion_set, "config": cmd_config}
+                                                   "fusion-set": cmd_fusion_set, "config": cmd_config,
+                                                   "stop-superlink": cmd_stop_superlink}
 
 
 def main_help() -> str:
@@ -286,10 +312,15 @@ def main(argv: list[str] | None = None) -> int:
             close = difflib.get_close_matches(command, list(HANDLERS), n=1)
             raise CliError(f"unknown command {command!r}" + (f" (did you mean {close[0]!r}?)" if close else "") +
                            f"; commands: {', '.join(HANDLERS)} (fedfuse --help)")
-        return handler(rest)
+        with interrupt_signals():   # Ctrl-C / SIGTERM: the runners stop what they started, then one line here
+            return handler(rest)
     except CliError as exc:
         print(f"fedfuse: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as exc:   # fedfuse run says it itself; compare, sweeps and the rest here
+        stop = exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal_name_of(exc))
+        print(stop.line(stop.label), file=sys.stderr, flush=True)
+        return stop.exit_status
 
 
 if __name__ == "__main__":

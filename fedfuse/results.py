@@ -25,6 +25,7 @@ import math
 import csv
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,46 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.02) -> str | None:
+def privacy_text(privacy: dict[str, Any] | None, epsilon: float | None = None) -> str:
+    """A DP run's guarantee as the console, the tables and the plot titles print it: ``"DP (ε, δ) = (10.73, 1e-05)"``
+    (``privacy``: ``results.json``'s record; ``epsilon``: another point of its account, e.g. before the head round);
+    ``""`` without DP."""
+    if not privacy or not isinstance(privacy.get("epsilon"), (int, float)):
+        return ""
+    eps = privacy["epsilon"] if epsilon is None else epsilon
+    return f"DP (ε, δ) = ({eps:.2f}, {privacy.get('delta', float('nan')):g})"
+
+
+def dp_noise_cause(privacy: dict[str, Any] | None) -> tuple[bool, str] | None:
+    """``(the noise is the likely cause, the sentence that says so with its numbers)`` for a DP run's
+    ``results.json`` ``privacy`` record (``PrivateRounds``' per-round ``noise-to-update``: the noise's expected norm
+    over the norm of the mean clipped update); ``None`` without DP or without a measured round."""
+    rounds = [r for r in (privacy or {}).get("rounds", []) if isinstance(r.get("noise-to-update"), (int, float))]
+    if not rounds:
+        return None
+    last = rounds[-1]
+    ratios = [float(r["noise-to-update"]) for r in rounds]
+    span = f"; {min(ratios):.3g} to {max(ratios):.3g} over {len(ratios)} rounds" if len(ratios) > 1 else ""
+    numbers = (f"noise of std σ·C/n = {last['noise-std']:.4g} on each of the {last['coordinates']} coordinates of the "
+               f"average (norm ≈ {last['noise-norm']:.4g}) against a mean clipped update of norm "
+               f"{last['update-norm']:.4g} in round {last['round']}: noise-to-update ratio {ratios[-1]:.3g}{span}")
+    if ratios[-1] >= 1.0:
+        return True, (f"differential privacy is on and its noise is the likely cause: {numbers}; lower "
+                      "dp-options.noise-multiplier (a larger epsilon) or train with more clients per round (the noise "
+                      "on the average shrinks as 1/n)")
+    return False, f"the DP noise is smaller than the update ({numbers})"
+
+
+def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.02,
+               privacy: dict[str, Any] | None = None) -> str | None:
     """Why the run's last evaluated global model is dead (``None`` when it is not): after training, its loss is
     non-finite, or it sits at chance level (accuracy at most ``1/C + margin``, loss at least ``0.95·ln C``) while one
     class takes at least 80 % of the summed per-class accuracies (it has collapsed to one prediction, perhaps with a
     few stray hits: a model that merely has not learned yet still spreads its predictions). This catches a run that trains itself to a dead model (e.g. a diverging lr),
     which the divergence guard cannot see while the weights stay finite. Reads the central test columns (the
     collapse from ``per-class-accuracy``), else the federated ones (only a non-finite loss); rows without either
-    are not judged."""
+    are not judged. In a DP run (``privacy``: ``results.json``'s record) whose noise outweighs the mean clipped update,
+    the reason names the noise with its noise-to-update ratio instead of the learning rate (``dp_noise_cause``)."""
     trained = [r for r in rows if (r.get("round") or 0) > 0]
     if not trained or num_classes < 2:
         return None
@@ -75,9 +108,14 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
         at_chance = acc <= 1.0 / num_classes + margin and loss >= 0.95 * math.log(num_classes)
         never_left = all((r.get(acc_key) or 0.0) <= 1.0 / num_classes + margin for r in trained)
         if not math.isfinite(loss) or (at_chance and collapsed):
+            dp = dp_noise_cause(privacy)
+            if dp is not None and dp[0]:   # a DP run: the noise, measured against the update, not the learning rate
+                return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
+                        f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance "
+                        f"level; {dp[1]}")
             return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
                     f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance level (a "
-                    f"learning rate far too high is the usual cause: lower lr)" + (
+                    f"learning rate far too high is the usual cause: lower lr" + (f"; {dp[1]}" if dp else "") + ")" + (
                         "; it never rose above chance, which a learning rate too low for this many rounds also gives "
                         "(the model stays where it started: raise lr or num-server-rounds)"
                         if never_left and math.isfinite(loss) else ""))
@@ -172,13 +210,14 @@ def csv_row(row: dict[str, Any]) -> dict[str, Any]:
 class RunRecorder:
     """Collects per-round rows and writes ``results.json``, ``rounds.csv``, ``accuracy.png``."""
 
-    def __init__(self, out_dir: str | Path, config: dict[str, Any]):
+    def __init__(self, out_dir: str | Path, config: dict[str, Any], *, write_config: bool = True):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
-        _atomic_write(self.dir / "config.json", json.dumps(_jsonable(config), indent=2))
+        if write_config:
+            _atomic_write(self.dir / "config.json", json.dumps(_jsonable(config), indent=2))
 
     def add_round(self, row: dict[str, Any]) -> None:
         self.rows = [r for r in self.rows if r.get("round") != row.get("round")] + [row]
@@ -321,3 +360,70 @@ def load_checkpoint(out_dir: str | Path) -> tuple[dict[str, Any], dict[str, torc
             if int(obj["round"]) == int(run_state["round"]):
                 return run_state, obj["state_dict"]
     raise RuntimeError(f"checkpoint {ckpt}: no global model file for round {run_state['round']}")
+
+
+# ------------------------------------------------------------------ a run's folder: fresh start, interruption
+# what a run writes in its folder (the ServerApp's files, the runner's comparison): a fresh run (resume=false)
+# removes a previous run's before it starts, so that nothing the runner reads back or the user finds there is another
+# run's (issue 60 item 2); run.log is the runner's own (truncated by it), other folders (baseline-*, warm-start) stay
+RUN_FILES = ("results.json", "rounds.csv", "config.json", "accuracy.png", "global_model.pt", "DONE",
+             "comparison.md", "comparison.png")
+
+
+def clear_run_results(out_dir: str | Path) -> list[str]:
+    """Remove a previous run's results and checkpoint from ``out_dir`` (``RUN_FILES``, ``tier-*_model.pt``,
+    ``checkpoint/``) before a fresh run writes there; the names removed."""
+    out = Path(out_dir)
+    removed = []
+    for path in [out / name for name in RUN_FILES] + sorted(out.glob("tier-*_model.pt")):
+        if path.is_file():
+            path.unlink()
+            removed.append(path.name)
+    ckpt = out / CHECKPOINT_DIR
+    if ckpt.is_dir():
+        for path in ckpt.iterdir():
+            if path.is_file():
+                path.unlink()
+        ckpt.rmdir()
+        removed.append(CHECKPOINT_DIR + "/")
+    return removed
+
+
+def last_completed_round(out_dir: str | Path) -> int:
+    """The last round ``out_dir``'s checkpoint holds (what ``resume=true`` continues from), 0 without one."""
+    state = Path(out_dir) / CHECKPOINT_DIR / "state.json"
+    try:
+        return int(json.loads(state.read_text())["round"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def mark_interrupted(out_dir: str | Path, signal_name: str) -> int:
+    """Record in ``out_dir``'s ``results.json`` (and ``rounds.csv``) that the run was interrupted by
+    ``signal_name``: ``"status": "interrupted"`` and ``"interrupted": {"signal", "after-round", "at", "resume"}``,
+    its rows those of the rounds up to its last completed round (the checkpoint's, which ``resume=true`` continues
+    from). Call it once every process of the run has stopped. Returns that round."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    last = last_completed_round(out)
+    res = out / "results.json"
+    payload: dict[str, Any] = {}
+    if res.is_file():
+        try:
+            payload = json.loads(res.read_text())
+        except ValueError:   # not possible with the atomic writes; a hand-edited file is kept aside, said
+            res.replace(out / "results.unreadable.json")
+    if not payload and (out / "config.json").is_file():
+        payload = {"config": json.loads((out / "config.json").read_text())}
+    config = payload.pop("config", {})
+    rows = [r for r in payload.pop("rounds", []) if isinstance(r, dict) and int(r.get("round", 0)) <= last]
+    payload.update({"status": "interrupted", "error": None, "interrupted": {
+        "signal": signal_name, "after-round": last, "at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "resume": f"the same run with resume=true (same output-dir and run-name) continues after round {last}"}})
+    recorder = RunRecorder(out, config, write_config=False)
+    recorder.rows, recorder.extra = rows, payload
+    recorder.write()
+    done = out / "DONE"
+    if done.exists():
+        done.unlink()
+    return last

@@ -34,8 +34,8 @@ def test_help_lists_every_command(capsys):
 def test_unknown_command_is_one_line_with_a_suggestion(capsys):
     assert cli.main(["rnu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fedfuse: unknown command 'rnu' (did you mean 'run'?); commands: run, compare, fusion-set, config "
-                   "(fedfuse --help)"]
+    assert err == ["fedfuse: unknown command 'rnu' (did you mean 'run'?); commands: run, compare, fusion-set, config, "
+                   "stop-superlink (fedfuse --help)"]
 
 
 @pytest.mark.parametrize("command,module,prog", [("run", "fedfuse.flower.runner.run", "fedfuse run"),

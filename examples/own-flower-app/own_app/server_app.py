@@ -43,3 +43,5 @@ def main(grid: Grid, context: Context) -> None:
                                                                     result.train_metrics_clientapp.items()}},
                                                  indent=1, default=str))
     print(f"own-flower-app: test accuracy per round {[round(r['test-accuracy'], 3) for r in rows]}; results in {out}")
+    print("own-flower-app: a plain `flwr run` (local simulation) leaves Flower's local SuperLink and its SuperExec "
+          "running for the next run; `fedfuse stop-superlink` stops them (examples/own-flower-app/README.md)")

@@ -27,6 +27,8 @@ from typing import Any
 
 from fedfuse.config import ConfigError, canonical, config_notes, preflight
 from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
+from fedfuse.results import clear_run_results, mark_interrupted
+from fedfuse.run_control import RunInterrupted, run_folder, signal_name_of, signals_deferred
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
 # shipped in the package (fedfuse.flower.runner.paths)
@@ -147,11 +149,64 @@ def _state(pid: int) -> str:
 
 
 def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
-    """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind."""
+    """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind: its process tree
+    (SuperExec, the ServerApp, Ray) as it was, and any process still carrying ``FLWR_HOME=<flwr_home>`` in its
+    environment (``home_pids``: one that left the tree, e.g. a Ray daemon whose parent died)."""
     pids = _superlink_pids(flwr_home)
     tree = [q for p in pids for q in [p, *descendants(p)]]
     _signal_and_wait(pids, signal.SIGTERM, timeout)
     kill_tree([q for q in tree if _alive(q)], timeout=timeout)
+    kill_tree(home_pids(flwr_home), timeout=timeout)
+
+
+def home_pids(flwr_home: Path) -> list[int]:
+    """PIDs of live processes (this user's, not this one) whose environment holds ``FLWR_HOME=<flwr_home>``: every
+    process a run with that private home started (``flwr_env`` gives it to each)."""
+    needle = b"\0FLWR_HOME=" + str(flwr_home).encode() + b"\0"
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            environ = b"\0" + (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ + b"\0" and _alive(int(d.name)):
+            pids.append(int(d.name))
+    return pids
+
+
+def default_flwr_home() -> Path:
+    """The Flower home a plain ``flwr`` command uses: ``$FLWR_HOME``, else ``~/.flwr`` (as ``flwr`` reads it)."""
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+
+
+def local_superlink_pids(flwr_home: Path | None = None) -> list[int]:
+    """PIDs of the SuperLink that a plain ``flwr run`` starts for a local simulation and leaves running (Flower's
+    managed local SuperLink: ``--log-file <flwr_home>/local-superlink/superlink.log``); ``flwr_home`` defaults to
+    ``default_flwr_home()``. Only that SuperLink: not one a user started with other files under the same home."""
+    home = Path(flwr_home) if flwr_home is not None else default_flwr_home()
+    log_file = str(home / "local-superlink" / "superlink.log")
+    pids = []
+    for pid in _superlink_pids(home):
+        try:
+            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if any(a == log_file or a == f"--log-file={log_file}" for a in args):
+            pids.append(pid)
+    return pids
+
+
+def stop_local_superlink(flwr_home: Path | None = None, timeout: float = 15.0) -> list[int]:
+    """Stop, by PID, the local SuperLink a plain ``flwr run`` left running (``local_superlink_pids``) and every
+    process it started (SuperExec, a ServerApp, Ray): SIGTERM to the SuperLink, then SIGKILL to whatever of its tree
+    is left. Returns the PIDs of that tree (``[]``: none was running)."""
+    pids = local_superlink_pids(flwr_home)
+    tree = [q for p in pids for q in [p, *descendants(p)]]
+    _signal_and_wait(pids, signal.SIGTERM, timeout)
+    kill_tree([q for q in tree if _alive(q)], timeout=timeout)
+    return tree
 
 
 def _alive(pid: int) -> bool:
@@ -251,13 +306,39 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
     missing (``paths.results_dir_for(app_dir)``, a timestamped name). ``num_supernodes`` and the config's
     ``num-clients`` are one number (``federation_size``). The whole config is checked first (``check_app_config``):
     a ``fedfuse.config.ConfigError`` is raised before any SuperLink starts.
+
+    The run holds its folder (``fedfuse.run_control.run_folder``: another run in it raises ``RunFolderBusy``, a
+    ``ValueError``, before any SuperLink starts) and, unless ``resume``, starts it afresh
+    (``fedfuse.results.clear_run_results``). Interrupted (Ctrl-C, or SIGTERM under ``interrupt_signals``), it stops
+    every process it started (``flwr run``, the SuperLink and its tree, whatever else carries its ``FLWR_HOME``),
+    marks ``results.json`` ``interrupted`` at the last completed round and raises ``RunInterrupted``.
     """
     cfg = canonical(run_config) if takes_fedfuse_config(app_dir) else dict(run_config)
     cfg.setdefault("output-dir", str(results_dir_for(app_dir)))
+    chosen = "run-name" in cfg
     cfg.setdefault("run-name", f"run-{time.strftime('%Y%m%d-%H%M%S')}")
     n = federation_size(cfg, num_supernodes)
     check_app_config(cfg, app_dir, check_config)
-    out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
+    with run_folder(cfg["output-dir"], str(cfg["run-name"]), chosen_by_user=chosen) as name:
+        cfg["run-name"] = name
+        out_dir = Path(cfg["output-dir"]) / name
+        if not cfg.get("resume"):
+            clear_run_results(out_dir)
+        return _run_flwr(cfg, n, out_dir, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client,
+                         timeout=timeout, echo=echo, app_dir=app_dir, keep_home=keep_home, on_line=on_line)
+
+
+def interrupted_run(exc: BaseException, out_dir: Path, num_rounds: int | None = None) -> RunInterrupted:
+    """After every process of an interrupted run has stopped: ``results.json`` marked ``interrupted`` at the last
+    completed round (``fedfuse.results.mark_interrupted``); the ``RunInterrupted`` to raise, saying so."""
+    sig = signal_name_of(exc)
+    return RunInterrupted(sig, out_dir=out_dir, after_round=mark_interrupted(out_dir, sig), num_rounds=num_rounds)
+
+
+def _run_flwr(cfg: dict[str, Any], n: int, out_dir: Path, *, cpus_per_client: float, gpus_per_client: float,
+              timeout: float, echo: bool, app_dir: Path, keep_home: bool,
+              on_line: Callable[[str], None] | None) -> RunOutcome:
+    """``run_app``'s body, in its held folder."""
     home = Path(tempfile.mkdtemp(prefix="fedfuse-flwr-home-"))
     env = flwr_env(home)
     cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
@@ -266,6 +347,8 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
     t0 = time.perf_counter()
     lines: list[str] = []
     run_id = None
+    proc: subprocess.Popen | None = None
+    interrupted: BaseException | None = None
     try:
         start_local_superlink(home, env)
         proc = subprocess.Popen(cmd, env=env, cwd=str(app_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -302,9 +385,17 @@ def run_app(run_config: dict[str, Any], *, num_supernodes: int | None = None, cp
                 details = res.stdout[-2000:] + res.stderr[-2000:]
         else:
             details = "no run id in the output of flwr run: " + "".join(lines)[-1500:]
+    except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM/SIGHUP under run_control.interrupt_signals
+        interrupted = exc
     finally:
-        stop_superlink(home)
-        if not keep_home:
-            shutil.rmtree(home, ignore_errors=True)
+        with signals_deferred():   # a second Ctrl-C must not leave the SuperLink running
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            stop_superlink(home)
+            if not keep_home:
+                shutil.rmtree(home, ignore_errors=True)
+    if interrupted is not None:
+        raise interrupted_run(interrupted, out_dir) from None
     return RunOutcome(run_id=run_id, status=status, details=details, out_dir=out_dir, log="".join(lines),
                       seconds=time.perf_counter() - t0)

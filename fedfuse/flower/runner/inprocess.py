@@ -72,9 +72,11 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from fedfuse.flower.client_app import app as fedfuse_client_app  # noqa: E402
 from fedfuse.config import canonical  # noqa: E402
 from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, federation_size,  # noqa: E402
-                                              run_config_arg)
+                                              interrupted_run, run_config_arg)
 from fedfuse.flower.runner.paths import results_dir_for, takes_fedfuse_config  # noqa: E402
 from fedfuse.flower.server_app import run_server  # noqa: E402
+from fedfuse.results import clear_run_results  # noqa: E402
+from fedfuse.run_control import run_folder, signals_deferred  # noqa: E402
 
 ServerMain = Callable[[Grid, Context], None]
 SERVER_TASK_ID = 1  # the ServerApp's task id (what ``flwr.server.compat`` uses in-process too)
@@ -365,8 +367,31 @@ def run_app_inprocess(run_config: dict[str, Any], *, num_supernodes: int | None 
     ``client_app`` / ``server`` default to fedfuse's ClientApp and ``run_server``; pass e.g. a test app's
     (with its ``app_dir``, whose pyproject declares its extra run-config keys). ``partitions``: host only these
     partition ids of the run's ``num-clients`` partitions (``LocalGrid``).
+
+    As ``run_app``: the run holds its folder (``RunFolderBusy`` when another run does), starts it afresh unless
+    ``resume``, and interrupted (Ctrl-C; SIGTERM under ``interrupt_signals``) marks ``results.json`` ``interrupted``
+    at its last completed round and raises ``RunInterrupted``.
     """
+    chosen = "run-name" in run_config
     cfg, n, out_dir = prepare(run_config, num_supernodes, app_dir, check_config)
+    with run_folder(cfg["output-dir"], str(cfg["run-name"]), chosen_by_user=chosen) as name:
+        cfg["run-name"] = name
+        out_dir = Path(cfg["output-dir"]) / name
+        if not cfg.get("resume"):
+            clear_run_results(out_dir)
+        try:
+            return _run_inprocess(cfg, n, out_dir, echo=echo, app_dir=app_dir, client_app=client_app,
+                                  server=server, on_line=on_line, partitions=partitions)
+        except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM/SIGHUP under run_control.interrupt_signals
+            with signals_deferred():
+                interrupted = interrupted_run(exc, out_dir)
+            raise interrupted from None
+
+
+def _run_inprocess(cfg: dict[str, Any], n: int, out_dir: Path, *, echo: bool, app_dir: Path,
+                   client_app: Callable[[Message, Context], Message] | None, server: ServerMain | None,
+                   on_line: Callable[[str], None] | None, partitions: list[int] | None) -> RunOutcome:
+    """``run_app_inprocess``'s body, in its held folder."""
     fused = fused_run_config(cfg, app_dir)
     run_id = run_id_for(str(cfg["run-name"]))
     server_fn = server or _default_server()

@@ -46,8 +46,10 @@ from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config
                                            reference_points, references_table, round_curves, steps_title,
                                            verdict)
 from fedfuse.flower.runner.console import QuietConsole, head_round_record, rounds_text
-from fedfuse.flower.runner.flwr_runner import federation_size
+from fedfuse.flower.runner.flwr_runner import RunOutcome, federation_size
 from fedfuse.flower.runner.paths import default_results_dir
+from fedfuse.run_control import (RunFolderBusy, RunInterrupted, claim_run_folder, interrupt_signals,
+                                 release_run_folder, signal_name_of)
 
 _FALLBACK_WIDTH = 40
 
@@ -143,8 +145,20 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
         what = ("a real `flwr run`: SuperLink + Ray simulation, about a minute to start on 2 cores" if engine == "flwr"
                 else "in-process engine: the same ServerApp/ClientApp on a Flower Grid, no Ray")
         print(f"{label}: {rounds_text(num_rounds, head_round)}, {num_supernodes} clients ({what})", flush=True)
-        outcome = run_with_engine(engine, cfg, num_supernodes=num_supernodes, timeout=timeout, echo=verbose,
-                                  check_config=False, on_line=console)
+        if cfg.get("resume") and (out / "DONE").is_file():   # resume=true after the run completed: its results stand
+            print(f"{label}: completed before (resume=true): its results in {out} are kept", flush=True)
+            outcome = RunOutcome(run_id=None, status="finished:completed", details="completed before (resume=true)",
+                                 out_dir=out, log="", seconds=0.0)
+        else:
+            try:
+                outcome = run_with_engine(engine, cfg, num_supernodes=num_supernodes, timeout=timeout, echo=verbose,
+                                          check_config=False, on_line=console)
+            except KeyboardInterrupt as exc:   # the engine has stopped its processes and marked results.json
+                stop = exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal_name_of(exc))
+                stop.label, stop.num_rounds = label, num_rounds
+                log.write(f"\nfedfuse: {label}: interrupted by {stop.signal_name} after round {stop.after_round} "
+                          f"(results.json status 'interrupted'; resume=true continues it)\n")
+                raise stop from None
         status_line = (f"fedfuse: {label}: run {outcome.run_id} ({engine}) {outcome.status} in {outcome.seconds:.1f}s "
                        f"{outcome.details}").rstrip()
         log.write("\n" + status_line + "\n")
@@ -208,8 +222,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             raise config_error_exit(exc) from None
     cfg.setdefault("output-dir", str(Path(args.output_dir).resolve()))
     checked = preflight_or_exit(cfg)  # everything knowable from the config, before Flower starts
-    if "run-name" not in cfg:
+    chosen = "run-name" in cfg
+    if not chosen:
         cfg["run-name"] = default_run_name(checked)
+    with interrupt_signals():   # Ctrl-C, SIGTERM, SIGHUP: RunInterrupted (one line, every process stopped)
+        try:
+            try:   # the run folder is this command's for its whole length (fedfuse.run_control)
+                cfg["run-name"] = claim_run_folder(cfg["output-dir"], cfg["run-name"], chosen_by_user=chosen)
+            except RunFolderBusy as exc:
+                raise config_error_exit(exc) from None
+            try:
+                return run_and_compare(args, cfg, checked)
+            finally:
+                release_run_folder(cfg["output-dir"], cfg["run-name"])
+        except KeyboardInterrupt as exc:
+            stop = exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal_name_of(exc))
+            hint = f"the same command with run-name='{cfg['run-name']}' resume=true added to --run-config"
+            print(stop.line(stop.label, hint), file=sys.stderr, flush=True)
+            return stop.exit_status
+
+
+def run_and_compare(args: argparse.Namespace, cfg: dict[str, Any], checked: Any) -> int:
+    """``main``'s run in its held folder: the strategy, then the baseline, then the comparison; the exit status."""
     out_dir = Path(cfg["output-dir"]) / cfg["run-name"]
     n = checked.num_clients
     default = args.baseline or default_baseline(checked)
