@@ -123,9 +123,11 @@ def test_registration_is_typed_and_has_the_one_signature(method):
     spec.parse_options({})  # the defaults are valid
     params = inspect.signature(spec.fn).parameters
     # methods that build into another architecture (fuse(..., target=)) take one more keyword: target; methods that
-    # align onto a separate reference model (fuse(..., reference=)): reference
+    # align onto a separate reference model (fuse(..., reference=)): reference; methods that read per-model client
+    # statistics (fuse(..., statistics=)): statistics
     assert list(params) == (SIGNATURE + (["target"] if spec.any_target else [])
-                            + (["reference"] if spec.any_reference else [])), f"{method}: {list(params)}"
+                            + (["reference"] if spec.any_reference else [])
+                            + (["statistics"] if spec.statistics else [])), f"{method}: {list(params)}"
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())  # no **_
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[1:])
     assert set(spec.families) <= {"sequential", "resnet", "vit", "torchvision-resnet", "graph"} and spec.families

@@ -324,7 +324,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
                 prior: torch.Tensor | None = None, target: nn.Module | None = None,
-                reference: nn.Module | None = None, **options) -> FusionResult:
+                reference: nn.Module | None = None, statistics: list[dict[str, torch.Tensor]] | None = None,
+                **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
     try:
         steps = parse_refine(refine)
@@ -341,6 +342,7 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
             raise IncompatibleModelsError(f"fuse: model {i} is a {type(m).__name__}, not an nn.Module")
     if scores is not None and len(scores) != len(models):
         raise FusionOptionError(f"fuse: got {len(scores)} score dicts for {len(models)} models")
+    statistics = check_statistics(spec, statistics, len(models))
     if fusion_inputs is not None and len(fusion_inputs) == 0:
         fusion_inputs = None  # an empty fusion set is no fusion set
     opts = spec.parse_options(options)
@@ -362,7 +364,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         raise IncompatibleModelsError(f"fusion method {method!r} decomposes the models into fusion levels "
                                       f"({list(spec.families)} families) and cannot take these: {problem}")
     spec.check_setup(num_models=len(models), family=family,
-                     has_fusion_set=fusion_inputs is not None or not spec.needs_data, affine_levels=affine)
+                     has_fusion_set=fusion_inputs is not None or not spec.needs_data or statistics is not None,
+                     affine_levels=affine)
     if fusion_inputs is not None:
         check_fusion_inputs(models[0], fusion_inputs)
         if spec.needs_data or "distill" in steps:   # methods that read the models' outputs on the fusion set
@@ -375,6 +378,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     anchor = resolve_reference(spec, models, reference)
     if anchor is not None:
         extra["reference"] = anchor
+    if spec.statistics:
+        extra["statistics"] = statistics
     dev = resolve_device(device)
     info: dict = {}
     t0 = time.perf_counter()
@@ -411,7 +416,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
 def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
          scores: list[dict[str, torch.Tensor]] | None = None, weights=None, device: str | torch.device = "cpu",
          seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None,
-         target: nn.Module | None = None, reference: nn.Module | None = None, **options) -> nn.Module:
+         target: nn.Module | None = None, reference: nn.Module | None = None,
+         statistics: list[dict[str, torch.Tensor]] | None = None, **options) -> nn.Module:
     """Fuse ``models`` (first = reference) into one model mapping ``[N, *input_shape]`` to logits.
 
     Args:
@@ -438,6 +444,11 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
             averaged in (methods with ``any_reference``: ``rebasin``, ``ot``); ``None`` = model 0. In a
             federation this is the previous global model: after long local training the clients' units drift
             apart, and the global model is the one coordinate system they all started from.
+        statistics: for methods that read per-model statistics (``METHOD_SPECS[method].statistics``: ``regmean``'s
+            input Gram matrices, ``fisher``'s diagonal Fisher), one dict per model, each computed by its client on
+            its own data with ``client_statistics(method, model, inputs, labels)``; they stand in for the fusion
+            set. ``None``: such a method computes them on the fusion set through each model (its public-data
+            variant, with a warning). Any other method raises ``FusionOptionError`` when given statistics.
         **options: the method's options (``METHOD_SPECS[method].options``); unknown or ill-typed options
             raise ``FusionOptionError`` (a ``ValueError``) naming the key.
     Returns:
@@ -447,7 +458,44 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
     """
     return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
                        seed=seed, refine=refine, prior=prior, target=target, reference=reference,
-                       **options).model
+                       statistics=statistics, **options).model
+
+
+def check_statistics(spec: MethodSpec, statistics, num_models: int) -> list[dict[str, torch.Tensor]] | None:
+    """``statistics`` checked against the method: ``None``, or one ``{name: tensor}`` dict per model for a method that
+    reads them (``spec.statistics``); ``FusionOptionError`` (a ``ValueError``) saying why otherwise. The method itself
+    checks the names and shapes against its models."""
+    if statistics is None:
+        return None
+    if not spec.statistics:
+        able = sorted(n for n, s in METHOD_SPECS.items() if s.statistics)
+        raise FusionOptionError(f"fusion method {spec.name!r} reads no per-model statistics (statistics=); methods "
+                                f"that do: {able}")
+    statistics = list(statistics)
+    if len(statistics) != num_models:
+        raise FusionOptionError(f"fuse: got {len(statistics)} statistics dicts for {num_models} models")
+    for i, st in enumerate(statistics):
+        if not isinstance(st, dict) or not all(isinstance(v, torch.Tensor) for v in st.values()):
+            raise FusionOptionError(f"fuse: statistics[{i}] must be a dict name -> tensor (what "
+                                    f"client_statistics({spec.name!r}, ...) returns), got {type(st).__name__}")
+        bad = next((k for k, v in st.items() if not v.is_floating_point() or not all_finite(v)), None)
+        if bad is not None:
+            raise FusionOptionError(f"fuse: statistics[{i}][{bad!r}] is not a finite floating-point tensor")
+    return statistics
+
+
+def client_statistics(method: str, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
+                      device: str | torch.device = "cpu", **kwargs) -> dict[str, torch.Tensor]:
+    """The statistics a client computes on its own data ``inputs [N, *input_shape]`` (``labels [N]`` where the
+    method's statistic can use them) for a fusion method that reads them (``METHOD_SPECS[method].statistics``): e.g.
+    ``regmean``'s per-layer input Gram matrices, ``fisher``'s diagonal Fisher. The client sends them with its weights
+    (one upload); the server passes one per model to ``fuse(method, models, statistics=[...])``. ``model`` is not
+    modified. ``FusionOptionError`` (a ``ValueError``) for a method that reads none."""
+    spec = get_spec(method)
+    if spec.client_statistics is None:
+        able = sorted(n for n, s in METHOD_SPECS.items() if s.client_statistics is not None)
+        raise FusionOptionError(f"fusion method {method!r} reads no client statistics; methods that do: {able}")
+    return spec.client_statistics(model, inputs, labels, device=resolve_device(device), **kwargs)
 
 
 def _import_all() -> None:
@@ -458,6 +506,6 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["fuse", "fuse_result", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+__all__ = ["fuse", "fuse_result", "client_statistics", "check_statistics", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
            "normalise_weights", "normalise_scores", "check_materialised", "check_dtypes", "check_fusion_inputs", "check_scores", "check_teacher_outputs", "nonfinite_outputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

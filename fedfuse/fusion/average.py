@@ -29,8 +29,8 @@ def average_state_dicts(states: list[dict[str, torch.Tensor]], weights: list[flo
                                  f"{tuple(states[0][k].shape)} in model 0 (different widths need a matching method)")
     out = {}
     for k in keys:
-        if states[0][k].is_floating_point():   # float64 accumulator, in place (no temporary per model)
-            acc = states[0][k].double().mul_(weights[0])
+        if states[0][k].is_floating_point():   # float64 accumulator, in place (no temporary per model); a copy
+            acc = states[0][k].to(torch.float64, copy=True).mul_(weights[0])   # even of a float64 model's tensor
             for w, s in zip(weights[1:], states[1:]):
                 acc.add_(s[k], alpha=w)
             out[k] = acc.to(states[0][k].dtype)

@@ -201,6 +201,13 @@ class MethodSpec:
         any_reference: aligns every model onto a reference model that is not itself fused
             (``fuse(..., reference=)``; its function then also takes ``reference=``, ``None`` = model 0 is the
             reference and is averaged in): in a federation, the previous global model.
+        statistics: the kind of per-model statistics the method reads (``fuse(..., statistics=)``: one per model,
+            computed by each client on its own data), e.g. ``"gram"`` (RegMean) or ``"fisher"`` (Fisher merging);
+            ``None`` = none. Its function then also takes ``statistics=`` (``None`` when not given: the method
+            computes them on the fusion set, its public-data variant), and given statistics stand in for the
+            fusion set (``needs_data``).
+        client_statistics: ``f(model, inputs, labels=None, *, device, **kw) -> dict[str, Tensor]``, the function a
+            client calls on its own data to compute ``statistics`` (``fedfuse.fusion.client_statistics``).
     """
 
     name: str
@@ -218,6 +225,8 @@ class MethodSpec:
     any_module: bool = False
     any_reference: bool = False
     paper: str = ""
+    statistics: str | None = None
+    client_statistics: Callable | None = None
 
     def parse_options(self, options: Mapping[str, Any] | None) -> Any:
         """Validated options instance (raises ``FusionOptionError`` naming the key)."""
