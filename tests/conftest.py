@@ -8,3 +8,25 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------ real `flwr run`s shared by several tests
+# (tests/support/shared_runs.py: each costs a SuperLink, a Ray cluster and a process per node, most of its time)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def e2e_flwr_run(tmp_path_factory):
+    """The default strategy ``auto`` end to end through a real ``flwr run`` (``shared_runs.E2E``, head round on)."""
+    from tests.support.shared_runs import E2E, real_run
+
+    return real_run(E2E, tmp_path_factory.mktemp("e2e-flwr"), "e2e", E2E["num-clients"])
+
+
+@pytest.fixture(scope="session")
+def tiers_flwr_run(tmp_path_factory):
+    """kf-linear over width tiers 1 / 0.5 / 0.25 through a real ``flwr run`` (``shared_runs.TIERS``)."""
+    from tests.support.shared_runs import TIERS, real_run
+
+    return real_run({**TIERS, "strategy": "kf-linear"}, tmp_path_factory.mktemp("tiers-flwr"), "tiers",
+                    TIERS["num-clients"])

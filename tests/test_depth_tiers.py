@@ -160,11 +160,26 @@ def test_client_depth_from_the_run_or_its_node_config_and_its_loaded_arrays():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("strategy", ["depthfl", "inclusivefl", "average"])
-def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
+@pytest.fixture(scope="module")
+def depth_run(tmp_path_factory):
+    """``depth_run(strategy)``: the results folder of a two-round depth-tier run of ``TINY`` on the in-process engine
+    (the same ServerApp and ClientApp as ``flwr run``), made once per strategy for the tests below."""
     from fedfuse.flower.runner.inprocess import run_inprocess
 
-    out = run_inprocess({**TINY, "strategy": strategy, "output-dir": str(tmp_path), "run-name": "d"}, 4, echo=False)
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            runs[strategy] = run_inprocess({**TINY, "strategy": strategy, "run-name": "d",
+                                            "output-dir": str(tmp_path_factory.mktemp(f"depth-{strategy}"))}, 4,
+                                           echo=False)
+        return runs[strategy]
+    return get
+
+
+@pytest.mark.parametrize("strategy", ["depthfl", "inclusivefl", "average"])
+def test_two_round_depth_tier_run_inprocess(depth_run, strategy):
+    out = depth_run(strategy)
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed"
     last, head = next(r for r in res["rounds"] if r["round"] == 2), res["rounds"][-1]
@@ -183,14 +198,13 @@ def test_two_round_depth_tier_run_inprocess(tmp_path, strategy):
     assert last["test-accuracy"] > 0.15 and 0 < last["exit-ensemble-accuracy"] <= 1   # chance 0.1
 
 
-@pytest.mark.slow
-def test_flwr_run_two_round_depth_tiers(tmp_path):
-    from fedfuse.flower.runner.flwr_runner import run_app
-
-    cfg = {**TINY, "strategy": "depthfl", "output-dir": str(tmp_path), "run-name": "depth"}
-    outcome = run_app(cfg, num_supernodes=4, timeout=420, echo=False)
-    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
-    last = json.loads((outcome.out_dir / "results.json").read_text())["rounds"][-1]
+def test_two_round_depth_tiers_end_to_end(depth_run):
+    """DepthFL's two-round run (the in-process run above; sub-models of their own shape per node through a real
+    ``flwr run``: ``tests/test_tiers_flower.py``'s shared run, which the in-process engine's equality test compares
+    against)."""
+    res = json.loads((depth_run("depthfl") / "results.json").read_text())
+    assert res["status"] == "completed"
+    last = res["rounds"][-1]
     assert last["valid-replies"] == 4 and last["rejected"] == []
     assert set(last["tier-accuracy"]) == {"1x1", "1x0.75", "1x0.5", "1x0.25"}
 

@@ -1,8 +1,11 @@
 """End to end: the real ``flwr run`` local simulation (SuperLink + Ray), checked through its results.
 
-Two runs stay in the default suite (each costs ~30 s to 1 min on 2 cores, most of it Ray start-up): a
-healthy multi-round run, and one whose fusion always fails (test support ``FusionFaultStrategy``), which
-must end as a failed run with the reason in ``results.json``.
+Two real runs stay in the default suite (each costs ~30 s to 1 min on 2 cores, most of it Ray start-up): a
+healthy multi-round run (the session's shared ``e2e_flwr_run``, ``tests/support/shared_runs.py``, which the
+in-process engine's equality test compares against), and one whose fusion always fails (test support
+``FusionFaultStrategy``), which must end as a failed run with the reason in ``results.json``. One-shot mode end to
+end runs on the in-process engine (the same ServerApp/ClientApp; ``tests/test_inprocess_engine.py`` checks that the
+two engines give the same numbers).
 """
 
 import json
@@ -10,25 +13,18 @@ import json
 import pytest
 
 from fedfuse.flower.runner.flwr_runner import run_app
+from fedfuse.flower.runner.inprocess import run_app_inprocess
 from fedfuse.flower.runner.run import report
 from tests.support.fault_app import write_fault_app
+from tests.support.shared_runs import E2E
 
 
-def _run(tmp_path, **overrides):
-    cfg = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
-           "partitioning": "shards", "num-server-rounds": 2, "local-epochs": 3, "lr": 0.01,
-           "fusion-set-size": 120, "min-train-nodes": 3, "output-dir": str(tmp_path), "run-name": "e2e",
-           "importance": "deeplift", "importance-samples": 64, **overrides}
-    outcome = run_app(cfg, num_supernodes=cfg["num-clients"], timeout=420, echo=False)
-    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
-    return outcome, json.loads((outcome.out_dir / "results.json").read_text())
-
-
-def test_flwr_run_multi_round_simulation(tmp_path):
+def test_flwr_run_multi_round_simulation(e2e_flwr_run):
     from fedfuse.config import SCHEMA
 
     strategy = SCHEMA["strategy"].default   # the default strategy, as a new user runs it
-    outcome, res = _run(tmp_path)
+    outcome, res = e2e_flwr_run.outcome, e2e_flwr_run.results
+    assert "strategy" not in e2e_flwr_run.config   # the run leaves it to the default
     rounds = res["rounds"]
     # one row per round (+ the initial model), then the head round (on by default)
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
@@ -74,7 +70,11 @@ def test_flwr_run_where_fusion_never_succeeds_fails_loudly(tmp_path, capsys):
     assert "fusion never succeeded" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_flwr_run_one_shot_fedavg(tmp_path):
-    outcome, res = _run(tmp_path, strategy="fedavg", mode="one-shot", **{"num-server-rounds": 1, "head-round": False})
+def test_one_shot_fedavg_end_to_end(tmp_path):
+    """One-shot mode, the e2e config, on the in-process engine (the same ServerApp and ClientApp as ``flwr run``)."""
+    cfg = {**E2E, "strategy": "fedavg", "mode": "one-shot", "num-server-rounds": 1, "head-round": False,
+           "output-dir": str(tmp_path), "run-name": "e2e"}
+    outcome = run_app_inprocess(cfg, num_supernodes=cfg["num-clients"], echo=False)
+    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
+    res = json.loads((outcome.out_dir / "results.json").read_text())
     assert [r["round"] for r in res["rounds"]] == [0, 1]

@@ -229,15 +229,16 @@ def test_client_round_passes_proximal_mu(monkeypatch):
     assert seen["mu"] == 0.25
 
 
-@pytest.mark.slow
-def test_flwr_run_fedadam_two_rounds(tmp_path):
-    from fedfuse.flower.runner.flwr_runner import run_app
+def test_fedadam_two_rounds_end_to_end(tmp_path):
+    """Flower's FedAdam in fedfuse's ServerApp, on the in-process engine (the same ServerApp and ClientApp as
+    ``flwr run``; Flower's own log lines are the run's log)."""
+    from fedfuse.flower.runner.inprocess import run_app_inprocess
 
     cfg = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
            "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 2, "lr": 0.01, "fusion-set-size": 60,
            "min-train-nodes": 3, "output-dir": str(tmp_path), "run-name": "fedadam", "strategy": "fedadam",
            "server-lr": 0.01}
-    outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)
+    outcome = run_app_inprocess(cfg, num_supernodes=3, echo=False)
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((outcome.out_dir / "results.json").read_text())
     assert [r["round"] for r in res["rounds"]] == [0, 1, 2, 3] and res["status"] == "completed"   # + the head round

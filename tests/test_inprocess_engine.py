@@ -1,6 +1,6 @@
 """The in-process engine (``fedfuse.flower.runner.inprocess``): Flower's ``Grid`` contract, the run config as
-``flwr run`` builds it, the real ServerApp/ClientApp end to end, and (slow) the same per-round numbers as a
-real ``flwr run``."""
+``flwr run`` builds it, the real ServerApp/ClientApp end to end, and (slow) the same per-round numbers as the real
+``flwr run``s other tests assert on (``tests/support/shared_runs.py``)."""
 
 import json
 
@@ -10,16 +10,15 @@ from flwr.clientapp import ClientApp
 from flwr.common.config import get_fused_config_from_dir, parse_config_args
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
-from fedfuse.flower.runner.flwr_runner import ROOT, run_app, run_config_arg
+from fedfuse.flower.runner.flwr_runner import ROOT, run_config_arg
 from fedfuse.flower.runner.inprocess import (LocalGrid, fused_run_config, run_app_inprocess, run_inprocess,
                                            task_identity)
+from tests.support.shared_runs import E2E
 
 RUN_ID = 7
 
 # the e2e test's tiny config (tests/test_e2e_flwr.py): digits, 3 class-disjoint clients, 2 rounds
-TINY = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
-        "partitioning": "shards", "num-server-rounds": 2, "local-epochs": 3, "lr": 0.01,
-        "fusion-set-size": 120, "min-train-nodes": 3, "importance": "deeplift", "importance-samples": 64, "head-round": False}
+TINY = {**E2E, "head-round": False}
 
 
 def _echo_app() -> ClientApp:
@@ -169,19 +168,22 @@ def test_inprocess_failed_run_raises_with_the_servers_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fedavg", "kf-linear"])
-def test_inprocess_engine_matches_flwr_run(tmp_path, strategy):
-    """Same config, both engines: the same test accuracy (and loss) every round."""
-    cfg = {**TINY, "strategy": strategy}
-    real = run_app({**cfg, "output-dir": str(tmp_path / "flwr"), "run-name": strategy}, num_supernodes=3,
-                   timeout=420, echo=False)
-    assert real.ok, f"run {real.run_id} ended {real.status}: {real.details}\n{real.log[-4000:]}"
-    local = run_inprocess({**cfg, "output-dir": str(tmp_path / "inprocess"), "run-name": strategy}, 3, echo=False)
-    a = json.loads((real.out_dir / "results.json").read_text())["rounds"]
+@pytest.mark.parametrize("shared", ["e2e", "tiers"])
+def test_inprocess_engine_matches_flwr_run(tmp_path, request, shared):
+    """Same config, both engines: the same test accuracy (and loss) every round. The real runs are the session's
+    shared ones (``tests/support/shared_runs.py``): ``e2e``, the default strategy ``auto`` (FedAvg's average at 3
+    local epochs) on the e2e config, then the head round; ``tiers``, kf-linear fusion over width tiers 1 / 0.5 /
+    0.25 (a sub-model of its own shape per node), then the head round."""
+    real = request.getfixturevalue(f"{shared}_flwr_run")
+    local = run_inprocess({**real.config, "output-dir": str(tmp_path / "inprocess"), "run-name": shared},
+                          real.num_supernodes, echo=False)
+    a = real.results["rounds"]
     b = json.loads((local / "results.json").read_text())["rounds"]
+    assert len(a) == len(b) == real.config["num-server-rounds"] + 2   # the initial model, the rounds, the head round
     assert [r["test-accuracy"] for r in b] == [r["test-accuracy"] for r in a]
     assert [r["test-loss"] for r in b] == pytest.approx([r["test-loss"] for r in a], rel=1e-6)
     assert [r.get("client-test-accuracy") for r in b] == [r.get("client-test-accuracy") for r in a]
+    assert [r.get("tier-accuracy") for r in b] == [r.get("tier-accuracy") for r in a]
 
 
 def test_local_grid_hosts_a_subset_of_the_partitions():

@@ -1,9 +1,10 @@
 """Checkpoint and resume: kill the server mid-run, resume with ``resume=true``, get the same results.
 
-Three real ``flwr run`` simulation runs (slow): an uninterrupted reference run, a run stopped with
-killing its SuperLink by PID (the ServerApp dies with it) right after the round-1 checkpoint is written, and that run
-resumed. The resumed run must run only the remaining rounds and end with the same per-round test
-accuracy and the same global weights as the reference (same seeds; clients seed by the true round).
+Two real ``flwr run`` simulation runs (slow): a run stopped with killing its SuperLink by PID (the ServerApp dies
+with it) right after the round-1 checkpoint is written, and that run resumed. The resumed run must run only the
+remaining rounds and end with the same per-round test accuracy and the same global weights as an uninterrupted
+reference run (same seeds; clients seed by the true round), made on the in-process engine: the same ServerApp and
+ClientApp, with the same numbers as ``flwr run`` (``tests/test_inprocess_engine.py``).
 """
 
 import json
@@ -19,6 +20,7 @@ import torch
 from fedfuse.results import load_checkpoint, save_checkpoint
 from fedfuse.flower.runner.flwr_runner import (_superlink_pids, flwr_env, kill_tree, run_app, run_config_arg,
                                     start_local_superlink, stop_superlink)
+from fedfuse.flower.runner.inprocess import run_app_inprocess
 from tests.support.fault_app import write_fault_app
 
 BASE = {"dataset": "digits", "model": "mlp", "model-width": 16, "model-depth": 1, "num-clients": 3,
@@ -71,7 +73,7 @@ def _interrupted_run(cfg: dict, app_dir: Path, timeout: float = 420.0) -> int:
 
 @pytest.mark.slow
 def test_kill_server_mid_run_and_resume(tmp_path):
-    ref = run_app({**BASE, "output-dir": str(tmp_path), "run-name": "reference"}, timeout=420, echo=False)
+    ref = run_app_inprocess({**BASE, "output-dir": str(tmp_path), "run-name": "reference"}, echo=False)
     assert ref.ok, ref.log[-3000:]
 
     cfg = {**BASE, "output-dir": str(tmp_path), "run-name": "resumed"}

@@ -8,10 +8,7 @@ from flwr.app import Context, RecordDict
 from fedfuse.config import ConfigError, parse_run_config
 from fedfuse.flower.tiers.client_tiers import node_tier, tier_model
 from fedfuse.models import build_model, levels
-
-TINY = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
-        "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 120,
-        "min-train-nodes": 3, "importance": "uniform", "client-tiers": "1,0.5,0.25"}
+from tests.support.shared_runs import TIERS as TINY   # the real run's config too (tiers_flwr_run)
 
 
 def _context(node_config, run_config):
@@ -101,13 +98,11 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
 
 
 @pytest.mark.slow
-def test_flwr_run_two_round_tiers(tmp_path):
-    from fedfuse.flower.runner.flwr_runner import run_app
-
-    cfg = {**TINY, "strategy": "kf-linear", "output-dir": str(tmp_path), "run-name": "tiers"}
-    outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)
-    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
-    res = json.loads((outcome.out_dir / "results.json").read_text())
+def test_flwr_run_two_round_tiers(tiers_flwr_run):
+    """kf-linear over width tiers through a real ``flwr run`` (the session's shared run, ``tiers_flwr_run``: the
+    in-process engine's equality test compares against it too)."""
+    assert tiers_flwr_run.config == {**TINY, "strategy": "kf-linear"} and tiers_flwr_run.num_supernodes == 3
+    res = tiers_flwr_run.results
     last = res["rounds"][-1]
     assert last["valid-replies"] == 3 and last["rejected"] == []
     assert set(last["tier-accuracy"]) == {"1", "0.5", "0.25"}

@@ -2,7 +2,8 @@
 
 Config errors name the key; round 1 of a warm-start run trains independently initialised client models for
 ``warm-start-epochs`` and its global model is the fused model (not their average); rounds >= 2 are the strategy's own
-rounds from it, with the server state reset; an end-to-end ``flwr run`` (slow).
+rounds from it, with the server state reset; end to end on the in-process engine (the same ServerApp and ClientApp as
+``flwr run``).
 """
 
 import json
@@ -210,14 +211,13 @@ def _check_round_1(cfg, out, row):
     assert m["accuracy"] == row["test-accuracy"] and m["per-class-accuracy"] == row["per-class-accuracy"]
 
 
-@pytest.mark.slow
-def test_flwr_run_warm_start(tmp_path):
-    """``flwr run`` (SuperLink + Ray) of a warm-start run: completes, round 1 is the warm start, round 2 FedAvg."""
-    from fedfuse.flower.runner.flwr_runner import run_app
+def test_warm_start_end_to_end(tmp_path):
+    """A warm-start run on fedfuse's own ClientApp: completes, round 1 is the warm start, round 2 FedAvg."""
+    from fedfuse.flower.runner.inprocess import run_app_inprocess
 
     cfg = {**TINY, "mode": "warm-start", "strategy": "average", "warm-start-epochs": 2, "output-dir": str(tmp_path),
            "run-name": "warm-e2e"}
-    outcome = run_app(cfg, num_supernodes=3, timeout=420, echo=False)
+    outcome = run_app_inprocess(cfg, num_supernodes=3, echo=False)
     assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
     res = json.loads((outcome.out_dir / "results.json").read_text())
     assert [h["method"] for h in res["strategy-history"]] == ["warm-start:kf-linear", "average"]

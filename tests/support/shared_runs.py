@@ -1,0 +1,53 @@
+"""Real ``flwr run`` simulations (SuperLink + Ray) that several tests assert on, each made once per session.
+
+Most of a small ``flwr run`` is its fixed cost (a SuperLink, a Ray cluster, a Python process per virtual node), so
+the tests that need the same real run share it through the session fixtures of ``tests/conftest.py``:
+
+- ``e2e_flwr_run`` (``E2E``, the default strategy ``auto`` on 3 class-disjoint digits clients, 2 rounds, then the
+  head round): ``tests/test_e2e_flwr.py``'s end-to-end checks (default suite) and, slow, the in-process engine's
+  per-round numbers against it (``tests/test_inprocess_engine.py``);
+- ``tiers_flwr_run`` (``TIERS`` with ``kf-linear``: width tiers 1 / 0.5 / 0.25 on MNIST-1D, then the head round):
+  ``tests/test_tiers_flower.py``'s real-engine check and the in-process engine's per-round numbers against it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# the end-to-end config: digits, a width-32 MLP, 3 class-disjoint clients, 2 rounds of 3 local epochs
+E2E = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
+       "partitioning": "shards", "num-server-rounds": 2, "local-epochs": 3, "lr": 0.01,
+       "fusion-set-size": 120, "min-train-nodes": 3, "importance": "deeplift", "importance-samples": 64}
+
+# width tiers 1 / 0.5 / 0.25, one client each, MNIST-1D
+TIERS = {"dataset": "mnist1d", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 3,
+         "partitioning": "iid", "num-server-rounds": 2, "local-epochs": 1, "fusion-set-size": 120,
+         "min-train-nodes": 3, "importance": "uniform", "client-tiers": "1,0.5,0.25"}
+
+
+@dataclass
+class SharedRun:
+    """A finished real run: its ``RunOutcome``, its ``results.json``, the config it was given (without
+    ``output-dir`` / ``run-name``) and its number of SuperNodes."""
+    outcome: Any
+    results: dict
+    config: dict
+    num_supernodes: int
+
+    @property
+    def out_dir(self) -> Path:
+        return self.outcome.out_dir
+
+
+def real_run(config: dict[str, Any], out: Path, name: str, num_supernodes: int) -> SharedRun:
+    """``flwr run`` of fedfuse's app with ``config``; asserts it completed."""
+    from fedfuse.flower.runner.flwr_runner import run_app
+
+    outcome = run_app({**config, "output-dir": str(out), "run-name": name}, num_supernodes=num_supernodes,
+                      timeout=420, echo=False)
+    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
+    results = json.loads((outcome.out_dir / "results.json").read_text())
+    return SharedRun(outcome, results, dict(config), num_supernodes)
