@@ -7,7 +7,6 @@ line are checked directly; one subprocess test runs the real runner entry point 
 import os
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -329,10 +328,8 @@ def test_model_that_cannot_take_the_inputs():
     check_model(parse_run_config({"model": "cnn", "dataset": "digits", "strategy": "fedavg"}))
 
 
-def test_preflight_is_fast_and_complete():
-    t0 = time.perf_counter()
+def test_preflight_is_complete():
     assert preflight({"strategy": "kf-linear", "num-server-rounds": 2}) == RunConfig(strategy="kf-linear", num_server_rounds=2)
-    assert time.perf_counter() - t0 < 10
 
 
 # ------------------------------------------------------------------------------------- --run-config
@@ -407,19 +404,17 @@ def test_sweep_strategy_labels_keep_quoted_commas():
 # ------------------------------------------------------------------------------------- runner
 def test_runner_exits_on_a_bad_key_before_any_flower_process(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "fedfuse.flower.runner.run", "--run-config", "num-round=5",
                           "--output-dir", str(tmp_path / "out")], cwd=str(ROOT), env=env, capture_output=True,
                          text=True, timeout=120)
-    seconds = time.perf_counter() - t0
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert lines == ["fedfuse: config error: run-config: unknown key 'num-round' (did you mean 'num-server-rounds'?); "
                      "`python -m fedfuse.config` lists all keys"], res.stderr
     assert "code: 15" not in res.stdout + res.stderr
     # run_app makes a private FLWR_HOME under TMPDIR before it starts the SuperLink: there is none
+    # how fast is measured (farm-bench, the issue 58 closing note), not asserted here: a loaded machine is slow
     assert not list(tmp_path.glob("fedfuse-flwr-home-*")) and not (tmp_path / "out").exists()
-    assert seconds < 30, f"the config check took {seconds:.1f}s"
 
 
 def test_run_app_checks_the_config_before_starting_flower(tmp_path, monkeypatch):
