@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS   # light: no torch (the config itself is imported lazily)
-from fedfuse.run_control import RunInterrupted, interrupt_signals, signal_name_of   # light: the standard library
+from fedfuse.run_control import RunFolderBusy, RunInterrupted, interrupt_signals, signal_name_of   # light: stdlib only
 
 
 EXIT_USAGE = 2
@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             return handler(rest)
     except CliError as exc:
         print(f"fedfuse: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunFolderBusy as exc:   # fedfuse compare: a run folder another run holds (fedfuse run says it itself)
+        print(f"fedfuse: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:   # fedfuse run says it itself; compare, sweeps and the rest here
         stop = exc if isinstance(exc, RunInterrupted) else RunInterrupted(signal_name_of(exc))

@@ -117,7 +117,8 @@ def _take(folder: Path, run_name: str, on_note: Callable[[str], None]) -> bool:
             return False
         fd, previous = got
         if previous:
-            alive = _pid_alive(previous.get("pid")) and previous.get("host", socket.gethostname()) == socket.gethostname()
+            here = previous.get("host", socket.gethostname()) == socket.gethostname()
+            alive = here and _pid_alive(previous.get("pid"))
             on_note(f"fedfuse: note: {folder} was left locked by {_describe(previous)}, which "
                     f"{'no longer holds it' if alive else 'no longer runs'}; this run takes the folder over")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -211,6 +212,38 @@ def holds_run_folder(folder: str | Path) -> bool:
     """Whether this process holds ``folder`` (``claim_run_folder``)."""
     with _held_mutex:
         return _lock_path(Path(folder)) in _held
+
+
+OWNER_ENV = "FEDFUSE_RUN_FOLDER_OWNER"   # the pid of the runner that started a ServerApp (flwr_runner.flwr_env)
+
+
+def _ancestors() -> list[int]:
+    out, pid = [], os.getppid()
+    while pid > 1 and len(out) < 64:
+        out.append(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return out
+
+
+@contextmanager
+def app_run_folder(folder: str | Path, on_note: Callable[[str], None] = _stderr) -> Iterator[None]:
+    """The ServerApp's hold on its run folder: none of its own when the runner that started it holds the folder
+    (the same process: the in-process engine; or the lock's owner is the runner named by ``FEDFUSE_RUN_FOLDER_OWNER``
+    in the environment, or an ancestor process); else it takes the lock itself (a plain ``flwr run``, a deployment), so
+    that two such runs with the same ``run-name`` do not share the folder either (``RunFolderBusy``)."""
+    folder = Path(folder)
+    if holds_run_folder(folder):
+        yield
+        return
+    pid = _owner_of(folder).get("pid")
+    if pid is not None and (str(pid) == os.environ.get(OWNER_ENV) or pid in _ancestors()) and _pid_alive(pid):
+        yield
+        return
+    with run_folder(folder.parent, folder.name, on_note=on_note):
+        yield
 
 
 # ------------------------------------------------------------------------------------------------ interruption

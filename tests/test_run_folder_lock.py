@@ -129,3 +129,28 @@ def test_a_fresh_run_reports_only_its_own_results(tmp_path, monkeypatch, capsys)
     assert f"no results at {folder}" in out.err
     assert not (folder / "results.json").exists() and not (folder / "DONE").exists()
     assert not (folder / LOCK_NAME).exists()
+
+
+def test_the_server_app_writes_under_its_runners_lock_and_takes_its_own_otherwise(tmp_path, monkeypatch):
+    """``app_run_folder`` (``run_server``'s hold): a ServerApp started by the runner holding the folder writes under
+    that lock; one that a plain ``flwr run`` started takes the lock itself, and is refused when another run holds it."""
+    from fedfuse.run_control import OWNER_ENV, app_run_folder
+
+    folder = tmp_path / "served"
+    holder = _holder(folder)
+    try:
+        monkeypatch.setenv(OWNER_ENV, str(holder.pid))   # started by the runner that holds the folder
+        with app_run_folder(folder):
+            assert not holds_run_folder(folder)
+        monkeypatch.setenv(OWNER_ENV, "1")   # started by someone else: the folder is another run's
+        with pytest.raises(RunFolderBusy, match=r"run-name 'served'"):
+            with app_run_folder(folder):
+                pytest.fail("a ServerApp must not write in a folder another run holds")
+    finally:
+        holder.kill()
+        holder.wait()
+    with app_run_folder(folder, on_note=lambda text: None):   # nobody holds it (the holder died): the ServerApp's own
+        assert holds_run_folder(folder)
+        with app_run_folder(folder):   # in-process: the runner in this process holds it
+            assert holds_run_folder(folder)
+    assert not holds_run_folder(folder) and not (folder / LOCK_NAME).exists()

@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: avoid OpenM
 
 import resource  # noqa: E402
 import time  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
 from datetime import datetime  # noqa: E402
 from logging import ERROR, INFO, WARNING  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,6 +66,7 @@ from fedfuse.hetero import tier_name  # noqa: E402
 from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
 from fedfuse.results import (RunRecorder, dead_model, fusion_outcome, head_round_row, load_checkpoint,  # noqa: E402
                              rounds_text, save_checkpoint)
+from fedfuse.run_control import RunFolderBusy, app_run_folder  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
 
@@ -580,11 +582,24 @@ def run_server(grid: Grid, context: Context, *, wrap_strategy: StrategyWrapper |
 
     ``wrap_strategy(strategy, context)`` may return a strategy wrapping fedfuse's (it is the one
     ``start``-ed; history and results still come from the wrapped fedfuse strategy).
+
+    The run folder is this run's while it runs (``fedfuse.run_control.app_run_folder``: the runner's lock, or the
+    ServerApp's own under a plain ``flwr run``): another run writing there is refused before any client trains.
     """
+    with ExitStack() as held:
+        _serve(grid, context, wrap_strategy, held)
+
+
+def _serve(grid: Grid, context: Context, wrap_strategy: StrategyWrapper | None, held: ExitStack) -> None:
+    """``run_server``'s body; ``held`` keeps the run folder until it returns."""
     limit_threads(int(os.environ.get("FEDFUSE_SERVER_THREADS", "1")))
     notes: list[str] = []
     cfg, account = private_config(check_run_config(context, notes))   # a DP run: its config and (epsilon, delta) account
     out = output_dir(cfg)
+    try:   # the folder is this run's: another run writing there is refused before any client trains
+        held.enter_context(app_run_folder(out, on_note=lambda text: log(WARNING, "%s", text)))
+    except RunFolderBusy as exc:
+        raise ConfigError(str(exc)) from None
     data, model_fn, strategy = setup(cfg)
     test = getattr(data, "test", None)
     guard_broadcast(strategy, strategy.fusion_inputs if strategy.fusion_inputs is not None

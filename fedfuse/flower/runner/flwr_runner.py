@@ -28,7 +28,7 @@ from typing import Any
 from fedfuse.config import ConfigError, canonical, config_notes, preflight
 from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
 from fedfuse.results import clear_run_results, mark_interrupted
-from fedfuse.run_control import RunInterrupted, run_folder, signal_name_of, signals_deferred
+from fedfuse.run_control import OWNER_ENV, RunInterrupted, run_folder, signal_name_of, signals_deferred
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
 # shipped in the package (fedfuse.flower.runner.paths)
@@ -59,6 +59,7 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "FEDFUSE_TORCH_THREADS": env.get("FEDFUSE_TORCH_THREADS", "1"),
         "RAY_DEDUP_LOGS": "0",
+        OWNER_ENV: str(os.getpid()),   # the ServerApp writes in the folder this process holds (run_control)
     })
     if CHECKOUT is not None:  # the Flower processes import fedfuse from the checkout (installed: from the installation)
         env["PYTHONPATH"] = str(CHECKOUT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -388,7 +389,7 @@ def _run_flwr(cfg: dict[str, Any], n: int, out_dir: Path, *, cpus_per_client: fl
     except KeyboardInterrupt as exc:   # Ctrl-C, or SIGTERM/SIGHUP under run_control.interrupt_signals
         interrupted = exc
     finally:
-        with signals_deferred():   # a second Ctrl-C must not leave the SuperLink running
+        with signals_deferred() as late:   # a second Ctrl-C must not leave the SuperLink running
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
@@ -397,5 +398,7 @@ def _run_flwr(cfg: dict[str, Any], n: int, out_dir: Path, *, cpus_per_client: fl
                 shutil.rmtree(home, ignore_errors=True)
     if interrupted is not None:
         raise interrupted_run(interrupted, out_dir) from None
+    if late:   # a signal while the finished run's processes were being stopped: its results stand, the command stops
+        raise RunInterrupted(late[0])
     return RunOutcome(run_id=run_id, status=status, details=details, out_dir=out_dir, log="".join(lines),
                       seconds=time.perf_counter() - t0)
