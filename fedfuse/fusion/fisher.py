@@ -35,7 +35,7 @@ from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.permute import Map, PermSpec, apply_maps
 from fedfuse.fusion.permute.maps import load_plain
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
-from fedfuse.fusion.regmean import public_statistics
+from fedfuse.fusion.regmean import layer_rows, merge_layers, public_statistics
 from fedfuse.fusion.stat_align import Align, align_to_first
 
 PAPER_FISHER = ('Fisher merging (Matena & Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022, '
@@ -50,8 +50,6 @@ class _PerSampleGrads:
     in a forward pass are left to the generic path (``covered`` says which parameters this one gives)."""
 
     def __init__(self, net: nn.Module):
-        from fedfuse.fusion.regmean import merge_layers
-
         self.layers = merge_layers(net)
         self.inputs: dict[str, torch.Tensor] = {}
         self.calls: dict[str, int] = {}
@@ -83,8 +81,6 @@ class _PerSampleGrads:
 
     def per_sample(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``([N, *weight shape], [N, out] | None)``: layer ``name``'s per-sample weight and bias gradients."""
-        from fedfuse.fusion.regmean import layer_rows
-
         mod, x, g = self.layers[name], self.inputs[name], self.grads[name]
         n = x.shape[0]
         if isinstance(mod, nn.Linear):
