@@ -16,6 +16,12 @@ images of the held-out public pool (disjoint from every client; ``average`` and 
 ``init`` is an untrained LeNet given the same head round: what the closed-form head alone reaches on random features.
 
     .venv/bin/python -m simulations.bench.fmnist_oneshot --alphas 0.1,0.3,0.5 --seeds 0,1,2 --epochs 20 --out results/fmnist-o1
+
+``--clients strong``: the same rows on clients trained to their best (``fmnist_strong``: inputs normalised, the
+recipe tuned on a split no table reports, early stopping on each client's validation split; docs/fashion-mnist.md
+"O1 (strong clients)"):
+
+    .venv/bin/python -m simulations.bench.fmnist_oneshot --clients strong --alphas 0.1,0.3,0.5 --seeds 0,1,2 --out results/fmnist-o1-strong
 """
 
 from __future__ import annotations
@@ -102,15 +108,27 @@ def head_round(model, clients) -> tuple[torch.nn.Module, dict]:
 
 
 def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_size: int, cache: Path,
-             references: bool = True) -> list[dict]:
-    clients = clients_of(folder, seed, epochs, cache)
-    with np.load(folder / "test.npz") as z:
-        tx, ty = torch.from_numpy(z["x"]), torch.from_numpy(z["y"])
-    with np.load(SPLITS / f"fmnist-public{PUBLIC}.npz") as z:
-        fx = torch.from_numpy(z["x"][:fusion_size])
+             references: bool = True, strong: bool = False) -> list[dict]:
+    """The cell's rows. ``strong``: the clients trained to their best (``fmnist_strong``: normalised inputs, the
+    tuned recipe, early stopping; cached there) instead of O1's ``epochs``-epoch clients; test and fusion inputs
+    normalised alike."""
+    if strong:
+        from simulations.bench.fmnist_strong import RECIPE, recipe_tag, test_data, train_clients
+
+        clients = train_clients(folder, seed)
+        tx, ty, fx = test_data(folder, RECIPE["normalise"], fusion_size)
+        epochs = RECIPE["epochs"]
+    else:
+        clients = clients_of(folder, seed, epochs, cache)
+        with np.load(folder / "test.npz") as z:
+            tx, ty = torch.from_numpy(z["x"]), torch.from_numpy(z["y"])
+        with np.load(SPLITS / f"fmnist-public{PUBLIC}.npz") as z:
+            fx = torch.from_numpy(z["x"][:fusion_size])
     meta = json.loads((folder / "split.json").read_text())
     base = {"part": meta["part"], "seed": seed, "epochs": epochs, "fusion-size": fusion_size,
             "epoch-seconds": float(np.mean([c["epoch-seconds"] for c in clients]))}
+    if strong:
+        base.update({"clients": recipe_tag(RECIPE), "best-epochs": [c["best-epoch"] for c in clients]})
     models, n = [c["model"] for c in clients], [c["n"] for c in clients]
     rows = []
     if references:   # the one-shot references fedfuse's runs print: each client, best, mean, weighted ensemble
@@ -147,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="average,kd,feddf,kf-linear,ot,rebasin,auto")
     ap.add_argument("--fusion-size", type=int, default=PUBLIC)
     ap.add_argument("--no-references", action="store_true", help="leave out the client / ensemble rows (a second pass)")
+    ap.add_argument("--clients", choices=("o1", "strong"), default="o1",
+                    help="o1: --epochs of O1's recipe; strong: fmnist_strong's tuned recipe (its own cache)")
     ap.add_argument("--cache", default="results/cache/fmnist-oneshot")
     ap.add_argument("--out", default="results/fmnist-o1")
     a = ap.parse_args(argv)
@@ -158,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     for folder in write_splits(SPLITS, parts, CLIENTS, seeds, PUBLIC):
         seed = json.loads((folder / "split.json").read_text())["seed"]
         rows = run_cell(folder, seed, a.epochs, a.methods.split(","), a.fusion_size, Path(a.cache),
-                        references=not a.no_references)
+                        references=not a.no_references, strong=a.clients == "strong")
         with open(out / "rows.jsonl", "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")

@@ -1,0 +1,40 @@
+"""``simulations.bench.fmnist_strong``: early stopping keeps the best validation epoch's weights, and the strong O1
+table carries the pooled ceiling row."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from simulations.bench.fmnist_strong import fit, predict_logits, recipe_tag, table
+
+
+def test_early_stopping_keeps_the_weights_of_the_best_validation_epoch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    vx, vy = x[:50], y[:50]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    info = fit(model, x[50:], y[50:], vx, vy, lr=0.5, weight_decay=0.0, epochs=6, seed=0)
+    best = max(info["val-curve"])
+    assert info["best-epoch"] == info["val-curve"].index(best) + 1
+    assert float((predict_logits(model, vx).argmax(1) == vy).float().mean()) == best
+    assert recipe_tag({"normalise": True, "lr": 0.02, "weight-decay": 5e-4, "epochs": 20}) == "norm-lr0.02-wd0.0005-e20-es"
+
+
+def test_the_table_has_the_pooled_ceiling_row(tmp_path):
+    rows = [{"part": p, "seed": s, "method": m, "accuracy": a} for p in ("dir0.1", "dir0.5") for s in (0, 1)
+            for m, a in (("best client", 0.7), ("mean client", 0.6), ("ensemble", 0.8))]
+    rows += [{"part": "dir0.5", "seed": s, "method": "kf-linear", "accuracy": 0.7, "with-head": 0.85,
+              "fuse-per-epoch": 1.0} for s in (0, 1)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for p in ("dir0.1", "dir0.5"):
+        for s, a in ((0, 0.89), (1, 0.90)):
+            (tmp_path / f"pooled-fmnist-{p}-n5-s{s}.json").write_text(json.dumps({"part": p, "seed": s,
+                                                                                  "accuracy": a}))
+    text = table(tmp_path)
+    assert "| pooled model (unfederated ceiling, same recipe) | - | 89.5 ± 0.7 (n=2) | 89.5 ± 0.7 (n=2) | |" in text
+    assert "one local epoch" not in text
+    assert text.splitlines()[2].startswith("| pooled model")
