@@ -36,3 +36,16 @@ def tiers_flwr_run(tmp_path_factory):
 
     return real_run({**TIERS, "strategy": "kf-linear"}, tmp_path_factory.mktemp("tiers-flwr"), "tiers",
                     TIERS["num-clients"])
+
+
+@pytest.fixture(scope="session")
+def example_flwr_run(tmp_path_factory):
+    """``examples/own-flower-app`` by its README's plain ``flwr run`` (2 SuperNodes, 2 rounds); the local SuperLink it
+    leaves is stopped at the end of the session if no test stopped it (``tests/test_stop_superlink.py`` does)."""
+    from tests.support.shared_runs import plain_example_run, stop_local_superlink
+
+    run = plain_example_run(tmp_path_factory.mktemp("example-flwr"))
+    try:
+        yield run
+    finally:
+        stop_local_superlink(run.home)

@@ -1,22 +1,21 @@
 """``examples/own-flower-app`` (a user's own Flower app with its own pyproject, ClientApp and ServerApp, using a
-fedfuse strategy with non-default record keys and fedfuse's reply helper) run end to end with ``flwr run``."""
+fedfuse strategy with non-default record keys and fedfuse's reply helper) run end to end with ``flwr run``: the
+session's shared run of the example by its README's command (``example_flwr_run``, ``tests/support/shared_runs.py``;
+``tests/test_stop_superlink.py`` stops the SuperLink it leaves)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from fedfuse.flower.runner.flwr_runner import run_app
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "own-flower-app"
+from tests.support.shared_runs import EXAMPLE
 
 
 @pytest.mark.slow  # one real `flwr run` (SuperLink + Ray): ~1 min on 2 cores, most of it start-up
-def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(tmp_path):
-    cfg = {"output-dir": str(tmp_path), "run-name": "own-app", "num-clients": 2, "num-server-rounds": 2}
-    outcome = run_app(cfg, num_supernodes=2, app_dir=EXAMPLE, check_config=False, timeout=420, echo=False)
-    assert outcome.ok, f"run {outcome.run_id} ended {outcome.status}: {outcome.details}\n{outcome.log[-4000:]}"
-    res = json.loads((tmp_path / "own-app" / "results.json").read_text())
+@pytest.mark.xdist_group("shared-flwr-runs")   # example_flwr_run: made once under pytest-xdist --dist loadgroup
+def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(example_flwr_run):
+    run = example_flwr_run
+    assert run.ok, f"flwr run ended {run.status}\n{run.completed.stdout[-3000:]}{run.completed.stderr[-3000:]}"
+    res = json.loads((run.out_dir / "results.json").read_text())
     assert [r["round"] for r in res["rounds"]] == [0, 1, 2]
     assert res["rounds"][-1]["test-accuracy"] > 0.5                  # chance 0.1; label-skewed halves
     assert [(h["method"], h["valid"], h["rejected"], h["fallback"]) for h in res["strategy-history"]] == \

@@ -77,18 +77,13 @@ def test_the_example_readme_says_the_superlink_stays_and_how_to_stop_it():
 
 
 @pytest.mark.slow   # the README's own command, a real plain `flwr run` (Flower starts its local SuperLink)
-def test_flwr_run_of_the_example_then_stop_superlink_leaves_nothing_running(tmp_path):
-    from fedfuse.flower.runner.flwr_runner import flwr_env
-
-    home = tmp_path / "flwr-home"
-    env = flwr_env(home)
-    res = subprocess.run(["flwr", "run", str(EXAMPLE), "--run-config",
-                          f"output-dir='{tmp_path}' run-name='own' num-server-rounds=1",
-                          "--federation-config", "num-supernodes=2", "--stream"],
-                         env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+@pytest.mark.xdist_group("shared-flwr-runs")   # example_flwr_run: made once under pytest-xdist --dist loadgroup
+def test_flwr_run_of_the_example_then_stop_superlink_leaves_nothing_running(example_flwr_run):
+    # the session's shared run of the example (tests/support/shared_runs.py), which test_example_app checks too
+    home, res = example_flwr_run.home, example_flwr_run.completed
     try:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        assert (tmp_path / "own" / "results.json").exists(), res.stdout[-3000:]
+        assert (example_flwr_run.out_dir / "results.json").exists(), res.stdout[-3000:]
         assert "fedfuse stop-superlink" in res.stdout
         left = local_superlink_pids(home)
         assert left, "plain flwr run leaves its local SuperLink running (Flower's design); this test checks the stop"
