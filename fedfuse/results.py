@@ -108,12 +108,14 @@ def dead_model(rows: list[dict[str, Any]], num_classes: int, margin: float = 0.0
         at_chance = acc <= 1.0 / num_classes + margin and loss >= 0.95 * math.log(num_classes)
         never_left = all((r.get(acc_key) or 0.0) <= 1.0 / num_classes + margin for r in trained)
         if not math.isfinite(loss) or (at_chance and collapsed):
+            at = (f"the head round (round {last['round']})" if head_round_row(rows) is last
+                  else f"round {last['round']}")
             dp = dp_noise_cause(privacy)
             if dp is not None and dp[0]:   # a DP run: the noise, measured against the update, not the learning rate
-                return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
+                return (f"the global model is dead after {at} ({acc_key} {acc:.4f}, {loss_key} "
                         f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance "
                         f"level; {dp[1]}")
-            return (f"the global model is dead after round {last['round']} ({acc_key} {acc:.4f}, {loss_key} "
+            return (f"the global model is dead after {at} ({acc_key} {acc:.4f}, {loss_key} "
                     f"{loss:.4g}, one class predicted for almost every input): the run trained itself to chance level (a "
                     f"learning rate far too high is the usual cause: lower lr" + (f"; {dp[1]}" if dp else "") + ")" + (
                         "; it never rose above chance, which a learning rate too low for this many rounds also gives "

@@ -65,7 +65,7 @@ from fedfuse.flower.strategies import strategy_builder  # noqa: E402
 from fedfuse.hetero import tier_name  # noqa: E402
 from fedfuse.references import REFERENCE_LABELS, one_shot_references  # noqa: E402
 from fedfuse.results import (RunRecorder, dead_model, fusion_outcome, head_round_row, load_checkpoint,  # noqa: E402
-                             rounds_text, save_checkpoint)
+                             privacy_text, rounds_text, save_checkpoint)
 from fedfuse.run_control import RunFolderBusy, app_run_folder  # noqa: E402
 from fedfuse.task import federated_data, global_model, load_fusion_inputs  # noqa: E402
 from fedfuse.training import evaluate, limit_threads, metrics_from_logits, predict_logits, resolve_device  # noqa: E402
@@ -493,7 +493,8 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     if crash is not None:
         outcome = {**outcome, "status": "failed", "error": f"{type(crash).__name__}: {crash}"}
     elif outcome["status"] == "completed":
-        dead = dead_model(recorder.rows, int(recorder.config.get("num-classes", 0)))
+        dead = dead_model(recorder.rows, int(recorder.config.get("num-classes", 0)),
+                          privacy=recorder.extra.get("privacy"))   # a DP run: its noise against the update
         if dead:
             outcome = {**outcome, "status": "failed", "error": dead}
     recorder.extra.update(outcome)
@@ -507,7 +508,8 @@ def _write_results(cfg: RunConfig, out: Path, strategy: RoundProtocol, recorder:
     for r, tier in strategy.narrower_tier_models(cfg.num_server_rounds + 2).items():   # width tiers: each beside it
         recorder.save_model(tier.state_dict(), f"tier-{tier_name(r)}_model.pt")
     recorder.plot(f"{cfg.strategy} · {cfg.dataset}/{cfg.model} · {cfg.partitioning} · {cfg.num_clients} clients · "
-                  f"{rounds_text(cfg.num_server_rounds, head_round_row(recorder.rows) is not None)}")
+                  f"{rounds_text(cfg.num_server_rounds, head_round_row(recorder.rows) is not None)}"
+                  + (f" · {privacy_text(recorder.extra['privacy'])}" if recorder.extra.get("privacy") else ""))
     if crash is not None:
         log(ERROR, "fedfuse: run failed: %s; results written to %s", outcome["error"], out)
         raise crash

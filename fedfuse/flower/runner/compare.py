@@ -35,6 +35,7 @@ from typing import Any
 from fedfuse.config import canonical
 from fedfuse.flower.runner.console import head_round_record, rounds_text
 from fedfuse.references import REFERENCE_LABELS, gap_recovered
+from fedfuse.results import privacy_text
 
 BASELINE = "fedavg"
 HEAD_SUFFIX = " + head round"   # the label of a baseline's row with the head round (RunSummary.split_head)
@@ -78,21 +79,24 @@ class RunSummary:
     out_dir: Path | None = None
     # one-shot mode: results.json "one-shot-references" (fedfuse.references), or None
     references: dict[str, Any] | None = None
+    # a DP run: results.json "privacy" (the (epsilon, delta) account, every release's epsilon), or None
+    privacy: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, label: str, engine: str, out_dir: Path, error: str | None = None) -> "RunSummary":
         path = Path(out_dir) / "results.json"
         rows: list[dict[str, Any]] = []
-        references = None
+        references = privacy = None
         if path.exists():
             res = json.loads(path.read_text())
             rows = list(res.get("rounds", []))
-            references = res.get("one-shot-references")
+            references, privacy = res.get("one-shot-references"), res.get("privacy")
             if error is None and (res.get("error") or res.get("status") not in (None, "completed")):
                 error = str(res.get("error") or f"status {res.get('status')!r}")
         elif error is None:
             error = f"no results.json in {out_dir}"
-        return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir), references=references)
+        return cls(label=label, engine=engine, rows=rows, error=error, out_dir=Path(out_dir), references=references,
+                   privacy=privacy)
 
     @property
     def metric(self) -> str:
@@ -115,9 +119,24 @@ class RunSummary:
         if self.error or len(rows) < 2 or head_round_record(rows[-1]) is None:
             return [self]
         cut = self.rows.index(rows[-1])
-        plain = RunSummary(self.label, self.engine, self.rows[:cut], None, self.out_dir, self.references)
+        plain = RunSummary(self.label, self.engine, self.rows[:cut], None, self.out_dir, self.references, self.privacy)
         return [plain, RunSummary(f"{self.label}{HEAD_SUFFIX}", self.engine, self.rows, None, self.out_dir,
-                                  self.references)]
+                                  self.references, self.privacy)]
+
+    def epsilon(self) -> float | None:
+        """A DP run's ε at this row's model: after its last training round's release for a row without the head round
+        (``split_head``'s first), the account's final ε with it; ``None`` without DP."""
+        if not self.privacy or not isinstance(self.privacy.get("epsilon"), (int, float)):
+            return None
+        if self.head_round():
+            return float(self.privacy["epsilon"])
+        rounds = [r for r in self.privacy.get("per-release", []) if str(r.get("what", "")).startswith("round ")]
+        return float(rounds[-1]["epsilon"]) if rounds else float(self.privacy["epsilon"])
+
+    def privacy_cell(self) -> str:
+        """The table's ``privacy (ε, δ)`` cell: ``(10.73, 1e-05)``, or ``none`` for a run without DP."""
+        eps = self.epsilon()
+        return "none" if eps is None else f"({eps:.2f}, {self.privacy.get('delta', float('nan')):g})"
 
     def curve(self) -> list[tuple[int, float]]:
         """``[(round, accuracy)]`` of rounds with an accuracy (``metric``), round 0 (initial model) included."""
@@ -188,14 +207,16 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
     # '(baseline)' only beside another strategy: a run of the baseline alone is not compared with anything
     compared = any(r.label not in (baseline, baseline + HEAD_SUFFIX) for r in runs)
     reach_head = f"first round ≥ {baseline}'s final" + (f" ({target:.4f})" if target is not None else "")
+    private = any(r.privacy for r in runs)   # a DP run: its (epsilon, delta) on every row, this row's model's
     lines = [f"| strategy | engine | final accuracy | best (round) | {reach_head} | client ensemble, uniform (final round) | "
-             "best client (final round) | fallback / guarded / skipped rounds |", "|---|---|---|---|---|---|---|---|"]
+             "best client (final round) | fallback / guarded / skipped rounds |"
+             + (" privacy (ε, δ) |" if private else ""), "|---|---|---|---|---|---|---|---|" + ("---|" if private else "")]
     for run in runs:
         name = run.label + (" (baseline)" if run.label == baseline and compared else "")
         if run.error or run.final is None:
             why = (run.error or ("no round has an accuracy (neither central test-accuracy nor federated-accuracy)"
                                  if run.rows else "no rounds")).splitlines()[0][:120]
-            lines.append(f"| {name} | {run.engine} | failed: {why} | | | | | |")
+            lines.append(f"| {name} | {run.engine} | failed: {why} | | | | | |" + (" |" if private else ""))
             continue
         best = run.best()
         head_at = run.head_round_number()
@@ -207,7 +228,8 @@ def comparison_table(runs: list[RunSummary], baseline: str = BASELINE) -> str:
         fed = " (federated)" if run.federated else ""
         at = "head round" if best[0] == head_at else best[0]
         lines.append(f"| {name} | {run.engine} | {_f(run.final)}{fed} | {_f(best[1])} ({at}) | {reach} | "
-                     f"{_f(run.ensemble_final())} | {_f(run.best_client_final())} | {counts} |")
+                     f"{_f(run.ensemble_final())} | {_f(run.best_client_final())} | {counts} |"
+                     + (f" {run.privacy_cell()} |" if private else ""))
     note = head_round_note(runs)
     return "\n".join(lines) + (f"\n\n{note}" if note else "")
 
@@ -223,6 +245,18 @@ def steps_title(runs: list[RunSummary]) -> str:
         return rounds_text(trained[-1], False)
     last = "/".join(str(t) for t in trained)
     return f"{rounds_text(trained[-1], True)}: the ★ '{HEAD_SUFFIX.strip()}' rows include it, the others end at round {last}"
+
+
+def privacy_title(runs: list[RunSummary]) -> str:
+    """The line a comparison's plot titles carry about differential privacy: each DP run's final ``(ε, δ)``
+    (``fedfuse.results.privacy_text``), ``""`` when no run is private."""
+    seen = [r for r in runs if r.privacy and not r.label.endswith(HEAD_SUFFIX)]
+    if not seen:
+        return ""
+    texts = {privacy_text(r.privacy) for r in seen}
+    if len(texts) == 1 and len(seen) == len([r for r in runs if not r.label.endswith(HEAD_SUFFIX)]):
+        return texts.pop() + " (every run)" if len(seen) > 1 else texts.pop()
+    return "; ".join(f"{r.label}: {privacy_text(r.privacy)}" for r in seen)
 
 
 def head_round_note(runs: list[RunSummary]) -> str | None:

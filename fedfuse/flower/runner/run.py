@@ -43,11 +43,13 @@ from fedfuse.config import ConfigError
 from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, preflight_or_exit,
                                        run_with_engine)
 from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
-                                           reference_points, references_table, round_curves, steps_title,
-                                           verdict)
+                                           privacy_title, reference_points, references_table, round_curves,
+                                           steps_title, verdict)
 from fedfuse.flower.runner.console import QuietConsole, head_round_record, rounds_text
 from fedfuse.flower.runner.flwr_runner import RunOutcome, federation_size
 from fedfuse.flower.runner.paths import default_results_dir
+from fedfuse.flower.trust.privacy import planned_epsilon
+from fedfuse.results import privacy_text
 from fedfuse.run_control import (RunFolderBusy, RunInterrupted, claim_run_folder, interrupt_signals,
                                  release_run_folder, signal_name_of)
 
@@ -133,10 +135,11 @@ def default_run_name(checked: Any) -> str:
 
 
 def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int, num_rounds: int, timeout: float,
-            verbose: bool, head_round: bool = False) -> tuple[Any, int, Path]:
+            verbose: bool, head_round: bool = False, privacy: str = "") -> tuple[Any, int, Path]:
     """One run with its quiet console: every line to ``<out>/run.log``; returns (outcome, exit status, out dir).
     ``num_rounds``: the training rounds; ``head_round``: the run ends with the head round, its own step (the header
-    says ``10 rounds + head round``)."""
+    says ``10 rounds + head round``); ``privacy``: a DP run's settings and planned ε for the header (``dp_header``);
+    its final (ε, δ) is printed when the run ends."""
     out = Path(cfg["output-dir"]) / cfg["run-name"]
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "run.log"
@@ -144,7 +147,8 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
         console = QuietConsole(log, out / "results.json", num_rounds, label, verbose)
         what = ("a real `flwr run`: SuperLink + Ray simulation, about a minute to start on 2 cores" if engine == "flwr"
                 else "in-process engine: the same ServerApp/ClientApp on a Flower Grid, no Ray")
-        print(f"{label}: {rounds_text(num_rounds, head_round)}, {num_supernodes} clients ({what})", flush=True)
+        print(f"{label}: {rounds_text(num_rounds, head_round)}, {num_supernodes} clients ({what})"
+              + (f"; {privacy}" if privacy else ""), flush=True)
         if cfg.get("resume") and (out / "DONE").is_file():   # resume=true after the run completed: its results stand
             print(f"{label}: completed before (resume=true): its results in {out} are kept", flush=True)
             outcome = RunOutcome(run_id=None, status="finished:completed", details="completed before (resume=true)",
@@ -168,10 +172,25 @@ def execute(label: str, engine: str, cfg: dict[str, Any], *, num_supernodes: int
         if verbose:
             print("\n" + status_line)
         code = report(out, outcome.ok, f"{outcome.status} {outcome.details}".strip(), table=verbose)
+        spent = json.loads(res.read_text()).get("privacy") if res.exists() else None
+        if spent:   # a DP run: the account's (epsilon, delta), on the console and not only in run.log
+            print(f"{'':<10}  {privacy_text(spent)} after {spent.get('releases')} releases (client-level, "
+                  "RDP account; results.json 'privacy')", flush=True)
         note = console.hidden_note(log_path)
         if note:
             print(f"{'':<10}  ({note})")
     return outcome, code, out
+
+
+def dp_header(checked: Any) -> str:
+    """A DP run's header clause: its noise multiplier, clipping norm and δ, and the ε its account reaches when every
+    release goes as configured (``fedfuse.flower.trust.privacy.planned_epsilon``); ``""`` without DP."""
+    planned = planned_epsilon(checked)
+    if planned is None:
+        return ""
+    return (f"differential privacy: noise multiplier {checked.dp_noise_multiplier:g}, clipping norm "
+            f"{checked.dp_clipping_norm:g} ({checked.dp_clipping}-side), (ε, δ) = ({planned[0]:.2f}, "
+            f"{checked.dp_delta:g}) planned over {planned[1]} releases")
 
 
 def default_baseline(checked: Any) -> str:
@@ -268,7 +287,7 @@ def run_and_compare(args: argparse.Namespace, cfg: dict[str, Any], checked: Any)
           f"seed {checked.seed}; results in {out_dir}", flush=True)
     outcome, code, _ = execute(checked.strategy, args.engine, cfg, num_supernodes=n,
                                num_rounds=checked.num_server_rounds, head_round=checked.head_round,
-                               timeout=args.timeout, verbose=args.verbose)
+                               timeout=args.timeout, verbose=args.verbose, privacy=dp_header(checked))
     runs = [RunSummary.load(checked.strategy, ENGINE_NAMES[args.engine], out_dir,
                             error=None if outcome.ok else f"{outcome.status} {outcome.details}".strip())]
     if baseline and bcfg is not None:
@@ -278,7 +297,7 @@ def run_and_compare(args: argparse.Namespace, cfg: dict[str, Any], checked: Any)
         b_outcome, b_code, b_out = execute(baseline, args.compare_engine, bcfg, num_supernodes=n,
                                            num_rounds=checked.num_server_rounds,
                                            head_round=bool(bcfg["head-round"]), timeout=args.timeout,
-                                           verbose=args.verbose)
+                                           verbose=args.verbose, privacy=dp_header(checked))
         runs += RunSummary.load(baseline, ENGINE_NAMES[args.compare_engine], b_out,
                                 error=None if b_outcome.ok else f"{b_outcome.status} {b_outcome.details}".strip()
                                 ).split_head()
@@ -292,7 +311,7 @@ def run_and_compare(args: argparse.Namespace, cfg: dict[str, Any], checked: Any)
 def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title: str) -> None:
     """Print the side-by-side table; write ``comparison.md`` and ``comparison.png`` (both curves) in ``out_dir``. The
     title says the runs' steps (``steps_title``: which rows include the head round)."""
-    steps = steps_title(runs)
+    steps = "\n".join(t for t in (steps_title(runs), privacy_title(runs)) if t)
     title = f"{title}\n{steps}" if steps else title
     table = comparison_table(runs, baseline)
     line = verdict(runs, baseline)

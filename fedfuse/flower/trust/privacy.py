@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.clientapp.typing import ClientAppCallable  # type: ignore[attr-defined]
@@ -154,6 +155,23 @@ def noise_for_epsilon(epsilon: float, delta: float, releases: int = 1, populatio
     return hi
 
 
+def planned_epsilon(cfg) -> tuple[float, int] | None:
+    """``(ε, releases)`` a DP run's account reaches when every release goes as configured (``cfg``: a ``RunConfig``):
+    one Gaussian release per training round at ``dp-options.noise-multiplier``, and with the head round its two (the
+    summed statistics and the clients' check) at ``dp-options.head-noise-multiplier`` (else the rounds'); what the
+    run header prints before the run. A round released from fewer replies, or a skipped one, makes the final ε (printed
+    when the run ends, from the account itself) differ. ``None`` without DP."""
+    if cfg.dp_noise_multiplier <= 0:
+        return None
+    account = PrivacyAccount(cfg.num_clients, cfg.dp_delta)
+    for r in range(cfg.num_server_rounds):
+        account.spend(cfg.dp_noise_multiplier, cfg.num_clients, f"round {r + 1}", check=False)
+    if cfg.head_round:
+        for what in ("head statistics", "head check"):
+            account.spend(cfg.dp_head_noise_multiplier or cfg.dp_noise_multiplier, cfg.num_clients, what, check=False)
+    return account.epsilon, len(account.releases)
+
+
 class PrivateRounds(Strategy):
     """The DP run's outer strategy: Flower's DP wrapper (``inner``) behind the account, uniform weights and bare
     replies (module docstring). ``fedfuse_strategy``: the fedfuse strategy inside both (its ``arrayrecord_key``,
@@ -175,7 +193,40 @@ class PrivateRounds(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        self.current_arrays = arrays   # what the round's updates are measured from (noise_to_update)
         return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def noise_to_update(self, replies: list[Message]) -> dict[str, Any] | None:
+        """How the round's noise compares with its signal: the noise's std on every coordinate of the average,
+        ``noise_multiplier × clipping_norm / n``, its expected norm (× √d over the model's ``d`` coordinates), the
+        norm of the mean of the ``n`` clipped updates (each reply minus the round's global model, clipped to the
+        clipping norm as Flower clips it) and their ratio; read only, nothing drawn (``None`` when it cannot be
+        measured). A ratio far above 1: the noise, not the update, moves the model (issue 60 item 4)."""
+        current = getattr(self, "current_arrays", None)
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        if current is None:
+            return None
+        base = [np.asarray(a, dtype=np.float64) for a in current.to_numpy_ndarrays()]
+        clip = float(self.inner.clipping_norm)
+        total, n = None, 0
+        for reply in replies:
+            if reply.has_error() or key not in reply.content.array_records:
+                continue
+            mine = [np.asarray(a, dtype=np.float64) for a in reply.content.array_records[key].to_numpy_ndarrays()]
+            if len(mine) != len(base) or any(a.shape != b.shape for a, b in zip(mine, base)):
+                return None
+            update = np.concatenate([(a - b).ravel() for a, b in zip(mine, base)])
+            norm = float(np.linalg.norm(update))
+            update *= min(1.0, clip / norm) if norm > 0 else 1.0
+            total = update if total is None else total + update
+            n += 1
+        if total is None:
+            return None
+        std = self.noise_multiplier * clip / self.num_sampled_clients
+        mean_norm = float(np.linalg.norm(total / n))
+        noise_norm = std * math.sqrt(total.size)
+        return {"noise-std": std, "noise-norm": noise_norm, "update-norm": mean_norm, "coordinates": int(total.size),
+                "noise-to-update": noise_norm / mean_norm if mean_norm > 0 else math.inf}
 
     def _bare(self, reply: Message) -> Message:
         """The reply as the account covers it: the model's arrays and the weight 1, nothing else."""
@@ -215,6 +266,9 @@ class PrivateRounds(Strategy):
                 "skipped": f"dp: {record['skipped']}", "fusion-info": None})
             return None, None
         self.account.check(self.noise_multiplier, self.num_sampled_clients, f"round {server_round}")
+        ratio = self.noise_to_update(replies)   # before Flower's wrapper clips the replies in place
+        if ratio is not None:
+            record.update(ratio)
         history = getattr(self.strategy, "history", [])
         before = len(history)
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
@@ -354,4 +408,5 @@ def head_privacy(cfg, account: PrivacyAccount | None, model, inputs) -> HeadPriv
 
 
 __all__ = ["DP_CLIPPINGS", "HeadPrivacy", "PrivacyAccount", "PrivacyBudgetError", "PrivateRounds", "noise_for_epsilon",
-           "num_sampled", "wrap_private", "dp_clipping_mod", "private_config", "compose_runner", "head_privacy"]
+           "planned_epsilon", "num_sampled", "wrap_private", "dp_clipping_mod", "private_config", "compose_runner",
+           "head_privacy"]
