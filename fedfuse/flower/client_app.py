@@ -44,7 +44,7 @@ from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.round.client_replies import make_train_reply, read_train_message  # noqa: E402
-from fedfuse.flower.round.replies import METRICS_KEY  # noqa: E402
+from fedfuse.flower.round.replies import METRICS_KEY, PARTITION_PREFIX  # noqa: E402
 from fedfuse.flower.head.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tier_sites, read_head_tiers,
                                        tier_site)
@@ -249,12 +249,25 @@ def _tier_model(cfg, node: NodeData, r: float | None) -> nn.Module:
                                               input_shape=node.input_shape)
 
 
+def name_partition_mod(msg: Message, context: Context, call_next) -> Message:
+    """Outermost mod: an exception raised while this node handles a message is raised again with the node's partition
+    id in front (``fedfuse.flower.round.replies.PARTITION_PREFIX``), so that the server names the partition of a node
+    that fails before it ever replied validly (its node id alone says nothing to the user)."""
+    try:
+        return call_next(msg, context)
+    except Exception as exc:   # noqa: BLE001 - raised again, with the partition named
+        pid = context.node_config.get("partition-id")
+        if pid is None:
+            raise
+        raise RuntimeError(PARTITION_PREFIX.format(pid=int(pid)) + f"{type(exc).__name__}: {exc}") from exc
+
+
 def make_client_app(*, mods: list[Mod] | tuple[Mod, ...] = ()) -> ClientApp:
     """fedfuse's ClientApp with Flower ``mods`` (``mod(msg, context, call_next)``) around its handlers, and innermost
     ``fedfuse.flower.trust.privacy.dp_clipping_mod`` (Flower's ``fixedclipping_mod`` in runs with ``dp-clipping='client'``;
     it does nothing otherwise)."""
     # dp_clipping_mod last: Flower's fixedclipping_mod on the update when a DP run clips on the nodes
-    client_app = ClientApp(mods=[*mods, dp_clipping_mod])
+    client_app = ClientApp(mods=[name_partition_mod, *mods, dp_clipping_mod])
     client_app.train(mods=[secagg_if_flagged])(train)   # SecAgg+ messages (secure-aggregation=true) only
     client_app.evaluate()(evaluate_handler)
     client_app.query()(tier_query)   # capacity tiers: a tier-aware strategy asks each node for its tier

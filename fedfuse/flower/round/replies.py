@@ -24,6 +24,8 @@ the strategy can log it with the node id and record it in the run's results.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any, Callable
@@ -68,6 +70,16 @@ class ClientUpdate:
     num_examples: int
     metrics: dict[str, float | int | list]
     class_counts: list[int] | None = field(default=None)
+
+
+#: how fedfuse's ClientApp names its partition in the error a failing handler raises (``fedfuse.flower.client_app.name_partition_mod``)
+PARTITION_PREFIX = "partition {pid}: "
+
+
+def partition_in_reason(reason: str) -> int | None:
+    """The partition id a fedfuse ClientApp's error reason starts with (``PARTITION_PREFIX``), else ``None``."""
+    m = re.search(r"partition (\d+): ", reason)
+    return int(m.group(1)) if m else None
 
 
 def bounded_class_counts(update: ClientUpdate) -> list[float] | None:

@@ -20,7 +20,7 @@ from flwr.common.logger import log
 from fedfuse.flower.round.broadcast_guard import PROBE, non_finite_outputs
 from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
 from fedfuse.flower.round.replies import (IMPORTANCE_KEY, METRICS_KEY, ClientUpdate, ContractMismatch, NonFiniteWeights, ReplyRejected,
-                                    _metric_record, record_rejection, validate_reply)
+                                    _metric_record, partition_in_reason, record_rejection, validate_reply)
 from fedfuse.training import resolve_device
 
 
@@ -32,7 +32,12 @@ class ReplyTriage:
     _outsized: dict[int, dict[str, Any]] = {}
 
     def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
-        return failure_record(node_id, reason, code, self._node_partitions.get(node_id))
+        partition = self._node_partitions.get(node_id)
+        if partition is None:   # a node that failed before any valid reply: its error names its partition
+            partition = partition_in_reason(reason)
+            if partition is not None:
+                self._node_partitions[node_id] = partition
+        return failure_record(node_id, reason, code, partition)
 
     def _reply_node(self, msg: Message) -> int:
         return reply_node(msg, self._sent_msgs)
