@@ -246,3 +246,24 @@ def test_a_dp_run_prints_its_epsilon_and_blames_its_noise_in_process(tmp_path, c
     titles = {path.rsplit("/", 1)[-1]: t for path, t in seen}
     assert any("DP (ε, δ) = (30.13, 1e-05)" in t for t in titles["accuracy.png"])
     assert any("DP (ε, δ) = (30.13, 1e-05)" in t for t in titles["comparison.png"])
+
+
+def test_fedfuse_compare_says_its_final_accuracy_includes_the_head_round(tmp_path, capsys):
+    """`fedfuse compare`'s table gave the head round's accuracy as 'Final test accuracy' without saying so."""
+    from fedfuse.flower.runner.sweep import render
+
+    rows = [{"strategy": s, "partitioning": "iid", "seed": seed, "status": "finished:completed",
+             "accuracy-per-round": [0.1, 0.5, 0.6, a], "final-accuracy": a, "head-round": True,
+             "final-accuracy-before-head-round": 0.6} for s, a in (("fedavg", 0.8), ("kf-linear", 0.9))
+            for seed in (0, 1)]
+    assert render(rows, ["fedavg", "kf-linear"], ["iid"], "fedavg", tmp_path) == 0
+    table = (tmp_path / "table.md").read_text()
+    assert ("Final test accuracy — after the head round (2 rounds + head round; every round count below counts the "
+            "head round as round 3)") in table
+    assert "Final test accuracy before the head round (round 2, the last training round;" in table
+    assert "| kf-linear | 0.600 ± 0.000 |" in table and "| kf-linear | 0.900 ± 0.000 |" in table
+    assert "'final', 'best' and the rounds include the head round" in table
+    # rows of a sweep without the head round (or an older sweep.json): no such note
+    plain = [{k: v for k, v in r.items() if k not in ("head-round", "final-accuracy-before-head-round")} for r in rows]
+    render(plain, ["fedavg", "kf-linear"], ["iid"], "fedavg", tmp_path)
+    assert "head round" not in (tmp_path / "table.md").read_text()

@@ -51,6 +51,7 @@ from fedfuse.flower.runner.run import run_failure
 from fedfuse.flower.runner.stats import format_mean_std
 from fedfuse.hetero import tier_name
 from fedfuse.hetero.tiers import parse_tier_pair, tier_sort_key
+from fedfuse.results import head_round_row, rounds_text
 
 
 def mean_std(vals: list[float]) -> str:
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             rounds = results["rounds"]
             row["accuracy-per-round"] = [r["test-accuracy"] for r in rounds]
             row["final-accuracy"] = rounds[-1]["test-accuracy"]
+            head = head_round_row(rounds)   # the head round: its own step, the last row; the table says so
+            row["head-round"] = head is not None
+            if head is not None and len(rounds) >= 2:
+                row["final-accuracy-before-head-round"] = rounds[-2]["test-accuracy"]
             row["ensemble-accuracy"] = rounds[-1].get("ensemble-accuracy")
             row["best-client-accuracy"] = rounds[-1].get("best-client-accuracy")
             row["fallback-rounds"] = [r["round"] for r in rounds if r.get("fallback")]
@@ -260,14 +265,30 @@ def render(rows: list[dict], strategies: list[str], parts: list[str], reference:
         lines_r.append(f"| {strategy} | " + " | ".join(cells_r) + " |")
         lines_ref.append(f"| {strategy} | " + " | ".join(cells_ref) + " |")
     seeds = sorted({r["seed"] for r in rows})
+    headed = [r for r in rows if r.get("head-round")]
+    steps, before = "", ""
+    if headed:   # the head round is its own step: say which numbers include it, and give them without it too
+        n = len(headed[0]["accuracy-per-round"]) - 2
+        steps = (f" — after the head round ({rounds_text(n, True)}; every round count below counts the head round as "
+                 f"round {n + 1})")
+        lines_b = list(head)
+        for strategy in strategies:
+            cells = [mean_std([r["final-accuracy-before-head-round"] for r in rows if r["strategy"] == strategy
+                               and r["partitioning"] == part and "final-accuracy-before-head-round" in r])
+                     for part in parts]
+            lines_b.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        before = (f"\n\nFinal test accuracy before the head round (round {n}, the last training round; mean ± sample "
+                  "std, ddof 1, over seeds)\n\n" + "\n".join(lines_b))
     table = ((f"Run config: `{run_config}`; seeds {seeds}\n\n" if run_config else "") +
-             "Final test accuracy (mean ± sample std, ddof 1, over seeds)\n\n" + "\n".join(lines) +
+             f"Final test accuracy{steps} (mean ± sample std, ddof 1, over seeds)\n\n" + "\n".join(lines) + before +
              "\n\nFirst round reaching 90% of the strategy's own final accuracy\n\n" + "\n".join(lines_r) +
              f"\n\nFirst round reaching {reference}'s final accuracy (same seed)\n\n" + "\n".join(lines_ref) + "\n")
     table += "".join(summary_table(rows, strategies, part, reference) for part in parts)
     (out / "table.md").write_text(table)
     print(table)
-    plot(rows, strategies, parts, out / "accuracy.png", title=run_config)
+    plot(rows, strategies, parts, out / "accuracy.png",
+         title=run_config + (f"\n{rounds_text(n, True)}: the last point of each curve is the head round" if headed
+                             else ""))
     if any("final-tier-accuracy" in r for r in rows):
         tiers = ((f"Run config: `{run_config}`; seeds {seeds}\n" if run_config else "") +
                  "".join(tier_table(rows, strategies, part, timing_reference) for part in parts))
@@ -417,7 +438,9 @@ def summary_table(rows: list[dict], strategies: list[str], part: str, reference:
     _, ref = curves(reference)
     head = (f"\n\nSummary, {part} (mean ± sample std over seeds; 'reach' = first round with accuracy ≥ {reference}'s "
             f"final accuracy of the same seed, never = rounds+1; 'max deficit' = largest gap of the mean curve below "
-            f"{reference}'s mean curve over rounds 1..)\n\n"
+            f"{reference}'s mean curve over rounds 1..)"
+            + ("; 'final', 'best' and the rounds include the head round, the last round" if any(
+                r.get("head-round") for r in rows if r["partitioning"] == part) else "") + "\n\n"
             f"| strategy | seeds | final | best | round {at_round} | reach | worst drop | max deficit | "
             f"fallback / skipped / guarded rounds | failed runs |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
