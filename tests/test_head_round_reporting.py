@@ -69,14 +69,20 @@ def test_every_table_row_says_whether_it_includes_the_head_round():
 def _titles(monkeypatch):
     import matplotlib.pyplot as plt
 
-    seen = []
+    class Seen(list):   # (path, titles) of every figure saved; .ticks: (path, the first axes' x tick labels)
+        ticks: list
+
+    seen, seen_ticks = Seen(), []
     real = plt.Figure.savefig
 
     def spy(fig, path, *a, **kw):
         titles = [fig._suptitle.get_text()] if fig._suptitle is not None else []
+        fig.canvas.draw()
         seen.append((str(path), titles + [ax.get_title() for ax in fig.axes]))
+        seen_ticks.append((str(path), [t.get_text() for t in fig.axes[0].get_xticklabels()]))
         return real(fig, path, *a, **kw)
     monkeypatch.setattr(plt.Figure, "savefig", spy)
+    seen.ticks = seen_ticks
     return seen
 
 
@@ -100,6 +106,8 @@ def test_an_in_process_run_without_comparison_counts_the_head_round_as_its_own_s
     titles = {path.rsplit("/", 1)[-1]: t for path, t in seen}
     assert any("2 rounds + head round" in t for t in titles["accuracy.png"])
     assert any("2 rounds + head round: the ★ '+ head round' rows include it" in t for t in titles["comparison.png"])
+    ticks = {path.rsplit("/", 1)[-1]: t for path, t in seen.ticks}   # a lone run's plot marks its head round too
+    assert ticks["comparison.png"][-1] == "head\nround" and ticks["accuracy.png"][-1] == "head\nround"
 
 
 # ------------------------------------------------------------------------------------------------- item 6

@@ -42,8 +42,8 @@ from typing import Any
 from fedfuse.config import ConfigError
 from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, preflight_or_exit,
                                        run_with_engine)
-from fedfuse.flower.runner.compare import (BASELINE, RunSummary, baseline_config, comparison_table, reference_bars,
-                                           privacy_title, reference_points, references_table, round_curves,
+from fedfuse.flower.runner.compare import (BASELINE, HEAD_SUFFIX, RunSummary, baseline_config, comparison_table,
+                                           reference_bars, privacy_title, reference_points, references_table, round_curves,
                                            steps_title, verdict)
 from fedfuse.flower.runner.console import QuietConsole, head_round_record, rounds_text
 from fedfuse.flower.runner.flwr_runner import RunOutcome, federation_size
@@ -324,7 +324,10 @@ def write_comparison(runs: list[RunSummary], out_dir: Path, baseline: str, title
     (out_dir / "comparison.md").write_text(f"{title}\n\n{table}\n" + (f"\n{line}\n" if line else "")
                                            + (f"\n{refs}\n" if refs else ""))
     series = [{"label": f"{r.label} ({r.engine})", "points": r.curve(), "fell_back": r.marked_rounds("fallback"),
-               "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped")} for r in runs]
+               "guarded": r.marked_rounds("guard"), "skipped": r.marked_rounds("skipped"),
+               # a run that ends with the head round says so (alone, or beside a baseline that failed, there is no
+               # '+ head round' twin to read it from): its last point is drawn as the head round's own step
+               **({"head_round": True} if r.head_round() and not r.label.endswith(HEAD_SUFFIX) else {})} for r in runs]
     if reference_points(runs[0]):   # one-shot: the fused model next to its references, as bars
         reference_bars(runs[0], out_dir / "comparison.png", title=title)
     else:   # evaluation='federated': the clients' accuracy on their validation splits (no server test set)
