@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS   # light: no torch (the config itself is imported lazily)
+from fedfuse.processes import default_flwr_home, stop_local_superlink   # light: stdlib only
 from fedfuse.run_control import RunFolderBusy, RunInterrupted, interrupt_signals, signal_name_of   # light: stdlib only
 
 
@@ -259,8 +260,6 @@ def cmd_stop_superlink(argv: list[str]) -> int:
     ap.add_argument("--flwr-home", default=None, help="the Flower home of that flwr run (default: $FLWR_HOME, else "
                     "~/.flwr, as flwr reads it)")
     args = ap.parse_args(argv)
-    from fedfuse.flower.runner.flwr_runner import default_flwr_home, stop_local_superlink  # deferred: the runner
-
     home = Path(args.flwr_home).expanduser() if args.flwr_home else default_flwr_home()
     stopped = stop_local_superlink(home)
     if stopped:

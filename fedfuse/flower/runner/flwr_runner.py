@@ -27,6 +27,9 @@ from typing import Any
 
 from fedfuse.config import ConfigError, canonical, config_notes, preflight
 from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
+from fedfuse.processes import (alive as _alive, default_flwr_home, descendants, kill_tree,  # noqa: F401  (names
+                               local_superlink_pids, signal_and_wait as _signal_and_wait,  # kept importable here)
+                               stop_local_superlink, superlink_pids as _superlink_pids)
 from fedfuse.results import clear_run_results, mark_interrupted
 from fedfuse.run_control import OWNER_ENV, RunInterrupted, run_folder, signal_name_of, signals_deferred
 
@@ -90,65 +93,6 @@ def run_config_arg(cfg: dict[str, Any], app_dir: str | Path | None = None) -> st
     return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())
 
 
-def _superlink_pids(flwr_home: Path) -> list[int]:
-    """PIDs of SuperLinks whose ``--log-file`` lives under ``flwr_home`` (ours, and only ours)."""
-    pids = []
-    needle = str(flwr_home)
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [c.decode(errors="replace") for c in cmd]
-        if any("flower-superlink" in a for a in args[:2]) and any(needle in a for a in args):
-            pids.append(int(d.name))
-    return pids
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (children first level first), read from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _signal_and_wait(pids: list[int], sig: int, timeout: float) -> None:
-    """Send ``sig`` to every pid, then wait (bounded) until none is alive."""
-    for q in pids:
-        try:
-            os.kill(q, sig)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(q) for q in pids):
-        time.sleep(0.2)
-
-
-def kill_tree(pids: list[int], timeout: float = 15.0) -> None:
-    """SIGKILL processes we started and all their descendants (a crashed machine), then reap/wait."""
-    _signal_and_wait([q for p in pids for q in [p, *descendants(p)]], signal.SIGKILL, timeout)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
-
-
 def stop_superlink(flwr_home: Path, timeout: float = 15.0) -> None:
     """Stop our managed SuperLink by PID: SIGTERM, then SIGKILL it and whatever it left behind: its process tree
     (SuperExec, the ServerApp, Ray) as it was, and any process still carrying ``FLWR_HOME=<flwr_home>`` in its
@@ -175,43 +119,6 @@ def home_pids(flwr_home: Path) -> list[int]:
         if needle in environ + b"\0" and _alive(int(d.name)):
             pids.append(int(d.name))
     return pids
-
-
-def default_flwr_home() -> Path:
-    """The Flower home a plain ``flwr`` command uses: ``$FLWR_HOME``, else ``~/.flwr`` (as ``flwr`` reads it)."""
-    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
-
-
-def local_superlink_pids(flwr_home: Path | None = None) -> list[int]:
-    """PIDs of the SuperLink that a plain ``flwr run`` starts for a local simulation and leaves running (Flower's
-    managed local SuperLink: ``--log-file <flwr_home>/local-superlink/superlink.log``); ``flwr_home`` defaults to
-    ``default_flwr_home()``. Only that SuperLink: not one a user started with other files under the same home."""
-    home = Path(flwr_home) if flwr_home is not None else default_flwr_home()
-    log_file = str(home / "local-superlink" / "superlink.log")
-    pids = []
-    for pid in _superlink_pids(home):
-        try:
-            args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        if any(a == log_file or a == f"--log-file={log_file}" for a in args):
-            pids.append(pid)
-    return pids
-
-
-def stop_local_superlink(flwr_home: Path | None = None, timeout: float = 15.0) -> list[int]:
-    """Stop, by PID, the local SuperLink a plain ``flwr run`` left running (``local_superlink_pids``) and every
-    process it started (SuperExec, a ServerApp, Ray): SIGTERM to the SuperLink, then SIGKILL to whatever of its tree
-    is left. Returns the PIDs of that tree (``[]``: none was running)."""
-    pids = local_superlink_pids(flwr_home)
-    tree = [q for p in pids for q in [p, *descendants(p)]]
-    _signal_and_wait(pids, signal.SIGTERM, timeout)
-    kill_tree([q for q in tree if _alive(q)], timeout=timeout)
-    return tree
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and _state(pid) != "Z"
 
 
 def start_local_superlink(flwr_home: Path, env: dict[str, str], timeout: float = 180.0) -> subprocess.Popen:
