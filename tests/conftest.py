@@ -15,12 +15,6 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    # pytest-xdist's marker, registered here too so that the suite runs without xdist installed; with it,
-    # `-n 2 --dist loadgroup` keeps the tests of one group on one worker, so a shared session run is made once
-    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist --dist loadgroup runs a group on one worker")
-
-
 @pytest.fixture(scope="session")
 def e2e_flwr_run(tmp_path_factory):
     """The default strategy ``auto`` end to end through a real ``flwr run`` (``shared_runs.E2E``, head round on)."""

@@ -19,7 +19,6 @@ from tests.support.fault_app import write_fault_app
 from tests.support.shared_runs import E2E
 
 
-@pytest.mark.xdist_group("shared-flwr-runs")   # e2e_flwr_run: made once under pytest-xdist --dist loadgroup
 def test_flwr_run_multi_round_simulation(e2e_flwr_run):
     from fedfuse.config import SCHEMA
 

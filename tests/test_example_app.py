@@ -11,7 +11,6 @@ from tests.support.shared_runs import EXAMPLE
 
 
 @pytest.mark.slow  # one real `flwr run` (SuperLink + Ray): ~1 min on 2 cores, most of it start-up
-@pytest.mark.xdist_group("shared-flwr-runs")   # example_flwr_run: made once under pytest-xdist --dist loadgroup
 def test_own_flower_app_runs_end_to_end_with_a_fedfuse_strategy(example_flwr_run):
     run = example_flwr_run
     assert run.ok, f"flwr run ended {run.status}\n{run.completed.stdout[-3000:]}{run.completed.stderr[-3000:]}"

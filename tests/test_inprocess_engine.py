@@ -168,7 +168,6 @@ def test_inprocess_failed_run_raises_with_the_servers_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("shared-flwr-runs")   # the shared runs: made once under pytest-xdist --dist loadgroup
 @pytest.mark.parametrize("shared", ["e2e", "tiers"])
 def test_inprocess_engine_matches_flwr_run(tmp_path, request, shared):
     """Same config, both engines: the same test accuracy (and loss) every round. The real runs are the session's

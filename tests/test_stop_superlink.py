@@ -77,7 +77,6 @@ def test_the_example_readme_says_the_superlink_stays_and_how_to_stop_it():
 
 
 @pytest.mark.slow   # the README's own command, a real plain `flwr run` (Flower starts its local SuperLink)
-@pytest.mark.xdist_group("shared-flwr-runs")   # example_flwr_run: made once under pytest-xdist --dist loadgroup
 def test_flwr_run_of_the_example_then_stop_superlink_leaves_nothing_running(example_flwr_run):
     # the session's shared run of the example (tests/support/shared_runs.py), which test_example_app checks too
     home, res = example_flwr_run.home, example_flwr_run.completed

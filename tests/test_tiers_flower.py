@@ -98,7 +98,6 @@ def test_two_round_tier_run_inprocess(tmp_path, strategy, extra):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("shared-flwr-runs")   # tiers_flwr_run: made once under pytest-xdist --dist loadgroup
 def test_flwr_run_two_round_tiers(tiers_flwr_run):
     """kf-linear over width tiers through a real ``flwr run`` (the session's shared run, ``tiers_flwr_run``: the
     in-process engine's equality test compares against it too)."""

@@ -12,8 +12,9 @@ the tests that need the same real run share it through the session fixtures of `
   ``tests/test_example_app.py``'s end-to-end checks and ``tests/test_stop_superlink.py``'s (the local SuperLink
   that run leaves, stopped by ``fedfuse stop-superlink``).
 
-Under pytest-xdist the tests of a shared run carry ``xdist_group("shared-flwr-runs")`` (``--dist loadgroup``: one
-worker, one run).
+Session fixtures are per process: under pytest-xdist each worker that reaches a shared run's tests makes the run
+again (and ``--dist loadgroup``'s ``xdist_group`` does not group with pytest 9.2 and pytest-xdist 3.8: the worker
+renames ``item._nodeid``, which pytest 9.2's node ids no longer read).
 """
 
 from __future__ import annotations
