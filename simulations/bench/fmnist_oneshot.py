@@ -14,6 +14,10 @@ server solves a ridge and an LDA head; the one the clients score best on their v
 it scores below the fused model's own head, as ``head-solver='best'`` does). The fusion set is ``--fusion-size``
 images of the held-out public pool (disjoint from every client; ``average`` and the head round read none).
 ``init`` is an untrained LeNet given the same head round: what the closed-form head alone reaches on random features.
+The published peers that merge with statistics of each client's own data (``PEERS``: RegMean, arXiv 2212.09849;
+Fisher merging, arXiv 2111.09832) get them from ``fedfuse.fusion.client_statistics`` on each client's training part,
+uploaded with its weights (still one exchange; their size is the row's ``traffic``, in model uploads), and their
+computation is the clients' (``client-seconds``), not the server's.
 
     .venv/bin/python -m simulations.bench.fmnist_oneshot --alphas 0.1,0.3,0.5 --seeds 0,1,2 --epochs 20 --out results/fmnist-o1
 
@@ -41,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedfuse.data.partition import split_train_val  # noqa: E402
-from fedfuse.fusion import fuse_result  # noqa: E402
+from fedfuse.fusion import client_statistics, fuse_result  # noqa: E402
 from fedfuse.models import build_model  # noqa: E402
 from fedfuse.progressive import head_statistics, solve_classifier, with_head  # noqa: E402
 from fedfuse.references import client_rows  # noqa: E402
@@ -86,6 +90,44 @@ def clients_of(folder: Path, seed: int, epochs: int, cache: Path) -> list[dict]:
         out.append({"model": model, "x": x[tr], "y": y[tr], "vx": x[va], "vy": y[va],
                     "epoch-seconds": rec["seconds"] / epochs, "n": len(tr)})
     return out
+
+
+# issue 59 item 2: row name -> (fusion method, options, where the statistics come from: "clients" = each client's
+# training part, "public" = the fusion set through each model, the public-data variant). "-align": every client
+# permuted onto client 0 first (Git Re-Basin activation matching on the fusion set), its statistics moved with it;
+# "-alignw": weight matching (no data at the server). Fisher: the exact Fisher on FISHER_SAMPLES images of each
+# client's training part (a seeded draw), for cost.
+PEERS = {"regmean": ("regmean", {}, "clients"), "regmean-align": ("regmean", {"align": "activations"}, "clients"),
+         "regmean-alignw": ("regmean", {"align": "weights"}, "clients"),
+         "regmean-public": ("regmean", {}, "public"),
+         "fisher": ("fisher", {}, "clients"), "fisher-align": ("fisher", {"align": "activations"}, "clients")}
+FISHER_SAMPLES = 2000
+
+
+def peer_inputs(method: str, clients: list[dict], seed: int, cache: dict) -> dict | None:
+    """A peer row's fusion method, options and client statistics (each client's, on its own training part; computed
+    once per cell and statistic, timed as the clients' work), or ``None`` for any other row."""
+    if method not in PEERS:
+        return None
+    name, options, source = PEERS[method]
+    row = {"statistics": source, "traffic": 1.0, "client-seconds": 0.0}
+    if source == "public":
+        return {"method": name, "options": options, "statistics": None, "row": row}
+    if name not in cache:
+        stats, secs = [], []
+        for c in clients:
+            t0 = time.perf_counter()
+            if name == "fisher":
+                pick = torch.randperm(len(c["x"]), generator=torch.Generator().manual_seed(seed))[:FISHER_SAMPLES]
+                stats.append(client_statistics(name, c["model"], c["x"][pick], c["y"][pick]))
+            else:
+                stats.append(client_statistics(name, c["model"], c["x"]))
+            secs.append(time.perf_counter() - t0)
+        size = sum(p.numel() for p in clients[0]["model"].parameters())
+        cache[name] = (stats, float(np.mean(secs)), 1.0 + sum(v.numel() for v in stats[0].values()) / size)
+    stats, secs, traffic = cache[name]
+    row.update({"traffic": traffic, "client-seconds": secs})
+    return {"method": name, "options": options, "statistics": stats, "row": row}
 
 
 def head_round(model, clients) -> tuple[torch.nn.Module, dict]:
@@ -136,11 +178,16 @@ def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_si
         rows = [{**base, "method": f"client-{p}", "accuracy": a} for p, a in accs.items()]
         rows += [{**base, "method": REF_METHODS[r["key"]], "accuracy": r["accuracy"]} for r in refs
                  if r["key"] in REF_METHODS]
+    stats_cache: dict = {}
     for method in methods:
+        peer = peer_inputs(method, clients, seed, stats_cache)   # the clients' part, before the server's clock starts
         t0 = time.perf_counter()
         try:
             if method == "init":   # no training at all: a fresh LeNet, so the head round's own share is visible
                 res = type("R", (), {"model": build_model("lenet", 10, (1, 28, 28), seed=seed * 1000 + 999).eval()})
+            elif peer is not None:
+                res = fuse_result(peer["method"], models, fusion_inputs=fx, weights=n, seed=seed,
+                                  statistics=peer["statistics"], **peer["options"])
             else:
                 res = fuse_result(method, models, fusion_inputs=fx, weights=n, seed=seed)
         except ValueError as exc:
@@ -152,7 +199,7 @@ def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_si
         headed, info = head_round(fused, clients)
         a1 = acc(predict_logits(headed, tx), ty)
         rows.append({**base, "method": method, "accuracy": a0, "with-head": a1, "head": info, "fuse-seconds": secs,
-                     "fuse-per-epoch": secs / base["epoch-seconds"]})
+                     "fuse-per-epoch": secs / base["epoch-seconds"], **(peer["row"] if peer else {})})
         print(f"  {folder.name} {method:<12} {a0:.4f} -> head {a1:.4f} ({info['solver']})  {secs:.1f}s", flush=True)
     return rows
 

@@ -21,7 +21,12 @@ NOTE = "mean ± sample std (ddof=1) over seeds; test accuracy in %"
 O1_LABELS = {"average": "one-shot FedAvg (weighted average)", "kd": "KD (ensemble into client 0's model)",
              "feddf": "FedDF (ensemble into the average)", "kf-linear": "kf-linear", "ot": "ot", "rebasin": "rebasin",
              "auto": "fuse('auto')", "kf-gradient": "kf-gradient", "transfusion": "transfusion",
-             "init": "untrained LeNet (no client training)"}
+             "init": "untrained LeNet (no client training)",
+             # issue 59 item 2: the published peers (fmnist_oneshot.PEERS), statistics of each client's own data
+             "regmean": "RegMean (clients' Gram matrices)", "regmean-alignw": "RegMean, Re-Basin weight-matched first",
+             "regmean-align": "RegMean, Re-Basin activation-matched first",
+             "regmean-public": "RegMean, public-data variant (fusion-set Grams)",
+             "fisher": "Fisher merging (clients' Fishers)", "fisher-align": "Fisher merging, activation-matched first"}
 PUB_ROW = {"average": "one-shot FedAvg", "feddf": "FedDF", "ensemble": "ensemble"}
 
 
