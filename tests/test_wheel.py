@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -80,14 +81,20 @@ def installed(tmp_path_factory):
     path = [str(venv / "bin")] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
                                   if p and Path(p).resolve() not in drop]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    (work / "tmp").mkdir()
-    env.update({"PATH": os.pathsep.join(path), "TMPDIR": str(work / "tmp"), "FEDFUSE_PROGRESS": "0",
+    # a short TMPDIR: Ray puts AF_UNIX sockets under it (<TMPDIR>/ray/session_<time>_<pid>/sockets/plasma_store), at
+    # most 107 bytes; under pytest's basetemp (/tmp/pytest-of-root/pytest-144/wheel0/tmp) that is 107 with a 5-digit
+    # pid, over with a 6-digit one or pytest-xdist's popen-gwN/ (Ray: "AF_UNIX path length cannot exceed 107 bytes")
+    tmp = Path(tempfile.mkdtemp(prefix="ffw-"))
+    env.update({"PATH": os.pathsep.join(path), "TMPDIR": str(tmp), "FEDFUSE_PROGRESS": "0",
                 "OMP_WAIT_POLICY": "PASSIVE", "FEDFUSE_TORCH_THREADS": "1", "MPLBACKEND": "Agg",
                 "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "FLWR_TELEMETRY_ENABLED": "0",
                 "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"})
     cwd = work / "user"
     cwd.mkdir()
-    return wheel, venv, env, cwd
+    try:
+        yield wheel, venv, env, cwd
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fedfuse(installed, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
