@@ -21,9 +21,8 @@ computation is the clients' (``client-seconds``), not the server's.
 
     .venv/bin/python -m simulations.bench.fmnist_oneshot --alphas 0.1,0.3,0.5 --seeds 0,1,2 --epochs 20 --out results/fmnist-o1
 
-``--clients strong``: the same rows on clients trained to their best (``fmnist_strong``: inputs normalised, the
-recipe tuned on a split no table reports, early stopping on each client's validation split; docs/fashion-mnist.md
-"O1 (strong clients)"):
+``--clients strong``: the same rows on clients trained to their best (``fmnist_strong``: inputs normalised, lr,
+weight decay and epochs tuned on a split no table reports; docs/fashion-mnist.md "O1 (strong clients)"):
 
     .venv/bin/python -m simulations.bench.fmnist_oneshot --clients strong --alphas 0.1,0.3,0.5 --seeds 0,1,2 --out results/fmnist-o1-strong
 """
@@ -152,8 +151,7 @@ def head_round(model, clients) -> tuple[torch.nn.Module, dict]:
 def run_cell(folder: Path, seed: int, epochs: int, methods: list[str], fusion_size: int, cache: Path,
              references: bool = True, strong: bool = False) -> list[dict]:
     """The cell's rows. ``strong``: the clients trained to their best (``fmnist_strong``: normalised inputs, the
-    tuned recipe, early stopping; cached there) instead of O1's ``epochs``-epoch clients; test and fusion inputs
-    normalised alike."""
+    tuned recipe; cached there) instead of O1's ``epochs``-epoch clients; test and fusion inputs normalised alike."""
     if strong:
         from simulations.bench.fmnist_strong import RECIPE, recipe_tag, test_data, train_clients
 

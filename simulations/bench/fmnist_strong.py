@@ -20,7 +20,8 @@ Another script gets the exact same trained clients from the cache (trained once,
     clients = strong_clients(0.5, seed=0)   # 5 dicts: model (eval mode), x, y, vx, vy (normalised), n, ...
     tx, ty, fx = strong_data(0.5, seed=0)   # normalised test set and the 1,000-image public fusion pool
 
-Every tensor these return is already normalised, so a model fused from the clients takes them as they are.
+Every tensor these return is already normalised, so a model fused from the clients takes them as they are. To train
+the cache in parallel processes, ``worker(jobs)`` (jobs: (alpha, seed, partition id); each claimed by a lock file).
 
 The pooled (unfederated) model: one LeNet-5 trained with the same recipe on the union of the five clients' training
 parts (``pooled``; with early stopping in a recipe, on the union of their validation parts): the cell's ceiling.
@@ -83,6 +84,14 @@ def normalise(x: torch.Tensor) -> torch.Tensor:
 def recipe_tag(recipe: dict) -> str:
     return (("norm" if recipe["normalise"] else "raw") + f"-lr{recipe['lr']:g}-wd{recipe['weight-decay']:g}"
             f"-e{recipe['epochs']}" + ("-es" if recipe.get("early-stop", True) else ""))
+
+
+def save(rec: dict, path: Path) -> None:
+    """``torch.save`` through a temporary file, so that a process reading the cache never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(rec, tmp)
+    os.replace(tmp, path)
 
 
 def acc(logits: torch.Tensor, y: torch.Tensor) -> float:
@@ -172,12 +181,40 @@ def train_clients(folder: Path, seed: int, recipe: dict = RECIPE, cache: Path | 
             rec = {"state": model.state_dict(), "recipe": recipe, **{k: v for k, v in info.items() if k != "test-logits"}}
             c["test-logits"] = info["test-logits"]
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(rec, path)
+                save(rec, path)
         model.eval()
         c.update({"model": model, "best-epoch": rec["best-epoch"], "val-curve": rec["val-curve"],
                   "test-curve": rec.get("test-curve", []), "epoch-seconds": rec["train-seconds"] / recipe["epochs"]})
     return clients
+
+
+def worker(jobs: list[tuple[float, int, int]], recipe: dict = RECIPE, cache: Path = CACHE) -> None:
+    """Train clients of the cache in parallel processes: each (alpha, seed, partition id) not cached and not claimed
+    by another worker (a lock file beside it) is trained and saved; ``strong_clients`` then reads them."""
+    for alpha, seed, pid in jobs:
+        folder = split_folder(alpha, seed)
+        path = cache / recipe_tag(recipe) / folder.name / f"client{pid}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path.with_name(f".{path.name}.lock"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        if path.exists():
+            continue
+        with np.load(folder / f"node-{pid}.npz") as z:
+            x, y = torch.from_numpy(z["x_train"]), torch.from_numpy(z["y_train"])
+        if recipe["normalise"]:
+            x = normalise(x)
+        tr, va = split_train_val(np.arange(len(y)), y.numpy(), 0.1, seed)
+        model = build_model("lenet", 10, (1, 28, 28), seed=seed * 1000 + pid + 1)
+        info = fit(model, x[tr], y[tr], x[va], y[va], lr=recipe["lr"], weight_decay=recipe["weight-decay"],
+                   epochs=recipe["epochs"], seed=seed * 1000 + pid, batch_size=recipe.get("batch-size", 64),
+                   momentum=recipe.get("momentum", 0.9), early_stop=recipe.get("early-stop", True))
+        if not path.exists():
+            save({"state": model.state_dict(), "recipe": recipe,
+                  **{k: v for k, v in info.items() if k != "test-logits"}}, path)
+        print(f"worker: {folder.name} client {pid} cached", flush=True)
 
 
 def strong_clients(alpha: float | str, seed: int, recipe: dict = RECIPE, cache: Path = CACHE) -> list[dict]:
@@ -271,8 +308,7 @@ def pooled(folder: Path, seed: int, recipe: dict = RECIPE, cache: Path = CACHE) 
                    seed=seed * 1000 + 500, batch_size=recipe.get("batch-size", 64),
                    momentum=recipe.get("momentum", 0.9), early_stop=recipe.get("early-stop", True))
         rec = {"state": model.state_dict(), "recipe": recipe, **{k: v for k, v in info.items() if k != "test-logits"}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(rec, path)
+        save(rec, path)
     tx, ty, _ = test_data(folder, recipe["normalise"])
     meta = json.loads((folder / "split.json").read_text())
     return {"part": meta["part"], "seed": seed, "method": "pooled", "accuracy": acc(predict_logits(model, tx), ty),
