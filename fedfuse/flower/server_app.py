@@ -599,7 +599,7 @@ def _serve(grid: Grid, context: Context, wrap_strategy: StrategyWrapper | None, 
     cfg, account = private_config(check_run_config(context, notes))   # a DP run: its config and (epsilon, delta) account
     out = output_dir(cfg)
     try:   # the folder is this run's: another run writing there is refused before any client trains
-        held.enter_context(app_run_folder(out, on_note=lambda text: log(WARNING, "%s", text)))
+        held.enter_context(app_run_folder(out, on_note=lambda text: log(WARNING, text)))
     except RunFolderBusy as exc:
         raise ConfigError(str(exc)) from None
     data, model_fn, strategy = setup(cfg)
