@@ -28,7 +28,7 @@ from fedfuse.flower.aggregators.baselines import (FLOWER_BASELINES, BulyanStrate
                                       FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
 from fedfuse.flower.round.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
 from fedfuse.flower.round.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
-from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy,
+from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, Preset, FedAvgStrategy, FedDfStrategy,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
@@ -41,7 +41,7 @@ from fedfuse.flower.trust.screen import ClientScreen
 from fedfuse.flower.aggregators.selection import SelectionStrategy
 from fedfuse.flower.tiers.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
-__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
+__all__ = ["STRATEGIES", "Preset", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
            "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",
