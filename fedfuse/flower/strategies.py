@@ -18,22 +18,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from fedfuse.flower.aggregators.baselines import FLOWER_BASELINES, FlowerBaselineStrategy
 from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
 from fedfuse.flower.round.options import arrays_only
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.flower.aggregators.selection import SelectionStrategy
-from fedfuse.flower.round.streaming import StreamedRounds
 from fedfuse.flower.tiers.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiers.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import StrategySpec, key_applies, strategy_names, strategy_spec
 
 
-class FedAvgStrategy(StreamedRounds, RoundProtocol):
+class FedAvgStrategy(RoundProtocol):
     """Federated averaging (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
     Data", arXiv 1602.05629) over validated replies: the sample-weighted mean of every floating-point array;
     integer buffers (BatchNorm counters) come from the first reply. The round protocol and nothing else: works on the
@@ -54,13 +51,7 @@ class FedAvgStrategy(StreamedRounds, RoundProtocol):
         return self.average(updates), {}, 0.0   # the arrays only: no model built, no step
 
     def streaming_round(self, server_round: int) -> bool:
-        return not self.keep_updates and self.screen is None
-
-    def stream_checks_calibration(self) -> bool:
-        return False
-
-    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor], probs, updates):
-        return average, {}, 0.0   # no step after the average
+        return not self.keep_updates and self.screen is None   # the stream's average is the result: no step
 
 
 @dataclass(frozen=True)
