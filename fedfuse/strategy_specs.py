@@ -82,6 +82,10 @@ class DepthTiers:
         aligns: the clients are aligned (OT) before the layer-wise average (one width only).
         self_distills: the clients distil their exits into each other (DepthFL's self-distillation; ``False``: the
             paper's DepthFL (FedAvg) ablation).
+        own_exit: each node holds and trains only the exit after its own depth (InclusiveFL) instead of every exit
+            up to it (DepthFL).
+        momentum_distills: the server's step is InclusiveFL's momentum distillation into each shallower tier's top
+            layer (``fedfuse.flower.tiers.depth_tiers.MomentumDistillation``; run-config ``mom-beta``).
     """
 
     aggregates: bool = False
@@ -90,6 +94,8 @@ class DepthTiers:
     distils_exits: bool = False
     aligns: bool = False
     self_distills: bool = True
+    own_exit: bool = False
+    momentum_distills: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,9 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("depthfl-fedavg", **_DEPTH,
                  depth=DepthTiers(aggregates=True, required=True, width_tiers=True, self_distills=False),
                  paper="DepthFL without self-distillation (the paper's DepthFL (FedAvg) ablation), ICLR 2023"),
-    StrategySpec("inclusivefl", **{**_DEPTH, "run_keys": ("mom-beta",)}, depth=DepthTiers(aggregates=True, required=True),
+    StrategySpec("inclusivefl", **{**_DEPTH, "run_keys": ("mom-beta",)},
+                 depth=DepthTiers(aggregates=True, required=True, self_distills=False, own_exit=True,
+                                  momentum_distills=True),
                  paper="No One Left Behind: Inclusive Federated Learning over Heterogeneous Devices, KDD 2022, "
                        "arXiv 2202.08036"),
 )}

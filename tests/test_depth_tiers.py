@@ -292,14 +292,15 @@ def _inclusive_round(beta):
 
 def test_inclusivefl_server_step_beta_0_is_depthfl_fedavg_and_beta_mixes_the_shallow_top_layer():
     s, fedavg, g, ups = _inclusive_round(0.0)
-    assert s.update_momentum(g, ups) == [1, 3]   # tier 2's deeper tier (3 units) sent nothing: no momentum
-    assert set(s._momentum[1]) == {"base.1.weight", "base.1.bias"}
+    step = s.momentum_distillation   # InclusiveFL's step, held by the depth-tier strategy
+    assert step.update(g, ups, s.node_units) == [1, 3]   # tier 2's deeper tier (3 units) sent nothing: no momentum
+    assert set(step.momentum[1]) == {"base.1.weight", "base.1.bias"}
     avg0, ref = s.average(ups), fedavg.average(ups)
     assert all(torch.equal(avg0[k], ref[k]) for k in ref)                 # beta 0: DepthFL-fedavg's average
 
     s, _, g, ups = _inclusive_round(0.2)
-    s.update_momentum(g, ups)
-    m = s._momentum[1]
+    s.momentum_distillation.update(g, ups, s.node_units)
+    m = s.momentum_distillation.momentum[1]
     d2 = {k: ups[1].state[k] - g[k] for k in ups[1].state}               # the 2-unit client: the next deeper tier
     assert torch.allclose(m["base.1.bias"], (d2["base.1.bias"] + d2["base.3.bias"]) / 2, atol=1e-6)
     assert torch.allclose(m["base.1.weight"], d2["base.1.weight"], atol=1e-6)

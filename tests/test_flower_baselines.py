@@ -72,7 +72,7 @@ def test_registered_as_strategies_and_config_names():
     from fedfuse.config import strategy_names
 
     for name, cls in FLOWER_BASELINES.items():
-        assert STRATEGIES[name] is cls and name in strategy_names()
+        assert STRATEGIES[name].protocol is cls and name in strategy_names()
         built = build_strategy(name, model_fn=model_fn, min_train_nodes=3, min_available_nodes=3)
         assert isinstance(built.flower, FLOWER[name])
 

@@ -16,7 +16,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fedfuse.flower import (STRATEGIES, FusionStrategy, KfLinearStrategy, ReplyContractError, RoundProtocol,
+from fedfuse.flower import (STRATEGIES, Preset, FusionStrategy, KfLinearStrategy, ReplyContractError, RoundProtocol,
                             build_strategy)
 from fedfuse.fusion import METHOD_SPECS, METHODS, FusionError, IncompatibleModelsError, NoOptions, register
 from fedfuse.fusion.average import fuse_average
@@ -91,11 +91,15 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_baselines)
 
     assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
-    for name, cls in STRATEGIES.items():
+    for name, preset in STRATEGIES.items():
+        # a preset (registry entry + the round protocol that runs it), not a generated class
+        assert isinstance(preset, Preset) and preset.method == name and preset.doc
+        cls = preset.protocol
         assert issubclass(cls, RoundProtocol) and issubclass(cls, FedAvg)
-        assert cls.method == name and cls.__name__.endswith("Strategy") and cls.__doc__
+        assert cls.method in (name, None) and cls.__name__.endswith("Strategy") and cls.__doc__
         assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.aggregators.baselines", "fedfuse.flower.tiers.tiered",
-                                  "fedfuse.flower.aggregators.selection", "fedfuse.flower.tiers.depth_baselines")
+                                  "fedfuse.flower.aggregators.selection", "fedfuse.flower.tiers.depth_baselines",
+                                  "fedfuse.flower.aggregators.fusion_strategy")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
     from server.strategies import STRATEGIES as legacy, build_strategy as legacy_build  # public API contract

@@ -91,7 +91,7 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
         with pytest.raises(ValueError, match="min_train_nodes"):
             _build(name)
     s = _build(name, **({"min_train_nodes": 3, "min_available_nodes": 3} if n == 3 else {}))
-    assert s.method == name and type(s) is STRATEGIES[name]
+    assert s.method == name and type(s) is STRATEGIES[name].protocol
     depth = _depth(name)
     if hasattr(s, "tier_layout"):
         s.tier_layout.node_tier = {1: 1.0, 2: 1.0}   # known nodes: no tier query

@@ -12,8 +12,9 @@ Layout, one package per concern (each package's docstring says what it holds):
 - ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the named
   classes; ``server_app`` / ``client_app``: fedfuse's own apps (the pyproject's components);
 - ``round``: what every strategy does with a round's messages: the reply contract (``replies``; ``client_replies``
-  for your own ClientApp), triage, the round's record and fallback, ``RoundProtocol``, the typed options, the steps
-  after an aggregation (divergence guard, server momentum, refinement), streamed averages, the broadcast guard;
+  for your own ClientApp), ``RoundProtocol`` (triage, validation, the streamed average, the fallback and the round's
+  record, in one file), the typed options, the steps after an aggregation (divergence guard, server momentum,
+  refinement), the broadcast guard;
 - ``aggregators``: what a round aggregates with: ``FusionStrategy`` (a ``fedfuse.fusion`` method), Flower's own
   strategies, strategy ``auto``'s vote between candidates (``selection``, ``candidates``), a warm start's round 1;
 - ``tiers``: clients of different capacities (width tiers: fusion into the global width, HeteroFL, FedRolex; depth
@@ -28,7 +29,7 @@ from fedfuse.flower.aggregators.baselines import (FLOWER_BASELINES, BulyanStrate
                                       FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
 from fedfuse.flower.round.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
 from fedfuse.flower.round.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
-from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, FedAvgStrategy, FedDfStrategy,
+from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, Preset, FedAvgStrategy, FedDfStrategy,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,
                                        RebasinStrategy, TransfusionStrategy, build_strategy)
@@ -41,7 +42,7 @@ from fedfuse.flower.trust.screen import ClientScreen
 from fedfuse.flower.aggregators.selection import SelectionStrategy
 from fedfuse.flower.tiers.tiered import FedRolexStrategy, HeteroFLStrategy, TieredFusionStrategy
 
-__all__ = ["STRATEGIES", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
+__all__ = ["STRATEGIES", "Preset", "build_strategy", "FusionStrategy", "SelectionStrategy", "RoundProtocol", "TieredFusionStrategy",
            "HeteroFLStrategy", "FedRolexStrategy", "FALLBACKS", "FedAvgStrategy",
            "AverageStrategy", "KdStrategy", "LpStrategy", "HfLinearStrategy", "KfLinearStrategy",
            "HfGradientStrategy", "KfGradientStrategy", "OtStrategy", "RebasinStrategy", "TransfusionStrategy",

@@ -59,7 +59,8 @@ class FlowerBaselineStrategy(RoundProtocol):
     """The round protocol whose aggregation is a Flower strategy's ``aggregate_train`` (``flower_class``).
 
     Use a named subclass (``FedAvgMStrategy``, ``FedAdamStrategy``, ``FedYogiStrategy``, ``FedProxStrategy``;
-    ``FLOWER_BASELINES``). ``RoundProtocol``'s options apply (``model_fn`` is optional: without it replies are
+    ``FLOWER_BASELINES``), or this class with ``method=`` a registry entry whose ``flower_class`` names the Flower
+    strategy (its options in ``flower_options``). ``RoundProtocol``'s options apply (``model_fn`` is optional: without it replies are
     checked against the global arrays sent); ``fusion_options`` must be empty, ``fusion_rounds`` 0 and ``refine``
     none (not a fusion method); the other fusion-strategy options (``guard``, ``prior``, ...) are accepted and have
     no effect. Flower's sampling options and record keys are passed to the inner strategy, whose own
@@ -78,6 +79,8 @@ class FlowerBaselineStrategy(RoundProtocol):
                  **options: Any) -> None:
         self.method = method or type(self).method
         self.entry = strategy_spec(self.method)
+        if type(self).flower_class is FedAvg and self.entry.flower_class not in (None, "FedAvg"):
+            self.flower_class = _flower_class(self.method, self.entry.flower_class)   # the entry's Flower class
         refuse_fusion_steps(self.method, f"Flower's {self.flower_class.__name__}", fusion_options, fusion_rounds,
                             refine)
         for name in ("server_momentum", "server_learning_rate", "refine_check"):
@@ -317,17 +320,14 @@ FLOWER_BASELINES: dict[str, type[FlowerBaselineStrategy]] = {cls.method: cls for
     KrumStrategy, MultiKrumStrategy, BulyanStrategy)}
 
 
-def flower_baseline_class(name: str, flower_class: str) -> type[FlowerBaselineStrategy]:
-    """A ``FlowerBaselineStrategy`` for the ``flwr.serverapp.strategy`` class named ``flower_class`` (a registry entry
-    without a typed class of its own: Flower's options go in ``flower_options``)."""
+def _flower_class(name: str, flower_class: str) -> type[FedAvg]:
+    """The ``flwr.serverapp.strategy`` class named ``flower_class`` (registry entry ``name``'s)."""
     import flwr.serverapp.strategy as flower_strategies
 
     cls = getattr(flower_strategies, flower_class, None)
     if not (isinstance(cls, type) and issubclass(cls, FedAvg)):
         raise ValueError(f"strategy {name!r}: flwr.serverapp.strategy has no FedAvg-based class {flower_class!r}")
-    doc = f"Flower's ``{flower_class}`` on validated replies (registry entry {name!r})."
-    return type(f"{flower_class}Strategy", (FlowerBaselineStrategy,), {"method": name, "flower_class": cls,
-                                                                      "__doc__": doc, "__module__": __name__})
+    return cls
 
 
 def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: float | None = None,
@@ -346,5 +346,5 @@ def baseline_options(strategy: str, *, server_lr: float = 0.0, server_momentum: 
     return {option: values[key] for key, option in pairs if values[key] is not None}
 
 
-__all__ = ["FlowerBaselineStrategy", "flower_baseline_class", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",
+__all__ = ["FlowerBaselineStrategy", "FedAvgMStrategy", "FedAdamStrategy", "FedYogiStrategy", "FedProxStrategy",
            "FLOWER_BASELINES", "FlowerAggregationError", "baseline_options"]

@@ -10,6 +10,7 @@ What each strategy name aggregates and its defaults come from its registry entry
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from logging import INFO
@@ -30,11 +31,10 @@ from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
 from fedfuse.flower.round.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
-from fedfuse.flower.round.streaming import StreamedRounds
 from fedfuse.flower.aggregators.server_importance import server_importance_options
 
 
-class FusionStrategy(StreamedRounds, RoundProtocol):
+class FusionStrategy(RoundProtocol):
     """A Flower strategy whose aggregation is ``fedfuse.fusion.fuse_result(method, ...)``.
 
     Use ``build_strategy(name)``, a named class (``KfLinearStrategy``, ...) or ``FusionStrategy(method=...)``.
@@ -142,7 +142,6 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
         self._level_widths: dict[str, int] | None = None
         if self.model_fn is not None and self.uses_scores and self.importance == "client":
             self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
-        self._probe: nn.Module | None = None      # the streamed ensemble's forward passes
         self._work: nn.Module | None = None       # the streamed round's aggregate, reused
 
     # ---------------------------------------------------------------- options and their views
@@ -226,6 +225,42 @@ class FusionStrategy(StreamedRounds, RoundProtocol):
 
     def reply_reference(self, server_round: int, node_id: int):
         return self._reference(), (self._level_widths if self.round_needs_scores(server_round) else None)
+
+    # ---------------------------------------------------------------- a streamed round (``RoundProtocol``'s pass)
+    def streaming_round(self, server_round: int) -> bool:
+        """A plain weighted-average round of a streaming entry (``average``/``fedavg``) with the default ``fuse_fn``,
+        no ``distill`` (it reads every client model), no static BN, no robust screen and ``keep_updates`` off."""
+        return (self.entry.streams and not self.keep_updates and self.fuse_fn is fuse_result and self.screen is None
+                and self.static_bn_step is None
+                and self.round_method(server_round) in ("average", "fedavg") and "distill" not in self.refine_steps)
+
+    def stream_checks_calibration(self) -> bool:
+        """Whether the streamed round keeps its members to check a ``calibrate`` step against their ensemble."""
+        return self.refinement.check and "calibrate" in self.refine_steps and self.fusion_inputs is not None
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
+                       probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
+        """``(state, info, seconds)``: the streamed average, then the server step and ``calibrate`` (checked with
+        ``Refinement.streamed`` against the streamed ensemble ``probs``) on one model object reused every round (its
+        state is copied out right away). Without either step the average's arrays are the result."""
+        t0 = time.perf_counter()
+        info: dict[str, Any] = {}
+        momentum, refinement = self.momentum_step, self.refinement
+        if not momentum.active and not refinement.steps:
+            return average, info, time.perf_counter() - t0
+        if self._work is None:
+            self._work = copy.deepcopy(self._model_template())
+        model = self._work.cpu()
+        model.load_state_dict(average)
+        model.eval()
+        rd = self.round_data(server_round, updates)
+        if momentum.active:
+            model, step_info = momentum(model, rd)
+            info.update(step_info)
+        if refinement.steps:
+            model, step_info = refinement.streamed(model, rd, probs)
+            info.update(step_info)
+        return model.state_dict(), info, time.perf_counter() - t0
 
     # ---------------------------------------------------------------- aggregation
     def fuse_updates(self, server_round: int, updates: list[ClientUpdate],

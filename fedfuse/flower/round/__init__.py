@@ -1,7 +1,7 @@
-"""The round: what every fedfuse strategy does with a round's messages, whatever it aggregates: Flower FedAvg's
-sampling and the reply contract (``replies``, and ``client_replies`` for a ClientApp of your own), the triage of the
-replies (``triage``) and the divergence screen it applies (``divergence``: outsized or overflowing replies
-rejected before any aggregation), the round's record and fallback (``outcome``), the protocol that holds them (``protocol``),
-the typed options (``options``), the steps after an aggregation (``steps``), streamed averages (``streaming``) and
-the guard on what is broadcast (``broadcast_guard``).
+"""The round: what every fedfuse strategy does with a round's messages, whatever it aggregates. ``protocol`` holds the
+round protocol, the way a reply travels in one file (Flower FedAvg's sampling, the triage of the replies, the
+divergence screen, the streamed average, the fallback policy, the round's record); beside it the reply contract
+(``replies``, and ``client_replies`` for a ClientApp of your own), the divergence screen's rules (``divergence``), the
+record helpers (``outcome``), the typed options (``options``), the steps after an aggregation (``steps``) and the
+guard on what is broadcast (``broadcast_guard``).
 """

@@ -4,7 +4,7 @@ malformed reply, and the round goes on with the others.
 
 A reply can pass the reply contract (names, shapes, dtypes, finite weights) and still wreck the round: finite weights
 × 1e20 average into a global model whose outputs overflow, so the broadcast guard (``broadcast_guard``) throws the
-whole round away, every round. Two rules, on every train round, in ``ReplyTriage.check_reply``:
+whole round away, every round. Two rules, on every train round, in ``RoundProtocol.check_reply`` (``protocol``):
 
 1. **Outsized weights**: reply ``i`` is rejected when the L2 norm of its floating-point arrays is above
    ``OUTSIZED`` (100) × its reference, the larger of the median norm of the round's *other* readable replies and the

@@ -1,19 +1,32 @@
-"""``RoundProtocol``: the round of every fedfuse strategy, whatever aggregates it.
+"""``RoundProtocol``: the round of every fedfuse strategy, whatever aggregates it — the way a reply travels, in this
+one file.
 
-Flower's ``FedAvg`` with its node sampling (made reproducible per round) and message construction; the
-rest of a train round is fedfuse's, once for every strategy:
+Flower's ``FedAvg`` with its node sampling (made reproducible per round) and message construction; the rest of a
+train round is fedfuse's, once for every strategy. A reply travels:
 
-    replies → split off error replies and silent nodes (logged, recorded) → validate each reply against
-    the reply contract (``fedfuse.flower.round.replies``) and the divergence screen (``divergence``: outsized
-    weights, non-finite outputs; a rejected reply is logged with its reason and the round goes on with the
-    others) → sort (partition id: deterministic float sums) → stop when every
-    reply diverged, skip the round below ``min_valid_replies`` → ``aggregate(updates)`` under the
-    fallback policy → history record + train metrics → new global ArrayRecord
+    configure_train: round config (``round_config``), sampling (``sample``), per-node messages
+    aggregate_train(replies):
+      1. triage (``_split_replies``): error replies and silent nodes become logged failure records; the divergence
+         screen's rule 1 sizes up every reply's norm (``_size_up``)
+      2. a warm start's round 1 goes to ``fedfuse.flower.aggregators.warm_start`` (the clients' own models)
+      3. a streamed round (``streaming_round``: a plain weighted average) is one pass over the replies
+         (``aggregate_streamed`` → ``stream_average``: validate, cap, accumulate, drop) → ``_finish_stream`` (the
+         aggregator's steps on the average) under the fallback policy
+      4. otherwise each reply is validated (``check_reply``: the reply contract of ``fedfuse.flower.round.replies``
+         against ``reply_reference``, then the divergence screen: outsized weights, non-finite outputs; a rejected
+         reply is logged with its reason and the round goes on with the others) and sorted (``update_key``:
+         partition id, deterministic float sums); sample counts capped (``cap_weights``)
+      5. stop when every reply diverged or broke the contract, skip below ``min_valid_replies`` (``_stop_or_skip``)
+      6. the robust screen (``screen_updates``), the update observer (``observe``)
+      7. ``aggregate(updates)`` — what the strategy aggregates with and its steps — under the fallback policy
+         (``with_fallback``)
+      8. the round's history record and train metrics (``_close_round``) → new global ArrayRecord
 
 A subclass supplies ``aggregate`` (what the strategy is) and may refine the hooks ``round_config`` (keys
 added to the train config), ``sample`` (node sampling and messages), ``reply_reference`` (the shapes a
-reply must have), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses) and
-``on_fallback`` (server state a fallback invalidates).
+reply must have), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses),
+``streaming_round`` / ``_finish_stream`` (a streamed round and its steps) and ``on_fallback`` (server state a
+fallback invalidates).
 
 Only the fusion error family (``fedfuse.fusion.FusionError``) falls back: ``fallback="previous"`` keeps
 the last global model, ``"average"`` uses the weighted average of the valid replies, ``"raise"`` fails
@@ -27,7 +40,7 @@ import copy
 import dataclasses
 import random
 import time
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -38,15 +51,19 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
+from fedfuse.fusion import FusionError
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.flower.trust.answer_screen import count_limit
 from fedfuse.flower.round.client_replies import WEIGHT_KEY
-from fedfuse.flower.round.outcome import ClientsDivergedError, ReplyContractError, RoundOutcome, aggregate_metrics
-from fedfuse.flower.round.replies import ClientUpdate, _npy_view, state_to_record
+from fedfuse.flower.round.broadcast_guard import PROBE, non_finite_outputs
+from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
+from fedfuse.flower.round.outcome import ClientsDivergedError, ReplyContractError, aggregate_metrics, info_line
+from fedfuse.flower.round.replies import (IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate,
+                                          ContractMismatch, NonFiniteWeights, ReplyRejected, _metric_record, _npy_view,
+                                          partition_in_reason, record_rejection, state_to_record, validate_reply)
 from fedfuse.flower.head.head_step import HeadPlan
 from fedfuse.flower.round.options import WEIGHT_CAP, ProtocolOptions, refuse_unknown, take_options
 from fedfuse.training import resolve_device
-from fedfuse.flower.round.triage import ReplyTriage, failure_record, reply_node  # noqa: F401 (names of this module)
 from fedfuse.flower.aggregators.warm_start import WarmStart, warm_start_round
 
 
@@ -54,10 +71,9 @@ MetricsAggrFn = Callable[[list[RecordDict], str], MetricRecord]
 Reference = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
-class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
-    """Sampling, per-node messages and the train round (see the module docstring); reply triage and validation
-    come from ``ReplyTriage`` (``fedfuse.flower.round.triage``), the fallback policy and the round's record from
-    ``RoundOutcome`` (``fedfuse.flower.round.outcome``).
+class RoundProtocol(FedAvg):
+    """Sampling, per-node messages and the train round (see the module docstring): reply triage and validation, the
+    streamed round, the fallback policy and the round's record, all here.
 
     Args:
         model_fn: ``() -> nn.Module`` building the global architecture (optional for strategies that
@@ -81,6 +97,9 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
             ``class-counts`` lists are summed).
     """
 
+    outsized_limit: float = OUTSIZED   # the divergence screen's rule 1 (0 = off); ``fedfuse.flower.round.divergence``
+    reply_probe: torch.Tensor | None = None   # its rule 2's inputs (the broadcast guard's; default: the fusion inputs)
+    _outsized: dict[int, dict[str, Any]] = {}
     refine_steps: tuple[str, ...] = ()   # the refine steps after the aggregation (``FusionStrategy``'s)
     wants_class_counts = False   # whether the clients must send their per-class counts (``FusionStrategy``'s)
     wants_client_scores = False   # whether the clients must send importance scores (``FusionStrategy``'s)
@@ -114,6 +133,7 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         self.update_observer: Callable[[ClientUpdate], None] | None = None
         # rounds already done before this ``start`` (resume): clients, seeds and ``history`` see the true round
         self.round_offset = 0
+        self._probe: nn.Module | None = None   # the streamed ensemble's forward passes
         self._sent_msgs: list[Message] = []
         self._node_partitions: dict[int, int] = {}     # node id -> partition id, learnt from replies
         # mode='warm-start' (``fedfuse.flower.aggregators.warm_start.WarmStart``): round 1 combines the clients' own models
@@ -263,11 +283,6 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
         metrics = self._close_round(record, time.perf_counter() - t0, fallback, info, updates, ok, failures)
         return (None if state is None else state_to_record(state)), metrics
 
-    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
-                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
-        """A round aggregated as a stream over the replies (``None``: this round is not; see ``streaming``)."""
-        return None
-
     def screen_updates(self, updates: list[ClientUpdate], record: dict[str, Any]) -> list[ClientUpdate]:
         """The robust setting's screen (``screen``) of the round's valid replies against the global model sent."""
         if self.screen is None or self._global is None or not updates:
@@ -278,6 +293,290 @@ class RoundProtocol(ReplyTriage, RoundOutcome, FedAvg):
                            self.fusion_inputs if self.model_fn is not None else None, record,
                            device=resolve_device(self.device))
 
+    # ---------------------------------------------------------------- triage: split, size up, validate, order
+    def _failure(self, node_id: int, reason: str, code: int | None = None) -> dict[str, Any]:
+        partition = self._node_partitions.get(node_id)
+        if partition is None:   # a node that failed before any valid reply: its error names its partition
+            partition = partition_in_reason(reason)
+            if partition is not None:
+                self._node_partitions[node_id] = partition
+        return failure_record(node_id, reason, code, partition)
+
+    def _reply_node(self, msg: Message) -> int:
+        return reply_node(msg, self._sent_msgs)
+
+    def _split_replies(self, server_round: int, replies: list[Message]) -> tuple[list[Message], list[dict]]:
+        """Replies with content, and one failure record per error reply or silent node (all logged)."""
+        ok = [m for m in replies if not m.has_error()]
+        errors = [m for m in replies if m.has_error()]
+        log(INFO, "aggregate_train: round %d: received %d results and %d failures", server_round, len(ok),
+            len(errors))
+        failures = []
+        for m in errors:
+            failure = self._failure(self._reply_node(m), _short(str(m.error.reason)), int(m.error.code))
+            log(WARNING, "aggregate_train: round %d: node %d (partition %s) failed: %s", server_round,
+                failure["node-id"], failure.get("partition-id", "?"), failure["reason"][:200])
+            failures.append(failure)
+        answered = {self._reply_node(m) for m in replies}
+        for node_id in sorted({int(m.metadata.dst_node_id) for m in self._sent_msgs} - answered):
+            log(WARNING, "aggregate_train: round %d: no reply from node %d (timed out or disconnected)",
+                server_round, node_id)
+            failures.append(self._failure(node_id, "no reply within the round timeout "
+                                                   "(timed out, disconnected or died)"))
+        self._sent_msgs = []
+        self._outsized = self._size_up(server_round, ok)
+        return ok, failures
+
+    def _reply_reference(self, server_round: int, node: int):
+        """``(reference, level widths)`` that node ``node``'s reply must match in round ``server_round``."""
+        if self.warm_round(server_round) and not self.warm_start.depth_tiers:   # depth tiers: per node, as always
+            return self._reference(), self.warm_start.level_widths(self._model_template)
+        return self.reply_reference(server_round, node)
+
+    def _size_up(self, server_round: int, ok: list[Message]) -> dict[int, dict[str, Any]]:
+        """The divergence screen's rule 1 over the round's replies, before any is validated: ``{node: rejection}``
+        of the replies whose weights' norm is outsized (``fedfuse.flower.round.divergence.outsized_replies``)."""
+        if not self.outsized_limit or len(ok) < 2:
+            return {}
+        norms = {}
+        for m in ok:
+            node = int(m.metadata.src_node_id)
+            try:
+                reference, _ = self._reply_reference(server_round, node)
+            except (RuntimeError, KeyError, ValueError):   # validation says why
+                continue
+            norm = reply_norm(m, self.arrayrecord_key, reference)
+            if norm is not None:
+                norms[node] = norm
+        sent = self._global
+        global_norm = None if sent is None else record_norm(
+            sent, {k: (tuple(a.shape), np.dtype(a.dtype)) for k, a in sent.items()})
+        return outsized_replies(norms, global_norm, self.outsized_limit)
+
+    def _probe_inputs(self) -> torch.Tensor | None:
+        """The divergence screen's rule 2 inputs: ``reply_probe`` (the ServerApp sets the broadcast guard's), else the
+        first ``PROBE`` fusion inputs of a strategy that builds models, else none (rule 2 off)."""
+        if self.reply_probe is not None:
+            return self.reply_probe
+        if self.fusion_inputs is not None and self.model_fn is not None:
+            return self.fusion_inputs[:PROBE]
+        return None
+
+    def diverging(self, server_round: int, update: ClientUpdate) -> dict[str, Any] | None:
+        """The divergence screen (``fedfuse.flower.round.divergence``) on a reply that passed the reply contract: its
+        rejection fields (``reason``, a flag) when it must be dropped, else ``None``."""
+        outsized = self._outsized.get(update.node_id)
+        if outsized is not None:
+            return {**outsized, "outsized-weights": True}
+        probe = self._probe_inputs()
+        if probe is None or len(probe) == 0:
+            return None
+        try:
+            model = self.build_model(update.state)
+        except (RuntimeError, ValueError, KeyError, TypeError):   # not the global architecture (a narrower tier)
+            return None
+        why = non_finite_outputs(model, probe, resolve_device(self.device))
+        if why is None:
+            return None
+        return {"reason": f"its model has {why}: the global model would too", "non-finite-outputs": True}
+
+    def check_reply(self, server_round: int, msg: Message, record: dict[str, Any], *, level_widths: bool = True,
+                    copy: bool = True) -> ClientUpdate | None:
+        """One reply validated against ``reply_reference``, or ``None`` (rejected: logged and recorded)."""
+        node = int(msg.metadata.src_node_id)
+        reference, widths = self._reply_reference(server_round, node)
+        try:
+            update = validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
+                                    metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
+                                    weight_key=self.weighted_by_key, copy=copy)
+        except ReplyRejected as exc:
+            flags = {"non-finite-weights": True} if isinstance(exc, NonFiniteWeights) else {}
+            if isinstance(exc, ContractMismatch):
+                flags["contract"] = True
+            record_rejection(record, server_round, node, str(exc), **self._where(msg, node), **flags)
+            return None
+        diverging = self.diverging(server_round, update)
+        if diverging is None:
+            return update
+        reason = diverging.pop("reason")
+        record_rejection(record, server_round, node, reason, **self._where(msg, node), **diverging)
+        return None
+
+    def _where(self, msg: Message, node: int) -> dict[str, Any]:
+        """A rejected reply's record fields besides its reason: its partition id (from its metrics, else learnt in an
+        earlier round) and ``rejected_extra``."""
+        metrics = _metric_record(msg.content, METRICS_KEY)
+        pid = metrics.get("partition-id") if metrics is not None else None
+        if isinstance(pid, bool) or not isinstance(pid, (int, float)) or not float(pid).is_integer():
+            pid = self._node_partitions.get(node)
+        return {**({"partition-id": int(pid)} if pid is not None else {}), **self.rejected_extra(node)}
+
+    def rejected_extra(self, node_id: int) -> dict[str, Any]:
+        """Extra fields of a rejected-reply record (capacity tiers add the node's tier)."""
+        return {}
+
+    def validate_replies(self, server_round: int, ok: list[Message], record: dict[str, Any]) -> list[ClientUpdate]:
+        """The valid replies in fusion order (``update_key``); ``observe`` hands those the round keeps to
+        ``update_observer``."""
+        updates = [u for u in (self.check_reply(server_round, m, record) for m in ok) if u is not None]
+        updates.sort(key=self.update_key)
+        self._node_partitions.update({u.node_id: u.partition_id for u in updates})
+        return updates
+
+    def observe(self, validated: list[ClientUpdate], kept: list[ClientUpdate]) -> None:
+        """Hand each ``validated`` reply the round kept (its node among ``kept``'s, after the later screens: the score
+        check, the robust screen) to ``update_observer``, as the client sent it (not as a screen shrank it), in
+        fusion order: the clients' ensemble and per-client columns leave the dropped replies out."""
+        if self.update_observer is None:
+            return
+        nodes = {u.node_id for u in kept}
+        for u in validated:
+            if u.node_id in nodes:
+                self.update_observer(u)
+
+    # ---------------------------------------------------------------- a streamed round (one pass over the replies)
+    def streaming_round(self, server_round: int) -> bool:
+        """Whether round ``server_round`` is a plain weighted average run as a stream over the replies (none by
+        default; ``FusionStrategy`` and ``FedAvgStrategy`` say when)."""
+        return False
+
+    def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
+                           record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
+        if not self.streaming_round(server_round):
+            return None
+        t_start = time.perf_counter()
+        ensemble = self.stream_checks_calibration()
+        streamed = stream_average(self, server_round, ok, record, keep_members=ensemble)
+        record["valid"] = len(streamed.metrics_only)
+        self.last_updates = []
+        if self._stop_or_skip(server_round, len(streamed.metrics_only), record):
+            return None, None
+        t0 = time.perf_counter()
+        reference = self._reference()
+
+        def probs() -> torch.Tensor:
+            return self._stream_ensemble(streamed.members, reference)
+
+        state, fallback, info = self.with_fallback(
+            server_round, len(streamed.metrics_only),
+            lambda: self._finish_stream(server_round, streamed.average, probs if ensemble else None, streamed.metrics_only),
+            lambda: streamed.average, streamed=True)
+        seconds = time.perf_counter() - t0 + (t0 - t_start - streamed.observer_seconds)
+        metrics = self._close_round(record, seconds, fallback, info, streamed.metrics_only, ok, failures)
+        return (None if state is None else state_to_record(state)), metrics
+
+    def stream_checks_calibration(self) -> bool:
+        """Whether the streamed round keeps its members to check a ``calibrate`` step against their ensemble."""
+        return False
+
+    def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
+        """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""
+        if self._probe is None:
+            self._probe = self.model_fn().eval()
+        return stream_ensemble(self._probe, members, reference, self.arrayrecord_key, self.fusion_inputs)
+
+    def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
+                       probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
+        """``(state, info, seconds)`` of a streamed round from its average: the average itself (no model built, no
+        step); ``FusionStrategy`` runs its server step and refinement here."""
+        return average, {}, 0.0
+
+    # ---------------------------------------------------------------- outcome: fallback, stop/skip, the round's record
+    def with_fallback(self, server_round: int, num_models: int,
+                      run: Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any], float]],
+                      average: Callable[[], dict[str, torch.Tensor]] | None, streamed: bool = False,
+                      label: str | None = None
+                      ) -> tuple[dict[str, torch.Tensor] | None, str | None, dict[str, Any] | None]:
+        """``(new global state or None, fallback text or None, info)``: ``run()``, and on a ``FusionError`` the
+        fallback policy (``average`` is the weighted average of the round, ``None`` where the round's aggregation
+        is that average already). The one place a round falls back. ``label``: the aggregation as logged (default
+        ``round_summary``)."""
+        summary = label or self.round_summary(server_round)
+        label = label or self.round_label(server_round)
+        try:
+            state, info, seconds = run()
+        except FusionError as exc:
+            if self.fallback == "raise":
+                raise
+            self.reset_server_state()  # the next global model does not come from the server step
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.fallback == "average" and average is not None:
+                log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); fell back to weighted averaging",
+                    server_round, label, reason)
+                return average(), f"average: {reason}", None
+            log(WARNING, "aggregate_train: round %d: fusion %r failed (%s); keeping the previous global model",
+                server_round, label, reason)
+            return None, f"previous: {reason}", None
+        log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s%s", server_round,
+            summary, num_models, seconds, " (streamed)" if streamed else "",
+            f" ({info_line(info)})" if info else "")
+        return state, None, info
+
+    def round_summary(self, server_round: int) -> str:
+        """The aggregation as the round's log line names it."""
+        return self.round_label(server_round)
+
+    def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:
+        """Every reply non-finite → ``ClientsDivergedError``; every reply missing a record or key the strategy reads →
+        ``ReplyContractError``; fewer than ``min_valid_replies`` → the round is skipped (logged, recorded; returns
+        True)."""
+        # a round whose every reply was rejected for one run-stopping reason: no later round can differ
+        for flags, what, error in ((("non-finite-weights", "non-finite-outputs"),
+                                    "every client returned non-finite weights or a model with non-finite outputs",
+                                    self._diverged),
+                                   (("contract",), "every reply broke the reply contract", self._contract_broken)):
+            hits = [r for r in record["rejected"] if any(r.get(flag) for flag in flags)]
+            if not valid and hits and len(hits) == len(record["rejected"]):
+                self.history.append({**record, "skipped": what})
+                raise error(server_round, hits)
+        if valid < self.min_valid_replies:
+            reason = (f"round {server_round} skipped: {valid} valid replies, fewer than the minimum "
+                      f"{self.min_valid_replies}; the global model is unchanged")
+            log(WARNING, "aggregate_train: %s", reason)
+            record["skipped"] = reason
+            self.history.append(record)
+            return True
+        return False
+
+    def _diverged(self, server_round: int, hits: list[dict[str, Any]]) -> ClientsDivergedError:
+        what = ("non-finite weights" if all(h.get("non-finite-weights") for h in hits)
+                else "non-finite weights or a model with non-finite outputs")
+        return ClientsDivergedError(
+            f"round {server_round}: every client that replied ({len(hits)}) returned {what} (e.g. node "
+            f"{hits[0]['node-id']}: {hits[0]['reason']}); local training diverged, so the run stops here with the "
+            "last global model. Lower the clients' 'lr' or use another 'optimizer'.")
+
+    def _contract_broken(self, server_round: int, hits: list[dict[str, Any]]) -> ReplyContractError:
+        return ReplyContractError(
+            f"round {server_round}: every reply ({len(hits)}) was rejected for a missing record or key (e.g. node "
+            f"{hits[0]['node-id']}: {hits[0]['reason']}); the strategy reads arrays from {self.arrayrecord_key!r} "
+            f"and the sample count from metrics {self.weighted_by_key!r}: make the ClientApp reply with these keys "
+            f"(the train message's config names them) or build the strategy with the ClientApp's keys")
+
+    def _close_round(self, record: dict[str, Any], seconds: float, fallback: str | None,
+                     info: dict[str, Any] | None, updates: list[ClientUpdate], ok: list[Message],
+                     failures: list[Any]) -> MetricRecord:
+        """Record the round's outcome in ``history`` and return the train metrics that report it."""
+        record["fusion-seconds"] = seconds
+        record["fallback"] = fallback
+        record["guard"] = (info or {}).pop("guard", None)
+        record["fusion-info"] = info
+        self.history.append(record)
+        metrics = self._train_metrics(updates, ok)
+        metrics["fusion-seconds"] = seconds
+        metrics["num-valid"] = len(updates)
+        metrics["num-rejected"] = len(record["rejected"])
+        metrics["num-failures"] = len(failures)
+        metrics["fell-back"] = int(fallback is not None)
+        metrics["guarded"] = int(record["guard"] is not None)
+        return metrics
+
+    def _train_metrics(self, updates: list[ClientUpdate], ok: list[Message]) -> MetricRecord:
+        if self._user_train_metrics_aggr_fn is not None:
+            valid_nodes = {u.node_id for u in updates}
+            contents = [m.content for m in ok if int(m.metadata.src_node_id) in valid_nodes]
+            return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
+        return aggregate_metrics(updates)
 
 weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.trust.answer_screen)
 
@@ -306,5 +605,120 @@ def array_copy(array, like: torch.Tensor) -> np.ndarray:
     return np.array(view if view is not None else array.numpy(), copy=True)
 
 
+@dataclasses.dataclass
+class StreamedRound:
+    """The outcome of one streamed pass: the average (``None`` without valid replies), the valid replies' metrics
+    (``metrics_only``: no arrays), the members of the clients' ensemble and the seconds spent in the update observer."""
+
+    average: dict[str, torch.Tensor] | None
+    metrics_only: list[ClientUpdate]
+    members: list[tuple[Message, float]]
+    observer_seconds: float
+
+
+def fusion_order(ok: list[Message], weight_key: str) -> tuple[list[Message], list[float]]:
+    """The replies sorted by (partition id, node id) from their metrics alone, and their plausible sample counts
+    (the weights' denominator and the weight cap's median)."""
+    keyed = []
+    for msg in ok:
+        metrics = _metric_record(msg.content, METRICS_KEY)
+        pid = metrics.get("partition-id", -1) if metrics is not None else -1
+        n = metrics.get(weight_key) if metrics is not None else None
+        keyed.append(((int(pid) if isinstance(pid, (int, float)) and not isinstance(pid, bool) else -1,
+                       int(msg.metadata.src_node_id)), n, msg))
+    keyed.sort(key=lambda t: t[0])
+    plausible = [float(n) for _, n, _ in keyed
+                 if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 < n <= MAX_NUM_EXAMPLES]
+    return [m for _, _, m in keyed], plausible
+
+
+def stream_average(strategy: RoundProtocol, server_round: int, ok: list[Message], record: dict[str, Any],
+                   keep_members: bool) -> StreamedRound:
+    """One pass over the replies: validate (``strategy.check_reply``), accumulate, observe, drop."""
+    ordered, counts = fusion_order(ok, strategy.weighted_by_key)
+    limit = weight_limit(counts, strategy.weight_cap)   # the weight cap, from the metrics before any array
+    total = float(np.minimum(np.array(counts, dtype=float), limit if limit is not None else np.inf).sum()) \
+        if counts else 1.0
+    members: list[tuple[Message, float]] = []
+    acc: dict[str, torch.Tensor] | None = None
+    dtypes: dict[str, torch.dtype] = {}
+    metrics_only: list[ClientUpdate] = []
+    valid_total, observer_seconds = 0, 0.0
+    for msg in ordered:
+        u = strategy.check_reply(server_round, msg, record, level_widths=False, copy=False)
+        if u is None:
+            continue
+        if limit is not None:
+            u = cap_update(u, limit, strategy.weight_cap, record)
+        w = u.num_examples / total
+        valid_total += u.num_examples
+        if acc is None:  # integer buffers (BatchNorm counters) from the first reply, as average_state_dicts
+            dtypes = {k: v.dtype for k, v in u.state.items()}
+            acc = {k: (v.double().mul_(w) if v.is_floating_point() else v.clone()) for k, v in u.state.items()}
+        else:
+            for k, v in u.state.items():
+                if v.is_floating_point():
+                    acc[k].add_(v, alpha=w)   # the same float64 steps as average_state_dicts: bit-identical
+        if keep_members:
+            members.append((msg, w))
+        strategy._node_partitions[u.node_id] = u.partition_id
+        if strategy.update_observer is not None:
+            t_obs = time.perf_counter()
+            strategy.update_observer(u)
+            observer_seconds += time.perf_counter() - t_obs
+        metrics_only.append(dataclasses.replace(u, state={}, scores=None))
+        del u
+    if acc is None:
+        return StreamedRound(None, metrics_only, members, observer_seconds)
+    if valid_total != total:  # a rejected reply: renormalise over the valid ones
+        scale = total / valid_total
+        for v in acc.values():
+            if v.is_floating_point():
+                v.mul_(scale)
+        members = [(m, w * scale) for m, w in members]
+    return StreamedRound({k: v.to(dtypes[k]) for k, v in acc.items()}, metrics_only, members, observer_seconds)
+
+
+def stream_ensemble(probe: torch.nn.Module, members: list[tuple[Message, float]], reference: Reference,
+                    arrays_key: str, fusion_inputs: torch.Tensor) -> torch.Tensor:
+    """The clients' ensemble on the fusion set, ``sum_i w_i softmax(f_i(x))`` (the same order and sums as
+    ``teacher_probs``), re-reading the round's valid replies one at a time."""
+    x = torch.as_tensor(fusion_inputs).float()
+    probs = None
+    with torch.no_grad():
+        for msg, w in members:
+            arrays = msg.content[arrays_key]
+            state = {}
+            for key, (shape, dtype) in reference.items():
+                a = _npy_view(arrays[key], shape, dtype)
+                state[key] = torch.from_numpy(np.array(a if a is not None else arrays[key].numpy(), copy=True))
+            p = torch.cat([w * torch.func.functional_call(probe, state, (x[i:i + 512],)).softmax(-1)
+                           for i in range(0, x.shape[0], 512)])
+            probs = p if probs is None else probs + p
+    return probs
+
+
+def failure_record(node_id: int, reason: str, code: int | None, partition_id: int | None) -> dict[str, Any]:
+    """The history record of a failed or silent node."""
+    out: dict[str, Any] = {"node-id": node_id, "reason": reason}
+    if code is not None:
+        out["code"] = code
+    if partition_id is not None:
+        out["partition-id"] = partition_id
+    return out
+
+
+def reply_node(msg: Message, sent: list[Message]) -> int:
+    """The node a reply is about: errors made by the SuperLink (e.g. node unavailable) carry the SuperLink's id as
+    source, so map them back through the message they reply to."""
+    by_id = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
+    return by_id.get(msg.metadata.reply_to_message_id, int(msg.metadata.src_node_id))
+
+
+def _short(reason: str, head: int = 150, tail: int = 350) -> str:
+    """A long error reason (e.g. a Ray traceback) cut to its start and its end (where the exception is)."""
+    return reason if len(reason) <= head + tail else f"{reason[:head]} ... {reason[-tail:]}"
+
+
 __all__ = ["RoundProtocol", "ClientsDivergedError", "ReplyContractError", "WEIGHT_CAP", "weight_limit", "cap_update", "cap_weights", "aggregate_metrics", "state_to_record", "array_copy",
-           "failure_record", "reply_node"]
+           "failure_record", "reply_node", "StreamedRound", "fusion_order", "stream_average", "stream_ensemble"]

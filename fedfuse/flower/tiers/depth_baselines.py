@@ -1,20 +1,15 @@
-"""The depth-tier baselines: DepthFL, its ablation without self-distillation, and InclusiveFL, each a
-``DepthTieredStrategy`` (``fedfuse.flower.tiers.depth_tiers``) that adds its own step; ``build_depth_strategy`` picks the
-class for a strategy name (fedfuse's own aggregations across depths are ``DepthTieredStrategy`` itself).
+"""The depth-tier baselines: DepthFL, its ablation without self-distillation, and InclusiveFL, each
+``DepthTieredStrategy`` (``fedfuse.flower.tiers.depth_tiers``) with its registry entry (``DepthTiers``: self-distillation,
+the node's own exit, InclusiveFL's momentum distillation step, ``MomentumDistillation``); the named classes fix
+``method``. ``build_depth_strategy`` picks the class for a strategy name (fedfuse's own aggregations across depths are
+``DepthTieredStrategy`` itself).
 """
 
 from __future__ import annotations
 
-from logging import INFO, WARNING
-from typing import Any, Iterable
+from typing import Any
 
-import torch
-from flwr.app import Message
-from flwr.common.logger import log
-
-from fedfuse.hetero.depth import aggregate_held, layer_momentum, momentum_distill, unit_arrays
 from fedfuse.flower.tiers.depth_tiers import DepthTieredStrategy
-from fedfuse.flower.round.replies import ClientUpdate
 
 
 class DepthFLStrategy(DepthTieredStrategy):
@@ -35,7 +30,8 @@ class InclusiveFLStrategy(DepthTieredStrategy):
     """InclusiveFL (Liu, Wu, Wu, Wang, Lyu, Chen & Xie, "No One Left Behind: Inclusive Federated Learning over
     Heterogeneous Devices", KDD 2022, arXiv 2202.08036): each client trains its first blocks with the one classifier
     after them (plain cross-entropy; it holds no shallower exit), the server averages every layer over the clients
-    that hold it, and its one step is momentum distillation (``fedfuse.hetero.depth``):
+    that hold it, and its one step is momentum distillation (``fedfuse.hetero.depth``; the step is
+    ``fedfuse.flower.tiers.depth_tiers.MomentumDistillation``, held by the strategy as its entry says):
 
     - after a round, each tier but the deepest keeps a momentum ``m``: the next deeper tier's update (its clients'
       sample-weighted mean of state − global) averaged over the layers from the tier's top layer to the deeper
@@ -64,77 +60,6 @@ class InclusiveFLStrategy(DepthTieredStrategy):
     """
 
     method = "inclusivefl"
-    own_exit = True
-
-    def __init__(self, method: str | None = None, *, mom_beta: float = 0.2, **options: Any) -> None:
-        if isinstance(mom_beta, bool) or not isinstance(mom_beta, (int, float)) or not 0 <= mom_beta <= 1:
-            raise ValueError(f"strategy 'inclusivefl': strategy-options.mom-beta must be a number in [0, 1], got {mom_beta!r}")
-        super().__init__(method, self_distill=False, **options)
-        self.mom_beta = float(mom_beta)
-        skeleton = self._skeleton
-        tiers = sorted(set(self._units.values()))
-        if len(tiers) < 2:
-            raise ValueError(f"strategy 'inclusivefl': momentum distillation needs a depth tier shallower than the "
-                             f"deepest; depths {list(self.tier_layout.depths)} give one")
-        self._deeper = dict(zip(tiers, tiers[1:]))   # tier (units) -> the next deeper tier
-        self._layers: dict[int, list[dict[str, str]]] = {}
-        for k, deeper in self._deeper.items():
-            arrays = [unit_arrays(skeleton, j) for j in range(k, deeper + 1)]
-            self._layers[k] = [named for named, _ in arrays]
-            if arrays[0][1]:
-                log(INFO, "inclusivefl: %s of tier %d's top layer lie outside its block: no momentum distillation",
-                    arrays[0][1], k)
-        self._momentum: dict[int, dict[str, torch.Tensor]] = {}
-        self._logged: set[str] = set()
-
-    def summary(self) -> None:
-        super().summary()
-        log(INFO, "\t└──> inclusivefl: momentum distillation beta=%g into the top layer of tiers (units) %s, "
-            "each from the next deeper tier", self.mom_beta, sorted(self._deeper))
-
-    def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
-        """The layer-wise average, each client's top layer first mixed with its tier's momentum."""
-        g = self.global_state()
-        states = [momentum_distill(g, u.state, self._momentum[k], self.mom_beta)
-                  if (k := self.node_units(u.node_id)) in self._momentum else u.state for u in updates]
-        return aggregate_held(g, states, [float(u.num_examples) for u in updates])
-
-    weighted_average = average
-
-    def update_momentum(self, global_state: dict[str, torch.Tensor], updates: list[ClientUpdate]) -> list[int]:
-        """Each tier whose next deeper tier is among ``updates`` (trained from ``global_state``) gets that tier's
-        ``layer_momentum``; the others keep theirs. Returns the tiers (units) that got one."""
-        by_tier: dict[int, list[ClientUpdate]] = {}
-        for u in updates:
-            by_tier.setdefault(self.node_units(u.node_id), []).append(u)
-        fresh = []
-        for k, deeper in self._deeper.items():
-            ups = by_tier.get(deeper)
-            if not ups:
-                continue
-            keys = {key for layer in self._layers[k] for key in layer.values()}
-            sent = {key: global_state[key] for key in keys}
-            avg = aggregate_held(sent, [{key: u.state[key] for key in keys} for u in ups],
-                                 [float(u.num_examples) for u in ups])
-            self._momentum[k], skipped = layer_momentum({key: avg[key] - sent[key] for key in keys},
-                                                        self._layers[k])
-            for line in sorted(set(skipped) - self._logged):
-                log(INFO, "inclusivefl: tier %d's momentum leaves out %s", k, line)
-            self._logged.update(skipped)
-            fresh.append(k)
-        return fresh
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        if self.round_offset and not self._momentum and server_round == 1:
-            log(WARNING, "strategy inclusivefl: resumed after round %d; the momentum of the deeper tiers restarts "
-                "empty (no momentum distillation until a deeper tier replies)", self.round_offset)
-        sent = self.global_state()   # the model this round's clients trained from
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        if arrays is not None:
-            fresh = self.update_momentum(sent, self.last_updates)
-            log(INFO, "aggregate_train: round %d: inclusivefl momentum (beta %g) from the next deeper tier for "
-                "tiers %s (units)", server_round + self.round_offset, self.mom_beta, fresh)
-        return arrays, metrics
 
 
 DEPTH_STRATEGY_CLASSES: dict[str, type[DepthTieredStrategy]] = {"depthfl": DepthFLStrategy,

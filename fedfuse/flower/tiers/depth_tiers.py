@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import copy
 import time
-from logging import INFO
-from typing import Any, Iterable
+from logging import INFO, WARNING
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from torch import nn
 from fedfuse.fusion import FusionResult
 from fedfuse.hetero import reestimate_batchnorm, slice_state
 from fedfuse.hetero.depth import (MultiExit, aggregate_held, align_depths, classifier_readers, distill_exits,
-                                  narrow_copy, units_at)
+                                  layer_momentum, momentum_distill, narrow_copy, unit_arrays, units_at)
 from fedfuse.hetero.depth_layout import DepthLayout
 from fedfuse.hetero.tiers import resolve_ordered_dropout
 from fedfuse.strategy_specs import (DEPTH_METHODS, DEPTH_WARM_START, WIDTH_DEPTH_TIER_METHODS, strategy_spec,
@@ -62,6 +62,73 @@ def depth_label(depth: float, width: float = 1.0) -> str:
     return f"{width:g}x{depth:g}"
 
 
+class MomentumDistillation:
+    """InclusiveFL's server step (``DepthTiers.momentum_distills``; ``fedfuse.flower.tiers.depth_baselines``'s
+    ``InclusiveFLStrategy`` says what it is and where it departs from the authors' code): after a round each tier but
+    the deepest keeps a momentum, the next deeper tier's update averaged over the layers from the tier's top layer to
+    the deeper tier's (``layer_momentum``); the next round each client of the tier has its top layer's update mixed
+    with it, ``(1 - beta) Δ + beta m``, before the layer-wise average (``momentum_distill``).
+
+    Args:
+        beta: run-config ``mom-beta`` in [0, 1] (0: DepthFL-fedavg's layer-wise average).
+        skeleton: the run's ``MultiExit`` (its architecture).
+        units: the tiers (number of units) of the run's depths.
+        depths: the run's depth multipliers (the error message's).
+    """
+
+    def __init__(self, beta: float, skeleton: MultiExit, units: Iterable[int], depths: Iterable[float]) -> None:
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+            raise ValueError(f"strategy 'inclusivefl': strategy-options.mom-beta must be a number in [0, 1], got {beta!r}")
+        self.beta = float(beta)
+        tiers = sorted(set(units))
+        if len(tiers) < 2:
+            raise ValueError(f"strategy 'inclusivefl': momentum distillation needs a depth tier shallower than the "
+                             f"deepest; depths {list(depths)} give one")
+        self.deeper = dict(zip(tiers, tiers[1:]))   # tier (units) -> the next deeper tier
+        self.layers: dict[int, list[dict[str, str]]] = {}
+        for k, deeper in self.deeper.items():
+            arrays = [unit_arrays(skeleton, j) for j in range(k, deeper + 1)]
+            self.layers[k] = [named for named, _ in arrays]
+            if arrays[0][1]:
+                log(INFO, "inclusivefl: %s of tier %d's top layer lie outside its block: no momentum distillation",
+                    arrays[0][1], k)
+        self.momentum: dict[int, dict[str, torch.Tensor]] = {}
+        self._logged: set[str] = set()
+
+    def summary(self) -> None:
+        log(INFO, "\t└──> inclusivefl: momentum distillation beta=%g into the top layer of tiers (units) %s, "
+            "each from the next deeper tier", self.beta, sorted(self.deeper))
+
+    def mix(self, global_state: dict[str, torch.Tensor], updates: list[ClientUpdate],
+            units_of: Callable[[int], int]) -> list[dict[str, torch.Tensor]]:
+        """The updates' states, each client's top layer mixed with its tier's momentum (where it has one)."""
+        return [momentum_distill(global_state, u.state, self.momentum[k], self.beta)
+                if (k := units_of(u.node_id)) in self.momentum else u.state for u in updates]
+
+    def update(self, global_state: dict[str, torch.Tensor], updates: list[ClientUpdate],
+               units_of: Callable[[int], int]) -> list[int]:
+        """Each tier whose next deeper tier is among ``updates`` (trained from ``global_state``) gets that tier's
+        ``layer_momentum``; the others keep theirs. Returns the tiers (units) that got one."""
+        by_tier: dict[int, list[ClientUpdate]] = {}
+        for u in updates:
+            by_tier.setdefault(units_of(u.node_id), []).append(u)
+        fresh = []
+        for k, deeper in self.deeper.items():
+            ups = by_tier.get(deeper)
+            if not ups:
+                continue
+            keys = {key for layer in self.layers[k] for key in layer.values()}
+            sent = {key: global_state[key] for key in keys}
+            avg = aggregate_held(sent, [{key: u.state[key] for key in keys} for u in ups],
+                                 [float(u.num_examples) for u in ups])
+            self.momentum[k], skipped = layer_momentum({key: avg[key] - sent[key] for key in keys}, self.layers[k])
+            for line in sorted(set(skipped) - self._logged):
+                log(INFO, "inclusivefl: tier %d's momentum leaves out %s", k, line)
+            self._logged.update(skipped)
+            fresh.append(k)
+        return fresh
+
+
 class DepthTieredStrategy(FusionStrategy):
     """Aggregation across depth tiers (see the module docstring).
 
@@ -76,20 +143,21 @@ class DepthTieredStrategy(FusionStrategy):
             width tiers (``fedfuse.hetero.tiers.resolve_ordered_dropout``: ``auto``: the registry entry's, ``all`` for
             ``average``, ``off`` for FedDF and the DepthFL baselines, whose papers have none).
         self_distill: the clients distil between their exits (DepthFL); ``None``: the registry entry's
-            (off for ``depthfl-fedavg`` only).
+            (off for ``depthfl-fedavg`` and ``inclusivefl``).
+        mom_beta: the momentum distillation's beta (``MomentumDistillation``), for an entry whose ``depth`` says
+            ``momentum_distills`` (InclusiveFL; default 0.2).
         Everything else: ``FusionStrategy``'s options; ``model_fn`` must build the run's ``MultiExit``.
 
-    ``own_exit`` (class attribute): each node holds and trains only the exit after its own depth (InclusiveFL)
-    instead of every exit up to it (DepthFL).
+    ``own_exit`` (the entry's ``depth.own_exit``): each node holds and trains only the exit after its own depth
+    (InclusiveFL) instead of every exit up to it (DepthFL).
     """
 
-    own_exit = False
     reads_scores = False   # no depth-tier aggregation reads importance scores: the clients send none
 
     def __init__(self, method: str | None = None, *, depths: tuple[float, ...] = (1.0,),
                  widths: tuple[float, ...] | None = None, input_shape: tuple[int, ...] | None = None,
                  ordered_dropout: str = "auto", ordered_dropout_draw: str | float = "auto",
-                 self_distill: bool | None = None, **options: Any) -> None:
+                 self_distill: bool | None = None, mom_beta: float | None = None, **options: Any) -> None:
         name = method or type(self).method
         if name not in DEPTH_METHODS:
             raise ValueError(f"strategy: {name!r} cannot aggregate clients of different depths; use one of "
@@ -104,6 +172,8 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError(f"strategy: depth tiers take no refine step (got refine={options['refine']!r}): the "
                              "refinements act on one classifier, a depth-tier model has one per depth")
         options["refine"] = "none"   # ot's default (calibrate) too: feddf and ot distil into every exit instead
+        if mom_beta is not None and not strategy_spec(name).depth.momentum_distills:
+            options["mom_beta"] = mom_beta   # refused by name, as any unknown option
         if not strategy_spec(name).depth.distils_exits:
             options["guard"] = False   # the guard checks a fused model against the average; these rounds are it
         super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
@@ -112,6 +182,7 @@ class DepthTieredStrategy(FusionStrategy):
             raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "
                              "(fedfuse.hetero.depth.multi_exit)")
         self.self_distill = self.entry.depth.self_distills if self_distill is None else bool(self_distill)
+        self.own_exit = self.entry.depth.own_exit
         self.tier_layout = TierLayout(self.model_fn, widths, input_shape=input_shape, depths=tuple(depths))
         self.ordered_dropout = resolve_ordered_dropout(name, ordered_dropout) if min(widths) < 1 else "off"
         self.ordered_dropout_draw = checked_draw(name, ordered_dropout_draw, skeleton.base)
@@ -120,6 +191,10 @@ class DepthTieredStrategy(FusionStrategy):
         self.layout = DepthLayout(skeleton, self._units.values(), input_shape, own_exit=self.own_exit)
         self._round_tiers: dict[str, Any] = {}
         self._width_models: dict[float, MultiExit] = {}   # width x depth: the head round's model of each narrower width
+        # the entry's server step across depths (InclusiveFL's momentum distillation), else none
+        self.momentum_distillation = (MomentumDistillation(0.2 if mom_beta is None else mom_beta, skeleton,
+                                                           self._units.values(), self.tier_layout.depths)
+                                      if self.entry.depth.momentum_distills else None)
 
     # ---------------------------------------------------------------- the layout
     def node_units(self, node_id: int) -> int:
@@ -221,8 +296,11 @@ class DepthTieredStrategy(FusionStrategy):
     def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """DepthFL's layer-wise average: every array over the updates that hold it (sample-weighted); with width ×
         depth tiers every entry over the updates that hold it (HeteroFL's count-weighted average)."""
-        return aggregate_held(self.global_state(), [u.state for u in updates],
-                              [float(u.num_examples) for u in updates], self.update_positions(updates))
+        g = self.global_state()
+        states = [u.state for u in updates]
+        if self.momentum_distillation is not None:   # InclusiveFL: each client's top layer mixed with its momentum
+            states = self.momentum_distillation.mix(g, updates, self.node_units)
+        return aggregate_held(g, states, [float(u.num_examples) for u in updates], self.update_positions(updates))
 
     def update_positions(self, updates: list[ClientUpdate]) -> list[dict[str, torch.Tensor] | None] | None:
         """Per update, the global positions of its arrays (``None`` for all when every node is at full width)."""
@@ -277,8 +355,22 @@ class DepthTieredStrategy(FusionStrategy):
             model = model.cpu().eval()
         return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)
 
+    def summary(self) -> None:
+        super().summary()
+        if self.momentum_distillation is not None:
+            self.momentum_distillation.summary()
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        step = self.momentum_distillation
+        if step is not None and self.round_offset and not step.momentum and server_round == 1:
+            log(WARNING, "strategy inclusivefl: resumed after round %d; the momentum of the deeper tiers restarts "
+                "empty (no momentum distillation until a deeper tier replies)", self.round_offset)
+        sent = self.global_state() if step is not None else None   # the model this round's clients trained from
         arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is not None and step is not None:
+            fresh = step.update(sent, self.last_updates, self.node_units)
+            log(INFO, "aggregate_train: round %d: inclusivefl momentum (beta %g) from the next deeper tier for "
+                "tiers %s (units)", server_round + self.round_offset, step.beta, fresh)
         if arrays is not None:
             self._global = arrays   # the tiers' evaluation reads the new global model
             self._width_models = {}   # ... and its slices

@@ -15,8 +15,9 @@
 - ``TierModels`` (``fedfuse.flower.tiers.tier_derivation``): each narrower tier's next model (slice, fuse, distill,
   prune) and its guard.
 
-HeteroFL (Diao et al., arXiv 2010.01264) and FedRolex (Alam et al., arXiv 2212.01548) are the same class with
-their registry entries (sub-model average, static BN, rolling window for FedRolex, no guard, no refinement).
+HeteroFL (Diao et al., arXiv 2010.01264) and FedRolex (Alam et al., arXiv 2212.01548) are this class with their
+registry entries (sub-model average, static BN, rolling window for FedRolex, slices, no guard, no refinement); their
+named classes only fix ``method``.
 Per round, ``history`` gets ``tier-bytes-sent`` / ``tier-clients`` / ``tier-val-accuracy`` /
 ``tier-train-seconds`` (``{tier: value}``); ``evaluate_tiers`` scores every tier model on a test split.
 """
@@ -81,8 +82,13 @@ class TieredFusionStrategy(FusionStrategy):
     """
 
     def __init__(self, method: str | None = None, *, tiering: TierOptions | None = None, **options: Any) -> None:
-        tiering = take_options(TierOptions, tiering, options)   # flat keywords (``tiers=...``) into TierOptions
         entry = with_tiers(strategy_spec(method or type(self).method))
+        if entry.tiers.required:   # HeteroFL / FedRolex (their entries): the paper's slices, no divergence guard,
+            # the width scaler where the model has BatchNorm (None) unless set
+            options.pop("tier_models", None)
+            options.update(guard=False, tier_models="slice")
+            options.setdefault("width_scaler", None)
+        tiering = take_options(TierOptions, tiering, options)   # flat keywords (``tiers=...``) into TierOptions
         super().__init__(method, registry_entry=entry, **options)
         if self.model_fn is None:
             raise ValueError("strategy: a tiered strategy needs model_fn (the global, widest architecture)")
@@ -353,13 +359,8 @@ class HeteroFLStrategy(TieredFusionStrategy):
 
     method = "heterofl"
 
-    def __init__(self, method: str | None = None, *, width_scaler: bool | None = None, guard: bool = False,
-                 **options: Any) -> None:
-        options.pop("tier_models", None)
-        super().__init__(method, width_scaler=width_scaler, guard=False, tier_models="slice", **options)
 
-
-class FedRolexStrategy(HeteroFLStrategy):
+class FedRolexStrategy(TieredFusionStrategy):
     """FedRolex (Alam, Liu, Yan & Zhang, "FedRolex: Model-Heterogeneous Federated Learning with Rolling Sub-Model
     Extraction", arXiv 2212.01548): HeteroFL's averaging with a sub-model window that rolls by one unit (one
     attention head) per round."""
