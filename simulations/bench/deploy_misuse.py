@@ -423,8 +423,9 @@ def md_table(records: list[dict]) -> str:
         res = r.get("results") or {}
         did = [r.get("status", "")]
         if res:
+            final = res.get("final-accuracy")
             did.append(f"rounds {res.get('rounds')}, valid replies {res.get('valid-replies')}, final "
-                       f"{res.get('final-accuracy')}")
+                       f"{'-' if final is None else f'{final:.4f}'}, results.json status {res.get('status')}")
             rej = [x for rnd in res.get("rejected") or [] for x in rnd]
             fail = [x for rnd in res.get("failures") or [] for x in rnd]
             if rej:
