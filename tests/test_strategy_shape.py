@@ -43,3 +43,13 @@ def test_flower_baselines_and_fedavg_are_not_fusion_strategies():
     for name, preset in STRATEGIES.items():
         if preset.entry.aggregation in ("arrays", "flower"):
             assert not issubclass(preset.protocol, FusionStrategy), name
+
+
+def test_a_preset_can_still_be_subclassed_to_add_a_step():
+    """Before presets, ``STRATEGIES[name]`` was a class users subclassed; it still works (PEP 560)."""
+    from fedfuse.flower import STRATEGIES
+
+    class Mine(STRATEGIES["kf-linear"]):
+        extra = True
+
+    assert issubclass(Mine, STRATEGIES["kf-linear"].protocol) and Mine.method == "kf-linear"

@@ -88,6 +88,13 @@ class Preset:
     def __call__(self, **options: Any) -> RoundProtocol:
         return self.protocol(self.name, **options)
 
+    def __mro_entries__(self, bases: tuple) -> tuple[type]:
+        """``class Mine(STRATEGIES["kf-linear"])`` (a subclass that adds one step, as before presets) subclasses the
+        protocol class that runs this name (PEP 560); it must fix the name's method to be used without ``method=``."""
+        if getattr(self.protocol, "method", None) not in (None, self.name):
+            raise TypeError(f"STRATEGIES[{self.name!r}] runs {self.protocol.__name__}, which fixes another method")
+        return (self.protocol,)
+
 
 class AverageStrategy(FusionStrategy):
     method = "average"
