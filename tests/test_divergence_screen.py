@@ -152,7 +152,7 @@ def test_one_client_sending_weights_times_1e20_no_longer_stops_the_default_run(t
         assert row["fallback"] is None and row["valid-replies"] == 3
         [rejected] = row["rejected"]
         assert rejected["partition-id"] == 1 and rejected["outsized-weights"]
-        assert 1 not in row["client-partition-ids"] and sorted(row["client-partition-ids"]) == [0, 2, 3]
+        assert sorted(row["client-partition-ids"]) == [0, 2, 3]   # the liar's reply is not a member
         assert row["ensemble-accuracy"] > 0.3   # chance is 0.1: the liar's outputs are not in it
     assert res["rounds"][2]["test-accuracy"] > 0.4
     with open(outcome.out_dir / "rounds.csv") as f:

@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, FusionError, FusionOptionError, FusionResult,
+from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, same_architecture, FusionError, FusionOptionError, FusionResult,
                                      IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
                                      NumericalFusionError, get_spec, option_table, register)
 from fedfuse.fusion.refine import parse_refine, refine_model
@@ -76,14 +76,6 @@ def model_setup(models: list[nn.Module]) -> tuple[str | None, bool | None, str |
     except ValueError as exc:
         return family, None, str(exc)
     return family, affine, None
-
-
-def same_architecture(a: nn.Module, b: nn.Module) -> bool:
-    """Same module type and the same state-dict names and shapes."""
-    if type(a) is not type(b):
-        return False
-    sa, sb = a.state_dict(), b.state_dict()
-    return list(sa) == list(sb) and all(sa[k].shape == sb[k].shape for k in sa)
 
 
 def fresh_copy(model: nn.Module, seed: int) -> nn.Module:

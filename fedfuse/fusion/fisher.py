@@ -34,7 +34,7 @@ from torch import nn
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.permute import Map, PermSpec, apply_maps
 from fedfuse.fusion.permute.maps import load_plain
-from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require
+from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require, require_same_architecture
 from fedfuse.fusion.regmean import layer_rows, merge_layers, public_statistics
 from fedfuse.fusion.stat_align import Align, align_to_first
 
@@ -250,11 +250,7 @@ def fuse_fisher(models, *, fusion_inputs, scores, weights, device, seed, options
     ``statistics``, ``align`` when aligned. Raises ``IncompatibleModelsError`` for models of other architectures."""
     o = options
     ref = models[0]
-    for i, m in enumerate(models[1:], 1):
-        sa, sb = ref.state_dict(), m.state_dict()
-        if type(m) is not type(ref) or list(sa) != list(sb) or any(sa[k].shape != sb[k].shape for k in sa):
-            raise IncompatibleModelsError(f"fisher: model {i} has another architecture than model 0 (Fisher merging "
-                                          "averages parameter by parameter: the same names and shapes are needed)")
+    require_same_architecture(models, "fisher", "Fisher merging averages parameter by parameter: the same names and shapes are needed")
     if statistics is not None:
         check_fishers(statistics, ref)
         info["statistics"] = "clients"

@@ -45,6 +45,22 @@ class IncompatibleModelsError(FusionError):
     """The method cannot take these models (family, widths, depth, number of models, layer kinds)."""
 
 
+def same_architecture(a, b) -> bool:
+    """Same module type and the same state-dict names and shapes."""
+    if type(a) is not type(b):
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(sa[k].shape == sb[k].shape for k in sa)
+
+
+def require_same_architecture(models, method: str, why: str) -> None:
+    """``IncompatibleModelsError`` naming the first model whose architecture is not model 0's (``why``: what the
+    method does parameter by parameter that needs it)."""
+    for i, m in enumerate(models[1:], 1):
+        if not same_architecture(models[0], m):
+            raise IncompatibleModelsError(f"{method}: model {i} has another architecture than model 0 ({why})")
+
+
 class MissingInputError(FusionError):
     """The method needs an input that was not given (fusion set, importance scores, class counts)."""
 

@@ -41,7 +41,8 @@ from torch import nn
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.permute import Map, PermSpec
 from fedfuse.fusion.permute.maps import load_plain
-from fedfuse.fusion.registry import (IncompatibleModelsError, MissingInputError, register, require)
+from fedfuse.fusion.registry import (IncompatibleModelsError, MissingInputError, register, require,
+                                     require_same_architecture)
 from fedfuse.fusion.stat_align import Align, align_to_first, input_permutation
 
 PAPER_REGMEAN = ('RegMean (Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023, '
@@ -246,11 +247,7 @@ def fuse_regmean(models, *, fusion_inputs, scores, weights, device, seed, option
     architectures or layers it cannot unfold (``Conv3d``, transposed convolutions)."""
     o = options
     ref = models[0]
-    for i, m in enumerate(models[1:], 1):
-        sa, sb = ref.state_dict(), m.state_dict()
-        if type(m) is not type(ref) or list(sa) != list(sb) or any(sa[k].shape != sb[k].shape for k in sa):
-            raise IncompatibleModelsError(f"regmean: model {i} has another architecture than model 0 (RegMean merges "
-                                          "layer by layer: the same layers and shapes are needed)")
+    require_same_architecture(models, "regmean", "RegMean merges layer by layer: the same layers and shapes are needed")
     layers = merge_layers(ref)
     if statistics is not None:
         check_grams(statistics, layers)
