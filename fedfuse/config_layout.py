@@ -52,6 +52,17 @@ OPTION_TABLES: dict[str, dict[str, str]] = {
                            "fusion-options": "warm-start-fusion-options"},
 }
 
+#: the strategy-options entries that say how the federation runs (sampling, the round timeout, what a failed
+#: aggregation does): they belong to the run, not to the strategy it names
+FEDERATION_OPTIONS = ("fraction-train", "min-train-nodes", "round-timeout", "fusion-fallback")
+#: where a strategy's own settings are written: its fusion method's options, every other strategy option (its steps,
+#: its server optimizer, its Flower options, its candidates) and how capacity tiers derive their models. A run of
+#: another strategy on the same federation (a comparison's baseline) leaves them out and keeps every other key
+STRATEGY_OWN_PATHS: tuple[str, ...] = (
+    ("fusion-options",)
+    + tuple(f"strategy-options.{entry}" for entry in OPTION_TABLES["strategy-options"] if entry not in FEDERATION_OPTIONS)
+    + ("tier-options.models", "tier-options.ordered-dropout"))
+
 #: field key -> its path (``"dp-options.noise-multiplier"``) for the settings that live in a table
 TABLE_PATHS: dict[str, str] = {key: f"{table}.{entry}" for table, entries in OPTION_TABLES.items()
                                for entry, key in entries.items()}

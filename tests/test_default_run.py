@@ -29,6 +29,37 @@ def test_baseline_config_keeps_the_split_and_drops_strategy_keys():
     preflight({k: v for k, v in b.items() if k not in ("output-dir", "run-name")})  # a valid fedavg config
 
 
+@pytest.mark.parametrize("cfg, baseline", [
+    ({"strategy": "krum", "strategy-options.num-malicious-nodes": 1}, "fedavg"),
+    ({"strategy": "multikrum", "strategy-options.num-malicious-nodes": 1,
+      "strategy-options.num-nodes-to-select": 2}, "fedavg"),
+    ({"strategy": "fedtrimmedavg", "strategy-options.trim-beta": 0.1}, "fedavg"),
+    ({"strategy": "auto", "strategy-options.auto-candidates": "average,kf-linear",
+      "strategy-options.auto-momentum": "off"}, "fedavg"),
+    ({"strategy": "rebasin", "strategy-options.align-to": "global"}, "fedavg"),
+    ({"strategy": "fedprox", "strategy-options.proximal-mu": 0.1}, "fedavgm"),
+    ({"strategy": "inclusivefl", "client-tiers": "1x1,1x0.5", "strategy-options.mom-beta": 0.3}, "depthfl"),
+])
+def test_a_baseline_never_inherits_another_strategys_own_setting(cfg, baseline):
+    """Every strategy option but the federation's (sampling, timeout, fallback) is the strategy's own: the baseline
+    runs with its own defaults and its config is valid (Krum's ``num-malicious-nodes``, auto's candidates, ... made
+    the baseline's config an error before ``STRATEGY_OWN_PATHS``)."""
+    from fedfuse.config import parse_run_config
+
+    cfg = {**cfg, "strategy-options.fraction-train": 1.0, "strategy-options.min-train-nodes": 4}
+    parse_run_config(cfg)
+    b = baseline_config(cfg, baseline)
+    assert b["strategy-options.fraction-train"] == 1.0 and b["strategy-options.min-train-nodes"] == 4
+    assert parse_run_config(b).strategy == baseline
+
+
+def test_every_strategy_specific_key_is_a_strategy_own_path():
+    from fedfuse.config_layout import path_of
+    from fedfuse.strategy_specs import STRATEGY_KEYS_ALL
+
+    assert {path_of(k) for k in STRATEGY_KEYS_ALL} <= set(STRATEGY_ONLY_KEYS)
+
+
 # --------------------------------------------------------------------------------------------- the table
 def _rows(accs, **marks):
     rows = [{"round": r, "test-accuracy": a, "test-loss": 1.0} for r, a in enumerate(accs)]

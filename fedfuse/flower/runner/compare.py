@@ -33,18 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import canonical
+from fedfuse.config_layout import STRATEGY_OWN_PATHS
 from fedfuse.flower.runner.console import head_round_record, rounds_text
 from fedfuse.references import REFERENCE_LABELS, gap_recovered
 from fedfuse.results import privacy_text
 
 BASELINE = "fedavg"
 HEAD_SUFFIX = " + head round"   # the label of a baseline's row with the head round (RunSummary.split_head)
-# run-config keys that only some strategies read: not carried over to the baseline (FedAvg reads none of them;
-# fedfuse.config rejects most of them for fedavg)
-STRATEGY_ONLY_KEYS = ("fusion-options", "strategy-options.fusion-rounds", "strategy-options.refine",
-                      "strategy-options.refine-prior", "strategy-options.divergence-guard", "strategy-options.server-lr",
-                      "strategy-options.server-momentum", "strategy-options.proximal-mu", "tier-options.models",
-                      "tier-options.ordered-dropout")
+# the run-config keys a strategy's own settings live in (``fedfuse.config_layout.STRATEGY_OWN_PATHS``): not carried
+# over to the baseline, which runs with its own defaults
+STRATEGY_ONLY_KEYS = STRATEGY_OWN_PATHS
 
 
 def baseline_config(run_config: dict[str, Any], baseline: str = BASELINE, *, output_dir: str | None = None,
