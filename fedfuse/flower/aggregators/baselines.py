@@ -36,14 +36,12 @@ from flwr.serverapp.strategy import (Bulyan, FedAdam, FedAvg, FedAvgM, FedMedian
 
 from fedfuse.fusion import FusionError, NumericalFusionError
 from fedfuse.strategy_specs import SERVER_MOMENTUM, strategy_spec
-from fedfuse.flower.round.options import refuse_fusion_steps
+from fedfuse.flower.round.options import arrays_only
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 
 # Flower state that a fallback or a resume invalidates (FedAvgM: anchor + momentum; FedOpt: moments)
 _SERVER_OPT_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")
-# fusion-strategy options every strategy accepts so that one call builds any of them; here they must be neutral
-_FUSION_ONLY = ("importance", "prior", "guard", "guard_ratio", "calibrate_min_gap", "fuse_fn")
 
 
 class FlowerAggregationError(FusionError):
@@ -81,14 +79,14 @@ class FlowerBaselineStrategy(RoundProtocol):
         self.entry = strategy_spec(self.method)
         if type(self).flower_class is FedAvg and self.entry.flower_class not in (None, "FedAvg"):
             self.flower_class = _flower_class(self.method, self.entry.flower_class)   # the entry's Flower class
-        refuse_fusion_steps(self.method, f"Flower's {self.flower_class.__name__}", fusion_options, fusion_rounds,
-                            refine)
         for name in ("server_momentum", "server_learning_rate", "refine_check"):
             if name in options:  # fedfuse's own server step / refine check: Flower's strategy has its own optimizer
                 raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {name!r} "
                                 f"(Flower's {self.flower_class.__name__} options are its own)")
-        for name in _FUSION_ONLY:
-            options.pop(name, None)
+        # the fusion concerns' flat keywords that every strategy accepts, so that one call builds any of them: neutral
+        # here (``guard``, ``prior``, ...), a fusion step refused
+        options.update(fusion_options=fusion_options, fusion_rounds=fusion_rounds, refine=refine)
+        arrays_only(self.method, f"Flower's {self.flower_class.__name__}", options)   # takes them out of options
         super().__init__(**options)
         self.flower_options = dict(flower_options or {})
         self.flower = self.flower_class(
