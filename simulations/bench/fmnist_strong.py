@@ -321,9 +321,9 @@ def pooled(folder: Path, seed: int, recipe: dict = RECIPE, cache: Path = CACHE) 
 def table(out: Path) -> str:
     """O1 (strong clients): fmnist_tables' O1 table of ``out/rows.jsonl`` with the pooled ceiling row added."""
     from fedfuse.flower.runner.stats import format_mean_std
-    from simulations.bench.fmnist_tables import o1_table, rows_of
+    from simulations.bench.fmnist_tables import o1_table
 
-    rows = rows_of(out)
+    rows = all_rows(out)
     # the cost column dropped: this table's runs shared 2 cores with other jobs, so its seconds say little
     text = "\n".join("|".join(line.split("|")[:-2] + [""]) for line in o1_table(rows).splitlines())
     pooled_rows = [json.loads(p.read_text()) for p in sorted(out.glob("pooled-*.json"))]
@@ -340,15 +340,51 @@ def table(out: Path) -> str:
     return text
 
 
-def per_seed(out: Path, command: str) -> None:
-    """One JSON per cell (split folder) of ``out/rows.jsonl``: its rows and the command."""
-    from simulations.bench.fmnist_tables import rows_of
+def _rounded(x):
+    """Floats to 6 significant digits, in dicts and lists, except the test accuracies (``accuracy``, ``with-head``),
+    kept as computed: a mean on a rounding tie (33.65) would otherwise print differently."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: v if k in ("accuracy", "with-head") else _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
 
+
+def per_seed(out: Path, commands: list[str]) -> None:
+    """One JSON per cell (split folder) of ``out``'s rows: the commands, the values every row of the cell shares
+    (``shared``: part, seed, the clients' recipe, ...) and each row's own, other floats than the accuracies to 6 significant digits (kept small:
+    the tracked evidence has a size limit). ``all_rows`` reads them back as the bench wrote them."""
     cells: dict[str, list] = {}
-    for r in rows_of(out):
+    for r in all_rows(out):
         cells.setdefault(f"fmnist-{r['part']}-n{CLIENTS}-s{r['seed']}", []).append(r)
     for name, rows in cells.items():
-        (out / f"{name}.json").write_text(json.dumps({"cell": name, "command": command, "rows": rows}))
+        shared = {k: v for k, v in rows[0].items() if all(k in r and r[k] == v for r in rows)}
+        own = [_rounded({k: v for k, v in r.items() if k not in shared}) for r in rows]
+        (out / f"{name}.json").write_text(json.dumps({"cell": name, "commands": commands, "shared": _rounded(shared),
+                                                      "rows": own}, separators=(",", ":")))
+
+
+def all_rows(out: Path) -> list[dict]:
+    """The rows of ``out``: its ``rows.jsonl`` (the benches append there; local, not tracked), or where that is
+    absent, the per-seed JSON ``per_seed`` wrote (tracked)."""
+    from simulations.bench.fmnist_tables import rows_of
+
+    if (out / "rows.jsonl").exists():
+        return rows_of(out)
+    rows = []
+    for path in sorted(out.glob(f"fmnist-*-n{CLIENTS}-s*.json")):
+        cell = json.loads(path.read_text())
+        rows += [{**cell.get("shared", {}), **r} for r in cell["rows"]]
+    return rows
+
+
+# the commands whose rows the table holds, in the order they were run (see docs/fashion-mnist.md)
+COMMANDS = ["python -m simulations.bench.fmnist_oneshot --clients strong --alphas 0.1,0.3,0.5 --seeds 0,1,2 "
+            "--out {out}",
+            "python -m simulations.bench.fmnist_oneshot --clients strong --alphas 0.1,0.3,0.5 --seeds 0,1,2 "
+            "--methods regmean,regmean-align,regmean-alignw,fisher,fisher-align --no-references --out {out}"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -381,8 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         text = table(out)
         (out / "table.md").write_text("mean ± sample std (ddof=1) over seeds; test accuracy in %\n\n" + text + "\n")
-        per_seed(out, "python -m simulations.bench.fmnist_oneshot --clients strong --alphas 0.1,0.3,0.5 "
-                      "--seeds 0,1,2 --out " + str(out))
+        per_seed(out, [c.format(out=out) for c in COMMANDS])
         print(text)
 
 
