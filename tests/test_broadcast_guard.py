@@ -1,4 +1,4 @@
-"""The broadcast guard (``fedfuse.flower.round.broadcast_guard``): a global model with finite weights but non-finite
+"""The broadcast guard (``fedfuse.flower.round.divergence``): a global model with finite weights but non-finite
 outputs (a BatchNorm running variance below zero) is never broadcast; the round keeps the previous model, records
 why and which reply broke it."""
 
@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 from torch import nn
 
-from fedfuse.flower.round.broadcast_guard import guard_broadcast, non_finite_outputs
+from fedfuse.flower.round.divergence import guard_broadcast, non_finite_outputs
 from fedfuse.flower.round.replies import ClientUpdate
 
 

@@ -11,10 +11,10 @@ Layout, one package per concern (each package's docstring says what it holds):
 
 - ``strategies``: ``STRATEGIES`` / ``build_strategy`` from the registry (``fedfuse.strategy_specs``) and the named
   classes; ``server_app`` / ``client_app``: fedfuse's own apps (the pyproject's components);
-- ``round``: what every strategy does with a round's messages: the reply contract (``replies``; ``client_replies``
-  for your own ClientApp), ``RoundProtocol`` (triage, validation, the streamed average, the fallback and the round's
+- ``round``: what every strategy does with a round's messages: the reply contract, both sides (``replies``: validation,
+  and the helpers your own ClientApp replies with), ``RoundProtocol`` (triage, validation, the streamed average, the fallback and the round's
   record, in one file), the typed options, the steps after an aggregation (divergence guard, server momentum,
-  refinement), the broadcast guard;
+  refinement), divergence checked on every reply and on the model broadcast;
 - ``aggregators``: what a round aggregates with: ``FusionStrategy`` (a ``fedfuse.fusion`` method), Flower's own
   strategies, strategy ``auto``'s vote between candidates (``selection``, ``candidates``), a warm start's round 1;
 - ``tiers``: clients of different capacities (width tiers: fusion into the global width, HeteroFL, FedRolex; depth
@@ -28,7 +28,7 @@ from fedfuse.flower.aggregators.baselines import (FLOWER_BASELINES, BulyanStrate
                                       FedMedianStrategy, FedProxStrategy, FedTrimmedAvgStrategy, FedYogiStrategy,
                                       FlowerBaselineStrategy, KrumStrategy, MultiKrumStrategy)
 from fedfuse.flower.round.replies import ClientUpdate, NonFiniteWeights, ReplyRejected, validate_reply
-from fedfuse.flower.round.client_replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
+from fedfuse.flower.round.replies import TrainRequest, make_train_reply, read_train_message, reply_to_train
 from fedfuse.flower.strategies import (STRATEGIES, AverageStrategy, Preset, FedAvgStrategy, FedDfStrategy,
                                        FsMergeSeqStrategy, FsMergeStrategy, HfGradientStrategy, HfLinearStrategy,
                                        KdStrategy, KfGradientStrategy, KfLinearStrategy, LpStrategy, OtStrategy,

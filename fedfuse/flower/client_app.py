@@ -1,7 +1,7 @@
 """fedfuse ClientApp: train locally on this node's data, score neurons when asked, reply.
 
 Its replies follow the reply contract of ``fedfuse.flower.round.replies`` and are built by the same helper a
-user's own ClientApp uses (``fedfuse.flower.round.client_replies.make_train_reply``). Reply of a ``train`` message
+user's own ClientApp uses (``fedfuse.flower.round.replies.make_train_reply``). Reply of a ``train`` message
 (``RecordDict``):
 - the trained weights (``ArrayRecord`` of the model's state dict) under the name the global model arrived in
   (the strategy's ``arrayrecord_key``, ``"arrays"`` by default);
@@ -43,7 +43,7 @@ from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_
 from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
-from fedfuse.flower.round.client_replies import make_train_reply, read_train_message  # noqa: E402
+from fedfuse.flower.round.replies import make_train_reply, read_train_message  # noqa: E402
 from fedfuse.flower.round.replies import METRICS_KEY, PARTITION_PREFIX  # noqa: E402
 from fedfuse.flower.head.head_messages import (ACTION as HEAD_ACTION, head_reply_content, read_head_dp_clip, read_head_query,  # noqa: E402
                                        read_head_sites, read_head_tier_sites, read_head_tiers,

@@ -52,7 +52,7 @@ from fedfuse.config import (ConfigError, RunConfig, config_notes, dataset_info, 
 from fedfuse.plan import auto_candidates, auto_server_momentum, make_plan  # noqa: E402
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
-from fedfuse.flower.round.broadcast_guard import guard_broadcast  # noqa: E402
+from fedfuse.flower.round.divergence import guard_broadcast  # noqa: E402
 from fedfuse.flower.head.head_step import HeadRoundOptions, HeadRoundStep, ensemble_reference  # noqa: E402
 from fedfuse.flower.trust.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES  # noqa: E402

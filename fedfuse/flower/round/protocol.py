@@ -54,8 +54,8 @@ from torch import nn
 from fedfuse.fusion import FusionError
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.flower.trust.answer_screen import count_limit
-from fedfuse.flower.round.client_replies import WEIGHT_KEY
-from fedfuse.flower.round.broadcast_guard import PROBE, non_finite_outputs
+from fedfuse.flower.round.replies import WEIGHT_KEY
+from fedfuse.flower.round.divergence import PROBE, non_finite_outputs
 from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
 from fedfuse.flower.round.outcome import ClientsDivergedError, ReplyContractError, aggregate_metrics, info_line
 from fedfuse.flower.round.replies import (IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate,
