@@ -264,7 +264,7 @@ def test_quiet_console_prints_rounds_and_user_warnings_and_logs_everything(tmp_p
 
 
 def test_progress_is_off_without_a_terminal(monkeypatch, capsys):
-    from fedfuse.flower.runner import progress as prog
+    from fedfuse.flower.runner import console as prog
 
     monkeypatch.delenv("FEDFUSE_PROGRESS", raising=False)
     items = [1, 2, 3]

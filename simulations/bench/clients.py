@@ -30,7 +30,7 @@ from fedfuse.models import build_model
 from fedfuse.training import make_optimizer, resolve_device
 
 from simulations.bench.specs import parse_partition
-from fedfuse.flower.runner.progress import progress
+from fedfuse.flower.runner.console import progress
 
 CACHE_VERSION = 2  # bump when a change to training makes cached clients stale
 

@@ -37,7 +37,7 @@ from simulations.bench.clients import add_client_arguments, cell_from_args
 from simulations.bench.report import write_results
 from simulations.bench.specs import parse_ints, parse_partition, split_list
 from simulations.bench.tables import load_rows
-from fedfuse.flower.runner.progress import progress, progress_print
+from fedfuse.flower.runner.console import progress, progress_print
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,7 +47,7 @@ from fedfuse.training import resolve_device
 
 from simulations.bench.clients import Recipe, plain_recipe, train_client
 from simulations.bench.timing import interleaved_timings
-from fedfuse.flower.runner.progress import progress, progress_print
+from fedfuse.flower.runner.console import progress, progress_print
 
 RESULTS = Path("results/tofu")
 MODES: dict[str, dict] = {

@@ -1,4 +1,5 @@
-"""The quiet console of the runners: one line per round, the warnings that matter, everything else in a log file.
+"""What the runners show on the terminal: the quiet console (one line per round, the warnings that matter, everything
+else in a log file) and progress bars of long work.
 
 A ``flwr run`` of the default config prints ~130 lines (Flower's strategy banner, Ray notices, the
 aggregated-metrics dump); a user wants to see the rounds go by and hear about anything that went wrong.
@@ -13,15 +14,26 @@ aggregated-metrics dump); a user wants to see the rounds go by and hear about an
 - at the end, how many other (Flower/Ray) warnings the log holds, so nothing disappears unsaid.
 
 ``verbose=True`` prints nothing itself (the engine echoes every line) and only writes the log.
+
+**Progress** of long work (sweeps, benchmarks, training many clients): a ``tqdm`` bar on a terminal, nothing otherwise.
+
+    for cell in progress(cells, desc="sweep", unit="run"):
+        ...
+        progress_print(f"sweep: {name}: done")      # a line above the bar (plain print without a bar)
+
+The bar (elapsed, rate and ETA) is drawn on stdout only when stdout is a terminal, so logs, CI output and
+``| tee`` captures hold the per-step lines alone. ``FEDFUSE_PROGRESS=0`` turns it off, ``=1`` forces it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from fedfuse.results import rounds_text  # noqa: F401  (the console's, tables' and plots' count of a run's steps)
 
@@ -221,3 +233,45 @@ class QuietConsole:
         if self.verbose or not self.hidden_warnings:
             return None
         return f"{self.hidden_warnings} other warning(s) from Flower/Ray are in {log_path}"
+
+
+# ---------------------------------------------------------------- progress of long work
+T = TypeVar("T")
+
+
+def progress_enabled() -> bool:
+    """Whether bars are drawn: ``FEDFUSE_PROGRESS`` (0/1) if set, else whether stdout is a terminal."""
+    forced = os.environ.get("FEDFUSE_PROGRESS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress(items: Iterable[T], *, desc: str = "", unit: str = "it", total: int | None = None,
+             leave: bool = True) -> Iterator[T] | Iterable[T]:
+    """``items`` with a ``tqdm`` bar (ETA) on a terminal; ``items`` unchanged otherwise."""
+    if not progress_enabled():
+        return items
+    from tqdm import tqdm
+
+    try:  # on a pseudo-terminal of size 0x0 (script, some containers/IDEs) tqdm draws nothing (rows 0 hide every bar)
+        size = os.get_terminal_size(sys.stdout.fileno())
+        sized = size.columns > 0 and size.lines > 0
+    except (OSError, ValueError, AttributeError):
+        sized = False
+    return tqdm(items, desc=desc, unit=unit, total=total, leave=leave, file=sys.stdout, dynamic_ncols=sized,
+                ncols=None if sized else 100, nrows=None if sized else 24)
+
+
+def progress_print(text: str) -> None:
+    """Print a line without breaking an active bar (``tqdm.write``); a plain flushed print otherwise."""
+    if progress_enabled():
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(text, flush=True)

@@ -16,7 +16,7 @@ final accuracy in fewer rounds"; never = the run did not reach it, counted as th
 marked). ``accuracy.png`` plots the test accuracy per round, mean ± std over seeds, per partitioning.
 Every run's own results folder is kept under ``--out``; ``sweep.json`` holds all rows;
 ``--tables-only`` re-renders table and plot from an existing ``sweep.json``. On a terminal a progress bar
-(runs done, ETA) sits under the one line per finished run (``fedfuse.flower.runner.progress``).
+(runs done, ETA) sits under the one line per finished run (``fedfuse.flower.runner.console``).
 
 ``--engine flwr`` (default) runs each cell as a real ``flwr run`` (SuperLink + Ray); ``--engine inprocess``
 runs the same ServerApp body and ClientApp in this process on a ``LocalGrid``
@@ -46,7 +46,7 @@ from fedfuse.config import ConfigError
 from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, parse_run_config_arg,
                                        preflight_or_exit, run_with_engine, split_list)
 from fedfuse.flower.runner.paths import default_results_dir
-from fedfuse.flower.runner.progress import progress, progress_print
+from fedfuse.flower.runner.console import progress, progress_print
 from fedfuse.flower.runner.run import run_failure
 from fedfuse.flower.runner.stats import format_mean_std
 from fedfuse.hetero import tier_name
