@@ -15,6 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedfuse.flower import STRATEGIES, build_strategy, state_to_record
 from fedfuse.flower.round.steps import DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm
 from fedfuse.flower.round.replies import ClientUpdate
+from fedfuse.fusion import client_statistics
 from fedfuse.importance import uniform_importance
 from fedfuse.models import build_model
 from fedfuse.strategy_specs import SPECIAL_SPECS, StrategySpec, strategy_names, strategy_spec
@@ -51,7 +52,7 @@ def _trained(seed, depth_tiers=False):
     return m
 
 
-def _reply(node_id, seed, n, scores=True, depth_tiers=False, keys=None):
+def _reply(node_id, seed, n, scores=True, depth_tiers=False, keys=None, statistics=None):
     msg = Mock(spec=Message)
     msg.metadata = Mock(src_node_id=node_id)
     msg.has_error.return_value = False
@@ -62,6 +63,9 @@ def _reply(node_id, seed, n, scores=True, depth_tiers=False, keys=None):
                                                    "class-counts": [n // 10] * 10})})
     if scores:   # only when the train config asks for them (``need-importance``), as fedfuse's ClientApp does
         content["importance"] = ArrayRecord({k: Array(v.numpy().copy()) for k, v in uniform_importance(model).items()})
+    if statistics:   # only when the train config asks for them (``need-statistics``): the method's, on local data
+        stats = client_statistics(statistics, model, _x(20), torch.arange(20) % 10)
+        content["statistics"] = ArrayRecord({k: Array(v.numpy().copy()) for k, v in stats.items()})
     msg.content = content
     return msg
 
@@ -101,8 +105,9 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
     assert len(msgs) == n and all(ARRAYS in m.content for m in msgs)
     scores = bool(msgs[0].content["config"]["need-importance"])
     held = set(msgs[0].content[ARRAYS]) if depth else None   # a depth tier replies with the arrays it was sent
-    replies = [_reply(1, 1, 30, scores, depth, held), _reply(2, 2, 90, scores, depth, held)] + \
-        ([_reply(3, 3, 60, scores)] if n == 3 else [])
+    stats = msgs[0].content["config"]["fusion-method"] if msgs[0].content["config"].get("need-statistics") else None
+    replies = [_reply(1, 1, 30, scores, depth, held, stats), _reply(2, 2, 90, scores, depth, held, stats)] + \
+        ([_reply(3, 3, 60, scores, statistics=stats)] if n == 3 else [])
     arrays, metrics = s.aggregate_train(1, replies)
     record = s.history[-1]
     assert record["valid"] == n and not record["rejected"] and record["fallback"] is None, record

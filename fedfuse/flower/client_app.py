@@ -41,6 +41,7 @@ from flwr.clientapp.typing import Mod  # noqa: E402
 from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_model, parse_once,  # noqa: E402
                             partition_file)
 from fedfuse.data.node_data import load_node_data  # noqa: E402
+from fedfuse.fusion import client_statistics  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.round.replies import make_train_reply, read_train_message  # noqa: E402
@@ -160,10 +161,15 @@ def train(msg: Message, context: Context) -> Message:
     metrics = dict(out["metrics"])
     class_counts = metrics.pop("class-counts")   # sent only when the strategy asks (privacy by default)
     num_examples = metrics.pop("num-examples")
+    statistics = None
+    if request.need_statistics:   # the round's fusion method reads them (RegMean, Fisher merging): on this node's data
+        model.load_state_dict(out["state"])
+        statistics = client_statistics(request.fusion_method, model, node.train.x, node.train.y, device=device)
     content = make_train_reply(out["state"], num_examples=num_examples, train_metrics=metrics,
                                need_importance=request.need_importance, scores=out["scores"],
                                class_counts=class_counts if request.need_class_counts else None,
-                               partition_id=node.pid, arrays_key=request.arrays_key, weight_key=request.weight_key)
+                               partition_id=node.pid, arrays_key=request.arrays_key, weight_key=request.weight_key,
+                               statistics=statistics)
     return Message(content=content, reply_to=msg)
 
 

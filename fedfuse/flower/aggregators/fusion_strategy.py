@@ -21,14 +21,16 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedfuse.choices import no_fusion_options
-from fedfuse.fusion import METHOD_SPECS, FusionError, FusionResult, MissingInputError, fuse_result, get_spec
+from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MissingInputError, client_statistics, fuse_result,
+                            get_spec)
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.training import resolve_device
 from fedfuse.models import levels
 from fedfuse.strategy_specs import StrategySpec, strategy_spec
 from fedfuse.flower.round.options import FusionOptions, GuardOptions, MomentumOptions, RefineOptions, take_options
 from fedfuse.flower.round.protocol import RoundProtocol
-from fedfuse.flower.round.replies import ClientUpdate, bounded_class_counts, reject_inconsistent_scores
+from fedfuse.flower.round.replies import (NEED_STATISTICS, ClientUpdate, bounded_class_counts,
+                                          reject_inconsistent_scores)
 from fedfuse.flower.round.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                   class_prior)
 from fedfuse.flower.aggregators.server_importance import server_importance_options
@@ -143,6 +145,7 @@ class FusionStrategy(RoundProtocol):
         if self.model_fn is not None and self.uses_scores and self.importance == "client":
             self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
         self._work: nn.Module | None = None       # the streamed round's aggregate, reused
+        self._statistics_reference: dict[str, tuple[int, ...]] | None = None
 
     # ---------------------------------------------------------------- options and their views
     def _method_spec(self, method: str):
@@ -184,6 +187,26 @@ class FusionStrategy(RoundProtocol):
         head = bool(self.fusion_options.get("head_weights")) and "class_counts" not in self.fusion_options
         return head or ("calibrate" in self.refine_steps and self.refinement.prior in ("class-counts", "auto"))
 
+    @property
+    def wants_client_statistics(self) -> bool:
+        """Whether the clients must send the statistics the method reads (RegMean's Gram matrices, Fisher merging's
+        Fisher: ``fedfuse.fusion.client_statistics`` on their own data, the methods as published); without them the
+        method would compute them on the server's fusion set (its public-data variant)."""
+        return self.spec is not None and self.spec.client_statistics is not None
+
+    def round_needs_statistics(self, server_round: int) -> bool:
+        return self.wants_client_statistics and self.round_method(server_round) == self.method
+
+    def statistics_reference(self, server_round: int) -> dict[str, tuple[int, ...]] | None:
+        """The statistics' names and shapes for the global architecture, from the method's own statistics function
+        on a few fusion inputs (computed once)."""
+        if not self.round_needs_statistics(server_round):
+            return None
+        if self._statistics_reference is None:
+            stats = client_statistics(self.method, self._model_template(), self.fusion_inputs[:4])
+            self._statistics_reference = {k: tuple(v.shape) for k, v in stats.items()}
+        return self._statistics_reference
+
     def class_prior(self, updates: list[ClientUpdate]) -> tuple[torch.Tensor | None, str]:
         return class_prior(self.refinement.prior, updates)
 
@@ -221,7 +244,8 @@ class FusionStrategy(RoundProtocol):
     def round_config(self, server_round: int) -> dict[str, Any]:
         return {"fusion-method": self.round_method(server_round),
                 "need-importance": self.round_needs_scores(server_round),
-                "need-class-counts": self.wants_class_counts}
+                "need-class-counts": self.wants_class_counts,
+                NEED_STATISTICS: self.round_needs_statistics(server_round)}
 
     def reply_reference(self, server_round: int, node_id: int):
         return self._reference(), (self._level_widths if self.round_needs_scores(server_round) else None)
@@ -281,6 +305,8 @@ class FusionStrategy(RoundProtocol):
                 raise MissingInputError(f"fusion option head_weights needs 'class-counts' in every client's "
                                         f"metrics; nodes {missing} sent none")
             options["class_counts"] = [bounded_class_counts(u) for u in updates]
+        if self.round_needs_statistics(server_round):   # each reply's, checked against statistics_reference
+            options["statistics"] = [u.statistics for u in updates]
         if self.uses_scores and self.importance == "server" and self._accepts_option("fusion_labels"):
             options.setdefault("fusion_labels", self.fusion_labels)
         target = self.fuse_target()

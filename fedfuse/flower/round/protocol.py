@@ -24,7 +24,7 @@ train round is fedfuse's, once for every strategy. A reply travels:
 
 A subclass supplies ``aggregate`` (what the strategy is) and may refine the hooks ``round_config`` (keys
 added to the train config), ``sample`` (node sampling and messages), ``reply_reference`` (the shapes a
-reply must have), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses),
+reply must have), ``statistics_reference`` (the statistics it must carry), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses),
 ``streaming_round`` / ``_finish_stream`` (a streamed round and its steps) and ``on_fallback`` (server state a
 fallback invalidates).
 
@@ -157,6 +157,11 @@ class RoundProtocol(FedAvg):
     def reply_reference(self, server_round: int, node_id: int) -> tuple[Reference, dict[str, int] | None]:
         """``(array names -> (shape, dtype), level widths or None)`` that node ``node_id``'s reply must match."""
         return self._reference(), None
+
+    def statistics_reference(self, server_round: int) -> dict[str, tuple[int, ...]] | None:
+        """``{name: shape}`` of the statistics round ``server_round``'s replies must carry (``None``: none; a fusion
+        method that reads the clients' statistics says which)."""
+        return None
 
     def update_key(self, update: ClientUpdate) -> tuple:
         """The fusion order of the valid replies (partition id: deterministic float sums)."""
@@ -388,7 +393,8 @@ class RoundProtocol(FedAvg):
         try:
             update = validate_reply(msg, reference, widths if level_widths else None, arrays_key=self.arrayrecord_key,
                                     metrics_key=METRICS_KEY, importance_key=IMPORTANCE_KEY,
-                                    weight_key=self.weighted_by_key, copy=copy)
+                                    weight_key=self.weighted_by_key, copy=copy,
+                                    statistics=self.statistics_reference(server_round))
         except ReplyRejected as exc:
             flags = {"non-finite-weights": True} if isinstance(exc, NonFiniteWeights) else {}
             if isinstance(exc, ContractMismatch):

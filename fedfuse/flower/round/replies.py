@@ -64,6 +64,7 @@ from flwr.common.logger import log
 
 from torch import nn
 
+from fedfuse.fusion import client_statistics
 from fedfuse.fusion.score_check import score_inconsistency
 from fedfuse.importance import IMPORTANCE_METHODS, neuron_importance, uniform_importance
 
@@ -71,6 +72,7 @@ MAX_NUM_EXAMPLES = 10**9
 ARRAYS_KEY = "arrays"
 METRICS_KEY = "metrics"
 IMPORTANCE_KEY = "importance"
+STATISTICS_KEY = "statistics"
 NUM_EXAMPLES_KEY = "num-examples"
 
 
@@ -91,7 +93,8 @@ class NonFiniteWeights(ReplyRejected):
 @dataclass
 class ClientUpdate:
     """One validated client reply: weights ``state`` (name → tensor of the global model's shape),
-    optional ``scores`` (level name → ``[width]`` tensor), the sample count and the reported metrics."""
+    optional ``scores`` (level name → ``[width]`` tensor), the sample count and the reported metrics, and the
+    ``statistics`` its fusion method reads (``fedfuse.fusion.client_statistics``) when the round asked for them."""
 
     node_id: int
     partition_id: int
@@ -100,6 +103,7 @@ class ClientUpdate:
     num_examples: int
     metrics: dict[str, float | int | list]
     class_counts: list[int] | None = field(default=None)
+    statistics: dict[str, torch.Tensor] | None = field(default=None)
 
 
 #: how fedfuse's ClientApp names its partition in the error a failing handler raises (``fedfuse.flower.client_app.name_partition_mod``)
@@ -196,7 +200,9 @@ def _npy_view(array, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | No
 def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.dtype]],
                    level_widths: dict[str, int] | None, *, arrays_key: str = ARRAYS_KEY,
                    importance_key: str = IMPORTANCE_KEY, metrics_key: str = METRICS_KEY,
-                   weight_key: str = NUM_EXAMPLES_KEY, copy: bool = True) -> ClientUpdate:
+                   weight_key: str = NUM_EXAMPLES_KEY, copy: bool = True,
+                   statistics: dict[str, tuple[int, ...]] | None = None,
+                   statistics_key: str = STATISTICS_KEY) -> ClientUpdate:
     """Check one reply against the global model; return it parsed or raise ``ReplyRejected``.
 
     Args:
@@ -208,6 +214,8 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
         copy: copy every array out of the reply (``False``: the state's tensors share memory with the arrays
             deserialised from the reply, which ``Array.numpy()`` creates afresh on every call; for a caller that
             reads them once and drops them, as the streaming average does).
+        statistics: ``{name: shape}`` of the statistics the round's fusion method reads, when the round asked for
+            them (train config ``need-statistics``), else ``None``; read from ``statistics_key``.
     """
     content = msg.content
     arrays = _record(content, arrays_key, ArrayRecord)
@@ -266,7 +274,34 @@ def validate_reply(msg: Message, reference: dict[str, tuple[tuple[int, ...], np.
     return ClientUpdate(node_id=int(msg.metadata.src_node_id),
                         partition_id=int(pid) if isinstance(pid, (int, float)) else -1,
                         state=state, scores=scores, num_examples=int(n), metrics=dict(metrics),
-                        class_counts=[int(c) for c in counts] if isinstance(counts, list) else None)
+                        class_counts=[int(c) for c in counts] if isinstance(counts, list) else None,
+                        statistics=None if statistics is None else read_statistics(content, statistics, statistics_key))
+
+
+def read_statistics(content, reference: dict[str, tuple[int, ...]], key: str = STATISTICS_KEY
+                    ) -> dict[str, torch.Tensor]:
+    """A reply's statistics record checked against ``reference`` (``{name: shape}``: what
+    ``fedfuse.fusion.client_statistics`` computes for the global architecture): the same names and shapes,
+    floating-point and finite; ``ContractMismatch`` without the record, ``ReplyRejected`` saying what differs."""
+    record = _record(content, key, ArrayRecord)
+    if record is None:
+        raise ContractMismatch(f"the round's fusion method reads the clients' statistics but the reply has no "
+                               f"ArrayRecord {key!r} (train config '{NEED_STATISTICS}' = true)")
+    missing = [k for k in reference if k not in record]
+    extra = [k for k in record if k not in reference]
+    if missing or extra:
+        raise ReplyRejected(f"statistics names differ from the method's (missing {missing[:3]}, unexpected {extra[:3]})")
+    out = {}
+    for name, shape in reference.items():
+        a = record[name].numpy()
+        if tuple(a.shape) != tuple(shape):
+            raise ReplyRejected(f"statistics {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+        if a.dtype.kind != "f":
+            raise ReplyRejected(f"statistics {name!r} has dtype {a.dtype}, expected floating point")
+        if not np.isfinite(a).all():
+            raise ReplyRejected(f"statistics {name!r} contains NaN or Inf")
+        out[name] = torch.from_numpy(np.array(a, copy=True))
+    return out
 
 
 def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
@@ -277,6 +312,7 @@ def state_to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
 # ---------------------------------------------------------------- the client side: replying from a ClientApp
 NEED_IMPORTANCE = "need-importance"
 NEED_CLASS_COUNTS = "need-class-counts"
+NEED_STATISTICS = "need-statistics"   # train config: send the statistics the round's fusion method reads
 WEIGHT_KEY = "weight-key"   # train config: the metric the strategy reads the sample count from (weighted_by_key)
 CONFIG_KEY = "config"
 
@@ -290,7 +326,7 @@ class TrainRequest:
         arrays: the global model's weights (``None`` when the message carries none).
         config: the train ``ConfigRecord`` as a dict (``server-round``, ``fusion-method``, ``need-importance``,
             ``need-class-counts`` and the ServerApp's own keys, e.g. fedfuse's ``mode``/``local-epochs``/``lr``).
-        server_round / fusion_method / need_importance / need_class_counts: read from ``config``.
+        server_round / fusion_method / need_importance / need_class_counts / need_statistics: read from ``config``.
         weight_key: the metric the strategy reads the sample count from (train config ``weight-key``, the
             strategy's ``weighted_by_key``; ``num-examples`` when the message does not say).
     """
@@ -303,6 +339,7 @@ class TrainRequest:
     need_importance: bool = False
     need_class_counts: bool = False
     weight_key: str = NUM_EXAMPLES_KEY
+    need_statistics: bool = False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The received global weights as a torch state dict (``model.load_state_dict(...)``)."""
@@ -325,7 +362,8 @@ def read_train_message(msg: Message, *, config_key: str = CONFIG_KEY) -> TrainRe
                         fusion_method=str(cfg.get("fusion-method", "")),
                         need_importance=bool(cfg.get(NEED_IMPORTANCE, False)),
                         need_class_counts=bool(cfg.get(NEED_CLASS_COUNTS, False)),
-                        weight_key=str(cfg.get(WEIGHT_KEY) or NUM_EXAMPLES_KEY))
+                        weight_key=str(cfg.get(WEIGHT_KEY) or NUM_EXAMPLES_KEY),
+                        need_statistics=bool(cfg.get(NEED_STATISTICS, False)))
 
 
 def _scores(model: nn.Module, val_data, importance: str, importance_samples: int,
@@ -354,7 +392,8 @@ def make_train_reply(model: nn.Module | Mapping[str, torch.Tensor], *, num_examp
                      need_importance: bool = False, importance: str = "deeplift", importance_samples: int = 256,
                      scores: Mapping[str, torch.Tensor] | None = None, class_counts: Sequence[int] | None = None,
                      partition_id: int | None = None, arrays_key: str = ARRAYS_KEY,
-                     weight_key: str = NUM_EXAMPLES_KEY, device: str | torch.device = "cpu") -> RecordDict:
+                     weight_key: str = NUM_EXAMPLES_KEY, device: str | torch.device = "cpu",
+                     statistics: Mapping[str, torch.Tensor] | None = None) -> RecordDict:
     """The content of a valid ``train`` reply (``fedfuse.flower.round.replies`` contract).
 
     Args:
@@ -370,8 +409,12 @@ def make_train_reply(model: nn.Module | Mapping[str, torch.Tensor], *, num_examp
             strategy asks: train config ``need-class-counts``).
         partition_id: sent as ``partition-id`` (replies are fused in partition order: deterministic sums).
         arrays_key: name of the weights record (the strategy's ``arrayrecord_key``).
+        statistics: the statistics the round's fusion method reads (``fedfuse.fusion.client_statistics`` on the
+            local training data), sent as the ``"statistics"`` record when given (pass them only when the strategy
+            asks: train config ``need-statistics``).
     Returns:
-        ``RecordDict({arrays_key: ArrayRecord, "metrics": MetricRecord[, "importance": ArrayRecord]})``.
+        ``RecordDict({arrays_key: ArrayRecord, "metrics": MetricRecord[, "importance": ArrayRecord]
+        [, "statistics": ArrayRecord]})``.
     """
     if isinstance(num_examples, bool) or not float(num_examples).is_integer() or \
             not 0 < int(num_examples) <= MAX_NUM_EXAMPLES:
@@ -385,6 +428,9 @@ def make_train_reply(model: nn.Module | Mapping[str, torch.Tensor], *, num_examp
             scores = _scores(model, val_data, importance, importance_samples, device)
         content[IMPORTANCE_KEY] = ArrayRecord({k: torch.as_tensor(v).detach().cpu().float().reshape(-1).contiguous()
                                                for k, v in scores.items()})
+    if statistics is not None:
+        content[STATISTICS_KEY] = ArrayRecord({k: torch.as_tensor(v).detach().cpu().float().contiguous()
+                                               for k, v in statistics.items()})
     metrics: dict[str, Any] = {}
     for k, v in (train_metrics or {}).items():
         if k in (weight_key, "class-counts", "partition-id"):
@@ -405,27 +451,38 @@ def reply_to_train(msg: Message, model: nn.Module, *, num_examples: int,
                    importance: str = "deeplift", importance_samples: int = 256,
                    scores: Mapping[str, torch.Tensor] | None = None, class_counts: Sequence[int] | None = None,
                    partition_id: int | None = None, weight_key: str | None = None,
-                   device: str | torch.device = "cpu") -> Message:
+                   device: str | torch.device = "cpu", train_data: Sequence | None = None) -> Message:
     """The reply ``Message`` to a fedfuse ``train`` message ``msg``, doing what its config asks.
 
     Scores only when ``need-importance`` is true; ``class_counts`` only when ``need-class-counts`` is true (a
     ``ValueError`` when asked for and not given); the weights under the received record's name and the sample
     count under the key the message names (``weight-key``: the strategy's ``weighted_by_key``) unless
-    ``weight_key`` is given. Other arguments as ``make_train_reply``.
+    ``weight_key`` is given. The statistics of the round's fusion method (RegMean's Gram matrices, Fisher merging's
+    Fisher) only when ``need-statistics`` is true, computed on ``train_data`` (``(x [N, *input_shape], y [N])``, the
+    local training data; a ``ValueError`` when asked for and not given). Other arguments as ``make_train_reply``.
     """
     request = read_train_message(msg)
     if request.need_class_counts and class_counts is None:
         raise ValueError(f"the strategy asks for the class counts (train config '{NEED_CLASS_COUNTS}' = true; it "
                          "calibrates or weights heads with them): pass class_counts=[samples of class 0, 1, ...]")
+    statistics = None
+    if request.need_statistics:
+        if train_data is None:
+            raise ValueError(f"the strategy's fusion method {request.fusion_method!r} reads the clients' statistics "
+                             f"(train config '{NEED_STATISTICS}' = true): pass train_data=(x [N, *input_shape], y [N])")
+        statistics = client_statistics(request.fusion_method, model, torch.as_tensor(train_data[0]).float(),
+                                       torch.as_tensor(train_data[1]).long(), device=device)
     content = make_train_reply(model, num_examples=num_examples, train_metrics=train_metrics, val_data=val_data,
                                need_importance=request.need_importance, importance=importance,
                                importance_samples=importance_samples, scores=scores,
                                class_counts=class_counts if request.need_class_counts else None,
                                partition_id=partition_id, arrays_key=request.arrays_key,
                                weight_key=weight_key or request.weight_key,
-                               device=device)
+                               device=device, statistics=statistics)
     return Message(content=content, reply_to=msg)
 
 
-__all__ = ["TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "NEED_IMPORTANCE",
-           "NEED_CLASS_COUNTS", "WEIGHT_KEY"]
+__all__ = ["ClientUpdate", "ReplyRejected", "ContractMismatch", "NonFiniteWeights", "validate_reply", "read_statistics",
+           "record_rejection", "state_to_record", "ARRAYS_KEY", "METRICS_KEY", "IMPORTANCE_KEY", "STATISTICS_KEY",
+           "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "NEED_IMPORTANCE",
+           "NEED_CLASS_COUNTS", "NEED_STATISTICS", "WEIGHT_KEY"]
