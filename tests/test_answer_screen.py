@@ -1,6 +1,6 @@
 """Issue 45: the clients' answers to the server's queries (the head round's statistics, the candidate scores of
 ``auto``'s vote and of the head round's check) bounded always and screened by the robust setting
-(``fedfuse.flower.trust.answer_screen``), against lying clients (``tests/support/liars.py``)."""
+(``fedfuse.flower.trust.screen``), against lying clients (``tests/support/liars.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
-from fedfuse.flower.trust.answer_screen import (CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics,
+from fedfuse.flower.trust.screen import (CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics,
                                           class_mean_outliers, class_mean_scores, count_limit, paired_median)
 from fedfuse.flower.aggregators.candidates import score_candidates
 from fedfuse.flower.client_app import make_client_app

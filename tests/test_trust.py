@@ -307,7 +307,7 @@ def test_robust_strategy_options_reach_flowers_strategy():
     assert trimmed.flower.beta == 0.3
     _, _, robust = setup(parse_run_config({**base, "strategy": "auto", "robust": True}))
     assert isinstance(robust.screen, ClientScreen) and robust.screen.norm_clip == 2.0
-    assert robust.robust_answers   # the vote and the head round too (fedfuse.flower.trust.answer_screen)
+    assert robust.robust_answers   # the vote and the head round too (fedfuse.flower.trust.screen)
     # one-shot: no update screen (the clients start from their own models), the answers screened
     _, _, one_shot = setup(parse_run_config({**base, "strategy": "auto", "robust": True, "mode": "one-shot",
                                              "num-server-rounds": 1}))

@@ -50,7 +50,7 @@ from fedfuse.flower.head.head_messages import (ACTION as HEAD_ACTION, head_reply
                                        read_head_sites, read_head_tier_sites, read_head_tiers,
                                        tier_site)
 from fedfuse.flower.trust.privacy import dp_clipping_mod  # noqa: E402
-from fedfuse.flower.trust.secure_sum import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
+from fedfuse.flower.trust.privacy import (CLIP as SECURE_CLIP, PROJECTION as SECURE_PROJECTION,  # noqa: E402
                                        PROJECTION_K as SECURE_PROJECTION_K, fitins_task, secagg_if_flagged,
                                        task_model_state, task_reply)
 from fedfuse.privacy import private_head_statistics  # noqa: E402
@@ -233,7 +233,7 @@ def head_handler(msg: Message, context: Context) -> Message:
 
 def secure_head_task(msg: Message, context: Context, task: dict) -> Message:
     """The head round's bounded statistics (``fedfuse.privacy``) as a SecAgg+ task's answer
-    (``fedfuse.flower.trust.secure_sum``): the packed Gram matrix and the cross term, masked by ``secaggplus_mod``."""
+    (``fedfuse.flower.trust.privacy``): the packed Gram matrix and the cross term, masked by ``secaggplus_mod``."""
     cfg, node = _setup(context)
     model = global_model(cfg, node.num_classes, node.input_shape)
     model.load_state_dict(task_model_state(msg, model.state_dict()))

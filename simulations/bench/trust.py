@@ -32,7 +32,7 @@ the liars and nothing else would reach, for the goal "3 of 10 liars at most 5 po
 
 The clients' answers to the server's queries (``--head-round``: every run ends with the head round; the query
 threats ``lie-head``, statistics of reversed labels claiming 100 × the samples and votes for the solved head, and
-``lie-votes``, votes for the worst candidate; ``fedfuse.flower.trust.answer_screen``), multi-round, at 10 local epochs
+``lie-votes``, votes for the worst candidate; ``fedfuse.flower.trust.screen``), multi-round, at 10 local epochs
 (``auto``'s vote), and one-shot:
 
     .venv/bin/python -m simulations.bench.trust --head-round --threats clean,lie-head,lie-votes,label-flip,random,sign-flip \
@@ -72,7 +72,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from fedfuse.flower.trust.answer_screen import CLASS_MEAN_THRESHOLD  # noqa: E402
+from fedfuse.flower.trust.screen import CLASS_MEAN_THRESHOLD  # noqa: E402
 from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, anchor_recipe, run_or_read  # noqa: E402

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedfuse.flower.trust.answer_screen import count_limit, paired_median
+from fedfuse.flower.trust.screen import count_limit, paired_median
 from fedfuse.flower.tiers.client_tiers import TIER_KEY   # query config: the candidates are this width tier's models
 from fedfuse.flower.round.options import WEIGHT_CAP
 from fedfuse.privacy import gaussian_accuracy_noise
@@ -130,9 +130,9 @@ def score_candidates(grid, node_ids: list[int], states: list[dict[str, torch.Ten
     the states are that width tier's models; ``site``: score them through that classifier (a depth tier's exit).
 
     A node's claimed sample count weighs at most ``weight_cap`` × the median of the answers' counts
-    (``fedfuse.flower.trust.answer_screen.count_limit``; 0: no cap; ``capped`` lists who was). ``robust`` (the robust
+    (``fedfuse.flower.trust.screen.count_limit``; 0: no cap; ``capped`` lists who was). ``robust`` (the robust
     setting): one node, one vote, every candidate after the first pooled as the first's accuracy plus the median of
-    the nodes' paired differences (``answer_screen.paired_median``), losses alike.
+    the nodes' paired differences (``screen.paired_median``), losses alike.
 
     ``private = (noise_multiplier, generator)`` (a DP run's head check): each node counts as one, its vector of
     accuracies (L2 norm at most √candidates) is summed with Gaussian noise of std ``noise_multiplier · √candidates``

@@ -57,12 +57,12 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 from torch import nn
 
-from fedfuse.flower.trust.answer_screen import CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics, class_mean_scores
+from fedfuse.flower.trust.screen import CLASS_MEAN_THRESHOLD, cap_statistics, check_statistics, class_mean_scores
 from fedfuse.flower.aggregators.candidates import score_candidates
 from fedfuse.flower.head.head_messages import MESSAGE_TYPE, head_query_content, read_head_reply, tier_site
 from fedfuse.flower.round.options import WEIGHT_CAP
 from fedfuse.flower.trust.privacy import HeadPrivacy
-from fedfuse.flower.trust.secure_sum import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
+from fedfuse.flower.trust.privacy import (CLIP, HEAD_TASK, PROJECTION, PROJECTION_K, TASK, SecureSumError,
                                        secure_sum)
 from fedfuse.hetero import tier_name
 from fedfuse.privacy import add_noise, bounded_sum, check_bounded, gaussian_accuracy_noise, raw_feature_head
@@ -102,11 +102,11 @@ class HeadQueries:
             mean statistics (``fedfuse.privacy``); in a DP run the server noises their sum and the check's pooled
             accuracies, both spent on the run's account; ``None``: the plain statistics.
         secure: the bounded statistics reach the server only as their sum (Flower's SecAgg+,
-            ``fedfuse.flower.trust.secure_sum``; ``secure-aggregation=true``).
+            ``fedfuse.flower.trust.privacy``; ``secure-aggregation=true``).
         weight_cap: a node's claimed sample count, in its statistics and in its scores, weighs at most this × the
-            median of the answers' counts (``fedfuse.flower.trust.answer_screen``; 0: no cap).
+            median of the answers' counts (``fedfuse.flower.trust.screen``; 0: no cap).
         robust: the robust setting (``robust=true``): statistics whose class means lie far from the other nodes'
-            are dropped, and the check's scores are pooled one node, one vote (``fedfuse.flower.trust.answer_screen``).
+            are dropped, and the check's scores are pooled one node, one vote (``fedfuse.flower.trust.screen``).
     """
 
     def __init__(self, ridge: float = 1e-3, timeout: float | None = None, check: bool = True,
@@ -176,7 +176,7 @@ class HeadQueries:
     def _screened(stats: list[dict[str, HeadStatistics]], senders: list[int], record: dict[str, Any]
                   ) -> list[dict[str, HeadStatistics]]:
         """The robust setting: the nodes' statistics without those whose class means lie far from the others' at any
-        classifier (``answer_screen.class_mean_outliers``); each drop is in ``record["rejected"]`` with its score."""
+        classifier (``screen.class_mean_outliers``); each drop is in ``record["rejected"]`` with its score."""
         best: list[float | None] = [None] * len(stats)   # each node's highest score over the classifiers
         for site in stats[0] if stats else ():
             for i, score in enumerate(class_mean_scores([s[site] for s in stats])):
@@ -208,7 +208,7 @@ class HeadQueries:
     def _collect_secure(self, grid, model: nn.Module, width: int, num_classes: int, record: dict[str, Any]
                         ) -> tuple[list[int], list[dict[str, HeadStatistics]]]:
         """``secure-aggregation=true``: the nodes' bounded statistics summed by Flower's SecAgg+
-        (``fedfuse.flower.trust.secure_sum``); the server sees the sum only."""
+        (``fedfuse.flower.trust.privacy``); the server sees the sum only."""
         p = self.privacy
         nodes = list(grid.get_node_ids())
         record.update({"queried": len(nodes), "rejected": [], "fallback": None, "secure-aggregation": True})

@@ -90,7 +90,7 @@ class HeadRoundStep:
         """``(the global model after the head round, the round's record)``; the strategy adopts every kept model."""
         o = self.options
         # the strategy's bounds reach the head round's answers too: its weight cap, and the robust setting
-        # (fedfuse.flower.trust.answer_screen); Flower's own strategies have neither attribute: the defaults
+        # (fedfuse.flower.trust.screen); Flower's own strategies have neither attribute: the defaults
         head = HeadRound(o.ridge, timeout=o.timeout, solvers=o.solvers, privacy=self.privacy, secure=o.secure,
                          weight_cap=getattr(strategy, "weight_cap", WEIGHT_CAP),
                          robust=bool(getattr(strategy, "robust_answers", False)))

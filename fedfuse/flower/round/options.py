@@ -120,7 +120,7 @@ class RefineOptions:
 class ProtocolOptions:
     """The round protocol's options (``fedfuse.flower.round.protocol.RoundProtocol``) and Flower ``FedAvg``'s own, which
     keep Flower's names and meanings. ``robust_answers``: screen the clients' answers to the server's queries
-    (``fedfuse.flower.trust.answer_screen``) without a ``screen`` of their updates (one-shot runs); a ``screen`` implies
+    (``fedfuse.flower.trust.screen``) without a ``screen`` of their updates (one-shot runs); a ``screen`` implies
     it."""
 
     fallback: str = "previous"

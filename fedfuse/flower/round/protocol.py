@@ -53,7 +53,7 @@ from torch import nn
 
 from fedfuse.fusion import FusionError
 from fedfuse.fusion.average import average_state_dicts
-from fedfuse.flower.trust.answer_screen import count_limit
+from fedfuse.flower.trust.screen import count_limit
 from fedfuse.flower.round.replies import WEIGHT_KEY
 from fedfuse.flower.round.divergence import PROBE, non_finite_outputs
 from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
@@ -584,7 +584,7 @@ class RoundProtocol(FedAvg):
             return self._user_train_metrics_aggr_fn(contents, self.weighted_by_key)
         return aggregate_metrics(updates)
 
-weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.trust.answer_screen)
+weight_limit = count_limit   # the train replies' name of the same bound (fedfuse.flower.trust.screen)
 
 
 def cap_update(u: ClientUpdate, limit: float, cap: float, record: dict[str, Any]) -> ClientUpdate:
