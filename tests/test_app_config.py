@@ -8,7 +8,7 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-from fedfuse.flower.runner import paths
+from fedfuse.flower.runner import flwr_runner as paths
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -38,7 +38,7 @@ from typing import Any
 from fedfuse.config import canonical
 from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, descendants, flwr_env,  # noqa: F401
                                              free_port, kill_tree, run_config_arg, toml_value)
-from fedfuse.flower.runner.paths import takes_fedfuse_config
+from fedfuse.flower.runner.flwr_runner import takes_fedfuse_config
 
 CONNECTION = "fedfuse-deploy"
 

@@ -2,7 +2,9 @@
 config locally before any Flower process starts.
 
 - ``flwr_runner``: ``flwr run`` on the local simulation engine with a private ``FLWR_HOME``, free ports,
-  the SuperLink stopped by PID and the run status read with ``flwr list``.
+  the SuperLink stopped by PID and the run status read with ``flwr list``; where every runner finds the Flower app
+  (the checkout, or ``app/pyproject.toml`` shipped in this package when fedfuse is installed without its
+  repository) and the default results folder.
 - ``inprocess``: the same ServerApp/ClientApp bodies on an in-process Flower Grid (no Ray; same numbers).
 - ``run``: the default run: the strategy, then FedAvg on the same split and seed, side by side
   (``fedfuse run``); ``compare``: the baseline's config, the side-by-side table and the accuracy plot;
@@ -11,8 +13,6 @@ config locally before any Flower process starts.
 - ``sweep``: strategies × partitionings × seeds, mean ± std tables and plots (``fedfuse compare``); ``stats``: mean ±
   sample std.
 - ``cli``: the ``--run-config`` tokenizer and the preflight every runner calls before starting Flower.
-- ``paths``: the Flower app directory (the checkout, or ``app/pyproject.toml`` shipped in this package when
-  fedfuse is installed without its repository) and the default results folder.
 
 They import Flower, so they live under ``fedfuse.flower``; nothing here imports the repository's experiments.
 """

@@ -1,4 +1,5 @@
-"""Run the fedfuse Flower app with ``flwr run`` (local simulation engine, Ray) safely and check it.
+"""Run the fedfuse Flower app with ``flwr run`` (local simulation engine, Ray) safely and check it; where the app
+and the results are (below).
 
 What this takes care of:
 - a private ``FLWR_HOME`` per run, runtime dependency installation off, no update check/telemetry;
@@ -6,6 +7,21 @@ What this takes care of:
   ``FLWR_LOCAL_CONTROL_API_PORT``), so it never reuses someone else's SuperLink, and stopped by PID;
 - ``flwr run --stream`` exits 0 even when the run failed: the status is read with ``flwr list``;
 - one torch thread per process and ``OMP_WAIT_POLICY=PASSIVE``.
+
+**Where the app and the results are**: where every runner finds the Flower app's configuration and where results go by default.
+
+A Flower app is a directory whose ``pyproject.toml`` declares ``[tool.flwr.app]`` (publisher, the ServerApp and
+ClientApp components) and ``[tool.flwr.app.config]`` (the run-config defaults): ``flwr run <dir>`` bundles it
+into a FAB, and the in-process engine reads the defaults from it (``flwr.common.config.get_fused_config_from_dir``).
+
+- In a fedfuse checkout (this package imported from ``<checkout>/fedfuse``, whose ``pyproject.toml`` declares
+  fedfuse's ServerApp) the app directory is the checkout (``CHECKOUT``): ``flwr run`` bundles the checkout's
+  code, and results go to ``<checkout>/results``.
+- Installed from a wheel there is no checkout: the app directory is ``PACKAGE_APP_DIR``, the ``app/pyproject.toml``
+  shipped inside this package. Its ``[tool.flwr.app]`` and ``[tool.flwr.app.config]`` equal the repository's value
+  for value (``tests/test_app_config.py``), so a run has the same defaults either way. Its FAB holds that file
+  only; the ServerApp and ClientApp processes import fedfuse from the installation. Results go to ``./results``
+  under the working directory.
 """
 
 from __future__ import annotations
@@ -24,17 +40,69 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 from fedfuse.config import ConfigError, canonical, config_notes, preflight
-from fedfuse.flower.runner.paths import APP_DIR, CHECKOUT, is_fedfuse_app, results_dir_for, takes_fedfuse_config
 from fedfuse.processes import (alive as _alive, default_flwr_home, descendants, kill_tree,  # noqa: F401  (names
                                local_superlink_pids, signal_and_wait as _signal_and_wait,  # kept importable here)
                                stop_local_superlink, superlink_pids as _superlink_pids)
 from fedfuse.results import clear_run_results, mark_interrupted
 from fedfuse.run_control import OWNER_ENV, RunInterrupted, run_folder, signal_name_of, signals_deferred
+import tomllib
+
+# ---------------------------------------------------------------- where the app and the results are
+PACKAGE_APP_DIR = Path(__file__).resolve().parent / "app"
+SERVER_APP = "fedfuse.flower.server_app:app"
+
+
+def find_checkout() -> Path | None:
+    """The fedfuse checkout this package was imported from (its ``pyproject.toml`` names fedfuse's ServerApp
+    as the Flower app's ``serverapp``), else ``None`` (an installed package)."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        app = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return None
+    components = app.get("components") if isinstance(app, dict) else None
+    return root if isinstance(components, dict) and components.get("serverapp") == SERVER_APP else None
+
+
+CHECKOUT = find_checkout()
+APP_DIR = CHECKOUT or PACKAGE_APP_DIR  # the app directory runs use unless given another
+
+
+def is_fedfuse_app(app_dir: str | Path) -> bool:
+    """Whether ``app_dir`` is fedfuse's own Flower app (the checkout or the packaged app directory), whose run
+    config ``fedfuse.config`` checks; a test or example app declares keys of its own."""
+    resolved = Path(app_dir).resolve()
+    return resolved == APP_DIR or resolved == PACKAGE_APP_DIR
+
+
+def takes_fedfuse_config(app_dir: str | Path) -> bool:
+    """Whether ``app_dir``'s run config is fedfuse's layout (fedfuse's app, or a copy that declares its option
+    tables, e.g. a test app with one key more): the runners bring a config for it to the canonical form
+    (``fedfuse.config.canonical``) before Flower, which refuses keys its pyproject does not declare, reads it."""
+    if is_fedfuse_app(app_dir):
+        return True
+    try:
+        config = tomllib.loads((Path(app_dir) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("strategy-options"), dict)
+
+
+def default_results_dir() -> Path:
+    """``<checkout>/results`` in a checkout, else ``./results`` of the working directory."""
+    return CHECKOUT / "results" if CHECKOUT else Path.cwd().resolve() / "results"
+
+
+def results_dir_for(app_dir: str | Path) -> Path:
+    """Where a run of ``app_dir`` writes when its run config names no ``output-dir``: ``<app_dir>/results``,
+    except for the packaged app directory (inside the installation): ``default_results_dir()``."""
+    resolved = Path(app_dir).resolve()
+    return default_results_dir() if resolved == PACKAGE_APP_DIR else resolved / "results"
+
 
 # the default Flower app directory: the checkout in a checkout (its root, as ever), else the app directory
-# shipped in the package (fedfuse.flower.runner.paths)
+# shipped in the package (fedfuse.flower.runner.flwr_runner)
 ROOT = APP_DIR
 
 

@@ -73,7 +73,7 @@ from fedfuse.flower.client_app import app as fedfuse_client_app  # noqa: E402
 from fedfuse.config import canonical  # noqa: E402
 from fedfuse.flower.runner.flwr_runner import (ROOT, RunOutcome, check_app_config, federation_size,  # noqa: E402
                                               interrupted_run, run_config_arg)
-from fedfuse.flower.runner.paths import results_dir_for, takes_fedfuse_config  # noqa: E402
+from fedfuse.flower.runner.flwr_runner import results_dir_for, takes_fedfuse_config  # noqa: E402
 from fedfuse.flower.server_app import run_server  # noqa: E402
 from fedfuse.results import clear_run_results  # noqa: E402
 from fedfuse.run_control import run_folder, signals_deferred  # noqa: E402

@@ -8,7 +8,7 @@
     fedfuse run --verbose                         # every Flower/Ray line on the console
 
 (``python -m fedfuse.flower.runner.run`` is the same command.) The Flower app is the checkout's ``pyproject.toml``
-in a checkout, else the one shipped in the package (``fedfuse.flower.runner.paths``). The whole run config is checked first (``fedfuse.config.preflight``, a
+in a checkout, else the one shipped in the package (``fedfuse.flower.runner.flwr_runner``). The whole run config is checked first (``fedfuse.config.preflight``, a
 few seconds, no Flower), the baseline's too: a bad key or value exits with status 2 and one line
 ``fedfuse: config error: ...`` naming the key, before any SuperLink or Ray process starts.
 
@@ -47,7 +47,7 @@ from fedfuse.flower.runner.compare import (BASELINE, HEAD_SUFFIX, RunSummary, ba
                                            steps_title, verdict)
 from fedfuse.flower.runner.console import QuietConsole, head_round_record, rounds_text
 from fedfuse.flower.runner.flwr_runner import RunOutcome, federation_size
-from fedfuse.flower.runner.paths import default_results_dir
+from fedfuse.flower.runner.flwr_runner import default_results_dir
 from fedfuse.flower.trust.privacy import planned_epsilon
 from fedfuse.results import privacy_text
 from fedfuse.run_control import (RunFolderBusy, RunInterrupted, claim_run_folder, interrupt_signals,
