@@ -157,16 +157,16 @@ def _updates(s):
 
 def _mock_round(s, ups, fused):
     """aggregate_train of a round whose fusion returned ``fused`` (the base aggregation mocked)."""
-    import fedfuse.flower.aggregators.fusion_strategy as base
+    import fedfuse.flower.round.protocol as base
 
     s.history.append({"round": 1})
     s.last_updates = ups
-    orig = base.FusionStrategy.aggregate_train
-    base.FusionStrategy.aggregate_train = lambda self, rnd, replies: (state_to_record(fused), None)
+    orig = base.RoundProtocol.aggregate_train
+    base.RoundProtocol.aggregate_train = lambda self, rnd, replies: (state_to_record(fused), None)
     try:
         return s.aggregate_train(1, [])
     finally:
-        base.FusionStrategy.aggregate_train = orig
+        base.RoundProtocol.aggregate_train = orig
 
 
 @pytest.mark.parametrize("tier_models", ["prune", "prune-recover"])

@@ -177,7 +177,7 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
     assert set(s.tier_models_step.guarded) == {"0.5"} and "KL" in s.tier_models_step.guarded["0.5"]
     assert all(torch.equal(s.tier_models_step.derived[0.5][k], good[k]) for k in good)
     assert all(torch.equal(s.tier_models_step.derived[0.25][k], kept[k]) for k in kept)
-    s.guard = False
+    s.aggregator.guard = False
     s.tier_models_step.derived[0.5] = {k: v * 1e3 for k, v in good.items()}
     s.tier_models_step.guarded = {}
     s.guard_tiers(1, ups)
@@ -203,14 +203,14 @@ def test_a_guarded_tier_makes_the_round_use_the_sub_model_average():
     s.last_updates = ups
     s.derive_tier_models(1, ups)
     assert s.tier_models_step.guarded and s.tier_models_step._tier_fallback is not None
-    import fedfuse.flower.aggregators.fusion_strategy as base
+    import fedfuse.flower.round.protocol as base
 
-    orig = base.FusionStrategy.aggregate_train
-    base.FusionStrategy.aggregate_train = lambda self, rnd, replies: (self._global, None)
+    orig = base.RoundProtocol.aggregate_train
+    base.RoundProtocol.aggregate_train = lambda self, rnd, replies: (self._global, None)
     try:
         arrays, _ = s.aggregate_train(1, [])
     finally:
-        base.FusionStrategy.aggregate_train = orig
+        base.RoundProtocol.aggregate_train = orig
     got = arrays.to_torch_state_dict()
     assert all(torch.allclose(got[k], average[k]) for k in average)
     assert s.tier_models_step.derived == {} and "tier guard" in s.history[-1]["guard"] and s.tier_models_step._tier_fallback is None

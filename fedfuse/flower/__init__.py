@@ -15,7 +15,8 @@ Layout, one package per concern (each package's docstring says what it holds):
   and the helpers your own ClientApp replies with), ``RoundProtocol`` (triage, validation, the streamed average, the fallback and the round's
   record, in one file), the typed options, the steps after an aggregation (divergence guard, server momentum,
   refinement), divergence checked on every reply and on the model broadcast;
-- ``aggregators``: what a round aggregates with: ``FusionStrategy`` (a ``fedfuse.fusion`` method), Flower's own
+- ``aggregators``: what a round aggregates with: ``FusionAggregator`` (a ``fedfuse.fusion`` method and its steps,
+  held by a protocol; ``FusionStrategy`` is the protocol holding one), Flower's own
   strategies, strategy ``auto``'s vote between candidates (``selection``, ``candidates``), a warm start's round 1;
 - ``tiers``: clients of different capacities (width tiers: fusion into the global width, HeteroFL, FedRolex; depth
   tiers: DepthFL, InclusiveFL) and the ClientApp's side of them;

@@ -204,13 +204,14 @@ class FusionFaultStrategy(Strategy):
         self.strategy = strategy
         self.rounds = None if rounds is None else set(rounds)
         self._round = 0
-        inner_fuse = getattr(strategy, "fuse_fn", None)
+        holder = strategy.aggregator if getattr(strategy, "aggregator", None) is not None else strategy
+        inner_fuse = getattr(holder, "fuse_fn", None)
         if inner_fuse is not None:
             def faulty_fuse(*args, **kwargs):
                 if self._fails(self._round):
                     raise InjectedFusionError(f"fedfuse test fault: injected fusion failure in round {self._round}")
                 return inner_fuse(*args, **kwargs)
-            strategy.fuse_fn = faulty_fuse
+            holder.fuse_fn = faulty_fuse
         self._in_fusion = inner_fuse is not None
 
     def _fails(self, server_round: int) -> bool:

@@ -48,7 +48,8 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.flower.aggregators.candidates import score_candidates
-from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
+from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
 from fedfuse.models import levels
@@ -59,14 +60,15 @@ QUERY_TIMEOUT = 600.0   # seconds the scoring query waits for the round's client
 FUSION_MIN_EPOCHS = AUTO_FUSION_EPOCHS  # fusion candidates only from this many local epochs a round (the registry's)
 
 
-class SelectionStrategy(FusionStrategy):
+class SelectionStrategy(RoundProtocol):
     """Per round, the candidate aggregation with the best sample-weighted accuracy on the clients' own data.
 
     Args:
         candidates: the aggregations tried every round (see the module docstring), first = preferred on a tie and
             kept when no client scores.
         query_timeout: seconds the scoring query waits.
-        Everything else: ``FusionStrategy``'s options (``server_momentum`` is the ``"average"`` candidate's).
+        Everything else: ``FusionStrategy``'s options (the held aggregator's: ``server_momentum`` is the ``"average"``
+            candidate's; and the protocol's).
     """
 
     method = "auto"
@@ -74,9 +76,13 @@ class SelectionStrategy(FusionStrategy):
     def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  local_epochs: int | None = None, fusion_min_epochs: int = FUSION_MIN_EPOCHS,
                  query_timeout: float = QUERY_TIMEOUT, **options: Any) -> None:
-        options.setdefault("registry_entry", SPECIAL_SPECS["auto"])
+        entry = options.pop("registry_entry", SPECIAL_SPECS["auto"])
         options.setdefault("guard", False)   # the clients' scores replace the guard
-        super().__init__(method, **options)
+        concerns = FusionConcerns.take(options)
+        super().__init__(**options)
+        # the held aggregator: the candidates' options, the server momentum of the ``average`` candidate
+        self.aggregator = FusionAggregator(self, method, concerns, registry_entry=entry)
+        self.method = self.aggregator.method
         self.candidates = check_candidates(candidates)
         if self.model_fn is None:
             raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
@@ -101,7 +107,7 @@ class SelectionStrategy(FusionStrategy):
         self._score_readers = tuple(c for c in self.candidates if c not in ARRAY_CANDIDATES
                                     and self._method_spec(c).reads_client_scores(None))
         if self.wants_client_scores:
-            self._level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
+            self.aggregator.level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
 
     @property
     def wants_client_scores(self) -> bool:

@@ -22,11 +22,16 @@ train round is fedfuse's, once for every strategy. A reply travels:
          (``with_fallback``)
       8. the round's history record and train metrics (``_close_round``) → new global ArrayRecord
 
-A subclass supplies ``aggregate`` (what the strategy is) and may refine the hooks ``round_config`` (keys
-added to the train config), ``sample`` (node sampling and messages), ``reply_reference`` (the shapes a
-reply must have), ``statistics_reference`` (the statistics it must carry), ``update_key`` (fusion order), ``average`` (what the ``"average"`` fallback uses),
-``streaming_round`` / ``_finish_stream`` (a streamed round and its steps) and ``on_fallback`` (server state a
-fallback invalidates).
+What aggregates is either held or supplied. A strategy that fuses holds a ``FusionAggregator``
+(``fedfuse.flower.aggregators.fusion_aggregator``: the fusion method and its steps, guard → momentum → refine →
+static BN) as ``aggregator``; the hooks below then defer to it (``aggregate``, the round's label and its score and
+class-count and statistics requests, the score check, the streamed round's steps, the fallback's reset) and the
+strategy answers for the aggregator's settings (``strategy.momentum_step`` is ``strategy.aggregator.momentum_step``).
+Otherwise a subclass supplies ``aggregate`` (FedAvg, Flower's baselines). Either way a subclass may refine the hooks
+``round_config`` (keys added to the train config), ``sample`` (node sampling and messages), ``reply_reference`` (the
+shapes a reply must have), ``statistics_reference`` (the statistics it must carry), ``update_key`` (fusion order),
+``average`` (what the ``"average"`` fallback uses), ``streaming_round`` / ``_finish_stream`` (a streamed round and its
+steps) and ``on_fallback`` (server state a fallback invalidates).
 
 Only the fusion error family (``fedfuse.fusion.FusionError``) falls back: ``fallback="previous"`` keeps
 the last global model, ``"average"`` uses the weighted average of the valid replies, ``"raise"`` fails
@@ -100,9 +105,7 @@ class RoundProtocol(FedAvg):
     outsized_limit: float = OUTSIZED   # the divergence screen's rule 1 (0 = off); ``fedfuse.flower.round.divergence``
     reply_probe: torch.Tensor | None = None   # its rule 2's inputs (the broadcast guard's; default: the fusion inputs)
     _outsized: dict[int, dict[str, Any]] = {}
-    refine_steps: tuple[str, ...] = ()   # the refine steps after the aggregation (``FusionStrategy``'s)
-    wants_class_counts = False   # whether the clients must send their per-class counts (``FusionStrategy``'s)
-    wants_client_scores = False   # whether the clients must send importance scores (``FusionStrategy``'s)
+    aggregator: Any = None   # the held ``FusionAggregator`` (see the module docstring), else ``None``
 
     def __init__(self, *, model_fn: Callable[[], nn.Module] | None = None,
                  fusion_inputs: torch.Tensor | None = None, fusion_labels: torch.Tensor | None = None,
@@ -139,15 +142,49 @@ class RoundProtocol(FedAvg):
         # mode='warm-start' (``fedfuse.flower.aggregators.warm_start.WarmStart``): round 1 combines the clients' own models
         self.warm_start: WarmStart | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        """A name this strategy does not define is its held aggregator's (``momentum_step``, ``refinement``,
+        ``fusion_options``, ``post_steps``, ...): one object owns each setting."""
+        aggregator = self.__dict__.get("aggregator")
+        if aggregator is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(aggregator, name)
+
+    # ---------------------------------------------------------------- what the held aggregator asks of the clients
+    @property
+    def refine_steps(self) -> tuple[str, ...]:
+        """The refine steps after the aggregation (``()``: none)."""
+        return () if self.aggregator is None else self.aggregator.refine_steps
+
+    @property
+    def wants_class_counts(self) -> bool:
+        """Whether the clients must send their per-class counts (the held aggregator's steps read them)."""
+        return self.aggregator is not None and self.aggregator.wants_class_counts
+
+    @property
+    def wants_client_scores(self) -> bool:
+        """Whether the clients must send importance scores (the held aggregator's method reads them)."""
+        return self.aggregator is not None and self.aggregator.reads_client_scores
+
+    def round_needs_scores(self, server_round: int) -> bool:
+        """Whether round ``server_round``'s replies carry importance scores."""
+        return self.aggregator is not None and self.aggregator.round_needs_scores(server_round)
+
     # ---------------------------------------------------------------- hooks
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Keys added to round ``server_round``'s train config (the ClientApps read them): the round's aggregation
-        and whether the clients must send importance scores and class counts (not by default)."""
-        return {"fusion-method": self.round_label(server_round), "need-importance": False,
-                "need-class-counts": False}
+        and whether the clients must send importance scores and class counts."""
+        config = {"fusion-method": self.round_label(server_round),
+                  "need-importance": self.round_needs_scores(server_round),
+                  "need-class-counts": self.wants_class_counts}
+        if self.aggregator is not None:   # the method's own requests (the clients' statistics)
+            config.update(self.aggregator.round_config(server_round))
+        return config
 
     def round_label(self, server_round: int) -> str:
         """The round's aggregation, as recorded in ``history`` and logged."""
+        if self.aggregator is not None:
+            return self.aggregator.round_method(server_round)
         return getattr(self, "method", type(self).__name__)
 
     def sample(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
@@ -156,12 +193,12 @@ class RoundProtocol(FedAvg):
 
     def reply_reference(self, server_round: int, node_id: int) -> tuple[Reference, dict[str, int] | None]:
         """``(array names -> (shape, dtype), level widths or None)`` that node ``node_id``'s reply must match."""
-        return self._reference(), None
+        return self._reference(), (self.aggregator.level_widths if self.round_needs_scores(server_round) else None)
 
     def statistics_reference(self, server_round: int) -> dict[str, tuple[int, ...]] | None:
         """``{name: shape}`` of the statistics round ``server_round``'s replies must carry (``None``: none; a fusion
         method that reads the clients' statistics says which)."""
-        return None
+        return None if self.aggregator is None else self.aggregator.statistics_reference(server_round)
 
     def update_key(self, update: ClientUpdate) -> tuple:
         """The fusion order of the valid replies (partition id: deterministic float sums)."""
@@ -170,8 +207,10 @@ class RoundProtocol(FedAvg):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], float]:
         """``(new global state dict, info, seconds)``; raises ``FusionError`` for a failure the round may fall back
-        from."""
-        raise NotImplementedError
+        from. The held aggregator's, else the subclass's."""
+        if self.aggregator is None:
+            raise NotImplementedError
+        return self.aggregator.aggregate(server_round, updates)
 
     def average(self, updates: list[ClientUpdate]) -> dict[str, torch.Tensor]:
         """Sample-count-weighted average of the updates' weights (FedAvg; the ``"average"`` fallback)."""
@@ -199,6 +238,13 @@ class RoundProtocol(FedAvg):
 
     def on_fallback(self) -> None:
         """Forget server state the fallen-back round did not produce (e.g. momentum)."""
+        if self.aggregator is not None:
+            self.aggregator.on_fallback()
+
+    def summary(self) -> None:
+        super().summary()
+        if self.aggregator is not None:
+            self.aggregator.summary()
 
     def reset_server_state(self) -> None:
         self.on_fallback()
@@ -427,6 +473,8 @@ class RoundProtocol(FedAvg):
         updates = [u for u in (self.check_reply(server_round, m, record) for m in ok) if u is not None]
         updates.sort(key=self.update_key)
         self._node_partitions.update({u.node_id: u.partition_id for u in updates})
+        if self.aggregator is not None:   # less the replies whose scores disagree with their weights
+            updates = self.aggregator.check_scores(server_round, updates, record)
         return updates
 
     def observe(self, validated: list[ClientUpdate], kept: list[ClientUpdate]) -> None:
@@ -442,9 +490,9 @@ class RoundProtocol(FedAvg):
 
     # ---------------------------------------------------------------- a streamed round (one pass over the replies)
     def streaming_round(self, server_round: int) -> bool:
-        """Whether round ``server_round`` is a plain weighted average run as a stream over the replies (none by
-        default; ``FusionStrategy`` and ``FedAvgStrategy`` say when)."""
-        return False
+        """Whether round ``server_round`` is a plain weighted average run as a stream over the replies (the held
+        aggregator says when; ``FedAvgStrategy`` too; none otherwise)."""
+        return self.aggregator is not None and self.aggregator.streams(server_round)
 
     def aggregate_streamed(self, server_round: int, ok: list[Message], failures: list[dict],
                            record: dict[str, Any]) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
@@ -473,7 +521,7 @@ class RoundProtocol(FedAvg):
 
     def stream_checks_calibration(self) -> bool:
         """Whether the streamed round keeps its members to check a ``calibrate`` step against their ensemble."""
-        return False
+        return self.aggregator is not None and self.aggregator.stream_checks_calibration()
 
     def _stream_ensemble(self, members: list[tuple[Message, float]], reference) -> torch.Tensor:
         """The clients' ensemble on the fusion set, re-read from the round's valid replies (``stream_ensemble``)."""
@@ -483,8 +531,10 @@ class RoundProtocol(FedAvg):
 
     def _finish_stream(self, server_round: int, average: dict[str, torch.Tensor],
                        probs: Callable[[], torch.Tensor] | None, updates: list[ClientUpdate]):
-        """``(state, info, seconds)`` of a streamed round from its average: the average itself (no model built, no
-        step); ``FusionStrategy`` runs its server step and refinement here."""
+        """``(state, info, seconds)`` of a streamed round from its average: the held aggregator's server step and
+        refinement on it, else the average itself (no model built, no step)."""
+        if self.aggregator is not None:
+            return self.aggregator.finish_stream(server_round, average, probs, updates)
         return average, {}, 0.0
 
     # ---------------------------------------------------------------- outcome: fallback, stop/skip, the round's record
@@ -520,6 +570,8 @@ class RoundProtocol(FedAvg):
 
     def round_summary(self, server_round: int) -> str:
         """The aggregation as the round's log line names it."""
+        if self.aggregator is not None:
+            return self.aggregator.round_summary(server_round)
         return self.round_label(server_round)
 
     def _stop_or_skip(self, server_round: int, valid: int, record: dict[str, Any]) -> bool:

@@ -2,7 +2,8 @@
 each of them; the server aggregates every layer over the nodes that hold it.
 
 The global model is the run's ``MultiExit`` (``fedfuse.hetero.depth``: the deepest model plus an exit classifier at
-every tier's depth). ``DepthTieredStrategy`` is ``FusionStrategy`` with:
+every tier's depth). ``DepthTieredStrategy`` is the round protocol holding a ``FusionAggregator`` (its method's
+options and steps: the server momentum of ``average``) with:
 
 - a ``TierLayout`` asked for depths: each node's depth multiplier, learnt once by a ``query`` message;
   ``configure_train`` sends every sampled node *its own* message: the arrays its depth holds
@@ -49,9 +50,9 @@ from fedfuse.strategy_specs import (DEPTH_METHODS, DEPTH_WARM_START, WIDTH_DEPTH
 from fedfuse.progressive import head_sites
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
-from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
 from fedfuse.flower.head.head_step import HeadPlan
-from fedfuse.flower.round.protocol import state_to_record
+from fedfuse.flower.round.protocol import RoundProtocol, state_to_record
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.flower.tiers.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
                                         request_ordered_dropout, round_tier_records)
@@ -129,7 +130,7 @@ class MomentumDistillation:
         return fresh
 
 
-class DepthTieredStrategy(FusionStrategy):
+class DepthTieredStrategy(RoundProtocol):
     """Aggregation across depth tiers (see the module docstring).
 
     Args:
@@ -146,13 +147,14 @@ class DepthTieredStrategy(FusionStrategy):
             (off for ``depthfl-fedavg`` and ``inclusivefl``).
         mom_beta: the momentum distillation's beta (``MomentumDistillation``), for an entry whose ``depth`` says
             ``momentum_distills`` (InclusiveFL; default 0.2).
-        Everything else: ``FusionStrategy``'s options; ``model_fn`` must build the run's ``MultiExit``.
+        Everything else: ``FusionStrategy``'s options (the held aggregator's and the protocol's); ``model_fn`` must
+            build the run's ``MultiExit``.
 
     ``own_exit`` (the entry's ``depth.own_exit``): each node holds and trains only the exit after its own depth
     (InclusiveFL) instead of every exit up to it (DepthFL).
     """
 
-    reads_scores = False   # no depth-tier aggregation reads importance scores: the clients send none
+    method: str | None = None
 
     def __init__(self, method: str | None = None, *, depths: tuple[float, ...] = (1.0,),
                  widths: tuple[float, ...] | None = None, input_shape: tuple[int, ...] | None = None,
@@ -176,7 +178,12 @@ class DepthTieredStrategy(FusionStrategy):
             options["mom_beta"] = mom_beta   # refused by name, as any unknown option
         if not strategy_spec(name).depth.distils_exits:
             options["guard"] = False   # the guard checks a fused model against the average; these rounds are it
-        super().__init__(name, registry_entry=with_tiers(strategy_spec(name)), **options)
+        concerns = FusionConcerns.take(options)
+        super().__init__(**options)
+        # no depth-tier aggregation reads importance scores: the clients send none
+        self.aggregator = FusionAggregator(self, name, concerns, registry_entry=with_tiers(strategy_spec(name)),
+                                           reads_scores=False)
+        self.method = self.aggregator.method
         skeleton = self.model_fn() if self.model_fn is not None else None
         if not isinstance(skeleton, MultiExit):
             raise ValueError("strategy: a depth-tier strategy needs model_fn building the run's MultiExit "

@@ -30,7 +30,7 @@ from fedfuse.hetero.anchor import align_to_anchor
 from fedfuse.hetero.prune import prune_order
 from fedfuse.models import levels
 from fedfuse.training import resolve_device
-from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 
 
@@ -44,7 +44,7 @@ class TierModels:
             ``DistillRefineOptions`` table) and ``PruneOptions`` keys.
     """
 
-    def __init__(self, strategy: FusionStrategy, tier_models: str, prune_options: dict[str, Any]) -> None:
+    def __init__(self, strategy: RoundProtocol, tier_models: str, prune_options: dict[str, Any]) -> None:
         self.strategy = strategy
         self.tier_models = tier_models
         self.prune_options = prune_options

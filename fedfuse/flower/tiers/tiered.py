@@ -1,7 +1,8 @@
 """Capacity tiers on Flower: every node trains its tier's model; the server aggregates all tiers into the global
 (widest) model and derives each tier's model for the next round.
 
-``TieredFusionStrategy`` is ``FusionStrategy`` with three parts composed in:
+``TieredFusionStrategy`` is the round protocol holding a ``FusionAggregator`` (the method and its steps, as
+``FusionStrategy`` holds one) with three parts composed in:
 
 - a ``TierLayout`` (``fedfuse.flower.tiers.tier_layout``): each node's tier, learnt once by a ``query`` message, the
   tiers' architectures and where their entries sit in the global model. ``configure_train`` sends every sampled
@@ -46,10 +47,10 @@ from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.tiers.client_tiers import SCALER_KEY, TIER_KEY
-from fedfuse.flower.aggregators.fusion_strategy import FusionStrategy
+from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
 from fedfuse.flower.head.head_step import HeadPlan
 from fedfuse.flower.round.options import TierOptions, take_options
-from fedfuse.flower.round.protocol import state_to_record
+from fedfuse.flower.round.protocol import RoundProtocol, state_to_record
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.flower.tiers.tier_derivation import TierModels
 from fedfuse.flower.tiers.tier_layout import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
@@ -57,7 +58,7 @@ from fedfuse.flower.tiers.tier_layout import (TierLayout, checked_draw, client_t
                                         request_ordered_dropout, round_tier_records)
 
 
-class TieredFusionStrategy(FusionStrategy):
+class TieredFusionStrategy(RoundProtocol):
     """Fusion across capacity tiers (see the module docstring).
 
     Args:
@@ -78,8 +79,10 @@ class TieredFusionStrategy(FusionStrategy):
             ``"uniform"`` (FjORD), ``"width"`` (each width in proportion to itself) or the probability of its own
             width (``fedfuse.hetero.ordered_dropout.draw_weights``).
         The tier options come as one ``TierOptions`` (``tiering=``) or as these flat keywords.
-        Everything else: ``FusionStrategy``'s options.
+        Everything else: ``FusionStrategy``'s options (the held aggregator's and the protocol's).
     """
+
+    method: str | None = None
 
     def __init__(self, method: str | None = None, *, tiering: TierOptions | None = None, **options: Any) -> None:
         entry = with_tiers(strategy_spec(method or type(self).method))
@@ -89,7 +92,10 @@ class TieredFusionStrategy(FusionStrategy):
             options.update(guard=False, tier_models="slice")
             options.setdefault("width_scaler", None)
         tiering = take_options(TierOptions, tiering, options)   # flat keywords (``tiers=...``) into TierOptions
-        super().__init__(method, registry_entry=entry, **options)
+        concerns = FusionConcerns.take(options)
+        super().__init__(**options)
+        self.aggregator = FusionAggregator(self, method, concerns, registry_entry=entry)
+        self.method = self.aggregator.method
         if self.model_fn is None:
             raise ValueError("strategy: a tiered strategy needs model_fn (the global, widest architecture)")
         tier_models = resolve_tier_models(self.method, tiering.tier_models, adapter_for(self.model_fn()).family)
@@ -123,7 +129,7 @@ class TieredFusionStrategy(FusionStrategy):
         self.anchor = tiering.anchor
         self._round_tiers: dict[str, Any] = {}
         self._offset = 0   # the window offset of the round being aggregated
-        self._level_widths = None   # per tier (TierLayout.level_widths)
+        self.aggregator.level_widths = None   # per tier (TierLayout.level_widths)
 
     def skeleton(self, r: float) -> nn.Module:
         return self.tier_layout.skeleton(r)
@@ -159,7 +165,7 @@ class TieredFusionStrategy(FusionStrategy):
     # ---------------------------------------------------------------- configure: one message per node
     def on_fallback(self) -> None:
         """Also forget the tier models derived this round: the next round slices the kept global model."""
-        super().on_fallback()
+        super().on_fallback()   # the aggregator's (momentum)
         self.tier_models_step.forget()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -243,7 +249,7 @@ class TieredFusionStrategy(FusionStrategy):
                                              seed=self.seed + server_round, device=resolve_device(self.device)))
                 model = model.cpu().eval()
             return FusionResult(method=method, model=model, info=info, seconds=time.perf_counter() - t0)
-        result = super().fuse_updates(server_round, updates, models)
+        result = self.aggregator.fuse_updates(server_round, updates, models)
         if not self.anchor or len({u.metrics["tier"] for u in updates}) < 2 and self.window(server_round) == 0:
             return result   # one width, top-left slices: nothing depends on the unit order
         check_finite(method, result.model)
