@@ -106,6 +106,8 @@ def test_a_fusion_protocol_holds_its_aggregator_and_answers_for_its_settings():
         assert s.momentum_step is s.aggregator.momentum_step and s.refinement is s.aggregator.refinement
         assert s.method == s.aggregator.method and s.round_label(1) == s.aggregator.round_method(1)
     assert plain.refine_steps == plain.aggregator.refine_steps
+    tiered.guard = False   # a setting set through the strategy is set where the aggregation reads it
+    assert tiered.aggregator.guard is False and "guard" not in vars(tiered)
 
     def marker(model, rd):
         return model, {"marker": True}

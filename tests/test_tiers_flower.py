@@ -177,7 +177,7 @@ def test_tier_guard_replaces_a_diverged_tier_model_by_the_sub_model_average_slic
     assert set(s.tier_models_step.guarded) == {"0.5"} and "KL" in s.tier_models_step.guarded["0.5"]
     assert all(torch.equal(s.tier_models_step.derived[0.5][k], good[k]) for k in good)
     assert all(torch.equal(s.tier_models_step.derived[0.25][k], kept[k]) for k in kept)
-    s.aggregator.guard = False
+    s.guard = False
     s.tier_models_step.derived[0.5] = {k: v * 1e3 for k, v in good.items()}
     s.tier_models_step.guarded = {}
     s.guard_tiers(1, ups)

@@ -204,14 +204,13 @@ class FusionFaultStrategy(Strategy):
         self.strategy = strategy
         self.rounds = None if rounds is None else set(rounds)
         self._round = 0
-        holder = strategy.aggregator if getattr(strategy, "aggregator", None) is not None else strategy
-        inner_fuse = getattr(holder, "fuse_fn", None)
+        inner_fuse = getattr(strategy, "fuse_fn", None)
         if inner_fuse is not None:
             def faulty_fuse(*args, **kwargs):
                 if self._fails(self._round):
                     raise InjectedFusionError(f"fedfuse test fault: injected fusion failure in round {self._round}")
                 return inner_fuse(*args, **kwargs)
-            holder.fuse_fn = faulty_fuse
+            strategy.fuse_fn = faulty_fuse
         self._in_fusion = inner_fuse is not None
 
     def _fails(self, server_round: int) -> bool:

@@ -146,9 +146,19 @@ class RoundProtocol(FedAvg):
         """A name this strategy does not define is its held aggregator's (``momentum_step``, ``refinement``,
         ``fusion_options``, ``post_steps``, ...): one object owns each setting."""
         aggregator = self.__dict__.get("aggregator")
-        if aggregator is None or name.startswith("__"):
+        if aggregator is None or name.startswith("__") or not hasattr(aggregator, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(aggregator, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting one of the held aggregator's settings (``strategy.guard = False``, ``strategy.fuse_fn = f``) sets
+        it there, where the aggregation reads it; every other name is the strategy's own."""
+        aggregator = self.__dict__.get("aggregator")
+        if (aggregator is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and hasattr(aggregator, name)):
+            setattr(aggregator, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # ---------------------------------------------------------------- what the held aggregator asks of the clients
     @property
