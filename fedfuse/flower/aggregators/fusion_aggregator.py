@@ -11,6 +11,9 @@ steps' objects and their state (momentum), what the clients must send (scores, c
 aggregate is made from the validated replies. It calls back into its protocol (``host``) for the model builder,
 the weighted average, the fusion set, the global model sent and the hooks a protocol may override
 (``fuse_updates``, ``post_steps``, ``class_prior``, ``fuse_target``, ``wants_client_scores``).
+
+**Server-side importance** (``importance="server"``): the fusion method scores the client models itself on the fusion set (captum) instead
+of reading scores sent by the clients; what the fusion options must then say, checked before any round.
 """
 
 from __future__ import annotations
@@ -20,11 +23,9 @@ import dataclasses
 import time
 from logging import INFO
 from typing import Any, Callable
-
 import torch
 from flwr.common.logger import log
 from torch import nn
-
 from fedfuse.choices import no_fusion_options
 from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MissingInputError, client_statistics, fuse_result,
                             get_spec)
@@ -37,7 +38,43 @@ from fedfuse.flower.round.replies import (NEED_STATISTICS, ClientUpdate, bounded
                                           reject_inconsistent_scores)
 from fedfuse.flower.round.steps import (DivergenceGuard, Refinement, RoundData, ServerMomentum, StaticBatchNorm,
                                         class_prior)
-from fedfuse.flower.aggregators.server_importance import server_importance_options
+from typing import Any
+from fedfuse.fusion import FusionError
+
+# ---------------------------------------------------------------- server-side importance
+def scores_on_server(strategy) -> bool:
+    """Whether the strategy's method can score the client models itself: its ``importance`` option takes a captum
+    scorer (``ot``'s ``importance`` is selective OT's unit scoring, not a replacement for client scores)."""
+    if not strategy._accepts_option("importance"):
+        return False
+    try:
+        strategy.spec.parse_options({"importance": "deeplift"})
+    except FusionError:
+        return False
+    return True
+
+
+def server_importance_options(strategy, options: dict[str, Any], fusion_labels: Any) -> dict[str, Any]:
+    """The fusion options with the method's ``importance`` set to the scoring it runs on the fusion set (DeepLIFT
+    unless the options name one); a ``ValueError`` saying what is missing otherwise."""
+    method = strategy.method
+    if not strategy.uses_scores:
+        raise ValueError(f"strategy: importance='server': method {method!r} uses no importance scores; "
+                         "leave importance='client' (the default)")
+    if not scores_on_server(strategy):
+        raise ValueError(f"strategy: importance='server': method {method!r} takes its scores from the "
+                         "clients only (no server-side scoring); use importance='client'")
+    scoring = options.get("importance", "deeplift")
+    if scoring == "client":
+        raise ValueError("strategy: importance='server' conflicts with fusion option importance='client'; set "
+                         "that option to 'deeplift', 'conductance' or 'uniform' (what the server computes)")
+    if scoring != "uniform" and fusion_labels is None:
+        raise ValueError(f"strategy: importance='server' computes {scoring} scores of every client model on the "
+                         "fusion set and needs fusion_labels (the fusion set's labels, [B]); pass them, or use "
+                         "importance='client' (scores from the clients)")
+    out = {**options, "importance": scoring}
+    strategy._check_options(out)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
