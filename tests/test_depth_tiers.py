@@ -270,7 +270,7 @@ def test_a_vit_top_block_pairs_by_name_and_its_embedding_takes_no_momentum():
 
 
 def _inclusive_round(beta):
-    from fedfuse.flower.tiers.depth_baselines import DepthFLFedAvgStrategy, InclusiveFLStrategy
+    from fedfuse.flower.tiers.depth_tiers import DepthFLFedAvgStrategy, InclusiveFLStrategy
     from fedfuse.flower.round.replies import ClientUpdate
 
     def model_fn():   # the same global model every call (the exits' initialisation draws from torch's generator)
@@ -528,7 +528,7 @@ def test_width_x_depth_client_trains_nested_widths_over_its_exits_and_only_its_e
 
 
 def test_width_x_depth_strategy_sends_each_node_its_slice_and_validates_its_shapes():
-    from fedfuse.flower.tiers.depth_baselines import build_depth_strategy as build_strategy
+    from fedfuse.flower.tiers.depth_tiers import build_depth_strategy as build_strategy
 
     fn = lambda: _me(depths=(1, 0.5))   # noqa: E731
     with pytest.raises(ValueError, match="'inclusivefl' cannot aggregate width x depth"):
@@ -624,7 +624,7 @@ def test_width_x_depth_narrow_models_get_static_batchnorm_on_the_fusion_set():
     """A narrower width's model (evaluated each round, and the head round's own model of that width) has its
     BatchNorm statistics re-estimated on the fusion set (HeteroFL's static BN, as width tiers' models): the
     aggregate's are averaged over nodes of other widths. Without a fusion set it stays the global model's slice."""
-    from fedfuse.flower.tiers.depth_baselines import build_depth_strategy as build_strategy
+    from fedfuse.flower.tiers.depth_tiers import build_depth_strategy as build_strategy
     from fedfuse.hetero import reestimate_batchnorm
     from fedfuse.hetero.depth import multi_exit, narrow_copy
 

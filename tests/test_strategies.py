@@ -88,7 +88,7 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
     from fedfuse.strategy_specs import NON_FUSION_STRATEGIES  # fedavg + Flower's baselines (fedfuse.flower.aggregators.baselines)
     from fedfuse.strategy_specs import TIER_STRATEGIES  # heterofl / fedrolex (fedfuse.flower.tiers.tiered)
 
-    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_baselines)
+    from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_tiers)
 
     assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
     for name, preset in STRATEGIES.items():
@@ -98,7 +98,7 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
         assert issubclass(cls, RoundProtocol) and issubclass(cls, FedAvg)
         assert cls.method in (name, None) and cls.__name__.endswith("Strategy") and cls.__doc__
         assert cls.__module__ in ("fedfuse.flower.strategies", "fedfuse.flower.aggregators.baselines", "fedfuse.flower.tiers.tiered",
-                                  "fedfuse.flower.aggregators.selection", "fedfuse.flower.tiers.depth_baselines",
+                                  "fedfuse.flower.aggregators.selection", "fedfuse.flower.tiers.depth_tiers",
                                   "fedfuse.flower.aggregators.fusion_strategy")
         # importable by its name from its module (the named classes users import)
         assert getattr(sys.modules[cls.__module__], cls.__name__) is cls

@@ -24,7 +24,7 @@ from fedfuse.flower.round.options import arrays_only
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.flower.aggregators.selection import SelectionStrategy
-from fedfuse.flower.tiers.depth_baselines import DEPTH_STRATEGY_CLASSES, build_depth_strategy
+from fedfuse.flower.tiers.depth_tiers import DEPTH_STRATEGY_CLASSES, build_depth_strategy
 from fedfuse.flower.tiers.tiered import TIER_STRATEGY_CLASSES, build_tier_strategy
 from fedfuse.config import ordered_dropout_draw
 from fedfuse.strategy_specs import StrategySpec, key_applies, strategy_names, strategy_spec
@@ -198,7 +198,7 @@ def build_strategy(name: str, **options: Any) -> RoundProtocol:
 def strategy_builder(cfg, input_shape: tuple[int, ...]):
     """``(build function, its extra options)`` for a run config: ``build_tier_strategy`` with ``cfg.tiers`` when
     tiers are set or the strategy needs them, else ``build_strategy``."""
-    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.tiers.depth_tiers, depth_baselines (inclusivefl: its beta)
+    if cfg.depth_tiers:   # depth tiers: fedfuse.flower.tiers.depth_tiers (inclusivefl: its beta)
         return build_depth_strategy, {"depths": cfg.depth_tiers, "widths": cfg.depth_tier_widths,
                                       "input_shape": tuple(input_shape), "ordered_dropout": cfg.ordered_dropout,
                                       "ordered_dropout_draw": ordered_dropout_draw(cfg),

@@ -100,7 +100,7 @@ class DivergenceGuard:
 
     def limit(self, kl_reference: float) -> float:
         """The highest KL to the clients' ensemble a model may have against a reference's (the guard's rule, written
-        once: the tier guard of ``fedfuse.flower.tiers.tier_derivation`` reads it too)."""
+        once: the tier guard of ``fedfuse.flower.tiers.tier_models`` reads it too)."""
         return self.ratio * kl_reference + 0.05
 
 

@@ -1,4 +1,4 @@
 """Clients of different capacities: width tiers (``tiered``: fusion into the global width, HeteroFL, FedRolex;
-``tier_layout`` / ``tier_derivation``: which client holds which sub-model and how it is derived), their ClientApp
-side (``client_tiers``) and depth tiers (``depth_tiers``, the baselines ``depth_baselines``: DepthFL, InclusiveFL).
+``tier_models``: which client holds which sub-model and how it is derived), their ClientApp
+side (``client_tiers``) and depth tiers (``depth_tiers``, with the baselines DepthFL and InclusiveFL).
 """

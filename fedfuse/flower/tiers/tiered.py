@@ -4,7 +4,7 @@
 ``TieredFusionStrategy`` is the round protocol holding a ``FusionAggregator`` (the method and its steps, as
 ``FusionStrategy`` holds one) with three parts composed in:
 
-- a ``TierLayout`` (``fedfuse.flower.tiers.tier_layout``): each node's tier, learnt once by a ``query`` message, the
+- a ``TierLayout`` (``fedfuse.flower.tiers.tier_models``): each node's tier, learnt once by a ``query`` message, the
   tiers' architectures and where their entries sit in the global model. ``configure_train`` sends every sampled
   node *its own* message: the tier model's arrays and ``tier-width-mult`` (Flower's Message API), and replies are
   validated against their tier's shapes;
@@ -13,7 +13,7 @@
   architecture (``fuse(..., target=global)``) with the fused units permuted onto the sub-model average's
   (``fedfuse.hetero.anchor``) so that unit ``i`` stays the unit every tier's slice holds. The sub-model average is
   also what the divergence guard and the ``"average"`` fallback use;
-- ``TierModels`` (``fedfuse.flower.tiers.tier_derivation``): each narrower tier's next model (slice, fuse, distill,
+- ``TierModels`` (``fedfuse.flower.tiers.tier_models``): each narrower tier's next model (slice, fuse, distill,
   prune) and its guard.
 
 HeteroFL (Diao et al., arXiv 2010.01264) and FedRolex (Alam et al., arXiv 2212.01548) are this class with their
@@ -52,9 +52,9 @@ from fedfuse.flower.head.head_step import HeadPlan
 from fedfuse.flower.round.options import TierOptions, take_options
 from fedfuse.flower.round.protocol import RoundProtocol, state_to_record
 from fedfuse.flower.round.replies import ClientUpdate
-from fedfuse.flower.tiers.tier_derivation import TierModels
-from fedfuse.flower.tiers.tier_layout import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
-from fedfuse.flower.tiers.tier_layout import (TierLayout, checked_draw, client_tier_means, count_sent,
+from fedfuse.flower.tiers.tier_models import TierModels
+from fedfuse.flower.tiers.tier_models import QUERY_TIMEOUT  # noqa: F401  (tests patch it here)
+from fedfuse.flower.tiers.tier_models import (TierLayout, checked_draw, client_tier_means, count_sent,
                                         request_ordered_dropout, round_tier_records)
 
 
