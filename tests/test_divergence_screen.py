@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord
 
 from fedfuse.flower import build_strategy
 from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm
-from fedfuse.flower.round.outcome import ClientsDivergedError
+from fedfuse.flower.round.replies import ClientsDivergedError
 from tests.test_strategies import SHAPE, model_fn, reply, state_of
 
 torch.set_num_threads(1)

@@ -62,7 +62,7 @@ from fedfuse.flower.trust.screen import count_limit
 from fedfuse.flower.round.replies import WEIGHT_KEY
 from fedfuse.flower.round.divergence import PROBE, non_finite_outputs
 from fedfuse.flower.round.divergence import OUTSIZED, outsized_replies, record_norm, reply_norm
-from fedfuse.flower.round.outcome import ClientsDivergedError, ReplyContractError, aggregate_metrics, info_line
+from fedfuse.flower.round.replies import ClientsDivergedError, ReplyContractError, aggregate_metrics, info_line
 from fedfuse.flower.round.replies import (IMPORTANCE_KEY, MAX_NUM_EXAMPLES, METRICS_KEY, ClientUpdate,
                                           ContractMismatch, NonFiniteWeights, ReplyRejected, _metric_record, _npy_view,
                                           partition_in_reason, record_rejection, state_to_record, validate_reply)

@@ -47,26 +47,28 @@ What leaves the client: the trained weights, ``weight_key`` (the sample count), 
 score per neuron of each fusion level and the per-class training counts.
 
 ``make_train_reply`` is the same without a received message (explicit flags), for tests or custom apps.
+
+**A round's replies taken together** (``RoundProtocol`` in ``protocol.py`` runs the round): the errors that stop a run
+(every reply diverged; every reply broke the reply contract), the train metrics of the valid replies and the log
+line of an aggregation's info.
 """
 
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any, Callable, Mapping, Sequence
-
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
-
 from torch import nn
-
 from fedfuse.fusion import client_statistics
 from fedfuse.fusion.score_check import score_inconsistency
 from fedfuse.importance import IMPORTANCE_METHODS, neuron_importance, uniform_importance
+from typing import Any
+from flwr.app import MetricRecord
 
 MAX_NUM_EXAMPLES = 10**9
 ARRAYS_KEY = "arrays"
@@ -482,7 +484,45 @@ def reply_to_train(msg: Message, model: nn.Module, *, num_examples: int,
     return Message(content=content, reply_to=msg)
 
 
-__all__ = ["ClientUpdate", "ReplyRejected", "ContractMismatch", "NonFiniteWeights", "validate_reply", "read_statistics",
-           "record_rejection", "state_to_record", "ARRAYS_KEY", "METRICS_KEY", "IMPORTANCE_KEY", "STATISTICS_KEY",
-           "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "NEED_IMPORTANCE",
-           "NEED_CLASS_COUNTS", "NEED_STATISTICS", "WEIGHT_KEY"]
+# ---------------------------------------------------------------- a round's replies taken together
+class ClientsDivergedError(RuntimeError):
+    """Every client of a round returned non-finite weights: local training diverged; the run stops."""
+
+
+class ReplyContractError(RuntimeError):
+    """Every reply of a round lacked a record or key the strategy reads (``ContractMismatch``): the ClientApps and
+    the strategy disagree on the reply contract, so no round can aggregate; the run stops (also in a user's own
+    ServerApp, which would otherwise end normally with the model unchanged)."""
+
+
+
+def aggregate_metrics(updates: list[ClientUpdate]) -> MetricRecord:
+    """Sample-weighted mean of the clients' scalar metrics (lists such as class counts are summed)."""
+    total = sum(u.num_examples for u in updates)
+    out: dict[str, Any] = {"num-examples": total}
+    keys = sorted({k for u in updates for k in u.metrics} - {"num-examples", "partition-id"})
+    for k in keys:
+        vals = [(u.metrics.get(k), u.num_examples) for u in updates]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[k] = float(sum(v * n for v, n in vals) / total)
+        elif k == "class-counts" and all(isinstance(v, list) for v, _ in vals):
+            lens = {len(v) for v, _ in vals}
+            if len(lens) == 1:
+                out[k] = [int(sum(col)) for col in zip(*(v for v, _ in vals))]
+    return MetricRecord(out)
+
+
+def info_line(info: dict[str, Any], limit: int = 6) -> str:
+    """The scalar entries of an info dict as ``k=v`` pairs (the log's one-line summary)."""
+    parts = []
+    for k, v in info.items():
+        if isinstance(v, bool) or isinstance(v, (int, str)):
+            parts.append(f"{k}={v}")
+        elif isinstance(v, float):
+            parts.append(f"{k}={v:.4g}")
+        if len(parts) == limit:
+            break
+    return ", ".join(parts)
+
+
+__all__ = ["ClientUpdate", "ReplyRejected", "ContractMismatch", "NonFiniteWeights", "validate_reply", "read_statistics", "record_rejection", "state_to_record", "ARRAYS_KEY", "METRICS_KEY", "IMPORTANCE_KEY", "STATISTICS_KEY", "TrainRequest", "read_train_message", "make_train_reply", "reply_to_train", "NEED_IMPORTANCE", "NEED_CLASS_COUNTS", "NEED_STATISTICS", "WEIGHT_KEY", "ClientsDivergedError", "ReplyContractError", "aggregate_metrics", "info_line"]
