@@ -258,7 +258,7 @@ def tune(out: Path, configs: list[dict]) -> None:
         rec = {"tuning-split": folder.name, "recipe": recipe, "budgets": budgets,
                "best-epochs": [c["best-epoch"] for c in clients], "val-curves": [c["val-curve"] for c in clients],
                "test-curves": [c["test-curve"] for c in clients], "command": " ".join(sys.argv)}
-        path.write_text(json.dumps(rec))
+        path.write_text(json.dumps(_rounded(rec, keep=()), separators=(",", ":")))
         es = budgets["early-stop"]
         print(f"{recipe_tag(recipe)}: ensemble {es['ensemble']:.4f} best {es['best-client']:.4f} mean "
               f"{es['mean-client']:.4f} val {es['client-val']:.4f} best epochs {rec['best-epochs']}", flush=True)
@@ -340,28 +340,37 @@ def table(out: Path) -> str:
     return text
 
 
-def _rounded(x):
-    """Floats to 6 significant digits, in dicts and lists, except the test accuracies (``accuracy``, ``with-head``),
-    kept as computed: a mean on a rounding tie (33.65) would otherwise print differently."""
+def _rounded(x, keep: tuple[str, ...] = ("accuracy", "with-head")):
+    """Floats to 6 significant digits, in dicts and lists, except the values of the keys ``keep`` (by default the
+    rows' test accuracies, kept as computed: a mean on a rounding tie, 33.65, would otherwise print differently)."""
     if isinstance(x, float):
         return float(f"{x:.6g}")
     if isinstance(x, dict):
-        return {k: v if k in ("accuracy", "with-head") else _rounded(v) for k, v in x.items()}
+        return {k: v if k in keep else _rounded(v, keep) for k, v in x.items()}
     if isinstance(x, list):
-        return [_rounded(v) for v in x]
+        return [_rounded(v, keep) for v in x]
     return x
+
+
+# seconds measured beside other jobs on 2 shared cores (the table has no cost column) and the head round's scores of
+# its candidate heads (the head kept is tracked): in rows.jsonl, not tracked (the evidence has a size limit)
+UNTRACKED = ("fuse-seconds", "fuse-per-epoch", "client-seconds")
 
 
 def per_seed(out: Path, commands: list[str]) -> None:
     """One JSON per cell (split folder) of ``out``'s rows: the commands, the values every row of the cell shares
-    (``shared``: part, seed, the clients' recipe, ...) and each row's own, other floats than the accuracies to 6 significant digits (kept small:
-    the tracked evidence has a size limit). ``all_rows`` reads them back as the bench wrote them."""
+    (``shared``: part, seed, the clients' recipe, ...) and each row's own but its seconds and the head round's
+    candidate scores, other floats than the accuracies to 6 significant digits (kept small: the tracked evidence has
+    a size limit). ``all_rows`` reads them back as the bench wrote them, less those."""
     cells: dict[str, list] = {}
     for r in all_rows(out):
         cells.setdefault(f"fmnist-{r['part']}-n{CLIENTS}-s{r['seed']}", []).append(r)
     for name, rows in cells.items():
         shared = {k: v for k, v in rows[0].items() if all(k in r and r[k] == v for r in rows)}
-        own = [_rounded({k: v for k, v in r.items() if k not in shared}) for r in rows]
+        own = [_rounded({k: v for k, v in r.items() if k not in shared and k not in UNTRACKED}) for r in rows]
+        for r in own:
+            if isinstance(r.get("head"), dict):
+                r["head"] = {k: v for k, v in r["head"].items() if k not in ("seconds", "client-val")}
         (out / f"{name}.json").write_text(json.dumps({"cell": name, "commands": commands, "shared": _rounded(shared),
                                                       "rows": own}, separators=(",", ":")))
 

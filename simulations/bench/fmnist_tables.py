@@ -69,7 +69,8 @@ def o1_table(rows: list[dict]) -> str:
         by[(m, "one")][r["part"]].append(r["accuracy"])
         if "with-head" in r:
             by[(m, "head")][r["part"]].append(r["with-head"])
-            secs[m].append(r["fuse-per-epoch"])
+            if "fuse-per-epoch" in r:   # a table read back from per-seed JSON that keep no seconds has none
+                secs[m].append(r["fuse-per-epoch"])
     head = " | ".join(f"α = {p[3:]}" for p in alphas)
     lines = [f"| row | exchanges | {head} | published (FuseFL Table 2, ResNet-18, 200 epochs) | fusion s ÷ one local epoch |",
              "|---|---|" + "---|" * len(alphas) + "---|---|"]
