@@ -17,6 +17,7 @@ from fedfuse.flower import (ReplyRejected, build_strategy, make_train_reply, rea
 from fedfuse.flower.client_app import make_client_app
 from fedfuse.fusion import fuse_result
 from fedfuse.models import build_model, levels
+from tests.support.mock_reply import mock_reply
 from fedfuse.flower.runner.inprocess import (SERVER_TASK_ID, SUPERLINK_NODE_ID, LocalGrid, fused_run_config,
                                              task_identity)
 
@@ -32,12 +33,7 @@ def _val(n=40, seed=0):
     return torch.rand(n, *SHAPE, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def _as_reply(content, node_id=3):
-    msg = Mock(spec=Message)
-    msg.metadata = Mock(src_node_id=node_id)
-    msg.has_error.return_value = False
-    msg.content = content
-    return msg
+_as_reply = mock_reply
 
 
 def _reference(model):

@@ -16,6 +16,7 @@ from fedfuse.flower import build_strategy, reply_to_train
 from fedfuse.flower.round.replies import NEED_STATISTICS, STATISTICS_KEY
 from fedfuse.fusion import client_statistics
 from fedfuse.models import build_model
+from tests.support.mock_reply import mock_reply
 
 SHAPE = (1, 8, 8)
 
@@ -27,8 +28,6 @@ def model_fn(seed=0):
 def _reply(node_id, method, *, statistics="own", seed=None):
     """A Message-like reply of node ``node_id``: a trained-looking model, its statistics on its own random data
     (``statistics``: ``"own"``, ``None`` = no record, or a callable that edits them)."""
-    from unittest.mock import Mock
-
     model = model_fn(seed=node_id if seed is None else seed)
     content = RecordDict({"arrays": ArrayRecord({k: Array(v.numpy().copy()) for k, v in model.state_dict().items()}),
                           "metrics": MetricRecord({"num-examples": 40, "partition-id": node_id})})
@@ -39,11 +38,7 @@ def _reply(node_id, method, *, statistics="own", seed=None):
         if callable(statistics):
             stats = statistics(stats)
         content[STATISTICS_KEY] = ArrayRecord({k: Array(v.numpy().copy()) for k, v in stats.items()})
-    msg = Mock(spec=Message)
-    msg.metadata = Mock(src_node_id=node_id)
-    msg.has_error.return_value = False
-    msg.content = content
-    return msg
+    return mock_reply(content, node_id)
 
 
 def _strategy(method):
