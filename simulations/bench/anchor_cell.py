@@ -37,7 +37,7 @@ import statistics  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from fedfuse.flower.runner.stats import format_mean_std, mean_std  # noqa: E402
+from fedfuse.flower.runner.console import format_mean_std, mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

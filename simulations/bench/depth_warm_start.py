@@ -45,7 +45,7 @@ import math  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
+from fedfuse.flower.runner.console import format_mean_std  # noqa: E402
 from fedfuse.hetero.tiers import parse_tier_pairs, tier_of  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, ROOT, anchor_recipe, run_or_read  # noqa: E402
 from simulations.bench.depth_tiers import MODELS, signals, subset_split  # noqa: E402

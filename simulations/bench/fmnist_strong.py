@@ -320,7 +320,7 @@ def pooled(folder: Path, seed: int, recipe: dict = RECIPE, cache: Path = CACHE) 
 
 def table(out: Path) -> str:
     """O1 (strong clients): fmnist_tables' O1 table of ``out/rows.jsonl`` with the pooled ceiling row added."""
-    from fedfuse.flower.runner.stats import format_mean_std
+    from fedfuse.flower.runner.console import format_mean_std
     from simulations.bench.fmnist_tables import o1_table
 
     rows = all_rows(out)

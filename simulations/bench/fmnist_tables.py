@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fedfuse.flower.runner.stats import format_mean_std
+from fedfuse.flower.runner.console import format_mean_std
 from simulations.bench.fmnist import PUBLISHED as M1_PUBLISHED
 from simulations.bench.fmnist_m2 import PUBLISHED as M2_PUBLISHED
 from simulations.bench.fmnist_oneshot import PUBLISHED as O1_PUBLISHED

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 # one implementation, shared with the runners' tables (fedfuse compare)
-from fedfuse.flower.runner.stats import DDOF, STD_PHRASE, finite, format_mean_std, mean_std  # noqa: F401
+from fedfuse.flower.runner.console import DDOF, STD_PHRASE, finite, format_mean_std, mean_std  # noqa: F401
 
 
 def std_note(count: int, unit: str = "seed") -> str:

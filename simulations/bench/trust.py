@@ -73,7 +73,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedfuse.flower.trust.screen import CLASS_MEAN_THRESHOLD  # noqa: E402
-from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
+from fedfuse.flower.runner.console import format_mean_std  # noqa: E402
 from fedfuse.flower.runner.sweep import parse_strategy, split_strategies  # noqa: E402
 from simulations.bench.anchor_cell import ANCHORS, anchor_recipe, run_or_read  # noqa: E402
 

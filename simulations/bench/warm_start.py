@@ -41,7 +41,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from simulations.bench.anchor_cell import ANCHORS, anchor_recipe  # noqa: E402
-from fedfuse.flower.runner.stats import format_mean_std  # noqa: E402
+from fedfuse.flower.runner.console import format_mean_std  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

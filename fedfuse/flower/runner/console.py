@@ -1,5 +1,5 @@
-"""What the runners show on the terminal: the quiet console (one line per round, the warnings that matter, everything
-else in a log file) and progress bars of long work.
+"""How the runners show what they do: the quiet console (one line per round, the warnings that matter, everything
+else in a log file), progress bars of long work and the one format of a spread over seeds (mean ± sample std).
 
 A ``flwr run`` of the default config prints ~130 lines (Flower's strategy banner, Ray notices, the
 aggregated-metrics dump); a user wants to see the rounds go by and hear about anything that went wrong.
@@ -23,6 +23,12 @@ aggregated-metrics dump); a user wants to see the rounds go by and hear about an
 
 The bar (elapsed, rate and ETA) is drawn on stdout only when stdout is a terminal, so logs, CI output and
 ``| tee`` captures hold the per-step lines alone. ``FEDFUSE_PROGRESS=0`` turns it off, ``=1`` forces it.
+
+**Spread**: mean ± sample standard deviation, the one way every table of fedfuse's runners and benchmarks reports spread.
+
+The spread is the *sample* standard deviation (Bessel-corrected, ddof = 1) over seeds: with 3 seeds it is
+√(3/2) ≈ 1.22 times the population value (ddof = 0). NaN values (a method that was n/a on some seed) are left
+out and the count of values used is shown.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
-
 from fedfuse.results import rounds_text  # noqa: F401  (the console's, tables' and plots' count of a run's steps)
+import math
+from typing import Iterable
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 LOG_LINE = re.compile(r"^\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s?(.*)$", re.S)
@@ -275,3 +282,36 @@ def progress_print(text: str) -> None:
         sys.stdout.flush()
     else:
         print(text, flush=True)
+
+
+# ---------------------------------------------------------------- spread
+DDOF = 1
+STD_PHRASE = f"mean ± sample std (ddof={DDOF})"
+
+
+def finite(values: Iterable[float]) -> list[float]:
+    """The values that are not NaN / None."""
+    return [float(v) for v in values if v is not None and v == v]
+
+
+def mean_std(values: Iterable[float]) -> tuple[float, float, int]:
+    """``(mean, sample std with ddof=1, count)`` of the non-NaN values; std is NaN with fewer than 2."""
+    v = finite(values)
+    n = len(v)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    m = sum(v) / n
+    if n < 2:
+        return m, float("nan"), n
+    return m, math.sqrt(sum((x - m) ** 2 for x in v) / (n - DDOF)), n
+
+
+def format_mean_std(values: Iterable[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``"m ± s"`` (times ``scale``), ``"m"`` for a single value, ``"n/a"`` for none; ``" (k/n)"`` is
+    appended when only k of n values were finite."""
+    values = list(values)
+    m, s, n = mean_std(values)
+    if n == 0:
+        return "n/a"
+    text = f"{m * scale:.{digits}f}" if n < 2 else f"{m * scale:.{digits}f} ± {s * scale:.{digits}f}"
+    return text + ("" if n == len(values) else f" ({n}/{len(values)})")

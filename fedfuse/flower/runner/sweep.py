@@ -48,7 +48,7 @@ from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, 
 from fedfuse.flower.runner.flwr_runner import default_results_dir
 from fedfuse.flower.runner.console import progress, progress_print
 from fedfuse.flower.runner.run import run_failure
-from fedfuse.flower.runner.stats import format_mean_std
+from fedfuse.flower.runner.console import format_mean_std
 from fedfuse.hetero import tier_name
 from fedfuse.hetero.tiers import parse_tier_pair, tier_sort_key
 from fedfuse.results import head_round_row, rounds_text
