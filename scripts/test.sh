@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the test suite. Slow tests are skipped unless FEDFUSE_SLOW_TESTS=1.
 # FEDFUSE_TEST_STREAMS=2 (as CI runs it) runs the suite as two pytest processes at once: the tests that mostly wait on
-# processes they start (a real SuperLink and SuperNodes, the installed wheel, a killed server, 100 simulated clients)
+# processes they start (a real SuperLink and SuperNodes, the installed wheel, a killed or interrupted server, faulty
+# clients, 100 simulated clients)
 # beside the rest, which mostly computes; each stream has its own temporary folder, both must pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ if [ "${FEDFUSE_TEST_STREAMS:-1}" != "2" ]; then
   exec .venv/bin/python -m pytest -q "${mark[@]}" "$@"
 fi
 waiting=(simulations/tests/test_deployment.py simulations/tests/test_deployment_private_data.py tests/test_wheel.py
-         tests/test_resume.py simulations/tests/test_large_federation.py)
+         tests/test_resume.py simulations/tests/test_large_federation.py tests/test_interrupt.py tests/test_faults.py)
 base=$(mktemp -d "${TMPDIR:-/tmp}/fedfuse-tests.XXXXXX")
 ignore=()
 for f in "${waiting[@]}"; do ignore+=(--ignore "$f"); done
