@@ -2,8 +2,8 @@
 # Set up (idempotent) and run the test suite. Slow tests are skipped unless FEDFUSE_SLOW_TESTS=1.
 # FEDFUSE_TEST_STREAMS=2 (as CI runs it) runs the suite as two pytest processes at once: the tests that mostly wait on
 # processes they start (a real SuperLink and SuperNodes, the installed wheel, a killed or interrupted server, faulty
-# clients, 100 simulated clients)
-# beside the rest, which mostly computes; each stream has its own temporary folder, both must pass.
+# clients, 100 simulated clients) beside the rest, which mostly computes; each stream has its own temporary folder,
+# both must pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
