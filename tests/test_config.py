@@ -17,7 +17,7 @@ import torch
 from fedfuse.config import (SCHEMA, ConfigError, RunConfig, check_files, check_model, clients_per_round,
                             fusion_options_dict, parse_run_config, preflight, strategy_names)
 from fedfuse.config_layout import path_of
-from fedfuse.flower.runner.cli import parse_run_config_arg, split_run_config
+from fedfuse.flower.runner.run import parse_run_config_arg, split_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from flwr.common.config import get_fused_config_from_dir, parse_config_args
 
 from fedfuse.config import (SCHEMA, TOP_LEVEL_KEYS, ConfigError, ConfigNote, RunConfig, canonical, parse_run_config)
 from fedfuse.config_layout import OPTION_TABLES, PATH_KEYS, TABLE_PATHS
-from fedfuse.flower.runner.cli import parse_run_config_arg
+from fedfuse.flower.runner.run import parse_run_config_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 DP = RunConfig(strategy="fedavg", dp_noise_multiplier=1.0, dp_clipping_norm=5.0)

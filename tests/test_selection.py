@@ -62,7 +62,7 @@ def test_the_tiered_default_note_is_said_once_by_the_server_and_recorded(caplog)
     from types import SimpleNamespace
 
     from fedfuse.config import ConfigNote, config_notes
-    from fedfuse.flower.runner.cli import preflight_or_exit
+    from fedfuse.flower.runner.run import preflight_or_exit
     from fedfuse.flower.server_app import check_run_config
 
     run_config = {"strategy": "auto", "client-tiers": "1,0.5"}

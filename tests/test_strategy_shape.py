@@ -17,7 +17,7 @@ from flwr.serverapp.strategy import FedAvg
 
 import fedfuse.flower
 from fedfuse.flower import STRATEGIES, FusionStrategy, Preset, RoundProtocol, build_strategy
-from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator
+from fedfuse.flower.aggregators.fusion_strategy import FusionAggregator
 from fedfuse.flower.aggregators.selection import SelectionStrategy
 from fedfuse.flower.tiers.depth_tiers import DepthTieredStrategy
 from fedfuse.flower.tiers.tiered import TieredFusionStrategy, build_tier_strategy

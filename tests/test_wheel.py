@@ -110,7 +110,7 @@ def test_the_wheel_ships_the_product_and_its_flower_app_config_only(installed):
         entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
         shipped = zf.read("fedfuse/flower/runner/app/pyproject.toml")
     assert shipped == (ROOT / "fedfuse" / "flower" / "runner" / "app" / "pyproject.toml").read_bytes()
-    for module in ("run", "sweep", "flwr_runner", "inprocess", "cli", "compare", "console"):
+    for module in ("run", "sweep", "flwr_runner", "inprocess", "compare", "console"):
         assert f"fedfuse/flower/runner/{module}.py" in names, module
     assert "fedfuse/cli.py" in names and "fedfuse/flower/strategies.py" in names
     assert EXPERIMENTS and not [n for n in names if n.startswith((*(f"{e}/" for e in EXPERIMENTS), "tests/",

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from fedfuse.flower.runner.cli import split_list  # noqa: F401  (the runners' comma lists too)
+from fedfuse.flower.runner.run import split_list  # noqa: F401  (the runners' comma lists too)
 
 PARTITION_METHODS = ("shards", "dirichlet", "iid", "full")
 

@@ -302,7 +302,7 @@ def main() -> None:
     ap.add_argument("--run-config", default="", help='e.g. "num-server-rounds=2 strategy=\'kf-linear\'"')
     ap.add_argument("--timeout", type=float, default=600)
     a = ap.parse_args()
-    from fedfuse.flower.runner.cli import overrides_or_exit, preflight_or_exit
+    from fedfuse.flower.runner.run import overrides_or_exit, preflight_or_exit
 
     overrides = overrides_or_exit(a.run_config)
     overrides.setdefault("num-clients", a.supernodes)

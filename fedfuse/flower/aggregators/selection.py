@@ -48,7 +48,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedfuse.flower.aggregators.candidates import score_candidates
-from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
+from fedfuse.flower.aggregators.fusion_strategy import FusionAggregator, FusionConcerns
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result

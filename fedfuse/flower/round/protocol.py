@@ -23,7 +23,7 @@ train round is fedfuse's, once for every strategy. A reply travels:
       8. the round's history record and train metrics (``_close_round``) → new global ArrayRecord
 
 What aggregates is either held or supplied. A strategy that fuses holds a ``FusionAggregator``
-(``fedfuse.flower.aggregators.fusion_aggregator``: the fusion method and its steps, guard → momentum → refine →
+(``fedfuse.flower.aggregators.fusion_strategy``: the fusion method and its steps, guard → momentum → refine →
 static BN) as ``aggregator``; the hooks below then defer to it (``aggregate``, the round's label and its score and
 class-count and statistics requests, the score check, the streamed round's steps, the fallback's reset) and the
 strategy answers for the aggregator's settings (``strategy.momentum_step`` is ``strategy.aggregator.momentum_step``).

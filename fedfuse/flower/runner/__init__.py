@@ -7,11 +7,10 @@ config locally before any Flower process starts.
   repository) and the default results folder.
 - ``inprocess``: the same ServerApp/ClientApp bodies on an in-process Flower Grid (no Ray; same numbers).
 - ``run``: the default run: the strategy, then FedAvg on the same split and seed, side by side
-  (``fedfuse run``); ``compare``: the baseline's config, the side-by-side table and the accuracy plot;
+  (``fedfuse run``), and the command line every runner shares (the preflight before Flower starts, the engine switch); ``compare``: the baseline's config, the side-by-side table and the accuracy plot;
   ``console``: the quiet console (one line per round, fedfuse's warnings; everything in ``run.log``), tqdm bars
   (ETA) for long loops, on a terminal only, and the one format of a spread (mean ± sample std).
 - ``sweep``: strategies × partitionings × seeds, mean ± std tables and plots (``fedfuse compare``).
-- ``cli``: the ``--run-config`` tokenizer and the preflight every runner calls before starting Flower.
 
 They import Flower, so they live under ``fedfuse.flower``; nothing here imports the repository's experiments.
 """

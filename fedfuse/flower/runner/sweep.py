@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 from fedfuse.config import ConfigError
-from fedfuse.flower.runner.cli import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, parse_run_config_arg,
+from fedfuse.flower.runner.run import (ENGINE_HELP, ENGINES, config_error_exit, overrides_or_exit, parse_run_config_arg,
                                        preflight_or_exit, run_with_engine, split_list)
 from fedfuse.flower.runner.flwr_runner import default_results_dir
 from fedfuse.flower.runner.console import progress, progress_print

@@ -54,7 +54,7 @@ from fedfuse.strategy_specs import (DEPTH_METHODS, DEPTH_WARM_START, WIDTH_DEPTH
 from fedfuse.progressive import head_sites
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.tiers.client_tiers import DEPTH_KEY, OWN_EXIT_KEY, SELF_DISTILL_KEY, TIER_KEY
-from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
+from fedfuse.flower.aggregators.fusion_strategy import FusionAggregator, FusionConcerns
 from fedfuse.flower.head.head_step import HeadPlan
 from fedfuse.flower.round.protocol import RoundProtocol, state_to_record
 from fedfuse.flower.round.replies import ClientUpdate

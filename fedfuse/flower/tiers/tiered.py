@@ -47,7 +47,7 @@ from fedfuse.models.adapters import BATCHNORMS
 from fedfuse.strategy_specs import strategy_spec, with_tiers
 from fedfuse.training import metrics_from_logits, predict_logits, resolve_device
 from fedfuse.flower.tiers.client_tiers import SCALER_KEY, TIER_KEY
-from fedfuse.flower.aggregators.fusion_aggregator import FusionAggregator, FusionConcerns
+from fedfuse.flower.aggregators.fusion_strategy import FusionAggregator, FusionConcerns
 from fedfuse.flower.head.head_step import HeadPlan
 from fedfuse.flower.round.options import TierOptions, take_options
 from fedfuse.flower.round.protocol import RoundProtocol, state_to_record
