@@ -31,7 +31,7 @@ from torch import nn
 
 from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, same_architecture, FusionError, FusionOptionError, FusionResult,
                                      IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
-                                     NumericalFusionError, get_spec, option_table, register)
+                                     NumericalFusionError, get_spec, methods_with, option_table, register)
 from fedfuse.fusion.refine import parse_refine, refine_model
 from fedfuse.models import levels, model_family
 from fedfuse.models.adapters import set_example_input
@@ -109,7 +109,7 @@ def resolve_target(spec: MethodSpec, models: list[nn.Module], target: nn.Module 
     if same_architecture(target, models[0]):
         return None
     if not spec.any_target:
-        able = sorted(n for n, s in METHOD_SPECS.items() if s.any_target)
+        able = methods_with("any_target")
         raise IncompatibleModelsError(f"fusion method {spec.name!r} cannot produce another architecture than model "
                                       f"0's (target= is a {type(target).__name__} with other shapes); methods that "
                                       f"can: {able}")
@@ -130,7 +130,7 @@ def resolve_reference(spec: MethodSpec, models: list[nn.Module], reference: nn.M
     if reference is None:
         return None
     if not spec.any_reference:
-        able = sorted(n for n, s in METHOD_SPECS.items() if s.any_reference)
+        able = methods_with("any_reference")
         raise IncompatibleModelsError(f"fusion method {spec.name!r} does not align to a separate reference model "
                                       f"(reference=); methods that do: {able}")
     if not isinstance(reference, nn.Module) or not same_architecture(reference, models[0]):
@@ -460,7 +460,7 @@ def check_statistics(spec: MethodSpec, statistics, num_models: int) -> list[dict
     if statistics is None:
         return None
     if not spec.statistics:
-        able = sorted(n for n, s in METHOD_SPECS.items() if s.statistics)
+        able = methods_with("statistics")
         raise FusionOptionError(f"fusion method {spec.name!r} reads no per-model statistics (statistics=); methods "
                                 f"that do: {able}")
     statistics = list(statistics)
@@ -485,7 +485,7 @@ def client_statistics(method: str, model: nn.Module, inputs: torch.Tensor, label
     modified. ``FusionOptionError`` (a ``ValueError``) for a method that reads none."""
     spec = get_spec(method)
     if spec.client_statistics is None:
-        able = sorted(n for n, s in METHOD_SPECS.items() if s.client_statistics is not None)
+        able = methods_with("client_statistics")
         raise FusionOptionError(f"fusion method {method!r} reads no client statistics; methods that do: {able}")
     return spec.client_statistics(model, inputs, labels, device=resolve_device(device), **kwargs)
 
@@ -498,6 +498,6 @@ def _import_all() -> None:
 
 _import_all()
 
-__all__ = ["fuse", "fuse_result", "client_statistics", "check_statistics", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "option_table",
+__all__ = ["fuse", "fuse_result", "client_statistics", "check_statistics", "model_setup", "check_finite", "same_architecture", "fresh_copy", "resolve_target", "resolve_reference", "METHODS", "METHOD_SPECS", "MethodSpec", "register", "get_spec", "methods_with", "option_table",
            "normalise_weights", "normalise_scores", "check_materialised", "check_dtypes", "check_fusion_inputs", "check_scores", "check_teacher_outputs", "nonfinite_outputs", "NoOptions", "FusionResult", "FusionError", "FusionOptionError",
            "IncompatibleModelsError", "MissingInputError", "NumericalFusionError"]

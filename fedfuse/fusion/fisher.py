@@ -35,8 +35,8 @@ from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.permute import Map, PermSpec, apply_maps
 from fedfuse.fusion.permute.maps import load_plain
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, require, require_same_architecture
-from fedfuse.fusion.regmean import layer_rows, merge_layers, public_statistics
-from fedfuse.fusion.stat_align import Align, align_to_first
+from fedfuse.fusion.regmean import layer_rows, merge_layers, merge_statistics
+from fedfuse.fusion.stat_align import Align
 
 PAPER_FISHER = ('Fisher merging (Matena & Raffel, "Merging Models with Fisher-Weighted Averaging", NeurIPS 2022, '
                 'arXiv 2111.09832): parameters averaged with their diagonal Fisher information as weights.')
@@ -251,15 +251,11 @@ def fuse_fisher(models, *, fusion_inputs, scores, weights, device, seed, options
     o = options
     ref = models[0]
     require_same_architecture(models, "fisher", "Fisher merging averages parameter by parameter: the same names and shapes are needed")
-    if statistics is not None:
-        check_fishers(statistics, ref)
-        info["statistics"] = "clients"
-    models, statistics = align_to_first(list(models), statistics, o.align, fusion_inputs=fusion_inputs, device=device,
-                                        seed=seed, info=info, move=move_fishers)
-    if statistics is None:
-        statistics = public_statistics("fisher", "Fisher merging (arXiv 2111.09832)", models, fusion_inputs,
-                                       fisher_statistics, info, device=device, kind=o.kind, max_samples=o.max_samples,
-                                       seed=seed)
+    models, statistics = merge_statistics("fisher", "Fisher merging (arXiv 2111.09832)", models, statistics,
+                                          check=lambda st: check_fishers(st, ref), move=move_fishers,
+                                          stat_fn=fisher_statistics, align=o.align, fusion_inputs=fusion_inputs,
+                                          device=device, seed=seed, info=info, kind=o.kind,
+                                          max_samples=o.max_samples)
     merged = average_state_dicts([m.state_dict() for m in models], weights)
     states = [dict(m.named_parameters()) for m in models]
     for k in statistics[0]:

@@ -318,6 +318,12 @@ def get_spec(method: str) -> MethodSpec:
     return METHOD_SPECS[method]
 
 
+def methods_with(capability: str) -> list[str]:
+    """The registered methods whose ``MethodSpec`` has ``capability`` (``any_reference``, ``statistics``, ...), sorted:
+    the list an error names when a method lacks it."""
+    return sorted(n for n, s in METHOD_SPECS.items() if getattr(s, capability))
+
+
 __all__ = ["FusionError", "FusionOptionError", "IncompatibleModelsError", "MissingInputError",
            "NumericalFusionError", "FusionResult", "NoOptions", "MethodSpec", "METHOD_SPECS", "METHODS",
-           "register", "get_spec", "parse_options", "option_table", "require", "FAMILIES"]
+           "register", "get_spec", "methods_with", "parse_options", "option_table", "require", "FAMILIES"]

@@ -227,9 +227,26 @@ def public_statistics(method: str, paper: str, models, fusion_inputs, stat_fn, i
     if fusion_inputs is None:
         raise MissingInputError(f"{method}: needs the clients' statistics (statistics=) or a fusion set "
                                 "(fusion_inputs) to compute them on")
-    warnings.warn(PUBLIC_DATA_WARNING.format(method=method, paper=paper), UserWarning, stacklevel=4)
+    warnings.warn(PUBLIC_DATA_WARNING.format(method=method, paper=paper), UserWarning, stacklevel=5)
     info["statistics"] = "fusion set (public-data variant)"
     return [stat_fn(m, fusion_inputs, **kw) for m in models]
+
+
+def merge_statistics(method: str, paper: str, models, statistics, *, check, move, stat_fn, align, fusion_inputs,
+                     device, seed, info: dict, **stat_kw) -> tuple[list[nn.Module], list[dict]]:
+    """``(models, statistics)`` a statistics-merging method (RegMean, Fisher merging) merges: the clients' statistics,
+    checked (``check``; ``info['statistics'] = 'clients'``), else the public-data variant's (``public_statistics``,
+    ``stat_fn(model, fusion_inputs, device=, **stat_kw)``), the models aligned onto model 0 first when ``align`` says
+    so, the statistics moved with their units (``move``; ``fedfuse.fusion.stat_align.align_to_first``)."""
+    if statistics is not None:
+        check(statistics)
+        info["statistics"] = "clients"
+    models, statistics = align_to_first(list(models), statistics, align, fusion_inputs=fusion_inputs, device=device,
+                                        seed=seed, info=info, move=move)
+    if statistics is None:
+        statistics = public_statistics(method, paper, models, fusion_inputs, stat_fn, info, device=device, **stat_kw)
+        check(statistics)
+    return models, statistics
 
 
 @register("regmean", paper=PAPER_REGMEAN, options=RegMeanOptions, needs_data=True, any_module=True,
@@ -249,15 +266,10 @@ def fuse_regmean(models, *, fusion_inputs, scores, weights, device, seed, option
     ref = models[0]
     require_same_architecture(models, "regmean", "RegMean merges layer by layer: the same layers and shapes are needed")
     layers = merge_layers(ref)
-    if statistics is not None:
-        check_grams(statistics, layers)
-        info["statistics"] = "clients"
-    models, statistics = align_to_first(list(models), statistics, o.align, fusion_inputs=fusion_inputs, device=device,
-                                        seed=seed, info=info, move=move_grams)
-    if statistics is None:
-        statistics = public_statistics("regmean", "RegMean (arXiv 2212.09849)", models, fusion_inputs,
-                                       regmean_statistics, info, device=device, batch_size=o.batch_size)
-        check_grams(statistics, layers)
+    models, statistics = merge_statistics("regmean", "RegMean (arXiv 2212.09849)", models, statistics,
+                                          check=lambda st: check_grams(st, layers), move=move_grams,
+                                          stat_fn=regmean_statistics, align=o.align, fusion_inputs=fusion_inputs,
+                                          device=device, seed=seed, info=info, batch_size=o.batch_size)
     unreached = sorted(k for k in layers if k not in statistics[0])
     if unreached:
         info["averaged-layers"] = unreached   # no forward pass reached them: no Gram matrix, the weighted average
@@ -278,4 +290,4 @@ def fuse_regmean(models, *, fusion_inputs, scores, weights, device, seed, option
 
 
 __all__ = ["regmean_statistics", "fuse_regmean", "RegMeanOptions", "merge_layers", "layer_rows", "solve_layer",
-           "move_grams", "public_statistics", "PUBLIC_DATA_WARNING"]
+           "move_grams", "public_statistics", "merge_statistics", "PUBLIC_DATA_WARNING"]

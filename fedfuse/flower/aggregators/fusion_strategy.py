@@ -40,7 +40,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedfuse.choices import no_fusion_options
-from fedfuse.fusion import (METHOD_SPECS, FusionError, FusionResult, MissingInputError, client_statistics, fuse_result,
+from fedfuse.fusion import (FusionError, FusionResult, MissingInputError, client_statistics, fuse_result, methods_with,
                             get_spec)
 from fedfuse.fusion.refine import parse_refine
 from fedfuse.models import levels
@@ -145,7 +145,7 @@ class FusionAggregator:
         self.fusion_options = dict(fusion.fusion_options)
         self._check_options(self.fusion_options)
         if fusion.align_to == "global" and not (self.spec is not None and self.spec.any_reference):
-            able = sorted(n for n, sp in METHOD_SPECS.items() if sp.any_reference)
+            able = methods_with("any_reference")
             raise ValueError(f"strategy: align_to='global' needs a method that aligns onto a reference model "
                              f"({able}), not {method!r}")
         self.align_to = fusion.align_to
