@@ -480,99 +480,14 @@ def round_curves(series: list[dict], path: Path, title: str = "", ylabel: str = 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    marks = {"fell_back": dict(marker="x", color="red", markersize=12, markeredgewidth=2.5, ls="none",
-                               label="fusion fell back"),
-             "guarded": dict(marker="o", color="orange", fillstyle="none", markersize=13, markeredgewidth=2, ls="none",
-                             label="guarded (weighted average used)"),
-             "skipped": dict(marker="D", color="gray", fillstyle="none", markersize=10, ls="none",
-                             label="round skipped (too few valid replies)")}
     steps, twins = head_round_steps(series)
     drawn = [i for i, s in enumerate(series) if s.get("points")]
-    last_round = max((r for s in series for r, _ in s.get("points", [])), default=1)
-    # each run a little beside the others (a share of the axis, so that it shows on long runs too), and its head-round
-    # star further apart inside the head round's band; markers and lines get thinner run by run, so that a run drawn
-    # over an identical one leaves a ring of it visible
-    dodge = min(max(_DODGE, 0.012 * last_round), 0.8 / max(len(drawn), 1))
-    offset = {i: (k - (len(drawn) - 1) / 2) * dodge for k, i in enumerate(drawn)}
-    star_offset = {i: (k - (len(drawn) - 1) / 2) * min(0.22, 0.8 / max(len(drawn), 1)) for k, i in enumerate(drawn)}
-    plain = [i for i in drawn if i not in twins]
-    look = {i: _LOOKS[k % len(_LOOKS)] for k, i in enumerate(plain)}
-    size = {i: max(9.0 - 2.5 * k, 3.5) for k, i in enumerate(plain)}
-    width = {i: max(2.6 - 0.9 * k, 0.9) for k, i in enumerate(plain)}
-    for i, j in twins.items():
-        look[i] = look.get(j, _LOOKS[0])
+    style = _curve_style(series, drawn, twins)
     fig, (ax, side) = plt.subplots(1, 2, figsize=(10.4, 4.4), gridspec_kw={"width_ratios": [1.45, 1]})
-    labelled: set[str] = set()
-    finals: list[tuple[str, float, tuple, bool]] = []   # (row label, accuracy, look, head round) of the right panel
-    last_training = 0
-    for i in drawn:
-        s = series[i]
-        pts = sorted(s["points"])
-        color, marker, ls = look[i]
-        dx = offset[i]
-        head_at = steps.get(i)
-        train = [(r, a) for r, a in pts if head_at is None or r != head_at]
-        head_pt = next(((r, a) for r, a in pts if r == head_at), None)
-        base = s["label"]
-        if i in twins:   # '<x> + head round': only its head round differs from <x>'s curve
-            j = twins[i]
-            prev = sorted(series[j]["points"])[-1]
-            ax.plot([prev[0] + offset[j], head_pt[0] + star_offset[i]], [prev[1], head_pt[1]], ls=":", color=color,
-                    lw=1.3)
-            ax.plot([head_pt[0] + star_offset[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
-                    markeredgecolor="black", markeredgewidth=0.6, zorder=6, label=base)
-            finals.append((_run_name(base) + HEAD_SUFFIX if HEAD_SUFFIX not in _run_name(base) else _run_name(base),
-                           head_pt[1], look[i], True))
-            continue
-        if train:
-            xs, ys = zip(*train)
-            ax.plot([x + dx for x in xs], ys, ls=ls, marker=marker, color=color, markersize=size[i], lw=width[i],
-                    label=base, zorder=3 + plain.index(i) * 0.1)
-            last_training = max(last_training, train[-1][0])
-        if head_pt is not None:
-            if train:
-                ax.plot([train[-1][0] + dx, head_pt[0] + star_offset[i]], [train[-1][1], head_pt[1]], ls=":",
-                        color=color, lw=1.3)
-            ax.plot([head_pt[0] + star_offset[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
-                    markeredgecolor="black", markeredgewidth=0.6, zorder=6)
-        name = _run_name(base)
-        if train and train[-1][0] > 0:
-            finals.append((f"{name}, round {train[-1][0]}", train[-1][1], look[i], False))
-        if head_pt is not None:
-            finals.append((f"{name}{HEAD_SUFFIX}", head_pt[1], look[i], True))
-        acc = dict(pts)
-        for key, style in marks.items():
-            at = [(r + dx, acc[r]) for r in s.get(key, []) if r in acc]
-            if at:
-                style = dict(style)
-                if style["label"] in labelled:
-                    style["label"] = "_nolegend_"
-                labelled.add(style["label"])
-                ax.plot(*zip(*at), zorder=5, **style)
-    head_steps = sorted(set(steps.values()))
-    refs = []
-    for key, what, ls in (("ensemble", "clients' ensemble", "--"), ("best_client", "best client", "-.")):
-        owner = next((s for s in series if isinstance(s.get(key), (int, float))), None)
-        if owner is not None:
-            name = _run_name(owner["label"])
-            refs.append((f"{what} ({name}'s last round)", float(owner[key]), ls))
-    for label, value, ls in refs:
-        ax.axhline(value, color="0.35", ls=ls, lw=1.0, label=label, zorder=1)
-        finals.append((label, value, ("0.35", "|", ls), False))
-    if head_steps:   # the head round as its own step: shaded, its own tick
-        h = head_steps[-1]
-        ax.axvspan(h - 0.5, h + 0.5, color="0.92", zorder=0)
-        ax.plot([], [], ls="none", marker="*", markersize=12, color="white", markeredgecolor="black",
-                label="after the head round (classifier solved from the clients' statistics)")
-        train_ticks = [int(t) for t in MaxNLocator(integer=True, nbins=8).tick_values(0, max(last_training, 1))
-                       if 0 <= t <= min(last_training, h - 1)]
-        ax.set_xticks(train_ticks + [h])
-        ax.set_xticklabels([str(t) for t in train_ticks] + [HEAD_TICK])
-        ax.set_xlim(-0.5, h + 0.5)
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    finals, last_training = _draw_runs(ax, series, drawn, steps, twins, style)
+    finals += _reference_lines(ax, series)
+    _round_axis(ax, sorted(set(steps.values())), last_training)
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
@@ -588,6 +503,117 @@ def round_curves(series: list[dict], path: Path, title: str = "", ylabel: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+#: the marks of a run's special rounds on its curve (``round_curves``)
+_ROUND_MARKS = {"fell_back": dict(marker="x", color="red", markersize=12, markeredgewidth=2.5, ls="none",
+                                  label="fusion fell back"),
+                "guarded": dict(marker="o", color="orange", fillstyle="none", markersize=13, markeredgewidth=2,
+                                ls="none", label="guarded (weighted average used)"),
+                "skipped": dict(marker="D", color="gray", fillstyle="none", markersize=10, ls="none",
+                                label="round skipped (too few valid replies)")}
+
+
+def _curve_style(series: list[dict], drawn: list[int], twins: dict[int, int]) -> dict[str, Any]:
+    """Each drawn run's offset, head-round star offset, look, marker size and line width (``round_curves``): each run
+    a little beside the others (a share of the axis, so that it shows on long runs too), its head-round star further
+    apart inside the head round's band; markers and lines thinner run by run, so that a run drawn over an identical
+    one leaves a ring of it visible; a ``<x> + head round`` twin takes ``<x>``'s look."""
+    last_round = max((r for s in series for r, _ in s.get("points", [])), default=1)
+    dodge = min(max(_DODGE, 0.012 * last_round), 0.8 / max(len(drawn), 1))
+    plain = [i for i in drawn if i not in twins]
+    look = {i: _LOOKS[k % len(_LOOKS)] for k, i in enumerate(plain)}
+    for i, j in twins.items():
+        look[i] = look.get(j, _LOOKS[0])
+    return {"offset": {i: (k - (len(drawn) - 1) / 2) * dodge for k, i in enumerate(drawn)},
+            "star": {i: (k - (len(drawn) - 1) / 2) * min(0.22, 0.8 / max(len(drawn), 1)) for k, i in enumerate(drawn)},
+            "plain": plain, "look": look,
+            "size": {i: max(9.0 - 2.5 * k, 3.5) for k, i in enumerate(plain)},
+            "width": {i: max(2.6 - 0.9 * k, 0.9) for k, i in enumerate(plain)}}
+
+
+def _draw_runs(ax: Any, series: list[dict], drawn: list[int], steps: dict[int, int], twins: dict[int, int],
+               style: dict[str, Any]) -> tuple[list[tuple[str, float, tuple, bool]], int]:
+    """One curve per run (its head round a dotted step to a star), its special rounds marked; ``(the right panel's
+    rows, the last training round drawn)``. A ``<x> + head round`` twin is drawn as that step only."""
+    offset, star, look = style["offset"], style["star"], style["look"]
+    labelled: set[str] = set()
+    finals: list[tuple[str, float, tuple, bool]] = []   # (row label, accuracy, look, head round) of the right panel
+    last_training = 0
+    for i in drawn:
+        s = series[i]
+        pts = sorted(s["points"])
+        color, marker, ls = look[i]
+        dx = offset[i]
+        head_at = steps.get(i)
+        train = [(r, a) for r, a in pts if head_at is None or r != head_at]
+        head_pt = next(((r, a) for r, a in pts if r == head_at), None)
+        base = s["label"]
+        if i in twins:   # '<x> + head round': only its head round differs from <x>'s curve
+            j = twins[i]
+            prev = sorted(series[j]["points"])[-1]
+            ax.plot([prev[0] + offset[j], head_pt[0] + star[i]], [prev[1], head_pt[1]], ls=":", color=color, lw=1.3)
+            ax.plot([head_pt[0] + star[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
+                    markeredgecolor="black", markeredgewidth=0.6, zorder=6, label=base)
+            finals.append((_run_name(base) + HEAD_SUFFIX if HEAD_SUFFIX not in _run_name(base) else _run_name(base),
+                           head_pt[1], look[i], True))
+            continue
+        if train:
+            xs, ys = zip(*train)
+            ax.plot([x + dx for x in xs], ys, ls=ls, marker=marker, color=color, markersize=style["size"][i],
+                    lw=style["width"][i], label=base, zorder=3 + style["plain"].index(i) * 0.1)
+            last_training = max(last_training, train[-1][0])
+        if head_pt is not None:
+            if train:
+                ax.plot([train[-1][0] + dx, head_pt[0] + star[i]], [train[-1][1], head_pt[1]], ls=":", color=color,
+                        lw=1.3)
+            ax.plot([head_pt[0] + star[i]], [head_pt[1]], ls="none", marker="*", markersize=15, color=color,
+                    markeredgecolor="black", markeredgewidth=0.6, zorder=6)
+        name = _run_name(base)
+        if train and train[-1][0] > 0:
+            finals.append((f"{name}, round {train[-1][0]}", train[-1][1], look[i], False))
+        if head_pt is not None:
+            finals.append((f"{name}{HEAD_SUFFIX}", head_pt[1], look[i], True))
+        acc = dict(pts)
+        for key, mark in _ROUND_MARKS.items():
+            at = [(r + dx, acc[r]) for r in s.get(key, []) if r in acc]
+            if at:
+                mark = dict(mark)
+                if mark["label"] in labelled:
+                    mark["label"] = "_nolegend_"
+                labelled.add(mark["label"])
+                ax.plot(*zip(*at), zorder=5, **mark)
+    return finals, last_training
+
+
+def _reference_lines(ax: Any, series: list[dict]) -> list[tuple[str, float, tuple, bool]]:
+    """The clients' ensemble and the best client of the first run that has them: dashed lines, and their rows."""
+    rows = []
+    for key, what, ls in (("ensemble", "clients' ensemble", "--"), ("best_client", "best client", "-.")):
+        owner = next((s for s in series if isinstance(s.get(key), (int, float))), None)
+        if owner is not None:
+            label = f"{what} ({_run_name(owner['label'])}'s last round)"
+            ax.axhline(float(owner[key]), color="0.35", ls=ls, lw=1.0, label=label, zorder=1)
+            rows.append((label, float(owner[key]), ("0.35", "|", ls), False))
+    return rows
+
+
+def _round_axis(ax: Any, head_steps: list[int], last_training: int) -> None:
+    """Integer round ticks; the head round as its own step (shaded, its own tick) when a run has one."""
+    from matplotlib.ticker import MaxNLocator
+
+    if not head_steps:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        return
+    h = head_steps[-1]
+    ax.axvspan(h - 0.5, h + 0.5, color="0.92", zorder=0)
+    ax.plot([], [], ls="none", marker="*", markersize=12, color="white", markeredgecolor="black",
+            label="after the head round (classifier solved from the clients' statistics)")
+    train_ticks = [int(t) for t in MaxNLocator(integer=True, nbins=8).tick_values(0, max(last_training, 1))
+                   if 0 <= t <= min(last_training, h - 1)]
+    ax.set_xticks(train_ticks + [h])
+    ax.set_xticklabels([str(t) for t in train_ticks] + [HEAD_TICK])
+    ax.set_xlim(-0.5, h + 0.5)
 
 
 def _run_name(label: str) -> str:
