@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -294,6 +295,35 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
     dtype = next((q.dtype for q in models[0].parameters()), torch.float32)
     x = torch.as_tensor(fusion_inputs).to(device, torch.float64)
     parents = [copy.deepcopy(m).to(device, torch.float64).eval() for m in models]
+    specs, maps, unit_w, fused = _aligned_average(parents, grouping, x, scores, weights, device, seed, opts)
+    chunk = int(getattr(opts, "chunk_size", 512) or 512)
+    if any(type(m) in BATCHNORMS or isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules()):
+        reset_bn_stats(fused, x, device=device)
+    steps, report, classifier = _refit_plan(fused, specs[0], x)
+    fits = [st for st in steps if st[0] == "fit"]
+    cache = _cached_targets(parents, fits, maps, unit_w, weights, x, chunk, budget=CACHE_BYTES)
+    report["targets_cached"] = cache is not None
+    for st in steps:
+        if st[0] == "bn":
+            _reestimate(fused, st[1], x, chunk)
+            report["reestimated"].append(st[1])
+            continue
+        _refit(fused, st, parents, x, chunk, cache, maps, unit_w, weights, opts, head=st[1] == classifier)
+        report["refit"].append(st[1])
+        if st[4]:
+            report["folded"].append(st[4])
+    info["graph"] = report
+    info["grouping"] = grouping
+    info["seconds"] = time.perf_counter() - t0
+    fused = fused.to(dtype)
+    for q in fused.parameters():
+        q.requires_grad_(True)
+    return fused.cpu().eval()
+
+
+def _aligned_average(parents: list[nn.Module], grouping: str, x: torch.Tensor, scores, weights, device, seed, opts):
+    """``(specs, maps, unit weights, fused)``: every parent's units grouped onto model 0's (``grouping``) and the
+    importance-weighted aligned average loaded into a copy of model 0 (the start every layer is refitted from)."""
     specs = [build_spec(p) for p in parents]
     states = [state_on(p, device) for p in parents]
     for k in range(1, len(parents)):
@@ -317,20 +347,24 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
     fused = copy.deepcopy(parents[0])
     load_state(fused, avg.result())
     fused.eval()
-    chunk = int(getattr(opts, "chunk_size", 512) or 512)
-    if any(type(m) in BATCHNORMS or isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules()):
-        reset_bn_stats(fused, x, device=device)
+    return specs, maps, unit_w, fused
+
+
+def _refit_plan(fused: nn.Module, spec0, x: torch.Tensor) -> tuple[list[tuple], dict, str | None]:
+    """``(steps, report, classifier path)``: in forward order, ``("bn", path)`` (a norm re-estimated) or ``("fit",
+    path, site, group, norm path)`` (a layer refitted in closed form, its BN folded into it), and in ``report["kept"]``
+    each layer kept at the aligned average with why."""
     order, shared = _forward_order(fused, x)
     pairs = _fold_pairs(fused, x)
     folded = set(pairs.values())
     out_group = {}
-    for name, e in specs[0].entries.items():
+    for name, e in spec0.entries.items():
         name = name.split("@")[0]   # a part of a tensor a concatenation splits (its input axis): same outputs
         for ax in e.axes:
             if ax.role == "out" and ax.axis == 0 and e.view is None and name.endswith(".weight"):
                 out_group[name[:-len(".weight")]] = ax.group
-    classifier = specs[0].classifier[0][:-len(".weight")] if specs[0].classifier else None
-    report = {"refit": [], "folded": [], "reestimated": [], "kept": {}}
+    classifier = spec0.classifier[0][:-len(".weight")] if spec0.classifier else None
+    report: dict[str, Any] = {"refit": [], "folded": [], "reestimated": [], "kept": {}}
     steps: list[tuple] = []   # in forward order: ("bn", path) | ("fit", path, site, group, norm path)
     for path in order:
         mod = fused.get_submodule(path)
@@ -354,42 +388,31 @@ def graph_interpolation(models: list[nn.Module], *, grouping: str, fusion_inputs
                 steps.append(("bn", norm_path))   # its BN is then re-estimated like any other
             continue
         steps.append(("fit", path, norm_path or path, group, norm_path))
-    fits = [st for st in steps if st[0] == "fit"]
-    cache = _cached_targets(parents, fits, maps, unit_w, weights, x, chunk, budget=CACHE_BYTES)
-    report["targets_cached"] = cache is not None
-    for st in steps:
-        if st[0] == "bn":
-            _reestimate(fused, st[1], x, chunk)
-            report["reestimated"].append(st[1])
-            continue
-        _, path, site, group, norm_path = st
-        mod = fused.get_submodule(path)
-        norm = fused.get_submodule(norm_path) if norm_path else None
-        xtx = xty = None
-        for c, s in enumerate(range(0, len(x), chunk)):
-            xb = x[s:s + chunk]
-            d = design_matrix(mod, _capture(fused, path, xb, "in"), True).double()
-            tb = cache[path][c] if cache is not None else _mean_target(
-                [_capture(p, site, xb, "out") for p in parents], mod, group, maps, unit_w, weights)
-            xtx = d.t() @ d if xtx is None else xtx + d.t() @ d
-            xty = d.t() @ tb if xty is None else xty + d.t() @ tb
-        ridge = getattr(opts, "head_ridge", None) if path == classifier else None
-        ridge = getattr(opts, "ridge", 1e-3) if ridge is None else ridge
-        lam = max(float(ridge), 1e-12) * float(torch.diagonal(xtx).mean().clamp_min(1e-12))
-        prior = _folded(mod, norm).to(xtx)
-        coef = torch.linalg.solve(xtx + lam * torch.eye(len(xtx), dtype=xtx.dtype, device=xtx.device),
-                                  xty + lam * prior)
-        _write(mod, norm, coef)
-        report["refit"].append(path)
-        if norm_path:
-            report["folded"].append(norm_path)
-    info["graph"] = report
-    info["grouping"] = grouping
-    info["seconds"] = time.perf_counter() - t0
-    fused = fused.to(dtype)
-    for q in fused.parameters():
-        q.requires_grad_(True)
-    return fused.cpu().eval()
+    return steps, report, classifier
+
+
+def _refit(fused: nn.Module, step: tuple, parents: list[nn.Module], x: torch.Tensor, chunk: int, cache, maps, unit_w,
+           weights, opts, head: bool) -> None:
+    """Refit one layer of ``fused`` (a ``("fit", ...)`` step) in closed form: the ridge regression, on the fusion set,
+    of the parents' mean aligned outputs at its site on its inputs in ``fused``, towards its current (folded) weights;
+    ``head_ridge`` for the classifier."""
+    _, path, site, group, norm_path = step
+    mod = fused.get_submodule(path)
+    norm = fused.get_submodule(norm_path) if norm_path else None
+    xtx = xty = None
+    for c, s in enumerate(range(0, len(x), chunk)):
+        xb = x[s:s + chunk]
+        d = design_matrix(mod, _capture(fused, path, xb, "in"), True).double()
+        tb = cache[path][c] if cache is not None else _mean_target(
+            [_capture(p, site, xb, "out") for p in parents], mod, group, maps, unit_w, weights)
+        xtx = d.t() @ d if xtx is None else xtx + d.t() @ d
+        xty = d.t() @ tb if xty is None else xty + d.t() @ tb
+    ridge = getattr(opts, "head_ridge", None) if head else None
+    ridge = getattr(opts, "ridge", 1e-3) if ridge is None else ridge
+    lam = max(float(ridge), 1e-12) * float(torch.diagonal(xtx).mean().clamp_min(1e-12))
+    prior = _folded(mod, norm).to(xtx)
+    coef = torch.linalg.solve(xtx + lam * torch.eye(len(xtx), dtype=xtx.dtype, device=xtx.device), xty + lam * prior)
+    _write(mod, norm, coef)
 
 
 __all__ = ["graph_interpolation"]
