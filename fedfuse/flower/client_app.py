@@ -163,7 +163,6 @@ def train(msg: Message, context: Context) -> Message:
     num_examples = metrics.pop("num-examples")
     statistics = None
     if request.need_statistics:   # the round's fusion method reads them (RegMean, Fisher merging): on this node's data
-        model.load_state_dict(out["state"])
         statistics = client_statistics(request.fusion_method, model, node.train.x, node.train.y, device=device)
     content = make_train_reply(out["state"], num_examples=num_examples, train_metrics=metrics,
                                need_importance=request.need_importance, scores=out["scores"],
