@@ -366,6 +366,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def curves(out: Path, rows: list[dict], every: int = 5) -> str:
+    """The students' test accuracy over the epochs: on the tuning split (``tuning-curve.json``) and the mean over the
+    reported cells per α, every ``every`` epochs, so that the reader sees whether a larger budget would help."""
+    lines = ["", "", "Test accuracy (%) of the student (one exchange) after epoch e: the tuning split α 0.3 seed 100, and "
+             "the mean over the reported cells' seeds", ""]
+    tuning = out / "tuning-curve.json"
+    series = []
+    if tuning.exists():
+        series += [(f"{NAMES[r['method']]}, tuning split", [r["curve"]]) for r in json.loads(tuning.read_text())["rows"]
+                   if r["method"] in NAMES]
+    for m in NAMES:
+        for part in sorted({r["part"] for r in rows}, key=lambda p: float(p[3:])):
+            cs = [r["curve"] for r in rows if r["method"] == m and r["part"] == part and r.get("curve")]
+            if cs:
+                series.append((f"{NAMES[m]}, α = {part[3:]} (n={len(cs)})", cs))
+    if not series:
+        return ""
+    length = max(len(c[0]) for _, c in series)
+    marks = [e for e in range(every, length + 1, every)] or [length]
+    lines += ["| student | " + " | ".join(f"e {e}" for e in marks) + " |", "|---|" + "---|" * len(marks)]
+    for name, cs in series:
+        lines.append(f"| {name} | " + " | ".join(f"{100 * float(np.mean([c[e - 1] for c in cs])):.1f}" for e in marks)
+                     + " |")
+    return "\n".join(lines)
+
+
 def _rounded(x):
     if isinstance(x, float):
         return float(f"{x:.6g}")
@@ -416,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = rows_of(out)
     raw = (out / "rows.jsonl").read_text().splitlines() if (out / "rows.jsonl").exists() else []
     commands = [c for c in dict.fromkeys(json.loads(x).get("command") for x in raw if x.strip()) if c]
-    text = table(rows) + "\n\nThe commands, in the order run:\n\n```bash\n" + "\n".join(commands) + "\n```"
+    text = table(rows) + curves(out, rows) + "\n\nThe commands, in the order run:\n\n```bash\n" + "\n".join(commands) + "\n```"
     (out / "table.md").write_text(text + "\n")
     per_seed(out, rows)
     print(text)
