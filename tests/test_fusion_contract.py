@@ -68,6 +68,10 @@ FIXED_POINT_GAPS = {
     **{(m, "resnet"): "the graph variant of linear neuron interpolation (residual models) re-estimates BatchNorm "
                       "statistics on the fusion set before its fits, as ot/rebasin do after theirs"
        for m in ("hf-linear", "kf-linear")},
+    # the paper's posterior mean, not a gap to fix: (μ0/σ0² + Σ w/σ²) / (1/σ0² + m/σ²) shrinks every matched unit
+    # towards the prior (σ² = σ0² = 1: m copies give m/(m+1) of the weights), and BatchNorm is folded away
+    **{("pfnm", arch): "PFNM's global units are posterior means, shrunk towards the prior: copies come back shrunk"
+       for arch in ("mlp", "cnn")},
 }
 # options under which a score-using method reads the scores (``ot`` uses them only as OT marginals)
 SCORE_OPTIONS = {"ot": dict(marginals="importance")}
