@@ -31,9 +31,10 @@ counts; without them, ``fuse``'s ``weights`` for every class). BatchNorm (eval m
 it; the fused model has none. Defaults are the public code's: ``σ² = σ0² = 1``, ``μ0 = 0`` (bias prior mean 0.1),
 ``γ = 7``, 5 sweeps.
 
-Deviations: the paper's Eq. 9 has the factor ½ on the quadratic terms and ``log(γ/J) − log k`` for new units; the
-public code drops the ½ and doubles the new-unit terms (its popularity term is not doubled), i.e. weights the
-popularity term half as much; here the paper's. The public code's cap of 700 global units per layer is not applied.
+Deviations: the gains above are the paper's (Eq. 9, up to a common factor); the public code doubles the quadratic
+and the new-unit terms but not the popularity term ``log(m/(J − m))``, i.e. weights that one half as much, which makes
+a match of a unit few clients share cheaper and the global model narrower (``popularity=0.5`` runs the public code's
+weighting). The public code's cap of 700 global units per layer is not applied.
 The paper's PFNM for one-hidden-layer networks also matches on the outgoing (class) weights; the layer-wise code, and
 this, do not. Only ``nn.Sequential`` chains of ``Conv2d`` (groups 1) / ``Linear`` layers with parameter-free
 modules between them (activations, pooling, flatten, dropout) and BatchNorm right after a layer.
@@ -68,6 +69,8 @@ class PFNMOptions:
         mu0: prior mean of the weights; mu0_bias: of the biases.
         gamma: the Beta-Bernoulli (Indian buffet) process mass γ: larger opens new global units more readily.
         iterations: sweeps over the clients after the first pass (each client's units matched again).
+        popularity: weight of the popularity term ``log(m/(J − m))`` against the rest: 1 the paper's, 0.5 the public
+            code's.
     """
 
     sigma_sq: float = 1.0
@@ -76,12 +79,14 @@ class PFNMOptions:
     mu0_bias: float = 0.1
     gamma: float = 7.0
     iterations: int = 5
+    popularity: float = 1.0
 
     def __post_init__(self) -> None:
         require(self.sigma_sq > 0, "sigma_sq", "> 0", self.sigma_sq)
         require(self.sigma0_sq > 0, "sigma0_sq", "> 0", self.sigma0_sq)
         require(self.gamma > 0, "gamma", "> 0", self.gamma)
         require(self.iterations >= 0, "iterations", ">= 0", self.iterations)
+        require(self.popularity >= 0, "popularity", ">= 0", self.popularity)
 
 
 def pfnm_statistics(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
@@ -178,7 +183,7 @@ def match_units(rows: list[np.ndarray], prior_mean: np.ndarray, o: PFNMOptions,
             x2 = (x * x).sum(1)
             m = np.asarray(counts, dtype=np.float64)
             with np.errstate(divide="ignore"):
-                pop = np.log(m) - np.log(J - m)
+                pop = o.popularity * (np.log(m) - np.log(J - m))
             cost[:, :L] = 0.5 * ((g2[None, :] + 2 * gx + x2[:, None]) / (S + s)[None, :] - (g2 / S)[None, :]) + pop
         new = x + prior_nat
         gain_new = 0.5 * ((new * new).sum(1) / (p0 + s) - prior_term)
