@@ -139,8 +139,9 @@ class RunConfig:
                           "(0 = off)", ge=0)
     strategy: str = _key("auto", "auto (the average, or the clients' best-scored candidate), fedavg, a Flower "
                                  "baseline or a fusion method (docs/multi-round.md#strategy-auto)")
-    fusion_set_size: int = _key(250, "samples in the server's unlabeled fusion set (at least 2) "
-                                     "(docs/configuration.md#top-level-keys)", ge=2)
+    fusion_set_size: int = _key(2000, "samples in the server's unlabeled fusion set (at least 2; the default takes "
+                                      "the whole pool when it holds fewer) (docs/configuration.md#top-level-keys)",
+                                ge=2)
     fusion_set_source: str = _key("public", "public (a held-out pool no client sees) | client0 (drawn from client "
                                             "0's partition: skewed)", choices=FUSION_SET_SOURCES)
     fusion_set_path: str = _key("", "optional .pt/.npz file of fusion inputs, an absolute path on the server "
@@ -1246,6 +1247,8 @@ def data_options(cfg: RunConfig, num_clients: int | None = None) -> dict[str, An
     return {"dataset": cfg.dataset, "num_clients": num_clients or cfg.num_clients, "partitioning": cfg.partitioning,
             "alpha": cfg.dirichlet_alpha, "classes_per_client": cfg.classes_per_client,
             "fusion_size": cfg.fusion_set_size, "fusion_source": cfg.fusion_set_source,
+            # the default size is an upper bound (a small dataset's whole pool, no warning); a size the user set warns
+            "fusion_size_strict": cfg.fusion_set_size != SCHEMA["fusion-set-size"].default,
             "public_fraction": cfg.public_fraction, "root": cfg.data_root, "seed": cfg.seed,
             "test_fraction": cfg.test_fraction}
 

@@ -38,7 +38,7 @@ def test_pyproject_matches_the_schema_value_by_value():
         assert type(defaults[key]) is spec.type, f"{key}: pyproject {type(defaults[key]).__name__}, schema {spec.type}"
         assert defaults[key] == spec.default, f"{key}: pyproject {defaults[key]!r}, schema {spec.default!r}"
     assert parse_run_config(defaults) == RunConfig()
-    assert RunConfig().fusion_set_size == 250  # the value users ran with (pyproject) is the single default
+    assert RunConfig().fusion_set_size == 2000  # the value users run with (pyproject) is the single default
 
 
 def test_every_key_has_help_and_test_faults_is_not_a_product_key():
@@ -455,3 +455,20 @@ def test_preflight_rejects_partitionings_that_leave_a_client_empty():
     with pytest.raises(ConfigError, match=r"'num-clients': 1000 clients over \d+ training samples.*fewer than 2"):
         preflight({"num-clients": 1000})
     assert preflight({"num-clients": 4}).num_clients == 4
+
+
+def test_default_fusion_set_size_is_an_upper_bound_a_set_size_warns():
+    """The default fusion-set-size takes a small dataset's whole public pool without a warning (digits: 287 < 2000);
+    a size the user sets that the pool cannot hold warns."""
+    import warnings
+
+    from fedfuse.config import data_options
+    from fedfuse.data.fusion_set import FederatedData
+
+    base = {"dataset": "digits", "num-clients": 2, "partitioning": "iid"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data = FederatedData.build(**data_options(parse_run_config(base)))
+    assert 0 < len(data.fusion_x) < RunConfig().fusion_set_size and len(data.fusion_x) == len(data.reserved)
+    with pytest.warns(UserWarning, match="fewer than the 1999 requested"):
+        FederatedData.build(**data_options(parse_run_config({**base, "fusion-set-size": 1999})))

@@ -65,6 +65,7 @@ def fusion_set(
     reserved: np.ndarray | None,
     seed: int,
     return_labels: bool = False,
+    strict: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Draw the server's fusion set from ``train``.
 
@@ -76,10 +77,12 @@ def fusion_set(
         reserved: held-out index array into ``train`` (needed for ``public``).
         seed: sampling seed.
         return_labels: also return the labels (for server-side importance scores).
+        strict: warn when the pool holds fewer than ``size`` samples (``False``: ``size`` is an upper bound, the
+            run config's default ``fusion-set-size``, which takes the whole pool of a small dataset).
 
     Returns:
         x [M, *input_shape] float32 with M = min(size, pool size), or (x, y [M] int64).
-        Warns (never raises) when the pool holds fewer than ``size`` samples.
+        Warns (never raises) when the pool holds fewer than ``size`` samples and ``strict``.
     """
     if source not in FUSION_SET_SOURCES:
         raise ValueError(
@@ -90,7 +93,7 @@ def fusion_set(
     else:
         pool = np.asarray(partitions[0] if partitions else [], dtype=np.int64)
     size = max(int(size), 0)
-    if len(pool) < size:
+    if len(pool) < size and strict:
         warnings.warn(
             f"fusion set: {source!r} pool holds {len(pool)} samples, fewer than the "
             f"{size} requested; using all of them",
@@ -274,13 +277,15 @@ class FederatedData:
         root: str = "",
         seed: int = 0,
         test_fraction: float = 0.2,
+        fusion_size_strict: bool = True,
         **source_options,
     ) -> "FederatedData":
         """Load ``dataset``, partition it over ``num_clients`` and draw the fusion set.
 
         With ``fusion_source == "public"`` a stratified ``public_fraction`` of train is first
-        held out as ``reserved`` and only the rest is partitioned. Same arguments -> identical
-        result in any process; repeated calls in one process return the cached object.
+        held out as ``reserved`` and only the rest is partitioned. ``fusion_size_strict``: warn when the pool holds
+        fewer than ``fusion_size`` samples (``False`` for the run config's default size, an upper bound). Same
+        arguments -> identical result in any process; repeated calls in one process return the cached object.
         """
         if partitioning not in PARTITIONERS:
             raise ValueError(
@@ -295,7 +300,7 @@ class FederatedData:
             alpha=float(alpha), classes_per_client=int(classes_per_client),
             fusion_size=int(fusion_size), fusion_source=fusion_source,
             public_fraction=float(public_fraction), root=str(root), seed=int(seed),
-            test_fraction=float(test_fraction),
+            test_fraction=float(test_fraction), fusion_size_strict=bool(fusion_size_strict),
         )
         try:
             key = (tuple(sorted(args.items())), _freeze(source_options))
@@ -329,6 +334,7 @@ class FederatedData:
             fx, fy = fusion_set(
                 train, size=args["fusion_size"], source=args["fusion_source"],
                 partitions=partitions, reserved=reserved, seed=seed, return_labels=True,
+                strict=args.get("fusion_size_strict", True),
             )
         return cls(
             train=train, test=test, partitions=partitions, reserved=reserved,
