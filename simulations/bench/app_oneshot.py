@@ -1,0 +1,128 @@
+"""The app with its defaults, one-shot (issue 59's last goal): ``fedfuse run`` with only the issue's keys set, on
+Fashion-MNIST, LeNet-5, 5 clients, Dirichlet α ∈ {0.1, 0.3, 0.5}, seeds 0–2, ``mode='one-shot'``, 10 local epochs;
+everything else (strategy ``auto``, the fusion set, the optimizer, the head round) the app's defaults at the commit run.
+
+Each run is the real ServerApp / ClientApp on the in-process engine (``--engine inprocess``: the same bodies on a
+Flower Grid, the same numbers as ``flwr run`` with ``fraction-train=1``); its one-shot references (best client, the
+clients' ensemble, KD, FedDF, one-shot FedAvg) are computed by the run on the same client models. ``table`` writes
+``table.md`` (mean ± sample std over seeds, paired differences per seed) and ``runs.json`` (the rows, compact); the
+run folders stay local (``--out``/runs). ::
+
+    .venv/bin/python -m simulations.bench.app_oneshot run --out results/app-one-shot-default
+    .venv/bin/python -m simulations.bench.app_oneshot table --out results/app-one-shot-default
+
+The fusion-set size's tuning runs (α 0.3, seed 100, the default keys otherwise; the table lists each run)::
+
+    for n in 250 1000 2000 4000; do .venv/bin/python -m simulations.bench.app_oneshot run --alphas 0.3 --seeds 100 \
+        --extra "fusion-set-size=$n run-name='fs$n'" --out results/app-one-shot-default/tuning; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+KEYS = ("dataset='fashion-mnist' model='lenet' partitioning='dirichlet' dirichlet-alpha={alpha} seed={seed} "
+        "num-clients=5 mode='one-shot' num-server-rounds=1 local-epochs=10")
+
+
+def run(out: Path, alphas: list[str], seeds: list[int], extra: str = "") -> None:
+    runs = out / "runs"
+    for seed in seeds:
+        for alpha in alphas:
+            # the run's folder: run-name in --extra, else a<α>-s<seed>
+            name = next((w.split("=", 1)[1].strip("'") for w in extra.split() if w.startswith("run-name=")),
+                        f"a{alpha}-s{seed}")
+            if (runs / name / "results.json").exists():
+                continue
+            cfg = " ".join(w for w in (KEYS.format(alpha=alpha, seed=seed), extra) if w)
+            cfg += "" if "run-name=" in extra else f" run-name='{name}'"
+            subprocess.run([sys.executable, "-m", "fedfuse.flower.runner.run", "--run-config", cfg, "--engine",
+                            "inprocess", "--no-compare", "--output-dir", str(runs)], check=True,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def row(path: Path) -> dict:
+    r = json.loads(path.read_text())
+    refs = {x["key"]: x["accuracy"] for x in r["one-shot-references"]["rows"]}
+    fused = next(x for x in r["rounds"] if x["round"] == 1)
+    head = r["rounds"][-1]
+    info = fused.get("fusion-info") or {}
+    return {"run": path.parent.name, "alpha": r["config"]["dirichlet-alpha"], "seed": r["config"]["seed"],
+            "fusion-set-size": r["config"]["fusion-set-size"], "chose": info.get("select-choice"),
+            "fused": fused["test-accuracy"], "with-head": head["test-accuracy"],
+            **{k: refs[k] for k in ("best-client", "mean-client", "ensemble", "average", "kd", "feddf") if k in refs}}
+
+
+def _ms(v: list[float], signed: bool = False) -> str:
+    m = 100 * float(np.mean(v))
+    return (f"{m:+.1f}" if signed else f"{m:.1f}") + (f" ± {100 * float(np.std(v, ddof=1)):.1f}" if len(v) > 1 else "") \
+        + f" (n={len(v)})"
+
+
+LABELS = {"best-client": "best client", "mean-client": "mean client", "ensemble": "clients' ensemble (by samples)",
+          "average": "one-shot FedAvg (weighted average)", "kd": "KD (ensemble into client 0's model)",
+          "feddf": "FedDF (ensemble into the average)", "fused": "the default (`auto`), fused round",
+          "with-head": "**the default (`auto`) + head round**"}
+
+
+def table(rows: list[dict]) -> str:
+    alphas = sorted({r["alpha"] for r in rows})
+    head = " | ".join(f"α = {a:g}" for a in alphas)
+    lines = ["Test accuracy in %, mean ± sample std (ddof=1) over seeds", "", f"| row | exchanges | {head} |",
+             "|---|---|" + "---|" * len(alphas)]
+    for key in ("best-client", "mean-client", "ensemble", "average", "kd", "feddf", "fused", "with-head"):
+        cells = [_ms([r[key] for r in rows if r["alpha"] == a and key in r]) for a in alphas]
+        lines.append(f"| {LABELS[key]} | {'2' if key == 'with-head' else '1'} | " + " | ".join(cells) + " |")
+    lines += ["", "Paired per seed: the default + head round minus the reference, points; per-seed values in brackets "
+              "(seeds in order)", "", f"| against | {head} |", "|---|" + "---|" * len(alphas)]
+    for ref in ("ensemble", "best-client", "kd", "feddf"):
+        cells = []
+        for a in alphas:
+            d = [r["with-head"] - r[ref] for r in sorted(rows, key=lambda r: r["seed"]) if r["alpha"] == a]
+            cells.append(_ms(d, signed=True) + " [" + ", ".join(f"{100 * x:+.1f}" for x in d) + "]")
+        lines.append(f"| {LABELS[ref]} | " + " | ".join(cells) + " |")
+    sizes = sorted({r["fusion-set-size"] for r in rows})
+    chose = sorted({str(r["chose"]) for r in rows})
+    lines += ["", f"fusion-set-size {sizes}; `auto` chose {chose}; runs: {len(rows)}"]
+    return "\n".join(lines)
+
+
+def tuning_table(rows: list[dict]) -> str:
+    """One cell, one run per fusion-set size (the rule's tuning runs): every value, in %."""
+    lines = ["Tuning cell (no reported cell): α = {alpha:g}, seed {seed}; test accuracy in %".format(**rows[0]), "",
+             "| fusion-set-size | fused round | + head round | best client | ensemble | KD | FedDF |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["fusion-set-size"]):
+        lines.append(f"| {r['fusion-set-size']} | " + " | ".join(f"{100 * r[k]:.2f}" for k in (
+            "fused", "with-head", "best-client", "ensemble", "kd", "feddf")) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("run", "table"))
+    ap.add_argument("--alphas", default="0.1,0.3,0.5")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--extra", default="", help="more run-config keys (a variant of the defaults)")
+    ap.add_argument("--out", default="results/app-one-shot-default")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    if a.what == "run":
+        run(out, a.alphas.split(","), [int(s) for s in a.seeds.split(",")], a.extra)
+    rows = [row(p) for p in sorted((out / "runs").glob("*/results.json"))
+            if "one-shot-references" in json.loads(p.read_text())]   # a run still going has none yet
+    (out / "runs.json").write_text(json.dumps(rows, separators=(",", ":")))
+    text = tuning_table(rows) if len({(r["alpha"], r["seed"]) for r in rows}) == 1 else table(rows)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
