@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = rows_of(out)
     raw = (out / "rows.jsonl").read_text().splitlines() if (out / "rows.jsonl").exists() else []
     commands = [c for c in dict.fromkeys(json.loads(x).get("command") for x in raw if x.strip()) if c]
+    if (out / "tuning" / "choice.json").exists():   # the R = 2 FedAvg choice the run read
+        commands.insert(0, f"python -m simulations.bench.fmnist_fens tune --out {out / 'tuning'}")
     exchanges = {k: (str(1 + v["rounds"]) if k in CONFIGS else "3", "") for k, v in CONFIGS.items()}
     exchanges["fens-r2-fedavg"] = ("3", "")
     text = table(rows, LABELS, exchanges)
