@@ -96,7 +96,7 @@ def table(rows: list[dict]) -> str:
 
 def tuning_table(rows: list[dict]) -> str:
     """One cell, one run per fusion-set size (the rule's tuning runs): every value, in %."""
-    lines = ["Tuning cell (no reported cell): α = {alpha:g}, seed {seed}; test accuracy in %".format(**rows[0]), "",
+    lines = ["One cell, a run per fusion-set size: α = {alpha:g}, seed {seed}; test accuracy in %".format(**rows[0]), "",
              "| fusion-set-size | fused round | + head round | best client | ensemble | KD | FedDF |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["fusion-set-size"]):
