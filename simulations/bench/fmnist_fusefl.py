@@ -52,9 +52,17 @@ the forward passes of the fused levels over their data), both ÷ one local epoch
 process (``fit`` with the recipe, client 0, one epoch, right before). Paired differences per seed against the strong
 clients' ensemble (computed here) and against ``kf-linear`` + head round (read from the O1 (strong) per-seed JSON).
 
+The commands as run (the first stopped after its α 0.1 cell for time — the machine's 2 cores were shared with other
+jobs — the rest by K, K = 2 first):
+
     .venv/bin/python -m simulations.bench.fmnist_fusefl run --alphas 0.1,0.3,0.5 --seeds 0 --out results/fmnist-o1-strong/fusefl
-    .venv/bin/python -m simulations.bench.fmnist_fusefl run --alphas 0.1,0.3,0.5 --seeds 1,2 --out results/fmnist-o1-strong/fusefl
+    .venv/bin/python -m simulations.bench.fmnist_fusefl run --k 2 --alphas 0.3,0.5 --seeds 0 --out results/fmnist-o1-strong/fusefl
+    .venv/bin/python -m simulations.bench.fmnist_fusefl run --k 2 --alphas 0.1,0.3,0.5 --seeds 1,2 --out results/fmnist-o1-strong/fusefl
+    .venv/bin/python -m simulations.bench.fmnist_fusefl run --k 4 --alphas 0.3,0.5 --seeds 0 --out results/fmnist-o1-strong/fusefl
+    .venv/bin/python -m simulations.bench.fmnist_fusefl run --k 4 --alphas 0.1,0.3,0.5 --seeds 1,2 --out results/fmnist-o1-strong/fusefl
     .venv/bin/python -m simulations.bench.fmnist_fusefl table --out results/fmnist-o1-strong/fusefl
+
+A rerun from scratch: ``run --alphas 0.1,0.3,0.5 --seeds 0,1,2`` (both K per cell; the same rows).
 """
 
 from __future__ import annotations
@@ -422,7 +430,8 @@ def write_table(out: Path) -> str:
             "; ".join(_ms([r["step1-ensemble"] for r in rows if r["method"] == m and r["part"] == p])
                       + f" at α {p[3:]}" for p in sorted({r['part'] for r in rows}, key=lambda p: float(p[3:])))
         for m in own})
-    text += "\n\nThe commands, in the order run:\n\n```bash\n" + "\n".join(commands) + "\n```"
+    text += ("\n\nThe commands, in the order run (the first stopped after its α 0.1 cell, for time):\n\n```bash\n"
+             + "\n".join(commands) + "\n```")
     (out / "table.md").write_text(text + "\n")
     per_seed(out, rows, commands)
     return text
