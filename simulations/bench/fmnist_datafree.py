@@ -55,7 +55,9 @@ right before it, one local epoch of client 0 with the clients' recipe (``fmnist_
     .venv/bin/python -m simulations.bench.fmnist_datafree time --epochs 3 --out /tmp/dftest
     .venv/bin/python -m simulations.bench.fmnist_datafree tune --out results/fmnist-o1-strong/datafree
     .venv/bin/python -m simulations.bench.fmnist_datafree run --alphas 0.1,0.3,0.5 --seeds 0 --out results/fmnist-o1-strong/datafree
-    .venv/bin/python -m simulations.bench.fmnist_datafree run --alphas 0.1,0.3,0.5 --seeds 1,2 --out results/fmnist-o1-strong/datafree
+    .venv/bin/python -m simulations.bench.fmnist_datafree run --alphas 0.1,0.3,0.5 --seeds 1 --out results/fmnist-o1-strong/datafree
+    .venv/bin/python -m simulations.bench.fmnist_datafree run --alphas 0.1,0.3,0.5 --seeds 2 --out results/fmnist-o1-strong/datafree
+      (stopped for time after α 0.1: seed 2 of α 0.3 / 0.5 is missing)
     .venv/bin/python -m simulations.bench.fmnist_datafree table --out results/fmnist-o1-strong/datafree
 """
 
