@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+from simulations.bench.stats import pct
 
 KEYS = ("dataset='fashion-mnist' model='lenet' partitioning='dirichlet' dirichlet-alpha={alpha} seed={seed} "
         "num-clients=5 mode='one-shot' num-server-rounds=1 local-epochs=10")
@@ -60,12 +60,6 @@ def row(path: Path) -> dict:
             **{k: refs[k] for k in ("best-client", "mean-client", "ensemble", "average", "kd", "feddf") if k in refs}}
 
 
-def _ms(v: list[float], signed: bool = False) -> str:
-    m = 100 * float(np.mean(v))
-    return (f"{m:+.1f}" if signed else f"{m:.1f}") + (f" ± {100 * float(np.std(v, ddof=1)):.1f}" if len(v) > 1 else "") \
-        + f" (n={len(v)})"
-
-
 LABELS = {"best-client": "best client", "mean-client": "mean client", "ensemble": "clients' ensemble (by samples)",
           "average": "one-shot FedAvg (weighted average)", "kd": "KD (ensemble into client 0's model)",
           "feddf": "FedDF (ensemble into the average)", "fused": "the default (`auto`), fused round",
@@ -78,7 +72,7 @@ def table(rows: list[dict]) -> str:
     lines = ["Test accuracy in %, mean ± sample std (ddof=1) over seeds", "", f"| row | exchanges | {head} |",
              "|---|---|" + "---|" * len(alphas)]
     for key in ("best-client", "mean-client", "ensemble", "average", "kd", "feddf", "fused", "with-head"):
-        cells = [_ms([r[key] for r in rows if r["alpha"] == a and key in r]) for a in alphas]
+        cells = [pct([r[key] for r in rows if r["alpha"] == a and key in r]) for a in alphas]
         lines.append(f"| {LABELS[key]} | {'2' if key == 'with-head' else '1'} | " + " | ".join(cells) + " |")
     lines += ["", "Paired per seed: the default + head round minus the reference, points; per-seed values in brackets "
               "(seeds in order)", "", f"| against | {head} |", "|---|" + "---|" * len(alphas)]
@@ -86,7 +80,7 @@ def table(rows: list[dict]) -> str:
         cells = []
         for a in alphas:
             d = [r["with-head"] - r[ref] for r in sorted(rows, key=lambda r: r["seed"]) if r["alpha"] == a]
-            cells.append(_ms(d, signed=True) + " [" + ", ".join(f"{100 * x:+.1f}" for x in d) + "]")
+            cells.append(pct(d, signed=True) + " [" + ", ".join(f"{100 * x:+.1f}" for x in d) + "]")
         lines.append(f"| {LABELS[ref]} | " + " | ".join(cells) + " |")
     sizes = sorted({r["fusion-set-size"] for r in rows})
     chose = sorted({str(r["chose"]) for r in rows})

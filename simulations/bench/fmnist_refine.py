@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.fusion.distillation import _distill, holdout_split, teacher_probs  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
+from simulations.bench.stats import pct  # noqa: E402
 
 # name -> distillation options (Adam; batch 32; the fusion set split 80 / 20, the best held-out-KL state kept)
 DEFAULT = {"lr": 1e-3, "epochs": 50, "patience": 5, "aug": "none", "temperature": 1.0}
@@ -123,14 +124,6 @@ def rows_of(out: Path) -> list[dict]:
     return list({(r["part"], r["seed"], r["method"]): r for r in rows}.values())
 
 
-def _ms(v: list[float], signed: bool = False) -> str:
-    if not v:
-        return ""
-    m = 100 * float(np.mean(v))
-    text = f"{m:+.1f}" if signed else f"{m:.1f}"
-    return text + (f" ± {100 * float(np.std(v, ddof=1)):.1f}" if len(v) > 1 else "") + f" (n={len(v)})"
-
-
 def tuning_table(rows: list[dict]) -> str:
     """One cell's settings side by side: the options, the epochs run / kept, both accuracies and the differences
     against ``kf-linear`` + head round and against the ensemble (points)."""
@@ -168,7 +161,7 @@ def table(rows: list[dict]) -> str:
                         ("with-head", "3 (+ head round)" if after_head else "2 (+ head round)")):
             if m == "ensemble" and key == "with-head":
                 continue
-            cells = [_ms([r[key] for (p, _, mm), r in cell.items() if p == part and mm == m and key in r])
+            cells = [pct([r[key] for (p, _, mm), r in cell.items() if p == part and mm == m and key in r])
                      for part in parts]
             lines.append(f"| {m} | {ex} | " + " | ".join(cells) + " |")
     lines += ["", "Paired per seed (same clients): the row minus the reference, points; per-seed values in brackets "
@@ -184,7 +177,7 @@ def table(rows: list[dict]) -> str:
                     d = [(r[key] - cell[(part, s, ref)][rkey], s) for (p, s, mm), r in sorted(cell.items())
                          if p == part and mm == m and key in r and (part, s, ref) in cell]
                     vals = [x for x, _ in d]
-                    cells.append(_ms(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
+                    cells.append(pct(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
                                                            if vals else ""))
                 lines.append(f"| {m} ({ex}) | {rname} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.models import build_model  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
+from simulations.bench.stats import pct  # noqa: E402
 
 # name -> the second exchange's local training: loss, local epochs, lr, β (the KD weight), τ
 SETTINGS: dict[str, dict] = {}
@@ -166,15 +167,6 @@ def run_cell(alpha: float, seed: int, settings: list[str], fedavg: bool = True) 
     return rows
 
 
-def _ms(v: list[float], signed: bool = False) -> str:
-    import numpy as np
-
-    if not v:
-        return ""
-    text = f"{100 * float(np.mean(v)):+.1f}" if signed else f"{100 * float(np.mean(v)):.1f}"
-    return text + (f" ± {100 * float(np.std(v, ddof=1)):.1f}" if len(v) > 1 else "") + f" (n={len(v)})"
-
-
 EXCHANGES = {"ensemble": ("1", None), "best client": ("1", None), "kf-linear": ("1", "2"),
              "fedavg-2-rounds": ("2", "3")}
 
@@ -194,7 +186,7 @@ def table(rows: list[dict]) -> str:
         for key, e in (("accuracy", ex[0]), ("with-head", ex[1])):
             if e is None:
                 continue
-            cells = [_ms([r[key] for (p, _, mm), r in cell.items() if p == part and mm == m and key in r])
+            cells = [pct([r[key] for (p, _, mm), r in cell.items() if p == part and mm == m and key in r])
                      for part in parts]
             lines.append(f"| {m} | {e}{' (+ head round)' if key == 'with-head' else ''} | " + " | ".join(cells) + " |")
     lines += ["", "Paired per seed (same clients): the row with the head round minus the reference, points; per-seed "
@@ -208,7 +200,7 @@ def table(rows: list[dict]) -> str:
             for part in parts:
                 vals = [r["with-head"] - cell[(part, s, ref)][rkey] for (p, s, mm), r in sorted(cell.items())
                         if p == part and mm == m and (part, s, ref) in cell]
-                cells.append(_ms(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
+                cells.append(pct(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
                                                        if vals else ""))
             lines.append(f"| {m} | {ref}{' + head round' if ref == 'kf-linear' else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -17,15 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
+from simulations.bench.stats import pct
 
 OUT = Path("results/front-door-fs2000")
 OLD = Path("results/front-door-seeds/runs.json")
-
-
-def _ms(v: list[float], signed: bool = False) -> str:
-    m = 100 * float(np.mean(v))
-    return (f"{m:+.1f}" if signed else f"{m:.1f}") + f" ± {100 * float(np.std(v, ddof=1)):.1f}"
 
 
 def main() -> None:
@@ -44,13 +39,14 @@ def main() -> None:
     lines = [f"The front door's setting, seeds {', '.join(map(str, seeds))}; test accuracy in %, mean ± sample std",
              "", "| row | fused / trained | + head round | per seed, + head round |", "|---|---|---|---|"]
     for name, vals in rows.items():
-        before = _ms(fused[name]) if name in fused else ""
-        lines.append(f"| {name} | {before} | {_ms(vals)} | " + " / ".join(f"{100 * v:.1f}" for v in vals) + " |")
+        before = pct(fused[name], count=False) if name in fused else ""
+        per_seed = " / ".join(f"{100 * v:.1f}" for v in vals)
+        lines.append(f"| {name} | {before} | {pct(vals, count=False)} | {per_seed} |")
     head = rows["kf-linear, 2,000 fusion images (today's default)"]
     lines += ["", "Paired per seed, + head round (points):", ""]
     for name in list(rows)[1:]:
         d = [a - b for a, b in zip(head, rows[name])]
-        lines.append(f"- kf-linear (2,000) minus {name}: {_ms(d, signed=True)} ("
+        lines.append(f"- kf-linear (2,000) minus {name}: {pct(d, signed=True, count=False)} ("
                      + " / ".join(f"{100 * x:+.1f}" for x in d) + ")")
     (OUT / "table.md").write_text("\n".join(lines) + "\n")
     (OUT / "runs.json").write_text(json.dumps([{k: new[s][k] for k in ("seed", "final-accuracy",

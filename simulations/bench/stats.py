@@ -24,3 +24,14 @@ def std_note(count: int, unit: str = "seed") -> str:
 def mean(values: Iterable[float]) -> float:
     v = finite(values)
     return sum(v) / len(v) if v else float("nan")
+
+
+def pct(values: Iterable[float], signed: bool = False, count: bool = True) -> str:
+    """Fractions as a table cell in %: ``"m ± s (n=k)"`` (one value: ``"m (n=1)"``), ``signed`` for differences
+    (``"+m"``), ``count=False`` without the ``(n=k)``; ``""`` for none."""
+    v = list(values)
+    if not v:
+        return ""
+    m, s, n = mean_std(v)
+    text = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
+    return text + (f" ± {100 * s:.1f}" if n > 1 else "") + (f" (n={n})" if count else "")
