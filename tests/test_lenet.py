@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fedfuse.config import ConfigError, check_model, parse_run_config
-from fedfuse.fusion import METHODS, IncompatibleModelsError, fuse_result
+from fedfuse.fusion import METHODS, IncompatibleModelsError, fuse_result, get_spec
 from fedfuse.fusion.permute import build_spec, permute_model, random_perms
 from fedfuse.importance import neuron_importance
 from fedfuse.models import build_model, levels, model_family
@@ -89,6 +89,6 @@ def test_every_method_fuses_lenet_or_says_why(method):
     with torch.no_grad():
         out = fused(x)
     assert out.shape == (24, 10) and torch.isfinite(out).all()
-    if isinstance(fused, nn.Sequential):
+    if isinstance(fused, nn.Sequential) and get_spec(method).same_architecture:   # pfnm may open new units
         assert {k: v.shape for k, v in fused.state_dict().items()} == \
             {k: v.shape for k, v in models[0].state_dict().items()}
