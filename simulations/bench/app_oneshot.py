@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from simulations.bench.stats import pct
+from simulations.bench.stats import paired, pct
 
 KEYS = ("dataset='fashion-mnist' model='lenet' partitioning='dirichlet' dirichlet-alpha={alpha} seed={seed} "
         "num-clients=5 mode='one-shot' num-server-rounds=1 local-epochs=10")
@@ -80,7 +80,7 @@ def table(rows: list[dict]) -> str:
         cells = []
         for a in alphas:
             d = [r["with-head"] - r[ref] for r in sorted(rows, key=lambda r: r["seed"]) if r["alpha"] == a]
-            cells.append(pct(d, signed=True) + " [" + ", ".join(f"{100 * x:+.1f}" for x in d) + "]")
+            cells.append(paired(d))
         lines.append(f"| {LABELS[ref]} | " + " | ".join(cells) + " |")
     sizes = sorted({r["fusion-set-size"] for r in rows})
     chose = sorted({str(r["chose"]) for r in rows})

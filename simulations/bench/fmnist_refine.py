@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.fusion.distillation import _distill, holdout_split, teacher_probs  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
-from simulations.bench.stats import pct  # noqa: E402
+from simulations.bench.stats import paired, pct  # noqa: E402
 
 # name -> distillation options (Adam; batch 32; the fusion set split 80 / 20, the best held-out-KL state kept)
 DEFAULT = {"lr": 1e-3, "epochs": 50, "patience": 5, "aug": "none", "temperature": 1.0}
@@ -176,9 +176,7 @@ def table(rows: list[dict]) -> str:
                 for part in parts:
                     d = [(r[key] - cell[(part, s, ref)][rkey], s) for (p, s, mm), r in sorted(cell.items())
                          if p == part and mm == m and key in r and (part, s, ref) in cell]
-                    vals = [x for x, _ in d]
-                    cells.append(pct(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
-                                                           if vals else ""))
+                    cells.append(paired([x for x, _ in d]))
                 lines.append(f"| {m} ({ex}) | {rname} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

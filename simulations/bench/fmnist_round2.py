@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.models import build_model  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
-from simulations.bench.stats import pct  # noqa: E402
+from simulations.bench.stats import paired, pct  # noqa: E402
 
 # name -> the second exchange's local training: loss, local epochs, lr, β (the KD weight), τ
 SETTINGS: dict[str, dict] = {}
@@ -200,8 +200,7 @@ def table(rows: list[dict]) -> str:
             for part in parts:
                 vals = [r["with-head"] - cell[(part, s, ref)][rkey] for (p, s, mm), r in sorted(cell.items())
                         if p == part and mm == m and (part, s, ref) in cell]
-                cells.append(pct(vals, signed=True) + (" [" + ", ".join(f"{100 * x:+.1f}" for x in vals) + "]"
-                                                       if vals else ""))
+                cells.append(paired(vals))
             lines.append(f"| {m} | {ref}{' + head round' if ref == 'kf-linear' else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

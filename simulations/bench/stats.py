@@ -35,3 +35,10 @@ def pct(values: Iterable[float], signed: bool = False, count: bool = True) -> st
     m, s, n = mean_std(v)
     text = f"{100 * m:+.1f}" if signed else f"{100 * m:.1f}"
     return text + (f" ± {100 * s:.1f}" if n > 1 else "") + (f" (n={n})" if count else "")
+
+
+def paired(differences: Iterable[float]) -> str:
+    """Per-seed differences as a table cell in points: ``pct(..., signed=True)`` and the values in seed order,
+    ``"+m ± s (n=k) [+a, -b, ...]"``; ``""`` for none."""
+    d = list(differences)
+    return pct(d, signed=True) + " [" + ", ".join(f"{100 * x:+.1f}" for x in d) + "]" if d else ""
