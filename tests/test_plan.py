@@ -87,3 +87,23 @@ def test_a_client_app_parses_the_run_config_once(monkeypatch):
     assert all(config.parse_once(dict(run)) is first for _ in range(5)) and len(calls) == 1
     assert config.parse_once({**run, "seed": 8}).seed == 8 and len(calls) == 2
     assert client_app.parse_once is config.parse_once and client_tiers.parse_once is config.parse_once
+
+
+def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_so():
+    """The one-shot default (auto, head round, LeNet): kf-linear distilled from the clients' ensemble (τ 4, mixup)
+    before the head round, in the plan, its decisions and the strategy's options; not without the head round, not
+    with ``refine='none'``, not where the candidate is FedDF (ViT) nor in multi-round runs."""
+    from fedfuse.plan import ONE_SHOT_DISTILL
+
+    base = {"dataset": "fashion-mnist", "model": "lenet", "mode": "one-shot", "num-server-rounds": 1,
+            "local-epochs": 10, "num-clients": 5}
+    cfg = parse_run_config(base)
+    plan = make_plan(cfg)
+    assert plan.candidates == ("kf-linear",) and plan.candidate_refine == {"kf-linear": ONE_SHOT_DISTILL}
+    assert ONE_SHOT_DISTILL["augmentation"] == "mixup" and ONE_SHOT_DISTILL["temperature"] == 4.0
+    assert any(d.setting == "strategy-options.refine" and "distill" in str(d.value) for d in plan.decisions)
+    assert selection_options(cfg)["candidate_refine"] == plan.candidate_refine
+    assert plan.to_json()["candidate-refine"] == plan.candidate_refine
+    for extra in ({"head-round": False}, {"strategy-options.refine": "none"}, {"model": "vit"},
+                  {"mode": "multi-round", "num-server-rounds": 3}):
+        assert make_plan(parse_run_config({**base, **extra})).candidate_refine == {}, extra

@@ -311,3 +311,32 @@ def test_a_candidate_that_reads_importance_scores_gets_the_clients_scores(monkey
     # fusion off (short local training): no candidate reads scores, so the clients are not asked for them
     assert not _strategy(candidates=("fedavg", "kf-linear"), local_epochs=1, fusion_min_epochs=10).wants_client_scores
     assert not _strategy(candidates=("fedavg", "kd")).wants_client_scores
+
+
+def test_a_candidate_with_a_refinement_is_distilled_before_it_is_scored(identity, caplog):
+    """``candidate_refine`` (one-shot's kf-linear with the head round): the candidate's fused model is distilled from
+    the clients' ensemble with the given options, the round records what the distillation did, and a bad entry is a
+    ValueError at construction naming it."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    ups = _updates()
+    opts = {"temperature": 4.0, "epochs": 3, "patience": 2, "augmentation": "mixup"}
+    s = _strategy(candidates=("kf-linear",), candidate_refine={"kf-linear": opts})
+    s._grid = ScoringGrid({1: [0.5], 2: [0.5], 3: [0.5]})
+    state, info, _ = s.aggregate(1, ups)
+    plain = _strategy(candidates=("kf-linear",))
+    plain._grid = ScoringGrid({1: [0.5], 2: [0.5], 3: [0.5]})
+    base, base_info, _ = plain.aggregate(1, ups)
+    refined = info["select-refine"]["kf-linear"]
+    assert 1 <= refined["distill-epochs"] <= 3 and refined["distill-kl-best"] <= refined["distill-kl-start"]
+    assert base_info["select-refine"] is None and "distilled from the clients' ensemble" in caplog.text
+    if refined["distill-best-epoch"] > 0:   # a kept epoch moved the model; the start kept leaves it as fused
+        assert any(not torch.equal(state[k], base[k]) for k in base)
+    with pytest.raises(ValueError, match="not one of the fusion candidates"):
+        _strategy(candidates=("fedavg", "kf-linear"), candidate_refine={"fedavg": opts})
+    with pytest.raises(ValueError, match=r"candidate_refine\['kf-linear'\]: unknown option 'epoch'"):
+        _strategy(candidates=("kf-linear",), candidate_refine={"kf-linear": {"epoch": 3}})
+    with pytest.raises(ValueError, match="needs fusion_inputs"):
+        build_strategy("auto", model_fn=model_fn, fusion_inputs=None, min_train_nodes=2, min_available_nodes=2,
+                       candidates=("kf-linear",), candidate_refine={"kf-linear": opts})

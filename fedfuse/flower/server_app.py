@@ -49,7 +49,7 @@ from flwr.serverapp.strategy import Strategy  # noqa: E402
 from fedfuse.config_layout import path_of  # noqa: E402
 from fedfuse.config import (ConfigError, RunConfig, config_notes, dataset_info, load_initial_model,  # noqa: E402
                             preflight, read_fusion_set, SELECTING_STRATEGIES)
-from fedfuse.plan import auto_candidates, auto_server_momentum, make_plan  # noqa: E402
+from fedfuse.plan import auto_candidate_refine, auto_candidates, auto_server_momentum, make_plan  # noqa: E402
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.round.divergence import guard_broadcast  # noqa: E402
@@ -232,7 +232,7 @@ def selection_options(cfg: RunConfig) -> dict:
     if cfg.strategy not in SELECTING_STRATEGIES:
         return {}
     out = {"candidates": auto_candidates(cfg), "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
-           "fusion_min_epochs": cfg.auto_fusion_epochs}
+           "fusion_min_epochs": cfg.auto_fusion_epochs, "candidate_refine": auto_candidate_refine(cfg)}
     momentum = auto_server_momentum(cfg)
     if momentum is not None:   # else baseline_options passes the user's value
         out["server_momentum"] = momentum

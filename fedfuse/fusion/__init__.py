@@ -25,14 +25,15 @@ import copy
 import importlib
 import pkgutil
 import time
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, same_architecture, FusionError, FusionOptionError, FusionResult,
                                      IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
-                                     NumericalFusionError, get_spec, methods_with, option_table, register)
-from fedfuse.fusion.refine import parse_refine, refine_model
+                                     NumericalFusionError, get_spec, methods_with, option_table, parse_options, register)
+from fedfuse.fusion.refine import DistillRefineOptions, parse_refine, refine_model
 from fedfuse.models import levels, model_family
 from fedfuse.models.adapters import set_example_input
 from fedfuse.training import resolve_device
@@ -317,12 +318,14 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
                 prior: torch.Tensor | None = None, target: nn.Module | None = None,
                 reference: nn.Module | None = None, statistics: list[dict[str, torch.Tensor]] | None = None,
+                refine_options: DistillRefineOptions | Mapping[str, Any] | None = None,
                 **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
     try:
         steps = parse_refine(refine)
     except ValueError as exc:
         raise FusionOptionError(f"fuse: {exc}") from None
+    distill_options = refine_distill_options(refine_options, steps)
     if steps and (fusion_inputs is None or len(fusion_inputs) == 0):
         raise MissingInputError(f"fuse: refine={refine!r} needs fusion_inputs (the unlabeled fusion set)")
     spec = get_spec(method)
@@ -393,7 +396,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         # copies: distillation moves its teachers to the device, and the inputs stay untouched
         teachers = [copy.deepcopy(m).to(dev) for m in models] if "distill" in steps else None
         info.update(refine_model(fused.to(dev), steps, teachers=teachers, weights=normalise_weights(weights, len(models)),
-                                 fusion_inputs=fusion_inputs, prior=prior, seed=seed, device=dev))
+                                 fusion_inputs=fusion_inputs, prior=prior, distill_options=distill_options, seed=seed,
+                                 device=dev))
         fused = fused.cpu().eval()
         check_finite(f"{method} (refined)", fused)
     if fusion_inputs is not None:
@@ -409,7 +413,8 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
          scores: list[dict[str, torch.Tensor]] | None = None, weights=None, device: str | torch.device = "cpu",
          seed: int = 0, *, refine: str | None = None, prior: torch.Tensor | None = None,
          target: nn.Module | None = None, reference: nn.Module | None = None,
-         statistics: list[dict[str, torch.Tensor]] | None = None, **options) -> nn.Module:
+         statistics: list[dict[str, torch.Tensor]] | None = None,
+         refine_options: DistillRefineOptions | Mapping[str, Any] | None = None, **options) -> nn.Module:
     """Fuse ``models`` (first = reference) into one model mapping ``[N, *input_shape]`` to logits.
 
     Args:
@@ -427,6 +432,9 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
             ensemble distillation of ``models`` into the fused model, early-stopped, never worse on the
             held-out KL than the fused model), or both joined by ``"+"``, applied in order; ``None``/``"none"``.
         prior: ``[classes]`` target class distribution of ``"calibrate"`` (default uniform).
+        refine_options: the ``"distill"`` step's options (``DistillRefineOptions`` or a dict of its fields: epochs,
+            lr, temperature, patience, augmentation, ...); ``None`` = its defaults. Given without ``"distill"`` in
+            ``refine``, ``FusionOptionError``.
         target: the architecture of the fused model (its weights are ignored), e.g. a narrower or wider
             capacity tier of the models' family (``build_model(..., width_mult=r)``); ``None`` or a module
             of model 0's architecture = model 0's. Methods with the ``any_target`` capability
@@ -450,7 +458,19 @@ def fuse(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | Non
     """
     return fuse_result(method, models, fusion_inputs=fusion_inputs, scores=scores, weights=weights, device=device,
                        seed=seed, refine=refine, prior=prior, target=target, reference=reference,
-                       statistics=statistics, **options).model
+                       statistics=statistics, refine_options=refine_options, **options).model
+
+
+def refine_distill_options(options: DistillRefineOptions | Mapping[str, Any] | None,
+                           steps: tuple[str, ...]) -> DistillRefineOptions:
+    """``fuse``'s ``refine_options`` checked: a ``DistillRefineOptions``, or a dict of its fields parsed into one
+    (unknown or ill-typed keys raise ``FusionOptionError`` naming the key); only with ``"distill"`` in ``steps``."""
+    if options is None:
+        return DistillRefineOptions()
+    if "distill" not in steps:
+        raise FusionOptionError(f"fuse: refine_options are the 'distill' step's, but refine is "
+                                f"{'+'.join(steps) or 'none'!r}")
+    return parse_options("distill", DistillRefineOptions, options, what="fuse: refine_options")
 
 
 def check_statistics(spec: MethodSpec, statistics, num_models: int) -> list[dict[str, torch.Tensor]] | None:

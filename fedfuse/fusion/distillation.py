@@ -42,6 +42,10 @@ def teacher_probs(models: list[nn.Module], x: torch.Tensor, weights: list[float]
     return torch.cat(out)
 
 
+#: the input augmentations of a distillation (``augment``)
+AUGMENTATIONS = ("none", "noise", "mixup")
+
+
 def augment(x: torch.Tensor, kind: str, gen: torch.Generator, noise: float = 0.1) -> torch.Tensor:
     """Augment a batch ``x [b, ...]``: ``"noise"`` adds ``N(0, (noise·std)²)``, ``"mixup"`` mixes random
     pairs with λ ~ U(0, 1), ``"none"`` returns ``x``. Teachers are re-queried on the augmented batch."""
@@ -315,4 +319,4 @@ def fuse_lp(models, *, fusion_inputs, scores, weights, device, seed, options: LP
     return st.eval()
 
 
-__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment", "holdout_split", "DistillOptions", "KDOptions", "LPOptions"]
+__all__ = ["fuse_kd", "fuse_lp", "teacher_probs", "augment", "AUGMENTATIONS", "holdout_split", "DistillOptions", "KDOptions", "LPOptions"]

@@ -28,12 +28,13 @@ Both need only unlabeled inputs; neither modifies the teachers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.distillation import _distill, holdout_split, teacher_probs
+from fedfuse.fusion.distillation import AUGMENTATIONS, _distill, holdout_split, teacher_probs
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, require
 from fedfuse.models import levels
 from fedfuse.training import predict_logits
@@ -139,6 +140,9 @@ class DistillRefineOptions:
         temperature: softmax temperature of teachers and student (loss scaled by τ²).
         holdout: fraction of the fusion set held out for early stopping (KL to the ensemble).
         patience: stop after this many epochs without a better held-out KL.
+        augmentation: ``"none"`` | ``"mixup"`` (random pairs of fusion inputs mixed, λ ~ U(0, 1), the teachers
+            asked again on the mixed batch) | ``"noise"``; the held-out KL that selects the state is always measured
+            on the clean inputs. Mixup with τ 4 is what ``mode='one-shot'`` distils with (``fedfuse.plan``).
     """
 
     epochs: int = 50
@@ -147,6 +151,7 @@ class DistillRefineOptions:
     temperature: float = 1.0
     holdout: float = 0.2
     patience: int = 5
+    augmentation: Literal["none", "noise", "mixup"] = "none"
 
     def __post_init__(self) -> None:
         require(self.epochs >= 0, "epochs", ">= 0", self.epochs)
@@ -155,6 +160,7 @@ class DistillRefineOptions:
         require(self.temperature > 0, "temperature", "> 0", self.temperature)
         require(0 < self.holdout < 1, "holdout", "in (0, 1)", self.holdout)
         require(self.patience >= 1, "patience", ">= 1", self.patience)
+        require(self.augmentation in AUGMENTATIONS, "augmentation", f"one of {AUGMENTATIONS}", self.augmentation)
 
 
 def kl_to(probs: torch.Tensor, logits: torch.Tensor, temperature: float = 1.0) -> float:
@@ -188,7 +194,7 @@ def distill_ensemble(student: nn.Module, teachers: list[nn.Module], weights: lis
     _distill(student, student, list(student.parameters()), x_tr,
              lambda xb: teacher_probs(teachers, xb, weights, o.temperature), epochs=o.epochs, lr=o.lr,
              weight_decay=0.0, optimizer="adam", batch_size=o.batch_size, temperature=o.temperature, seed=seed,
-             device=device, info=run, keep_best=True, select_inputs=x_val, patience=o.patience)
+             device=device, aug=o.augmentation, info=run, keep_best=True, select_inputs=x_val, patience=o.patience)
     student.eval()
     return {"distill-epochs": run["epochs_run"], "distill-best-epoch": run["best_epoch"],
             "distill-kl-start": run["initial_loss"], "distill-kl-best": run["best_loss"]}

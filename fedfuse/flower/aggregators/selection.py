@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from logging import INFO, WARNING
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -52,6 +52,8 @@ from fedfuse.flower.aggregators.fusion_strategy import FusionAggregator, FusionC
 from fedfuse.flower.round.protocol import RoundProtocol
 from fedfuse.flower.round.replies import ClientUpdate
 from fedfuse.fusion import FusionError, fuse_result
+from fedfuse.fusion.refine import DistillRefineOptions
+from fedfuse.fusion.registry import parse_options
 from fedfuse.models import levels
 from fedfuse.strategy_specs import (ARRAY_CANDIDATES, AUTO_FUSION_EPOCHS, DEFAULT_CANDIDATES, MEAN_METHODS, SPECIAL_SPECS,
                                     check_candidates)
@@ -67,6 +69,9 @@ class SelectionStrategy(RoundProtocol):
         candidates: the aggregations tried every round (see the module docstring), first = preferred on a tie and
             kept when no client scores.
         query_timeout: seconds the scoring query waits.
+        candidate_refine: ``{candidate: DistillRefineOptions fields}``: that fusion candidate's model is distilled
+            from the clients' ensemble on the fusion set (``fuse(..., refine='distill', refine_options=...)``) before
+            it is scored; one-shot's kf-linear with the head round (``fedfuse.plan.auto_candidate_refine``).
         Everything else: ``FusionStrategy``'s options (the held aggregator's: ``server_momentum`` is the ``"average"``
             candidate's; and the protocol's).
     """
@@ -75,7 +80,8 @@ class SelectionStrategy(RoundProtocol):
 
     def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  local_epochs: int | None = None, fusion_min_epochs: int = FUSION_MIN_EPOCHS,
-                 query_timeout: float = QUERY_TIMEOUT, **options: Any) -> None:
+                 query_timeout: float = QUERY_TIMEOUT, candidate_refine: Mapping[str, Mapping[str, Any]] | None = None,
+                 **options: Any) -> None:
         entry = options.pop("registry_entry", SPECIAL_SPECS["auto"])
         options.setdefault("guard", False)   # the clients' scores replace the guard
         concerns = FusionConcerns.take(options)
@@ -87,7 +93,9 @@ class SelectionStrategy(RoundProtocol):
         if self.model_fn is None:
             raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
         self.query_timeout = float(query_timeout)
+        self.candidate_refine = self._check_refine(candidate_refine or {})
         self._grid: Grid | None = None
+        self._refined: dict[str, dict] = {}   # this round's candidate_refine diagnostics
         if int(fusion_min_epochs) < 0:
             raise ValueError(f"strategy 'auto': fusion_min_epochs must be >= 0, got {fusion_min_epochs}")
         # fusion candidates only after long local training (see the module docstring); None: always
@@ -108,6 +116,20 @@ class SelectionStrategy(RoundProtocol):
                                     and self._method_spec(c).reads_client_scores(None))
         if self.wants_client_scores:
             self.aggregator.level_widths = {lv.name: lv.width for lv in levels(self.model_fn())}
+
+    def _check_refine(self, refine: Mapping[str, Mapping[str, Any]]) -> dict[str, DistillRefineOptions]:
+        """``candidate_refine`` checked: fusion candidates of this strategy, valid distillation options."""
+        out = {}
+        for name, options in refine.items():
+            if name not in self.candidates or name in ARRAY_CANDIDATES:
+                raise ValueError(f"strategy 'auto': candidate_refine names {name!r}, which is not one of the fusion "
+                                 f"candidates {[c for c in self.candidates if c not in ARRAY_CANDIDATES]}")
+            out[name] = parse_options("distill", DistillRefineOptions, options,
+                                      what=f"strategy 'auto': candidate_refine[{name!r}]")
+        if out and self.fusion_inputs is None:
+            raise ValueError(f"strategy 'auto': candidate_refine {sorted(out)} distils on the server fusion set; "
+                             "needs fusion_inputs")
+        return out
 
     @property
     def wants_client_scores(self) -> bool:
@@ -143,6 +165,7 @@ class SelectionStrategy(RoundProtocol):
         teachers: list[nn.Module] = []              # the client models, built when a fusion candidate needs them
         velocity = self.momentum_step.snapshot()
         built, after = {}, None
+        self._refined = {}
         # fusion off: no vote, so only the first array candidate is built
         skipped = {c: self.fusion_off for c in self.candidates if self.fusion_off and c not in ARRAY_CANDIDATES}
         for name in [self._first_array()] if self.fusion_off else self.candidates:
@@ -173,7 +196,8 @@ class SelectionStrategy(RoundProtocol):
         self._set_velocity(choice, after, state)
         info = {"select-choice": choice, "select-clients": clients, "select-query": query,
                 "select-accuracy": None if accuracy is None else dict(zip(names, accuracy)),
-                "select-skipped": skipped or None, "select-fallback": query and accuracy is None, **seconds}
+                "select-skipped": skipped or None, "select-fallback": query and accuracy is None,
+                "select-refine": self._refined or None, **seconds}
         log(INFO, "auto: round %d: %s (%s)", server_round, choice,
             "no fusion candidate: no query" if not query else "no client scored" if accuracy is None else
             "client-scored accuracy " + ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
@@ -188,9 +212,16 @@ class SelectionStrategy(RoundProtocol):
             model, _ = self.momentum_step(self.build_model(average), rd)
             return model.state_dict()
         scores = [u.scores for u in updates] if name in self._score_readers and self.wants_client_scores else None
+        refine = self.candidate_refine.get(name)
         result = fuse_result(name, teachers, fusion_inputs=self.fusion_inputs, scores=scores,
                              weights=[u.num_examples for u in updates], device=self.device,
-                             seed=self.seed + server_round)
+                             seed=self.seed + server_round, refine="distill" if refine else None,
+                             refine_options=refine)
+        if refine:   # what the distillation did: epochs run, the state kept (0 = the fused model), held-out KLs
+            self._refined[name] = {k: v for k, v in result.info.items() if k.startswith("distill-")}
+            log(INFO, "auto: round %d: %s distilled from the clients' ensemble: %s", server_round, name,
+                ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in self._refined[name].items()))
         return result.model.state_dict()
 
     def _set_velocity(self, choice: str, after, state: dict[str, torch.Tensor]) -> None:
