@@ -15,7 +15,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
     2>&1 | tee -a "$out/gpu.txt"
 rc=0
 timeout "${GPU_CHECK_TEST_TIMEOUT:-300}" "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_interpolation.py::test_cuda_matches_cpu \
-    tests/test_pruning.py::test_cuda_device tests/test_tofu.py::test_cuda_matches_cpu 2>&1 | tee "$out/tests.log" || rc=1
+    tests/test_pruning.py::test_cuda_device tests/test_tofu.py::test_cuda_matches_cpu \
+    "tests/test_regmean_fisher.py::test_statistics_and_fusion_run_on_the_device_given" 2>&1 | tee "$out/tests.log" || rc=1
+# GPU_CHECK_TESTS_ONLY=1: the tests alone (scripts/gpu_item4.sh runs them before its own bench)
+[ -n "${GPU_CHECK_TESTS_ONLY-}" ] && exit $rc
 # cheap methods first, so that a run stopped by its time limit has them
 methods=ensemble,lp,ot,rebasin,transfusion,feddf,kd,kf-linear,hf-linear,fs-merge,fs-merge-seq,kf-gradient,hf-gradient,auto
 bench() {   # name, then real_size's arguments

@@ -92,3 +92,23 @@ def test_importance_on_cuda_matches_cpu(method):
     for name in cpu:
         assert gpu[name].device.type == "cpu"
         torch.testing.assert_close(gpu[name], cpu[name], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["quickstart-net", "skip-cnn", "concat-cnn", "tv:mobilenet_v2-0.25",
+                                  "timm:convnext_atto-small", "timm:vit_tiny"])
+def test_models_users_bring_align_on_cuda(name):
+    """The graph reader's alignment on CUDA (issue "Fuse the models users bring"): a user's model fused with a
+    permuted copy of itself on ``device="cuda"`` gives the model back (float64, as ``tests/test_any_model.py`` checks on
+    the CPU), as a CPU model, for every weight-matching method."""
+    from fedfuse.fusion.permute import build_spec, reset_bn_stats
+    from fedfuse.fusion.permute.maps import permute_model, random_perms
+    from tests.test_any_model import FAST, MATCHING, X, _f64, _model, _rel
+
+    m = _model(FAST[name]).double()
+    reset_bn_stats(m, X.double())
+    p = permute_model(m, random_perms(build_spec(m), seed=3))
+    y = _f64(m)
+    for method in MATCHING:
+        fused = fuse(method, [m, p], fusion_inputs=X.double(), device="cuda")
+        assert all(t.device.type == "cpu" for t in fused.state_dict().values()), method
+        assert _rel(_f64(fused), y) <= 1e-5, method
