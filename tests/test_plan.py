@@ -92,7 +92,8 @@ def test_a_client_app_parses_the_run_config_once(monkeypatch):
 def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_so():
     """The one-shot default (auto, head round, LeNet): kf-linear distilled from the clients' ensemble (τ 4, mixup)
     before the head round, in the plan, its decisions and the strategy's options; not without the head round, not
-    with ``refine='none'``, not where the candidate is FedDF (ViT) nor in multi-round runs."""
+    with ``refine='none'``, not where the candidate is FedDF (ViT), not for a family it is not measured on (CNN: kf-linear
+    + head round) nor in multi-round runs."""
     from fedfuse.plan import ONE_SHOT_DISTILL
 
     base = {"dataset": "fashion-mnist", "model": "lenet", "mode": "one-shot", "num-server-rounds": 1,
@@ -104,6 +105,6 @@ def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_s
     assert any(d.setting == "strategy-options.refine" and "distill" in str(d.value) for d in plan.decisions)
     assert selection_options(cfg)["candidate_refine"] == plan.candidate_refine
     assert plan.to_json()["candidate-refine"] == plan.candidate_refine
-    for extra in ({"head-round": False}, {"strategy-options.refine": "none"}, {"model": "vit"},
+    for extra in ({"head-round": False}, {"strategy-options.refine": "none"}, {"model": "vit"}, {"model": "cnn"},
                   {"mode": "multi-round", "num-server-rounds": 3}):
         assert make_plan(parse_run_config({**base, **extra})).candidate_refine == {}, extra

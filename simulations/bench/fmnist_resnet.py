@@ -46,7 +46,7 @@ FUSION_SIZE = 1000
 METHODS = ("average", "kd", "feddf", "ot", "kf-linear", "kf-linear+distill")
 ROWS = {"average": "one-shot FedAvg (weighted average)", "kd": "KD (ensemble into client 0's model)",
         "feddf": "FedDF (ensemble into the average)", "ot": "OT fusion (`ot`)", "kf-linear": "`kf-linear`",
-        "kf-linear+distill": "`kf-linear` + ensemble distillation (the app's one-shot default)"}
+        "kf-linear+distill": "`kf-linear` + ensemble distillation (LeNet-5's one-shot default)"}
 
 
 def net(seed: int) -> nn.Module:
@@ -240,7 +240,8 @@ def run(args) -> None:
     save()
     slowest = 0.0
     methods = [m for m in args.methods.split(",") if m]
-    cells = [(float(a), int(s)) for s in args.seeds.split(",") for a in args.alphas.split(",")]
+    cells = ([(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.cells.split(",")] if args.cells else
+             [(float(a), int(s)) for s in args.seeds.split(",") for a in args.alphas.split(",")])
     for alpha, seed in cells:
         left = args.budget_s - (time.perf_counter() - t_start)
         if slowest and left < slowest * 1.1:
@@ -262,21 +263,49 @@ def run(args) -> None:
     save()
 
 
+def from_log(text: str, lr: float) -> list[dict]:
+    """The rows of the cells a run's log finished (``run``'s printed lines), for a run whose ``cells.json`` did not
+    come back: per method the accuracy without / with the head round and the fusion seconds, the clients and their
+    ensemble. Marked ``"from-log": True`` (no head solver, no seconds per local epoch)."""
+    import re
+
+    rows, pending = [], []
+    for line in text.splitlines():
+        m = re.search(r"\]   (\S+): ([0-9.]+) / \+ head ([0-9.]+) \(([0-9.]+) s\)", line)
+        if m:
+            pending.append({"method": m[1], "accuracy": float(m[2]), "with-head": float(m[3]),
+                            "fuse-seconds": float(m[4])})
+            continue
+        m = re.search(r"cell α ([0-9.]+) seed (\d+): \d+ s, clients \[([^\]]*)\], ensemble ([0-9.]+)", line)
+        if m:
+            base = {"alpha": float(m[1]), "seed": int(m[2]), "lr": lr, "epochs": EPOCHS, "from-log": True}
+            accs = [float(v) for v in m[3].split(",")]
+            rows += [{**base, "method": "best client", "accuracy": max(accs)},
+                     {**base, "method": "mean client", "accuracy": float(np.mean(accs))},
+                     {**base, "method": "ensemble", "accuracy": float(m[4])}]
+            rows += [{**base, **r} for r in pending]
+            pending = []
+    return rows
+
+
 def table(args) -> None:
     from simulations.bench.stats import paired, pct
 
-    doc = json.loads(Path(args.runs).read_text())
-    rows = doc["rows"]
+    docs = [json.loads(Path(p).read_text()) for p in args.runs.split(",") if p]
+    doc = next((d for d in docs if d.get("tuning")), docs[0])
+    rows = [r for d in docs for r in d["rows"]]
+    if args.logs:
+        rows += [r for p in args.logs.split(",") for r in from_log(Path(p).read_text(), doc["lr"])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     alphas = sorted({r["alpha"] for r in rows})
 
     def vals(method, key="accuracy"):
-        return {a: [100 * r[key] for r in sorted(rows, key=lambda r: r["seed"])
+        return {a: [r[key] for r in sorted(rows, key=lambda r: r["seed"])
                     if r["method"] == method and r["alpha"] == a and key in r] for a in alphas}
 
     def by_seed(method, key):
-        return {a: {r["seed"]: 100 * r[key] for r in rows if r["method"] == method and r["alpha"] == a and key in r}
+        return {a: {r["seed"]: r[key] for r in rows if r["method"] == method and r["alpha"] == a and key in r}
                 for a in alphas}
 
     lines = [f"torchvision ResNet-18 clients (28 × 28 stem), Fashion-MNIST, 5 clients, Dirichlet α; {doc['device']}"
@@ -309,7 +338,8 @@ def table(args) -> None:
                                  ("feddf", "with-head", ens, "ensemble")):
         mine = by_seed(m, key)
         lines.append(f"| {ROWS[m]} (+ head round) | {refname} | " +
-                     " | ".join(paired(mine[a], ref[a]) for a in alphas) + " |")
+                     " | ".join(paired([mine[a][k] - ref[a][k] for k in sorted(mine[a]) if k in ref[a]])
+                                for a in alphas) + " |")
     secs = [r for r in rows if "fuse-seconds" in r]
     if secs:
         lines += ["", "Server seconds of each fusion ÷ one local epoch of one client (same device, same run), median "
@@ -317,12 +347,17 @@ def table(args) -> None:
         for m in METHODS:
             s = [r for r in secs if r["method"] == m]
             if s:
+                per = [r["fuse-per-epoch"] for r in s if "fuse-per-epoch" in r]
                 lines.append(f"| {ROWS[m]} | {np.median([r['fuse-seconds'] for r in s]):.1f} | "
-                             f"{np.median([r['fuse-per-epoch'] for r in s]):.1f} |")
-    if doc.get("stopped"):
-        lines += ["", f"Stopped by its time budget: {doc['stopped']}."]
+                             f"{np.median(per):.1f} |")
+    stops = [d["stopped"] for d in docs if d.get("stopped")]
+    if stops:
+        lines += ["", "Runs stopped by their time budget: " + "; ".join(stops) + "."]
+    if any(r.get("from-log") for r in rows):
+        cells = sorted({(r["alpha"], r["seed"]) for r in rows if r.get("from-log")})
+        lines += ["", f"Cells read from a run's log (its cells.json did not come back): {cells}."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "cells.json").write_text(json.dumps(doc, separators=(",", ":")))
+    (out / "cells.json").write_text(json.dumps({**doc, "rows": rows, "stopped": stops}, separators=(",", ":")))
     print("\n".join(lines))
 
 
@@ -333,10 +368,12 @@ def main(argv=None) -> None:
     ap.add_argument("--alphas", default=",".join(str(a) for a in ALPHAS))
     ap.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--cells", default="", help="alpha:seed pairs (instead of --alphas x --seeds), e.g. 0.5:1,0.1:2")
     ap.add_argument("--lr", type=float, default=None, help="skip the tuning and use this lr")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--pooled", action="store_true")
-    ap.add_argument("--runs", default="")
+    ap.add_argument("--runs", default="", help="table: the runs' cells.json files, comma-separated")
+    ap.add_argument("--logs", default="", help="table: logs of runs whose cells.json did not come back")
     ap.add_argument("--smoke", type=int, default=0, help="tests only: this many samples per client, 1 epoch")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
