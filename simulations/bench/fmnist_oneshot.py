@@ -129,14 +129,16 @@ def peer_inputs(method: str, clients: list[dict], seed: int, cache: dict) -> dic
     return {"method": name, "options": options, "statistics": stats, "row": row}
 
 
-def head_round(model, clients) -> tuple[torch.nn.Module, dict]:
+def head_round(model, clients, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict]:
     """The head round as ``head-solver='best'``: ridge and LDA heads from the clients' statistics, the one the clients
-    score best on their validation splits kept unless below the model's own head."""
+    score best on their validation splits kept unless below the model's own head (statistics and scores on
+    ``device``)."""
     t0 = time.perf_counter()
-    stats = [head_statistics(model, c["x"], c["y"], 10) for c in clients]
+    stats = [head_statistics(model, c["x"], c["y"], 10, device=device) for c in clients]
 
     def val_acc(m):
-        return sum(acc(predict_logits(m, c["vx"]), c["vy"]) * len(c["vy"]) for c in clients) / sum(len(c["vy"]) for c in clients)
+        return sum(acc(predict_logits(m, c["vx"], device=device), c["vy"]) * len(c["vy"]) for c in clients) / \
+            sum(len(c["vy"]) for c in clients)
 
     scored = {"before": (val_acc(model), model)}
     for solver in ("ridge", "lda"):

@@ -26,7 +26,6 @@ Run on a GPU (one H200: ``scripts/gpu_item4.sh``), then the table here::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import time
@@ -36,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from simulations.bench.fmnist_oneshot import head_round
 
 ALPHAS = (0.1, 0.3, 0.5)
 SEEDS = (0, 1, 2)
@@ -95,26 +96,6 @@ def logits_of(model: nn.Module, x: torch.Tensor, device: torch.device) -> torch.
     from fedfuse.training import predict_logits
 
     return predict_logits(model, x, batch_size=1000, device=device)
-
-
-def head_round(model: nn.Module, clients: list[dict], device: torch.device) -> tuple[nn.Module, str]:
-    """``fmnist_oneshot.head_round`` on ``device``: ridge and LDA heads from the clients' statistics, the one the
-    clients score best on their validation splits, unless below the model's own head."""
-    from fedfuse.progressive import head_statistics, solve_classifier, with_head
-
-    stats = [head_statistics(model, c["x"], c["y"], 10, device=device) for c in clients]
-
-    def val(m):
-        return sum(acc(logits_of(m, c["vx"], device), c["vy"]) * len(c["vy"]) for c in clients) / \
-            sum(len(c["vy"]) for c in clients)
-
-    scored = {"before": (val(model), model)}
-    for solver in ("ridge", "lda"):
-        m = with_head(copy.deepcopy(model), solve_classifier(stats, solver).to(device))
-        scored[solver] = (val(m), m)
-    pick = max(("ridge", "lda"), key=lambda s: scored[s][0])
-    keep = pick if scored[pick][0] >= scored["before"][0] else "before"
-    return scored[keep][1], keep
 
 
 SMOKE = {"max-samples": 0}   # the test's smoke run: clients, test set and validation splits cut to this many
@@ -187,9 +168,9 @@ def run_cell(alpha: float, seed: int, lr: float, device: torch.device, methods, 
             continue
         secs = time.perf_counter() - t0
         a0 = acc(logits_of(res.model, tx, device), ty)
-        headed, solver = head_round(res.model, clients, device)
+        headed, head = head_round(res.model, clients, device)
         a1 = acc(logits_of(headed, tx, device), ty)
-        rows.append({**base, "method": method, "accuracy": a0, "with-head": a1, "head-solver": solver,
+        rows.append({**base, "method": method, "accuracy": a0, "with-head": a1, "head-solver": head["solver"],
                      "fuse-seconds": secs, "fuse-per-epoch": secs / epoch_s,
                      **{k: v for k, v in res.info.items() if k.startswith("distill-")}})
         log(f"  {method}: {a0:.4f} / + head {a1:.4f} ({secs:.1f} s)")
