@@ -114,6 +114,9 @@ def test_run_config_errors_name_the_key():
     assert selection_options(one)["candidates"] == ("kf-linear",)   # one-shot with the head round (default)
     vit = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "vit"})
     assert selection_options(vit)["candidates"] == ("feddf",)   # kf-linear takes no transformer blocks
+    resnet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "resnet"})
+    assert selection_options(resnet)["candidates"] == ("kf-linear",)   # ResNet-18 and MNIST-1D ResNet: above FedDF
+    assert selection_options(resnet)["candidate_refine"] == {}         # LeNet's distillation lowers it there
     lenet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "lenet"})
     assert selection_options(lenet)["candidates"] == ("kf-linear",)   # Fashion-MNIST O1: kf-linear's features best
     strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
