@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from simulations.bench.fmnist_oneshot import head_round
+from simulations.bench.fmnist_oneshot import acc, head_round
+from simulations.bench.fmnist_strong import ensemble_acc
 
 ALPHAS = (0.1, 0.3, 0.5)
 SEEDS = (0, 1, 2)
@@ -59,10 +60,6 @@ def net(seed: int) -> nn.Module:
     m.conv1 = nn.Conv2d(1, 64, 3, 1, 1, bias=False)
     m.maxpool = nn.Identity()
     return m
-
-
-def acc(logits: torch.Tensor, y: torch.Tensor) -> float:
-    return float((logits.argmax(1) == y).float().mean())
 
 
 def fit(model: nn.Module, x, y, *, lr: float, epochs: int, seed: int, device: torch.device) -> float:
@@ -124,18 +121,13 @@ def train_cell(clients: list[dict], seed: int, lr: float, device: torch.device) 
     return secs / (len(clients) * SMOKE.get("epochs", EPOCHS))
 
 
-def ensemble(logits: list[torch.Tensor], n: list[int], y) -> float:
-    w = torch.tensor(n, dtype=torch.float32) / sum(n)
-    return acc(sum(wi * lg.softmax(1) for wi, lg in zip(w, logits)), y)
-
-
 def tune(device: torch.device, log) -> dict:
     clients, tx, ty, _ = cell_data(*TUNING)
     out = {}
     for lr in LRS:
         epoch_s = train_cell(clients, TUNING[1], lr, device)
         lg = [logits_of(c["model"], tx, device) for c in clients]
-        out[lr] = {"ensemble": ensemble(lg, [c["n"] for c in clients], ty),
+        out[lr] = {"ensemble": ensemble_acc(lg, [c["n"] for c in clients], ty),
                    "clients": [acc(g, ty) for g in lg], "epoch-seconds": epoch_s}
         log(f"tune lr {lr}: ensemble {out[lr]['ensemble']:.4f} clients {[round(a, 4) for a in out[lr]['clients']]}")
     return out
@@ -155,7 +147,7 @@ def run_cell(alpha: float, seed: int, lr: float, device: torch.device, methods, 
     accs = [acc(g, ty) for g in lg]
     rows = [{**base, "method": "best client", "accuracy": max(accs)},
             {**base, "method": "mean client", "accuracy": float(np.mean(accs))},
-            {**base, "method": "ensemble", "accuracy": ensemble(lg, n, ty)}]
+            {**base, "method": "ensemble", "accuracy": ensemble_acc(lg, n, ty)}]
     for method in methods:
         name, extra = (("kf-linear", {"refine": "distill", "refine_options": ONE_SHOT_DISTILL})
                        if method == "kf-linear+distill" else (method, {}))
