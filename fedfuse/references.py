@@ -18,7 +18,8 @@ against references computed from *those* models (no extra client training), on t
 most 50, early-stopped on a held-out fifth) and the fusion seed of round 1 (run seed + 1): some seconds for an MLP
 on a few hundred fusion samples, more for larger models (each row's ``seconds`` says). ``distill=False`` leaves them
 out. A reference that cannot be computed (e.g. no fusion set for ``kd``; clients of different widths for the
-average) is a row with ``unavailable`` and the reason, never a silent gap.
+average) is a row with ``unavailable`` and the reason, never a silent gap; a distillation that ended predicting one
+class for almost every fusion-set input (``fedfuse.fusion.output_checks``) keeps its row with a ``warning``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedfuse.fusion import fuse
+from fedfuse.fusion import FusionResult, fuse_result
 from fedfuse.fusion.average import average_state_dicts
 from fedfuse.training import metrics_from_logits, predict_logits
 
@@ -63,16 +64,21 @@ def client_rows(logits: Sequence[torch.Tensor], partition_ids: Sequence[int], we
 
 
 def _model_row(key: str, make: Any, test_x: torch.Tensor, test_y: torch.Tensor, device: Any) -> dict[str, Any]:
-    """The row of the model ``make()`` builds (its build time as ``seconds``), or ``unavailable`` with the reason
-    when building it raises (the reason names the exception)."""
+    """The row of the model ``make()`` builds (a model, or a ``FusionResult``; its build time as ``seconds``), or
+    ``unavailable`` with the reason when building it raises (the reason names the exception). A fusion that
+    collapsed to one prediction (``FusionResult.info["collapse-warning"]``) keeps its row with that ``warning``."""
     t0 = time.perf_counter()
     try:
-        model = make()
+        built = make()
     except Exception as exc:  # noqa: BLE001 - reported in the row (and logged by the caller), never swallowed
         return {"key": key, "unavailable": f"{type(exc).__name__}: {exc}"}
     seconds = time.perf_counter() - t0
+    model, info = (built.model, built.info) if isinstance(built, FusionResult) else (built, {})
     acc = metrics_from_logits(predict_logits(model, test_x, device=device), test_y)["accuracy"]
-    return {"key": key, "accuracy": acc, "seconds": seconds}
+    row = {"key": key, "accuracy": acc, "seconds": seconds}
+    if info.get("collapse-warning"):
+        row["warning"] = info["collapse-warning"]
+    return row
 
 
 def one_shot_references(models: Sequence[nn.Module], weights: Sequence[float], partition_ids: Sequence[int], *,
@@ -107,8 +113,8 @@ def one_shot_references(models: Sequence[nn.Module], weights: Sequence[float], p
         if fusion_inputs is None or len(fusion_inputs) == 0:
             rows.append({"key": method, "unavailable": "the server has no fusion set (fusion inputs) to distil on"})
             continue
-        rows.append(_model_row(method, lambda m=method: fuse(m, list(models), fusion_inputs=fusion_inputs,
-                                                                weights=w, device=device, seed=seed),
+        rows.append(_model_row(method, lambda m=method: fuse_result(m, list(models), fusion_inputs=fusion_inputs,
+                                                                       weights=w, device=device, seed=seed),
                                test_x, test_y, device))
     return {"rows": rows, "client-accuracy": accs, "seconds": time.perf_counter() - t0}
 

@@ -470,6 +470,8 @@ class RoundEvaluation:
         for row in refs["rows"]:
             if "unavailable" in row:
                 log(WARNING, "fedfuse: one-shot reference %r unavailable: %s", row["key"], row["unavailable"])
+            if "warning" in row:
+                log(WARNING, "fedfuse: one-shot reference %r: %s", row["key"], row["warning"])
         log(INFO, "fedfuse: one-shot references (%.1fs): %s", refs["seconds"], ", ".join(
             f"{REFERENCE_LABELS[r['key']]} {r['accuracy']:.4f}" for r in refs["rows"] if "accuracy" in r))
 

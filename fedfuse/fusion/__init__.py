@@ -13,7 +13,9 @@ to sum to 1, ``scores`` ``None`` or one ``{level name: [width] tensor}`` dict pe
 ``torch.device``, ``options`` the parsed options dataclass and ``info`` a dict for diagnostics. Before the
 call ``fuse`` checks the setup against the method's capabilities (``MethodSpec.check_setup`` with the
 models' adapter family, whether all their levels are affine, the number of models and the fusion set);
-after it, that the fused weights are finite (``NumericalFusionError`` naming the first bad entry).
+after it, that the fused weights are finite (``NumericalFusionError`` naming the first bad entry) and, with a
+fusion set, that its outputs there are finite and not collapsed to one class while the models' ensemble spreads its
+predictions (``fedfuse.fusion.output_checks``: a ``RuntimeWarning`` and ``info["collapse-warning"]``).
 Inputs are never modified; every failure a method reports is a ``FusionError``
 (``fedfuse.fusion.registry``, all ``ValueError``s). Diagnostics come one way: ``fuse_result(...).info``.
 """
@@ -33,6 +35,8 @@ from torch import nn
 from fedfuse.fusion.registry import (METHOD_SPECS, METHODS, same_architecture, FusionError, FusionOptionError, FusionResult,
                                      IncompatibleModelsError, MethodSpec, MissingInputError, NoOptions,
                                      NumericalFusionError, get_spec, methods_with, option_table, parse_options, register)
+from fedfuse.fusion.output_checks import (OUTPUT_CHECK_SAMPLES, all_finite, check_teacher_outputs, collapse_warning,
+                                          nonfinite_outputs, outputs_on, teacher_predictions)
 from fedfuse.fusion.refine import DistillRefineOptions, parse_refine, refine_model
 from fedfuse.models import levels, model_family
 from fedfuse.models.adapters import set_example_input
@@ -141,12 +145,6 @@ def resolve_reference(spec: MethodSpec, models: list[nn.Module], reference: nn.M
     return reference
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every entry of floating-point ``t`` is finite: a finite sum proves it in one pass without a mask (a NaN
-    or an infinity makes the sum non-finite); only a non-finite sum (or an overflowing one) checks entry by entry."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
 def check_finite(method: str, model: nn.Module) -> None:
     """Raise ``NumericalFusionError`` naming the first state entry with a NaN or an infinity."""
     for name, value in model.state_dict().items():
@@ -202,45 +200,6 @@ def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
     except (RuntimeError, ValueError, IndexError) as exc:
         raise MissingInputError(f"fuse: model 0 cannot take fusion_inputs of shape {list(fusion_inputs.shape)} "
                                 f"(samples of shape {list(fusion_inputs.shape[1:])}): {str(exc).splitlines()[0]}") from None
-
-
-#: fusion-set samples on which the input models' and the fused model's logits are checked for being finite
-OUTPUT_CHECK_SAMPLES = 1024
-
-
-def nonfinite_outputs(model: nn.Module, inputs: torch.Tensor, batch_size: int = 256) -> int:
-    """How many of ``inputs`` (at most ``OUTPUT_CHECK_SAMPLES``) ``model`` maps to logits with a NaN or an infinity
-    (eval mode, no gradients; the model's train/eval flags are restored)."""
-    flags = [(mod, mod.training) for mod in model.modules()]
-    first = next((t for t in model.state_dict().values() if t.is_floating_point()), None)
-    x = inputs[:OUTPUT_CHECK_SAMPLES]
-    if first is not None:
-        x = x.to(device=first.device, dtype=first.dtype)
-    bad = 0
-    try:
-        model.eval()
-        with torch.no_grad():
-            for i in range(0, x.shape[0], batch_size):
-                out = model(x[i:i + batch_size])
-                if not all_finite(out):
-                    bad += int((~torch.isfinite(out.reshape(out.shape[0], -1))).any(1).sum())
-    finally:
-        for mod, training in flags:
-            mod.training = training
-    return bad
-
-
-def check_teacher_outputs(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor) -> None:
-    """Every input model maps the fusion set to finite logits: ``NumericalFusionError`` naming the model otherwise.
-    Finite weights can still overflow (weights x 1e25): ``kd`` then distilled a NaN loss for every epoch and returned
-    model 0 unchanged, ``feddf`` returned non-finite outputs, silently."""
-    n = min(len(fusion_inputs), OUTPUT_CHECK_SAMPLES)
-    for i, m in enumerate(models):
-        bad = nonfinite_outputs(m, fusion_inputs)
-        if bad:
-            raise NumericalFusionError(f"fuse: model {i} maps {bad} of {n} fusion-set samples to non-finite logits "
-                                       f"(finite weights, overflowing outputs); method {method!r} cannot learn from "
-                                       "or align to it")
 
 
 def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] | None]) -> None:
@@ -361,10 +320,11 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     spec.check_setup(num_models=len(models), family=family,
                      has_fusion_set=fusion_inputs is not None or not spec.needs_data or statistics is not None,
                      affine_levels=affine)
+    ensemble = None   # the models' ensemble's class per checked fusion-set sample, for the collapse check
     if fusion_inputs is not None:
         check_fusion_inputs(models[0], fusion_inputs)
         if spec.needs_data or "distill" in steps:   # methods that read the models' outputs on the fusion set
-            check_teacher_outputs(method, models, fusion_inputs)
+            ensemble = teacher_predictions(method, models, fusion_inputs, normalise_weights(weights, len(models)))
     if scores is not None and spec.uses_scores and problem is None:
         check_scores(models, scores)
         scores = normalise_scores(scores)
@@ -401,11 +361,12 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
         fused = fused.cpu().eval()
         check_finite(f"{method} (refined)", fused)
     if fusion_inputs is not None:
-        bad = nonfinite_outputs(fused, fusion_inputs)
+        bad, probs = outputs_on(fused, fusion_inputs)
         if bad:
             raise NumericalFusionError(f"fusion method {method!r} produced a model with finite weights that maps {bad} "
                                        f"of {min(len(fusion_inputs), OUTPUT_CHECK_SAMPLES)} fusion-set samples to "
                                        "non-finite logits")
+        collapse_warning(method, probs, ensemble, info)   # finite but one class for (almost) every input: loud
     return FusionResult(method=method, model=fused, info=info, seconds=time.perf_counter() - t0)
 
 

@@ -321,6 +321,8 @@ def references_table(run: RunSummary) -> str | None:
             lines.append(f"| {label} | unavailable: {str(r.get('unavailable'))[:100]} | | |")
             continue
         diff = "-" if compared is None else f"{compared - r['accuracy']:+.4f}"
+        if r.get("warning"):   # a distillation that collapsed to one prediction: the row says so
+            label += " (collapsed: one class for almost every fusion-set input)"
         lines.append(f"| {label} | {_f(r['accuracy'])} | {diff} | {sec(r.get('seconds'))} |")
     acc = {r["key"]: r["accuracy"] for r in refs.get("rows", []) if "accuracy" in r}
     if final is not None and "best-client" in acc and "ensemble" in acc:
