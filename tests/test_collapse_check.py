@@ -97,11 +97,12 @@ def test_a_sound_fusion_and_models_that_agree_on_one_class_do_not_warn(collapsin
         assert "collapse-warning" not in fuse_result("average", [_collapse(_mlp(1)), _mlp(2)], fusion_inputs=x).info
 
 
-def test_the_round_record_carries_the_warning(collapsing_method):
+def test_the_round_record_and_the_log_carry_the_warning(collapsing_method, caplog):
     s = FusionStrategy(collapsing_method, model_fn=model_fn, fusion_inputs=_x(), refine="none", guard=False)
-    with pytest.warns(RuntimeWarning, match="collapsed"):
+    with pytest.warns(RuntimeWarning, match="collapsed"), caplog.at_level("WARNING", logger="flwr"):
         s.aggregate_train(1, [reply(1, 1), reply(2, 2)])
     assert "predicts class 3" in s.history[-1]["fusion-info"]["collapse-warning"]
+    assert "round 1: fusion method 'test-collapsing': the fused model predicts class 3" in caplog.text
 
 
 def test_a_collapsed_reference_keeps_its_row_with_the_warning_and_the_table_says_so(monkeypatch):

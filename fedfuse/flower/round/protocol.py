@@ -576,6 +576,8 @@ class RoundProtocol(FedAvg):
         log(INFO, "aggregate_train: round %d: %s aggregated %d models in %.2fs%s%s", server_round,
             summary, num_models, seconds, " (streamed)" if streamed else "",
             f" ({info_line(info)})" if info else "")
+        if info and info.get("collapse-warning"):   # finite, but one class for (almost) every input: on the log too
+            log(WARNING, "aggregate_train: round %d: %s", server_round, info["collapse-warning"])
         return state, None, info
 
     def round_summary(self, server_round: int) -> str:
