@@ -19,7 +19,6 @@ import json
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROWS = (("kd", {"epochs": 30}), ("kd", {}), ("kd", {"epochs": 200}), ("kd", {"lr": 0.1}), ("feddf", {}))
@@ -69,25 +68,31 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--table-only", action="store_true", help="rewrite table.md from OUT/per-seed.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = [r for s in args.seeds.split(",") for r in run_seed(int(s))]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "per-seed.json").write_text(json.dumps(rows, indent=1))
+    if args.table_only:
+        rows = json.loads((out / "per-seed.json").read_text())
+    else:
+        rows = [r for s in args.seeds.split(",") for r in run_seed(int(s))]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "per-seed.json").write_text(json.dumps(rows, indent=1))
+    from simulations.bench.stats import pct
+
     names = list(dict.fromkeys(r["row"] for r in rows))
     seeds = sorted({r["seed"] for r in rows})
     lines = ["fedfuse ResNet on digits, 3 clients of 3–4 classes each; test accuracy % per seed "
-             f"({', '.join(map(str, seeds))}), mean; the most predicted class's share of the fusion set; warned = "
+             f"({', '.join(map(str, seeds))}), mean ± sample std; the most predicted class's share of the fusion set; warned = "
              "`fuse_result` said the fused model collapsed", "",
-             "| row | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | top-class share | warned |",
+             "| row | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± sd | top-class share | warned |",
              "|---|" + "---|" * (len(seeds) + 3)]
     for name in names:
         rs = [r for r in rows if r["row"] == name]
         share = ", ".join(f"{r['top-class-share']:.0%}" for r in rs if "top-class-share" in r) or "-"
         warned = ", ".join("yes" if r["warned"] else "no" for r in rs if "warned" in r) or "-"
         lines.append(f"| {name} | " + " | ".join(f"{100 * r['accuracy']:.1f}" for r in rs)
-                     + f" | {100 * np.mean([r['accuracy'] for r in rs]):.1f} | {share} | {warned} |")
+                     + f" | {pct([r['accuracy'] for r in rs], count=False)} | {share} | {warned} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
