@@ -84,18 +84,17 @@ def teacher_predictions(method: str, models: list[nn.Module], fusion_inputs: tor
     outputs are not class logits)."""
     n = min(len(fusion_inputs), OUTPUT_CHECK_SAMPLES)
     w = weights if weights is not None else [1.0 / len(models)] * len(models)
-    mean = None
-    for i, (m, wi) in enumerate(zip(models, w)):
-        bad, probs = outputs_on(m, fusion_inputs)
+    probs = []
+    for i, m in enumerate(models):
+        bad, p = outputs_on(m, fusion_inputs)
         if bad:
             raise NumericalFusionError(f"fuse: model {i} maps {bad} of {n} fusion-set samples to non-finite logits "
                                        f"(finite weights, overflowing outputs); method {method!r} cannot learn from "
                                        "or align to it")
-        if probs is None or (mean is not None and probs.shape != mean.shape):
-            mean = False   # not comparable class outputs: no prediction
-        elif mean is not False:
-            mean = wi * probs if mean is None else mean + wi * probs
-    return mean.argmax(1) if isinstance(mean, torch.Tensor) else None
+        probs.append(p)
+    if any(p is None for p in probs) or len({p.shape for p in probs}) != 1:
+        return None   # not comparable class outputs: no prediction
+    return sum(wi * p for wi, p in zip(w, probs)).argmax(1)
 
 
 def check_teacher_outputs(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor) -> None:
