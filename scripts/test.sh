@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
-mark=(-m "not slow")
+mark=(-m "not slow" --durations=20)   # the 20 slowest tests listed: where the suite's time goes
 if [ "${FEDFUSE_SLOW_TESTS:-0}" = "1" ]; then
-  mark=()
+  mark=(--durations=20)
 fi
 if [ "${FEDFUSE_TEST_STREAMS:-1}" != "2" ]; then
   exec .venv/bin/python -m pytest -q "${mark[@]}" "$@"

@@ -55,7 +55,7 @@ def test_the_table_pairs_rows_on_the_same_seeds(tmp_path):
 @pytest.mark.slow
 def test_a_smoke_run_writes_whole_cells(tmp_path):
     pytest.importorskip("torchvision")
-    fr.main(["run", "--device", "cpu", "--smoke", "24", "--cells", "0.5:0", "--lr", "0.05",
+    fr.main(["run", "--device", "cpu", "--smoke", "8", "--cells", "0.5:0", "--lr", "0.05",
              "--methods", "average,kf-linear", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "cells.json").read_text())
     methods = {r["method"] for r in doc["rows"]}
