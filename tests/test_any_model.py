@@ -109,8 +109,21 @@ def _timm(name, **kw):
     return lambda: timm.create_model(name, num_classes=10, **kw)
 
 
+def _resnext_small():
+    """torchvision's ResNeXt (grouped 3 × 3 convolutions in every Bottleneck), one block a stage, 4 groups of 4."""
+    from torchvision.models.resnet import Bottleneck, ResNet
+    return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4, num_classes=10)
+
+
+def _mixer_small():
+    """timm's MLP-Mixer, two blocks (its PatchEmbed asserts the input size between the input and its projection)."""
+    from timm.models.mlp_mixer import MlpMixer
+    return MlpMixer(num_classes=10, img_size=32, patch_size=8, num_blocks=2, embed_dim=32)
+
+
 FAST = {"quickstart-net": Net, "modulelist-mlp": ListMLP, "skip-cnn": SkipCNN, "concat-cnn": Dense,
-        "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25),
+        "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25), "tv:resnext-small": _resnext_small,
+        "timm:mixer-small": _mixer_small,
         "timm:convnext_atto-small": _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 24, 32, 48)), "timm:mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
         "timm:vit_tiny": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2)}
 LARGE = {"tv:vgg11_bn": _tv("vgg11_bn"), "tv:resnet18": _tv("resnet18"), "tv:resnet50": _tv("resnet50"),
@@ -396,6 +409,35 @@ def test_capacity_tiers_with_a_model_fedfuse_did_not_write(tmp_path):
     working feature extractor (35.7 %)."""
     _federate_two_clients(tmp_path, model="torchvision:mobilenet_v2", strategy="ot",
                           **{"client-tiers": "1,0.5", "head-round": True})
+
+
+def test_a_resnext_is_read_by_the_graph_reader_with_its_grouped_convolutions_in_place():
+    """torchvision's ResNeXt is a torchvision ``ResNet``, but its grouped convolutions constrain the channel
+    permutations: the family adapter (which permutes every Bottleneck's inner channels freely) leaves it to the graph
+    reader, which leaves the groups a grouped convolution touches in place and names them (the zoo test checks that
+    every method is exact on it)."""
+    pytest.importorskip("torchvision")
+    m = _model(_resnext_small)
+    assert adapter_for(m).family == "graph"
+    spec = build_spec(m)
+    assert any("grouped convolution" in f and "(groups=4)" in f for f in spec.frozen)
+    assert spec.groups   # the stream and stem groups are still aligned
+
+
+@pytest.mark.timeout(120)
+def test_a_model_whose_dependency_search_runs_away_is_refused_not_hung():
+    """torchvision's Swin: Torch-Pruning's group search, through the window-attention reshapes, multiplies the unit
+    indices without end (it ran for hours before the bound). The graph reader stops it and refuses the model with a
+    reason in well under a second; the methods that need no alignment still fuse it."""
+    tv = pytest.importorskip("torchvision.models")
+    from fedfuse.fusion import IncompatibleModelsError
+
+    m = _model(lambda: tv.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                          window_size=[2, 2], num_classes=10))
+    for method in ("ot", "kf-linear"):
+        with pytest.raises(IncompatibleModelsError, match="runs away on SwinTransformer"):
+            fuse(method, [m, m], fusion_inputs=X)
+    assert fuse("average", [m, m])(X).shape == (24, 10)
 
 
 def test_narrow_copies_refuse_a_forward_that_hard_codes_a_width():

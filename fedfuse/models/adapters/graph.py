@@ -31,6 +31,7 @@ The example input: fedfuse's ``fuse`` records the fusion set's sample shape for 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 import weakref
@@ -162,7 +163,10 @@ class Structure:
             params = [f"{m}.{n}" if m else n for m in p.modules for n, _ in mods[m].named_parameters()] + list(p.attrs)
             last = len(self.nodes) - 2
             run = _segment(self.nodes, p.start, last if p.kind == "classifier" else p.end, model)
-            pre = _segment(self.nodes, p.start, p.pre_end - 1, model) if p.pre_end is not None else None
+            # the layer's own input, not the last node before it: a traced forward may put calls that return
+            # nothing there (timm's PatchEmbed asserts the input size between its input and its projection)
+            pre = (_segment(self.nodes, p.start, p.pre_end - 1, model, out=_input_of(self.nodes[p.pre_end]))
+                   if p.pre_end is not None else None)
             if pre is not None and p.pre_end == p.start:
                 pre = _identity
             path, _, site = p.module.partition(":")
@@ -186,10 +190,16 @@ def _fetch(model: nn.Module, target: str) -> Any:
     return obj
 
 
-def _segment(nodes: list[fx.Node], start: int, end: int, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``h ↦`` the value of node ``end`` given ``h`` as the value of node ``start - 1`` (the previous cut; the
-    placeholder for the first level). Nodes that do not depend on the input (parameters, constants) are evaluated
-    when used."""
+def _input_of(node: fx.Node) -> Any:
+    """The input argument of a layer's call node (its first positional argument, else ``input=``)."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+def _segment(nodes: list[fx.Node], start: int, end: int, model: nn.Module,
+             out: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``h ↦`` the value of node ``end`` (of ``out``, a node of the segment or its input, when given) given ``h`` as
+    the value of node ``start - 1`` (the previous cut; the placeholder for the first level). Nodes that do not depend
+    on the input (parameters, constants) are evaluated when used."""
     inside = nodes[start:end + 1]
     given = nodes[start - 1]
     # an in-place op in the segment (an ``inplace=True`` activation after the previous cut, ``x.relu_()``) would
@@ -211,7 +221,7 @@ def _segment(nodes: list[fx.Node], start: int, end: int, model: nn.Module) -> Ca
 
         for n in inside:
             env[n] = _eval(n, value, model)
-        return env[nodes[end]]
+        return env[nodes[end]] if out is None else value(out)
     return run
 
 
@@ -536,9 +546,41 @@ def _param_axes(mod: nn.Module, out: bool) -> list[tuple[str, int]]:
                                 "their axes a unit indexes); fuse with average, feddf or kd, or make it a Linear/Conv")
 
 
+class _RunawayGroup(Exception):
+    """A Torch-Pruning group that grows without end (see ``_bounded_groups``)."""
+
+
+@contextlib.contextmanager
+def _bounded_groups(model: nn.Module, DG):
+    """Bound Torch-Pruning's group search, which can run away on some models instead of failing: through the
+    reshapes of window or head-split attention (torchvision's Swin) each index mapping multiplies the unit indices,
+    so the lists grow from thousands to tens of millions and the search never ends (its issues #86, #430, #456).
+    A channel index list cannot be longer than the largest tensor it indexes (a flatten's indices are a Linear's
+    inputs), and a group cannot hold many more items than the graph has dependencies: past either bound the search
+    stops with ``_RunawayGroup``. The bound is checked in ``Group.add_dep``, patched for the duration of the call."""
+    from torch_pruning.dependency import group as tp_group
+
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    max_units = 4 * largest + 65_536
+    max_items = 20 * sum(len(n.dependencies) for n in DG.module2node.values()) + 10_000
+    original = tp_group.Group.add_dep
+
+    def add_dep(group, dep, idxs):
+        if len(idxs) > max_units or len(group._group) > max_items:
+            raise _RunawayGroup(f"{len(idxs)} unit indices at {dep.target} (at most {max_units}), "
+                                f"{len(group._group)} items (at most {max_items})")
+        return original(group, dep, idxs)
+
+    tp_group.Group.add_dep = add_dep
+    try:
+        yield
+    finally:
+        tp_group.Group.add_dep = original
+
+
 def _dependency_groups(model: nn.Module, x: torch.Tensor, cls: nn.Module):
     """Torch-Pruning's ``DependencyGraph`` of ``model`` on ``x`` and its pruning groups (the classifier's outputs
-    ignored); ``UnsupportedModelError`` when the graph cannot be built."""
+    ignored); ``UnsupportedModelError`` when the graph cannot be built or its group search runs away."""
     import torch_pruning as tp
 
     was = model.training
@@ -547,7 +589,13 @@ def _dependency_groups(model: nn.Module, x: torch.Tensor, cls: nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             DG = tp.DependencyGraph().build_dependency(model, example_inputs=x)
-            return DG, list(DG.get_all_groups(ignored_layers=[cls]))
+            with _bounded_groups(model, DG):
+                return DG, list(DG.get_all_groups(ignored_layers=[cls]))
+    except _RunawayGroup as exc:
+        raise UnsupportedModelError(
+            f"graph reader: Torch-Pruning's dependency search runs away on {type(model).__name__} ({exc}): its index "
+            "mappings through this model's reshapes (window or head-split attention) multiply the units without end; "
+            "fuse it with average, feddf or kd, which need no alignment") from None
     except Exception as exc:
         raise UnsupportedModelError(f"graph reader: Torch-Pruning's dependency graph failed on {type(model).__name__} "
                                     f"({type(exc).__name__}: {str(exc)[:200]})") from None

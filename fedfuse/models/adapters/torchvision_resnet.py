@@ -1,5 +1,8 @@
-"""Adapter for torchvision's ``ResNet`` (``torchvision.models.resnet18`` … ``resnet152``, ``resnext``, ``wide_resnet``):
+"""Adapter for torchvision's ``ResNet`` (``torchvision.models.resnet18`` … ``resnet152``, ``wide_resnet``):
 ``conv1 → bn1 → relu → maxpool → layer1..layer4 (BasicBlock | Bottleneck) → avgpool → fc``, as users have it.
+A ResNet with grouped convolutions (``resnext``: ``groups`` > 1) is not this family's: a channel permutation must
+keep a grouped convolution's groups, which these groups do not, so the generic graph reader takes it (it leaves the
+groups a grouped convolution touches in place and says so in ``PermSpec.frozen``).
 
 Levels: the stem (output of ``maxpool``), every residual block (``layer<i>.<j>``), the classifier ``fc``.
 Permutation groups: a residual-stream group per run of blocks without a ``downsample`` (a ``downsample`` starts a new
@@ -46,7 +49,10 @@ class TorchvisionResNetAdapter(Adapter):
 
     def matches(self, model: nn.Module) -> bool:
         tv = _torchvision_resnet()
-        return tv is not None and isinstance(model, tv[0])
+        if tv is None or not isinstance(model, tv[0]):
+            return False
+        # ResNeXt: its grouped convolutions constrain the channel permutations (the graph reader's case)
+        return not any(isinstance(m, nn.Conv2d) and m.groups > 1 for m in model.modules())
 
     def _named_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         tv = _torchvision_resnet()
