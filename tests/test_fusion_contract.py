@@ -405,6 +405,23 @@ def test_a_non_finite_input_model_is_named_before_any_method_runs(method):
         fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_models_of_one_shape_but_other_layers_are_named_unless_only_their_outputs_are_read(method):
+    """Model 1 with a Tanh where model 0 has a ReLU: the same state-dict shapes, another function. Every method that
+    merges weights or reads the structure from model 0 refuses it, naming the layer (it used to fuse model 1 as
+    model 0's function); kd and ensemble, which read only the models' outputs, take it."""
+    models = _models("mlp", n=max(2, _spec(method).min_models))
+    relu = next(n for n, m in models[1].named_modules() if isinstance(m, nn.ReLU))
+    parent, _, leaf = relu.rpartition(".")
+    setattr(models[1].get_submodule(parent) if parent else models[1], leaf, nn.Tanh())
+    spec = _spec(method)
+    if spec.any_module and spec.mixed_widths:
+        assert fuse(method, models, fusion_inputs=_inputs(), **_fast(method))(_inputs()).shape[0] == len(_inputs())
+        return
+    with pytest.raises(IncompatibleModelsError, match=rf"model 1 has a Tanh at '{relu}' where model 0 has a ReLU"):
+        fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
+
+
 def _overflowing(models, factor=1e25):
     with torch.no_grad():
         for p in models[1].parameters():

@@ -179,6 +179,29 @@ def check_dtypes(models: list[nn.Module]) -> None:
                                           f"to one dtype first (e.g. model.float())")
 
 
+_NEUTRAL_LAYERS = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def check_same_layers(models: list[nn.Module]) -> None:
+    """A parameter-free layer of one name is of one kind in every model (``IncompatibleModelsError`` naming the first
+    that is not: model 1's ``Tanh`` where model 0 has a ``ReLU``). The state dicts cannot tell such models apart, so a
+    method that merges weights or reads the structure from model 0 would fuse model 1 as if it computed model 0's
+    function, silently. Identity and dropout layers may stand for each other (a removed block, inference)."""
+    def kinds(m: nn.Module) -> dict[str, type]:
+        return {n: type(x) for n, x in m.named_modules()
+                if n and next(x.children(), None) is None and next(x.parameters(recurse=False), None) is None
+                and next(x.buffers(recurse=False), None) is None and not isinstance(x, _NEUTRAL_LAYERS)}
+
+    k0 = kinds(models[0])
+    for i, m in enumerate(models[1:], 1):
+        for name, kind in kinds(m).items():
+            if name in k0 and k0[name] is not kind:
+                raise IncompatibleModelsError(
+                    f"fuse: model {i} has a {kind.__name__} at {name!r} where model 0 has a {k0[name].__name__}: the "
+                    "models compute different functions with the same weights' shapes; fuse models of one "
+                    "architecture, or distil them (kd, ensemble), which reads only their outputs")
+
+
 def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
     """The fusion set must be a floating-point tensor that model 0 can take (a forward pass of two samples on a copy,
     so the model's BatchNorm statistics stay untouched); ``MissingInputError`` saying why otherwise."""
@@ -304,6 +327,8 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     if isinstance(reference, nn.Module):
         check_materialised([reference], "reference")
     check_dtypes(models)
+    if not (spec.any_module and spec.mixed_widths):   # kd and ensemble read the models' outputs only
+        check_same_layers(models)
     for i, m in enumerate(models):   # a NaN teacher would otherwise be distilled for every epoch, silently
         bad = next((k for k, v in m.state_dict().items()
                     if v.is_floating_point() and not all_finite(v)), None)
