@@ -422,6 +422,27 @@ def test_models_of_one_shape_but_other_layers_are_named_unless_only_their_output
         fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
+class _TwoHeads(nn.Module):
+    """A model whose forward returns a tuple (class logits, an auxiliary head)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body, self.cls, self.aux = nn.Linear(64, 16), nn.Linear(16, 10), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x.flatten(1)))
+        return self.cls(h), self.aux(h)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if _spec(m).any_module and _spec(m).needs_data])
+def test_a_model_that_returns_no_logits_tensor_is_named_by_the_methods_that_read_outputs(method):
+    """kd / feddf divided the tuple by the temperature (a raw ``TypeError``); now one error says what model 0 returns."""
+    models = [_TwoHeads(s) for s in range(max(2, _spec(method).min_models))]
+    with pytest.raises(IncompatibleModelsError, match="model 0 returns a tuple, not one logits tensor"):
+        fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
+
+
 def _overflowing(models, factor=1e25):
     with torch.no_grad():
         for p in models[1].parameters():

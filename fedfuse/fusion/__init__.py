@@ -202,9 +202,11 @@ def check_same_layers(models: list[nn.Module]) -> None:
                     "architecture, or distil them (kd, ensemble), which reads only their outputs")
 
 
-def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
+def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor, reads_outputs: bool = False) -> None:
     """The fusion set must be a floating-point tensor that model 0 can take (a forward pass of two samples on a copy,
-    so the model's BatchNorm statistics stay untouched); ``MissingInputError`` saying why otherwise."""
+    so the model's BatchNorm statistics stay untouched); ``MissingInputError`` saying why otherwise. With
+    ``reads_outputs`` (a method that reads the models' outputs) the output must be one logits tensor ``[B, classes]``
+    (``IncompatibleModelsError`` naming what it is: a tuple of heads, a dict)."""
     if not isinstance(fusion_inputs, torch.Tensor) or not fusion_inputs.is_floating_point():
         what = fusion_inputs.dtype if isinstance(fusion_inputs, torch.Tensor) else type(fusion_inputs).__name__
         raise MissingInputError(f"fuse: fusion_inputs must be a floating-point tensor [B, *input_shape], got {what}")
@@ -219,10 +221,16 @@ def check_fusion_inputs(model: nn.Module, fusion_inputs: torch.Tensor) -> None:
         x = x.to(device=first.device, dtype=first.dtype)
     try:
         with torch.no_grad():
-            probe(x)
+            out = probe(x)
     except (RuntimeError, ValueError, IndexError) as exc:
         raise MissingInputError(f"fuse: model 0 cannot take fusion_inputs of shape {list(fusion_inputs.shape)} "
                                 f"(samples of shape {list(fusion_inputs.shape[1:])}): {str(exc).splitlines()[0]}") from None
+    if reads_outputs and not (isinstance(out, torch.Tensor) and out.dim() == 2):
+        what = (f"a {out.dim()}-d tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor)
+                else f"a {type(out).__name__}")
+        raise IncompatibleModelsError(f"fuse: model 0 returns {what}, not one logits tensor [batch, classes]; this "
+                                      "method reads the models' outputs: wrap the model so that its forward returns "
+                                      "the classification logits")
 
 
 def check_scores(models: list[nn.Module], scores: list[dict[str, torch.Tensor] | None]) -> None:
@@ -347,7 +355,7 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                      affine_levels=affine)
     ensemble = None   # the models' ensemble's class per checked fusion-set sample, for the collapse check
     if fusion_inputs is not None:
-        check_fusion_inputs(models[0], fusion_inputs)
+        check_fusion_inputs(models[0], fusion_inputs, reads_outputs=spec.needs_data or "distill" in steps)
         if spec.needs_data or "distill" in steps:   # methods that read the models' outputs on the fusion set
             ensemble = teacher_predictions(method, models, fusion_inputs, normalise_weights(weights, len(models)))
     if scores is not None and spec.uses_scores and problem is None:
