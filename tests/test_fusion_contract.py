@@ -443,6 +443,40 @@ def test_a_model_that_returns_no_logits_tensor_is_named_by_the_methods_that_read
         fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_frozen_models_under_no_grad_fuse_and_stay_frozen(method):
+    """Models with ``requires_grad_(False)`` (a user's frozen, deployed models), fused inside ``torch.no_grad()``:
+    every method fuses them (kd, feddf, the gradient variants and FS-Merge trained copies that came out frozen, or
+    ran without gradients: a raw ``RuntimeError``), and the inputs stay frozen."""
+    models = [m.requires_grad_(False) for m in _models("mlp", n=max(2, _spec(method).min_models))]
+    with torch.no_grad():
+        fused = fuse(method, models, fusion_inputs=_inputs(), **_fast(method))
+    assert fused(_inputs()).shape == (32, CLASSES)
+    assert not any(q.requires_grad for m in models for q in m.parameters())
+
+
+@pytest.mark.parametrize("method", ["kd", "fs-merge", "kf-gradient"])
+def test_models_made_and_fused_under_inference_mode(method):
+    """Models built, and the fusion set drawn, under ``torch.inference_mode()`` hold inference tensors, which cannot
+    be saved for backward: the methods that train still fuse them (on copies made outside inference mode)."""
+    with torch.inference_mode():
+        models, x = _models("mlp"), _inputs()
+        fused = fuse(method, models, fusion_inputs=x, **_fast(method))
+    assert torch.isfinite(fused(_inputs())).all()
+
+
+def test_wrapped_models_are_fused_as_the_modules_they_wrap():
+    """``torch.compile`` and ``nn.DataParallel`` wrappers prefix every parameter name and hide the structure (the
+    alignment methods refused them): ``fuse`` fuses the wrapped modules and returns a plain module, the same one as
+    for the unwrapped models."""
+    plain = fuse("kf-linear", _models("mlp"), fusion_inputs=_inputs())
+    for wrap in (lambda m: torch.compile(m, backend="eager"), nn.DataParallel,
+                 lambda m: nn.DataParallel(torch.compile(m, backend="eager"))):
+        fused = fuse("kf-linear", [wrap(m) for m in _models("mlp")], fusion_inputs=_inputs())
+        assert type(fused) is type(plain)
+        assert all(torch.equal(a, b) for a, b in zip(fused.state_dict().values(), plain.state_dict().values()))
+
+
 def _overflowing(models, factor=1e25):
     with torch.no_grad():
         for p in models[1].parameters():

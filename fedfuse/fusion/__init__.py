@@ -288,19 +288,49 @@ def normalise_scores(scores: list[dict[str, torch.Tensor] | None] | None
 
 @contextlib.contextmanager
 def _inputs_kept(models: list[nn.Module]):
-    """Restore every input model's device and train/eval flags (of each submodule) after the method ran: fusion
-    methods put models in eval mode and move them to the fusion device to read their activations, and ``fuse`` must
+    """Restore every input model's device, train/eval flags (of each submodule) and ``requires_grad`` flags after the
+    method ran: fusion methods put models in eval mode and move them to the fusion device to read their activations,
+    methods that train copy them (so the copies of frozen parameters are made trainable here), and ``fuse`` must
     leave its inputs as it got them."""
     flags = [[(mod, mod.training) for mod in m.modules()] for m in models]
     devices = [next((t.device for t in m.state_dict().values()), None) for m in models]
+    # frozen parameters (``requires_grad_(False)``) would make the copies a method trains frozen too
+    grads = [[(q, q.requires_grad) for q in m.parameters() if not q.is_inference()] for m in models]
+    for gr in grads:
+        for q, _ in gr:
+            q.requires_grad_(True)
     try:
         yield
     finally:
-        for m, fl, dev in zip(models, flags, devices):
+        for m, fl, dev, gr in zip(models, flags, devices, grads):
             for mod, training in fl:
                 mod.training = training
+            for q, wanted in gr:
+                q.requires_grad_(wanted)
             if dev is not None and any(t.device != dev for t in m.state_dict().values()):
                 m.to(dev)
+
+
+def unwrapped(model: Any) -> Any:
+    """The module a wrapper runs: ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), ``nn.DataParallel`` and
+    ``DistributedDataParallel`` (``module``), however nested; anything else as it is. ``fuse`` fuses the modules
+    themselves (the wrappers prefix every parameter name and hide the structure) and returns a plain module."""
+    while True:
+        if isinstance(model, nn.Module) and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
+
+
+def _trainable(model: Any) -> Any:
+    """``model``, or a copy of it when its weights are inference tensors (a model built or loaded under
+    ``torch.inference_mode()``): those cannot take part in a computation that is differentiated, which the methods
+    that train around frozen models (FS-Merge) do; the copy made outside inference mode holds ordinary tensors."""
+    if isinstance(model, nn.Module) and any(t.is_inference() for t in model.state_dict().values()):
+        return copy.deepcopy(model)
+    return model
 
 
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
@@ -310,7 +340,25 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                 reference: nn.Module | None = None, statistics: list[dict[str, torch.Tensor]] | None = None,
                 refine_options: DistillRefineOptions | Mapping[str, Any] | None = None,
                 **options) -> FusionResult:
-    """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds)."""
+    """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds). Runs with
+    gradients on whatever the caller's mode (``torch.no_grad()``, ``torch.inference_mode()``): the methods that train
+    (distillation, the gradient variants, FS-Merge, ``refine``) need them."""
+    with torch.inference_mode(False), torch.enable_grad():
+        if isinstance(fusion_inputs, torch.Tensor) and fusion_inputs.is_inference():
+            fusion_inputs = fusion_inputs.clone()   # an inference tensor cannot be saved for backward
+        models = [_trainable(unwrapped(m)) for m in models]
+        return _fuse_result(method, models, fusion_inputs, scores, weights, device, seed,
+                            refine=refine, prior=prior, target=unwrapped(target), reference=unwrapped(reference),
+                            statistics=statistics, refine_options=refine_options, **options)
+
+
+def _fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
+                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
+                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
+                 prior: torch.Tensor | None = None, target: nn.Module | None = None,
+                 reference: nn.Module | None = None, statistics: list[dict[str, torch.Tensor]] | None = None,
+                 refine_options: DistillRefineOptions | Mapping[str, Any] | None = None,
+                 **options) -> FusionResult:
     try:
         steps = parse_refine(refine)
     except ValueError as exc:
