@@ -122,13 +122,13 @@ def _mixer_small():
 
 
 FAST = {"quickstart-net": Net, "modulelist-mlp": ListMLP, "skip-cnn": SkipCNN, "concat-cnn": Dense,
-        "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25), "tv:resnext-small": _resnext_small,
-        "timm:mixer-small": _mixer_small,
+        "tv:mobilenet_v2-0.25": _tv("mobilenet_v2", width_mult=0.25), "timm:mixer-small": _mixer_small,
         "timm:convnext_atto-small": _timm("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 24, 32, 48)), "timm:mobilenetv3_small_050": _timm("mobilenetv3_small_050"),
         "timm:vit_tiny": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2)}
 LARGE = {"tv:vgg11_bn": _tv("vgg11_bn"), "tv:resnet18": _tv("resnet18"), "tv:resnet50": _tv("resnet50"),
          "tv:mobilenet_v2": _tv("mobilenet_v2"), "tv:efficientnet_b0": _tv("efficientnet_b0"),
          "tv:densenet121": _tv("densenet121"), "tv:convnext_tiny": _tv("convnext_tiny"),
+         "tv:resnext50_32x4d": _tv("resnext50_32x4d"),
          "timm:resnet18": _timm("resnet18"), "timm:efficientnet_b0": _timm("efficientnet_b0"),
          "timm:vit_tiny_patch16_224": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4)}
 MATCHING = ("rebasin", "ot", "kf-linear", "hf-linear")
@@ -414,14 +414,15 @@ def test_capacity_tiers_with_a_model_fedfuse_did_not_write(tmp_path):
 def test_a_resnext_is_read_by_the_graph_reader_with_its_grouped_convolutions_in_place():
     """torchvision's ResNeXt is a torchvision ``ResNet``, but its grouped convolutions constrain the channel
     permutations: the family adapter (which permutes every Bottleneck's inner channels freely) leaves it to the graph
-    reader, which leaves the groups a grouped convolution touches in place and names them (the zoo test checks that
-    every method is exact on it)."""
+    reader, which leaves the groups a grouped convolution touches in place and names them, and a permuted copy is
+    matched back exactly."""
     pytest.importorskip("torchvision")
     m = _model(_resnext_small)
     assert adapter_for(m).family == "graph"
     spec = build_spec(m)
     assert any("grouped convolution" in f and "(groups=4)" in f for f in spec.frozen)
     assert spec.groups   # the stream and stem groups are still aligned
+    _check(_resnext_small, ("rebasin",))   # every method: the full-size zoo's ResNeXt-50 (FEDFUSE_ZOO_TESTS=1)
 
 
 @pytest.mark.timeout(120)
