@@ -31,7 +31,6 @@ The example input: fedfuse's ``fuse`` records the fusion set's sample shape for 
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import warnings
 import weakref
@@ -43,6 +42,7 @@ import torch.fx as fx
 from torch import nn
 
 from fedfuse.models.adapters.base import AFFINE_LAYERS, Adapter, Level, ModelConfig, UnsupportedModelError
+from fedfuse.models.adapters.depgraph import RunawayGroup, bounded_groups
 from fedfuse.models.adapters.graph_tiers import narrowed
 from fedfuse.models.adapters.permspec import Axis, Entry, Group, PermSpec
 
@@ -546,38 +546,6 @@ def _param_axes(mod: nn.Module, out: bool) -> list[tuple[str, int]]:
                                 "their axes a unit indexes); fuse with average, feddf or kd, or make it a Linear/Conv")
 
 
-class _RunawayGroup(Exception):
-    """A Torch-Pruning group that grows without end (see ``_bounded_groups``)."""
-
-
-@contextlib.contextmanager
-def _bounded_groups(model: nn.Module, DG):
-    """Bound Torch-Pruning's group search, which can run away on some models instead of failing: through the
-    reshapes of window or head-split attention (torchvision's Swin) each index mapping multiplies the unit indices,
-    so the lists grow from thousands to tens of millions and the search never ends (its issues #86, #430, #456).
-    A channel index list cannot be longer than the largest tensor it indexes (a flatten's indices are a Linear's
-    inputs), and a group cannot hold many more items than the graph has dependencies: past either bound the search
-    stops with ``_RunawayGroup``. The bound is checked in ``Group.add_dep``, patched for the duration of the call."""
-    from torch_pruning.dependency import group as tp_group
-
-    largest = max((p.numel() for p in model.parameters()), default=0)
-    max_units = 4 * largest + 65_536
-    max_items = 20 * sum(len(n.dependencies) for n in DG.module2node.values()) + 10_000
-    original = tp_group.Group.add_dep
-
-    def add_dep(group, dep, idxs):
-        if len(idxs) > max_units or len(group._group) > max_items:
-            raise _RunawayGroup(f"{len(idxs)} unit indices at {dep.target} (at most {max_units}), "
-                                f"{len(group._group)} items (at most {max_items})")
-        return original(group, dep, idxs)
-
-    tp_group.Group.add_dep = add_dep
-    try:
-        yield
-    finally:
-        tp_group.Group.add_dep = original
-
-
 def _dependency_groups(model: nn.Module, x: torch.Tensor, cls: nn.Module):
     """Torch-Pruning's ``DependencyGraph`` of ``model`` on ``x`` and its pruning groups (the classifier's outputs
     ignored); ``UnsupportedModelError`` when the graph cannot be built or its group search runs away."""
@@ -589,9 +557,9 @@ def _dependency_groups(model: nn.Module, x: torch.Tensor, cls: nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             DG = tp.DependencyGraph().build_dependency(model, example_inputs=x)
-            with _bounded_groups(model, DG):
+            with bounded_groups(model, DG):
                 return DG, list(DG.get_all_groups(ignored_layers=[cls]))
-    except _RunawayGroup as exc:
+    except RunawayGroup as exc:
         raise UnsupportedModelError(
             f"graph reader: Torch-Pruning's dependency search runs away on {type(model).__name__} ({exc}): its index "
             "mappings through this model's reshapes (window or head-split attention) multiply the units without end; "
