@@ -194,6 +194,18 @@ def test_a_zoo_model_no_structure_reader_takes_is_refused_where_the_run_needs_on
         check_model(parse_run_config({**base, "strategy": "rebasin", "head-round": False}))
 
 
+@pytest.mark.timeout(120)
+def test_a_zoo_model_whose_structure_search_runs_away_fails_the_config_check_not_hangs():
+    """torchvision's Swin-T: Torch-Pruning's dependency search ran without end inside the config check, so the run
+    hung before any client trained; now the check names the key with the reader's reason, and an averaging strategy
+    still passes it."""
+    pytest.importorskip("torchvision")
+    base = {"model": "torchvision:swin_t", "dataset": "digits", "head-round": False}
+    with pytest.raises(ConfigError, match=r"^run-config key 'strategy': fusion method 'ot' .*runs away on"):
+        check_model(parse_run_config({**base, "strategy": "ot"}))
+    check_model(parse_run_config({**base, "strategy": "fedavg"}))
+
+
 def test_zoo_names_list_the_classification_builders_only():
     names = zoo.zoo_names("torchvision:")
     assert {"resnet18", "mobilenet_v2", "vgg11_bn", "efficientnet_b0", "convnext_tiny", "densenet121"} <= set(names)
