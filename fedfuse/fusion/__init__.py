@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import pkgutil
 import time
@@ -333,6 +334,17 @@ def _trainable(model: Any) -> Any:
     return model
 
 
+def _with_gradients(fn):
+    """Run ``fn`` with gradients on whatever the caller's mode (``torch.no_grad()``, ``torch.inference_mode()``): the
+    methods that train (distillation, the gradient variants, FS-Merge, ``refine``) need them."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_with_gradients
 def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
@@ -341,24 +353,12 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
                 refine_options: DistillRefineOptions | Mapping[str, Any] | None = None,
                 **options) -> FusionResult:
     """Like ``fuse`` but returns a ``FusionResult`` (model + the method's diagnostics ``info`` + seconds). Runs with
-    gradients on whatever the caller's mode (``torch.no_grad()``, ``torch.inference_mode()``): the methods that train
-    (distillation, the gradient variants, FS-Merge, ``refine``) need them."""
-    with torch.inference_mode(False), torch.enable_grad():
-        if isinstance(fusion_inputs, torch.Tensor) and fusion_inputs.is_inference():
-            fusion_inputs = fusion_inputs.clone()   # an inference tensor cannot be saved for backward
-        models = [_trainable(unwrapped(m)) for m in models]
-        return _fuse_result(method, models, fusion_inputs, scores, weights, device, seed,
-                            refine=refine, prior=prior, target=unwrapped(target), reference=unwrapped(reference),
-                            statistics=statistics, refine_options=refine_options, **options)
-
-
-def _fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tensor | None = None,
-                 scores: list[dict[str, torch.Tensor]] | None = None, weights=None,
-                 device: str | torch.device = "cpu", seed: int = 0, *, refine: str | None = None,
-                 prior: torch.Tensor | None = None, target: nn.Module | None = None,
-                 reference: nn.Module | None = None, statistics: list[dict[str, torch.Tensor]] | None = None,
-                 refine_options: DistillRefineOptions | Mapping[str, Any] | None = None,
-                 **options) -> FusionResult:
+    gradients on, whatever the caller's mode (``_with_gradients``); wrapped models are fused as the modules they wrap
+    (``unwrapped``)."""
+    if isinstance(fusion_inputs, torch.Tensor) and fusion_inputs.is_inference():
+        fusion_inputs = fusion_inputs.clone()   # an inference tensor cannot be saved for backward
+    models = [_trainable(unwrapped(m)) for m in models]
+    target, reference = unwrapped(target), unwrapped(reference)
     try:
         steps = parse_refine(refine)
     except ValueError as exc:
