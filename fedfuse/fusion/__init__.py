@@ -383,7 +383,7 @@ def fuse_result(method: str, models: list[nn.Module], fusion_inputs: torch.Tenso
     if isinstance(reference, nn.Module):
         check_materialised([reference], "reference")
     check_dtypes(models)
-    if not (spec.any_module and spec.mixed_widths):   # kd and ensemble read the models' outputs only
+    if not (spec.any_module and spec.mixed_widths):   # kd, ensemble and stack read each model on its own
         check_same_layers(models)
     for i, m in enumerate(models):   # a NaN teacher would otherwise be distilled for every epoch, silently
         bad = next((k for k, v in m.state_dict().items()
