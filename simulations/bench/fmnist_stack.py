@@ -55,7 +55,7 @@ DISTILL = {"lr": 1e-3, "aug": ONE_SHOT_DISTILL["augmentation"], **{k: ONE_SHOT_D
 TUNING = ("dir0.3", 100)
 # (row, exchanges alone, exchanges with the head round, size × LeNet-5)
 ROWS = [("best-client", "1", None, "1"), ("ensemble", "1", None, "5"), ("kf-linear", "1", "2", "1"),
-        ("default", "1", "2", "1"), ("stack", "1", "2", "5.0"), ("stack-logits", "1", "2", "5.0"),
+        ("default", "1", "2", "1"), ("stack", "1", "2", "5.09"), ("stack-logits", "1", "2", "5.01"),
         ("stack-distilled", "2", "3", "1")]
 NAMES = {"best-client": "best client", "ensemble": "clients' ensemble", "kf-linear": "`kf-linear`",
          "default": "the one-shot default (`kf-linear` distilled from the ensemble)",
