@@ -582,3 +582,12 @@ def test_aligned_average_per_unit_streams_the_normalised_formula():
         avg.add(states[0], 0.1)
     with pytest.raises(ValueError, match="no state"):
         AlignedAverage().result()
+
+
+@pytest.mark.parametrize("entry", [fuse, fuse_result])
+def test_a_methods_warning_points_at_the_callers_line(entry):
+    """A warning raised deep inside a method (RegMean's public-data variant) names the user's ``fuse`` line, not a
+    frame of fedfuse (``warn_caller``), through both entry points."""
+    with pytest.warns(UserWarning, match="PUBLIC-DATA VARIANT") as record:
+        entry("regmean", _models("mlp"), fusion_inputs=_inputs(40))
+    assert [w.filename for w in record if "PUBLIC-DATA" in str(w.message)] == [__file__]

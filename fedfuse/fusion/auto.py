@@ -36,7 +36,6 @@ run), the disagreement, the choice (``auto-choice``) and the refit's seconds (``
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,7 +45,7 @@ from torch import nn
 from fedfuse.choices import REFINES
 from fedfuse.fusion.distillation import teacher_probs
 from fedfuse.fusion.refine import kl_to
-from fedfuse.fusion.registry import FusionError, FusionOptionError, get_spec, register, require
+from fedfuse.fusion.registry import FusionError, FusionOptionError, get_spec, register, require, warn_caller
 
 DEFAULT_CANDIDATES = ("average", "kf-linear", "feddf", "kd")
 CRITERIA = ("agreement", "kl")
@@ -249,8 +248,8 @@ class _Trial:
             res = self._fuse(name, inputs)
         except FusionError as exc:
             info["auto-refit"] = f"failed, the fit-part model kept: {type(exc).__name__}: {exc}"
-            warnings.warn(f"auto: refitting {name!r} on the whole fusion set failed ({exc}); the model fitted on "
-                          "the fit part is returned", RuntimeWarning, stacklevel=3)
+            warn_caller(f"auto: refitting {name!r} on the whole fusion set failed ({exc}); the model fitted on "
+                        "the fit part is returned", RuntimeWarning)
             return self.best[2]
         info["auto-refit"] = res.seconds
         return res.model

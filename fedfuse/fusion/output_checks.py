@@ -16,12 +16,11 @@ forward passes as the non-finite checks of both, so the collapse check costs no 
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import nn
 
-from fedfuse.fusion.registry import NumericalFusionError
+from fedfuse.fusion.registry import NumericalFusionError, warn_caller
 
 #: fusion-set samples on which the input models' and the fused model's logits are checked
 OUTPUT_CHECK_SAMPLES = 1024
@@ -134,7 +133,7 @@ def collapse_warning(method: str, probs: torch.Tensor | None, ensemble: torch.Te
         message = (f"fusion method {method!r}: {reason} (another method, or for one that trains a lower lr or more "
                    "epochs, may avoid it)")
         info["collapse-warning"] = message
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn_caller(message, RuntimeWarning)
 
 
 __all__ = ["OUTPUT_CHECK_SAMPLES", "all_finite", "outputs_on", "nonfinite_outputs", "teacher_predictions",

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -324,6 +327,19 @@ def methods_with(capability: str) -> list[str]:
     return sorted(n for n, s in METHOD_SPECS.items() if getattr(s, capability))
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../fedfuse
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside the ``fedfuse`` package (the user's ``fuse(...)`` line, a
+    strategy's call), however deep inside fedfuse it is raised: a fixed ``stacklevel`` points into fedfuse whenever a
+    wrapper adds a frame (Python 3.12's ``skip_file_prefixes``, for 3.11)."""
+    level, frame = 2, sys._getframe(1)   # stacklevel 2: the caller of warn_caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 __all__ = ["FusionError", "FusionOptionError", "IncompatibleModelsError", "MissingInputError",
            "NumericalFusionError", "FusionResult", "NoOptions", "MethodSpec", "METHOD_SPECS", "METHODS",
-           "register", "get_spec", "methods_with", "parse_options", "option_table", "require", "FAMILIES"]
+           "register", "get_spec", "methods_with", "parse_options", "option_table", "require", "FAMILIES", "warn_caller"]

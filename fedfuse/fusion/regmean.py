@@ -31,7 +31,6 @@ Gram matrices with its units (``P G Pᵀ``), then merges.
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from fedfuse.fusion.average import average_state_dicts
 from fedfuse.fusion.permute import Map, PermSpec
 from fedfuse.fusion.permute.maps import load_plain
 from fedfuse.fusion.registry import (IncompatibleModelsError, MissingInputError, register, require,
-                                     require_same_architecture)
+                                     require_same_architecture, warn_caller)
 from fedfuse.fusion.stat_align import Align, align_to_first, input_permutation
 
 PAPER_REGMEAN = ('RegMean (Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023, '
@@ -227,7 +226,7 @@ def public_statistics(method: str, paper: str, models, fusion_inputs, stat_fn, i
     if fusion_inputs is None:
         raise MissingInputError(f"{method}: needs the clients' statistics (statistics=) or a fusion set "
                                 "(fusion_inputs) to compute them on")
-    warnings.warn(PUBLIC_DATA_WARNING.format(method=method, paper=paper), UserWarning, stacklevel=5)
+    warn_caller(PUBLIC_DATA_WARNING.format(method=method, paper=paper), UserWarning)
     info["statistics"] = "fusion set (public-data variant)"
     return [stat_fn(m, fusion_inputs, **kw) for m in models]
 
