@@ -952,12 +952,14 @@ def _strategy_method(strategy: str) -> str | None:
 
 
 def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
+    METHOD_SPECS, FusionError = _fusion_registry()
     if cfg.strategy not in strategies:
         close = difflib.get_close_matches(cfg.strategy, list(strategies), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"run-config key 'strategy': unknown strategy {cfg.strategy!r}{hint}; choose one of "
-                          f"{sorted(strategies)}")
-    METHOD_SPECS, FusionError = _fusion_registry()
+        what = (f"{cfg.strategy!r} is a fusion method of the library (fuse({cfg.strategy!r}, models, ...)) whose "
+                "result is not one model of the clients' architecture, so it cannot be a round's global model "
+                "(docs/methods.md)" if cfg.strategy in METHOD_SPECS else f"unknown strategy {cfg.strategy!r}{hint}")
+        raise ConfigError(f"run-config key 'strategy': {what}; choose one of {sorted(strategies)}")
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(_strategy_method(cfg.strategy))

@@ -93,3 +93,12 @@ def test_models_the_adapters_cannot_read_are_refused_by_name():
 
     with pytest.raises(IncompatibleModelsError, match="stack"):
         fuse("stack", [Opaque(), Opaque()], fusion_inputs=_x())
+
+
+@pytest.mark.parametrize("name", ["stack", "ensemble"])
+def test_the_run_config_says_a_library_method_is_not_a_strategy(name):
+    """``strategy='stack'`` fails the config check before any client trains, naming the key and saying why."""
+    from fedfuse.config import ConfigError, parse_run_config
+
+    with pytest.raises(ConfigError, match=rf"'strategy': '{name}' is a fusion method of the library .* not one model"):
+        parse_run_config({"strategy": name, "mode": "one-shot", "num-server-rounds": 1})
