@@ -111,7 +111,7 @@ ZOO = {
     "timm:mobilenetv3_small_050": ("timm mobilenetv3_small_050 (not in the issue's list)",
                                    _zoo("timm:mobilenetv3_small_050")),
     **{f"tv:{n}": (f"torchvision {n} (not in the issue's list)", _zoo(f"torchvision:{n}"))
-       for n in ("mnasnet0_5", "googlenet")},
+       for n in ("mnasnet0_5", "googlenet", "resnext50_32x4d", "swin_t")},
     **{f"timm:{n}": (f"timm {n} (not in the issue's list)", _zoo(f"timm:{n}"))
        for n in ("resnet10t", "regnetx_002", "ghostnet_050", "mixer_s16_224", "resmlp_12_224", "edgenext_xx_small",
                  "mobilevit_xxs")},
