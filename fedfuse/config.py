@@ -960,6 +960,14 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
                 "result is not one model of the clients' architecture, so it cannot be a round's global model "
                 "(docs/methods.md)" if cfg.strategy in METHOD_SPECS else f"unknown strategy {cfg.strategy!r}{hint}")
         raise ConfigError(f"run-config key 'strategy': {what}; choose one of {sorted(strategies)}")
+    if strategy_spec(cfg.strategy).one_shot_only:   # the global model is not one model of the clients' architecture
+        if cfg.mode != "one-shot":
+            raise ConfigError(f"run-config key 'strategy': {cfg.strategy!r} keeps every client's model in the global "
+                              f"model, which the clients cannot train in a next round; it needs mode='one-shot' "
+                              f"(got mode={cfg.mode!r})")
+        if cfg.secure_aggregation:
+            raise ConfigError(f"run-config key 'secure-aggregation': strategy {cfg.strategy!r} does not take it yet "
+                              "(its head round's statistics are not masked); use another strategy or turn it off")
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(_strategy_method(cfg.strategy))

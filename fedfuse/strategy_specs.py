@@ -125,6 +125,9 @@ class StrategySpec:
             is calibrated to it (FedAvg, FedProx; FedAvgM / FedAdam / FedYogi post-process that average).
         tiers: how it takes capacity (width) tiers (``WidthTiers``).
         depth: how it takes depth tiers (``DepthTiers``).
+        one_shot_only: its global model is not one model of the clients' architecture (``stack``: every client's
+            model kept side by side), so a run is one training round (``mode='one-shot'``) and the head round; the
+            server and the clients rebuild that model from its arrays (``fedfuse.fusion.stack.model_for_state``).
         paper: what the strategy is and the paper (title and arXiv id) it follows: the docs and the docstring of its
             strategy class (a plain fusion method's entry takes its ``MethodSpec.paper``).
     """
@@ -145,6 +148,7 @@ class StrategySpec:
     dp_average: bool = False
     tiers: WidthTiers = WidthTiers()
     depth: DepthTiers = DepthTiers()
+    one_shot_only: bool = False
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -226,6 +230,12 @@ SPECIAL_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                  paper='FedDF (Lin et al., "Ensemble Distillation for Robust Model Fusion in Federated Learning", '
                        'arXiv 2006.07242): the weighted average, then the clients\' ensemble distilled into it on '
                        'the fusion set.'),
+    StrategySpec("stack", "fusion", method="stack", default_refine="none", can_refine=False, server_step="paper",
+                 run_keys=(), one_shot_only=True,
+                 paper="Stacking (fedfuse.fusion.stack; Wolpert 1992, the kind of model FuseFL arXiv 2410.20380 and "
+                       "FENS arXiv 2411.07182 end with): every client's model kept side by side, one classifier over "
+                       "their concatenated features, solved by the head round; one-shot only, the result is "
+                       "num-clients times the clients' architecture."),
     StrategySpec("heterofl", **_TIER_BASELINE, tiers=WidthTiers(**_SUBMODELS),
                  paper="HeteroFL: Computation and Communication Efficient Federated Learning for Heterogeneous "
                        "Clients, arXiv 2010.01264"),
@@ -250,6 +260,8 @@ NON_FUSION_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregati
 FLOWER_BASELINE_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "flower")
 TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.tiers.required)
 DEPTH_TIER_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.depth.required)
+#: the strategies whose global model is not one model of the clients' architecture (``mode='one-shot'`` only)
+ONE_SHOT_ONLY_STRATEGIES = tuple(n for n, s in SPECIAL_SPECS.items() if s.one_shot_only)
 #: what a plain fusion method's entry adds to ``fusion_spec``'s defaults (ot: aligned, then distilled, across depths)
 FUSION_TRAITS: dict[str, dict] = {"ot": dict(depth=DepthTiers(aggregates=True, distils_exits=True, aligns=True))}
 
@@ -363,5 +375,5 @@ def with_tiers(spec: StrategySpec) -> StrategySpec:
 
 __all__ = ["SERVER_MOMENTUM", "AUTO_FUSION_EPOCHS", "WidthTiers", "DepthTiers", "STRATEGY_KEYS", "WIDTH_DEPTH_TIER_METHODS", "DEPTH_WARM_START", "DEPTH_METHODS", "FUSION_TRAITS",
            "SELECTING_STRATEGIES", "MEAN_METHODS", "DP_STRATEGIES", "StrategySpec", "SPECIAL_SPECS", "AGGREGATIONS", "SERVER_STEPS", "NON_FUSION_STRATEGIES",
-           "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
+           "FLOWER_BASELINE_STRATEGIES", "TIER_STRATEGIES", "DEPTH_TIER_STRATEGIES", "ONE_SHOT_ONLY_STRATEGIES", "PAPER_SERVER_STEP", "SUBMODEL_METHODS",
            "strategy_spec", "strategy_names", "check_candidates", "DEFAULT_CANDIDATES", "ARRAY_CANDIDATES", "fusion_spec", "key_applies", "key_users", "with_tiers"]

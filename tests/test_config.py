@@ -73,8 +73,11 @@ def test_strategies_are_fedavg_plus_same_architecture_methods():
 
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl: layer-wise (depth tiers)
 
-    assert set(names) - set(NON_FUSION_STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == {
-        n for n, s in METHOD_SPECS.items() if s.same_architecture}
+    from fedfuse.strategy_specs import ONE_SHOT_ONLY_STRATEGIES  # stack: every client's model kept (one-shot only)
+
+    assert ONE_SHOT_ONLY_STRATEGIES == ("stack",) and not METHOD_SPECS["stack"].same_architecture
+    assert set(names) - set(NON_FUSION_STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) - set(
+        ONE_SHOT_ONLY_STRATEGIES) == {n for n, s in METHOD_SPECS.items() if s.same_architecture}
 
 
 # ------------------------------------------------------------------------------------- fail fast

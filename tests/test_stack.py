@@ -95,10 +95,64 @@ def test_models_the_adapters_cannot_read_are_refused_by_name():
         fuse("stack", [Opaque(), Opaque()], fusion_inputs=_x())
 
 
-@pytest.mark.parametrize("name", ["stack", "ensemble"])
-def test_the_run_config_says_a_library_method_is_not_a_strategy(name):
-    """``strategy='stack'`` fails the config check before any client trains, naming the key and saying why."""
+def test_the_run_config_says_a_library_method_is_not_a_strategy():
+    """``strategy='ensemble'`` fails the config check before any client trains, naming the key and saying why."""
     from fedfuse.config import ConfigError, parse_run_config
 
-    with pytest.raises(ConfigError, match=rf"'strategy': '{name}' is a fusion method of the library .* not one model"):
-        parse_run_config({"strategy": name, "mode": "one-shot", "num-server-rounds": 1})
+    with pytest.raises(ConfigError, match=r"'strategy': 'ensemble' is a fusion method of the library .* not one model"):
+        parse_run_config({"strategy": "ensemble", "mode": "one-shot", "num-server-rounds": 1})
+
+
+@pytest.mark.parametrize("keys, key", [({"mode": "multi-round"}, "'strategy'"),
+                                       ({"mode": "warm-start", "num-server-rounds": 2}, "'strategy'"),
+                                       ({"mode": "one-shot", "secure-aggregation": True}, "'secure-aggregation'")])
+def test_the_stack_strategy_is_one_shot_only(keys, key):
+    """A stacked global model cannot be trained by the clients in a next round: ``strategy='stack'`` needs
+    ``mode='one-shot'``, said before any client trains, naming the key."""
+    from fedfuse.config import ConfigError, parse_run_config
+
+    with pytest.raises(ConfigError, match=key):
+        parse_run_config({"strategy": "stack", "num-server-rounds": 1, **keys})   # keys may set the rounds
+    assert parse_run_config({"strategy": "stack", "mode": "one-shot", "num-server-rounds": 1}).strategy == "stack"
+
+
+def test_a_stacked_state_rebuilds_from_the_clients_architecture_and_refuses_another():
+    from fedfuse.fusion.stack import model_for_state, stacked_from_state
+
+    models, x = _models(), _x()
+    stacked = fuse("stack", models, fusion_inputs=x, features="logits")
+    make = lambda: build_model("cnn", num_classes=4, input_shape=SHAPE, seed=9, width=4, depth=2)   # noqa: E731
+    rebuilt = model_for_state(make, stacked.state_dict())
+    assert isinstance(rebuilt, Stacked) and rebuilt.feature_kind == "logits" and len(rebuilt.members) == 3
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(x), stacked(x))
+    plain = model_for_state(make, models[0].state_dict())
+    assert not isinstance(plain, Stacked)
+    with pytest.raises(ValueError, match="not this architecture"):
+        stacked_from_state(lambda: build_model("mlp", num_classes=4, input_shape=SHAPE, width=7, depth=2),
+                           stacked.state_dict())
+
+
+def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path):
+    """``mode='one-shot' strategy='stack'`` through the real ServerApp / ClientApp (in-process engine): the round's
+    global model is every client's model side by side, the clients rebuild it for the head round and their
+    evaluation, and the head round's classifier over all their features is kept."""
+    import json
+
+    from fedfuse.flower.runner.inprocess import run_inprocess
+    from fedfuse.fusion.stack import model_for_state
+
+    cfg = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 4,
+           "partitioning": "dirichlet", "dirichlet-alpha": 0.3, "mode": "one-shot", "num-server-rounds": 1,
+           "local-epochs": 3, "lr": 0.05, "fusion-set-size": 150, "strategy": "stack", "evaluation": "both",
+           "output-dir": str(tmp_path), "run-name": "stack"}
+    out = run_inprocess(cfg, echo=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["status"] == "completed" and not any(h.get("fallback") for h in res["strategy-history"])
+    fused, head = res["rounds"][1], res["rounds"][2]
+    assert res["strategy-history"][0]["fusion-info"]["head"] == "fit"
+    assert head["federated-clients"] == 4 and head["test-accuracy"] > fused["ensemble-accuracy"]
+    state = torch.load(out / "global_model.pt", weights_only=True)
+    rebuilt = model_for_state(lambda: build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=32, depth=1),
+                              state)
+    assert isinstance(rebuilt, Stacked) and len(rebuilt.members) == 4

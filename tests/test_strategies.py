@@ -90,7 +90,10 @@ def test_strategies_cover_every_same_architecture_method_with_a_named_class():
 
     from fedfuse.strategy_specs import DEPTH_TIER_STRATEGIES  # depthfl / depthfl-fedavg / inclusivefl (depth_tiers)
 
-    assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == methods | set(NON_FUSION_STRATEGIES)
+    from fedfuse.strategy_specs import ONE_SHOT_ONLY_STRATEGIES  # stack (its global model: every client's, one-shot)
+
+    assert set(STRATEGIES) - set(TIER_STRATEGIES) - set(DEPTH_TIER_STRATEGIES) == \
+        methods | set(NON_FUSION_STRATEGIES) | set(ONE_SHOT_ONLY_STRATEGIES)
     for name, preset in STRATEGIES.items():
         # a preset (registry entry + the round protocol that runs it), not a generated class
         assert isinstance(preset, Preset) and preset.method == name and preset.doc

@@ -114,7 +114,15 @@ def test_every_strategy_name_builds_and_runs_one_round_under_custom_record_keys(
     assert arrays is not None and metrics["num-examples"] == (120 if n == 2 else 180)
     out = {k: torch.from_numpy(np.array(v.numpy())) for k, v in arrays.items()}
     ref = init.state_dict()
-    assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in ref.items()}
+    if strategy_spec(name).one_shot_only:   # every client's model side by side: rebuilt from the clients' architecture
+        from fedfuse.fusion.stack import model_for_state
+
+        rebuilt = model_for_state(model_fn, out)
+        assert len(rebuilt.members) == n and rebuilt(_x(4)).shape == (4, 10)
+        assert {k: tuple(v.shape) for k, v in rebuilt.members[0].state_dict().items()} == \
+            {k: tuple(v.shape) for k, v in ref.items()}
+    else:
+        assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in ref.items()}
     assert all(bool(torch.isfinite(v.float()).all()) for v in out.values())
 
 

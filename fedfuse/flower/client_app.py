@@ -42,6 +42,7 @@ from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_
                             partition_file)
 from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.fusion import client_statistics  # noqa: E402
+from fedfuse.fusion.stack import model_for_state  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.round.replies import make_train_reply, read_train_message  # noqa: E402
@@ -175,8 +176,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate_handler(msg: Message, context: Context) -> Message:
     cfg, node = _setup(context)
     request = read_train_message(msg)  # same layout: the global weights + config
-    model = global_model(cfg, node.num_classes, node.input_shape)
-    model.load_state_dict(request.state_dict())
+    model = model_for_state(lambda: global_model(cfg, node.num_classes, node.input_shape), request.state_dict())
     eval_set = node.val if len(node.val) > 0 else node.train
     m = evaluate(model, eval_set.x, eval_set.y, num_classes=node.num_classes, device=resolve_device(cfg.device))
     metrics = MetricRecord({"num-examples": len(eval_set), "eval-accuracy": float(m["accuracy"]),
@@ -189,14 +189,14 @@ def score_handler(msg: Message, context: Context) -> Message:
     accuracy and loss on this node's validation split, or its training data when it keeps none."""
     cfg, node = _setup(context)
     states = read_score_query(msg)
-    model = _tier_model(cfg, node, read_score_tier(msg))
+    tier = read_score_tier(msg)
     site = read_score_site(msg)   # a depth tier's exit: scored as the model of that depth
-    scored = model if site is None else SiteView(model, site)
     data = node.val if len(node.val) > 0 else node.train
     device = resolve_device(cfg.device)
     accs, losses = [], []
-    for state in states:
-        model.load_state_dict(state)
+    for state in states:   # a one-shot stack's candidates: every member rebuilt (model_for_state)
+        model = model_for_state(lambda: _tier_model(cfg, node, tier), state)
+        scored = model if site is None else SiteView(model, site)
         m = evaluate(scored, data.x, data.y, num_classes=node.num_classes, device=device)
         accs.append(float(m["accuracy"]))
         losses.append(float(m["loss"]))
@@ -207,8 +207,7 @@ def head_handler(msg: Message, context: Context) -> Message:
     """The head round of ``head-round=true`` (``fedfuse.flower.head.head_round``): this node's ridge statistics on
     the fused model's frozen pre-logit features (its training data; no training, no weights sent)."""
     cfg, node = _setup(context)
-    model = global_model(cfg, node.num_classes, node.input_shape)
-    model.load_state_dict(read_head_query(msg))
+    model = model_for_state(lambda: global_model(cfg, node.num_classes, node.input_shape), read_head_query(msg))
     # the classifiers asked for, else every one the model has (a depth tier's exits too: forward passes of the global
     # model, no training); an unknown one raises, which Flower returns as an error reply
     sites = read_head_sites(msg) or list(head_sites(model))

@@ -53,6 +53,7 @@ from fedfuse.plan import auto_candidate_refine, auto_candidates, auto_server_mom
 from fedfuse.data.fusion_set import ServerData  # noqa: E402
 from fedfuse.data.sources import ArrayDataset  # noqa: E402
 from fedfuse.flower.round.divergence import guard_broadcast  # noqa: E402
+from fedfuse.fusion.stack import model_for_state  # noqa: E402
 from fedfuse.flower.head.head_step import HeadRoundOptions, HeadRoundStep, ensemble_reference  # noqa: E402
 from fedfuse.flower.trust.privacy import PrivacyAccount, compose_runner, head_privacy, private_config  # noqa: E402
 from fedfuse.flower.strategies import STRATEGIES  # noqa: E402
@@ -402,8 +403,7 @@ class RoundEvaluation:
         """The global model's test metrics (central evaluation), added to ``row``; ``None`` when federated only."""
         if not self.central:
             return None
-        model = self.model_fn()
-        model.load_state_dict(arrays.to_torch_state_dict())
+        model = model_for_state(self.model_fn, arrays.to_torch_state_dict())   # a one-shot stack: every member
         m = evaluate(model, self.test_x, self.test_y, num_classes=self.data.num_classes, device=self.device)
         row.update({"test-accuracy": m["accuracy"], "test-loss": m["loss"],
                     "per-class-accuracy": m["per-class-accuracy"]})

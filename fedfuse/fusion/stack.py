@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -47,7 +48,13 @@ class Stacked(nn.Module):
             raise ValueError(f"Stacked: features must be one of {list(FEATURES)}, got {features!r}")
         self.members = nn.ModuleList(members)
         self.head = head
-        self.feature_kind = features
+        # in the state dict, so that a state says what it is (``stacked_from_state``: a client rebuilding it)
+        self.register_buffer("feature_code", torch.tensor(FEATURES.index(features)))
+
+    @property
+    def feature_kind(self) -> str:
+        """``"pre-logits"`` or ``"logits"``: what ``features`` concatenates."""
+        return FEATURES[int(self.feature_code)]
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, *input]`` → the concatenated member features ``[N, head.in_features]``."""
@@ -160,6 +167,41 @@ def _fitted_head(model: Stacked, weights: list[float], x: torch.Tensor, penalty:
     return {"fit-loss": [start, end]}
 
 
+def is_stacked_state(state: dict[str, torch.Tensor]) -> bool:
+    """Whether ``state`` is a ``Stacked`` model's state dict (its members, its head and its ``feature_code``)."""
+    return "feature_code" in state and "head.weight" in state and any(k.startswith("members.0.") for k in state)
+
+
+def stacked_from_state(member_fn: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> Stacked:
+    """The ``Stacked`` model holding ``state``, its members built by ``member_fn()`` (the clients' architecture):
+    how a client or a server that knows only that architecture rebuilds a stacked global model from its arrays.
+    ``ValueError`` when ``state`` is not a stack of ``member_fn``'s models."""
+    if not is_stacked_state(state):
+        raise ValueError("stacked_from_state: the state is not a Stacked model's (members.<k>.*, head.*, feature_code)")
+    count = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("members."))
+    code = int(state["feature_code"])
+    if not 0 <= code < len(FEATURES):
+        raise ValueError(f"stacked_from_state: feature_code {code} is not one of 0..{len(FEATURES) - 1}")
+    out_features, in_features = state["head.weight"].shape
+    model = Stacked([member_fn() for _ in range(count)], nn.Linear(in_features, out_features), FEATURES[code])
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:   # names or shapes of another architecture
+        raise ValueError(f"stacked_from_state: the state's {count} members are not this architecture's: "
+                         f"{str(exc).splitlines()[0]}") from None
+    return model
+
+
+def model_for_state(member_fn: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:
+    """A model holding ``state``: ``member_fn()``'s architecture, or a ``Stacked`` of it when ``state`` is a stack's
+    (a one-shot run's ``strategy='stack'`` global model)."""
+    if is_stacked_state(state):
+        return stacked_from_state(member_fn, state)
+    model = member_fn()
+    model.load_state_dict(state)
+    return model
+
+
 # any_module: every model is read on its own, through its own adapter (no model's structure is assumed in another)
 @register("stack", paper=PAPER_STACK, options=StackOptions, needs_data=False, same_architecture=False,
           mixed_widths=True, any_module=True)
@@ -187,4 +229,4 @@ def fuse_stack(models, *, fusion_inputs, scores, weights, device, seed, options:
     return model
 
 
-__all__ = ["Stacked", "StackOptions", "fuse_stack"]
+__all__ = ["Stacked", "StackOptions", "fuse_stack", "is_stacked_state", "stacked_from_state", "model_for_state"]

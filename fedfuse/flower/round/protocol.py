@@ -58,6 +58,7 @@ from torch import nn
 
 from fedfuse.fusion import FusionError
 from fedfuse.fusion.average import average_state_dicts
+from fedfuse.fusion.stack import model_for_state
 from fedfuse.flower.trust.screen import count_limit
 from fedfuse.flower.round.replies import WEIGHT_KEY
 from fedfuse.flower.round.divergence import PROBE, non_finite_outputs
@@ -272,10 +273,9 @@ class RoundProtocol(FedAvg):
         return self._template
 
     def build_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
-        """A model of the global architecture holding ``state`` (a copy of one ``model_fn()`` instance)."""
-        model = copy.deepcopy(self._model_template())
-        model.load_state_dict(state)
-        return model.eval()
+        """A model of the global architecture holding ``state`` (a copy of one ``model_fn()`` instance; a ``Stacked``
+        of copies when ``state`` is a one-shot ``stack`` global model's: ``model_for_state``)."""
+        return model_for_state(lambda: copy.deepcopy(self._model_template()), state).eval()
 
     def _reference(self) -> Reference:
         if self.model_fn is not None:
