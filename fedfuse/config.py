@@ -968,6 +968,9 @@ def _check_method(cfg: RunConfig, strategies: tuple[str, ...]) -> None:
         if cfg.secure_aggregation:
             raise ConfigError(f"run-config key 'secure-aggregation': strategy {cfg.strategy!r} does not take it yet "
                               "(its head round's statistics are not masked); use another strategy or turn it off")
+        if cfg.client_tiers:
+            raise ConfigError(f"run-config key 'client-tiers': strategy {cfg.strategy!r} keeps every client's model as "
+                              "it is (of any width), so it has no tier models to send; leave 'client-tiers' empty")
 
     options = fusion_options_dict(cfg)
     spec = METHOD_SPECS.get(_strategy_method(cfg.strategy))

@@ -346,6 +346,9 @@ def check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
         spec = strategy_spec(name)   # ValueError with the closest name for an unknown one
         if spec.aggregation != "fusion" or spec.name == "auto":
             raise ValueError(f"strategy 'auto': candidate {name!r} is not 'average', 'fedavg' or a fusion method")
+        if spec.one_shot_only:   # a candidate becomes the next round's global model, which the clients train
+            raise ValueError(f"strategy 'auto': candidate {name!r} keeps every client's model side by side, which "
+                             "the clients cannot train in a next round; choose a method that returns one model")
     return names
 
 

@@ -105,14 +105,19 @@ def test_the_run_config_says_a_library_method_is_not_a_strategy():
 
 @pytest.mark.parametrize("keys, key", [({"mode": "multi-round"}, "'strategy'"),
                                        ({"mode": "warm-start", "num-server-rounds": 2}, "'strategy'"),
-                                       ({"mode": "one-shot", "secure-aggregation": True}, "'secure-aggregation'")])
+                                       ({"mode": "one-shot", "secure-aggregation": True}, "'secure-aggregation'"),
+                                       ({"mode": "one-shot", "client-tiers": "1,0.5"}, "'client-tiers'"),
+                                       ({"strategy": "auto", "strategy-options.auto-candidates": "stack,fedavg"},
+                                        "'strategy-options.auto-candidates'"),
+                                       ({"mode": "one-shot", "dp-options.noise-multiplier": 1.0,
+                                         "dp-options.clipping-norm": 1.0}, "'strategy'")])
 def test_the_stack_strategy_is_one_shot_only(keys, key):
     """A stacked global model cannot be trained by the clients in a next round: ``strategy='stack'`` needs
     ``mode='one-shot'``, said before any client trains, naming the key."""
     from fedfuse.config import ConfigError, parse_run_config
 
-    with pytest.raises(ConfigError, match=key):
-        parse_run_config({"strategy": "stack", "num-server-rounds": 1, **keys})   # keys may set the rounds
+    with pytest.raises(ConfigError, match=key):   # (keys may set the strategy or the rounds)
+        parse_run_config({"strategy": "stack", "num-server-rounds": 1, **keys})
     assert parse_run_config({"strategy": "stack", "mode": "one-shot", "num-server-rounds": 1}).strategy == "stack"
 
 
