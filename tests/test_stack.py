@@ -161,3 +161,12 @@ def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path):
     rebuilt = model_for_state(lambda: build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=32, depth=1),
                               state)
     assert isinstance(rebuilt, Stacked) and len(rebuilt.members) == 4
+
+
+def test_a_concatenation_too_wide_for_the_head_round_is_warned(monkeypatch):
+    import fedfuse.fusion.stack as stack
+
+    monkeypatch.setattr(stack, "WIDE_FEATURES", 8)
+    with pytest.warns(RuntimeWarning, match="head round's statistics are about") as record:
+        res = fuse_result("stack", _models(), fusion_inputs=_x())
+    assert "wide-warning" in res.info and record[0].filename == __file__

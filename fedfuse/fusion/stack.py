@@ -26,12 +26,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register
+from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, warn_caller
 from fedfuse.models import adapter_for, set_example_input
 from fedfuse.models.adapters import UnsupportedModelError
 
 PAPER_STACK = "Wolpert, Stacked Generalization (1992); FuseFL arXiv 2410.20380; FENS arXiv 2411.07182"
 FEATURES = ("pre-logits", "logits")
+WIDE_FEATURES = 8192   # a wider concatenation is warned about (the head round's Gram matrix: (d + 1)² / 2 numbers)
 HEADS = ("auto", "fit", "average")
 
 
@@ -226,6 +227,13 @@ def fuse_stack(models, *, fusion_inputs, scores, weights, device, seed, options:
         info.update(_fitted_head(model, list(weights), fusion_inputs.float(), o.penalty, o.max_iter, device))
     info.update({"head": kind, "features": o.features, "feature-width": head.in_features,
                  "parameters": sum(p.numel() for p in model.parameters())})
+    if head.in_features > WIDE_FEATURES:   # the head round's statistics grow with the square of the width
+        mb = (head.in_features + 1) ** 2 * 8 / 2 / 2 ** 20
+        info["wide-warning"] = (f"stack: {len(models)} models' concatenated features are {head.in_features} wide: a "
+                                f"head round's statistics are about {mb:.0f} MB a client and its solve a "
+                                f"{head.in_features}-square system; features='logits' concatenates "
+                                f"{len(models)} x classes instead")
+        warn_caller(info["wide-warning"], RuntimeWarning)
     return model
 
 
