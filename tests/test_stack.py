@@ -170,3 +170,28 @@ def test_a_concatenation_too_wide_for_the_head_round_is_warned(monkeypatch):
     with pytest.warns(RuntimeWarning, match="head round's statistics are about") as record:
         res = fuse_result("stack", _models(), fusion_inputs=_x())
     assert "wide-warning" in res.info and record[0].filename == __file__
+
+
+def test_a_rebuilt_stack_of_models_the_generic_reader_reads():
+    """A user's own model (read by the graph reader, which traces it on an example input): a stack rebuilt from its
+    state on a client that never saw the fusion set computes the same features."""
+    from fedfuse.fusion.stack import model_for_state
+
+    class Net(nn.Module):   # the Flower quickstart's kind of model, not a family fedfuse wrote
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc1, self.fc2 = nn.Conv2d(1, 3, 3), nn.Linear(3 * 6 * 6, 12), nn.Linear(12, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(torch.relu(self.conv(x)).flatten(1))))
+
+    torch.manual_seed(0)
+    models, x = [Net().eval(), Net().eval()], _x()
+    stacked = fuse("stack", models, fusion_inputs=x)
+    assert stacked.head.in_features == 24
+    from fedfuse.models.adapters import graph
+
+    graph._LAST_SHAPE.clear()   # as in a client's process, which never traced this architecture
+    rebuilt = model_for_state(Net, stacked.state_dict()).eval()
+    with torch.no_grad():
+        assert torch.allclose(rebuilt(x), stacked(x))

@@ -61,7 +61,11 @@ class Stacked(nn.Module):
         """``[N, *input]`` → the concatenated member features ``[N, head.in_features]``."""
         if self.feature_kind == "logits":
             return torch.cat([m(x) for m in self.members], 1)
-        return torch.cat([adapter_for(m).pre_logits(m, x).flatten(1) for m in self.members], 1)
+        out = []
+        for m in self.members:   # the generic reader traces a member on this input's shape (a rebuilt stack's too)
+            set_example_input(m, x)
+            out.append(adapter_for(m).pre_logits(m, x).flatten(1))
+        return torch.cat(out, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))

@@ -11,6 +11,13 @@ run folders stay local (``--out``/runs). ::
     .venv/bin/python -m simulations.bench.app_oneshot run --out results/app-one-shot-default
     .venv/bin/python -m simulations.bench.app_oneshot table --out results/app-one-shot-default
 
+``strategy='stack'`` on the same cells (the same seeds train the same clients), paired with the default's runs::
+
+    for s in 0 1 2; do for a in 0.5 0.3 0.1; do .venv/bin/python -m simulations.bench.app_oneshot run --alphas $a \
+        --seeds $s --extra "strategy='stack' run-name='a$a-s$s'" --out results/app-one-shot-default/stack; done; done
+    .venv/bin/python -m simulations.bench.app_oneshot table --out results/app-one-shot-default/stack \
+        --name "strategy='stack'" --against results/app-one-shot-default
+
 The fusion-set size's tuning runs (α 0.3, seed 100, the default keys otherwise; the table lists each run)::
 
     for n in 250 1000 2000 4000; do .venv/bin/python -m simulations.bench.app_oneshot run --alphas 0.3 --seeds 100 \
@@ -66,22 +73,33 @@ LABELS = {"best-client": "best client", "mean-client": "mean client", "ensemble"
           "with-head": "**the default (`auto`) + head round**"}
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], name: str = "the default (`auto`)", against: list[dict] | None = None) -> str:
+    """The rows' table; ``name``: the runs' strategy as the rows say it; ``against``: another folder's runs on the
+    same cells (the same seeds train the same clients), its fused + head round rows paired with these."""
+    labels = {**LABELS, "fused": f"{name}, fused round", "with-head": f"**{name} + head round**"}
     alphas = sorted({r["alpha"] for r in rows})
     head = " | ".join(f"α = {a:g}" for a in alphas)
     lines = ["Test accuracy in %, mean ± sample std (ddof=1) over seeds", "", f"| row | exchanges | {head} |",
              "|---|---|" + "---|" * len(alphas)]
     for key in ("best-client", "mean-client", "ensemble", "average", "kd", "feddf", "fused", "with-head"):
         cells = [pct([r[key] for r in rows if r["alpha"] == a and key in r]) for a in alphas]
-        lines.append(f"| {LABELS[key]} | {'2' if key == 'with-head' else '1'} | " + " | ".join(cells) + " |")
-    lines += ["", "Paired per seed: the default + head round minus the reference, points; per-seed values in brackets "
+        lines.append(f"| {labels[key]} | {'2' if key == 'with-head' else '1'} | " + " | ".join(cells) + " |")
+    lines += ["", f"Paired per seed: {name} + head round minus the reference, points; per-seed values in brackets "
               "(seeds in order)", "", f"| against | {head} |", "|---|" + "---|" * len(alphas)]
     for ref in ("ensemble", "best-client", "kd", "feddf"):
         cells = []
         for a in alphas:
             d = [r["with-head"] - r[ref] for r in sorted(rows, key=lambda r: r["seed"]) if r["alpha"] == a]
             cells.append(paired(d))
-        lines.append(f"| {LABELS[ref]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {labels[ref]} | " + " | ".join(cells) + " |")
+    if against:
+        other = {(r["alpha"], r["seed"]): r for r in against}
+        same = all(abs(r["ensemble"] - other[(r["alpha"], r["seed"])]["ensemble"]) < 1e-9
+                   for r in rows if (r["alpha"], r["seed"]) in other)
+        cells = [paired([r["with-head"] - other[(a, r["seed"])]["with-head"]
+                         for r in sorted(rows, key=lambda r: r["seed"]) if r["alpha"] == a and (a, r["seed"]) in other])
+                 for a in alphas]
+        lines.append(f"| the other folder's runs + head round (same clients: {same}) | " + " | ".join(cells) + " |")
     sizes = sorted({r["fusion-set-size"] for r in rows})
     chose = sorted({str(r["chose"]) for r in rows})
     lines += ["", f"fusion-set-size {sizes}; `auto` chose {chose}; runs: {len(rows)}"]
@@ -106,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--extra", default="", help="more run-config keys (a variant of the defaults)")
     ap.add_argument("--out", default="results/app-one-shot-default")
+    ap.add_argument("--name", default="the default (`auto`)", help="table: the runs' strategy as its rows say it")
+    ap.add_argument("--against", default="", help="table: another folder whose runs.json rows to pair with")
     a = ap.parse_args(argv)
     out = Path(a.out)
     if a.what == "run":
@@ -113,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [row(p) for p in sorted((out / "runs").glob("*/results.json"))
             if "one-shot-references" in json.loads(p.read_text())]   # a run still going has none yet
     (out / "runs.json").write_text(json.dumps(rows, separators=(",", ":")))
-    text = tuning_table(rows) if len({(r["alpha"], r["seed"]) for r in rows}) == 1 else table(rows)
+    against = json.loads((Path(a.against) / "runs.json").read_text()) if a.against else None
+    text = tuning_table(rows) if len({(r["alpha"], r["seed"]) for r in rows}) == 1 else table(rows, a.name, against)
     (out / "table.md").write_text(text + "\n")
     print(text)
 
