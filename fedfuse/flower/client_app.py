@@ -42,7 +42,7 @@ from fedfuse.config import (RunConfig, config_notes, dataset_info, load_initial_
                             partition_file)
 from fedfuse.data.node_data import load_node_data  # noqa: E402
 from fedfuse.fusion import client_statistics  # noqa: E402
-from fedfuse.fusion.stack import model_for_state  # noqa: E402
+from fedfuse.fusion.stack import is_stacked_state, model_for_state, stacked_from_state  # noqa: E402
 from fedfuse.flower.aggregators.candidates import (ACTION as SCORE_ACTION, read_score_query, read_score_site,  # noqa: E402
                                        read_score_tier, score_reply_content)
 from fedfuse.flower.round.replies import make_train_reply, read_train_message  # noqa: E402
@@ -190,13 +190,18 @@ def score_handler(msg: Message, context: Context) -> Message:
     cfg, node = _setup(context)
     states = read_score_query(msg)
     tier = read_score_tier(msg)
+    model = _tier_model(cfg, node, tier)
     site = read_score_site(msg)   # a depth tier's exit: scored as the model of that depth
     data = node.val if len(node.val) > 0 else node.train
     device = resolve_device(cfg.device)
     accs, losses = [], []
-    for state in states:   # a one-shot stack's candidates: every member rebuilt (model_for_state)
-        model = model_for_state(lambda: _tier_model(cfg, node, tier), state)
-        scored = model if site is None else SiteView(model, site)
+    for state in states:
+        if is_stacked_state(state):   # a one-shot stack's candidate heads: its members rebuilt
+            held = stacked_from_state(lambda: _tier_model(cfg, node, tier), state)
+        else:
+            held = model
+            held.load_state_dict(state)
+        scored = held if site is None else SiteView(held, site)
         m = evaluate(scored, data.x, data.y, num_classes=node.num_classes, device=device)
         accs.append(float(m["accuracy"]))
         losses.append(float(m["loss"]))
