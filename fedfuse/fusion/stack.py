@@ -71,7 +71,7 @@ class Stacked(nn.Module):
         return self.head(self.features(x))
 
     def head_sites(self) -> dict:
-        from fedfuse.progressive import HeadSite   # fedfuse.progressive imports fedfuse.fusion
+        from fedfuse.progressive import HeadSite   # deferred: fedfuse.progressive imports fedfuse.fusion
 
         return {"": HeadSite(self.features, self.head, self)}
 
