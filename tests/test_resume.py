@@ -71,6 +71,24 @@ def _interrupted_run(cfg: dict, app_dir: Path, timeout: float = 420.0) -> int:
         shutil.rmtree(home, ignore_errors=True)
 
 
+def _wait_for_the_killed_run(output_dir: Path, run_name: str, timeout: float = 90.0) -> None:
+    """The killed run's ServerApp process (``flwr-simulation``, a child of the SuperExec that notices its parent's
+    death by polling) may outlive the SIGKILL of the SuperLink's tree by seconds, holding the run folder; a resume
+    started then is refused (``RunFolderBusy``: the right answer while it lives). Wait until it is gone."""
+    from fedfuse.run_control import RunFolderBusy, claim_run_folder, release_run_folder
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            claim_run_folder(output_dir, run_name, on_note=lambda text: None)
+        except RunFolderBusy:
+            assert time.monotonic() < deadline, f"the killed run still holds {output_dir / run_name}"
+            time.sleep(0.5)
+            continue
+        release_run_folder(output_dir, run_name)
+        return
+
+
 @pytest.mark.slow
 def test_kill_server_mid_run_and_resume(tmp_path):
     ref = run_app_inprocess({**BASE, "output-dir": str(tmp_path), "run-name": "reference"}, echo=False)
@@ -82,6 +100,7 @@ def test_kill_server_mid_run_and_resume(tmp_path):
     assert done in (1, 2)
     out = tmp_path / "resumed"
     assert not (out / "DONE").exists()
+    _wait_for_the_killed_run(tmp_path, "resumed")
 
     res = run_app({**cfg, "resume": True}, timeout=420, echo=False)
     assert res.ok, res.log[-3000:]
