@@ -44,6 +44,16 @@ ONE_SHOT_DISTILL = {"temperature": 4.0, "epochs": 200, "patience": 20, "augmenta
 #: lowered kf-linear + head round by 1.2–2.6 points on each of four cells (results/fmnist-resnet18), and the MLP and
 #: CNN families are not measured, so they keep kf-linear + head round
 ONE_SHOT_DISTILL_FAMILIES = ("lenet",)
+#: the model families whose one-shot ``auto`` with the head round stacks the clients' models (``stack``: every client's
+#: model kept, one classifier over their features solved by the head round) where the run allows it
+#: (``one_shot_stack_refusal``). Measured above that single-model candidate on every cell-seed of each family: LeNet-5
+#: on Fashion-MNIST through the app, +3.6 / +3.7 / +4.1 over the distilled kf-linear + head round and above the
+#: clients' ensemble on 9 / 9 runs (results/app-one-shot-default/stack); fedfuse's ResNet, CNN and MLP on MNIST-1D,
+#: +9.2 to +13.2 / +4.6 to +6.0 over kf-linear + head round (results/stack-mnist1d-*). Not the ViTs (not measured)
+ONE_SHOT_STACK_FAMILIES = ("lenet", "resnet", "cnn", "mlp")
+#: the most clients one-shot ``auto`` stacks: the stacked model is num-clients times the clients' model, and the head
+#: round's statistics grow with (num-clients x width)^2; measured up to this many (results/stack-mnist1d-clients)
+ONE_SHOT_STACK_MAX_CLIENTS = 10
 
 
 def _default(cfg: Any, field: str) -> Any:
@@ -89,13 +99,35 @@ def auto_round_aggregation(cfg: Any) -> str | None:
     return arrays[0] if arrays else None
 
 
+def one_shot_stack_refusal(cfg: Any) -> str | None:
+    """Why one-shot ``auto`` with the head round does not take ``stack`` for this run (``None``: it does). The stacked
+    model is every client's model side by side, so it needs the clients' statistics of all of them in the clear
+    (no secure aggregation, no DP), one architecture per client (no capacity tiers), a measured family and at most
+    ``ONE_SHOT_STACK_MAX_CLIENTS`` clients; with the default candidates only."""
+    if cfg.strategy not in SELECTING_STRATEGIES or cfg.mode != "one-shot":
+        return "not one-shot auto"
+    reasons = [why for bad, why in (
+        (not cfg.head_round, "head-round is off (the stack's classifier is solved by the head round)"),
+        (cfg.auto_candidates != _default(cfg, "auto_candidates"), "strategy-options.auto-candidates is set"),
+        (cfg.refine != _default(cfg, "refine"), "strategy-options.refine is set (it refines one model)"),
+        (cfg.model not in ONE_SHOT_STACK_FAMILIES, f"model {cfg.model!r} is not measured stacked"),
+        (cfg.num_clients > ONE_SHOT_STACK_MAX_CLIENTS,
+         f"num-clients {cfg.num_clients} > {ONE_SHOT_STACK_MAX_CLIENTS} (the stack is num-clients models)"),
+        (cfg.secure_aggregation, "secure-aggregation is on"),
+        (bool(cfg.client_tiers), "client-tiers are set"),
+        (cfg.dp_noise_multiplier > 0 or cfg.dp_head_noise_multiplier > 0, "differential privacy is on"),
+    ) if bad]
+    return "; ".join(reasons) or None
+
+
 def auto_candidates(cfg: Any) -> tuple[str, ...]:
     """Strategy ``auto``'s candidate aggregations, in order of preference (``()`` for another strategy).
 
     One-shot with the default list: a single round, so no later round suffers from its choice; the momentum step is
     the average there, so the list is FedDF and kf-linear (``ONE_SHOT_AUTO_CANDIDATES``), and with the head round one
     candidate only: the clients score the candidates before their head is solved, which ranks them wrongly for after
-    it; kf-linear where it is measured best (MLP/CNN/LeNet/ResNet: its features beat FedDF's under the head round),
+    it; ``stack`` where the run allows it (``one_shot_stack_refusal``: measured above every single-model candidate and
+    the clients' ensemble, ``ONE_SHOT_STACK_FAMILIES``), else kf-linear where it is measured best (MLP/CNN/LeNet/ResNet: its features beat FedDF's under the head round),
     FedDF for the ViTs (kf-linear takes no transformer blocks; FedDF above kf-gradient there) and the zoo models (not
     measured through the app). Measured: docs/one-shot.md, its opening
     section; LeNet: docs/fashion-mnist.md, O1 (+2.9 to +3.1). Multi-round below ``auto-fusion-epochs``: the array
@@ -105,6 +137,7 @@ def auto_candidates(cfg: Any) -> tuple[str, ...]:
     candidates = tuple(cfg.auto_candidate_names)
     if cfg.mode == "one-shot" and cfg.auto_candidates == _default(cfg, "auto_candidates"):
         candidates = ONE_SHOT_AUTO_CANDIDATES if not cfg.head_round else (
+            ("stack",) if one_shot_stack_refusal(cfg) is None else
             ("kf-linear",) if cfg.model in KF_LINEAR_HEAD_FAMILIES else ("feddf",))
     take = auto_round_aggregation(cfg)
     if take in MEAN_METHODS:   # below auto-fusion-epochs the first array candidate is taken: the momentum step
@@ -205,9 +238,18 @@ def make_plan(cfg: Any) -> Plan:
                 why += f" (server momentum {momentum if momentum is not None else cfg.server_momentum} for "\
                        "plain-SGD clients)"
             decisions.append(Decision("strategy", f"auto -> {take}", why, "docs/multi-round.md"))
+        elif candidates == ("stack",):
+            decisions.append(Decision(
+                "strategy-options.auto-candidates", "stack", "one-shot with the head round: every client's model is "
+                "kept side by side and one classifier over their features is solved by the head round, so the global "
+                f"model is {cfg.num_clients} x the clients' model (strategy-options.auto-candidates='kf-linear' fuses "
+                "them into one model of their architecture)", "docs/one-shot.md"))
         else:
             why = ("one-shot: the clients' models are fused once" if cfg.mode == "one-shot" else
                    f"local-epochs {cfg.local_epochs} >= strategy-options.auto-fusion-epochs {cfg.auto_fusion_epochs}")
+            refusal = one_shot_stack_refusal(cfg) if cfg.mode == "one-shot" and cfg.head_round else None
+            if refusal and cfg.auto_candidates == _default(cfg, "auto_candidates"):
+                why += f" (not 'stack': {refusal})"
             decisions.append(Decision("strategy-options.auto-candidates", ",".join(candidates),
                                       why + "; every round the clients vote on their own data",
                                       "docs/one-shot.md" if cfg.mode == "one-shot" else "docs/multi-round.md"))
@@ -226,5 +268,6 @@ def make_plan(cfg: Any) -> Plan:
 
 
 __all__ = ["AUTO_SERVER_MOMENTUM", "ONE_SHOT_AUTO_CANDIDATES", "ONE_SHOT_DISTILL", "ONE_SHOT_DISTILL_FAMILIES", "KF_LINEAR_HEAD_FAMILIES", "Decision", "Plan",
+           "ONE_SHOT_STACK_FAMILIES", "ONE_SHOT_STACK_MAX_CLIENTS", "one_shot_stack_refusal",
            "make_plan", "auto_round_aggregation", "auto_candidates", "auto_candidate_refine", "auto_server_momentum", "dp_strategy", "fuses",
            "one_shot_width_default", "one_shot_depth_default"]

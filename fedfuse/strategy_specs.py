@@ -332,9 +332,11 @@ DEFAULT_CANDIDATES = ("fedavg", "average", "feddf")
 ARRAY_CANDIDATES = MEAN_METHODS + tuple(n for n, s in SPECIAL_SPECS.items() if s.aggregation == "arrays")
 
 
-def check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
+def check_candidates(candidates: Iterable[str], *, one_shot: bool = False) -> tuple[str, ...]:
     """The candidate names, checked: ``average``, ``fedavg`` or a same-architecture fusion method
-    (``ValueError`` naming the bad entry)."""
+    (``ValueError`` naming the bad entry); ``one_shot``: a one-shot strategy's, which may also be a one-shot-only
+    method (``stack``) when it is the only candidate (scored before the head round, it would rank wrongly against
+    one model; ``fedfuse.plan.auto_candidates`` takes it alone)."""
     names = tuple(str(c).strip() for c in candidates)
     if not names or any(not n for n in names):
         raise ValueError(f"strategy 'auto': candidates must be a non-empty list of names, got {list(names)}")
@@ -346,9 +348,12 @@ def check_candidates(candidates: Iterable[str]) -> tuple[str, ...]:
         spec = strategy_spec(name)   # ValueError with the closest name for an unknown one
         if spec.aggregation != "fusion" or spec.name == "auto":
             raise ValueError(f"strategy 'auto': candidate {name!r} is not 'average', 'fedavg' or a fusion method")
-        if spec.one_shot_only:   # a candidate becomes the next round's global model, which the clients train
-            raise ValueError(f"strategy 'auto': candidate {name!r} keeps every client's model side by side, which "
-                             "the clients cannot train in a next round; choose a method that returns one model")
+        if spec.one_shot_only and not (one_shot and len(names) == 1):   # a candidate becomes the next round's
+            # global model, which the clients train
+            raise ValueError(f"strategy 'auto': candidate {name!r} keeps every client's model side by side: the "
+                             "clients cannot train it in a next round, and scored before the head round it ranks "
+                             f"wrongly against one model; use strategy={name!r} (mode='one-shot') or choose methods "
+                             "that return one model")
     return names
 
 

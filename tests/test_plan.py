@@ -89,15 +89,48 @@ def test_a_client_app_parses_the_run_config_once(monkeypatch):
     assert client_app.parse_once is config.parse_once and client_tiers.parse_once is config.parse_once
 
 
-def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_so():
-    """The one-shot default (auto, head round, LeNet): kf-linear distilled from the clients' ensemble (τ 4, mixup)
-    before the head round, in the plan, its decisions and the strategy's options; not without the head round, not
-    with ``refine='none'``, not where the candidate is FedDF (ViT), not for a family it is not measured on (CNN: kf-linear
-    + head round) nor in multi-round runs."""
-    from fedfuse.plan import ONE_SHOT_DISTILL
+def test_one_shot_auto_stacks_the_clients_where_the_run_allows_it_and_says_why_not_elsewhere():
+    """The one-shot default with the head round, on a measured family and at most ONE_SHOT_STACK_MAX_CLIENTS clients:
+    ``stack`` alone (the plan, its decision, the strategy's options, a run config whose check passes); the
+    single-model candidate, with the reason in the plan's decision, where stacking is not measured or not possible."""
+    from fedfuse.plan import ONE_SHOT_STACK_FAMILIES, ONE_SHOT_STACK_MAX_CLIENTS
 
     base = {"dataset": "fashion-mnist", "model": "lenet", "mode": "one-shot", "num-server-rounds": 1,
             "local-epochs": 10, "num-clients": 5}
+    for model in ONE_SHOT_STACK_FAMILIES:
+        cfg = parse_run_config({**base, "model": model})
+        plan = make_plan(cfg)
+        assert plan.candidates == ("stack",) and plan.candidate_refine == {} and plan.fuses, model
+        assert selection_options(cfg)["candidates"] == ("stack",) and selection_options(cfg)["one_shot"]
+        [decision] = [d for d in plan.decisions if d.setting == "strategy-options.auto-candidates"]
+        assert decision.value == "stack" and "5 x the clients' model" in decision.why
+    limit = ONE_SHOT_STACK_MAX_CLIENTS
+    for extra, single, why in (
+            ({"head-round": False}, ("feddf", "kf-linear"), None),
+            ({"auto-candidates": "kf-linear"}, ("kf-linear",), None),
+            ({"strategy-options.refine": "none"}, ("kf-linear",), "refine is set"),
+            ({"model": "vit"}, ("feddf",), "'vit' is not measured stacked"),
+            ({"num-clients": limit + 1}, ("kf-linear",), f"num-clients {limit + 1} > {limit}"),
+            ({"secure-aggregation": True}, ("kf-linear",), "secure-aggregation is on")):
+        plan = make_plan(parse_run_config({**base, **extra}))
+        assert plan.candidates == single, extra
+        if why is not None:
+            [decision] = [d for d in plan.decisions if d.setting == "strategy-options.auto-candidates"]
+            assert "not 'stack': " in decision.why and why in decision.why, (extra, decision.why)
+    assert make_plan(parse_run_config({**base, "mode": "multi-round", "num-server-rounds": 3})).candidates != (
+        "stack",)
+
+
+def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_so():
+    """The single-model one-shot choice (auto, head round, LeNet, ``auto-candidates='kf-linear'`` or where ``stack``
+    is not taken): kf-linear distilled from the clients' ensemble (τ 4, mixup) before the head round, in the plan, its
+    decisions and the strategy's options; not without the head round, not with ``refine='none'``, not where the
+    candidate is FedDF (ViT), not for a family it is not measured on (CNN: kf-linear + head round) nor in multi-round
+    runs."""
+    from fedfuse.plan import ONE_SHOT_DISTILL
+
+    base = {"dataset": "fashion-mnist", "model": "lenet", "mode": "one-shot", "num-server-rounds": 1,
+            "local-epochs": 10, "num-clients": 5, "auto-candidates": "kf-linear"}
     cfg = parse_run_config(base)
     plan = make_plan(cfg)
     assert plan.candidates == ("kf-linear",) and plan.candidate_refine == {"kf-linear": ONE_SHOT_DISTILL}
@@ -105,6 +138,8 @@ def test_one_shot_with_the_head_round_distils_its_kf_linear_candidate_and_says_s
     assert any(d.setting == "strategy-options.refine" and "distill" in str(d.value) for d in plan.decisions)
     assert selection_options(cfg)["candidate_refine"] == plan.candidate_refine
     assert plan.to_json()["candidate-refine"] == plan.candidate_refine
-    for extra in ({"head-round": False}, {"strategy-options.refine": "none"}, {"model": "vit"}, {"model": "cnn"},
-                  {"mode": "multi-round", "num-server-rounds": 3}):
+    assert make_plan(parse_run_config({**base, "num-clients": 11})
+                     ).candidate_refine == {"kf-linear": ONE_SHOT_DISTILL}
+    for extra in ({"head-round": False}, {"strategy-options.refine": "none"}, {"model": "vit", "auto-candidates": "feddf"},
+                  {"model": "cnn"}, {"mode": "multi-round", "num-server-rounds": 3}):
         assert make_plan(parse_run_config({**base, **extra})).candidate_refine == {}, extra

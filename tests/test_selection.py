@@ -112,13 +112,15 @@ def test_run_config_errors_name_the_key():
     from fedfuse.flower.server_app import selection_options
     one = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "local-epochs": 2})
     assert selection_options(one)["local_epochs"] is None
-    assert selection_options(one)["candidates"] == ("kf-linear",)   # one-shot with the head round (default)
+    assert selection_options(one)["candidates"] == ("stack",)   # one-shot with the head round (default): stacked
     vit = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "vit"})
     assert selection_options(vit)["candidates"] == ("feddf",)   # kf-linear takes no transformer blocks
     resnet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "resnet"})
-    assert selection_options(resnet)["candidates"] == ("kf-linear",)   # ResNet-18 and MNIST-1D ResNet: above FedDF
-    assert selection_options(resnet)["candidate_refine"] == {}         # LeNet's distillation lowers it there
-    lenet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "lenet"})
+    assert selection_options(resnet)["candidates"] == ("stack",)       # MNIST-1D ResNet: +9 over kf-linear + head
+    many = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "resnet", "num-clients": 20})
+    assert selection_options(many)["candidates"] == ("kf-linear",)     # ResNet-18 and MNIST-1D ResNet: above FedDF
+    assert selection_options(many)["candidate_refine"] == {}           # LeNet's distillation lowers it there
+    lenet = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "model": "lenet", "num-clients": 20})
     assert selection_options(lenet)["candidates"] == ("kf-linear",)   # Fashion-MNIST O1: kf-linear's features best
     strict = parse_run_config({"mode": "one-shot", "num-server-rounds": 1, "head-round": False})
     # strict one-shot: no plain average of independently initialised models (at chance; a liars' target)

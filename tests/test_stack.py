@@ -138,10 +138,12 @@ def test_a_stacked_state_rebuilds_from_the_clients_architecture_and_refuses_anot
                            stacked.state_dict())
 
 
-def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path):
-    """``mode='one-shot' strategy='stack'`` through the real ServerApp / ClientApp (in-process engine): the round's
-    global model is every client's model side by side, the clients rebuild it for the head round and their
-    evaluation, and the head round's classifier over all their features is kept."""
+@pytest.mark.parametrize("strategy", ["stack", None])
+def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path, strategy):
+    """``mode='one-shot' strategy='stack'``, and the one-shot default that takes it (``auto`` with the head round,
+    ``fedfuse.plan.auto_candidates``), through the real ServerApp / ClientApp (in-process engine): the round's global
+    model is every client's model side by side, the clients rebuild it for the scoring query, the head round and
+    their evaluation, and the head round's classifier over all their features is kept."""
     import json
 
     from fedfuse.flower.runner.inprocess import run_inprocess
@@ -149,13 +151,18 @@ def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path):
 
     cfg = {"dataset": "digits", "model": "mlp", "model-width": 32, "model-depth": 1, "num-clients": 4,
            "partitioning": "dirichlet", "dirichlet-alpha": 0.3, "mode": "one-shot", "num-server-rounds": 1,
-           "local-epochs": 3, "lr": 0.05, "fusion-set-size": 150, "strategy": "stack", "evaluation": "both",
-           "output-dir": str(tmp_path), "run-name": "stack"}
+           "local-epochs": 3, "lr": 0.05, "fusion-set-size": 150, "evaluation": "both",
+           "output-dir": str(tmp_path), "run-name": "stack", **({"strategy": strategy} if strategy else {})}
     out = run_inprocess(cfg, echo=False)
     res = json.loads((out / "results.json").read_text())
     assert res["status"] == "completed" and not any(h.get("fallback") for h in res["strategy-history"])
     fused, head = res["rounds"][1], res["rounds"][2]
-    assert res["strategy-history"][0]["fusion-info"]["head"] == "fit"
+    info = res["strategy-history"][0]["fusion-info"]
+    if strategy is None:   # the default: auto's one candidate, scored by the clients, then the head round
+        assert res["plan"]["candidates"] == ["stack"] and info["select-choice"] == "stack"
+        assert info["select-clients"] == 4 and info["select-accuracy"]["stack"] > 0.5
+    else:
+        assert info["head"] == "fit"
     assert head["federated-clients"] == 4 and head["test-accuracy"] > fused["ensemble-accuracy"]
     state = torch.load(out / "global_model.pt", weights_only=True)
     rebuilt = model_for_state(lambda: build_model("mlp", num_classes=10, input_shape=(1, 8, 8), width=32, depth=1),

@@ -233,7 +233,8 @@ def selection_options(cfg: RunConfig) -> dict:
     if cfg.strategy not in SELECTING_STRATEGIES:
         return {}
     out = {"candidates": auto_candidates(cfg), "local_epochs": None if cfg.mode == "one-shot" else cfg.local_epochs,
-           "fusion_min_epochs": cfg.auto_fusion_epochs, "candidate_refine": auto_candidate_refine(cfg)}
+           "fusion_min_epochs": cfg.auto_fusion_epochs, "candidate_refine": auto_candidate_refine(cfg),
+           "one_shot": cfg.mode == "one-shot"}
     momentum = auto_server_momentum(cfg)
     if momentum is not None:   # else baseline_options passes the user's value
         out["server_momentum"] = momentum

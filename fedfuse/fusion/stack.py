@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.registry import IncompatibleModelsError, MissingInputError, register, warn_caller
-from fedfuse.models import adapter_for, set_example_input
+from fedfuse.models import ADAPTERS, adapter_for, set_example_input
 from fedfuse.models.adapters import UnsupportedModelError
 
 PAPER_STACK = "Wolpert, Stacked Generalization (1992); FuseFL arXiv 2410.20380; FENS arXiv 2411.07182"
@@ -51,6 +51,7 @@ class Stacked(nn.Module):
         self.head = head
         # in the state dict, so that a state says what it is (``stacked_from_state``: a client rebuilding it)
         self.register_buffer("feature_code", torch.tensor(FEATURES.index(features)))
+        self._families: list[str] | None = None   # each member's adapter family, resolved at the first forward
 
     @property
     def feature_kind(self) -> str:
@@ -61,10 +62,12 @@ class Stacked(nn.Module):
         """``[N, *input]`` → the concatenated member features ``[N, head.in_features]``."""
         if self.feature_kind == "logits":
             return torch.cat([m(x) for m in self.members], 1)
+        if self._families is None:   # once: the head round's statistics call this batch by batch
+            self._families = [adapter_for(m).family for m in self.members]
         out = []
-        for m in self.members:   # the generic reader traces a member on this input's shape (a rebuilt stack's too)
-            set_example_input(m, x)
-            out.append(adapter_for(m).pre_logits(m, x).flatten(1))
+        for m, family in zip(self.members, self._families):
+            set_example_input(m, x)   # the generic reader traces a member on this input's shape (a rebuilt stack's too)
+            out.append(ADAPTERS[family].pre_logits(m, x).flatten(1))
         return torch.cat(out, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,11 +121,11 @@ def _members(models: list[nn.Module], fusion_inputs: torch.Tensor | None) -> lis
 
 
 def _averaged_head(members: list[nn.Module], weights: list[float], features: str) -> nn.Linear:
-    classes = {adapter_for(m).classifier(m).out_features for m in members}
+    heads = [adapter_for(m).classifier(m) for m in members]
+    classes = {h.out_features for h in heads}
     if len(classes) != 1:
         raise IncompatibleModelsError(f"stack: the models predict different numbers of classes {sorted(classes)}")
     c = classes.pop()
-    heads = [adapter_for(m).classifier(m) for m in members]
     if features == "logits":
         head = nn.Linear(c * len(members), c)
         with torch.no_grad():

@@ -11,6 +11,14 @@ run folders stay local (``--out``/runs). ::
     .venv/bin/python -m simulations.bench.app_oneshot run --out results/app-one-shot-default
     .venv/bin/python -m simulations.bench.app_oneshot table --out results/app-one-shot-default
 
+Since issue 59's stacking rule the default itself is ``auto`` -> ``stack`` (``fedfuse.plan.auto_candidates``); its
+nine runs, paired with the ``strategy='stack'`` runs below (``auto-candidates='kf-linear'`` gives the single-model
+default of the runs recorded at the top folder)::
+
+    .venv/bin/python -m simulations.bench.app_oneshot run --out results/app-one-shot-default/default-stack
+    .venv/bin/python -m simulations.bench.app_oneshot table --out results/app-one-shot-default/default-stack \
+        --name "the default (auto -> stack)" --against results/app-one-shot-default/stack
+
 ``strategy='stack'`` on the same cells (the same seeds train the same clients), paired with the default's runs::
 
     for s in 0 1 2; do for a in 0.5 0.3 0.1; do .venv/bin/python -m simulations.bench.app_oneshot run --alphas $a \

@@ -48,6 +48,7 @@ from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.plan import ONE_SHOT_DISTILL  # noqa: E402
 from fedfuse.progressive import fit_temperature  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
+from simulations.bench.fmnist_strong import acc  # noqa: E402
 from simulations.bench.stats import paired, pct  # noqa: E402
 
 DISTILL = {"lr": 1e-3, "aug": ONE_SHOT_DISTILL["augmentation"], **{k: ONE_SHOT_DISTILL[k] for k in
@@ -62,10 +63,6 @@ NAMES = {"best-client": "best client", "ensemble": "clients' ensemble", "kf-line
          "stack": "`stack` (pre-logit features, head fitted on the fusion set)",
          "stack-logits": "`stack`, `features='logits'`",
          "stack-distilled": "`kf-linear` distilled from `stack` + head round"}
-
-
-def acc(logits: torch.Tensor, y: torch.Tensor) -> float:
-    return round(float((logits.argmax(1) == y).float().mean()), 4)
 
 
 def run_cell(alpha: float | str, seed: int, features: tuple[str, ...] = ("pre-logits", "logits")) -> list[dict]:

@@ -21,7 +21,15 @@ sweeps' ``sweep.json`` and writes ``table.md`` and the compact rows ``runs.json`
     B="dataset='mnist1d' model='resnet' num-clients=5 mode='one-shot' num-server-rounds=1 local-epochs=10"
     for a in 0.1 0.3 0.5; do .venv/bin/python -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet \\
         --seeds 0,1,2 --strategies auto,kf-linear --run-config "$B dirichlet-alpha=$a" --out results/resnet-mnist1d-oneshot/a$a; done
+    for a in 0.1 0.3 0.5; do .venv/bin/python -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet \
+        --seeds 0,1,2 --strategies stack --run-config "$B dirichlet-alpha=$a" --out results/resnet-mnist1d-oneshot/stack-a$a
+        .venv/bin/python -m fedfuse.flower.runner.sweep --engine inprocess --partitions dirichlet --seeds 0,1,2 \
+        --strategies kf-linear --run-config "$B dirichlet-alpha=$a" --out results/resnet-mnist1d-oneshot/rerun-a$a; done
     .venv/bin/python -m simulations.bench.oneshot_default_checks resnet
+
+The ``stack`` sweeps (issue 59: ``auto``'s one-shot rule with the head round became ``stack``) and ``kf-linear``
+rerun beside them train the same clients run for run (the earlier sweeps' clients, from another environment, differ),
+so the table's second part pairs those two.
 """
 
 from __future__ import annotations
@@ -73,38 +81,70 @@ def distill(out: Path, reference: Path) -> list[str]:
     return lines
 
 
-def resnet(out: Path) -> list[str]:
-    rows = [r for a in ("0.1", "0.3", "0.5") if (out / f"a{a}" / "sweep.json").exists()
-            for r in rows_of(out / f"a{a}" / "sweep.json", float(a))]
+def _resnet_rows(out: Path, prefix: str, tag: str = "") -> list[dict]:
+    """The sweeps ``out/<prefix><α>/sweep.json``' rows, ``tag`` appended to their strategy."""
+    return [{**r, "strategy": r["strategy"] + tag} for a in ("0.1", "0.3", "0.5")
+            if (out / f"{prefix}{a}" / "sweep.json").exists()
+            for r in rows_of(out / f"{prefix}{a}" / "sweep.json", float(a))]
+
+
+def _resnet_table(rows: list[dict], named: tuple, pairs: tuple, same: tuple[str, ...]) -> list[str]:
     alphas = sorted({r["alpha"] for r in rows})
 
     def by(strategy, key, a):
         return {r["seed"]: r[key] for r in rows if r["strategy"] == strategy and r["alpha"] == a}
 
-    lines = ["MNIST-1D, fedfuse's ResNet, 5 clients, Dirichlet α, one-shot, 10 local epochs; test accuracy in %, "
-             "mean ± sample std over seeds", "",
-             "| row | " + " | ".join(f"α = {a:g}" for a in alphas) + " |", "|---|" + "---|" * len(alphas)]
-    for name, strategy, key in (("best client", "auto", "best-client-accuracy"),
-                                ("clients' ensemble", "auto", "ensemble-accuracy"),
-                                ("FedDF, fused round", "auto", "final-accuracy-before-head-round"),
-                                ("FedDF + head round (`auto`'s rule for ResNets until this check)", "auto",
-                                 "final-accuracy"),
-                                ("`kf-linear`, fused round", "kf-linear", "final-accuracy-before-head-round"),
-                                ("`kf-linear` + head round", "kf-linear", "final-accuracy")):
+    lines = ["| row | " + " | ".join(f"α = {a:g}" for a in alphas) + " |", "|---|" + "---|" * len(alphas)]
+    for name, strategy, key in named:
         lines.append(f"| {name} | " + " | ".join(cell(list(by(strategy, key, a).values())) for a in alphas) + " |")
     lines += ["", "Paired per seed, + head round (points; seeds in order):", "",
               "| against | " + " | ".join(f"α = {a:g}" for a in alphas) + " |", "|---|" + "---|" * len(alphas)]
-    for name, strategy, key in (("FedDF + head round", "auto", "final-accuracy"),
-                                ("clients' ensemble", "auto", "ensemble-accuracy")):
+    for label, row, strategy, key in pairs:
         diffs = []
         for a in alphas:
-            kf, ref = by("kf-linear", "final-accuracy", a), by(strategy, key, a)
-            diffs.append(paired([kf[s] - ref[s] for s in sorted(kf) if s in ref]))
-        lines.append(f"| `kf-linear` + head round − {name} | " + " | ".join(diffs) + " |")
-    same = all(abs(x - y) < 1e-9 for a in alphas for s, x in by("auto", "ensemble-accuracy", a).items()
-               for y in [by("kf-linear", "ensemble-accuracy", a).get(s, x)])
-    lines += ["", f"Same clients in both strategies' runs (identical ensembles): {same}"]
-    (out / "runs.json").write_text(json.dumps(rows, separators=(",", ":")))
+            mine, ref = by(row, "final-accuracy", a), by(strategy, key, a)
+            diffs.append(paired([mine[s] - ref[s] for s in sorted(mine) if s in ref]))
+        lines.append(f"| {label} | " + " | ".join(diffs) + " |")
+    identical = all(abs(x - y) < 1e-9 for a in alphas for other in same[1:]
+                    for s, x in by(same[0], "ensemble-accuracy", a).items()
+                    for y in [by(other, "ensemble-accuracy", a).get(s, x)])
+    return lines + ["", f"Same clients in these runs (identical ensembles): {identical}"]
+
+
+def resnet(out: Path) -> list[str]:
+    """The earlier check (``a<α>``: ``auto`` as it was, FedDF + head round, against ``kf-linear``), then ``stack``
+    against ``kf-linear`` rerun on this machine (``stack-a<α>``, ``rerun-a<α>``: the same clients run for run; the
+    earlier runs' clients came from another environment and differ)."""
+    first = _resnet_rows(out, "a")
+    second = _resnet_rows(out, "stack-a") + _resnet_rows(out, "rerun-a", " (rerun)")
+    head = ("MNIST-1D, fedfuse's ResNet, 5 clients, Dirichlet α, one-shot, 10 local epochs; test accuracy in %, "
+            "mean ± sample std over seeds")
+    lines = [head, "", "**The ResNet rule's check (FedDF + head round, `auto`'s rule until then, against `kf-linear`):**",
+             ""] + _resnet_table(first, (
+                 ("best client", "auto", "best-client-accuracy"),
+                 ("clients' ensemble", "auto", "ensemble-accuracy"),
+                 ("FedDF, fused round", "auto", "final-accuracy-before-head-round"),
+                 ("FedDF + head round (`auto`'s rule for ResNets until this check)", "auto", "final-accuracy"),
+                 ("`kf-linear`, fused round", "kf-linear", "final-accuracy-before-head-round"),
+                 ("`kf-linear` + head round", "kf-linear", "final-accuracy")), (
+                 ("`kf-linear` + head round − FedDF + head round", "kf-linear", "auto", "final-accuracy"),
+                 ("`kf-linear` + head round − clients' ensemble", "kf-linear", "auto", "ensemble-accuracy")),
+                 ("auto", "kf-linear"))
+    if second:
+        lines += ["", "**The stacking rule's check (issue 59: `auto`'s one-shot choice with the head round became "
+                  "`stack`), against `kf-linear` on the same clients:**", ""] + _resnet_table(second, (
+                      ("best client", "stack", "best-client-accuracy"),
+                      ("clients' ensemble", "stack", "ensemble-accuracy"),
+                      ("`kf-linear`, fused round", "kf-linear (rerun)", "final-accuracy-before-head-round"),
+                      ("`kf-linear` + head round", "kf-linear (rerun)", "final-accuracy"),
+                      ("`stack`, fused round", "stack", "final-accuracy-before-head-round"),
+                      ("`stack` + head round (`auto`'s rule now)", "stack", "final-accuracy")), (
+                      ("`stack` + head round − `kf-linear` + head round", "stack", "kf-linear (rerun)",
+                       "final-accuracy"),
+                      ("`stack` + head round − clients' ensemble", "stack", "stack", "ensemble-accuracy"),
+                      ("`stack` + head round − best client", "stack", "stack", "best-client-accuracy")),
+                      ("stack", "kf-linear (rerun)"))
+    (out / "runs.json").write_text(json.dumps(first + second, separators=(",", ":")))
     return lines
 
 

@@ -28,20 +28,17 @@ import torch  # noqa: E402
 
 from fedfuse.fusion import fuse_result  # noqa: E402
 from fedfuse.training import predict_logits  # noqa: E402
+from simulations.bench.fmnist_strong import acc  # noqa: E402
 from simulations.bench.stats import paired, pct  # noqa: E402
 
 METHODS = (("kf-linear", {}), ("feddf", {}), ("stack", {}), ("stack-logits", {"features": "logits"}))
 
 
-def acc(logits: torch.Tensor, y: torch.Tensor) -> float:
-    return round(float((logits.argmax(1) == y).float().mean()), 4)
-
-
-def run_cell(alpha: float, seed: int, model: str, dataset: str, cache: Path) -> list[dict]:
+def run_cell(alpha: float, seed: int, model: str, dataset: str, cache: Path, num_clients: int = 5) -> list[dict]:
     from simulations.bench.clients import cell_config, get_clients, load_data
     from simulations.bench.fmnist_oneshot import head_round
 
-    cfg = cell_config(dataset, "dirichlet5", model, seed, alpha=alpha, fusion_source="public")
+    cfg = cell_config(dataset, f"dirichlet{num_clients}", model, seed, alpha=alpha, fusion_source="public")
     data = load_data(cfg, 1000)
     trained = get_clients(cfg, data, [], cache)
     clients = []
@@ -51,7 +48,7 @@ def run_cell(alpha: float, seed: int, model: str, dataset: str, cache: Path) -> 
     tx, ty, fx = data.test.x, data.test.y, data.fusion_x
     models, n = [c["model"] for c in clients], [c["n"] for c in clients]
     w = torch.tensor(n, dtype=torch.float32) / sum(n)
-    base = {"dataset": dataset, "model": model, "alpha": alpha, "seed": seed}
+    base = {"dataset": dataset, "model": model, "clients": num_clients, "alpha": alpha, "seed": seed}
     probs = sum(wi * predict_logits(m, tx).softmax(1) for wi, m in zip(w, models))
     rows = [{**base, "method": "ensemble", "accuracy": acc(probs, ty)},
             {**base, "method": "best-client", "accuracy": max(acc(predict_logits(m, tx), ty) for m in models)}]
@@ -98,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--model", default="resnet")
     ap.add_argument("--dataset", default="mnist1d")
+    ap.add_argument("--clients", type=int, default=5)
     ap.add_argument("--cache", default="results/cache")
     ap.add_argument("--out", default="results/stack-mnist1d-resnet")
     a = ap.parse_args(argv)
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         for alpha in (float(x) for x in a.alphas.split(",")):
             for seed in (int(s) for s in a.seeds.split(",")):
                 with open(path, "a") as f:
-                    for r in run_cell(alpha, seed, a.model, a.dataset, Path(a.cache)):
+                    for r in run_cell(alpha, seed, a.model, a.dataset, Path(a.cache), a.clients):
                         f.write(json.dumps({**r, "command": command}) + "\n")
     raw = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     rows = list({(r["alpha"], r["seed"], r["method"]): r for r in raw}.values())

@@ -72,6 +72,8 @@ class SelectionStrategy(RoundProtocol):
         candidate_refine: ``{candidate: DistillRefineOptions fields}``: that fusion candidate's model is distilled
             from the clients' ensemble on the fusion set (``fuse(..., refine='distill', refine_options=...)``) before
             it is scored; one-shot's kf-linear with the head round (``fedfuse.plan.auto_candidate_refine``).
+        one_shot: the run has one round, so a one-shot-only method (``stack``) may be the only candidate
+            (``fedfuse.plan.auto_candidates``).
         Everything else: ``FusionStrategy``'s options (the held aggregator's: ``server_momentum`` is the ``"average"``
             candidate's; and the protocol's).
     """
@@ -81,7 +83,7 @@ class SelectionStrategy(RoundProtocol):
     def __init__(self, method: str | None = None, *, candidates: Iterable[str] = DEFAULT_CANDIDATES,
                  local_epochs: int | None = None, fusion_min_epochs: int = FUSION_MIN_EPOCHS,
                  query_timeout: float = QUERY_TIMEOUT, candidate_refine: Mapping[str, Mapping[str, Any]] | None = None,
-                 **options: Any) -> None:
+                 one_shot: bool = False, **options: Any) -> None:
         entry = options.pop("registry_entry", SPECIAL_SPECS["auto"])
         options.setdefault("guard", False)   # the clients' scores replace the guard
         concerns = FusionConcerns.take(options)
@@ -89,7 +91,7 @@ class SelectionStrategy(RoundProtocol):
         # the held aggregator: the candidates' options, the server momentum of the ``average`` candidate
         self.aggregator = FusionAggregator(self, method, concerns, registry_entry=entry)
         self.method = self.aggregator.method
-        self.candidates = check_candidates(candidates)
+        self.candidates = check_candidates(candidates, one_shot=one_shot)
         if self.model_fn is None:
             raise ValueError("strategy 'auto': needs model_fn (the candidates are scored as models)")
         self.query_timeout = float(query_timeout)
@@ -108,8 +110,8 @@ class SelectionStrategy(RoundProtocol):
         if self.fusion_off and all(c not in ARRAY_CANDIDATES for c in self.candidates):
             raise ValueError(f"strategy 'auto': every candidate is a fusion and fusion is off here: {self.fusion_off}")
         # fusion off and the plain average first: every round is FedAvg's, so no momentum velocity to keep (the
-        # round then costs what the average does)
-        self._tracks_momentum = not (self.fusion_off and self._first_array() not in MEAN_METHODS)
+        # round then costs what the average does); one round (one-shot): no next step for a velocity to carry into
+        self._tracks_momentum = not one_shot and not (self.fusion_off and self._first_array() not in MEAN_METHODS)
         # the fusion candidates that read the clients' importance scores (kf-linear, ...): the clients send them, as
         # they would to that method's own strategy, and the candidate is built with them
         self._score_readers = tuple(c for c in self.candidates if c not in ARRAY_CANDIDATES
