@@ -103,7 +103,8 @@ def one_shot_stack_refusal(cfg: Any) -> str | None:
     """Why one-shot ``auto`` with the head round does not take ``stack`` for this run (``None``: it does). The stacked
     model is every client's model side by side, so it needs the clients' statistics of all of them in the clear
     (no secure aggregation, no DP), one architecture per client (no capacity tiers), a measured family and at most
-    ``ONE_SHOT_STACK_MAX_CLIENTS`` clients; with the default candidates only."""
+    ``ONE_SHOT_STACK_MAX_CLIENTS`` clients, and no ``robust`` setting (not measured against lying clients); with the
+    default candidates only."""
     if cfg.strategy not in SELECTING_STRATEGIES or cfg.mode != "one-shot":
         return "not one-shot auto"
     reasons = [why for bad, why in (
@@ -114,6 +115,7 @@ def one_shot_stack_refusal(cfg: Any) -> str | None:
         (cfg.num_clients > ONE_SHOT_STACK_MAX_CLIENTS,
          f"num-clients {cfg.num_clients} > {ONE_SHOT_STACK_MAX_CLIENTS} (the stack is num-clients models)"),
         (cfg.secure_aggregation, "secure-aggregation is on"),
+        (cfg.robust, "robust is on (a lying client's model would be a member; not measured)"),
         (bool(cfg.client_tiers), "client-tiers are set"),
         (cfg.dp_noise_multiplier > 0 or cfg.dp_head_noise_multiplier > 0, "differential privacy is on"),
     ) if bad]

@@ -111,7 +111,8 @@ def test_one_shot_auto_stacks_the_clients_where_the_run_allows_it_and_says_why_n
             ({"strategy-options.refine": "none"}, ("kf-linear",), "refine is set"),
             ({"model": "vit"}, ("feddf",), "'vit' is not measured stacked"),
             ({"num-clients": limit + 1}, ("kf-linear",), f"num-clients {limit + 1} > {limit}"),
-            ({"secure-aggregation": True}, ("kf-linear",), "secure-aggregation is on")):
+            ({"secure-aggregation": True}, ("kf-linear",), "secure-aggregation is on"),
+            ({"robust": True}, ("kf-linear",), "robust is on")):
         plan = make_plan(parse_run_config({**base, **extra}))
         assert plan.candidates == single, extra
         if why is not None:
