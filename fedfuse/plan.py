@@ -48,8 +48,9 @@ ONE_SHOT_DISTILL_FAMILIES = ("lenet",)
 #: model kept, one classifier over their features solved by the head round) where the run allows it
 #: (``one_shot_stack_refusal``). Measured above that single-model candidate on every cell-seed of each family: LeNet-5
 #: on Fashion-MNIST through the app, +3.6 / +3.7 / +4.1 over the distilled kf-linear + head round and above the
-#: clients' ensemble on 9 / 9 runs (results/app-one-shot-default/stack); fedfuse's ResNet, CNN and MLP on MNIST-1D,
-#: +9.2 to +13.2 / +4.6 to +6.0 over kf-linear + head round (results/stack-mnist1d-*). Not the ViTs (not measured)
+#: clients' ensemble on 9 / 9 runs (results/app-one-shot-default/stack); on MNIST-1D over kf-linear + head round,
+#: fedfuse's ResNet +0.6 to +1.1 through the app (results/resnet-mnist1d-oneshot) and +9.2 to +9.6 on the bench's
+#: clients, the CNN +12.2 to +13.2, the MLP +4.6 to +6.0 (results/stack-mnist1d-*). Not the ViTs (not measured)
 ONE_SHOT_STACK_FAMILIES = ("lenet", "resnet", "cnn", "mlp")
 #: the most clients one-shot ``auto`` stacks: the stacked model is num-clients times the clients' model, and the head
 #: round's statistics grow with (num-clients x width)^2; measured up to this many (results/stack-mnist1d-clients)
@@ -129,10 +130,10 @@ def auto_candidates(cfg: Any) -> tuple[str, ...]:
     the average there, so the list is FedDF and kf-linear (``ONE_SHOT_AUTO_CANDIDATES``), and with the head round one
     candidate only: the clients score the candidates before their head is solved, which ranks them wrongly for after
     it; ``stack`` where the run allows it (``one_shot_stack_refusal``: measured above every single-model candidate and
-    the clients' ensemble, ``ONE_SHOT_STACK_FAMILIES``), else kf-linear where it is measured best (MLP/CNN/LeNet/ResNet: its features beat FedDF's under the head round),
-    FedDF for the ViTs (kf-linear takes no transformer blocks; FedDF above kf-gradient there) and the zoo models (not
-    measured through the app). Measured: docs/one-shot.md, its opening
-    section; LeNet: docs/fashion-mnist.md, O1 (+2.9 to +3.1). Multi-round below ``auto-fusion-epochs``: the array
+    the clients' ensemble, ``ONE_SHOT_STACK_FAMILIES``), else kf-linear where it is measured best
+    (MLP/CNN/LeNet/ResNet: its features beat FedDF's under the head round), FedDF for the ViTs (kf-linear takes no
+    transformer blocks; FedDF above kf-gradient there) and the zoo models (not measured through the app). Measured:
+    docs/one-shot.md, its opening sections; LeNet: docs/fashion-mnist.md, O1 (+2.9 to +3.1). Multi-round below ``auto-fusion-epochs``: the array
     candidate every round takes first (``auto_round_aggregation``)."""
     if cfg.strategy not in SELECTING_STRATEGIES:
         return ()
