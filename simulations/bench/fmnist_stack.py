@@ -25,6 +25,15 @@ same process (the cores were shared by other jobs: rough).
     .venv/bin/python -m simulations.bench.fmnist_stack tune --out results/fmnist-o1-strong/stack/tuning
     .venv/bin/python -m simulations.bench.fmnist_stack run --alphas 0.1,0.3,0.5 --seeds 0,1,2 --out results/fmnist-o1-strong/stack
     .venv/bin/python -m simulations.bench.fmnist_stack table --out results/fmnist-o1-strong/stack
+
+The peers that keep every client's feature extractor, rerun beside it on this machine (FENS on the same cached
+clients; FuseFL K = 2, which trains its own columns), and ``stack`` + head round paired with them (``peers.md``)::
+
+    mkdir -p results/fmnist-o1-strong/stack/fens/tuning
+    cp results/fmnist-o1-strong/fens/tuning/choice.json results/fmnist-o1-strong/stack/fens/tuning/
+    .venv/bin/python -m simulations.bench.fmnist_fens run --out results/fmnist-o1-strong/stack/fens
+    .venv/bin/python -m simulations.bench.fmnist_fusefl run --k 2 --out results/fmnist-o1-strong/stack/fusefl
+    .venv/bin/python -m simulations.bench.fmnist_stack peers --out results/fmnist-o1-strong/stack
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ ROWS = [("best-client", "1", None, "1"), ("ensemble", "1", None, "5"), ("kf-line
         ("default", "1", "2", "1"), ("stack", "1", "2", "5.09"), ("stack-logits", "1", "2", "5.01"),
         ("stack-distilled", "2", "3", "1")]
 NAMES = {"best-client": "best client", "ensemble": "clients' ensemble", "kf-linear": "`kf-linear`",
-         "default": "the one-shot default (`kf-linear` distilled from the ensemble)",
+         "default": "one LeNet: `kf-linear` distilled from the ensemble (the single-model default)",
          "stack": "`stack` (pre-logit features, head fitted on the fusion set)",
          "stack-logits": "`stack`, `features='logits'`",
          "stack-distilled": "`kf-linear` distilled from `stack` + head round"}
@@ -181,9 +190,46 @@ def per_seed(out: Path, rows: list[dict]) -> None:
                                                       "rows": own}, separators=(",", ":")))
 
 
+#: the peers rerun beside ``stack`` on this machine (``peers``): (folder under --out, method, accuracy key, label)
+PEERS = (("fens", "fens", "accuracy", "FENS (R = 500; 501 exchanges, 5.01 × LeNet)"),
+         ("fusefl", "fusefl-k2", "with-head", "FuseFL K = 2 + head round (3 exchanges, 5.07 × LeNet)"))
+
+
+def peers_table(out: Path) -> str:
+    """``stack`` + head round paired per cell-seed with the peers that keep every client's feature extractor, rerun
+    beside it (``out/fens``: FENS on the same cached clients, so the same ensemble; ``out/fusefl``: FuseFL, which
+    trains its own columns on the same cells' data from client 0's initialisation), from their per-seed JSON."""
+    def cells(folder: Path) -> dict:
+        return {(d["part"], d["seed"]): {r["method"]: r for r in d["rows"]}
+                for d in (json.loads(p.read_text()) for p in sorted(folder.glob("fmnist-dir*-n5-s*.json")))}
+
+    mine = cells(out)
+    parts = sorted({p for p, _ in mine}, key=lambda p: float(p[3:]))
+    head = " | ".join(f"α = {p[3:]}" for p in parts)
+    lines = ["`stack` + head round (2 exchanges, 5.09 × LeNet) against the peers rerun beside it, test accuracy in %, "
+             "mean ± sample std; paired per cell-seed: `stack` + head round minus the peer, points (per-seed values in "
+             "brackets, seeds in order)", "", f"| row | {head} |", "|---|" + "---|" * len(parts)]
+    lines.append("| `stack` + head round | " + " | ".join(
+        pct([c["stack"]["with-head"] for (p, _), c in sorted(mine.items()) if p == part]) for part in parts) + " |")
+    diffs = []
+    for folder, method, key, label in PEERS:
+        theirs = cells(out / folder)
+        if not theirs:
+            continue
+        lines.append(f"| {label} | " + " | ".join(
+            pct([c[method][key] for (p, _), c in sorted(theirs.items()) if p == part and method in c])
+            for part in parts) + " |")
+        same = all(abs(theirs[k]["ensemble"]["accuracy"] - mine[k]["ensemble"]["accuracy"]) < 1e-9
+                   for k in theirs if k in mine and "ensemble" in theirs[k])
+        diffs.append(f"| − {label} (same clients' ensemble: {same}) | " + " | ".join(
+            paired([mine[k]["stack"]["with-head"] - theirs[k][method][key] for k in sorted(mine)
+                    if k[0] == part and k in theirs and method in theirs[k]]) for part in parts) + " |")
+    return "\n".join(lines + ["", f"| `stack` + head round minus | {head} |", "|---|" + "---|" * len(parts)] + diffs)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("tune", "run", "table"))
+    ap.add_argument("what", choices=("tune", "run", "table", "peers"))
     ap.add_argument("--alphas", default="0.1,0.3,0.5")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default="results/fmnist-o1-strong/stack")
@@ -191,6 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.what == "peers":
+        text = peers_table(out)
+        (out / "peers.md").write_text(text + "\n")
+        print(text)
+        return
     command = " ".join(["python -m simulations.bench.fmnist_stack"] + (argv if argv is not None else sys.argv[1:]))
     cells = ([TUNING] if a.what == "tune" else
              [(float(x), int(s)) for x in a.alphas.split(",") for s in a.seeds.split(",")] if a.what == "run" else [])
