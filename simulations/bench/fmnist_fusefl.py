@@ -430,7 +430,8 @@ def write_table(out: Path) -> str:
             "; ".join(_ms([r["step1-ensemble"] for r in rows if r["method"] == m and r["part"] == p])
                       + f" at α {p[3:]}" for p in sorted({r['part'] for r in rows}, key=lambda p: float(p[3:])))
         for m in own})
-    text += ("\n\nThe commands, in the order run (the first stopped after its α 0.1 cell, for time):\n\n```bash\n"
+    text += ("\n\nThe commands, in the order run (a command stopped part-way or run beside another: every cell's "
+             "row is the last one written for it):\n\n```bash\n"
              + "\n".join(commands) + "\n```")
     (out / "table.md").write_text(text + "\n")
     per_seed(out, rows, commands)
