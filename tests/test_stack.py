@@ -142,8 +142,8 @@ def test_a_stacked_state_rebuilds_from_the_clients_architecture_and_refuses_anot
 def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path, strategy):
     """``mode='one-shot' strategy='stack'``, and the one-shot default that takes it (``auto`` with the head round,
     ``fedfuse.plan.auto_candidates``), through the real ServerApp / ClientApp (in-process engine): the round's global
-    model is every client's model side by side, the clients rebuild it for the scoring query, the head round and
-    their evaluation, and the head round's classifier over all their features is kept."""
+    model is every client's model side by side, the clients rebuild it for the head round and their evaluation, and
+    the head round's classifier over all their features is kept."""
     import json
 
     from fedfuse.flower.runner.inprocess import run_inprocess
@@ -158,9 +158,9 @@ def test_a_one_shot_app_run_with_the_stack_strategy(tmp_path, strategy):
     assert res["status"] == "completed" and not any(h.get("fallback") for h in res["strategy-history"])
     fused, head = res["rounds"][1], res["rounds"][2]
     info = res["strategy-history"][0]["fusion-info"]
-    if strategy is None:   # the default: auto's one candidate, scored by the clients, then the head round
+    if strategy is None:   # the default: auto's one candidate (nothing to choose: no scoring query), the head round
         assert res["plan"]["candidates"] == ["stack"] and info["select-choice"] == "stack"
-        assert info["select-clients"] == 4 and info["select-accuracy"]["stack"] > 0.5
+        assert info["select-query"] is False and info["select-clients"] == 0 and info["select-accuracy"] is None
     else:
         assert info["head"] == "fit"
     assert head["federated-clients"] == 4 and head["test-accuracy"] > fused["ensemble-accuracy"]

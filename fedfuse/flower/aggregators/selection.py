@@ -20,7 +20,8 @@ tracked its test accuracy in every measured round. So each round:
    epoch FedDF wins the clients' vote for ~17 of 30 rounds and the run ends 10 points below FedAvg on the anchor
    splits at α = 0.1 (each chosen model is better that round, but a worse start for the next one), while from
    10 local epochs its early-round wins carry to the end;
-3. when a fusion candidate was built, one ``query.score_candidates`` message (``fedfuse.flower.aggregators.candidates``) to the
+3. when a fusion candidate was built beside another candidate (one candidate, as one-shot's with the head round: no
+   choice, so no query), one ``query.score_candidates`` message (``fedfuse.flower.aggregators.candidates``) to the
    round's valid clients asks each for every candidate's accuracy on its own data; the server keeps the highest
    sample-weighted accuracy. A round without a fusion candidate (short local training: the clients agree) takes
    the first array candidate at the cost of the average, with no query: on the anchor splits at 1 local epoch the
@@ -183,7 +184,10 @@ class SelectionStrategy(RoundProtocol):
         if not built:
             raise FusionError(f"strategy 'auto': no candidate could be built: {skipped}")
         names = list(built)
-        query = any(n not in ARRAY_CANDIDATES for n in names)   # the clients agree: no fusion, no vote
+        # the clients vote when a fusion candidate was built and there is a choice to make: not with array candidates
+        # only (the clients agree), nor with one candidate (one-shot's sole candidate: nothing to choose, and the
+        # query would send its model to every client before the head round sends it again)
+        query = len(names) > 1 and any(n not in ARRAY_CANDIDATES for n in names)
         t_query = time.perf_counter()
         accuracy, clients = (self._score(server_round, updates, [built[n] for n in names]) if query
                              else (None, 0))
@@ -201,7 +205,8 @@ class SelectionStrategy(RoundProtocol):
                 "select-skipped": skipped or None, "select-fallback": query and accuracy is None,
                 "select-refine": self._refined or None, **seconds}
         log(INFO, "auto: round %d: %s (%s)", server_round, choice,
-            "no fusion candidate: no query" if not query else "no client scored" if accuracy is None else
+            ("one candidate: no query" if len(names) == 1 else "no fusion candidate: no query") if not query else
+            "no client scored" if accuracy is None else
             "client-scored accuracy " + ", ".join(f"{n} {a:.4f}" for n, a in zip(names, accuracy)))
         return state, info, time.perf_counter() - t0
 
